@@ -1,0 +1,229 @@
+//! `kiln`: hardware-aware training. This crate is glue: it parses argv,
+//! prints for humans and picks exit codes (0 ok, 2 bad input, 1 failure);
+//! the work is done by kiln-hwdetect, kiln-config and the crates after them.
+
+#![allow(clippy::print_stdout, reason = "the CLI prints its results")]
+#![allow(clippy::print_stderr, reason = "the CLI prints its errors")]
+
+mod hardware;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use kiln_config::{ConfigError, LoadOptions, ResolvedConfig};
+use kiln_hwdetect::HardwareReport;
+
+/// Hardware-aware training on Burn: detect the machine, pick its preset,
+/// train, and report how well the hardware was used.
+#[derive(Debug, Parser)]
+#[command(name = "kiln", version, about)]
+struct Cli {
+    /// Folder with defaults.toml, hardware/ and experiment/ [default: the
+    /// nearest `presets/` from the working directory up]
+    #[arg(long, global = true, value_name = "DIR")]
+    presets: Option<PathBuf>,
+    /// Use a saved hardware report (`kiln check-hardware --json`) instead of
+    /// detecting this machine: to plan for another machine, and for tests
+    #[arg(long, global = true, value_name = "FILE")]
+    hardware_report: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// What the machine is and can do, the preset chosen for it and why
+    CheckHardware {
+        /// Machine-readable output
+        #[arg(long)]
+        json: bool,
+    },
+    /// Is there an NVIDIA GPU to train on? Exit 0 if so, 1 if not
+    CheckGpu,
+    /// The resolved configuration as TOML
+    Config {
+        /// Each key with its value and the layer that set it
+        #[arg(long)]
+        explain: bool,
+        #[command(flatten)]
+        layers: Layers,
+    },
+    /// Train with the resolved configuration
+    Train {
+        /// Run a GPU preset on a machine without that GPU
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        layers: Layers,
+    },
+}
+
+/// The configuration layers a command takes.
+#[derive(Debug, clap::Args)]
+struct Layers {
+    /// A TOML file layered above the presets and below the environment
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Overrides in Hydra's syntax: `hardware=t4 experiment=nli_snli training.batch_size=20`
+    #[arg(value_name = "KEY=VALUE")]
+    overrides: Vec<String>,
+}
+
+/// An error caused by what the user gave (exit code 2).
+#[derive(Debug)]
+struct BadInput(String);
+
+impl std::fmt::Display for BadInput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for BadInput {}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(err) => {
+            if err.chain().any(|e| {
+                e.downcast_ref::<std::io::Error>()
+                    .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            }) {
+                return ExitCode::SUCCESS;
+            }
+            eprintln!("error: {err:#}");
+            let bad_input = err
+                .chain()
+                .any(|e| e.is::<ConfigError>() || e.is::<BadInput>());
+            ExitCode::from(if bad_input { 2 } else { 1 })
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let report = match &cli.hardware_report {
+        Some(path) => read_report(path)?,
+        None => kiln_hwdetect::detect(),
+    };
+    let presets = cli.presets.as_deref();
+    let mut out = std::io::stdout().lock();
+    match cli.command {
+        Command::CheckHardware { json } => {
+            let resolved = resolve(presets, &report, &Layers::none())?;
+            if json {
+                let value = hardware::json(&report, &resolved);
+                writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+            } else {
+                write!(out, "{}", hardware::human(&report, &resolved))?;
+            }
+        }
+        Command::CheckGpu => {
+            write!(out, "{}", hardware::gpu_lines(&report))?;
+            if report.gpus().is_empty() {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        Command::Config { explain, layers } => {
+            let resolved = resolve(presets, &report, &layers)?;
+            if explain {
+                write!(out, "{}", explain_text(&resolved))?;
+            } else {
+                write!(out, "{}", header(&resolved))?;
+                write!(out, "{}", resolved.to_toml())?;
+            }
+        }
+        Command::Train { force, layers } => {
+            let resolved = resolve(presets, &report, &layers)?;
+            let fit = match resolved.hardware_choice {
+                Some(_) => Ok(()),
+                None => kiln_config::check_preset_fits(&resolved.config.hardware, &report),
+            };
+            if let Err(msg) = fit {
+                if !force {
+                    return Err(BadInput(format!(
+                        "{msg}; pass --force to run it on this machine anyway, or use hardware=auto"
+                    ))
+                    .into());
+                }
+                eprintln!("warning: {msg}; running anyway (--force)");
+            }
+            write!(out, "{}", header(&resolved))?;
+            write!(out, "{}", resolved.to_toml())?;
+            out.flush()?;
+            anyhow::bail!(
+                "training is not built yet: nothing was trained (above is the configuration a run would use)"
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+impl Layers {
+    fn none() -> Self {
+        Self {
+            config: None,
+            overrides: Vec::new(),
+        }
+    }
+}
+
+fn read_report(path: &Path) -> anyhow::Result<HardwareReport> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        BadInput(format!(
+            "failed to read hardware report `{}`: {e}",
+            path.display()
+        ))
+    })?;
+    // `check-hardware --json` wraps the report; a bare report is accepted too.
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+        BadInput(format!(
+            "hardware report `{}` line {}: {e}",
+            path.display(),
+            e.line()
+        ))
+    })?;
+    let inner = value.get("hardware").cloned().unwrap_or(value);
+    serde_json::from_value(inner)
+        .map_err(|e| BadInput(format!("hardware report `{}`: {e}", path.display())).into())
+}
+
+fn resolve(
+    presets: Option<&Path>,
+    report: &HardwareReport,
+    layers: &Layers,
+) -> anyhow::Result<ResolvedConfig> {
+    let dir = kiln_config::find_presets_dir(presets)?;
+    let env: Vec<_> = std::env::vars_os().collect();
+    Ok(kiln_config::resolve(&LoadOptions {
+        presets_dir: &dir,
+        config_file: layers.config.as_deref(),
+        overrides: &layers.overrides,
+        env: &env,
+        hardware: report,
+    })?)
+}
+
+fn header(resolved: &ResolvedConfig) -> String {
+    match &resolved.hardware_choice {
+        Some(choice) => format!("# hardware = \"{}\": auto, {}\n", choice.name, choice.why),
+        None => String::new(),
+    }
+}
+
+fn explain_text(resolved: &ResolvedConfig) -> String {
+    let rows = resolved.explain();
+    let width = rows
+        .iter()
+        .map(|r| r.key.len() + r.value.len() + 3)
+        .max()
+        .unwrap_or(0);
+    let mut text = String::new();
+    for row in rows {
+        let lhs = format!("{} = {}", row.key, row.value);
+        text.push_str(&format!("{lhs:<width$}  # {}\n", row.source));
+    }
+    text
+}

@@ -1,0 +1,32 @@
+//! kiln-config: the typed, validated run configuration and where each value
+//! came from.
+//!
+//! Layers, later wins: `presets/defaults.toml` < `presets/hardware/<name>.toml`
+//! < `presets/experiment/<name>.toml` < `--config FILE` < `KILN_*`
+//! environment variables (`KILN_TRAINING__BATCH_SIZE=7`) < command-line
+//! overrides in Hydra's syntax (`hardware=t4 training.batch_size=20`).
+//! Unknown keys, wrong types and out-of-range values are errors that name the
+//! key, the value and the layer (with file and line) that set them.
+//!
+//! `hardware=auto` asks [`choose_preset`], a pure function of a
+//! [`kiln_hwdetect::HardwareReport`].
+//!
+//! This crate is the only one in kiln that reads preset files or environment
+//! variables; it depends on no ML framework.
+
+mod error;
+mod layer;
+mod load;
+mod preset;
+mod schema;
+
+pub use error::ConfigError;
+pub use layer::{LayerKind, Source};
+pub use load::{
+    ExplainRow, LoadOptions, ResolvedConfig, available_presets, find_presets_dir, resolve,
+};
+pub use preset::{
+    ANY_GPU_PRESETS, PRESET_GPUS, PresetChoice, check_preset_fits, choose_preset,
+    effective_precision,
+};
+pub use schema::*;

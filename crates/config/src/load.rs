@@ -1,0 +1,507 @@
+//! Resolving a `RunConfig` from its layers with figment, keeping the source
+//! of every value and turning every failure into an error that names the key,
+//! the value and the layer.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use figment::Figment;
+use figment::error::Kind;
+use figment::value::Value;
+use kiln_hwdetect::HardwareReport;
+
+use crate::error::{ConfigError, did_you_mean};
+use crate::layer::{Layer, LayerKind, Source, leaf_keys};
+use crate::preset::{PresetChoice, choose_preset};
+use crate::schema::{RunConfig, Workload};
+
+/// Everything `resolve` reads. Nothing is read from the process environment
+/// directly: the caller passes it, so that tests can too.
+#[derive(Debug)]
+pub struct LoadOptions<'a> {
+    /// The folder with `defaults.toml`, `hardware/` and `experiment/`.
+    pub presets_dir: &'a Path,
+    /// `--config FILE`.
+    pub config_file: Option<&'a Path>,
+    /// Command-line overrides, `key=value`, in order.
+    pub overrides: &'a [String],
+    /// The environment (only `KILN_*` variables are read).
+    pub env: &'a [(OsString, OsString)],
+    /// The machine, for `hardware=auto`.
+    pub hardware: &'a HardwareReport,
+}
+
+/// A resolved configuration: the typed values and where each came from.
+#[derive(Clone, Debug)]
+pub struct ResolvedConfig {
+    pub config: RunConfig,
+    /// Dotted key → source, for every leaf key.
+    pub sources: BTreeMap<String, Source>,
+    /// The automatic hardware choice, when `hardware=auto`.
+    pub hardware_choice: Option<PresetChoice>,
+}
+
+/// One line of `kiln config --explain`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExplainRow {
+    pub key: String,
+    pub value: String,
+    pub source: Source,
+}
+
+impl ResolvedConfig {
+    /// The configuration as TOML, in the order of `RunConfig`'s fields.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(&self.config)
+            .unwrap_or_else(|e| format!("# not serialisable: {e}\n"))
+    }
+
+    /// Every key with its value and source, in `RunConfig` order.
+    pub fn explain(&self) -> Vec<ExplainRow> {
+        let Ok(value) = toml::Value::try_from(&self.config) else {
+            return Vec::new();
+        };
+        let mut rows = Vec::new();
+        flatten(&value, "", &mut |key, v| {
+            if let Some(source) = self.sources.get(key) {
+                rows.push(ExplainRow {
+                    key: key.to_string(),
+                    value: v.to_string(),
+                    source: source.clone(),
+                });
+            }
+        });
+        rows
+    }
+
+    pub fn source(&self, key: &str) -> Option<&Source> {
+        self.sources.get(key)
+    }
+}
+
+fn flatten(value: &toml::Value, prefix: &str, f: &mut dyn FnMut(&str, &toml::Value)) {
+    match value {
+        toml::Value::Table(t) => {
+            for (k, v) in t {
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                flatten(v, &key, f);
+            }
+        }
+        other => f(prefix, other),
+    }
+}
+
+/// Where the presets are: `explicit` if given; else the nearest `presets/`
+/// with a `defaults.toml` from the working directory upwards; else the one
+/// this binary was built from.
+pub fn find_presets_dir(explicit: Option<&Path>) -> Result<PathBuf, ConfigError> {
+    if let Some(dir) = explicit {
+        return if dir.join("defaults.toml").is_file() {
+            Ok(dir.to_path_buf())
+        } else {
+            Err(ConfigError::NoPresets {
+                looked: vec![dir.join("defaults.toml")],
+            })
+        };
+    }
+    let mut looked = Vec::new();
+    if Path::new("presets/defaults.toml").is_file() {
+        return Ok(PathBuf::from("presets"));
+    }
+    looked.push(PathBuf::from("presets/defaults.toml"));
+    if let Ok(cwd) = std::env::current_dir() {
+        for dir in cwd.ancestors().skip(1) {
+            let candidate = dir.join("presets");
+            if candidate.join("defaults.toml").is_file() {
+                return Ok(candidate);
+            }
+        }
+    }
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../presets");
+    if built.join("defaults.toml").is_file() {
+        return Ok(built);
+    }
+    looked.push(built.join("defaults.toml"));
+    Err(ConfigError::NoPresets { looked })
+}
+
+/// The preset names of a group (`hardware` or `experiment`), sorted.
+pub fn available_presets(presets_dir: &Path, group: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(presets_dir.join(group))
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter_map(|e| {
+                    let path = e.path();
+                    (path.extension().is_some_and(|x| x == "toml"))
+                        .then(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()))
+                        .flatten()
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// Resolves the configuration:
+/// `defaults.toml` < `hardware/<name>.toml` (with its `[lm]`/`[nli]` section
+/// for the workload) < `experiment/<name>.toml` < `--config FILE` <
+/// `KILN_*` environment < command-line overrides.
+pub fn resolve(opts: &LoadOptions<'_>) -> Result<ResolvedConfig, ConfigError> {
+    let defaults = Layer::from_file(LayerKind::Defaults, &opts.presets_dir.join("defaults.toml"))?;
+    let known_keys = leaf_keys(&defaults.dict);
+    let file = opts
+        .config_file
+        .map(|p| Layer::from_file(LayerKind::ConfigFile, p))
+        .transpose()?;
+    let env = env_layer(opts.env)?;
+    let cli = cli_layer(opts.overrides)?;
+
+    // Pass 1: which presets (only the layers above the presets may choose).
+    let mut layers: Vec<Layer> = std::iter::once(defaults)
+        .chain(file)
+        .chain([env, cli])
+        .collect();
+    let select = Resolver::new(&layers, &known_keys);
+    let hardware_asked: String = select.extract("hardware")?;
+    let experiment: String = select.extract("experiment")?;
+    let hardware_source = select.source_of("hardware");
+    let experiment_source = select.source_of("experiment");
+
+    let choice = (hardware_asked == "auto").then(|| choose_preset(opts.hardware));
+    let hardware = choice
+        .as_ref()
+        .map_or(hardware_asked.clone(), |c| c.name.clone());
+    let mut hw_layer = preset_layer(
+        opts.presets_dir,
+        "hardware",
+        &hardware,
+        hardware_source,
+        LayerKind::Hardware(hardware.clone()),
+    )?;
+    let exp_layer = preset_layer(
+        opts.presets_dir,
+        "experiment",
+        &experiment,
+        experiment_source,
+        LayerKind::Experiment(experiment.clone()),
+    )?;
+    for (layer, reserved) in [
+        (&hw_layer, &["hardware", "experiment", "workload"][..]),
+        (&exp_layer, &["hardware", "experiment"][..]),
+    ] {
+        if let Some(key) = reserved.iter().find(|k| layer.dict.contains_key(**k)) {
+            return Err(ConfigError::KeyNotAllowedHere {
+                key: key.to_string(),
+                set_by: Box::new(Source {
+                    layer: layer.kind.clone(),
+                    location: layer.location_of(key),
+                }),
+            });
+        }
+    }
+    let sections = [
+        ("lm", Workload::Lm, hw_layer.take_section("lm")),
+        ("nli", Workload::Nli, hw_layer.take_section("nli")),
+    ];
+    layers.splice(1..1, [hw_layer, exp_layer]);
+
+    // Pass 2: the workload decides which section of the hardware preset applies.
+    let workload: Workload = Resolver::new(&layers, &known_keys).extract("workload")?;
+    for (_, w, section) in sections {
+        if let (true, Some((dict, locations))) = (w == workload, section) {
+            layers[1].overlay(dict, locations);
+        }
+    }
+
+    // Pass 3: everything.
+    let resolver = Resolver::new(&layers, &known_keys);
+    let mut config: RunConfig = resolver.extract_all()?;
+    let mut sources = BTreeMap::new();
+    let merged: figment::value::Dict = resolver.figment.extract().unwrap_or_default();
+    for key in leaf_keys(&merged) {
+        sources.insert(key.clone(), resolver.source_of(&key));
+    }
+    if let Some(choice) = &choice {
+        config.hardware = choice.name.clone();
+        sources.insert(
+            "hardware".to_string(),
+            Source {
+                layer: LayerKind::HardwareDetection,
+                location: format!("auto: {}", choice.why),
+            },
+        );
+    }
+    let problems: Vec<ConfigError> = config
+        .validate()
+        .into_iter()
+        .map(|p| ConfigError::InvalidValue {
+            key: p.key.to_string(),
+            value: resolver.value_text(p.key),
+            problem: p.problem,
+            set_by: Box::new(resolver.source_of(p.key)),
+        })
+        .collect();
+    if !problems.is_empty() {
+        return Err(many(problems));
+    }
+    Ok(ResolvedConfig {
+        config,
+        sources,
+        hardware_choice: choice,
+    })
+}
+
+fn preset_layer(
+    dir: &Path,
+    group: &'static str,
+    name: &str,
+    asked_by: Source,
+    kind: LayerKind,
+) -> Result<Layer, ConfigError> {
+    let path = dir.join(group).join(format!("{name}.toml"));
+    let valid_name = !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if !valid_name || !path.is_file() {
+        let mut available = available_presets(dir, group);
+        if group == "hardware" {
+            available.insert(0, "auto".to_string());
+        }
+        let did_you_mean = did_you_mean(name, available.iter().map(String::as_str));
+        return Err(ConfigError::UnknownPreset {
+            group,
+            name: name.to_string(),
+            dir: dir.join(group),
+            available,
+            did_you_mean,
+            set_by: Box::new(asked_by),
+        });
+    }
+    Layer::from_file(kind, &path)
+}
+
+fn env_layer(env: &[(OsString, OsString)]) -> Result<Layer, ConfigError> {
+    let mut pairs = Vec::new();
+    for (name, value) in env {
+        let Some(name_str) = name.to_str() else {
+            continue;
+        };
+        let Some(rest) = name_str.strip_prefix("KILN_") else {
+            continue;
+        };
+        let value = value.to_str().ok_or_else(|| ConfigError::NonUtf8Env {
+            var: name_str.to_string(),
+        })?;
+        let key = rest.to_ascii_lowercase().replace("__", ".");
+        pairs.push((key, value.to_string(), name_str.to_string()));
+    }
+    pairs.sort();
+    Layer::from_pairs(LayerKind::Environment, &pairs)
+}
+
+fn cli_layer(overrides: &[String]) -> Result<Layer, ConfigError> {
+    let mut pairs = Vec::new();
+    for arg in overrides {
+        let Some((key, value)) = arg.split_once('=') else {
+            return Err(ConfigError::BadOverride {
+                arg: arg.clone(),
+                reason: "expected KEY=VALUE, like training.batch_size=16 or hardware=t4".into(),
+            });
+        };
+        if key.starts_with(['+', '~']) {
+            return Err(ConfigError::BadOverride {
+                arg: arg.clone(),
+                reason: "Hydra's `+key` / `~key` are not supported: every key exists already, set it with key=value".into(),
+            });
+        }
+        pairs.push((key.trim().to_string(), value.to_string(), arg.clone()));
+    }
+    Layer::from_pairs(LayerKind::CommandLine, &pairs)
+}
+
+fn many(mut errors: Vec<ConfigError>) -> ConfigError {
+    if errors.len() == 1 {
+        errors.remove(0)
+    } else {
+        ConfigError::Many(errors)
+    }
+}
+
+/// A figment over some layers, and the means to explain its values.
+struct Resolver<'a> {
+    figment: Figment,
+    layers: &'a [Layer],
+    known_keys: &'a [String],
+}
+
+impl<'a> Resolver<'a> {
+    fn new(layers: &'a [Layer], known_keys: &'a [String]) -> Self {
+        let figment = layers
+            .iter()
+            .fold(Figment::new(), |f, layer| f.merge(layer.clone()));
+        Self {
+            figment,
+            layers,
+            known_keys,
+        }
+    }
+
+    fn extract<T: serde::de::DeserializeOwned>(&self, key: &str) -> Result<T, ConfigError> {
+        self.figment
+            .extract_inner(key)
+            .map_err(|e| self.map_error(e, Some(key)))
+    }
+
+    fn extract_all(&self) -> Result<RunConfig, ConfigError> {
+        self.figment.extract().map_err(|e| self.map_error(e, None))
+    }
+
+    /// The layer that set `key` last, and where in it.
+    fn source_of(&self, key: &str) -> Source {
+        let layer = self.figment.find_metadata(key).and_then(|m| {
+            self.layers
+                .iter()
+                .rev()
+                .find(|l| l.kind.to_string() == m.name)
+        });
+        match layer {
+            Some(layer) => Source {
+                layer: layer.kind.clone(),
+                location: layer.location_of(key),
+            },
+            None => Source {
+                layer: LayerKind::Defaults,
+                location: "not set".to_string(),
+            },
+        }
+    }
+
+    fn value_text(&self, key: &str) -> String {
+        match self.figment.find_value(key) {
+            Ok(v) => value_text(&v),
+            Err(_) => "(none)".to_string(),
+        }
+    }
+
+    fn map_error(&self, err: figment::Error, inner_key: Option<&str>) -> ConfigError {
+        many(
+            err.into_iter()
+                .map(|e| self.map_one(e, inner_key))
+                .collect(),
+        )
+    }
+
+    fn map_one(&self, e: figment::Error, inner_key: Option<&str>) -> ConfigError {
+        let mut path: Vec<String> = inner_key
+            .map(|k| k.split('.').map(String::from).collect())
+            .unwrap_or_default();
+        path.extend(e.path.iter().cloned());
+        match e.kind {
+            Kind::UnknownField(field, expected) => {
+                if path.last() != Some(&field) {
+                    path.push(field.clone());
+                }
+                let key = path.join(".");
+                let parent = path[..path.len() - 1].join(".");
+                // The same name in another section beats a typo in this one:
+                // `training.max_length` means `model.max_length`.
+                let elsewhere = self
+                    .known_keys
+                    .iter()
+                    .find(|k| k.rsplit('.').next() == Some(field.as_str()))
+                    .cloned();
+                let within = || {
+                    did_you_mean(&field, expected.iter().copied()).map(|s| {
+                        if parent.is_empty() {
+                            s
+                        } else {
+                            format!("{parent}.{s}")
+                        }
+                    })
+                };
+                ConfigError::UnknownKey {
+                    set_by: Box::new(self.source_of(&key)),
+                    did_you_mean: elsewhere.or_else(within),
+                    key,
+                }
+            }
+            Kind::UnknownVariant(variant, expected) => {
+                let key = path.join(".");
+                let hint = did_you_mean(&variant, expected.iter().copied())
+                    .map(|s| format!("; did you mean `{s}`?"))
+                    .unwrap_or_default();
+                ConfigError::InvalidValue {
+                    value: format!("\"{variant}\""),
+                    problem: format!("expected one of {}{hint}", quoted(expected)),
+                    set_by: Box::new(self.source_of(&key)),
+                    key,
+                }
+            }
+            Kind::InvalidType(actual, expected) | Kind::InvalidValue(actual, expected) => {
+                let key = path.join(".");
+                let value = match self.figment.find_value(&key) {
+                    Ok(v) => value_text(&v),
+                    Err(_) => actual.to_string(),
+                };
+                ConfigError::InvalidValue {
+                    value,
+                    problem: format!("expected {}", plain_expected(&expected)),
+                    set_by: Box::new(self.source_of(&key)),
+                    key,
+                }
+            }
+            Kind::MissingField(field) => {
+                path.push(field.to_string());
+                ConfigError::MissingKey {
+                    key: path.join("."),
+                    hint: "presets/defaults.toml gives every key a default; is it complete?"
+                        .to_string(),
+                }
+            }
+            other => {
+                let key = path.join(".");
+                ConfigError::InvalidValue {
+                    value: self.value_text(&key),
+                    problem: other.to_string(),
+                    set_by: Box::new(self.source_of(&key)),
+                    key,
+                }
+            }
+        }
+    }
+}
+
+fn quoted(names: &[&str]) -> String {
+    names
+        .iter()
+        .map(|n| format!("`{n}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// serde's expectations, in words a user reads ("usize" → "a whole number ≥ 0").
+fn plain_expected(expected: &str) -> String {
+    match expected {
+        "usize" | "u64" | "u32" => "a whole number, 0 or more".to_string(),
+        "f64" | "f32" => "a number".to_string(),
+        "a boolean" => "true or false".to_string(),
+        other => other.to_string(),
+    }
+}
+
+fn value_text(v: &Value) -> String {
+    match v {
+        Value::String(_, s) => format!("\"{s}\""),
+        other => toml::Value::try_from(other)
+            .map(|t| t.to_string())
+            .unwrap_or_else(|_| format!("{other:?}")),
+    }
+}

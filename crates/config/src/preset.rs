@@ -1,0 +1,422 @@
+//! Choosing a hardware preset from a hardware report: a pure function, so
+//! that every GPU the guides name can be tested on a machine without one.
+
+use kiln_hwdetect::{GpuInfo, HardwareReport};
+
+use crate::schema::{AmpDtype, PrecisionSection};
+
+/// The preset chosen for a machine, and why, in one line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PresetChoice {
+    pub name: String,
+    pub why: String,
+    /// The GPU the preset was chosen for (`None` on the CPU).
+    pub gpu_index: Option<u32>,
+}
+
+/// Which GPUs each GPU preset is written for, by kiln-hwdetect's table model.
+/// The chooser and the "is this preset for this machine" check both read it.
+pub const PRESET_GPUS: &[(&str, &[&str])] = &[
+    ("t4", &["T4"]),
+    ("v100", &["V100 PCIe", "V100 SXM2"]),
+    ("a30", &["A30"]),
+    ("a40", &["A40"]),
+    ("a100_80gb", &["A100 80GB"]),
+    ("a100", &["A100 40GB", "A100 80GB"]),
+    ("gpu_3090", &["RTX 3090"]),
+    ("gpu_4080", &["RTX 4080"]),
+    ("gpu_4090", &["RTX 4090"]),
+    ("h100", &["H100 PCIe", "H100 SXM", "H200"]),
+];
+
+/// Presets for any NVIDIA GPU.
+pub const ANY_GPU_PRESETS: &[&str] = &["low_mem", "conservative"];
+
+/// Picks the hardware preset for a machine.
+///
+/// No GPU → `cpu`. Otherwise the GPU with the most memory decides: a GPU with
+/// a preset of its own gets it; another is placed by memory and bf16 support
+/// (under 13 GiB → `low_mem`; no bf16 → `conservative`; else the preset of
+/// the closest class by memory).
+pub fn choose_preset(report: &HardwareReport) -> PresetChoice {
+    let gpus = report.gpus();
+    let Some(gpu) = gpus.iter().max_by(|a, b| {
+        a.memory_total_bytes
+            .cmp(&b.memory_total_bytes)
+            .then(b.index.cmp(&a.index))
+    }) else {
+        return cpu_choice(report);
+    };
+    let (name, reason) = gpu_preset(gpu);
+    let cc = gpu.compute_capability;
+    let precision = if gpu.capabilities.bf16 {
+        "bf16".to_string()
+    } else if gpu.capabilities.fp16 {
+        "no bf16 → fp16".to_string()
+    } else {
+        "no bf16/fp16 → fp32".to_string()
+    };
+    let mut why = format!(
+        "{}: compute capability {}.{}, {precision}; {:.0} GiB",
+        gpu.table_model.as_deref().unwrap_or(&gpu.name),
+        cc.0,
+        cc.1,
+        gpu.memory_total_gib()
+    );
+    if let Some(reason) = reason {
+        why.push_str(&format!(" ({reason})"));
+    }
+    if gpus.len() > 1 {
+        let same = gpus.iter().filter(|g| g.name == gpu.name).count();
+        let what = if same == gpus.len() {
+            format!("{} × {}", gpus.len(), gpu.name)
+        } else {
+            format!("{} GPUs", gpus.len())
+        };
+        why.push_str(&format!(
+            "; {what}: kiln trains on one device, GPU {} (device.index)",
+            gpu.index
+        ));
+    }
+    PresetChoice {
+        name: name.to_string(),
+        why,
+        gpu_index: Some(gpu.index),
+    }
+}
+
+fn cpu_choice(report: &HardwareReport) -> PresetChoice {
+    let no_gpu = match &report.gpu {
+        kiln_hwdetect::GpuStatus::None { why } => why.clone(),
+        kiln_hwdetect::GpuStatus::Found { .. } => String::from("no GPU"),
+    };
+    let isa = report.cpu.features.names().join("+");
+    let gib = report.memory.total_bytes as f64 / f64::from(1u32 << 30);
+    PresetChoice {
+        name: "cpu".to_string(),
+        why: format!(
+            "no GPU to train on ({no_gpu}); {} cores {isa}, {gib:.0} GiB RAM → cpu",
+            report.cpu.logical_cores
+        ),
+        gpu_index: None,
+    }
+}
+
+/// The preset for one GPU and, where it has none of its own, why this one.
+fn gpu_preset(gpu: &GpuInfo) -> (&'static str, Option<String>) {
+    if let Some(model) = gpu.table_model.as_deref()
+        && let Some((preset, _)) = PRESET_GPUS.iter().find(|(_, ms)| ms.contains(&model))
+    {
+        return (preset, None);
+    }
+    let gib = gpu.memory_total_gib();
+    let what = gpu.table_model.as_deref().unwrap_or("this GPU");
+    let (preset, class) = if gib < 13.0 {
+        ("low_mem", "an 8–12 GB card")
+    } else if !gpu.capabilities.bf16 {
+        (
+            "conservative",
+            "no bf16, so the broad-compatibility settings",
+        )
+    } else if gib >= 70.0 {
+        ("a100_80gb", "80 GB with bf16, like an A100 80GB")
+    } else if gib >= 40.0 {
+        ("a40", "48 GB with bf16, like an A40")
+    } else if gib >= 20.0 {
+        ("gpu_3090", "24 GB with bf16, like an RTX 3090")
+    } else {
+        ("gpu_4080", "16 GB with bf16, like an RTX 4080")
+    };
+    (
+        preset,
+        Some(format!("{what} has no preset of its own: {class}")),
+    )
+}
+
+/// Whether a named hardware preset is meant for this machine: `Err` says
+/// what the preset needs and what the machine has. Presets kiln does not
+/// know (user-written, tuned) always fit.
+pub fn check_preset_fits(preset: &str, report: &HardwareReport) -> Result<(), String> {
+    let gpus = report.gpus();
+    let have = if gpus.is_empty() {
+        match &report.gpu {
+            kiln_hwdetect::GpuStatus::None { why } => format!("this machine has no GPU ({why})"),
+            kiln_hwdetect::GpuStatus::Found { .. } => "this machine has no GPU".to_string(),
+        }
+    } else {
+        let names: Vec<&str> = gpus.iter().map(|g| g.name.as_str()).collect();
+        format!("this machine has {}", names.join(", "))
+    };
+    if let Some((_, models)) = PRESET_GPUS.iter().find(|(p, _)| *p == preset) {
+        // A GPU fits the presets written for it and the one kiln would choose for it.
+        let fits = gpus.iter().any(|g| {
+            g.table_model
+                .as_deref()
+                .is_some_and(|m| models.contains(&m))
+                || gpu_preset(g).0 == preset
+        });
+        return if fits {
+            Ok(())
+        } else {
+            Err(format!(
+                "hardware preset `{preset}` is for {}, but {have}",
+                models.join(" / ")
+            ))
+        };
+    }
+    if ANY_GPU_PRESETS.contains(&preset) && gpus.is_empty() {
+        return Err(format!(
+            "hardware preset `{preset}` is for an NVIDIA GPU, but {have}"
+        ));
+    }
+    Ok(())
+}
+
+/// The compute precision a run will use on a device, and why.
+pub fn effective_precision(
+    precision: &PrecisionSection,
+    gpu: Option<&GpuInfo>,
+) -> (String, String) {
+    let Some(gpu) = gpu else {
+        let why = if precision.amp {
+            "mixed precision is not used on the CPU: kernels have no bf16/fp16 fast path there (PyTorch's bf16 autocast runs 15× slower on such CPUs)"
+        } else {
+            "precision.amp is off"
+        };
+        return ("f32".to_string(), why.to_string());
+    };
+    let caps = gpu.capabilities;
+    let tf32 = if precision.tf32 && caps.tf32 {
+        ", TF32 matmuls"
+    } else {
+        ""
+    };
+    if !precision.amp {
+        return (format!("f32{tf32}"), "precision.amp is off".to_string());
+    }
+    let cc = gpu.compute_capability;
+    match precision.amp_dtype {
+        AmpDtype::Bf16 if caps.bf16 => (
+            format!("bf16 compute, f32 master weights{tf32}"),
+            format!("compute capability {}.{} has bf16", cc.0, cc.1),
+        ),
+        AmpDtype::Bf16 if caps.fp16 => (
+            "fp16 compute with loss scaling, f32 master weights".to_string(),
+            format!(
+                "bf16 asked for, but compute capability {}.{} has no bf16 → fp16",
+                cc.0, cc.1
+            ),
+        ),
+        AmpDtype::Fp16 if caps.fp16 => (
+            "fp16 compute with loss scaling, f32 master weights".to_string(),
+            "precision.amp_dtype = fp16".to_string(),
+        ),
+        _ => (
+            format!("f32{tf32}"),
+            format!(
+                "compute capability {}.{} has neither bf16 nor fp16",
+                cc.0, cc.1
+            ),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kiln_hwdetect::{DriverInfo, FixedProbe, GpuStatus, detect_with};
+
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn machine(gpus: &[(&str, u64, (u32, u32))]) -> HardwareReport {
+        let status = if gpus.is_empty() {
+            GpuStatus::None {
+                why: "no NVIDIA driver".into(),
+            }
+        } else {
+            GpuStatus::Found {
+                gpus: gpus
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (name, gib, cc))| {
+                        GpuInfo::new(i as u32, name, gib * GIB, gib * GIB / 2, *cc)
+                    })
+                    .collect(),
+            }
+        };
+        detect_with(&FixedProbe(status, DriverInfo::default()))
+    }
+
+    /// Checks the preset chosen for a machine and that the why contains each of `why`.
+    fn check(gpus: &[(&str, u64, (u32, u32))], preset: &str, why: &[&str]) {
+        let choice = choose_preset(&machine(gpus));
+        assert_eq!(choice.name, preset, "{gpus:?}: {}", choice.why);
+        for part in why {
+            assert!(
+                choice.why.contains(part),
+                "{gpus:?}: `{}` lacks `{part}`",
+                choice.why
+            );
+        }
+        assert_eq!(
+            check_preset_fits(preset, &machine(gpus)),
+            Ok(()),
+            "{gpus:?}"
+        );
+    }
+
+    #[test]
+    fn every_gpu_of_the_guides_gets_its_preset_and_why() {
+        check(
+            &[("Tesla T4", 15, (7, 5))],
+            "t4",
+            &["T4: compute capability 7.5, no bf16 → fp16; 15 GiB"],
+        );
+        check(
+            &[("Tesla V100-SXM2-16GB", 16, (7, 0))],
+            "v100",
+            &["compute capability 7.0, no bf16 → fp16"],
+        );
+        check(
+            &[("NVIDIA A10", 24, (8, 6))],
+            "gpu_3090",
+            &["A10:", "no preset of its own", "like an RTX 3090"],
+        );
+        check(
+            &[("NVIDIA A30", 24, (8, 0))],
+            "a30",
+            &["A30: compute capability 8.0, bf16; 24 GiB"],
+        );
+        check(&[("NVIDIA A40", 48, (8, 6))], "a40", &["bf16; 48 GiB"]);
+        check(
+            &[("NVIDIA A100-SXM4-40GB", 40, (8, 0))],
+            "a100",
+            &["A100 40GB"],
+        );
+        check(
+            &[("NVIDIA A100-SXM4-80GB", 80, (8, 0))],
+            "a100_80gb",
+            &["A100 80GB"],
+        );
+        check(
+            &[("NVIDIA L4", 24, (8, 9))],
+            "gpu_3090",
+            &["L4:", "no preset of its own"],
+        );
+        check(
+            &[("NVIDIA GeForce RTX 3060", 12, (8, 6))],
+            "low_mem",
+            &["RTX 3060", "8–12 GB"],
+        );
+        check(
+            &[("NVIDIA GeForce RTX 3090", 24, (8, 6))],
+            "gpu_3090",
+            &["RTX 3090: compute capability 8.6, bf16"],
+        );
+        check(
+            &[("NVIDIA GeForce RTX 4080", 16, (8, 9))],
+            "gpu_4080",
+            &["RTX 4080"],
+        );
+        check(
+            &[("NVIDIA GeForce RTX 4090", 24, (8, 9))],
+            "gpu_4090",
+            &["RTX 4090: compute capability 8.9, bf16; 24 GiB"],
+        );
+        check(
+            &[("NVIDIA H100 80GB HBM3", 80, (9, 0))],
+            "h100",
+            &["H100 SXM: compute capability 9.0"],
+        );
+        check(&[("NVIDIA H100 PCIe", 80, (9, 0))], "h100", &["H100 PCIe"]);
+        check(
+            &[("NVIDIA H200", 141, (9, 0))],
+            "h100",
+            &["H200", "141 GiB"],
+        );
+    }
+
+    #[test]
+    fn unknown_gpus_are_placed_by_memory_and_bf16() {
+        check(
+            &[("NVIDIA GeForce RTX 2080 Ti", 11, (7, 5))],
+            "low_mem",
+            &["this GPU has no preset"],
+        );
+        check(
+            &[("Quadro RTX 6000", 24, (7, 5))],
+            "conservative",
+            &["no bf16"],
+        );
+        check(&[("NVIDIA RTX A6000", 48, (8, 6))], "a40", &["like an A40"]);
+        check(&[("NVIDIA RTX 4000 Ada", 20, (8, 9))], "gpu_3090", &[]);
+        check(
+            &[("NVIDIA GeForce RTX 4060 Ti", 16, (8, 9))],
+            "gpu_4080",
+            &[],
+        );
+    }
+
+    #[test]
+    fn two_a30s_choose_a30_and_say_which_device_trains() {
+        let gpus = [("NVIDIA A30", 24, (8, 0)), ("NVIDIA A30", 24, (8, 0))];
+        check(&gpus, "a30", &["2 × NVIDIA A30", "GPU 0"]);
+    }
+
+    #[test]
+    fn mixed_gpus_train_on_the_largest() {
+        let gpus = [
+            ("Tesla T4", 15, (7, 5)),
+            ("NVIDIA A100-SXM4-80GB", 80, (8, 0)),
+        ];
+        let choice = choose_preset(&machine(&gpus));
+        assert_eq!(
+            (choice.name.as_str(), choice.gpu_index),
+            ("a100_80gb", Some(1))
+        );
+        assert!(choice.why.contains("2 GPUs"), "{}", choice.why);
+    }
+
+    #[test]
+    fn no_gpu_chooses_cpu_and_says_why() {
+        check(
+            &[],
+            "cpu",
+            &["no GPU to train on (no NVIDIA driver)", "→ cpu"],
+        );
+    }
+
+    #[test]
+    fn a_gpu_preset_does_not_fit_another_machine() {
+        let err = check_preset_fits("gpu_4090", &machine(&[])).expect_err("no GPU");
+        assert!(err.contains("RTX 4090") && err.contains("no GPU"), "{err}");
+        let t4 = machine(&[("Tesla T4", 15, (7, 5))]);
+        let err = check_preset_fits("a100", &t4).expect_err("T4 is no A100");
+        assert!(err.contains("Tesla T4"), "{err}");
+        assert!(check_preset_fits("low_mem", &machine(&[])).is_err());
+        assert_eq!(check_preset_fits("low_mem", &t4), Ok(()));
+        assert_eq!(check_preset_fits("cpu", &t4), Ok(()));
+        assert_eq!(check_preset_fits("my_own", &machine(&[])), Ok(()));
+    }
+
+    #[test]
+    fn precision_follows_the_t4_rule() {
+        let p = PrecisionSection {
+            amp: true,
+            amp_dtype: AmpDtype::Bf16,
+            tf32: true,
+        };
+        let t4 = GpuInfo::new(0, "Tesla T4", 15 * GIB, 15 * GIB, (7, 5));
+        let a100 = GpuInfo::new(0, "NVIDIA A100-SXM4-40GB", 40 * GIB, 40 * GIB, (8, 0));
+        assert!(effective_precision(&p, Some(&t4)).0.starts_with("fp16"));
+        assert!(
+            effective_precision(&p, Some(&t4))
+                .1
+                .contains("no bf16 → fp16")
+        );
+        assert!(effective_precision(&p, Some(&a100)).0.starts_with("bf16"));
+        assert!(effective_precision(&p, Some(&a100)).0.contains("TF32"));
+        assert_eq!(effective_precision(&p, None).0, "f32");
+    }
+}

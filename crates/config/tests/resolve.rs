@@ -1,0 +1,373 @@
+//! Resolving real and fabricated preset folders: precedence, provenance and
+//! errors, each checked through one helper.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use kiln_config::{ConfigError, LayerKind, LoadOptions, ResolvedConfig, resolve};
+use kiln_hwdetect::{DriverInfo, FixedProbe, GpuInfo, GpuStatus, HardwareReport, detect_with};
+
+fn repo_presets() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../presets")
+}
+
+fn no_gpu() -> HardwareReport {
+    detect_with(&FixedProbe(
+        GpuStatus::None {
+            why: "no NVIDIA driver".into(),
+        },
+        DriverInfo::default(),
+    ))
+}
+
+fn one_gpu(name: &str, gib: u64, cc: (u32, u32)) -> HardwareReport {
+    let gpu = GpuInfo::new(0, name, gib << 30, gib << 30, cc);
+    detect_with(&FixedProbe(
+        GpuStatus::Found { gpus: vec![gpu] },
+        DriverInfo::default(),
+    ))
+}
+
+struct Case<'a> {
+    presets: &'a Path,
+    file: Option<&'a Path>,
+    env: &'a [(&'a str, &'a str)],
+    args: &'a [&'a str],
+    report: HardwareReport,
+}
+
+impl<'a> Case<'a> {
+    fn new(args: &'a [&'a str]) -> Self {
+        Self {
+            presets: Path::new(""),
+            file: None,
+            env: &[],
+            args,
+            report: no_gpu(),
+        }
+    }
+
+    fn run(&self, presets: &Path) -> Result<ResolvedConfig, ConfigError> {
+        let overrides: Vec<String> = self.args.iter().map(|s| s.to_string()).collect();
+        let env: Vec<(OsString, OsString)> =
+            self.env.iter().map(|(k, v)| (k.into(), v.into())).collect();
+        let presets = if self.presets.as_os_str().is_empty() {
+            presets
+        } else {
+            self.presets
+        };
+        resolve(&LoadOptions {
+            presets_dir: presets,
+            config_file: self.file,
+            overrides: &overrides,
+            env: &env,
+            hardware: &self.report,
+        })
+    }
+
+    fn ok(&self) -> ResolvedConfig {
+        self.run(&repo_presets())
+            .unwrap_or_else(|e| panic!("{:?}: {e}", self.args))
+    }
+
+    fn err(&self) -> String {
+        match self.run(&repo_presets()) {
+            Ok(_) => panic!("{:?} resolved, expected an error", self.args),
+            Err(e) => e.to_string(),
+        }
+    }
+}
+
+/// Asserts a key's value (as TOML text) and the text of its source.
+fn check(r: &ResolvedConfig, key: &str, value: &str, source: &str) {
+    let row = r.explain().into_iter().find(|row| row.key == key);
+    let row = row.unwrap_or_else(|| panic!("no key {key}"));
+    assert_eq!(row.value, value, "{key}");
+    let shown = row.source.to_string();
+    assert!(
+        shown.contains(source),
+        "{key}: source `{shown}` lacks `{source}`"
+    );
+}
+
+#[test]
+fn every_hardware_preset_resolves_with_every_experiment() {
+    let dir = repo_presets();
+    let hardware = kiln_config::available_presets(&dir, "hardware");
+    let experiments = kiln_config::available_presets(&dir, "experiment");
+    assert!(hardware.len() >= 13, "{hardware:?}");
+    for hw in &hardware {
+        for exp in &experiments {
+            let h = format!("hardware={hw}");
+            let e = format!("experiment={exp}");
+            let r = Case::new(&[&h, &e]).ok();
+            assert_eq!(&r.config.hardware, hw);
+            assert_eq!(&r.config.experiment, exp);
+        }
+    }
+}
+
+#[test]
+fn the_t4_example_of_the_issue() {
+    let r = Case::new(&[
+        "hardware=t4",
+        "experiment=nli_snli",
+        "training.batch_size=10",
+    ])
+    .ok();
+    check(
+        &r,
+        "training.batch_size",
+        "10",
+        "command line (training.batch_size=10)",
+    );
+    check(
+        &r,
+        "precision.amp_dtype",
+        "\"fp16\"",
+        "presets/hardware/t4.toml:18",
+    );
+    check(&r, "workload", "\"nli\"", "experiment `nli_snli`");
+}
+
+#[test]
+fn layers_win_in_order() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let file = tmp.path().join("run.toml");
+    std::fs::write(&file, "[training]\nbatch_size = 5\nseed = 9\n").expect("write");
+    // defaults < hardware
+    check(
+        &Case::new(&["hardware=gpu_4090"]).ok(),
+        "training.batch_size",
+        "16",
+        "gpu_4090.toml:6",
+    );
+    // hardware < experiment
+    check(
+        &Case::new(&["hardware=t4"]).ok(),
+        "eval.eval_steps",
+        "250",
+        "shakespeare_char.toml",
+    );
+    // experiment < file
+    let mut case = Case::new(&["hardware=t4"]);
+    case.file = Some(&file);
+    check(&case.ok(), "training.batch_size", "5", "config file (");
+    check(&case.ok(), "training.seed", "9", "run.toml:3");
+    // file < environment
+    case.env = &[("KILN_TRAINING__BATCH_SIZE", "7"), ("PATH", "/bin")];
+    check(
+        &case.ok(),
+        "training.batch_size",
+        "7",
+        "environment (KILN_TRAINING__BATCH_SIZE)",
+    );
+    // environment < command line
+    case.args = &["hardware=t4", "training.batch_size=20"];
+    check(&case.ok(), "training.batch_size", "20", "command line");
+    check(&case.ok(), "training.seed", "9", "config file");
+}
+
+#[test]
+fn workload_sections_of_hardware_presets_apply_to_their_workload_only() {
+    let lm = Case::new(&["hardware=cpu"]).ok();
+    check(&lm, "training.batch_size", "12", "cpu.toml");
+    let nli = Case::new(&["hardware=cpu", "experiment=nli_snli"]).ok();
+    check(&nli, "training.batch_size", "2", "[nli] section");
+    check(
+        &nli,
+        "training.gradient_accumulation_steps",
+        "8",
+        "[nli] section",
+    );
+    assert_eq!(nli.config.effective_batch(), 16);
+}
+
+#[test]
+fn auto_asks_the_hardware_report() {
+    let r = Case::new(&[]).ok();
+    assert_eq!(r.config.hardware, "cpu");
+    check(
+        &r,
+        "hardware",
+        "\"cpu\"",
+        "hardware detection (auto: no GPU to train on",
+    );
+    let mut t4 = Case::new(&["hardware=auto"]);
+    t4.report = one_gpu("Tesla T4", 15, (7, 5));
+    let r = t4.ok();
+    check(
+        &r,
+        "hardware",
+        "\"t4\"",
+        "T4: compute capability 7.5, no bf16 → fp16; 15 GiB",
+    );
+    check(
+        &r,
+        "precision.amp_dtype",
+        "\"fp16\"",
+        "hardware preset `t4`",
+    );
+    // An explicit choice is not second-guessed.
+    let mut forced = Case::new(&["hardware=gpu_4090"]);
+    forced.report = one_gpu("Tesla T4", 15, (7, 5));
+    assert!(forced.ok().hardware_choice.is_none());
+}
+
+#[test]
+fn every_value_has_a_source() {
+    let r = Case::new(&["hardware=t4"]).ok();
+    let rows = r.explain();
+    assert!(rows.len() > 40, "{}", rows.len());
+    for row in rows {
+        assert_ne!(row.source.location, "not set", "{}", row.key);
+    }
+    assert_eq!(
+        r.source("model.layers").map(|s| &s.layer),
+        Some(&LayerKind::Experiment("shakespeare_char".into()))
+    );
+}
+
+#[test]
+fn bad_values_name_key_value_and_layer() {
+    /// (overrides, environment, what the error must say)
+    type BadCase<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a [&'a str]);
+    let cases: &[BadCase<'_>] = &[
+        (
+            &["training.batch_sise=3"],
+            &[],
+            &[
+                "unknown key `training.batch_sise`",
+                "did you mean `training.batch_size`?",
+                "command line",
+            ],
+        ),
+        (
+            &["training.max_length=3"],
+            &[],
+            &["did you mean `model.max_length`?"],
+        ),
+        (
+            &["training.batch_size=-1"],
+            &[],
+            &[
+                "invalid value -1 for `training.batch_size`",
+                "command line (training.batch_size=-1)",
+            ],
+        ),
+        (
+            &["training.batch_size=abc"],
+            &[],
+            &[
+                "invalid value \"abc\" for `training.batch_size`",
+                "expected a whole number",
+            ],
+        ),
+        (
+            &["training.batch_size=0"],
+            &[],
+            &["invalid value 0", "must be at least 1"],
+        ),
+        (
+            &["precision.amp_dtype=bf61"],
+            &[],
+            &["expected one of `bf16`, `fp16`", "did you mean `bf16`?"],
+        ),
+        (
+            &["model.dropout=1.5"],
+            &[],
+            &["model.dropout", "must be in [0, 1)"],
+        ),
+        (
+            &["hardware=t5"],
+            &[],
+            &[
+                "unknown hardware preset `t5`",
+                "available in",
+                "auto, a100",
+                "t4",
+                "did you mean `t4`?",
+            ],
+        ),
+        (
+            &["experiment=../../etc/passwd"],
+            &[],
+            &["unknown experiment preset"],
+        ),
+        (
+            &["batch_size"],
+            &[],
+            &["bad override `batch_size`", "KEY=VALUE"],
+        ),
+        (&["+training.foo=1"], &[], &["not supported"]),
+        (
+            &[],
+            &[("KILN_TRAINING__BATCH_SIZE", "x")],
+            &["\"x\"", "environment (KILN_TRAINING__BATCH_SIZE)"],
+        ),
+        (
+            &[],
+            &[("KILN_TRAINNG__BATCH_SIZE", "3")],
+            &["unknown key `trainng`", "did you mean `training`?"],
+        ),
+    ];
+    for (args, env, wants) in cases {
+        let mut case = Case::new(args);
+        case.env = env;
+        let err = case.err();
+        for want in *wants {
+            assert!(
+                err.contains(want),
+                "{args:?} {env:?}: `{err}` lacks `{want}`"
+            );
+        }
+    }
+}
+
+/// A copy of the real presets to break.
+fn presets_copy() -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    for group in ["", "hardware", "experiment"] {
+        let from = repo_presets().join(group);
+        std::fs::create_dir_all(tmp.path().join(group)).expect("mkdir");
+        for entry in std::fs::read_dir(&from).expect("read presets") {
+            let path = entry.expect("entry").path();
+            if path.is_file() {
+                std::fs::copy(
+                    &path,
+                    tmp.path().join(group).join(path.file_name().expect("name")),
+                )
+                .expect("copy");
+            }
+        }
+    }
+    tmp
+}
+
+#[test]
+fn broken_presets_name_file_and_line() {
+    let tmp = presets_copy();
+    let t4 = tmp.path().join("hardware/t4.toml");
+    std::fs::write(&t4, "[training]\nbatch_size = 16\nbad line\n").expect("write");
+    let mut case = Case::new(&["hardware=t4"]);
+    case.presets = tmp.path();
+    let err = case.run(tmp.path()).expect_err("broken").to_string();
+    assert!(
+        err.contains("t4.toml` line 3") && err.contains("invalid TOML"),
+        "{err}"
+    );
+
+    std::fs::write(&t4, "[training]\n\nbatch_sise = 16\n").expect("write");
+    let err = case.run(tmp.path()).expect_err("unknown key").to_string();
+    assert!(
+        err.contains("t4.toml:3") && err.contains("batch_size"),
+        "{err}"
+    );
+
+    std::fs::write(&t4, "hardware = \"a100\"\n").expect("write");
+    let err = case.run(tmp.path()).expect_err("reserved").to_string();
+    assert!(
+        err.contains("sets `hardware`") && err.contains("t4.toml:1"),
+        "{err}"
+    );
+}

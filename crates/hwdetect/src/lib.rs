@@ -1,0 +1,110 @@
+//! What machine is this? kiln-hwdetect reads the CPU (model, cores, ISA
+//! features, frequency and an fp32 peak estimate), the memory, and the NVIDIA
+//! GPUs through NVML loaded at run time (name, memory, compute capability,
+//! driver and CUDA version, fp16/bf16/tf32/fp8 support and a dense peak from
+//! a sourced table).
+//!
+//! It depends on no ML framework and never panics: with no driver, no NVML
+//! library or no GPU the report says which and why.
+//!
+//! ```no_run
+//! let report = kiln_hwdetect::detect();
+//! println!("{} logical cores, {} GPUs", report.cpu.logical_cores, report.gpu.gpus().len());
+//! ```
+
+mod cpu;
+mod gpu;
+pub mod specs;
+
+pub use cpu::{CpuInfo, CpuPeak, IsaFeatures, detect_cpu, estimate_peak, flops_per_cycle};
+pub use gpu::{DriverInfo, FixedProbe, GpuCapabilities, GpuInfo, GpuProbe, GpuStatus, NvmlProbe};
+pub use specs::PeakFlops;
+
+use serde::{Deserialize, Serialize};
+
+/// Everything kiln knows about the machine, as one serialisable value.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HardwareReport {
+    pub cpu: CpuInfo,
+    pub memory: MemoryInfo,
+    pub gpu: GpuStatus,
+    pub driver: DriverInfo,
+    /// Operating system, as sysinfo names it ("Debian GNU/Linux 12").
+    pub os: String,
+}
+
+impl HardwareReport {
+    /// The GPUs found (empty when none).
+    pub fn gpus(&self) -> &[GpuInfo] {
+        self.gpu.gpus()
+    }
+}
+
+/// Host memory, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryInfo {
+    pub total_bytes: u64,
+    pub available_bytes: u64,
+}
+
+/// Reads this machine, asking NVML for GPUs.
+pub fn detect() -> HardwareReport {
+    detect_with(&NvmlProbe)
+}
+
+/// Reads this machine's CPU and memory, and asks `probe` for GPUs.
+pub fn detect_with(probe: &dyn GpuProbe) -> HardwareReport {
+    let (gpu, driver) = probe.probe();
+    HardwareReport {
+        cpu: detect_cpu(),
+        memory: detect_memory(),
+        gpu,
+        driver,
+        os: sysinfo::System::long_os_version().unwrap_or_else(|_| std::env::consts::OS.to_string()),
+    }
+}
+
+/// Total and available RAM. Zero where the OS does not tell.
+pub fn detect_memory() -> MemoryInfo {
+    use sysinfo::{MemoryRefreshKind, RefreshKind, System};
+    let refresh = RefreshKind::nothing().with_memory(MemoryRefreshKind::nothing().with_ram());
+    match System::new_with_specifics(refresh) {
+        Ok(sys) => MemoryInfo {
+            total_bytes: sys.total_memory(),
+            available_bytes: sys.available_memory(),
+        },
+        Err(_) => MemoryInfo {
+            total_bytes: 0,
+            available_bytes: 0,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fixed_probe_reaches_the_report() {
+        let gpu = GpuInfo::new(0, "Tesla T4", 15 << 30, 14 << 30, (7, 5));
+        let probe = FixedProbe(GpuStatus::Found { gpus: vec![gpu] }, DriverInfo::default());
+        let report = detect_with(&probe);
+        assert_eq!(report.gpus().len(), 1);
+        assert_eq!(report.gpus()[0].table_model.as_deref(), Some("T4"));
+        assert!(!report.gpus()[0].capabilities.bf16);
+    }
+
+    #[test]
+    fn report_round_trips_through_json() {
+        let report = detect_with(&FixedProbe(
+            GpuStatus::None {
+                why: "no driver".into(),
+            },
+            DriverInfo::default(),
+        ));
+        let text = serde_json::to_string(&report).expect("serialise");
+        let back: HardwareReport = serde_json::from_str(&text).expect("parse");
+        assert_eq!(back, report);
+        assert!(report.memory.total_bytes > 0);
+    }
+}

@@ -1,0 +1,180 @@
+//! `cargo xtask <target>`: make-style shortcuts. Every target runs the `kiln`
+//! binary (built with `--release`) or cargo itself; xtask links no ML crate.
+
+#![allow(clippy::print_stdout, reason = "xtask prints its help")]
+#![allow(clippy::print_stderr, reason = "xtask prints what it runs")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+/// GPU targets: `train-<suffix>` and `nli-train-<suffix>` run this preset.
+const GPU_TARGETS: &[(&str, &str)] = &[
+    ("4090", "gpu_4090"),
+    ("3090", "gpu_3090"),
+    ("4080", "gpu_4080"),
+    ("a100", "a100"),
+    ("a100-80gb", "a100_80gb"),
+    ("a30", "a30"),
+    ("a40", "a40"),
+    ("v100", "v100"),
+    ("t4", "t4"),
+    ("h100", "h100"),
+    ("low-mem", "low_mem"),
+    ("cpu", "cpu"),
+];
+
+const HELP: &str = "\
+cargo xtask <target> [args...]
+
+  check-hardware [--json]   what this machine is and can do, and its preset
+  check-gpu                 is there an NVIDIA GPU? (exit 1 if not)
+  train-auto [KEY=VALUE..]  detect the hardware, pick its preset, train the LM
+  train-<gpu> [--force]     train the LM with a GPU preset: 4090 3090 4080 a100
+                            a100-80gb a30 a40 v100 t4 h100 low-mem cpu
+  nli-train-auto            the NLI encoder with k-fold CV, preset from hardware
+  nli-train-<gpu> [--force] the same with a GPU preset
+  ci                        cargo fmt --check, clippy -D warnings, tests
+
+Extra arguments go to `kiln` (overrides like training.batch_size=8).
+A GPU preset on a machine without that GPU exits 2 unless --force.";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some((target, rest)) = args.split_first() else {
+        println!("{HELP}");
+        return ExitCode::SUCCESS;
+    };
+    let rest = rest.to_vec();
+    let result = match target.as_str() {
+        "help" | "--help" | "-h" => {
+            println!("{HELP}");
+            return ExitCode::SUCCESS;
+        }
+        "check-hardware" => kiln(&["check-hardware"], rest),
+        "check-gpu" => kiln(&["check-gpu"], rest),
+        "train-auto" => kiln(&["train", "hardware=auto"], rest),
+        "nli-train-auto" => kiln(&["train", "hardware=auto", "experiment=nli_snli"], rest),
+        "ci" => ci(),
+        other => match train_target(other) {
+            Some((preset, nli)) => {
+                let hw = format!("hardware={preset}");
+                let mut base = vec!["train", hw.as_str()];
+                if nli {
+                    base.push("experiment=nli_snli");
+                }
+                kiln(&base, rest)
+            }
+            None => {
+                eprintln!("unknown target `{other}`\n\n{HELP}");
+                return ExitCode::from(2);
+            }
+        },
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `train-4090` → (`gpu_4090`, false); `nli-train-t4` → (`t4`, true).
+fn train_target(target: &str) -> Option<(&'static str, bool)> {
+    let (suffix, nli) = match target.strip_prefix("nli-train-") {
+        Some(s) => (s, true),
+        None => (target.strip_prefix("train-")?, false),
+    };
+    GPU_TARGETS
+        .iter()
+        .find(|(s, _)| *s == suffix)
+        .map(|(_, preset)| (*preset, nli))
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(root());
+    cmd
+}
+
+/// Runs `kiln <base> <rest>` from the repository root, built in release mode.
+fn kiln(base: &[&str], rest: Vec<String>) -> Result<ExitCode, String> {
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--quiet",
+        "--release",
+        "--package",
+        "kiln-cli",
+        "--bin",
+        "kiln",
+        "--",
+    ]);
+    cmd.args(base).args(rest);
+    run(cmd)
+}
+
+fn ci() -> Result<ExitCode, String> {
+    let steps: [&[&str]; 3] = [
+        &["fmt", "--all", "--check"],
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &["test", "--workspace"],
+    ];
+    for step in steps {
+        eprintln!("$ cargo {}", step.join(" "));
+        let mut cmd = cargo();
+        cmd.args(step);
+        let code = run(cmd)?;
+        if code != ExitCode::SUCCESS {
+            return Ok(code);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run(mut cmd: Command) -> Result<ExitCode, String> {
+    let status = cmd
+        .status()
+        .map_err(|e| format!("failed to run {cmd:?}: {e}"))?;
+    Ok(match status.code() {
+        Some(0) => ExitCode::SUCCESS,
+        Some(c) => ExitCode::from(u8::try_from(c).unwrap_or(1)),
+        None => ExitCode::FAILURE,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_gpu_target_names_a_preset_file() {
+        for (suffix, preset) in GPU_TARGETS {
+            let path = root()
+                .join("presets/hardware")
+                .join(format!("{preset}.toml"));
+            assert!(path.is_file(), "train-{suffix}: {} missing", path.display());
+        }
+    }
+
+    #[test]
+    fn targets_parse() {
+        assert_eq!(train_target("train-4090"), Some(("gpu_4090", false)));
+        assert_eq!(train_target("nli-train-low-mem"), Some(("low_mem", true)));
+        assert_eq!(train_target("train-9090"), None);
+        assert_eq!(train_target("check-hardware"), None);
+    }
+}
