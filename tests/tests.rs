@@ -1,1 +1,6 @@
+//! One integration binary: end-to-end tests of the `kiln` binary, and hygiene
+//! checks that keep docs, presets and code in step.
 
+mod cli;
+mod hygiene;
+mod support;

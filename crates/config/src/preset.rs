@@ -90,7 +90,7 @@ fn cpu_choice(report: &HardwareReport) -> PresetChoice {
         kiln_hwdetect::GpuStatus::None { why } => why.clone(),
         kiln_hwdetect::GpuStatus::Found { .. } => String::from("no GPU"),
     };
-    let isa = report.cpu.features.names().join("+");
+    let isa = report.cpu.features.simd_class();
     let gib = report.memory.total_bytes as f64 / f64::from(1u32 << 30);
     PresetChoice {
         name: "cpu".to_string(),

@@ -39,6 +39,21 @@ pub struct IsaFeatures {
 }
 
 impl IsaFeatures {
+    /// The widest vector extension, as people name it ("AVX-512", "AVX2+FMA").
+    pub fn simd_class(&self) -> &'static str {
+        if self.avx512f {
+            "AVX-512"
+        } else if self.avx2 && self.fma {
+            "AVX2+FMA"
+        } else if self.avx {
+            "AVX"
+        } else if self.neon {
+            "NEON"
+        } else {
+            "SSE"
+        }
+    }
+
     /// The names of the features that are present, in a fixed order.
     pub fn names(&self) -> Vec<&'static str> {
         let all = [
@@ -137,7 +152,7 @@ pub fn estimate_peak(
                 fp32_flops: Some(flops),
                 flops_per_cycle: per_cycle,
                 how: format!(
-                    "estimate: {cores} cores × {:.2} GHz × {per_cycle} FLOP/cycle ({isa})",
+                    "estimate: {cores} cores × {:.2} GHz × {per_cycle} FLOP/cycle; {isa}",
                     mhz as f64 / 1000.0
                 ),
             }
@@ -145,7 +160,7 @@ pub fn estimate_peak(
         None => CpuPeak {
             fp32_flops: None,
             flops_per_cycle: per_cycle,
-            how: format!("unknown: the CPU frequency could not be read ({isa})"),
+            how: format!("unknown: the CPU frequency could not be read; {isa}"),
         },
     }
 }

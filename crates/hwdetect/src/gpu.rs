@@ -123,9 +123,9 @@ impl GpuProbe for NvmlProbe {
             Ok(nvml) => nvml,
             Err(e) => {
                 let why = match e {
-                    NvmlError::LibloadingError(e) => format!(
-                        "no NVIDIA driver: the NVML library libnvidia-ml.so.1 could not be loaded ({e})"
-                    ),
+                    NvmlError::LibloadingError(e) => {
+                        format!("no NVIDIA driver: NVML could not be loaded ({e})")
+                    }
                     NvmlError::DriverNotLoaded => {
                         "the NVIDIA driver is installed but not loaded (NVML: driver not loaded)"
                             .to_string()

@@ -1,0 +1,306 @@
+//! `kiln check-hardware`, `kiln config` and `kiln train` as a user runs them.
+
+use crate::support::{FakeGpu, fake_report, kiln};
+
+#[test]
+fn check_hardware_reports_this_machine_and_its_preset() {
+    let run = kiln(&["check-hardware"]).run().expect_code(0);
+    run.stdout_has(&[
+        "CPU ",
+        "logical cores",
+        "ISA: ",
+        "fp32 peak",
+        "Memory ",
+        "Preset ",
+        "Recommended",
+        "batch size",
+        "precision",
+        "loader",
+        "compile",
+        "checkpointing",
+    ]);
+    let report = kiln_hwdetect::detect();
+    if report.gpus().is_empty() {
+        run.stdout_has(&["GPU      none: ", "Preset   cpu — no GPU to train on"]);
+    }
+    if report.cpu.features.avx2 {
+        run.stdout_has(&["avx2", "fma"]);
+    }
+}
+
+#[test]
+fn check_hardware_json_carries_the_fields() {
+    let run = kiln(&["check-hardware", "--json"]).run().expect_code(0);
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("valid JSON");
+    assert!(
+        v["hardware"]["cpu"]["logical_cores"]
+            .as_u64()
+            .is_some_and(|n| n >= 1)
+    );
+    assert!(
+        v["hardware"]["memory"]["total_bytes"]
+            .as_u64()
+            .is_some_and(|n| n > 0)
+    );
+    assert!(v["hardware"]["cpu"]["features"]["avx2"].is_boolean());
+    assert!(v["hardware"]["gpu"]["status"].is_string());
+    assert!(v["preset"]["name"].is_string());
+    assert!(
+        v["recommended"]["batch_size"]
+            .as_u64()
+            .is_some_and(|n| n >= 1)
+    );
+    assert!(v["recommended"]["precision"].is_string());
+    // The JSON is also a report `--hardware-report` reads back.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let saved = tmp.path().join("saved.json");
+    std::fs::write(&saved, &run.stdout).expect("write");
+    let again = kiln(&[
+        "--hardware-report",
+        saved.to_str().expect("utf-8"),
+        "check-hardware",
+        "--json",
+    ])
+    .run()
+    .expect_code(0);
+    let w: serde_json::Value = serde_json::from_str(&again.stdout).expect("valid JSON");
+    assert_eq!(w["hardware"], v["hardware"]);
+}
+
+#[test]
+fn check_hardware_on_fake_gpus() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    /// (GPUs as name, GiB, compute capability; what the report must say)
+    type GpuCase<'a> = (&'a [FakeGpu<'a>], &'a [&'a str]);
+    let cases: &[GpuCase<'_>] = &[
+        (
+            &[("Tesla T4", 15, (7, 5))],
+            &[
+                "GPU 0    Tesla T4",
+                "bf16 no",
+                "Preset   t4 — T4: compute capability 7.5, no bf16 → fp16; 15 GiB",
+                "fp16 compute with loss scaling",
+                "no bf16 → fp16",
+            ],
+        ),
+        (
+            &[("NVIDIA A30", 24, (8, 0)), ("NVIDIA A30", 24, (8, 0))],
+            &[
+                "GPU 1 ",
+                "Preset   a30",
+                "2 × NVIDIA A30",
+                "bf16 compute, f32 master weights, TF32",
+            ],
+        ),
+        (
+            &[("NVIDIA H200", 141, (9, 0))],
+            &[
+                "fp8 yes",
+                "fp8 1978.9",
+                "H200 Tensor Core GPU data sheet",
+                "Preset   h100",
+            ],
+        ),
+    ];
+    for (gpus, wants) in cases {
+        let report = fake_report(tmp.path(), gpus);
+        kiln(&[
+            "--hardware-report",
+            report.to_str().expect("utf-8"),
+            "check-hardware",
+        ])
+        .run()
+        .expect_code(0)
+        .stdout_has(wants);
+    }
+}
+
+#[test]
+fn check_gpu_exits_1_without_a_gpu() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let none = fake_report(tmp.path(), &[]);
+    kiln(&[
+        "--hardware-report",
+        none.to_str().expect("utf-8"),
+        "check-gpu",
+    ])
+    .run()
+    .expect_code(1)
+    .stdout_has(&["none: no NVIDIA driver"]);
+    let t4 = fake_report(tmp.path(), &[("Tesla T4", 15, (7, 5))]);
+    kiln(&[
+        "--hardware-report",
+        t4.to_str().expect("utf-8"),
+        "check-gpu",
+    ])
+    .run()
+    .expect_code(0)
+    .stdout_has(&["Tesla T4"]);
+}
+
+#[test]
+fn config_explain_shows_each_source() {
+    kiln(&[
+        "config",
+        "hardware=t4",
+        "experiment=nli_snli",
+        "training.batch_size=10",
+        "--explain",
+    ])
+    .run()
+    .expect_code(0)
+    .stdout_has(&[
+        "training.batch_size = 10",
+        "# command line (training.batch_size=10)",
+        "precision.amp_dtype = \"fp16\"",
+        "# hardware preset `t4` (presets/hardware/t4.toml:18)",
+    ]);
+    kiln(&["config", "--explain"])
+        .env("KILN_TRAINING__BATCH_SIZE", "7")
+        .run()
+        .expect_code(0)
+        .stdout_has(&[
+            "training.batch_size = 7",
+            "# environment (KILN_TRAINING__BATCH_SIZE)",
+        ]);
+}
+
+#[test]
+fn config_prints_toml_that_reads_back_as_a_config_file() {
+    let run = kiln(&["config", "hardware=cpu", "training.seed=7"])
+        .run()
+        .expect_code(0);
+    let parsed: toml::Table = toml::from_str(&run.stdout).expect("TOML");
+    assert_eq!(parsed["training"]["seed"].as_integer(), Some(7));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let file = tmp.path().join("resolved.toml");
+    std::fs::write(&file, &run.stdout).expect("write");
+    kiln(&[
+        "config",
+        "--explain",
+        "--config",
+        file.to_str().expect("utf-8"),
+    ])
+    .run()
+    .expect_code(0)
+    .stdout_has(&["training.seed = 7", "# config file ("]);
+}
+
+#[test]
+fn bad_input_exits_2_with_key_value_and_layer() {
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["config", "training.batch_sise=3"],
+            &[
+                "unknown key `training.batch_sise`",
+                "did you mean `training.batch_size`?",
+            ],
+        ),
+        (
+            &["config", "training.batch_size=-1"],
+            &[
+                "invalid value -1 for `training.batch_size`",
+                "command line (training.batch_size=-1)",
+            ],
+        ),
+        (
+            &["config", "training.batch_size=abc"],
+            &[
+                "invalid value \"abc\" for `training.batch_size`",
+                "command line",
+            ],
+        ),
+        (
+            &["config", "hardware=nope"],
+            &["unknown hardware preset `nope`", "a100, a100_80gb", "t4"],
+        ),
+        (
+            &["config", "--config", "missing.toml"],
+            &["failed to read `missing.toml`"],
+        ),
+        (
+            &["--hardware-report", "missing.json", "check-hardware"],
+            &["missing.json"],
+        ),
+        (
+            &["--presets", "/nonexistent", "config"],
+            &["no presets directory"],
+        ),
+    ];
+    for (args, wants) in cases {
+        let run = kiln(args).run();
+        assert_eq!(run.code, 2, "{args:?}: {}", run.stderr);
+        run.stderr_has(wants);
+    }
+    // clap's own usage errors are bad input too.
+    assert_eq!(kiln(&["config", "--no-such-flag"]).run().code, 2);
+}
+
+#[test]
+fn a_broken_preset_names_file_and_line() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let presets = tmp.path().join("presets");
+    for group in ["hardware", "experiment"] {
+        std::fs::create_dir_all(presets.join(group)).expect("mkdir");
+    }
+    let src = crate::support::root().join("presets");
+    std::fs::copy(src.join("defaults.toml"), presets.join("defaults.toml")).expect("copy");
+    std::fs::copy(
+        src.join("experiment/shakespeare_char.toml"),
+        presets.join("experiment/shakespeare_char.toml"),
+    )
+    .expect("copy");
+    std::fs::write(
+        presets.join("hardware/cpu.toml"),
+        "[training]\nbatch_size = 4\nbatch_size = 5\n",
+    )
+    .expect("write");
+    let run = kiln(&["config", "hardware=cpu"]).cwd(tmp.path()).run();
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    run.stderr_has(&["presets/hardware/cpu.toml` line 3", "invalid TOML"]);
+}
+
+#[test]
+fn a_gpu_preset_on_the_wrong_machine_needs_force() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let none = fake_report(tmp.path(), &[]);
+    let report = none.to_str().expect("utf-8");
+    let run = kiln(&["--hardware-report", report, "train", "hardware=gpu_4090"]).run();
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    run.stderr_has(&[
+        "hardware preset `gpu_4090` is for RTX 4090",
+        "no GPU",
+        "--force",
+    ]);
+    // Forced, it goes on and says so; training itself is not built yet, and says that too.
+    let forced = kiln(&[
+        "--hardware-report",
+        report,
+        "train",
+        "hardware=gpu_4090",
+        "--force",
+    ])
+    .run();
+    forced.stderr_has(&["running anyway (--force)", "training is not built yet"]);
+    forced.stdout_has(&["hardware = \"gpu_4090\"", "batch_size = 16"]);
+    assert_eq!(forced.code, 1);
+}
+
+#[test]
+fn a_report_read_on_a_real_h200_replays() {
+    // Recorded with `kiln check-hardware --json` on a lent H200 machine.
+    let report = crate::support::root().join("tests/data/h200-check-hardware.json");
+    kiln(&[
+        "--hardware-report",
+        report.to_str().expect("utf-8"),
+        "check-hardware",
+    ])
+    .run()
+    .expect_code(0)
+    .stdout_has(&[
+        "GPU 0    NVIDIA H200, 140.4 GiB",
+        "compute capability 9.0",
+        "Driver   580.159.04, CUDA 13.0",
+        "Preset   h100 — H200: compute capability 9.0, bf16; 140 GiB",
+    ]);
+}

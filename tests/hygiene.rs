@@ -1,0 +1,271 @@
+//! Checks that keep the repository honest: every module documented, every
+//! preset value explained, the docs in step with the code and the presets.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use crate::support::root;
+
+fn files_with_extension(dir: &Path, ext: &str, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name();
+        if name == "target" || name.to_string_lossy().starts_with('.') {
+            continue;
+        }
+        if path.is_dir() {
+            files_with_extension(&path, ext, out);
+        } else if path.extension().is_some_and(|e| e == ext) {
+            out.push(path);
+        }
+    }
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
+}
+
+#[test]
+fn every_rust_file_starts_with_a_module_doc() {
+    let mut files = Vec::new();
+    for dir in ["crates", "xtask", "tests"] {
+        files_with_extension(&root().join(dir), "rs", &mut files);
+    }
+    assert!(files.len() > 10);
+    let undocumented: Vec<_> = files
+        .iter()
+        .filter(|f| !read(f).trim_start().starts_with("//!"))
+        .collect();
+    assert!(
+        undocumented.is_empty(),
+        "files without a leading `//!` doc: {undocumented:?}"
+    );
+}
+
+#[test]
+fn every_preset_value_says_why() {
+    // Each key line needs a comment above it, directly or heading its group of
+    // consecutive keys, in the same table.
+    let mut files = Vec::new();
+    files_with_extension(&root().join("presets"), "toml", &mut files);
+    assert!(files.len() >= 15, "{files:?}");
+    for file in files {
+        let mut explained = false;
+        for (n, line) in read(&file).lines().enumerate() {
+            let line = line.trim();
+            if line.starts_with('#') {
+                explained = true;
+            } else if line.is_empty() || line.starts_with('[') {
+                explained = false;
+            } else if !explained && !line.contains(" # ") {
+                panic!(
+                    "{}:{}: `{line}` has no comment saying why",
+                    file.display(),
+                    n + 1
+                );
+            }
+        }
+    }
+}
+
+/// Every dotted key of the configuration, from `kiln config` on the defaults.
+fn config_keys() -> BTreeSet<String> {
+    let text = read(&root().join("presets/defaults.toml"));
+    let table: toml::Table = toml::from_str(&text).expect("defaults.toml parses");
+    let mut keys = BTreeSet::new();
+    fn walk(t: &toml::Table, prefix: &str, out: &mut BTreeSet<String>) {
+        for (k, v) in t {
+            let key = if prefix.is_empty() {
+                k.clone()
+            } else {
+                format!("{prefix}.{k}")
+            };
+            match v {
+                toml::Value::Table(inner) => walk(inner, &key, out),
+                _ => {
+                    out.insert(key);
+                }
+            }
+        }
+    }
+    walk(&table, "", &mut keys);
+    keys
+}
+
+#[test]
+fn defaults_name_every_key_of_run_config() {
+    // A RunConfig serialised has every field; defaults.toml must set each.
+    let run = crate::support::kiln(&["config", "hardware=cpu"])
+        .run()
+        .expect_code(0);
+    let resolved: toml::Table = toml::from_str(&run.stdout).expect("TOML");
+    let mut from_struct = BTreeSet::new();
+    for (k, v) in &resolved {
+        match v {
+            toml::Value::Table(t) => from_struct.extend(t.keys().map(|f| format!("{k}.{f}"))),
+            _ => {
+                from_struct.insert(k.clone());
+            }
+        }
+    }
+    assert_eq!(from_struct, config_keys());
+}
+
+#[test]
+fn config_doc_lists_every_key_with_its_default() {
+    let doc = read(&root().join("docs/CONFIG.md"));
+    let defaults: toml::Table =
+        toml::from_str(&read(&root().join("presets/defaults.toml"))).expect("parses");
+    let mut documented = BTreeSet::new();
+    for line in doc.lines() {
+        // | `training.batch_size` | `12` | meaning |
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        if cells.len() < 4 || !cells[1].starts_with('`') {
+            continue;
+        }
+        let key = cells[1].trim_matches('`');
+        if !key.contains('.') && !["hardware", "experiment", "workload"].contains(&key) {
+            continue;
+        }
+        let mut value = toml::Value::Table(defaults.clone());
+        for part in key.split('.') {
+            value = value
+                .get(part)
+                .cloned()
+                .unwrap_or_else(|| panic!("docs/CONFIG.md documents `{key}`, which is not a key"));
+        }
+        assert_eq!(
+            cells[2].trim_matches('`'),
+            value.to_string(),
+            "docs/CONFIG.md default of `{key}`"
+        );
+        documented.insert(key.to_string());
+    }
+    let missing: Vec<_> = config_keys().difference(&documented).cloned().collect();
+    assert!(missing.is_empty(), "docs/CONFIG.md lacks {missing:?}");
+}
+
+/// The preset table of docs/PRESETS.md, made from the preset files.
+fn presets_table() -> String {
+    let dir = root().join("presets");
+    let report = kiln_hwdetect::detect_with(&kiln_hwdetect::FixedProbe(
+        kiln_hwdetect::GpuStatus::None { why: String::new() },
+        kiln_hwdetect::DriverInfo::default(),
+    ));
+    let resolve = |hardware: &str, experiment: &str| {
+        let overrides = [
+            format!("hardware={hardware}"),
+            format!("experiment={experiment}"),
+        ];
+        kiln_config::resolve(&kiln_config::LoadOptions {
+            presets_dir: &dir,
+            config_file: None,
+            overrides: &overrides,
+            env: &[],
+            hardware: &report,
+        })
+        .unwrap_or_else(|e| panic!("{hardware}: {e}"))
+        .config
+    };
+    let mut out = String::from(
+        "| preset | for | batch × accum (lm) | batch × accum (nli) | max_length (lm) | precision | tf32 | compile | grad. checkpointing | freeze encoder | workers |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for name in kiln_config::available_presets(&dir, "hardware") {
+        let lm = resolve(&name, "shakespeare_char");
+        let nli = resolve(&name, "nli_snli");
+        let gpus = kiln_config::PRESET_GPUS
+            .iter()
+            .find(|(p, _)| *p == name)
+            .map(|(_, models)| models.join(", "))
+            .unwrap_or_else(|| match name.as_str() {
+                "cpu" => "no GPU".to_string(),
+                "low_mem" => "8–12 GB GPUs".to_string(),
+                "conservative" => "any GPU".to_string(),
+                _ => String::from("—"),
+            });
+        let p = &lm.precision;
+        let precision = if p.amp {
+            format!("{:?}", p.amp_dtype).to_lowercase()
+        } else {
+            "f32".to_string()
+        };
+        let yes = |b: bool| if b { "yes" } else { "no" };
+        out.push_str(&format!(
+            "| `{name}` | {gpus} | {} × {} | {} × {} | {} | {precision} | {} | {} | {} | {} | {} |\n",
+            lm.training.batch_size,
+            lm.training.gradient_accumulation_steps,
+            nli.training.batch_size,
+            nli.training.gradient_accumulation_steps,
+            lm.model.max_length,
+            yes(p.tf32),
+            yes(lm.optimization.compile),
+            yes(lm.model.gradient_checkpointing),
+            yes(lm.model.freeze_encoder),
+            lm.loader.num_workers,
+        ));
+    }
+    out
+}
+
+#[test]
+fn presets_doc_table_matches_the_files() {
+    let path = root().join("docs/PRESETS.md");
+    let doc = read(&path);
+    let (start, end) = ("<!-- presets:start -->\n", "<!-- presets:end -->");
+    let (Some(a), Some(b)) = (doc.find(start), doc.find(end)) else {
+        panic!("docs/PRESETS.md lacks the {start:?} … {end:?} markers");
+    };
+    let table = presets_table();
+    let current = &doc[a + start.len()..b];
+    if current != table {
+        if std::env::var_os("UPDATE_DOCS").is_some() {
+            let updated = format!("{}{table}{}", &doc[..a + start.len()], &doc[b..]);
+            std::fs::write(&path, updated).expect("write docs/PRESETS.md");
+        } else {
+            panic!(
+                "docs/PRESETS.md is out of date with presets/: run `UPDATE_DOCS=1 cargo test -p kiln-tests` to regenerate. Expected:\n{table}"
+            );
+        }
+    }
+}
+
+#[test]
+fn detection_and_config_crates_do_not_depend_on_burn() {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    for krate in ["kiln-hwdetect", "kiln-config"] {
+        let out = std::process::Command::new(&cargo)
+            .args([
+                "tree",
+                "--offline",
+                "--package",
+                krate,
+                "--edges",
+                "normal",
+                "--prefix",
+                "none",
+            ])
+            .current_dir(root())
+            .output()
+            .expect("run cargo tree");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let tree = String::from_utf8_lossy(&out.stdout);
+        assert!(tree.contains(krate), "{tree}");
+        let ml: Vec<&str> = tree
+            .lines()
+            .filter(|l| {
+                l.starts_with("burn")
+                    || l.starts_with("cubecl")
+                    || l.starts_with("kiln-model")
+                    || l.starts_with("kiln-train")
+            })
+            .collect();
+        assert!(ml.is_empty(), "{krate} depends on {ml:?}");
+    }
+}

@@ -1,0 +1,156 @@
+//! Running the `kiln` binary and reading what it printed.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+/// The repository root.
+pub(crate) fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+/// The `kiln` binary of this build profile, built on first use if
+/// `cargo test` did not build it (as with `cargo test -p kiln-tests`).
+pub(crate) fn kiln_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().expect("test binary path");
+        // target/<profile>/deps/tests-<hash> → target/<profile>/kiln
+        let profile_dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("test binary in target/<profile>/deps");
+        let bin = profile_dir.join(format!("kiln{}", std::env::consts::EXE_SUFFIX));
+        if !bin.is_file() {
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let profile = profile_dir
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or("debug");
+            let profile = if profile == "debug" { "dev" } else { profile };
+            let status = Command::new(cargo)
+                .args([
+                    "build",
+                    "--package",
+                    "kiln-cli",
+                    "--bin",
+                    "kiln",
+                    "--profile",
+                    profile,
+                ])
+                .current_dir(root())
+                .status()
+                .expect("run cargo build");
+            assert!(status.success(), "building kiln failed");
+        }
+        bin
+    })
+}
+
+/// What one run of `kiln` did.
+#[derive(Debug)]
+pub(crate) struct Run {
+    pub(crate) code: i32,
+    pub(crate) stdout: String,
+    pub(crate) stderr: String,
+}
+
+impl Run {
+    /// Panics with both streams unless the exit code is `code`.
+    pub(crate) fn expect_code(self, code: i32) -> Self {
+        assert_eq!(
+            self.code, code,
+            "exit code\n--- stdout\n{}\n--- stderr\n{}",
+            self.stdout, self.stderr
+        );
+        self
+    }
+
+    pub(crate) fn stdout_has(&self, parts: &[&str]) -> &Self {
+        for part in parts {
+            assert!(
+                self.stdout.contains(part),
+                "stdout lacks `{part}`:\n{}",
+                self.stdout
+            );
+        }
+        self
+    }
+
+    pub(crate) fn stderr_has(&self, parts: &[&str]) -> &Self {
+        for part in parts {
+            assert!(
+                self.stderr.contains(part),
+                "stderr lacks `{part}`:\n{}",
+                self.stderr
+            );
+        }
+        assert!(!self.stderr.contains("panicked"), "panic:\n{}", self.stderr);
+        self
+    }
+}
+
+/// A `kiln` command: arguments, environment (the test's `KILN_*` variables
+/// are removed) and working directory (the repository root by default).
+pub(crate) struct Kiln {
+    cmd: Command,
+}
+
+pub(crate) fn kiln(args: &[&str]) -> Kiln {
+    let mut cmd = Command::new(kiln_bin());
+    cmd.args(args).current_dir(root());
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("KILN_") {
+            cmd.env_remove(name);
+        }
+    }
+    Kiln { cmd }
+}
+
+impl Kiln {
+    pub(crate) fn env(mut self, key: &str, value: &str) -> Self {
+        self.cmd.env(key, value);
+        self
+    }
+
+    pub(crate) fn cwd(mut self, dir: &Path) -> Self {
+        self.cmd.current_dir(dir);
+        self
+    }
+
+    pub(crate) fn run(mut self) -> Run {
+        let out = self.cmd.output().expect("run kiln");
+        Run {
+            code: out.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+}
+
+/// A fake GPU: NVML name, memory in GiB, compute capability.
+pub(crate) type FakeGpu<'a> = (&'a str, u64, (u32, u32));
+
+/// A saved hardware report with the given GPUs, as a file for `--hardware-report`.
+pub(crate) fn fake_report(dir: &Path, gpus: &[FakeGpu<'_>]) -> PathBuf {
+    use kiln_hwdetect::{DriverInfo, FixedProbe, GpuInfo, GpuStatus, detect_with};
+    let status = if gpus.is_empty() {
+        GpuStatus::None {
+            why: "no NVIDIA driver (fake report)".into(),
+        }
+    } else {
+        GpuStatus::Found {
+            gpus: gpus
+                .iter()
+                .zip(0u32..)
+                .map(|((name, gib, cc), i)| GpuInfo::new(i, name, gib << 30, gib << 30, *cc))
+                .collect(),
+        }
+    };
+    let report = detect_with(&FixedProbe(status, DriverInfo::default()));
+    let path = dir.join("report.json");
+    std::fs::write(&path, serde_json::to_string(&report).expect("json")).expect("write report");
+    path
+}
