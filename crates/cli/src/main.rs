@@ -6,10 +6,13 @@
 #![allow(clippy::print_stderr, reason = "the CLI prints its errors")]
 
 mod hardware;
+mod progress;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::{Parser, Subcommand};
 use kiln_config::{ConfigError, LoadOptions, ResolvedConfig};
@@ -50,7 +53,7 @@ enum Command {
         #[command(flatten)]
         layers: Layers,
     },
-    /// Train with the resolved configuration
+    /// Train with the resolved configuration, in a new run directory
     Train {
         /// Run a GPU preset on a machine without that GPU
         #[arg(long)]
@@ -58,6 +61,34 @@ enum Command {
         #[command(flatten)]
         layers: Layers,
     },
+    /// Continue a run from its newest good checkpoint
+    Resume {
+        /// The run directory (`runs/<time>-<experiment>`)
+        run: PathBuf,
+    },
+    /// Time training steps: tokens/s, ms/step, MFU, data-wait, the step's phases
+    Bench {
+        /// What to time
+        #[arg(value_enum)]
+        workload: BenchWorkload,
+        /// Steps not timed (start-up, caches)
+        #[arg(long, default_value_t = 5)]
+        warmup: usize,
+        /// Steps timed
+        #[arg(long, default_value_t = 30)]
+        steps: usize,
+        /// Machine-readable output
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        layers: Layers,
+    },
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum BenchWorkload {
+    /// The GPT language model
+    Lm,
 }
 
 /// The configuration layers a command takes.
@@ -150,12 +181,52 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 eprintln!("warning: {msg}; running anyway (--force)");
             }
-            write!(out, "{}", header(&resolved))?;
-            write!(out, "{}", resolved.to_toml())?;
-            out.flush()?;
-            anyhow::bail!(
-                "training is not built yet: nothing was trained (above is the configuration a run would use)"
-            );
+            drop(out);
+            if let Some(choice) = &resolved.hardware_choice {
+                println!("kiln: hardware = {}: {}", choice.name, choice.why);
+            }
+            let sources = explain_text(&resolved).lines().map(String::from).collect();
+            let options = train_options(report, sources)?;
+            let outcome = kiln_train::train_lm(&resolved.config, &options, &mut progress::Printer::new())
+                .map_err(train_error)?;
+            return Ok(finish(outcome));
+        }
+        Command::Resume { run } => {
+            drop(out);
+            let options = train_options(report, Vec::new())?;
+            let outcome =
+                kiln_train::resume(&run, &options, &mut progress::Printer::new()).map_err(train_error)?;
+            return Ok(finish(outcome));
+        }
+        Command::Bench {
+            workload: BenchWorkload::Lm,
+            warmup,
+            steps,
+            json,
+            layers,
+        } => {
+            let resolved = resolve(presets, &report, &layers)?;
+            let result = kiln_train::bench_lm(
+                &resolved.config,
+                &report,
+                kiln_train::BenchOptions { warmup, steps },
+            )
+            .map_err(train_error)?;
+            if json {
+                let value = serde_json::json!({
+                    "bench": result,
+                    "hardware": {
+                        "cpu": report.cpu.model,
+                        "cores": report.cpu.logical_cores,
+                        "peak_fp32_flops": report.cpu.peak.fp32_flops,
+                        "gpus": report.gpus().iter().map(|g| g.name.clone()).collect::<Vec<_>>(),
+                    },
+                    "config": resolved.config,
+                });
+                writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+            } else {
+                write!(out, "{}", bench_text(&result))?;
+            }
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -204,6 +275,85 @@ fn resolve(
         env: &env,
         hardware: report,
     })?)
+}
+
+/// Options for a training run: Ctrl-C stops it after the current step with a
+/// checkpoint; a second Ctrl-C ends the process at once.
+fn train_options(
+    hardware: HardwareReport,
+    sources: Vec<String>,
+) -> anyhow::Result<kiln_train::TrainOptions> {
+    let interrupt = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&interrupt);
+    ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        eprintln!("\nkiln: stopping after this step with a checkpoint (Ctrl-C again to quit at once)");
+    })?;
+    Ok(kiln_train::TrainOptions {
+        interrupt,
+        hardware,
+        sources,
+    })
+}
+
+/// Training errors the user can fix are bad input (exit 2).
+fn train_error(e: kiln_train::TrainError) -> anyhow::Error {
+    if e.is_bad_input() {
+        anyhow::Error::new(BadInput(format!("{e:#}")))
+    } else {
+        anyhow::Error::new(e)
+    }
+}
+
+fn finish(outcome: kiln_train::Outcome) -> ExitCode {
+    match outcome {
+        kiln_train::Outcome::Finished { run, .. } => {
+            println!("run directory: {}", run.display());
+            ExitCode::SUCCESS
+        }
+        kiln_train::Outcome::Interrupted {
+            run,
+            step,
+            checkpoint,
+        } => {
+            println!(
+                "interrupted after step {step}; checkpoint {}\nresume with: kiln resume {}",
+                checkpoint.display(),
+                run.display()
+            );
+            ExitCode::from(130)
+        }
+    }
+}
+
+fn bench_text(r: &kiln_train::BenchResult) -> String {
+    let p = &r.phases;
+    format!(
+        "bench lm on {}: {} timed steps after {} warm-up, {} tokens per step\n\
+         tokens/s: median {:.0} (min {:.0}, max {:.0}); {:.1} ms/step\n\
+         MFU: {} against {}\n\
+         data-wait: {:.2}% of step time; peak memory {:.0} MiB\n\
+         phases (median ms): data wait {:.2}, host-to-device {:.2}, forward {:.1}, backward {:.1}, optimizer {:.1}\n",
+        r.backend,
+        r.timed_steps,
+        r.warmup_steps,
+        r.tokens_per_step,
+        r.tokens_per_s_median,
+        r.tokens_per_s_min,
+        r.tokens_per_s_max,
+        r.ms_per_step_median,
+        r.mfu.map_or("n/a".to_string(), |m| format!("{:.1}%", m * 100.0)),
+        r.mfu_peak,
+        r.data_wait_pct,
+        r.peak_memory_bytes as f64 / f64::from(1u32 << 20),
+        p.data_wait_ms,
+        p.host_to_device_ms,
+        p.forward_ms,
+        p.backward_ms,
+        p.optimizer_ms,
+    )
 }
 
 fn header(resolved: &ResolvedConfig) -> String {

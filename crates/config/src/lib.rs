@@ -23,7 +23,8 @@ mod schema;
 pub use error::ConfigError;
 pub use layer::{LayerKind, Source};
 pub use load::{
-    ExplainRow, LoadOptions, ResolvedConfig, available_presets, find_presets_dir, resolve,
+    ExplainRow, LoadOptions, ResolvedConfig, available_presets, find_presets_dir, read_run_config,
+    resolve,
 };
 pub use preset::{
     ANY_GPU_PRESETS, PRESET_GPUS, PresetChoice, check_preset_fits, choose_preset,

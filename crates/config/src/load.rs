@@ -238,24 +238,24 @@ pub fn resolve(opts: &LoadOptions<'_>) -> Result<ResolvedConfig, ConfigError> {
             },
         );
     }
-    let problems: Vec<ConfigError> = config
-        .validate()
-        .into_iter()
-        .map(|p| ConfigError::InvalidValue {
-            key: p.key.to_string(),
-            value: resolver.value_text(p.key),
-            problem: p.problem,
-            set_by: Box::new(resolver.source_of(p.key)),
-        })
-        .collect();
-    if !problems.is_empty() {
-        return Err(many(problems));
-    }
+    resolver.check_ranges(&config)?;
     Ok(ResolvedConfig {
         config,
         sources,
         hardware_choice: choice,
     })
+}
+
+/// Reads a configuration a run saved (its `config.toml`): one file that sets
+/// every key, checked as strictly as a resolved one.
+pub fn read_run_config(path: &Path) -> Result<RunConfig, ConfigError> {
+    let layer = Layer::from_file(LayerKind::ConfigFile, path)?;
+    let known_keys = leaf_keys(&layer.dict);
+    let layers = [layer];
+    let resolver = Resolver::new(&layers, &known_keys);
+    let config: RunConfig = resolver.extract_all()?;
+    resolver.check_ranges(&config)?;
+    Ok(config)
 }
 
 fn preset_layer(
@@ -362,6 +362,25 @@ impl<'a> Resolver<'a> {
 
     fn extract_all(&self) -> Result<RunConfig, ConfigError> {
         self.figment.extract().map_err(|e| self.map_error(e, None))
+    }
+
+    /// `RunConfig::validate`'s problems, each with its value and source.
+    fn check_ranges(&self, config: &RunConfig) -> Result<(), ConfigError> {
+        let problems: Vec<ConfigError> = config
+            .validate()
+            .into_iter()
+            .map(|p| ConfigError::InvalidValue {
+                key: p.key.to_string(),
+                value: self.value_text(p.key),
+                problem: p.problem,
+                set_by: Box::new(self.source_of(p.key)),
+            })
+            .collect();
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(many(problems))
+        }
     }
 
     /// The layer that set `key` last, and where in it.

@@ -25,6 +25,7 @@ pub struct RunConfig {
     pub loader: LoaderSection,
     pub device: DeviceSection,
     pub cv: CvSection,
+    pub sample: SampleSection,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -88,6 +89,10 @@ pub struct DataSection {
     pub val_fraction: f64,
     /// Use only the first N characters of the corpus; 0 uses all of it.
     pub max_chars: usize,
+    /// A `tokenizer.json` to use instead of training one; empty trains one.
+    pub tokenizer_file: String,
+    /// Where encoded corpora are cached, keyed by corpus and tokenizer.
+    pub cache_dir: String,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -208,6 +213,18 @@ pub enum Backend {
 pub struct CvSection {
     /// Cross-validation folds (nli).
     pub folds: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SampleSection {
+    /// Texts generated at the end of a language-model run.
+    pub count: usize,
+    /// Tokens per text.
+    pub tokens: usize,
+    pub temperature: f64,
+    /// Sample among the k most likely tokens; 0 samples among all.
+    pub top_k: usize,
 }
 
 /// A value outside its valid range: the key and what is wrong with it.

@@ -1,6 +1,28 @@
-//! kiln-data: tokenizers, datasets and the parallel loader, with no ML
-//! framework: it yields host batches (token ids, masks, labels) and measures
-//! how long the consumer waited for each.
+//! kiln-data: tokenizers, token caches and a parallel batch loader, with no
+//! ML framework. It yields host batches (token ids) and measures how long the
+//! consumer waited for each.
 //!
-//! Not built yet: this crate is a placeholder in the workspace layout, and
-//! exports nothing.
+//! - [`Tokenizer`]: character-level (vocabulary read off the corpus) or
+//!   byte-level BPE trained locally, both Hugging Face `tokenizers` models
+//!   saved as a `tokenizer.json` that Python's `tokenizers` loads.
+//! - [`read_corpus`] and [`encode_cached`]: a UTF-8 corpus encoded once, in
+//!   parallel, into a cache keyed by the corpus hash and the tokenizer.
+//! - [`LmWindows`]: nanoGPT's random windows, batch `k` drawn from its own
+//!   seeded RNG so that the sequence does not depend on who draws it.
+//! - [`Loader`]: N worker threads with bounded prefetch, the same batches in
+//!   the same order whatever N, and the wait for each batch measured;
+//!   [`benchmark_loader`] times it alone.
+
+mod cache;
+mod corpus;
+mod error;
+mod loader;
+mod tokenizer;
+mod windows;
+
+pub use cache::{CacheOutcome, encode_cached};
+pub use corpus::{Corpus, read_corpus};
+pub use error::DataError;
+pub use loader::{BatchSource, Loaded, Loader, LoaderBenchmark, benchmark_loader};
+pub use tokenizer::{Tokenizer, TokenizerKind};
+pub use windows::{LmWindows, Split, TokenBatch};

@@ -1,5 +1,10 @@
-//! kiln-model: the Burn models (a GPT decoder and a sentence-pair encoder
-//! classifier) and their FLOP counts. No I/O.
+//! kiln-model: Burn models and their FLOP counts. No I/O.
 //!
-//! Not built yet: this crate is a placeholder in the workspace layout, and
-//! exports nothing.
+//! - [`Gpt`]: a GPT decoder (token and position embeddings, pre-LayerNorm
+//!   blocks, causal self-attention, GELU MLP, weight tying, dropout), its
+//!   parameter count, FLOPs per token as nanoGPT counts them, and
+//!   [`Gpt::generate`].
+
+mod gpt;
+
+pub use gpt::{GeluKind, Gpt, GptConfig, cross_entropy};

@@ -1,0 +1,85 @@
+//! Reading a text corpus: UTF-8 checked with the offending byte and line named.
+
+use std::path::{Path, PathBuf};
+
+use crate::DataError;
+
+/// A corpus read into memory.
+#[derive(Clone, Debug)]
+pub struct Corpus {
+    pub path: PathBuf,
+    pub text: String,
+}
+
+/// Reads a UTF-8 text file, keeping at most `max_chars` characters (0: all).
+pub fn read_corpus(path: &Path, max_chars: usize) -> Result<Corpus, DataError> {
+    let bytes = std::fs::read(path).map_err(|source| DataError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    if bytes.is_empty() {
+        return Err(DataError::Empty {
+            path: path.to_path_buf(),
+        });
+    }
+    let mut text = match String::from_utf8(bytes) {
+        Ok(text) => text,
+        Err(e) => {
+            let offset = e.utf8_error().valid_up_to();
+            let bytes = e.as_bytes();
+            let line = bytes[..offset].iter().filter(|b| **b == b'\n').count() + 1;
+            return Err(DataError::NotUtf8 {
+                path: path.to_path_buf(),
+                offset,
+                line,
+                byte: bytes[offset],
+            });
+        }
+    };
+    if max_chars > 0
+        && let Some((cut, _)) = text.char_indices().nth(max_chars)
+    {
+        text.truncate(cut);
+    }
+    if text.trim().is_empty() {
+        return Err(DataError::Empty {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(Corpus {
+        path: path.to_path_buf(),
+        text,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(bytes: &[u8]) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("c.txt");
+        std::fs::write(&path, bytes).expect("write");
+        (dir, path)
+    }
+
+    #[test]
+    fn bad_corpora_are_named_errors() {
+        let (_d, empty) = file(b"");
+        assert!(matches!(read_corpus(&empty, 0), Err(DataError::Empty { .. })));
+        let (_d, blank) = file(b"  \n\n");
+        assert!(matches!(read_corpus(&blank, 0), Err(DataError::Empty { .. })));
+        let (_d, latin1) = file(b"ok\nline two\ncaf\xe9\n");
+        let err = read_corpus(&latin1, 0).expect_err("not utf-8").to_string();
+        assert!(err.contains("byte 0xe9 at byte 15 (line 3)"), "{err}");
+        let err = read_corpus(Path::new("/no/such/file.txt"), 0).expect_err("missing");
+        assert!(err.to_string().contains("/no/such/file.txt"));
+    }
+
+    #[test]
+    fn max_chars_cuts_on_a_character_boundary() {
+        let (_d, path) = file("héllo wörld".as_bytes());
+        assert_eq!(read_corpus(&path, 4).expect("reads").text, "héll");
+        assert_eq!(read_corpus(&path, 0).expect("reads").text, "héllo wörld");
+    }
+}

@@ -1,0 +1,143 @@
+//! nanoGPT's batches: random windows of `block + 1` tokens, inputs and
+//! targets shifted by one. Batch `k` is drawn from an RNG seeded by
+//! (seed, split, k) alone, so every worker draws the same batch `k`.
+
+use std::sync::Arc;
+
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+use crate::loader::BatchSource;
+
+/// A batch of token windows, row-major `[batch, block]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenBatch {
+    /// Position in the batch sequence (what a resumed run starts from).
+    pub index: u64,
+    pub batch_size: usize,
+    pub block: usize,
+    pub inputs: Vec<u32>,
+    pub targets: Vec<u32>,
+}
+
+/// Which part of the corpus a sampler draws from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Split {
+    Train,
+    Val,
+}
+
+/// Random windows over one split of a token sequence.
+#[derive(Clone, Debug)]
+pub struct LmWindows {
+    tokens: Arc<[u32]>,
+    batch_size: usize,
+    block: usize,
+    seed: u64,
+    split: Split,
+}
+
+impl LmWindows {
+    /// `tokens` must hold at least `block + 1` ids (checked by the caller,
+    /// which can name the file).
+    pub fn new(tokens: Arc<[u32]>, batch_size: usize, block: usize, seed: u64, split: Split) -> Self {
+        Self {
+            tokens,
+            batch_size,
+            block,
+            seed,
+            split,
+        }
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Batches per pass over the split: tokens / (batch × block), at least 1.
+    pub fn batches_per_epoch(&self) -> u64 {
+        ((self.tokens.len() / (self.batch_size * self.block).max(1)) as u64).max(1)
+    }
+
+    fn rng(&self, index: u64) -> StdRng {
+        let split = match self.split {
+            Split::Train => 0x5452_4149_4e00_0000u64,
+            Split::Val => 0x5641_4c00_0000_0000u64,
+        };
+        StdRng::seed_from_u64(splitmix64(splitmix64(self.seed ^ split) ^ index))
+    }
+}
+
+impl BatchSource for LmWindows {
+    type Batch = TokenBatch;
+
+    fn batch(&self, index: u64) -> TokenBatch {
+        let mut rng = self.rng(index);
+        let span = self.tokens.len().saturating_sub(self.block).max(1);
+        let mut inputs = Vec::with_capacity(self.batch_size * self.block);
+        let mut targets = Vec::with_capacity(self.batch_size * self.block);
+        for _ in 0..self.batch_size {
+            let start = rng.random_range(0..span);
+            let window = &self.tokens[start..(start + self.block + 1).min(self.tokens.len())];
+            inputs.extend_from_slice(&window[..self.block]);
+            targets.extend_from_slice(&window[1..]);
+        }
+        TokenBatch {
+            index,
+            batch_size: self.batch_size,
+            block: self.block,
+            inputs,
+            targets,
+        }
+    }
+}
+
+/// A 64-bit mixer (Steele et al.'s SplitMix64 finaliser).
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn windows(seed: u64, split: Split) -> LmWindows {
+        let tokens: Arc<[u32]> = (0..1000u32).collect();
+        LmWindows::new(tokens, 4, 8, seed, split)
+    }
+
+    #[test]
+    fn targets_are_inputs_shifted_by_one() {
+        let b = windows(1, Split::Train).batch(0);
+        assert_eq!(b.inputs.len(), 32);
+        for row in 0..4 {
+            let x = &b.inputs[row * 8..row * 8 + 8];
+            let y = &b.targets[row * 8..row * 8 + 8];
+            for i in 0..8 {
+                assert_eq!(y[i], x[i] + 1);
+            }
+        }
+    }
+
+    #[test]
+    fn batches_depend_on_seed_split_and_index_only() {
+        let a = windows(7, Split::Train);
+        assert_eq!(a.batch(5), a.batch(5));
+        assert_eq!(a.batch(5), windows(7, Split::Train).batch(5));
+        assert_ne!(a.batch(5).inputs, a.batch(6).inputs);
+        assert_ne!(a.batch(5).inputs, windows(8, Split::Train).batch(5).inputs);
+        assert_ne!(a.batch(5).inputs, windows(7, Split::Val).batch(5).inputs);
+    }
+
+    #[test]
+    fn windows_reach_the_last_token() {
+        let tokens: Arc<[u32]> = (0..10u32).collect();
+        let w = LmWindows::new(tokens, 64, 9, 3, Split::Train);
+        let b = w.batch(0);
+        assert!(b.targets.contains(&9));
+        assert!(b.inputs.contains(&0));
+    }
+}

@@ -1,0 +1,336 @@
+//! The GPT decoder, nanoGPT's shape: `x = wte(idx) + wpe(pos)`, then per
+//! block `x += attn(ln1(x))`, `x += mlp(ln2(x))`, then `ln_f` and logits
+//! against the token embedding (weight tying).
+
+use burn::module::Module;
+use burn::nn::{
+    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
+    Linear, LinearConfig,
+};
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Device, Int, Tensor, TensorData, activation};
+use rand::RngExt;
+
+/// GELU: exact (erf) or the tanh approximation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GeluKind {
+    Exact,
+    Tanh,
+}
+
+/// The shape of a GPT.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GptConfig {
+    pub vocab_size: usize,
+    pub block_size: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub dropout: f64,
+    pub gelu: GeluKind,
+}
+
+impl GptConfig {
+    /// Parameters of the model (position embeddings included; tied weights once).
+    pub fn num_params(&self) -> usize {
+        let (d, f, l) = (self.hidden, self.intermediate, self.layers);
+        let block = 2 * 2 * d // two LayerNorms
+            + d * 3 * d + 3 * d // qkv
+            + d * d + d // attention projection
+            + d * f + f // fc
+            + f * d + d; // mlp projection
+        self.vocab_size * d + self.block_size * d + l * block + 2 * d
+    }
+
+    /// nanoGPT's FLOPs per token for one training step (forward and
+    /// backward): `6·N + 12·L·H·Q·T`, with `N` the parameters without the
+    /// position embeddings, `Q` the head size and `T` the block size.
+    pub fn flops_per_token(&self) -> f64 {
+        let n = (self.num_params() - self.block_size * self.hidden) as f64;
+        let (l, h, t) = (self.layers as f64, self.heads as f64, self.block_size as f64);
+        let q = (self.hidden / self.heads.max(1)) as f64;
+        6.0 * n + 12.0 * l * h * q * t
+    }
+
+    /// Builds the model on `device`, initialised as GPT-2: N(0, 0.02), the
+    /// residual projections scaled by 1/sqrt(2·layers), biases zero.
+    pub fn init(&self, device: &Device) -> Gpt {
+        let normal = |std: f64| Initializer::Normal { mean: 0.0, std };
+        let proj_std = 0.02 / (2.0 * self.layers as f64).sqrt();
+        let linear = |i: usize, o: usize, std: f64| {
+            LinearConfig::new(i, o)
+                .with_initializer(normal(std))
+                .init(device)
+                .zero_bias()
+        };
+        let blocks = (0..self.layers)
+            .map(|_| Block {
+                ln1: LayerNormConfig::new(self.hidden).init(device),
+                qkv: linear(self.hidden, 3 * self.hidden, 0.02),
+                attn_proj: linear(self.hidden, self.hidden, proj_std),
+                ln2: LayerNormConfig::new(self.hidden).init(device),
+                fc: linear(self.hidden, self.intermediate, 0.02),
+                mlp_proj: linear(self.intermediate, self.hidden, proj_std),
+                dropout: DropoutConfig::new(self.dropout).init(),
+                heads: self.heads,
+                gelu: self.gelu == GeluKind::Tanh,
+            })
+            .collect();
+        Gpt {
+            wte: EmbeddingConfig::new(self.vocab_size, self.hidden)
+                .with_initializer(normal(0.02))
+                .init(device),
+            wpe: EmbeddingConfig::new(self.block_size, self.hidden)
+                .with_initializer(normal(0.02))
+                .init(device),
+            blocks,
+            ln_f: LayerNormConfig::new(self.hidden).init(device),
+            dropout: DropoutConfig::new(self.dropout).init(),
+            block_size: self.block_size,
+        }
+    }
+}
+
+trait ZeroBias {
+    fn zero_bias(self) -> Self;
+}
+
+impl ZeroBias for Linear {
+    fn zero_bias(mut self) -> Self {
+        self.bias = self.bias.map(|b| b.map(|t| t.zeros_like()));
+        self
+    }
+}
+
+/// The GPT decoder.
+#[derive(Module, Debug)]
+pub struct Gpt {
+    wte: Embedding,
+    wpe: Embedding,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    dropout: Dropout,
+    #[module(skip)]
+    block_size: usize,
+}
+
+#[derive(Module, Debug)]
+struct Block {
+    ln1: LayerNorm,
+    qkv: Linear,
+    attn_proj: Linear,
+    ln2: LayerNorm,
+    fc: Linear,
+    mlp_proj: Linear,
+    dropout: Dropout,
+    #[module(skip)]
+    heads: usize,
+    #[module(skip)]
+    gelu: bool,
+}
+
+impl Block {
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let [b, t, d] = x.dims();
+        let h = self.heads;
+        let qkv = self.qkv.forward(self.ln1.forward(x.clone()));
+        let heads = |part: usize| {
+            qkv.clone()
+                .narrow(2, part * d, d)
+                .reshape([b, t, h, d / h])
+                .swap_dims(1, 2)
+        };
+        let options = AttentionModuleOptions {
+            scale: None,
+            softcap: None,
+            is_causal: true,
+        };
+        let y = attention(heads(0), heads(1), heads(2), None, None, options)
+            .swap_dims(1, 2)
+            .reshape([b, t, d]);
+        let x = x + self.dropout.forward(self.attn_proj.forward(y));
+        let hidden = self.fc.forward(self.ln2.forward(x.clone()));
+        let hidden = if self.gelu {
+            activation::gelu_approximate(hidden)
+        } else {
+            activation::gelu(hidden)
+        };
+        x + self.dropout.forward(self.mlp_proj.forward(hidden))
+    }
+}
+
+impl Gpt {
+    /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
+    pub fn forward(&self, idx: Tensor<2, Int>) -> Tensor<3> {
+        let [b, t] = idx.dims();
+        let device = idx.device();
+        let pos = Tensor::<1, Int>::arange(0..t as i64, &device)
+            .reshape([1, t])
+            .expand([b, t]);
+        let mut x = self
+            .dropout
+            .forward(self.wte.forward(idx) + self.wpe.forward(pos));
+        for block in &self.blocks {
+            x = block.forward(x);
+        }
+        let x = self.ln_f.forward(x);
+        // Weight tying: the output projection is the token embedding.
+        let wte = self.wte.weight.val().transpose().unsqueeze::<3>();
+        x.matmul(wte)
+    }
+
+    /// Mean cross-entropy of next-token prediction.
+    pub fn loss(&self, inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+        cross_entropy(self.forward(inputs), targets)
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Samples `new_tokens` tokens after `prompt`: logits of the last position
+    /// divided by `temperature`, cut to the `top_k` largest (0: all), drawn
+    /// from `rng`. The context is cropped to the block size.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        new_tokens: usize,
+        temperature: f64,
+        top_k: usize,
+        rng: &mut impl RngExt,
+        device: &Device,
+    ) -> Vec<u32> {
+        let mut ids: Vec<u32> = prompt.to_vec();
+        for _ in 0..new_tokens {
+            let start = ids.len().saturating_sub(self.block_size);
+            let context: Vec<i64> = ids[start..].iter().map(|&i| i64::from(i)).collect();
+            let t = context.len();
+            let idx = Tensor::<2, Int>::from_data(TensorData::new(context, [1, t]), device);
+            let logits = self.forward(idx).narrow(1, t - 1, 1).reshape([-1]);
+            let logits: Vec<f32> = logits.into_data().iter::<f32>().collect();
+            ids.push(sample(&logits, temperature, top_k, rng));
+        }
+        ids
+    }
+}
+
+/// Mean cross-entropy of `logits [b, t, v]` against `targets [b, t]`, in f32.
+pub fn cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+    let [b, t, v] = logits.dims();
+    let log_probs = activation::log_softmax(logits.reshape([b * t, v]), 1);
+    let picked = log_probs.gather(1, targets.reshape([b * t, 1]));
+    picked.mean().neg()
+}
+
+fn sample(logits: &[f32], temperature: f64, top_k: usize, rng: &mut impl RngExt) -> u32 {
+    let temperature = temperature.max(1e-6);
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    if top_k > 0 {
+        order.truncate(top_k);
+    }
+    let max = f64::from(logits[order[0]]);
+    let weights: Vec<f64> = order
+        .iter()
+        .map(|&i| ((f64::from(logits[i]) - max) / temperature).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut pick = rng.random_range(0.0..total);
+    for (&i, w) in order.iter().zip(&weights) {
+        if pick < *w {
+            return i as u32;
+        }
+        pick -= w;
+    }
+    order[order.len() - 1] as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peers_shape() -> GptConfig {
+        // ../shared/PEERS.md: 4 layers, 4 heads, 128 wide, block 128, vocabulary 65.
+        GptConfig {
+            vocab_size: 65,
+            block_size: 128,
+            layers: 4,
+            heads: 4,
+            hidden: 128,
+            intermediate: 512,
+            dropout: 0.0,
+            gelu: GeluKind::Exact,
+        }
+    }
+
+    #[test]
+    fn flops_per_token_match_peers_md() {
+        // PEERS.md: 0.82 M parameters, 5.60 M FLOPs per token.
+        let c = peers_shape();
+        assert!((c.num_params() as f64 / 1e6 - 0.82).abs() < 0.01, "{}", c.num_params());
+        assert!((c.flops_per_token() / 1e6 - 5.60).abs() < 0.01, "{}", c.flops_per_token());
+    }
+
+    #[test]
+    fn parameter_count_matches_the_module() {
+        let c = GptConfig {
+            block_size: 16,
+            ..peers_shape()
+        };
+        let model = c.init(&Device::flex());
+        // Burn counts every parameter once; tying reuses wte, so they agree.
+        assert_eq!(model.num_params(), c.num_params());
+    }
+
+    #[test]
+    fn an_untrained_model_predicts_near_uniform_loss() {
+        let c = GptConfig {
+            block_size: 16,
+            ..peers_shape()
+        };
+        let device = Device::flex();
+        device.seed(1);
+        let model = c.init(&device);
+        // Targets differ from inputs: with tied weights an untrained model
+        // already favours repeating its input token.
+        let ids: Vec<i64> = (0..32).map(|i| (i * 7) % 65).collect();
+        let next: Vec<i64> = ids.iter().map(|i| (i + 30) % 65).collect();
+        let x = Tensor::<2, Int>::from_data(TensorData::new(ids, [2, 16]), &device);
+        let y = Tensor::<2, Int>::from_data(TensorData::new(next, [2, 16]), &device);
+        let loss: f32 = model.loss(x, y).into_scalar();
+        // ln(65) = 4.17: small initial weights give nearly uniform predictions.
+        assert!((loss - 65f32.ln()).abs() < 0.15, "{loss}");
+    }
+
+    #[test]
+    fn the_future_does_not_leak_into_the_past() {
+        let c = GptConfig {
+            block_size: 8,
+            ..peers_shape()
+        };
+        let device = Device::flex();
+        device.seed(2);
+        let model = c.init(&device);
+        let a: Vec<i64> = vec![1, 2, 3, 4, 5, 6, 7, 8];
+        let mut b = a.clone();
+        b[7] = 40;
+        let run = |ids: Vec<i64>| {
+            let x = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, 8]), &device);
+            model.forward(x).narrow(1, 0, 7).into_data().iter::<f32>().collect::<Vec<_>>()
+        };
+        assert_eq!(run(a), run(b));
+    }
+
+    #[test]
+    fn sampling_respects_top_k() {
+        let logits = [0.0f32, 5.0, 1.0, 4.0];
+        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(3);
+        for _ in 0..50 {
+            let i = sample(&logits, 1.0, 2, &mut rng);
+            assert!(i == 1 || i == 3, "{i}");
+        }
+        assert_eq!(sample(&logits, 1e-9, 0, &mut rng), 1);
+    }
+}

@@ -1,0 +1,288 @@
+//! Checkpoints: model, optimizer moments, counters and loader position in one
+//! safetensors file, written atomically (temporary file, fsync, rename) with a
+//! SHA-256 of its tensor data in the header. The last `keep` are kept; a
+//! damaged one is found by its checksum and the previous one is used.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use sha2::{Digest, Sha256};
+
+use crate::TrainError;
+
+const FORMAT: &str = "kiln-checkpoint-1";
+
+/// Where a checkpoint is and which step it holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckpointInfo {
+    pub path: PathBuf,
+    pub step: u64,
+}
+
+/// Everything a run needs to continue exactly.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct CheckpointState {
+    pub(crate) step: u64,
+    pub(crate) loader_position: u64,
+    pub(crate) adam_steps: u64,
+    pub(crate) tokens_seen: u64,
+    /// Seconds of training before this checkpoint, over all sessions.
+    pub(crate) wall_s: f64,
+    /// Model parameters by path: shape and values.
+    pub(crate) params: Vec<(String, Vec<usize>, Vec<f32>)>,
+    /// Adam moments by parameter path: (m, v), flattened.
+    pub(crate) moments: Vec<(String, Vec<f32>, Vec<f32>)>,
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn f32_values(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// The checkpoint file of a step.
+pub(crate) fn path_for(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format!("ckpt-{step:08}.safetensors"))
+}
+
+/// Writes the checkpoint of `state` into `dir` and deletes all but the
+/// newest `keep`.
+pub(crate) fn save(dir: &Path, state: &CheckpointState, keep: usize) -> Result<PathBuf, TrainError> {
+    let write_err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| TrainError::Write { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(write_err(dir))?;
+    let mut named: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (path, shape, values) in &state.params {
+        named.push((format!("model/{path}"), shape.clone(), f32_bytes(values)));
+    }
+    for (path, m, v) in &state.moments {
+        named.push((format!("adam_m/{path}"), vec![m.len()], f32_bytes(m)));
+        named.push((format!("adam_v/{path}"), vec![v.len()], f32_bytes(v)));
+    }
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut hasher = Sha256::new();
+    for (_, _, bytes) in &named {
+        hasher.update(bytes);
+    }
+    let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    let metadata: HashMap<String, String> = [
+        ("format", FORMAT.to_string()),
+        ("step", state.step.to_string()),
+        ("loader_position", state.loader_position.to_string()),
+        ("adam_steps", state.adam_steps.to_string()),
+        ("tokens_seen", state.tokens_seen.to_string()),
+        ("wall_s", state.wall_s.to_string()),
+        ("sha256", digest),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let views: Vec<(String, TensorView<'_>)> = named
+        .iter()
+        .map(|(name, shape, bytes)| {
+            TensorView::new(Dtype::F32, shape.clone(), bytes).map(|view| (name.clone(), view))
+        })
+        .collect::<Result<_, _>>()
+        .map_err(|e| TrainError::Write {
+            path: dir.to_path_buf(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+    let bytes = safetensors::serialize(views, Some(metadata)).map_err(|e| TrainError::Write {
+        path: dir.to_path_buf(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    let path = path_for(dir, state.step);
+    let tmp = dir.join(format!(".ckpt-{:08}.tmp{}", state.step, std::process::id()));
+    {
+        let mut file = std::fs::File::create(&tmp).map_err(write_err(&tmp))?;
+        file.write_all(&bytes).map_err(write_err(&tmp))?;
+        file.sync_all().map_err(write_err(&tmp))?;
+    }
+    std::fs::rename(&tmp, &path).map_err(write_err(&path))?;
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    for old in list(dir).into_iter().rev().skip(keep.max(1)) {
+        let _ = std::fs::remove_file(old.path);
+    }
+    Ok(path)
+}
+
+/// The checkpoints in `dir`, oldest first.
+pub(crate) fn list(dir: &Path) -> Vec<CheckpointInfo> {
+    let mut found: Vec<CheckpointInfo> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter_map(|e| {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    let step = name.strip_prefix("ckpt-")?.strip_suffix(".safetensors")?.parse().ok()?;
+                    Some(CheckpointInfo { path: e.path(), step })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    found.sort_by_key(|c| c.step);
+    found
+}
+
+/// Reads and verifies one checkpoint.
+pub(crate) fn load(path: &Path) -> Result<CheckpointState, String> {
+    let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| format!("unreadable header ({e})"))?;
+    let meta = meta.metadata().clone().unwrap_or_default();
+    if meta.get("format").map(String::as_str) != Some(FORMAT) {
+        return Err("not a kiln checkpoint".into());
+    }
+    let tensors = SafeTensors::deserialize(&bytes).map_err(|e| format!("truncated or damaged ({e})"))?;
+    let mut names: Vec<String> = tensors.names().into_iter().map(String::from).collect();
+    names.sort();
+    let mut hasher = Sha256::new();
+    let mut params = Vec::new();
+    let mut m: HashMap<String, Vec<f32>> = HashMap::new();
+    let mut v: HashMap<String, Vec<f32>> = HashMap::new();
+    for name in &names {
+        let view = tensors.tensor(name).map_err(|e| e.to_string())?;
+        if view.dtype() != Dtype::F32 {
+            return Err(format!("`{name}` is not f32"));
+        }
+        hasher.update(view.data());
+        let values = f32_values(view.data());
+        if let Some(p) = name.strip_prefix("model/") {
+            params.push((p.to_string(), view.shape().to_vec(), values));
+        } else if let Some(p) = name.strip_prefix("adam_m/") {
+            m.insert(p.to_string(), values);
+        } else if let Some(p) = name.strip_prefix("adam_v/") {
+            v.insert(p.to_string(), values);
+        }
+    }
+    let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    if meta.get("sha256") != Some(&digest) {
+        return Err("checksum mismatch: the file is damaged".into());
+    }
+    let mut moments = Vec::new();
+    for (path, mv) in m {
+        let vv = v.remove(&path).ok_or_else(|| format!("`adam_v/{path}` is missing"))?;
+        moments.push((path, mv, vv));
+    }
+    moments.sort_by(|a, b| a.0.cmp(&b.0));
+    let num = |key: &str| -> Result<u64, String> {
+        meta.get(key)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| format!("header lacks `{key}`"))
+    };
+    Ok(CheckpointState {
+        step: num("step")?,
+        loader_position: num("loader_position")?,
+        adam_steps: num("adam_steps")?,
+        tokens_seen: num("tokens_seen")?,
+        wall_s: meta.get("wall_s").and_then(|s| s.parse().ok()).unwrap_or(0.0),
+        params,
+        moments,
+    })
+}
+
+/// The newest checkpoint in `dir` that verifies, and a note for each newer
+/// one that did not.
+pub fn latest_good_checkpoint(dir: &Path) -> Result<(CheckpointInfo, Vec<String>), TrainError> {
+    let (info, _, notes) = latest_good(dir)?;
+    Ok((info, notes))
+}
+
+pub(crate) fn latest_good(dir: &Path) -> Result<(CheckpointInfo, CheckpointState, Vec<String>), TrainError> {
+    let mut notes = Vec::new();
+    let all = list(dir);
+    if all.is_empty() {
+        return Err(TrainError::NoCheckpoint {
+            dir: dir.to_path_buf(),
+            why: "the run wrote none yet".into(),
+        });
+    }
+    for info in all.into_iter().rev() {
+        match load(&info.path) {
+            Ok(state) => return Ok((info, state, notes)),
+            Err(why) => notes.push(format!(
+                "checkpoint `{}` is unusable ({why}); trying the one before it",
+                info.path.display()
+            )),
+        }
+    }
+    Err(TrainError::NoCheckpoint {
+        dir: dir.to_path_buf(),
+        why: notes.join("; "),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(step: u64) -> CheckpointState {
+        CheckpointState {
+            step,
+            loader_position: step * 2,
+            adam_steps: step,
+            tokens_seen: step * 100,
+            wall_s: 1.5,
+            params: vec![
+                ("wte.weight".into(), vec![2, 3], vec![0.1, 0.2, 0.3, 0.4, 0.5, f32::MIN_POSITIVE]),
+                ("ln.bias".into(), vec![3], vec![1.0, -2.0, 3.5]),
+            ],
+            moments: vec![("ln.bias".into(), vec![0.1, 0.2, 0.3], vec![0.01, 0.02, 0.03])],
+        }
+    }
+
+    #[test]
+    fn round_trip_is_exact_and_keep_prunes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for step in [10, 20, 30] {
+            save(dir.path(), &state(step), 2).expect("saves");
+        }
+        let steps: Vec<u64> = list(dir.path()).iter().map(|c| c.step).collect();
+        assert_eq!(steps, vec![20, 30]);
+        let (info, back, notes) = latest_good(dir.path()).expect("loads");
+        assert_eq!(info.step, 30);
+        assert!(notes.is_empty());
+        let mut want = state(30);
+        want.params.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut got = back;
+        got.params.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn a_damaged_checkpoint_falls_back_to_the_previous_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        save(dir.path(), &state(10), 3).expect("saves");
+        let newest = save(dir.path(), &state(20), 3).expect("saves");
+        // Flip one byte of tensor data: the checksum catches it.
+        let mut bytes = std::fs::read(&newest).expect("read");
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0xff;
+        std::fs::write(&newest, &bytes).expect("write");
+        let (info, _, notes) = latest_good(dir.path()).expect("falls back");
+        assert_eq!(info.step, 10);
+        assert!(notes[0].contains("checksum mismatch"), "{notes:?}");
+        // A truncated file is caught too.
+        std::fs::write(&newest, &bytes[..bytes.len() / 2]).expect("truncate");
+        let (info, _, notes) = latest_good(dir.path()).expect("falls back");
+        assert_eq!(info.step, 10);
+        assert!(notes[0].contains("unusable"), "{notes:?}");
+    }
+
+    #[test]
+    fn no_checkpoint_is_a_named_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let err = latest_good(dir.path()).expect_err("none").to_string();
+        assert!(err.contains("no usable checkpoint"), "{err}");
+    }
+}

@@ -1,0 +1,60 @@
+//! Training errors. `is_bad_input` tells the CLI which are the user's to fix.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Data(#[from] kiln_data::DataError),
+
+    #[error(transparent)]
+    Config(#[from] kiln_config::ConfigError),
+
+    #[error("failed to write `{}`", path.display())]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("failed to read `{}`", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("`{}` is not a kiln run directory: {why}", path.display())]
+    NotARun { path: PathBuf, why: String },
+
+    #[error("no usable checkpoint in `{}`: {why}", dir.display())]
+    NoCheckpoint { dir: PathBuf, why: String },
+
+    #[error("checkpoint `{}` does not fit this model: {why}", path.display())]
+    CheckpointMismatch { path: PathBuf, why: String },
+
+    #[error("backend `{backend}` is not available: {why}")]
+    Backend { backend: String, why: String },
+
+    #[error("the loss became {value} at step {step}: training diverged (the last good checkpoint is kept); lower training.learning_rate or raise training.warmup_steps")]
+    NonFinite { step: u64, value: f32 },
+
+    #[error("{0} is not supported yet: {1}")]
+    Unsupported(&'static str, String),
+}
+
+impl TrainError {
+    /// Whether the error is caused by what the user gave (exit code 2).
+    pub fn is_bad_input(&self) -> bool {
+        matches!(
+            self,
+            Self::Data(_)
+                | Self::Config(_)
+                | Self::NotARun { .. }
+                | Self::NoCheckpoint { .. }
+                | Self::CheckpointMismatch { .. }
+                | Self::Backend { .. }
+                | Self::Unsupported(..)
+        )
+    }
+}

@@ -1,0 +1,76 @@
+//! The guides' MemoryTracker: current and peak memory of the run. On the CPU
+//! that is the process's resident set (RSS); the peak is the kernel's
+//! high-water mark where Linux has one, else the highest value sampled.
+
+use sysinfo::{Pid, ProcessRefreshKind, ProcessesToUpdate, System};
+
+/// Samples the process's memory.
+#[derive(Debug)]
+pub struct MemoryTracker {
+    system: Option<System>,
+    pid: Option<Pid>,
+    peak: u64,
+}
+
+impl Default for MemoryTracker {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryTracker {
+    pub fn new() -> Self {
+        Self {
+            system: System::new().ok(),
+            pid: sysinfo::get_current_pid().ok(),
+            peak: 0,
+        }
+    }
+
+    /// Current and peak resident memory in bytes (0 where unknown).
+    pub fn sample(&mut self) -> (u64, u64) {
+        let current = match (self.pid, self.system.as_mut()) {
+            (Some(pid), Some(system)) => {
+                system.refresh_processes_specifics(
+                    ProcessesToUpdate::Some(&[pid]),
+                    true,
+                    ProcessRefreshKind::nothing().with_memory(),
+                );
+                system.process(pid).map_or(0, |p| p.memory())
+            }
+            _ => 0,
+        };
+        self.peak = self.peak.max(current).max(linux_high_water_mark().unwrap_or(0));
+        (current, self.peak)
+    }
+
+    /// Forgets the peak (the guides' `reset`).
+    pub fn reset(&mut self) {
+        self.peak = 0;
+    }
+}
+
+/// `VmHWM` of /proc/self/status, in bytes.
+fn linux_high_water_mark() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peak_covers_current_and_grows_with_an_allocation() {
+        let mut t = MemoryTracker::new();
+        let (cur, peak) = t.sample();
+        assert!(cur > 0 && peak >= cur, "{cur} {peak}");
+        let big = vec![1u8; 64 << 20];
+        let (cur2, peak2) = t.sample();
+        assert!(cur2 >= cur + (32 << 20), "{cur} → {cur2}");
+        assert!(peak2 >= cur2);
+        drop(big);
+    }
+}

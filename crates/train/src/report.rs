@@ -1,0 +1,240 @@
+//! What a run reports: events for the CLI to print, the metrics written to
+//! `metrics.jsonl`, the summary, and the SVG plots.
+
+use std::path::Path;
+
+use plotters::prelude::*;
+use serde::{Deserialize, Serialize};
+
+/// One logged optimizer step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    /// Wall time of the step, loader wait included.
+    pub ms_per_step: f64,
+    pub tokens_per_s: f64,
+    /// Model FLOPs/s over the device peak (`None`: peak unknown).
+    pub mfu: Option<f64>,
+    /// Share of the step spent waiting for the loader, in percent.
+    pub data_wait_pct: f64,
+    pub memory_bytes: u64,
+    pub peak_memory_bytes: u64,
+    pub tokens_seen: u64,
+}
+
+/// One evaluation: mean loss over `eval_iters` batches of each split.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EvalMetrics {
+    pub step: u64,
+    pub train_loss: f64,
+    pub val_loss: f64,
+}
+
+/// The end of a run, also written as `summary.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    pub steps: u64,
+    pub tokens_seen: u64,
+    pub final_train_loss: Option<f64>,
+    pub final_val_loss: Option<f64>,
+    pub best_val_loss: Option<f64>,
+    pub median_tokens_per_s: f64,
+    pub median_ms_per_step: f64,
+    pub median_mfu: Option<f64>,
+    /// What the MFU is measured against.
+    pub mfu_peak: String,
+    pub data_wait_pct: f64,
+    pub peak_memory_bytes: u64,
+    /// Seconds from start to end, evaluation and checkpoints included.
+    pub wall_s: f64,
+    /// One line: what held the run back, from the measures.
+    pub held_back_by: String,
+}
+
+/// What a run tells whoever drives it.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// Lines saying what is enabled and why, before the first step.
+    Start {
+        lines: Vec<String>,
+        first_step: u64,
+        total_steps: u64,
+    },
+    Step(StepMetrics),
+    Eval(EvalMetrics),
+    Checkpoint { step: u64, path: std::path::PathBuf },
+    /// Something the user should know (a damaged checkpoint skipped, ...).
+    Note(String),
+    Done(Summary),
+}
+
+/// Receives a run's events (the CLI prints them).
+pub trait Observer {
+    fn event(&mut self, event: &Event);
+}
+
+/// The median of some values (0 for none).
+pub(crate) fn median(values: &mut [f64]) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len() % 2 == 0 {
+        (values[mid - 1] + values[mid]) / 2.0
+    } else {
+        values[mid]
+    }
+}
+
+/// The verdict on what held the run back.
+pub(crate) fn held_back_by(data_wait_pct: f64, peak_memory: u64, memory_total: u64, mfu: Option<f64>) -> String {
+    if data_wait_pct > 10.0 {
+        return format!(
+            "data: the step waited for the loader {data_wait_pct:.1} % of the time; raise loader.num_workers or loader.prefetch_factor"
+        );
+    }
+    if memory_total > 0 && peak_memory as f64 > 0.9 * memory_total as f64 {
+        return format!(
+            "memory: the peak ({:.1} GiB) is over 90 % of the {:.1} GiB there is; lower training.batch_size, then model.max_length",
+            peak_memory as f64 / f64::from(1u32 << 30),
+            memory_total as f64 / f64::from(1u32 << 30)
+        );
+    }
+    match mfu {
+        Some(m) => format!(
+            "compute: the loader kept up ({data_wait_pct:.1} % wait) and memory is ample; the device ran at {:.1} % MFU, so speed now depends on the kernels",
+            m * 100.0
+        ),
+        None => format!("compute: the loader kept up ({data_wait_pct:.1} % wait) and memory is ample"),
+    }
+}
+
+/// Writes `loss.svg` (training loss per logged step, evaluation losses) and
+/// `throughput.svg` (tokens/s per logged step) into `dir`.
+pub(crate) fn write_plots(dir: &Path, steps: &[StepMetrics], evals: &[EvalMetrics]) -> Result<(), String> {
+    if steps.is_empty() {
+        return Ok(());
+    }
+    let last = steps.iter().map(|s| s.step).max().unwrap_or(1).max(1);
+    let losses = steps
+        .iter()
+        .map(|s| s.loss)
+        .chain(evals.iter().flat_map(|e| [e.train_loss, e.val_loss]))
+        .filter(|l| l.is_finite());
+    let (lo, hi) = losses.fold((f64::MAX, f64::MIN), |(a, b), l| (a.min(l), b.max(l)));
+    let (lo, hi) = if lo < hi { (lo, hi) } else { (lo - 1.0, lo + 1.0) };
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+
+    let path = dir.join("loss.svg");
+    let root = SVGBackend::new(&path, (900, 540)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("loss (nats per token)", ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0u64..last, (lo * 0.95)..(hi * 1.02))
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("optimizer step")
+        .y_desc("loss")
+        .draw()
+        .map_err(|e| err(&e))?;
+    chart
+        .draw_series(LineSeries::new(steps.iter().map(|s| (s.step, s.loss)), BLUE.mix(0.5)))
+        .map_err(|e| err(&e))?
+        .label("train (batch)")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE.mix(0.5)));
+    if !evals.is_empty() {
+        chart
+            .draw_series(LineSeries::new(evals.iter().map(|e| (e.step, e.train_loss)), BLUE.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label("train (eval)")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE.stroke_width(2)));
+        chart
+            .draw_series(LineSeries::new(evals.iter().map(|e| (e.step, e.val_loss)), RED.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label("validation (eval)")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], RED.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+
+    let path = dir.join("throughput.svg");
+    let root = SVGBackend::new(&path, (900, 540)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let top = steps.iter().map(|s| s.tokens_per_s).fold(0.0, f64::max).max(1.0);
+    let mut chart = ChartBuilder::on(&root)
+        .caption("throughput (tokens/s)", ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0u64..last, 0.0..top * 1.1)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("optimizer step")
+        .y_desc("tokens/s")
+        .draw()
+        .map_err(|e| err(&e))?;
+    chart
+        .draw_series(LineSeries::new(steps.iter().map(|s| (s.step, s.tokens_per_s)), GREEN.stroke_width(2)))
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_even_and_odd() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(&mut []), 0.0);
+    }
+
+    #[test]
+    fn the_verdict_names_the_bottleneck() {
+        assert!(held_back_by(25.0, 1, 100, Some(0.3)).starts_with("data"));
+        assert!(held_back_by(1.0, 95, 100, Some(0.3)).starts_with("memory"));
+        assert!(held_back_by(1.0, 10, 100, Some(0.3)).starts_with("compute"));
+    }
+
+    #[test]
+    fn plots_are_svg_files() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let steps: Vec<StepMetrics> = (1..=20)
+            .map(|i| StepMetrics {
+                step: i,
+                loss: 4.0 - f64::from(i as u32) * 0.1,
+                lr: 1e-3,
+                grad_norm: 1.0,
+                ms_per_step: 10.0,
+                tokens_per_s: 1000.0 + f64::from(i as u32),
+                mfu: Some(0.1),
+                data_wait_pct: 0.5,
+                memory_bytes: 1,
+                peak_memory_bytes: 1,
+                tokens_seen: u64::from(i as u32) * 10,
+            })
+            .collect();
+        let evals = vec![EvalMetrics { step: 10, train_loss: 3.0, val_loss: 3.2 }];
+        write_plots(dir.path(), &steps, &evals).expect("plots");
+        for name in ["loss.svg", "throughput.svg"] {
+            let text = std::fs::read_to_string(dir.path().join(name)).expect("written");
+            assert!(text.starts_with("<svg") && text.contains("<polyline"), "{name}");
+        }
+    }
+}

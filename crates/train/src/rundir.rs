@@ -1,0 +1,176 @@
+//! The run directory: the resolved config (with sources), the hardware
+//! report, the tokenizer, metrics, summary, samples, plots and checkpoints.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use crate::TrainError;
+
+/// A run's folder and the files in it.
+#[derive(Clone, Debug)]
+pub struct RunDir {
+    pub path: PathBuf,
+}
+
+impl RunDir {
+    /// Creates a fresh run folder from the `run.dir` template (`{time}`,
+    /// `{experiment}`). An existing folder that already holds a run is
+    /// refused, so nothing saved is overwritten.
+    pub fn create(template: &str, experiment: &str) -> Result<Self, TrainError> {
+        let path = PathBuf::from(
+            template
+                .replace("{time}", &utc_stamp(std::time::SystemTime::now()))
+                .replace("{experiment}", experiment),
+        );
+        if path.join("config.toml").exists() {
+            return Err(TrainError::NotARun {
+                path: path.clone(),
+                why: format!(
+                    "it already holds a run; resume it with `kiln resume {}` or choose another run.dir",
+                    path.display()
+                ),
+            });
+        }
+        std::fs::create_dir_all(path.join("checkpoints")).map_err(|source| TrainError::Write {
+            path: path.clone(),
+            source,
+        })?;
+        Ok(Self { path })
+    }
+
+    /// Opens an existing run for resuming.
+    pub fn open(path: &Path) -> Result<Self, TrainError> {
+        if !path.is_dir() {
+            return Err(TrainError::NotARun {
+                path: path.to_path_buf(),
+                why: "no such directory".into(),
+            });
+        }
+        if !path.join("config.toml").is_file() {
+            return Err(TrainError::NotARun {
+                path: path.to_path_buf(),
+                why: "it has no config.toml".into(),
+            });
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+        })
+    }
+
+    pub fn file(&self, name: &str) -> PathBuf {
+        self.path.join(name)
+    }
+
+    pub fn checkpoints(&self) -> PathBuf {
+        self.path.join("checkpoints")
+    }
+
+    /// Writes a whole file.
+    pub fn write(&self, name: &str, contents: &str) -> Result<(), TrainError> {
+        let path = self.file(name);
+        std::fs::write(&path, contents).map_err(|source| TrainError::Write { path, source })
+    }
+
+    /// Appends one JSON line to `metrics.jsonl`.
+    pub(crate) fn append_metric(&self, value: &serde_json::Value) -> Result<(), TrainError> {
+        let path = self.file("metrics.jsonl");
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|source| TrainError::Write {
+                path: path.clone(),
+                source,
+            })?;
+        writeln!(file, "{value}").map_err(|source| TrainError::Write { path, source })
+    }
+
+    /// The metric lines, parsed (a torn last line from a killed run is skipped).
+    pub(crate) fn metrics(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.file("metrics.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// Drops metric lines after `step` (a resumed run writes them again).
+    pub(crate) fn truncate_metrics_after(&self, step: u64) -> Result<(), TrainError> {
+        let kept: Vec<String> = self
+            .metrics()
+            .into_iter()
+            .filter(|m| m["step"].as_u64().is_some_and(|s| s <= step))
+            .map(|m| m.to_string())
+            .collect();
+        let mut text = kept.join("\n");
+        if !text.is_empty() {
+            text.push('\n');
+        }
+        self.write("metrics.jsonl", &text)
+    }
+}
+
+/// `YYYYMMDD-HHMMSS` in UTC.
+fn utc_stamp(t: std::time::SystemTime) -> String {
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}{month:02}{day:02}-{:02}{:02}{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stamps_are_utc_calendar_times() {
+        let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_795_651_200 + 3_723);
+        assert_eq!(utc_stamp(t), "20261126-010203");
+        assert_eq!(utc_stamp(std::time::UNIX_EPOCH), "19700101-000000");
+    }
+
+    #[test]
+    fn an_existing_run_is_not_overwritten() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let template = dir.path().join("{experiment}").to_string_lossy().into_owned();
+        let run = RunDir::create(&template, "x").expect("creates");
+        run.write("config.toml", "x = 1\n").expect("writes");
+        let err = RunDir::create(&template, "x").expect_err("exists").to_string();
+        assert!(err.contains("kiln resume"), "{err}");
+        assert_eq!(std::fs::read_to_string(run.file("config.toml")).expect("kept"), "x = 1\n");
+    }
+
+    #[test]
+    fn metrics_after_a_step_are_dropped() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let run = RunDir { path: dir.path().to_path_buf() };
+        for step in 1..=5u64 {
+            run.append_metric(&serde_json::json!({ "step": step })).expect("appends");
+        }
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(run.file("metrics.jsonl"))
+            .and_then(|mut f| f.write_all(b"{\"step\": 6, \"tor"))
+            .expect("torn line");
+        run.truncate_metrics_after(3).expect("truncates");
+        let steps: Vec<u64> = run.metrics().iter().filter_map(|m| m["step"].as_u64()).collect();
+        assert_eq!(steps, vec![1, 2, 3]);
+    }
+}
