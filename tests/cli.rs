@@ -272,18 +272,19 @@ fn a_gpu_preset_on_the_wrong_machine_needs_force() {
         "no GPU",
         "--force",
     ]);
-    // Forced, it goes on and says so; training itself is not built yet, and says that too.
+    // Forced, it goes on and says so (here it stops at once on a missing corpus).
+    let missing = format!("data.path={}", tmp.path().join("none.txt").display());
     let forced = kiln(&[
         "--hardware-report",
         report,
         "train",
         "hardware=gpu_4090",
         "--force",
+        &missing,
     ])
     .run();
-    forced.stderr_has(&["running anyway (--force)", "training is not built yet"]);
-    forced.stdout_has(&["hardware = \"gpu_4090\"", "batch_size = 16"]);
-    assert_eq!(forced.code, 1);
+    forced.stderr_has(&["running anyway (--force)", "none.txt"]);
+    assert_eq!(forced.code, 2);
 }
 
 #[test]

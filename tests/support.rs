@@ -11,8 +11,8 @@ pub(crate) fn root() -> PathBuf {
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
 }
 
-/// The `kiln` binary of this build profile, built on first use if
-/// `cargo test` did not build it (as with `cargo test -p kiln-tests`).
+/// The `kiln` binary of this build profile, brought up to date once per
+/// test run (`cargo test -p kiln-tests` alone would not rebuild it).
 pub(crate) fn kiln_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
@@ -22,30 +22,28 @@ pub(crate) fn kiln_bin() -> &'static Path {
             .parent()
             .and_then(Path::parent)
             .expect("test binary in target/<profile>/deps");
-        let bin = profile_dir.join(format!("kiln{}", std::env::consts::EXE_SUFFIX));
-        if !bin.is_file() {
-            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-            let profile = profile_dir
-                .file_name()
-                .and_then(|n| n.to_str())
-                .unwrap_or("debug");
-            let profile = if profile == "debug" { "dev" } else { profile };
-            let status = Command::new(cargo)
-                .args([
-                    "build",
-                    "--package",
-                    "kiln-cli",
-                    "--bin",
-                    "kiln",
-                    "--profile",
-                    profile,
-                ])
-                .current_dir(root())
-                .status()
-                .expect("run cargo build");
-            assert!(status.success(), "building kiln failed");
-        }
-        bin
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let profile = profile_dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("debug");
+        let profile = if profile == "debug" { "dev" } else { profile };
+        let status = Command::new(cargo)
+            .args([
+                "build",
+                "--quiet",
+                "--package",
+                "kiln-cli",
+                "--bin",
+                "kiln",
+                "--profile",
+                profile,
+            ])
+            .current_dir(root())
+            .status()
+            .expect("run cargo build");
+        assert!(status.success(), "building kiln failed");
+        profile_dir.join(format!("kiln{}", std::env::consts::EXE_SUFFIX))
     })
 }
 

@@ -4,3 +4,4 @@
 mod cli;
 mod hygiene;
 mod support;
+mod train;

@@ -187,15 +187,16 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             let sources = explain_text(&resolved).lines().map(String::from).collect();
             let options = train_options(report, sources)?;
-            let outcome = kiln_train::train_lm(&resolved.config, &options, &mut progress::Printer::new())
-                .map_err(train_error)?;
+            let outcome =
+                kiln_train::train_lm(&resolved.config, &options, &mut progress::Printer::new())
+                    .map_err(train_error)?;
             return Ok(finish(outcome));
         }
         Command::Resume { run } => {
             drop(out);
             let options = train_options(report, Vec::new())?;
-            let outcome =
-                kiln_train::resume(&run, &options, &mut progress::Printer::new()).map_err(train_error)?;
+            let outcome = kiln_train::resume(&run, &options, &mut progress::Printer::new())
+                .map_err(train_error)?;
             return Ok(finish(outcome));
         }
         Command::Bench {
@@ -289,7 +290,9 @@ fn train_options(
         if flag.swap(true, Ordering::SeqCst) {
             std::process::exit(130);
         }
-        eprintln!("\nkiln: stopping after this step with a checkpoint (Ctrl-C again to quit at once)");
+        eprintln!(
+            "\nkiln: stopping after this step with a checkpoint (Ctrl-C again to quit at once)"
+        );
     })?;
     Ok(kiln_train::TrainOptions {
         interrupt,
@@ -344,7 +347,8 @@ fn bench_text(r: &kiln_train::BenchResult) -> String {
         r.tokens_per_s_min,
         r.tokens_per_s_max,
         r.ms_per_step_median,
-        r.mfu.map_or("n/a".to_string(), |m| format!("{:.1}%", m * 100.0)),
+        r.mfu
+            .map_or("n/a".to_string(), |m| format!("{:.1}%", m * 100.0)),
         r.mfu_peak,
         r.data_wait_pct,
         r.peak_memory_bytes as f64 / f64::from(1u32 << 20),

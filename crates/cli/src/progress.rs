@@ -14,7 +14,10 @@ pub(crate) struct Printer {
 
 impl Printer {
     pub(crate) fn new() -> Self {
-        Self { bar: None, total: 0 }
+        Self {
+            bar: None,
+            total: 0,
+        }
     }
 
     fn line(&self, text: &str) {
@@ -103,7 +106,10 @@ impl Observer for Printer {
             Event::Step(m) => {
                 if let Some(bar) = &self.bar {
                     bar.set_position(m.step);
-                    bar.set_message(format!("loss {:.4}, {:.0} tokens/s", m.loss, m.tokens_per_s));
+                    bar.set_message(format!(
+                        "loss {:.4}, {:.0} tokens/s",
+                        m.loss, m.tokens_per_s
+                    ));
                 }
                 self.line(&step_line(m, self.total));
             }

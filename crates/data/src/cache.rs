@@ -100,7 +100,10 @@ mod tests {
         assert_eq!(a, c);
         // Another tokenizer, another key.
         let other = Tokenizer::char_level("abc to be").expect("tokenizer");
-        let other_corpus = Corpus { text: "to be".into(), ..corpus };
+        let other_corpus = Corpus {
+            text: "to be".into(),
+            ..corpus
+        };
         let (_, fourth) = encode_cached(&other, &other_corpus, dir.path()).expect("encodes");
         assert_ne!(fourth.path, first.path);
     }

@@ -66,9 +66,15 @@ mod tests {
     #[test]
     fn bad_corpora_are_named_errors() {
         let (_d, empty) = file(b"");
-        assert!(matches!(read_corpus(&empty, 0), Err(DataError::Empty { .. })));
+        assert!(matches!(
+            read_corpus(&empty, 0),
+            Err(DataError::Empty { .. })
+        ));
         let (_d, blank) = file(b"  \n\n");
-        assert!(matches!(read_corpus(&blank, 0), Err(DataError::Empty { .. })));
+        assert!(matches!(
+            read_corpus(&blank, 0),
+            Err(DataError::Empty { .. })
+        ));
         let (_d, latin1) = file(b"ok\nline two\ncaf\xe9\n");
         let err = read_corpus(&latin1, 0).expect_err("not utf-8").to_string();
         assert!(err.contains("byte 0xe9 at byte 15 (line 3)"), "{err}");

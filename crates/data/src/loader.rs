@@ -189,7 +189,10 @@ mod tests {
         let zero = first(0, 0, 25);
         assert_eq!(zero, first(1, 0, 25));
         assert_eq!(zero, first(4, 0, 25));
-        assert_eq!(zero.iter().map(|b| b.index).collect::<Vec<_>>(), (0..25).collect::<Vec<_>>());
+        assert_eq!(
+            zero.iter().map(|b| b.index).collect::<Vec<_>>(),
+            (0..25).collect::<Vec<_>>()
+        );
     }
 
     #[test]

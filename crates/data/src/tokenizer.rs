@@ -156,7 +156,8 @@ impl Tokenizer {
 mod tests {
     use super::*;
 
-    const TEXT: &str = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n";
+    const TEXT: &str =
+        "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n";
 
     #[test]
     fn char_level_round_trips_and_sorts_its_vocabulary() {
@@ -165,7 +166,10 @@ mod tests {
         assert_eq!(t.vocab_size(), distinct.len());
         let ids = t.encode(TEXT).expect("encodes");
         assert_eq!(ids.len(), TEXT.chars().count());
-        assert_eq!(ids[..2], [t.encode("F").expect("F")[0], t.encode("i").expect("i")[0]]);
+        assert_eq!(
+            ids[..2],
+            [t.encode("F").expect("F")[0], t.encode("i").expect("i")[0]]
+        );
         // "\n" is the smallest code point present, so id 0.
         assert_eq!(t.encode("\n").expect("newline"), vec![0]);
         assert_eq!(t.decode(&ids).expect("decodes"), TEXT);
@@ -176,7 +180,12 @@ mod tests {
         let text = TEXT.repeat(20);
         let t = Tokenizer::bpe(&text, 300).expect("trains");
         let ids = t.encode(&text).expect("encodes");
-        assert!(ids.len() < text.len() / 2, "{} ids for {} bytes", ids.len(), text.len());
+        assert!(
+            ids.len() < text.len() / 2,
+            "{} ids for {} bytes",
+            ids.len(),
+            text.len()
+        );
         assert_eq!(t.decode(&ids).expect("decodes"), text);
     }
 
@@ -190,6 +199,9 @@ mod tests {
         assert_eq!(back.encode(TEXT).expect("a"), t.encode(TEXT).expect("b"));
         std::fs::write(&path, "{\"version\": \"1.0\", \"model\": ").expect("write");
         let err = Tokenizer::load(&path).expect_err("broken").to_string();
-        assert!(err.contains("invalid tokenizer") && err.contains("tokenizer.json"), "{err}");
+        assert!(
+            err.contains("invalid tokenizer") && err.contains("tokenizer.json"),
+            "{err}"
+        );
     }
 }

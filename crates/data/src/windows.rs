@@ -40,7 +40,13 @@ pub struct LmWindows {
 impl LmWindows {
     /// `tokens` must hold at least `block + 1` ids (checked by the caller,
     /// which can name the file).
-    pub fn new(tokens: Arc<[u32]>, batch_size: usize, block: usize, seed: u64, split: Split) -> Self {
+    pub fn new(
+        tokens: Arc<[u32]>,
+        batch_size: usize,
+        block: usize,
+        seed: u64,
+        split: Split,
+    ) -> Self {
         Self {
             tokens,
             batch_size,

@@ -49,7 +49,11 @@ impl GptConfig {
     /// position embeddings, `Q` the head size and `T` the block size.
     pub fn flops_per_token(&self) -> f64 {
         let n = (self.num_params() - self.block_size * self.hidden) as f64;
-        let (l, h, t) = (self.layers as f64, self.heads as f64, self.block_size as f64);
+        let (l, h, t) = (
+            self.layers as f64,
+            self.heads as f64,
+            self.block_size as f64,
+        );
         let q = (self.hidden / self.heads.max(1)) as f64;
         6.0 * n + 12.0 * l * h * q * t
     }
@@ -269,8 +273,16 @@ mod tests {
     fn flops_per_token_match_peers_md() {
         // PEERS.md: 0.82 M parameters, 5.60 M FLOPs per token.
         let c = peers_shape();
-        assert!((c.num_params() as f64 / 1e6 - 0.82).abs() < 0.01, "{}", c.num_params());
-        assert!((c.flops_per_token() / 1e6 - 5.60).abs() < 0.01, "{}", c.flops_per_token());
+        assert!(
+            (c.num_params() as f64 / 1e6 - 0.82).abs() < 0.01,
+            "{}",
+            c.num_params()
+        );
+        assert!(
+            (c.flops_per_token() / 1e6 - 5.60).abs() < 0.01,
+            "{}",
+            c.flops_per_token()
+        );
     }
 
     #[test]
@@ -318,7 +330,12 @@ mod tests {
         b[7] = 40;
         let run = |ids: Vec<i64>| {
             let x = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, 8]), &device);
-            model.forward(x).narrow(1, 0, 7).into_data().iter::<f32>().collect::<Vec<_>>()
+            model
+                .forward(x)
+                .narrow(1, 0, 7)
+                .into_data()
+                .iter::<f32>()
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(a), run(b));
     }

@@ -57,7 +57,11 @@ pub struct BenchResult {
 }
 
 /// Times training steps of the language model of `config`.
-pub fn bench_lm(config: &RunConfig, hardware: &HardwareReport, options: BenchOptions) -> Result<BenchResult, TrainError> {
+pub fn bench_lm(
+    config: &RunConfig,
+    hardware: &HardwareReport,
+    options: BenchOptions,
+) -> Result<BenchResult, TrainError> {
     let choice = select_device(config.device.backend)?;
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
     let tokenizer = Tokenizer::char_level(&corpus.text)?;
@@ -73,8 +77,19 @@ pub fn bench_lm(config: &RunConfig, hardware: &HardwareReport, options: BenchOpt
         .into());
     }
     let t = &config.training;
-    let source = Arc::new(LmWindows::new(ids.into(), t.batch_size, block, t.seed, Split::Train));
-    let mut loader = Loader::new(source, 0, config.loader.num_workers, config.loader.prefetch_factor);
+    let source = Arc::new(LmWindows::new(
+        ids.into(),
+        t.batch_size,
+        block,
+        t.seed,
+        Split::Train,
+    ));
+    let mut loader = Loader::new(
+        source,
+        0,
+        config.loader.num_workers,
+        config.loader.prefetch_factor,
+    );
     let gpt = kiln_model::GptConfig {
         vocab_size: tokenizer.vocab_size(),
         block_size: block,
@@ -119,7 +134,11 @@ pub fn bench_lm(config: &RunConfig, hardware: &HardwareReport, options: BenchOpt
         sync();
         let t3 = Instant::now();
         let norm = global_grad_norm(&model, &grads);
-        let scale = if t.grad_clip > 0.0 && norm > t.grad_clip { t.grad_clip / (norm + 1e-6) } else { 1.0 };
+        let scale = if t.grad_clip > 0.0 && norm > t.grad_clip {
+            t.grad_clip / (norm + 1e-6)
+        } else {
+            1.0
+        };
         model = optim.step(model, grads, t.learning_rate, scale);
         final_loss = f64::from(loss.into_scalar::<f32>());
         let t4 = Instant::now();
@@ -162,7 +181,11 @@ pub fn bench_lm(config: &RunConfig, hardware: &HardwareReport, options: BenchOpt
         mfu_peak,
         flops_per_token: gpt.flops_per_token(),
         parameters: gpt.num_params(),
-        data_wait_pct: if total > 0.0 { 100.0 * waited / total } else { 0.0 },
+        data_wait_pct: if total > 0.0 {
+            100.0 * waited / total
+        } else {
+            0.0
+        },
         peak_memory_bytes: peak_memory,
         phases: PhaseTimes {
             data_wait_ms: median(&mut d),

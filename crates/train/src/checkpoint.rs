@@ -54,7 +54,11 @@ pub(crate) fn path_for(dir: &Path, step: u64) -> PathBuf {
 
 /// Writes the checkpoint of `state` into `dir` and deletes all but the
 /// newest `keep`.
-pub(crate) fn save(dir: &Path, state: &CheckpointState, keep: usize) -> Result<PathBuf, TrainError> {
+pub(crate) fn save(
+    dir: &Path,
+    state: &CheckpointState,
+    keep: usize,
+) -> Result<PathBuf, TrainError> {
     let write_err = |path: &Path| {
         let path = path.to_path_buf();
         move |source| TrainError::Write { path, source }
@@ -73,7 +77,11 @@ pub(crate) fn save(dir: &Path, state: &CheckpointState, keep: usize) -> Result<P
     for (_, _, bytes) in &named {
         hasher.update(bytes);
     }
-    let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    let digest: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     let metadata: HashMap<String, String> = [
         ("format", FORMAT.to_string()),
         ("step", state.step.to_string()),
@@ -125,8 +133,15 @@ pub(crate) fn list(dir: &Path) -> Vec<CheckpointInfo> {
                 .filter_map(Result::ok)
                 .filter_map(|e| {
                     let name = e.file_name().to_string_lossy().into_owned();
-                    let step = name.strip_prefix("ckpt-")?.strip_suffix(".safetensors")?.parse().ok()?;
-                    Some(CheckpointInfo { path: e.path(), step })
+                    let step = name
+                        .strip_prefix("ckpt-")?
+                        .strip_suffix(".safetensors")?
+                        .parse()
+                        .ok()?;
+                    Some(CheckpointInfo {
+                        path: e.path(),
+                        step,
+                    })
                 })
                 .collect()
         })
@@ -138,12 +153,14 @@ pub(crate) fn list(dir: &Path) -> Vec<CheckpointInfo> {
 /// Reads and verifies one checkpoint.
 pub(crate) fn load(path: &Path) -> Result<CheckpointState, String> {
     let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
-    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| format!("unreadable header ({e})"))?;
+    let (_, meta) =
+        SafeTensors::read_metadata(&bytes).map_err(|e| format!("unreadable header ({e})"))?;
     let meta = meta.metadata().clone().unwrap_or_default();
     if meta.get("format").map(String::as_str) != Some(FORMAT) {
         return Err("not a kiln checkpoint".into());
     }
-    let tensors = SafeTensors::deserialize(&bytes).map_err(|e| format!("truncated or damaged ({e})"))?;
+    let tensors =
+        SafeTensors::deserialize(&bytes).map_err(|e| format!("truncated or damaged ({e})"))?;
     let mut names: Vec<String> = tensors.names().into_iter().map(String::from).collect();
     names.sort();
     let mut hasher = Sha256::new();
@@ -165,13 +182,19 @@ pub(crate) fn load(path: &Path) -> Result<CheckpointState, String> {
             v.insert(p.to_string(), values);
         }
     }
-    let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    let digest: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     if meta.get("sha256") != Some(&digest) {
         return Err("checksum mismatch: the file is damaged".into());
     }
     let mut moments = Vec::new();
     for (path, mv) in m {
-        let vv = v.remove(&path).ok_or_else(|| format!("`adam_v/{path}` is missing"))?;
+        let vv = v
+            .remove(&path)
+            .ok_or_else(|| format!("`adam_v/{path}` is missing"))?;
         moments.push((path, mv, vv));
     }
     moments.sort_by(|a, b| a.0.cmp(&b.0));
@@ -185,7 +208,10 @@ pub(crate) fn load(path: &Path) -> Result<CheckpointState, String> {
         loader_position: num("loader_position")?,
         adam_steps: num("adam_steps")?,
         tokens_seen: num("tokens_seen")?,
-        wall_s: meta.get("wall_s").and_then(|s| s.parse().ok()).unwrap_or(0.0),
+        wall_s: meta
+            .get("wall_s")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0.0),
         params,
         moments,
     })
@@ -198,7 +224,9 @@ pub fn latest_good_checkpoint(dir: &Path) -> Result<(CheckpointInfo, Vec<String>
     Ok((info, notes))
 }
 
-pub(crate) fn latest_good(dir: &Path) -> Result<(CheckpointInfo, CheckpointState, Vec<String>), TrainError> {
+pub(crate) fn latest_good(
+    dir: &Path,
+) -> Result<(CheckpointInfo, CheckpointState, Vec<String>), TrainError> {
     let mut notes = Vec::new();
     let all = list(dir);
     if all.is_empty() {
@@ -234,10 +262,18 @@ mod tests {
             tokens_seen: step * 100,
             wall_s: 1.5,
             params: vec![
-                ("wte.weight".into(), vec![2, 3], vec![0.1, 0.2, 0.3, 0.4, 0.5, f32::MIN_POSITIVE]),
+                (
+                    "wte.weight".into(),
+                    vec![2, 3],
+                    vec![0.1, 0.2, 0.3, 0.4, 0.5, f32::MIN_POSITIVE],
+                ),
                 ("ln.bias".into(), vec![3], vec![1.0, -2.0, 3.5]),
             ],
-            moments: vec![("ln.bias".into(), vec![0.1, 0.2, 0.3], vec![0.01, 0.02, 0.03])],
+            moments: vec![(
+                "ln.bias".into(),
+                vec![0.1, 0.2, 0.3],
+                vec![0.01, 0.02, 0.03],
+            )],
         }
     }
 

@@ -30,7 +30,11 @@ pub fn select_device(backend: Backend) -> Result<DeviceChoice, TrainError> {
             "auto: this build has no GPU backend (the `wgpu` and `cuda` features are off), so the CPU",
         )),
         Backend::Wgpu | Backend::Cuda => {
-            let name = if backend == Backend::Wgpu { "wgpu" } else { "cuda" };
+            let name = if backend == Backend::Wgpu {
+                "wgpu"
+            } else {
+                "cuda"
+            };
             Err(TrainError::Backend {
                 backend: name.to_string(),
                 why: format!(

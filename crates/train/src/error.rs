@@ -36,7 +36,9 @@ pub enum TrainError {
     #[error("backend `{backend}` is not available: {why}")]
     Backend { backend: String, why: String },
 
-    #[error("the loss became {value} at step {step}: training diverged (the last good checkpoint is kept); lower training.learning_rate or raise training.warmup_steps")]
+    #[error(
+        "the loss became {value} at step {step}: training diverged (the last good checkpoint is kept); lower training.learning_rate or raise training.warmup_steps"
+    )]
     NonFinite { step: u64, value: f32 },
 
     #[error("{0} is not supported yet: {1}")]

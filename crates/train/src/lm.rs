@@ -22,7 +22,9 @@ use rand::SeedableRng;
 use crate::checkpoint::{self, CheckpointState};
 use crate::optim::{AdamW, AdamWConfig, global_grad_norm, lr_at};
 use crate::params::{host, param_entries, param_values, tensor_from};
-use crate::report::{EvalMetrics, Event, Observer, StepMetrics, Summary, held_back_by, median, write_plots};
+use crate::report::{
+    EvalMetrics, Event, Observer, StepMetrics, Summary, held_back_by, median, write_plots,
+};
 use crate::{DeviceChoice, MemoryTracker, RunDir, TrainError, select_device};
 
 /// What the caller provides besides the configuration.
@@ -39,22 +41,35 @@ pub struct TrainOptions {
 /// How a run ended.
 #[derive(Clone, Debug)]
 pub enum Outcome {
-    Finished { run: PathBuf, summary: Summary },
+    Finished {
+        run: PathBuf,
+        summary: Summary,
+    },
     /// Stopped by the interrupt flag, after writing this checkpoint.
-    Interrupted { run: PathBuf, step: u64, checkpoint: PathBuf },
+    Interrupted {
+        run: PathBuf,
+        step: u64,
+        checkpoint: PathBuf,
+    },
 }
 
 /// Trains the language model of `config` in a new run directory.
-pub fn train_lm(config: &RunConfig, options: &TrainOptions, observer: &mut dyn Observer) -> Result<Outcome, TrainError> {
+pub fn train_lm(
+    config: &RunConfig,
+    options: &TrainOptions,
+    observer: &mut dyn Observer,
+) -> Result<Outcome, TrainError> {
     if config.workload != Workload::Lm {
         return Err(TrainError::Unsupported(
             "the nli workload",
             "sentence-pair training with cross-validation is not built yet; use experiment=shakespeare_char".into(),
         ));
     }
-    // Check what can be checked before creating anything on disk.
+    // Everything that can fail on bad input fails before the run directory exists.
     let device = select_device(config.device.backend)?;
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
+    let tokenizer = make_tokenizer(config, &corpus.text)?;
+    let (session, model) = Session::new(config, device, &corpus, tokenizer, None)?;
     let run = RunDir::create(&config.run.dir, &config.experiment)?;
     run.write("config.toml", &toml_of(config))?;
     run.write("config-sources.txt", &(options.sources.join("\n") + "\n"))?;
@@ -62,14 +77,16 @@ pub fn train_lm(config: &RunConfig, options: &TrainOptions, observer: &mut dyn O
         "hardware.json",
         &serde_json::to_string_pretty(&options.hardware).unwrap_or_default(),
     )?;
-    let tokenizer = make_tokenizer(config, &corpus.text)?;
-    tokenizer.save(&run.file("tokenizer.json"))?;
-    let (session, model) = Session::new(config, device, &corpus, tokenizer, None)?;
+    session.tokenizer.save(&run.file("tokenizer.json"))?;
     session.run(model, &run, options, observer)
 }
 
 /// Continues the run in `run_dir` from its newest good checkpoint.
-pub fn resume(run_dir: &Path, options: &TrainOptions, observer: &mut dyn Observer) -> Result<Outcome, TrainError> {
+pub fn resume(
+    run_dir: &Path,
+    options: &TrainOptions,
+    observer: &mut dyn Observer,
+) -> Result<Outcome, TrainError> {
     let run = RunDir::open(run_dir)?;
     let config = kiln_config::read_run_config(&run.file("config.toml"))?;
     let (info, state, notes) = checkpoint::latest_good(&run.checkpoints())?;
@@ -86,7 +103,13 @@ pub fn resume(run_dir: &Path, options: &TrainOptions, observer: &mut dyn Observe
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
     let tokenizer = Tokenizer::load(&run.file("tokenizer.json"))?;
     run.truncate_metrics_after(info.step)?;
-    let (session, model) = Session::new(&config, device, &corpus, tokenizer, Some((info.path, state)))?;
+    let (session, model) = Session::new(
+        &config,
+        device,
+        &corpus,
+        tokenizer,
+        Some((info.path, state)),
+    )?;
     session.run(model, &run, options, observer)
 }
 
@@ -108,7 +131,8 @@ fn make_tokenizer(config: &RunConfig, text: &str) -> Result<Tokenizer, TrainErro
         ConfigTokenizer::Wordpiece => {
             return Err(TrainError::Unsupported(
                 "data.tokenizer = wordpiece",
-                "WordPiece comes with the nli workload; use char or bpe for a language model".into(),
+                "WordPiece comes with the nli workload; use char or bpe for a language model"
+                    .into(),
             ));
         }
     };
@@ -153,7 +177,11 @@ impl Session {
             "data: {} — {} tokens ({}), vocabulary {}",
             corpus.path.display(),
             ids.len(),
-            if cached.hit { "from the token cache" } else { "encoded and cached" },
+            if cached.hit {
+                "from the token cache"
+            } else {
+                "encoded and cached"
+            },
             tokenizer.vocab_size()
         )];
         let block = config.model.max_length;
@@ -182,12 +210,25 @@ impl Session {
             Split::Train,
         ));
         let eval_seed = seed ^ 0xE7A1_0000_0000_0000;
-        let eval_train = LmWindows::new(train_tokens, config.eval.batch_size, block, eval_seed, Split::Train);
-        let eval_val = LmWindows::new(val_tokens, config.eval.batch_size, block, eval_seed, Split::Val);
+        let eval_train = LmWindows::new(
+            train_tokens,
+            config.eval.batch_size,
+            block,
+            eval_seed,
+            Split::Train,
+        );
+        let eval_val = LmWindows::new(
+            val_tokens,
+            config.eval.batch_size,
+            block,
+            eval_seed,
+            Split::Val,
+        );
         let total_steps = if t.max_steps > 0 {
             t.max_steps as u64
         } else {
-            (train.batches_per_epoch() * t.epochs as u64 / t.gradient_accumulation_steps as u64).max(1)
+            (train.batches_per_epoch() * t.epochs as u64 / t.gradient_accumulation_steps as u64)
+                .max(1)
         };
         let gpt = GptConfig {
             vocab_size: tokenizer.vocab_size(),
@@ -221,9 +262,16 @@ impl Session {
                 .into_iter()
                 .map(|(p, shape, v)| (p, (shape, v)))
                 .collect();
-            model = crate::params::load_values(model, values, &train_device)
-                .map_err(|why| TrainError::CheckpointMismatch { path: path.clone(), why })?;
-            let ids: HashMap<String, _> = param_entries(&model).into_iter().map(|e| (e.path, e.id)).collect();
+            model = crate::params::load_values(model, values, &train_device).map_err(|why| {
+                TrainError::CheckpointMismatch {
+                    path: path.clone(),
+                    why,
+                }
+            })?;
+            let ids: HashMap<String, _> = param_entries(&model)
+                .into_iter()
+                .map(|e| (e.path, e.id))
+                .collect();
             for (p, m, v) in state.moments {
                 let id = ids.get(&p).ok_or_else(|| TrainError::CheckpointMismatch {
                     path: path.clone(),
@@ -231,9 +279,13 @@ impl Session {
                 })?;
                 let n = m.len();
                 let inner = &device.device;
-                optim
-                    .moments
-                    .insert(*id, (tensor_from::<1>(m, &[n], inner), tensor_from::<1>(v, &[n], inner)));
+                optim.moments.insert(
+                    *id,
+                    (
+                        tensor_from::<1>(m, &[n], inner),
+                        tensor_from::<1>(v, &[n], inner),
+                    ),
+                );
             }
             optim.steps = state.adam_steps;
             first_step = state.step + 1;
@@ -278,7 +330,11 @@ impl Session {
         match hardware.cpu.peak.fp32_flops {
             Some(p) => (
                 Some(p),
-                format!("{:.1} GFLOP/s fp32, the CPU {}", p / 1e9, hardware.cpu.peak.how),
+                format!(
+                    "{:.1} GFLOP/s fp32, the CPU {}",
+                    p / 1e9,
+                    hardware.cpu.peak.how
+                ),
             ),
             None => (None, format!("unknown ({})", hardware.cpu.peak.how)),
         }
@@ -361,7 +417,8 @@ impl Session {
             }
             // Dropout draws from the device RNG: seeding it per step makes a
             // resumed run draw what the uninterrupted one would have.
-            self.train_device.seed(t.seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            self.train_device
+                .seed(t.seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15));
             let step_started = Instant::now();
             let mut waited = Duration::ZERO;
             let mut loss_sum: Option<Tensor<1>> = None;
@@ -378,7 +435,11 @@ impl Session {
                 });
                 // Dividing by the accumulation steps makes the summed
                 // gradients an average.
-                let loss = if accum > 1 { loss.div_scalar(accum as f64) } else { loss };
+                let loss = if accum > 1 {
+                    loss.div_scalar(accum as f64)
+                } else {
+                    loss
+                };
                 let grads = GradientsParams::from_grads(loss.backward(), &model);
                 if accum > 1 {
                     accumulator.accumulate(&model, grads);
@@ -397,13 +458,19 @@ impl Session {
             } else {
                 1.0
             };
-            let lr = lr_at(step, t.learning_rate, t.min_lr, t.warmup_steps as u64, self.total_steps);
+            let lr = lr_at(
+                step,
+                t.learning_rate,
+                t.min_lr,
+                t.warmup_steps as u64,
+                self.total_steps,
+            );
             model = self.optim.step(model, grads, lr, scale);
             self.tokens_seen += tokens_per_step;
             let elapsed = step_started.elapsed().as_secs_f64();
 
             let last = step == self.total_steps;
-            if step % c.logging.logging_steps as u64 == 0 || last || step == self.first_step {
+            if step.is_multiple_of(c.logging.logging_steps as u64) || last || step == self.first_step {
                 let (current, peak_mem) = memory.sample();
                 let tokens_per_s = tokens_per_step as f64 / elapsed;
                 let metrics = StepMetrics {
@@ -422,14 +489,17 @@ impl Session {
                 run.append_metric(&tagged("step", &metrics))?;
                 observer.event(&Event::Step(metrics));
             }
-            if step % c.eval.eval_steps as u64 == 0 || last {
+            if step.is_multiple_of(c.eval.eval_steps as u64) || last {
                 let eval = self.evaluate(&model, step);
                 run.append_metric(&tagged("eval", &eval))?;
                 observer.event(&Event::Eval(eval));
             }
-            if step % c.checkpoint.every_steps as u64 == 0 || last {
+            if step.is_multiple_of(c.checkpoint.every_steps as u64) || last {
                 let path = self.checkpoint(&model, run, step, loader.position(), started)?;
-                observer.event(&Event::Checkpoint { step, path: path.clone() });
+                observer.event(&Event::Checkpoint {
+                    step,
+                    path: path.clone(),
+                });
                 last_checkpoint = Some(path);
             }
             step += 1;
@@ -438,7 +508,10 @@ impl Session {
         let _ = last_checkpoint;
         self.write_samples(&model, run)?;
         let summary = self.summarise(run, &peak_name, &options.hardware, started);
-        run.write("summary.json", &serde_json::to_string_pretty(&summary).unwrap_or_default())?;
+        run.write(
+            "summary.json",
+            &serde_json::to_string_pretty(&summary).unwrap_or_default(),
+        )?;
         observer.event(&Event::Done(summary.clone()));
         Ok(Outcome::Finished {
             run: run.path.clone(),
@@ -475,7 +548,10 @@ impl Session {
         loader_position: u64,
         started: Instant,
     ) -> Result<PathBuf, TrainError> {
-        let ids: HashMap<_, String> = param_entries(model).into_iter().map(|e| (e.id, e.path)).collect();
+        let ids: HashMap<_, String> = param_entries(model)
+            .into_iter()
+            .map(|e| (e.id, e.path))
+            .collect();
         let mut moments: Vec<(String, Vec<f32>, Vec<f32>)> = self
             .optim
             .moments
@@ -503,14 +579,32 @@ impl Session {
         let mut rng = rand::rngs::StdRng::seed_from_u64(self.config.training.seed);
         let mut text = String::new();
         for i in 0..s.count {
-            let ids = model.generate(&prompt, s.tokens, s.temperature, s.top_k, &mut rng, &self.device.device);
+            let ids = model.generate(
+                &prompt,
+                s.tokens,
+                s.temperature,
+                s.top_k,
+                &mut rng,
+                &self.device.device,
+            );
             let sample = self.tokenizer.decode(&ids[prompt.len()..])?;
-            text.push_str(&format!("--- sample {} (temperature {}, top-k {})\n{sample}\n", i + 1, s.temperature, s.top_k));
+            text.push_str(&format!(
+                "--- sample {} (temperature {}, top-k {})\n{sample}\n",
+                i + 1,
+                s.temperature,
+                s.top_k
+            ));
         }
         run.write("samples.txt", &text)
     }
 
-    fn summarise(&self, run: &RunDir, peak_name: &str, hardware: &HardwareReport, started: Instant) -> Summary {
+    fn summarise(
+        &self,
+        run: &RunDir,
+        peak_name: &str,
+        hardware: &HardwareReport,
+        started: Instant,
+    ) -> Summary {
         let metrics = run.metrics();
         let steps: Vec<StepMetrics> = metrics
             .iter()
@@ -525,7 +619,11 @@ impl Session {
         let _ = write_plots(&run.path, &steps, &evals);
         // The first logged steps include start-up costs: leave them out of the medians.
         let steady: Vec<&StepMetrics> = steps.iter().filter(|s| s.step > 3).collect();
-        let steady = if steady.is_empty() { steps.iter().collect() } else { steady };
+        let steady = if steady.is_empty() {
+            steps.iter().collect()
+        } else {
+            steady
+        };
         let mut tps: Vec<f64> = steady.iter().map(|s| s.tokens_per_s).collect();
         let mut ms: Vec<f64> = steady.iter().map(|s| s.ms_per_step).collect();
         let mut mfu: Vec<f64> = steady.iter().filter_map(|s| s.mfu).collect();
@@ -546,7 +644,12 @@ impl Session {
             data_wait_pct,
             peak_memory_bytes: peak_memory,
             wall_s: self.wall_before + started.elapsed().as_secs_f64(),
-            held_back_by: held_back_by(data_wait_pct, peak_memory, hardware.memory.total_bytes, median_mfu),
+            held_back_by: held_back_by(
+                data_wait_pct,
+                peak_memory,
+                hardware.memory.total_bytes,
+                median_mfu,
+            ),
         }
     }
 }
@@ -561,7 +664,10 @@ fn tagged<T: serde::Serialize>(kind: &str, value: &T) -> serde_json::Value {
 }
 
 /// Input and target tensors of a batch on `device` (the host-to-device copy).
-pub(crate) fn batch_tensors(batch: &TokenBatch, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
+pub(crate) fn batch_tensors(
+    batch: &TokenBatch,
+    device: &Device,
+) -> (Tensor<2, Int>, Tensor<2, Int>) {
     let shape = [batch.batch_size, batch.block];
     let to = |ids: &[u32]| {
         let data: Vec<i64> = ids.iter().map(|&i| i64::from(i)).collect();

@@ -40,7 +40,10 @@ impl MemoryTracker {
             }
             _ => 0,
         };
-        self.peak = self.peak.max(current).max(linux_high_water_mark().unwrap_or(0));
+        self.peak = self
+            .peak
+            .max(current)
+            .max(linux_high_water_mark().unwrap_or(0));
         (current, self.peak)
     }
 

@@ -40,7 +40,13 @@ impl AdamW {
 
     /// One update of every parameter that has a gradient, with the gradients
     /// multiplied by `grad_scale` first (clipping).
-    pub fn step<M: Module>(&mut self, module: M, grads: GradientsParams, lr: f64, grad_scale: f64) -> M {
+    pub fn step<M: Module>(
+        &mut self,
+        module: M,
+        grads: GradientsParams,
+        lr: f64,
+        grad_scale: f64,
+    ) -> M {
         self.steps += 1;
         let mut mapper = Update {
             optim: self,
@@ -77,7 +83,8 @@ impl ModuleMapper for Update<'_> {
         }
         let (m, v) = match self.optim.moments.remove(&id) {
             Some((m, v)) => (
-                m.mul_scalar(c.beta1).add(g.clone().mul_scalar(1.0 - c.beta1)),
+                m.mul_scalar(c.beta1)
+                    .add(g.clone().mul_scalar(1.0 - c.beta1)),
                 v.mul_scalar(c.beta2)
                     .add(g.clone().powi_scalar(2).mul_scalar(1.0 - c.beta2)),
             ),
@@ -144,7 +151,6 @@ pub fn lr_at(step: u64, max_lr: f64, min_lr: f64, warmup: u64, total: u64) -> f6
 
 #[cfg(test)]
 mod tests {
-    use burn::module::Module;
     use burn::nn::{Linear, LinearConfig};
     use burn::tensor::{Device, TensorData};
 
@@ -173,10 +179,13 @@ mod tests {
         let device = Device::flex().autodiff();
         let mut lin: Linear = LinearConfig::new(2, 1).init(&device);
         lin.weight = lin.weight.map(|w| {
-            Tensor::from_data(TensorData::new(vec![0.5f32, -1.0], [2, 1]), &w.device()).require_grad()
+            Tensor::from_data(TensorData::new(vec![0.5f32, -1.0], [2, 1]), &w.device())
+                .require_grad()
         });
         lin.bias = lin.bias.map(|b| {
-            b.map(|t| Tensor::from_data(TensorData::new(vec![0.25f32], [1]), &t.device()).require_grad())
+            b.map(|t| {
+                Tensor::from_data(TensorData::new(vec![0.25f32], [1]), &t.device()).require_grad()
+            })
         });
         let mut opt = AdamW::new(AdamWConfig {
             beta1: 0.9,

@@ -14,45 +14,64 @@ pub(crate) struct ParamEntry {
     pub(crate) shape: Vec<usize>,
 }
 
+/// Visits float parameters with their dotted path (Burn's derive calls
+/// `enter_module` / `exit_module` around every field, parameters included).
+struct PathVisitor<F> {
+    stack: Vec<String>,
+    on_param: F,
+}
+
+impl<F: FnMut(String, ParamId, Vec<usize>)> ModuleVisitor for PathVisitor<F> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.stack.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.stack.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let tensor = param.val();
+        (self.on_param)(self.stack.join("."), param.id, tensor.dims().to_vec());
+    }
+}
+
 /// Every float parameter of `module`, in visiting order.
 pub(crate) fn param_entries<M: Module>(module: &M) -> Vec<ParamEntry> {
-    struct Collect(Vec<ParamEntry>);
-    impl ModuleVisitor for Collect {
-        fn visit_float_with_path<const D: usize>(
-            &mut self,
-            path: &[String],
-            id: ParamId,
-            tensor: &Tensor<D>,
-        ) {
-            self.0.push(ParamEntry {
-                path: path.join("."),
-                id,
-                shape: tensor.dims().to_vec(),
-            });
-        }
-    }
-    let mut c = Collect(Vec::new());
-    module.visit(&mut c);
-    c.0
+    let mut out = Vec::new();
+    let mut v = PathVisitor {
+        stack: Vec::new(),
+        on_param: |path, id, shape| out.push(ParamEntry { path, id, shape }),
+    };
+    module.visit(&mut v);
+    out
 }
 
 /// Every float parameter's values on the host, by path.
 pub(crate) fn param_values<M: Module>(module: &M) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    struct Read(Vec<(String, Vec<usize>, Vec<f32>)>);
+    struct Read {
+        stack: Vec<String>,
+        out: Vec<(String, Vec<usize>, Vec<f32>)>,
+    }
     impl ModuleVisitor for Read {
-        fn visit_float_with_path<const D: usize>(
-            &mut self,
-            path: &[String],
-            _id: ParamId,
-            tensor: &Tensor<D>,
-        ) {
-            let values = tensor.to_data().iter::<f32>().collect();
-            self.0.push((path.join("."), tensor.dims().to_vec(), values));
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.stack.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.stack.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let tensor = param.val();
+            self.out
+                .push((self.stack.join("."), tensor.dims().to_vec(), host(&tensor)));
         }
     }
-    let mut r = Read(Vec::new());
+    let mut r = Read {
+        stack: Vec::new(),
+        out: Vec::new(),
+    };
     module.visit(&mut r);
-    r.0
+    r.out
 }
 
 /// Host values of a tensor.
@@ -61,7 +80,11 @@ pub(crate) fn host<const D: usize>(t: &Tensor<D>) -> Vec<f32> {
 }
 
 /// A tensor of `shape` from host values.
-pub(crate) fn tensor_from<const D: usize>(values: Vec<f32>, shape: &[usize], device: &Device) -> Tensor<D> {
+pub(crate) fn tensor_from<const D: usize>(
+    values: Vec<f32>,
+    shape: &[usize],
+    device: &Device,
+) -> Tensor<D> {
     Tensor::from_data(TensorData::new(values, shape.to_vec()), device)
 }
 
@@ -83,7 +106,8 @@ pub(crate) fn load_values<M: Module>(
     impl ModuleMapper for Load<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let Some(entry) = self.entries.get(self.next) else {
-                self.error.get_or_insert("more parameters than expected".to_string());
+                self.error
+                    .get_or_insert("more parameters than expected".to_string());
                 return param;
             };
             self.next += 1;
@@ -127,4 +151,61 @@ pub(crate) fn load_values<M: Module>(
         return Err(format!("`{extra}` is not a parameter of this model"));
     }
     Ok(module)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_model::{GeluKind, GptConfig};
+
+    fn model(device: &Device) -> kiln_model::Gpt {
+        GptConfig {
+            vocab_size: 10,
+            block_size: 4,
+            layers: 2,
+            heads: 2,
+            hidden: 8,
+            intermediate: 16,
+            dropout: 0.0,
+            gelu: GeluKind::Exact,
+        }
+        .init(device)
+    }
+
+    #[test]
+    fn every_parameter_has_a_unique_path() {
+        let device = Device::flex();
+        let m = model(&device);
+        let entries = param_entries(&m);
+        let paths: Vec<&str> = entries.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(entries.len(), 2 + 2 * 12 + 2, "{paths:?}");
+        assert!(paths.contains(&"wte.weight"), "{paths:?}");
+        assert!(paths.contains(&"blocks.1.qkv.bias"), "{paths:?}");
+        let mut unique = paths.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), paths.len());
+    }
+
+    #[test]
+    fn values_load_back_exactly() {
+        let device = Device::flex();
+        device.seed(1);
+        let a = model(&device);
+        device.seed(2);
+        let b = model(&device);
+        let values: HashMap<_, _> = param_values(&a)
+            .into_iter()
+            .map(|(p, shape, v)| (p, (shape, v)))
+            .collect();
+        let b = load_values(b, values, &device).expect("loads");
+        assert_eq!(param_values(&a), param_values(&b));
+        let mut short: HashMap<_, _> = param_values(&a)
+            .into_iter()
+            .map(|(p, shape, v)| (p, (shape, v)))
+            .collect();
+        short.remove("wte.weight");
+        let err = load_values(b, short, &device).expect_err("missing");
+        assert!(err.contains("wte.weight"), "{err}");
+    }
 }

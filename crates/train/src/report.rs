@@ -65,7 +65,10 @@ pub enum Event {
     },
     Step(StepMetrics),
     Eval(EvalMetrics),
-    Checkpoint { step: u64, path: std::path::PathBuf },
+    Checkpoint {
+        step: u64,
+        path: std::path::PathBuf,
+    },
     /// Something the user should know (a damaged checkpoint skipped, ...).
     Note(String),
     Done(Summary),
@@ -83,7 +86,7 @@ pub(crate) fn median(values: &mut [f64]) -> f64 {
     }
     values.sort_by(f64::total_cmp);
     let mid = values.len() / 2;
-    if values.len() % 2 == 0 {
+    if values.len().is_multiple_of(2) {
         (values[mid - 1] + values[mid]) / 2.0
     } else {
         values[mid]
@@ -91,7 +94,12 @@ pub(crate) fn median(values: &mut [f64]) -> f64 {
 }
 
 /// The verdict on what held the run back.
-pub(crate) fn held_back_by(data_wait_pct: f64, peak_memory: u64, memory_total: u64, mfu: Option<f64>) -> String {
+pub(crate) fn held_back_by(
+    data_wait_pct: f64,
+    peak_memory: u64,
+    memory_total: u64,
+    mfu: Option<f64>,
+) -> String {
     if data_wait_pct > 10.0 {
         return format!(
             "data: the step waited for the loader {data_wait_pct:.1} % of the time; raise loader.num_workers or loader.prefetch_factor"
@@ -109,13 +117,19 @@ pub(crate) fn held_back_by(data_wait_pct: f64, peak_memory: u64, memory_total: u
             "compute: the loader kept up ({data_wait_pct:.1} % wait) and memory is ample; the device ran at {:.1} % MFU, so speed now depends on the kernels",
             m * 100.0
         ),
-        None => format!("compute: the loader kept up ({data_wait_pct:.1} % wait) and memory is ample"),
+        None => {
+            format!("compute: the loader kept up ({data_wait_pct:.1} % wait) and memory is ample")
+        }
     }
 }
 
 /// Writes `loss.svg` (training loss per logged step, evaluation losses) and
 /// `throughput.svg` (tokens/s per logged step) into `dir`.
-pub(crate) fn write_plots(dir: &Path, steps: &[StepMetrics], evals: &[EvalMetrics]) -> Result<(), String> {
+pub(crate) fn write_plots(
+    dir: &Path,
+    steps: &[StepMetrics],
+    evals: &[EvalMetrics],
+) -> Result<(), String> {
     if steps.is_empty() {
         return Ok(());
     }
@@ -126,7 +140,11 @@ pub(crate) fn write_plots(dir: &Path, steps: &[StepMetrics], evals: &[EvalMetric
         .chain(evals.iter().flat_map(|e| [e.train_loss, e.val_loss]))
         .filter(|l| l.is_finite());
     let (lo, hi) = losses.fold((f64::MAX, f64::MIN), |(a, b), l| (a.min(l), b.max(l)));
-    let (lo, hi) = if lo < hi { (lo, hi) } else { (lo - 1.0, lo + 1.0) };
+    let (lo, hi) = if lo < hi {
+        (lo, hi)
+    } else {
+        (lo - 1.0, lo + 1.0)
+    };
     let err = |e: &dyn std::fmt::Display| e.to_string();
 
     let path = dir.join("loss.svg");
@@ -146,18 +164,27 @@ pub(crate) fn write_plots(dir: &Path, steps: &[StepMetrics], evals: &[EvalMetric
         .draw()
         .map_err(|e| err(&e))?;
     chart
-        .draw_series(LineSeries::new(steps.iter().map(|s| (s.step, s.loss)), BLUE.mix(0.5)))
+        .draw_series(LineSeries::new(
+            steps.iter().map(|s| (s.step, s.loss)),
+            BLUE.mix(0.5),
+        ))
         .map_err(|e| err(&e))?
         .label("train (batch)")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE.mix(0.5)));
     if !evals.is_empty() {
         chart
-            .draw_series(LineSeries::new(evals.iter().map(|e| (e.step, e.train_loss)), BLUE.stroke_width(2)))
+            .draw_series(LineSeries::new(
+                evals.iter().map(|e| (e.step, e.train_loss)),
+                BLUE.stroke_width(2),
+            ))
             .map_err(|e| err(&e))?
             .label("train (eval)")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE.stroke_width(2)));
         chart
-            .draw_series(LineSeries::new(evals.iter().map(|e| (e.step, e.val_loss)), RED.stroke_width(2)))
+            .draw_series(LineSeries::new(
+                evals.iter().map(|e| (e.step, e.val_loss)),
+                RED.stroke_width(2),
+            ))
             .map_err(|e| err(&e))?
             .label("validation (eval)")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], RED.stroke_width(2)));
@@ -173,7 +200,11 @@ pub(crate) fn write_plots(dir: &Path, steps: &[StepMetrics], evals: &[EvalMetric
     let path = dir.join("throughput.svg");
     let root = SVGBackend::new(&path, (900, 540)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
-    let top = steps.iter().map(|s| s.tokens_per_s).fold(0.0, f64::max).max(1.0);
+    let top = steps
+        .iter()
+        .map(|s| s.tokens_per_s)
+        .fold(0.0, f64::max)
+        .max(1.0);
     let mut chart = ChartBuilder::on(&root)
         .caption("throughput (tokens/s)", ("sans-serif", 22))
         .margin(16)
@@ -188,7 +219,10 @@ pub(crate) fn write_plots(dir: &Path, steps: &[StepMetrics], evals: &[EvalMetric
         .draw()
         .map_err(|e| err(&e))?;
     chart
-        .draw_series(LineSeries::new(steps.iter().map(|s| (s.step, s.tokens_per_s)), GREEN.stroke_width(2)))
+        .draw_series(LineSeries::new(
+            steps.iter().map(|s| (s.step, s.tokens_per_s)),
+            GREEN.stroke_width(2),
+        ))
         .map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())
@@ -230,11 +264,18 @@ mod tests {
                 tokens_seen: u64::from(i as u32) * 10,
             })
             .collect();
-        let evals = vec![EvalMetrics { step: 10, train_loss: 3.0, val_loss: 3.2 }];
+        let evals = vec![EvalMetrics {
+            step: 10,
+            train_loss: 3.0,
+            val_loss: 3.2,
+        }];
         write_plots(dir.path(), &steps, &evals).expect("plots");
         for name in ["loss.svg", "throughput.svg"] {
             let text = std::fs::read_to_string(dir.path().join(name)).expect("written");
-            assert!(text.starts_with("<svg") && text.contains("<polyline"), "{name}");
+            assert!(
+                text.starts_with("<svg") && text.contains("<polyline"),
+                "{name}"
+            );
         }
     }
 }

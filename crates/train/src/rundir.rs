@@ -149,20 +149,32 @@ mod tests {
     #[test]
     fn an_existing_run_is_not_overwritten() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let template = dir.path().join("{experiment}").to_string_lossy().into_owned();
+        let template = dir
+            .path()
+            .join("{experiment}")
+            .to_string_lossy()
+            .into_owned();
         let run = RunDir::create(&template, "x").expect("creates");
         run.write("config.toml", "x = 1\n").expect("writes");
-        let err = RunDir::create(&template, "x").expect_err("exists").to_string();
+        let err = RunDir::create(&template, "x")
+            .expect_err("exists")
+            .to_string();
         assert!(err.contains("kiln resume"), "{err}");
-        assert_eq!(std::fs::read_to_string(run.file("config.toml")).expect("kept"), "x = 1\n");
+        assert_eq!(
+            std::fs::read_to_string(run.file("config.toml")).expect("kept"),
+            "x = 1\n"
+        );
     }
 
     #[test]
     fn metrics_after_a_step_are_dropped() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let run = RunDir { path: dir.path().to_path_buf() };
+        let run = RunDir {
+            path: dir.path().to_path_buf(),
+        };
         for step in 1..=5u64 {
-            run.append_metric(&serde_json::json!({ "step": step })).expect("appends");
+            run.append_metric(&serde_json::json!({ "step": step }))
+                .expect("appends");
         }
         std::fs::OpenOptions::new()
             .append(true)
@@ -170,7 +182,11 @@ mod tests {
             .and_then(|mut f| f.write_all(b"{\"step\": 6, \"tor"))
             .expect("torn line");
         run.truncate_metrics_after(3).expect("truncates");
-        let steps: Vec<u64> = run.metrics().iter().filter_map(|m| m["step"].as_u64()).collect();
+        let steps: Vec<u64> = run
+            .metrics()
+            .iter()
+            .filter_map(|m| m["step"].as_u64())
+            .collect();
         assert_eq!(steps, vec![1, 2, 3]);
     }
 }

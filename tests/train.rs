@@ -1,0 +1,323 @@
+//! `kiln train`, `kiln resume` and `kiln bench` on a tiny model, as a user
+//! runs them: real child processes, killed and interrupted.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::support::{kiln, kiln_bin, root};
+
+/// A tiny model and a short run on a 40 kB slice of the shipped corpus.
+fn tiny(dir: &Path, run: &str, steps: u32) -> Vec<String> {
+    let corpus = dir.join("corpus.txt");
+    if !corpus.exists() {
+        let text =
+            std::fs::read_to_string(root().join("data/tinyshakespeare.txt")).expect("corpus");
+        std::fs::write(&corpus, &text[..40_000]).expect("write corpus");
+    }
+    [
+        "train".to_string(),
+        "hardware=cpu".into(),
+        format!("data.path={}", corpus.display()),
+        format!("data.cache_dir={}", dir.join("cache").display()),
+        format!("run.dir={}", dir.join(run).display()),
+        "model.layers=2".into(),
+        "model.heads=2".into(),
+        "model.hidden=32".into(),
+        "model.intermediate=128".into(),
+        "model.max_length=32".into(),
+        "training.batch_size=8".into(),
+        "eval.batch_size=8".into(),
+        "eval.eval_iters=2".into(),
+        "eval.eval_steps=100".into(),
+        "logging.logging_steps=50".into(),
+        "checkpoint.every_steps=100".into(),
+        "checkpoint.keep=10".into(),
+        "training.warmup_steps=20".into(),
+        "sample.count=1".into(),
+        "sample.tokens=20".into(),
+        format!("training.max_steps={steps}"),
+    ]
+    .to_vec()
+}
+
+fn run_kiln(args: &[String]) -> crate::support::Run {
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    kiln(&refs).run()
+}
+
+/// The SHA-256 a checkpoint's header records over all its tensors (model
+/// and optimizer): equal digests mean bitwise-equal state.
+fn checkpoint_digest(path: &Path) -> String {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).expect("header");
+    header["__metadata__"]["sha256"]
+        .as_str()
+        .expect("sha256")
+        .to_string()
+}
+
+fn ckpt(run: &Path, step: u32) -> PathBuf {
+    run.join(format!("checkpoints/ckpt-{step:08}.safetensors"))
+}
+
+#[test]
+fn a_run_leaves_a_complete_run_directory() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let run = run_kiln(&tiny(tmp.path(), "run", 100)).expect_code(0);
+    run.stdout_has(&[
+        "kiln: backend: flex (CPU)",
+        "kiln: loader: 1 worker thread",
+        "step   100/100 | loss ",
+        "tokens/s",
+        "MFU ",
+        "data-wait",
+        "eval    100: train loss",
+        "held back by: ",
+    ]);
+    let dir = tmp.path().join("run");
+    for file in [
+        "config.toml",
+        "config-sources.txt",
+        "hardware.json",
+        "tokenizer.json",
+        "metrics.jsonl",
+        "summary.json",
+        "samples.txt",
+        "loss.svg",
+        "throughput.svg",
+    ] {
+        assert!(dir.join(file).is_file(), "{file} missing");
+    }
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).expect("summary"))
+            .expect("json");
+    let val = summary["final_val_loss"].as_f64().expect("val loss");
+    // ln(vocabulary) ≈ 4 at the start; 100 steps must have learned something.
+    assert!(val < 3.3, "val loss {val}");
+    assert!(
+        summary["median_tokens_per_s"]
+            .as_f64()
+            .is_some_and(|t| t > 0.0)
+    );
+    assert!(ckpt(&dir, 100).is_file());
+    // The saved tokenizer is a Hugging Face tokenizer.json.
+    let tok: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("tokenizer.json")).expect("tokenizer"),
+    )
+    .expect("json");
+    assert_eq!(tok["model"]["type"], "WordLevel");
+    // The saved config resolves again, as `--config`.
+    kiln(&[
+        "config",
+        "--config",
+        dir.join("config.toml").to_str().expect("utf-8"),
+    ])
+    .run()
+    .expect_code(0);
+    // A second run into the same folder is refused: nothing saved is overwritten.
+    let again = run_kiln(&tiny(tmp.path(), "run", 100));
+    assert_eq!(again.code, 2, "{}", again.stderr);
+    again.stderr_has(&["already holds a run", "kiln resume"]);
+}
+
+#[test]
+fn a_killed_run_resumes_to_the_same_weights() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let steps = 400;
+    // The reference: uninterrupted.
+    run_kiln(&tiny(tmp.path(), "whole", steps)).expect_code(0);
+    // The same run, killed (SIGKILL) once its first checkpoint exists.
+    let args = tiny(tmp.path(), "killed", steps);
+    let mut child = Command::new(kiln_bin())
+        .args(&args)
+        .current_dir(root())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kiln");
+    let killed = tmp.path().join("killed");
+    let started = Instant::now();
+    while !ckpt(&killed, 100).exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no checkpoint appeared"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    child.kill().expect("kill");
+    child.wait().expect("reap");
+    assert!(
+        !ckpt(&killed, steps).exists(),
+        "the run finished before it was killed: make it longer"
+    );
+    let resumed = kiln(&["resume", killed.to_str().expect("utf-8")])
+        .run()
+        .expect_code(0);
+    resumed.stdout_has(&["resuming", "from step"]);
+    // Bitwise: flex with the same seed and threads is deterministic.
+    assert_eq!(
+        checkpoint_digest(&ckpt(&killed, steps)),
+        checkpoint_digest(&ckpt(&tmp.path().join("whole"), steps))
+    );
+    // The metrics were not written twice.
+    let metrics = std::fs::read_to_string(killed.join("metrics.jsonl")).expect("metrics");
+    let steps_logged: Vec<u64> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["kind"] == "step")
+        .filter_map(|m| m["step"].as_u64())
+        .collect();
+    let mut sorted = steps_logged.clone();
+    sorted.dedup();
+    assert_eq!(sorted, steps_logged, "duplicated metric lines");
+}
+
+#[test]
+fn ctrl_c_checkpoints_and_prints_the_resume_command() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let args = tiny(tmp.path(), "int", 100_000);
+    let child = Command::new(kiln_bin())
+        .args(&args)
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kiln");
+    let dir = tmp.path().join("int");
+    let started = Instant::now();
+    while !dir.join("metrics.jsonl").exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the run did not start"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .expect("send SIGINT");
+    assert!(status.success());
+    let out = child.wait_with_output().expect("wait");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("resume with: kiln resume"), "{stdout}");
+    let checkpoints = std::fs::read_dir(dir.join("checkpoints"))
+        .expect("checkpoints")
+        .count();
+    assert!(checkpoints >= 1);
+}
+
+#[test]
+fn bad_training_input_is_named_with_exit_2_and_no_run_directory() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let write = |name: &str, bytes: &[u8]| {
+        let p = tmp.path().join(name);
+        std::fs::write(&p, bytes).expect("write");
+        p
+    };
+    let empty = write("empty.txt", b"");
+    let latin1 = write("latin1.txt", b"good line\nbad caf\xe9\n");
+    let short = write("short.txt", b"too short for a block\n");
+    let broken_tok = write("tokenizer.json", b"{\"model\": {\"type\": \"BPE\"");
+    let good = write(
+        "good.txt",
+        "All the world's a stage,\nAnd all the men and women merely players.\n"
+            .repeat(50)
+            .as_bytes(),
+    );
+    let cases: Vec<(Vec<String>, Vec<String>)> = vec![
+        (
+            vec![format!(
+                "data.path={}",
+                tmp.path().join("missing.txt").display()
+            )],
+            vec!["missing.txt".into(), "failed to read".into()],
+        ),
+        (
+            vec![format!("data.path={}", empty.display())],
+            vec![format!("`{}` is empty", empty.display())],
+        ),
+        (
+            vec![format!("data.path={}", latin1.display())],
+            vec![
+                "latin1.txt".into(),
+                "invalid byte 0xe9 at byte 17 (line 2)".into(),
+            ],
+        ),
+        (
+            vec![format!("data.path={}", short.display())],
+            vec!["short.txt".into(), "too short".into()],
+        ),
+        (
+            vec![
+                format!("data.path={}", good.display()),
+                format!("data.tokenizer_file={}", broken_tok.display()),
+            ],
+            vec!["invalid tokenizer".into(), "tokenizer.json".into()],
+        ),
+    ];
+    for (extra, wants) in cases {
+        let mut args = vec![
+            "train".to_string(),
+            "hardware=cpu".into(),
+            format!("run.dir={}", tmp.path().join("run").display()),
+            format!("data.cache_dir={}", tmp.path().join("cache").display()),
+        ];
+        args.extend(extra.clone());
+        let run = run_kiln(&args);
+        assert_eq!(run.code, 2, "{extra:?}: {}", run.stderr);
+        let wants: Vec<&str> = wants.iter().map(String::as_str).collect();
+        run.stderr_has(&wants);
+        assert!(
+            !tmp.path().join("run").exists(),
+            "{extra:?} left a run directory"
+        );
+    }
+    let missing = kiln(&["resume", tmp.path().join("nope").to_str().expect("utf-8")]).run();
+    assert_eq!(missing.code, 2);
+    missing.stderr_has(&["not a kiln run directory"]);
+}
+
+#[test]
+fn bench_lm_prints_json_with_the_step_split() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut args = vec![
+        "bench".to_string(),
+        "lm".into(),
+        "--json".into(),
+        "--warmup".into(),
+        "2".into(),
+        "--steps".into(),
+        "5".into(),
+    ];
+    args.extend(
+        tiny(tmp.path(), "unused", 10)
+            .into_iter()
+            .skip(1)
+            .filter(|a| !a.starts_with("run.dir")),
+    );
+    let run = run_kiln(&args).expect_code(0);
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("json");
+    let b = &v["bench"];
+    assert!(b["tokens_per_s_median"].as_f64().is_some_and(|t| t > 0.0));
+    assert!(b["ms_per_step_median"].as_f64().is_some_and(|t| t > 0.0));
+    assert!(b["data_wait_pct"].as_f64().is_some());
+    for phase in [
+        "data_wait_ms",
+        "host_to_device_ms",
+        "forward_ms",
+        "backward_ms",
+        "optimizer_ms",
+    ] {
+        assert!(b["phases"][phase].as_f64().is_some(), "{phase}");
+    }
+    assert_eq!(b["timed_steps"], 5);
+    assert_eq!(v["config"]["model"]["hidden"], 32);
+}
