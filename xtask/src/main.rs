@@ -33,6 +33,7 @@ cargo xtask <target> [args...]
                             a100-80gb a30 a40 v100 t4 h100 low-mem cpu
   nli-train-auto            the NLI encoder with k-fold CV, preset from hardware
   nli-train-<gpu> [--force] the same with a GPU preset
+  bench                     the standard benchmarks → bench/results.json
   ci                        cargo fmt --check, clippy -D warnings, tests
 
 Extra arguments go to `kiln` (overrides like training.batch_size=8).
@@ -55,6 +56,7 @@ fn main() -> ExitCode {
         "train-auto" => kiln(&["train", "hardware=auto"], rest),
         "nli-train-auto" => kiln(&["train", "hardware=auto", "experiment=nli_snli"], rest),
         "ci" => ci(),
+        "bench" => bench(rest),
         other => match train_target(other) {
             Some((preset, nli)) => {
                 let hw = format!("hardware={preset}");
@@ -118,6 +120,39 @@ fn kiln(base: &[&str], rest: Vec<String>) -> Result<ExitCode, String> {
     ]);
     cmd.args(base).args(rest);
     run(cmd)
+}
+
+/// The standard benchmark set: the default LM run and the PyTorch comparison
+/// shape of ../shared/PEERS.md (block 128, batch 32).
+const BENCHES: &[(&str, &[&str])] = &[
+    ("lm-default", &[]),
+    ("lm-peers-shape", &["model.max_length=128", "training.batch_size=32"]),
+];
+
+fn bench(rest: Vec<String>) -> Result<ExitCode, String> {
+    let mut results = Vec::new();
+    for (name, overrides) in BENCHES {
+        eprintln!("xtask: bench {name}");
+        let mut cmd = cargo();
+        cmd.args(["run", "--quiet", "--release", "--package", "kiln-cli", "--bin", "kiln", "--"]);
+        cmd.args(["bench", "lm", "--json"]).args(*overrides).args(&rest);
+        let out = cmd
+            .output()
+            .map_err(|e| format!("failed to run {cmd:?}: {e}"))?;
+        if !out.status.success() {
+            eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+            return Ok(ExitCode::FAILURE);
+        }
+        let json = String::from_utf8_lossy(&out.stdout);
+        results.push(format!("{{\"name\": \"{name}\", \"result\": {}}}", json.trim()));
+    }
+    let dir = root().join("bench");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("failed to create {}: {e}", dir.display()))?;
+    let path = dir.join("results.json");
+    std::fs::write(&path, format!("[\n{}\n]\n", results.join(",\n")))
+        .map_err(|e| format!("failed to write {}: {e}", path.display()))?;
+    println!("wrote {}", path.display());
+    Ok(ExitCode::SUCCESS)
 }
 
 fn ci() -> Result<ExitCode, String> {

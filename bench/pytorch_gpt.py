@@ -1,0 +1,130 @@
+"""PyTorch reference for `kiln bench lm`: the same GPT, data and optimizer.
+
+The shape and settings of ../shared/PEERS.md: a nanoGPT-style character GPT
+(pre-LayerNorm, fused QKV, scaled_dot_product_attention with is_causal,
+exact GELU, weight tying, no dropout), AdamW (lr 1e-3, weight decay 0.1 on
+matrices, betas 0.9/0.95, eps 1e-8), global-norm clip 1.0, random windows
+from Tiny Shakespeare (90/10 split). Eager fp32 on 2 threads by default.
+
+Usage (a virtual environment outside the repository, `pip install torch`):
+
+    python bench/pytorch_gpt.py --block 128 --batch 32 --steps 30 --warmup 5
+
+Prints one JSON object: tokens/s (median, min, max), ms/step and the loss.
+Not used by tests or CI.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d, h, f):
+        super().__init__()
+        self.h = h
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, f)
+        self.mlp_proj = nn.Linear(f, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp_proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class Gpt(nn.Module):
+    def __init__(self, vocab, block, layers, heads, d):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(block, d)
+        self.blocks = nn.ModuleList(Block(d, heads, 4 * d) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.ln_f(x) @ self.wte.weight.T
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", default="data/tinyshakespeare.txt")
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=1337)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    text = open(args.data, encoding="utf-8").read()
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    train = data[: int(0.9 * len(data))]
+
+    model = Gpt(len(chars), args.block, args.layers, args.heads, args.hidden)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+    )
+    times, loss = [], float("nan")
+    for i in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        ix = torch.randint(len(train) - args.block, (args.batch,))
+        x = torch.stack([train[j : j + args.block] for j in ix])
+        y = torch.stack([train[j + 1 : j + 1 + args.block] for j in ix])
+        loss_t = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss_t.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss = loss_t.item()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    tokens = args.batch * args.block
+    tps = sorted(tokens / t for t in times)
+    print(json.dumps({
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "block": args.block,
+        "batch": args.batch,
+        "tokens_per_s_median": statistics.median(tps),
+        "tokens_per_s_min": tps[0],
+        "tokens_per_s_max": tps[-1],
+        "ms_per_step_median": 1e3 * statistics.median(times),
+        "final_loss": loss,
+    }))
+
+
+if __name__ == "__main__":
+    main()
