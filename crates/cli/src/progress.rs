@@ -113,10 +113,7 @@ impl Observer for Printer {
                 }
                 self.line(&step_line(m, self.total));
             }
-            Event::Eval(e) => self.line(&format!(
-                "eval  {:>5}: train loss {:.4}, val loss {:.4}",
-                e.step, e.train_loss, e.val_loss
-            )),
+            Event::Eval { step, line } => self.line(&format!("eval  {step:>5}: {line}")),
             Event::Checkpoint { step, path } => {
                 self.line(&format!("checkpoint {step}: {}", path.display()));
             }

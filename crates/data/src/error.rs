@@ -40,6 +40,13 @@ pub enum DataError {
     #[error("invalid tokenizer `{}`: {message}", path.display())]
     BadTokenizer { path: PathBuf, message: String },
 
+    #[error("`{}` line {line}: {why}", path.display())]
+    BadRow {
+        path: PathBuf,
+        line: usize,
+        why: String,
+    },
+
     #[error("tokenizer: {0}")]
     Tokenizer(String),
 }

@@ -12,17 +12,24 @@
 //! - [`Loader`]: N worker threads with bounded prefetch, the same batches in
 //!   the same order whatever N, and the wait for each batch measured;
 //!   [`benchmark_loader`] times it alone.
+//! - [`read_pairs`]: sentence pairs from JSONL, TSV or CSV, with bad rows
+//!   skipped and counted or rejected, and [`grouped_stratified_folds`] to
+//!   split them for cross-validation without a premise in two folds.
 
 mod cache;
 mod corpus;
 mod error;
+mod folds;
 mod loader;
+mod pairs;
 mod tokenizer;
 mod windows;
 
 pub use cache::{CacheOutcome, encode_cached};
 pub use corpus::{Corpus, read_corpus};
 pub use error::DataError;
+pub use folds::grouped_stratified_folds;
 pub use loader::{BatchSource, Loaded, Loader, LoaderBenchmark, benchmark_loader};
+pub use pairs::{BadRows, Pair, PairDataset, PairFormat, PairSchema, read_pairs};
 pub use tokenizer::{Tokenizer, TokenizerKind};
 pub use windows::{LmWindows, Split, TokenBatch};

@@ -8,11 +8,11 @@ use std::time::Instant;
 
 use burn::optim::GradientsParams;
 use kiln_config::RunConfig;
-use kiln_data::{LmWindows, Loader, Split, Tokenizer, encode_cached, read_corpus};
+use kiln_data::{LmWindows, Loader, Split, encode_cached, read_corpus};
 use kiln_hwdetect::HardwareReport;
 use serde::Serialize;
 
-use crate::lm::batch_tensors;
+use crate::lm::{batch_tensors, gpt_config, make_tokenizer};
 use crate::optim::{AdamW, AdamWConfig, global_grad_norm};
 use crate::report::median;
 use crate::{MemoryTracker, TrainError, select_device};
@@ -64,7 +64,7 @@ pub fn bench_lm(
 ) -> Result<BenchResult, TrainError> {
     let choice = select_device(config.device.backend)?;
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
-    let tokenizer = Tokenizer::char_level(&corpus.text)?;
+    let tokenizer = make_tokenizer(config, &corpus.text)?;
     let (ids, _) = encode_cached(&tokenizer, &corpus, Path::new(&config.data.cache_dir))?;
     let block = config.model.max_length;
     if ids.len() < block + 1 {
@@ -90,19 +90,7 @@ pub fn bench_lm(
         config.loader.num_workers,
         config.loader.prefetch_factor,
     );
-    let gpt = kiln_model::GptConfig {
-        vocab_size: tokenizer.vocab_size(),
-        block_size: block,
-        layers: config.model.layers,
-        heads: config.model.heads,
-        hidden: config.model.hidden,
-        intermediate: config.model.intermediate,
-        dropout: config.model.dropout,
-        gelu: match config.model.gelu {
-            kiln_config::Gelu::Exact => kiln_model::GeluKind::Exact,
-            kiln_config::Gelu::Tanh => kiln_model::GeluKind::Tanh,
-        },
-    };
+    let gpt = gpt_config(config, tokenizer.vocab_size());
     let device = choice.device.clone().autodiff();
     device.seed(t.seed);
     let mut model = gpt.init(&device);

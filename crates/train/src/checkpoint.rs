@@ -54,34 +54,40 @@ pub(crate) fn path_for(dir: &Path, step: u64) -> PathBuf {
 
 /// Writes the checkpoint of `state` into `dir` and deletes all but the
 /// newest `keep`.
-pub(crate) fn save(
-    dir: &Path,
-    state: &CheckpointState,
-    keep: usize,
-) -> Result<PathBuf, TrainError> {
-    let write_err = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| TrainError::Write { path, source }
-    };
-    std::fs::create_dir_all(dir).map_err(write_err(dir))?;
-    let mut named: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (path, shape, values) in &state.params {
-        named.push((format!("model/{path}"), shape.clone(), f32_bytes(values)));
+pub(crate) fn save(dir: &Path, state: &CheckpointState, keep: usize) -> Result<PathBuf, TrainError> {
+    std::fs::create_dir_all(dir).map_err(|source| TrainError::Write {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let path = path_for(dir, state.step);
+    save_file(&path, state)?;
+    for old in list(dir).into_iter().rev().skip(keep.max(1)) {
+        let _ = std::fs::remove_file(old.path);
     }
-    for (path, m, v) in &state.moments {
-        named.push((format!("adam_m/{path}"), vec![m.len()], f32_bytes(m)));
-        named.push((format!("adam_v/{path}"), vec![v.len()], f32_bytes(v)));
+    Ok(path)
+}
+
+/// Writes `state` to `path` atomically: a temporary file beside it, synced,
+/// then renamed into place.
+pub(crate) fn save_file(path: &Path, state: &CheckpointState) -> Result<(), TrainError> {
+    let write_err = |p: &Path| {
+        let p = p.to_path_buf();
+        move |source| TrainError::Write { path: p, source }
+    };
+    let mut named: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (p, shape, values) in &state.params {
+        named.push((format!("model/{p}"), shape.clone(), f32_bytes(values)));
+    }
+    for (p, m, v) in &state.moments {
+        named.push((format!("adam_m/{p}"), vec![m.len()], f32_bytes(m)));
+        named.push((format!("adam_v/{p}"), vec![v.len()], f32_bytes(v)));
     }
     named.sort_by(|a, b| a.0.cmp(&b.0));
     let mut hasher = Sha256::new();
     for (_, _, bytes) in &named {
         hasher.update(bytes);
     }
-    let digest: String = hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
     let metadata: HashMap<String, String> = [
         ("format", FORMAT.to_string()),
         ("step", state.step.to_string()),
@@ -94,35 +100,29 @@ pub(crate) fn save(
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    let other = |e: safetensors::SafeTensorError| TrainError::Write {
+        path: path.to_path_buf(),
+        source: std::io::Error::other(e.to_string()),
+    };
     let views: Vec<(String, TensorView<'_>)> = named
         .iter()
-        .map(|(name, shape, bytes)| {
-            TensorView::new(Dtype::F32, shape.clone(), bytes).map(|view| (name.clone(), view))
-        })
+        .map(|(name, shape, bytes)| TensorView::new(Dtype::F32, shape.clone(), bytes).map(|view| (name.clone(), view)))
         .collect::<Result<_, _>>()
-        .map_err(|e| TrainError::Write {
-            path: dir.to_path_buf(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
-    let bytes = safetensors::serialize(views, Some(metadata)).map_err(|e| TrainError::Write {
-        path: dir.to_path_buf(),
-        source: std::io::Error::other(e.to_string()),
-    })?;
-    let path = path_for(dir, state.step);
-    let tmp = dir.join(format!(".ckpt-{:08}.tmp{}", state.step, std::process::id()));
+        .map_err(other)?;
+    let bytes = safetensors::serialize(views, Some(metadata)).map_err(other)?;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
     {
         let mut file = std::fs::File::create(&tmp).map_err(write_err(&tmp))?;
         file.write_all(&bytes).map_err(write_err(&tmp))?;
         file.sync_all().map_err(write_err(&tmp))?;
     }
-    std::fs::rename(&tmp, &path).map_err(write_err(&path))?;
+    std::fs::rename(&tmp, path).map_err(write_err(path))?;
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
     }
-    for old in list(dir).into_iter().rev().skip(keep.max(1)) {
-        let _ = std::fs::remove_file(old.path);
-    }
-    Ok(path)
+    Ok(())
 }
 
 /// The checkpoints in `dir`, oldest first.

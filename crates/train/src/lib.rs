@@ -21,6 +21,7 @@ mod optim;
 mod params;
 mod report;
 mod rundir;
+mod trainer;
 
 pub use bench::{BenchOptions, BenchResult, PhaseTimes, bench_lm};
 pub use checkpoint::{CheckpointInfo, latest_good_checkpoint};

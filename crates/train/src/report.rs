@@ -15,7 +15,9 @@ pub struct StepMetrics {
     pub grad_norm: f64,
     /// Wall time of the step, loader wait included.
     pub ms_per_step: f64,
+    /// Tokens that carry data (padding not counted) per second.
     pub tokens_per_s: f64,
+    pub samples_per_s: f64,
     /// Model FLOPs/s over the device peak (`None`: peak unknown).
     pub mfu: Option<f64>,
     /// Share of the step spent waiting for the loader, in percent.
@@ -25,9 +27,9 @@ pub struct StepMetrics {
     pub tokens_seen: u64,
 }
 
-/// One evaluation: mean loss over `eval_iters` batches of each split.
+/// A language-model evaluation: mean loss over `eval_iters` batches of each split.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct EvalMetrics {
+pub(crate) struct EvalMetrics {
     pub step: u64,
     pub train_loss: f64,
     pub val_loss: f64,
@@ -64,7 +66,8 @@ pub enum Event {
         total_steps: u64,
     },
     Step(StepMetrics),
-    Eval(EvalMetrics),
+    /// An evaluation, as one line.
+    Eval { step: u64, line: String },
     Checkpoint {
         step: u64,
         path: std::path::PathBuf,
@@ -257,6 +260,7 @@ mod tests {
                 grad_norm: 1.0,
                 ms_per_step: 10.0,
                 tokens_per_s: 1000.0 + f64::from(i as u32),
+                samples_per_s: 10.0,
                 mfu: Some(0.1),
                 data_wait_pct: 0.5,
                 memory_bytes: 1,

@@ -1,0 +1,339 @@
+//! The training loop every workload shares: loader, accumulation that
+//! averages, global-norm clipping, AdamW with warm-up + cosine, logging,
+//! evaluation, best-model keeping and early stopping, checkpoints, interrupt.
+//! A workload plugs in through [`Task`].
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use burn::module::Module;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::{Device, Tensor};
+use kiln_config::RunConfig;
+use kiln_data::{BatchSource, Loader};
+
+use crate::checkpoint::{self, CheckpointState};
+use crate::optim::{AdamW, global_grad_norm, lr_at};
+use crate::params::{host, param_entries, param_values, tensor_from};
+use crate::report::{Event, Observer, StepMetrics};
+use crate::{MemoryTracker, RunDir, TrainError, TrainOptions};
+
+/// The work one batch represents.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Work {
+    pub(crate) samples: usize,
+    /// Tokens that carry data (no padding).
+    pub(crate) tokens: usize,
+    /// Model FLOPs of one training step (forward and backward) on the batch.
+    pub(crate) flops: f64,
+}
+
+/// One evaluation: the record for `metrics.jsonl`, a line to print, and a
+/// score (higher is better) for keeping the best model and early stopping.
+#[derive(Clone, Debug)]
+pub(crate) struct Evaluation {
+    pub(crate) record: serde_json::Value,
+    pub(crate) line: String,
+    pub(crate) score: Option<f64>,
+}
+
+/// A workload: its model, its batches, its loss and its evaluation.
+pub(crate) trait Task {
+    type Model: Module;
+    type Source: BatchSource;
+
+    fn source(&self) -> Arc<Self::Source>;
+    fn loss(&self, model: &Self::Model, batch: &<Self::Source as BatchSource>::Batch, device: &Device) -> Tensor<1>;
+    fn work(&self, batch: &<Self::Source as BatchSource>::Batch) -> Work;
+    fn evaluate(&self, model: &Self::Model, step: u64) -> Evaluation;
+}
+
+/// Where a loop starts and what it is asked to do.
+#[derive(Clone, Debug)]
+pub(crate) struct LoopPlan {
+    pub(crate) first_step: u64,
+    pub(crate) total_steps: u64,
+    pub(crate) loader_start: u64,
+    pub(crate) tokens_seen: u64,
+    pub(crate) wall_before: f64,
+    /// Also evaluate every this many steps (epoch ends), besides `eval.eval_steps`.
+    pub(crate) eval_every_epoch: Option<u64>,
+    /// Stop after this many evaluations without a better score.
+    pub(crate) patience: Option<usize>,
+    /// Best score so far and evaluations since (from the metrics when resuming).
+    pub(crate) best: Option<f64>,
+    pub(crate) since_best: usize,
+    /// The peak FLOP/s MFU is counted against.
+    pub(crate) peak_flops: Option<f64>,
+}
+
+/// How a loop ended.
+#[derive(Debug)]
+pub(crate) enum LoopEnd {
+    Finished { step: u64 },
+    EarlyStopped { step: u64 },
+    Interrupted { step: u64, checkpoint: PathBuf },
+}
+
+/// The model file kept for the best evaluation score.
+pub(crate) const BEST_MODEL: &str = "best.safetensors";
+
+/// Runs `plan` over `task` with `model` and `optim`, writing metrics and
+/// checkpoints into `run`. Returns the final model and how it ended.
+#[allow(clippy::too_many_arguments, reason = "the loop's inputs, each distinct")]
+pub(crate) fn run_loop<T: Task>(
+    task: &T,
+    mut model: T::Model,
+    optim: &mut AdamW,
+    device: &Device,
+    config: &RunConfig,
+    plan: &mut LoopPlan,
+    run: &RunDir,
+    options: &TrainOptions,
+    observer: &mut dyn Observer,
+) -> Result<(T::Model, LoopEnd), TrainError> {
+    let started = Instant::now();
+    let t = &config.training;
+    let accum = t.gradient_accumulation_steps;
+    let mut loader = Loader::new(
+        task.source(),
+        plan.loader_start,
+        config.loader.num_workers,
+        config.loader.prefetch_factor,
+    );
+    let mut memory = MemoryTracker::new();
+    let mut step = plan.first_step;
+    while step <= plan.total_steps {
+        if options.interrupt.load(Ordering::Relaxed) {
+            let path = save_checkpoint(&model, optim, run, step - 1, loader.position(), plan, started, config)?;
+            return Ok((model, LoopEnd::Interrupted { step: step - 1, checkpoint: path }));
+        }
+        // Dropout draws from the device RNG: seeding it per step makes a
+        // resumed run draw what the uninterrupted one would have.
+        device.seed(t.seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let step_started = Instant::now();
+        let mut waited = Duration::ZERO;
+        let mut work = Work::default();
+        let mut loss_sum: Option<Tensor<1>> = None;
+        let mut accumulator = GradientsAccumulator::<T::Model>::new();
+        let mut single: Option<GradientsParams> = None;
+        for _ in 0..accum {
+            let loaded = loader.next_batch();
+            waited += loaded.wait;
+            let w = task.work(&loaded.batch);
+            work.samples += w.samples;
+            work.tokens += w.tokens;
+            work.flops += w.flops;
+            let loss = task.loss(&model, &loaded.batch, device);
+            loss_sum = Some(match loss_sum.take() {
+                Some(s) => s.add(loss.clone().detach()),
+                None => loss.clone().detach(),
+            });
+            // Dividing by the accumulation steps makes the summed gradients an average.
+            let loss = if accum > 1 { loss.div_scalar(accum as f64) } else { loss };
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            if accum > 1 {
+                accumulator.accumulate(&model, grads);
+            } else {
+                single = Some(grads);
+            }
+        }
+        let grads = single.unwrap_or_else(|| accumulator.grads());
+        let loss = loss_sum.map_or(f32::NAN, |l| l.into_scalar::<f32>()) / accum as f32;
+        if !loss.is_finite() {
+            return Err(TrainError::NonFinite { step, value: loss });
+        }
+        let norm = global_grad_norm(&model, &grads);
+        let scale = if t.grad_clip > 0.0 && norm > t.grad_clip {
+            t.grad_clip / (norm + 1e-6)
+        } else {
+            1.0
+        };
+        let lr = lr_at(step, t.learning_rate, t.min_lr, t.warmup_steps as u64, plan.total_steps);
+        model = optim.step(model, grads, lr, scale);
+        plan.tokens_seen += work.tokens as u64;
+        let elapsed = step_started.elapsed().as_secs_f64();
+
+        let last = step == plan.total_steps;
+        if step.is_multiple_of(config.logging.logging_steps as u64) || last || step == plan.first_step {
+            let (current, peak_mem) = memory.sample();
+            let metrics = StepMetrics {
+                step,
+                loss: f64::from(loss),
+                lr,
+                grad_norm: norm,
+                ms_per_step: elapsed * 1e3,
+                tokens_per_s: work.tokens as f64 / elapsed,
+                samples_per_s: work.samples as f64 / elapsed,
+                mfu: plan.peak_flops.map(|p| work.flops / elapsed / p),
+                data_wait_pct: 100.0 * waited.as_secs_f64() / elapsed,
+                memory_bytes: current,
+                peak_memory_bytes: peak_mem,
+                tokens_seen: plan.tokens_seen,
+            };
+            run.append_metric(&tagged("step", &metrics))?;
+            observer.event(&Event::Step(metrics));
+        }
+        let epoch_end = plan.eval_every_epoch.is_some_and(|e| step.is_multiple_of(e.max(1)));
+        let mut stop = false;
+        if step.is_multiple_of(config.eval.eval_steps as u64) || epoch_end || last {
+            let eval = task.evaluate(&model, step);
+            let mut record = eval.record.clone();
+            if let Some(map) = record.as_object_mut() {
+                map.insert("kind".into(), "eval".into());
+                map.insert("step".into(), step.into());
+                if let Some(score) = eval.score {
+                    map.insert("score".into(), score.into());
+                }
+            }
+            run.append_metric(&record)?;
+            observer.event(&Event::Eval { step, line: eval.line });
+            if let Some(score) = eval.score {
+                if plan.best.is_none_or(|b| score > b) {
+                    plan.best = Some(score);
+                    plan.since_best = 0;
+                    save_model(&model, &run.file(BEST_MODEL))?;
+                } else {
+                    plan.since_best += 1;
+                    stop = plan.patience.is_some_and(|p| plan.since_best >= p);
+                }
+            }
+        }
+        if step.is_multiple_of(config.checkpoint.every_steps as u64) || last || stop {
+            let path = save_checkpoint(&model, optim, run, step, loader.position(), plan, started, config)?;
+            observer.event(&Event::Checkpoint { step, path });
+        }
+        if stop {
+            observer.event(&Event::Note(format!(
+                "early stop at step {step}: no better score in {} evaluations",
+                plan.since_best
+            )));
+            return Ok((model, LoopEnd::EarlyStopped { step }));
+        }
+        step += 1;
+    }
+    Ok((model, LoopEnd::Finished { step: plan.total_steps }))
+}
+
+/// A JSON object of `value` with `"kind": kind` added.
+pub(crate) fn tagged<T: serde::Serialize>(kind: &str, value: &T) -> serde_json::Value {
+    let mut v = serde_json::to_value(value).unwrap_or_default();
+    if let Some(map) = v.as_object_mut() {
+        map.insert("kind".into(), kind.into());
+    }
+    v
+}
+
+#[allow(clippy::too_many_arguments, reason = "the parts of a checkpoint")]
+fn save_checkpoint<M: Module>(
+    model: &M,
+    optim: &AdamW,
+    run: &RunDir,
+    step: u64,
+    loader_position: u64,
+    plan: &LoopPlan,
+    started: Instant,
+    config: &RunConfig,
+) -> Result<PathBuf, TrainError> {
+    let ids: HashMap<_, String> = param_entries(model).into_iter().map(|e| (e.id, e.path)).collect();
+    let mut moments: Vec<(String, Vec<f32>, Vec<f32>)> = optim
+        .moments
+        .iter()
+        .filter_map(|(id, (m, v))| ids.get(id).map(|p| (p.clone(), host(m), host(v))))
+        .collect();
+    moments.sort_by(|a, b| a.0.cmp(&b.0));
+    let state = CheckpointState {
+        step,
+        loader_position,
+        adam_steps: optim.steps,
+        tokens_seen: plan.tokens_seen,
+        wall_s: plan.wall_before + started.elapsed().as_secs_f64(),
+        params: param_values(model),
+        moments,
+    };
+    checkpoint::save(&run.checkpoints(), &state, config.checkpoint.keep)
+}
+
+/// Writes the model's parameters alone (the best model so far).
+pub(crate) fn save_model<M: Module>(model: &M, path: &std::path::Path) -> Result<(), TrainError> {
+    let state = CheckpointState {
+        step: 0,
+        loader_position: 0,
+        adam_steps: 0,
+        tokens_seen: 0,
+        wall_s: 0.0,
+        params: param_values(model),
+        moments: Vec::new(),
+    };
+    checkpoint::save_file(path, &state)
+}
+
+/// Restores model, optimizer and counters from a checkpoint.
+pub(crate) fn restore<M: Module>(
+    model: M,
+    optim: &mut AdamW,
+    state: CheckpointState,
+    path: &std::path::Path,
+    train_device: &Device,
+    optim_device: &Device,
+) -> Result<(M, LoopPlanStart), TrainError> {
+    let values: HashMap<String, (Vec<usize>, Vec<f32>)> = state
+        .params
+        .into_iter()
+        .map(|(p, shape, v)| (p, (shape, v)))
+        .collect();
+    let model = crate::params::load_values(model, values, train_device).map_err(|why| TrainError::CheckpointMismatch {
+        path: path.to_path_buf(),
+        why,
+    })?;
+    let ids: HashMap<String, _> = param_entries(&model).into_iter().map(|e| (e.path, e.id)).collect();
+    for (p, m, v) in state.moments {
+        let id = ids.get(&p).ok_or_else(|| TrainError::CheckpointMismatch {
+            path: path.to_path_buf(),
+            why: format!("optimizer state for `{p}`, which the model lacks"),
+        })?;
+        let n = m.len();
+        optim
+            .moments
+            .insert(*id, (tensor_from::<1>(m, &[n], optim_device), tensor_from::<1>(v, &[n], optim_device)));
+    }
+    optim.steps = state.adam_steps;
+    Ok((
+        model,
+        LoopPlanStart {
+            first_step: state.step + 1,
+            loader_start: state.loader_position,
+            tokens_seen: state.tokens_seen,
+            wall_before: state.wall_s,
+        },
+    ))
+}
+
+/// The counters a restored run starts from.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LoopPlanStart {
+    pub(crate) first_step: u64,
+    pub(crate) loader_start: u64,
+    pub(crate) tokens_seen: u64,
+    pub(crate) wall_before: f64,
+}
+
+/// Best score and evaluations since it, from a run's metric lines (for resume).
+pub(crate) fn best_from_metrics(metrics: &[serde_json::Value]) -> (Option<f64>, usize) {
+    let mut best: Option<f64> = None;
+    let mut since = 0;
+    for m in metrics.iter().filter(|m| m["kind"] == "eval") {
+        if let Some(score) = m["score"].as_f64() {
+            if best.is_none_or(|b| score > b) {
+                best = Some(score);
+                since = 0;
+            } else {
+                since += 1;
+            }
+        }
+    }
+    (best, since)
+}
