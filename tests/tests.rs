@@ -3,5 +3,6 @@
 
 mod cli;
 mod hygiene;
+mod nli;
 mod support;
 mod train;

@@ -54,16 +54,17 @@ fn main() -> ExitCode {
         "check-hardware" => kiln(&["check-hardware"], rest),
         "check-gpu" => kiln(&["check-gpu"], rest),
         "train-auto" => kiln(&["train", "hardware=auto"], rest),
-        "nli-train-auto" => kiln(&["train", "hardware=auto", "experiment=nli_snli"], rest),
+        "nli-train-auto" => kiln(&["cv", "hardware=auto", "experiment=nli_snli"], rest),
         "ci" => ci(),
         "bench" => bench(rest),
         other => match train_target(other) {
             Some((preset, nli)) => {
                 let hw = format!("hardware={preset}");
-                let mut base = vec!["train", hw.as_str()];
-                if nli {
-                    base.push("experiment=nli_snli");
-                }
+                let base = if nli {
+                    vec!["cv", hw.as_str(), "experiment=nli_snli"]
+                } else {
+                    vec!["train", hw.as_str()]
+                };
                 kiln(&base, rest)
             }
             None => {
@@ -126,7 +127,10 @@ fn kiln(base: &[&str], rest: Vec<String>) -> Result<ExitCode, String> {
 /// shape of ../shared/PEERS.md (block 128, batch 32).
 const BENCHES: &[(&str, &[&str])] = &[
     ("lm-default", &[]),
-    ("lm-peers-shape", &["model.max_length=128", "training.batch_size=32"]),
+    (
+        "lm-peers-shape",
+        &["model.max_length=128", "training.batch_size=32"],
+    ),
 ];
 
 fn bench(rest: Vec<String>) -> Result<ExitCode, String> {
@@ -134,8 +138,19 @@ fn bench(rest: Vec<String>) -> Result<ExitCode, String> {
     for (name, overrides) in BENCHES {
         eprintln!("xtask: bench {name}");
         let mut cmd = cargo();
-        cmd.args(["run", "--quiet", "--release", "--package", "kiln-cli", "--bin", "kiln", "--"]);
-        cmd.args(["bench", "lm", "--json"]).args(*overrides).args(&rest);
+        cmd.args([
+            "run",
+            "--quiet",
+            "--release",
+            "--package",
+            "kiln-cli",
+            "--bin",
+            "kiln",
+            "--",
+        ]);
+        cmd.args(["bench", "lm", "--json"])
+            .args(*overrides)
+            .args(&rest);
         let out = cmd
             .output()
             .map_err(|e| format!("failed to run {cmd:?}: {e}"))?;
@@ -144,10 +159,14 @@ fn bench(rest: Vec<String>) -> Result<ExitCode, String> {
             return Ok(ExitCode::FAILURE);
         }
         let json = String::from_utf8_lossy(&out.stdout);
-        results.push(format!("{{\"name\": \"{name}\", \"result\": {}}}", json.trim()));
+        results.push(format!(
+            "{{\"name\": \"{name}\", \"result\": {}}}",
+            json.trim()
+        ));
     }
     let dir = root().join("bench");
-    std::fs::create_dir_all(&dir).map_err(|e| format!("failed to create {}: {e}", dir.display()))?;
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| format!("failed to create {}: {e}", dir.display()))?;
     let path = dir.join("results.json");
     std::fs::write(&path, format!("[\n{}\n]\n", results.join(",\n")))
         .map_err(|e| format!("failed to write {}: {e}", path.display()))?;

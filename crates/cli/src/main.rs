@@ -61,6 +61,25 @@ enum Command {
         #[command(flatten)]
         layers: Layers,
     },
+    /// k-fold cross-validation of the sentence-pair classifier (`experiment=nli_snli` by default)
+    Cv {
+        /// Run a GPU preset on a machine without that GPU
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        layers: Layers,
+    },
+    /// Label sentence pairs with a finished cross-validation run's best fold
+    Predict {
+        /// The run directory
+        run: PathBuf,
+        /// Pairs to label (JSONL, TSV or CSV, read as the run's config says)
+        #[arg(long, value_name = "FILE")]
+        data: PathBuf,
+        /// Where to write one JSON line per pair [default: RUN/predictions-<name>.jsonl]
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
     /// Continue a run from its newest good checkpoint
     Resume {
         /// The run directory (`runs/<time>-<experiment>`)
@@ -166,31 +185,63 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 write!(out, "{}", resolved.to_toml())?;
             }
         }
-        Command::Train { force, layers } => {
+        Command::Cv { force, mut layers } => {
+            if !layers
+                .overrides
+                .iter()
+                .any(|o| o.starts_with("experiment="))
+            {
+                layers
+                    .overrides
+                    .insert(0, "experiment=nli_snli".to_string());
+            }
             let resolved = resolve(presets, &report, &layers)?;
-            let fit = match resolved.hardware_choice {
-                Some(_) => Ok(()),
-                None => kiln_config::check_preset_fits(&resolved.config.hardware, &report),
-            };
-            if let Err(msg) = fit {
-                if !force {
-                    return Err(BadInput(format!(
-                        "{msg}; pass --force to run it on this machine anyway, or use hardware=auto"
-                    ))
-                    .into());
-                }
-                eprintln!("warning: {msg}; running anyway (--force)");
+            if resolved.config.workload != kiln_config::Workload::Nli {
+                return Err(BadInput(format!(
+                    "`kiln cv` cross-validates the nli workload, but experiment `{}` is `{:?}`; use `kiln train`",
+                    resolved.config.experiment, resolved.config.workload
+                ))
+                .into());
             }
             drop(out);
-            if let Some(choice) = &resolved.hardware_choice {
-                println!("kiln: hardware = {}: {}", choice.name, choice.why);
+            return train_command(resolved, force, report);
+        }
+        Command::Predict {
+            run,
+            data,
+            out: output,
+        } => {
+            let p = kiln_train::predict(&run, &data, output.as_deref()).map_err(train_error)?;
+            if let Some(skipped) = &p.skipped {
+                eprintln!("kiln: {skipped}");
             }
-            let sources = explain_text(&resolved).lines().map(String::from).collect();
-            let options = train_options(report, sources)?;
-            let outcome =
-                kiln_train::train_lm(&resolved.config, &options, &mut progress::Printer::new())
-                    .map_err(train_error)?;
-            return Ok(finish(outcome));
+            writeln!(
+                out,
+                "predicted {} pairs with fold {}'s model: {}",
+                p.rows,
+                p.fold,
+                p.output.display()
+            )?;
+            if let Some(s) = &p.scores {
+                writeln!(
+                    out,
+                    "against the file's labels: accuracy {:.1}%, macro-F1 {:.3}",
+                    100.0 * s.accuracy,
+                    s.macro_f1
+                )?;
+                for c in &s.per_class {
+                    writeln!(
+                        out,
+                        "  {:<14} precision {:.3}  recall {:.3}  F1 {:.3}  ({} pairs)",
+                        c.label, c.precision, c.recall, c.f1, c.support
+                    )?;
+                }
+            }
+        }
+        Command::Train { force, layers } => {
+            let resolved = resolve(presets, &report, &layers)?;
+            drop(out);
+            return train_command(resolved, force, report);
         }
         Command::Resume { run } => {
             drop(out);
@@ -278,6 +329,35 @@ fn resolve(
     })?)
 }
 
+/// `kiln train` and `kiln cv`: checks that a named GPU preset fits, then trains.
+fn train_command(
+    resolved: ResolvedConfig,
+    force: bool,
+    report: HardwareReport,
+) -> anyhow::Result<ExitCode> {
+    let fit = match resolved.hardware_choice {
+        Some(_) => Ok(()),
+        None => kiln_config::check_preset_fits(&resolved.config.hardware, &report),
+    };
+    if let Err(msg) = fit {
+        if !force {
+            return Err(BadInput(format!(
+                "{msg}; pass --force to run it on this machine anyway, or use hardware=auto"
+            ))
+            .into());
+        }
+        eprintln!("warning: {msg}; running anyway (--force)");
+    }
+    if let Some(choice) = &resolved.hardware_choice {
+        println!("kiln: hardware = {}: {}", choice.name, choice.why);
+    }
+    let sources = explain_text(&resolved).lines().map(String::from).collect();
+    let options = train_options(report, sources)?;
+    let outcome = kiln_train::train(&resolved.config, &options, &mut progress::Printer::new())
+        .map_err(train_error)?;
+    Ok(finish(outcome))
+}
+
 /// Options for a training run: Ctrl-C stops it after the current step with a
 /// checkpoint; a second Ctrl-C ends the process at once.
 fn train_options(
@@ -312,7 +392,7 @@ fn train_error(e: kiln_train::TrainError) -> anyhow::Error {
 
 fn finish(outcome: kiln_train::Outcome) -> ExitCode {
     match outcome {
-        kiln_train::Outcome::Finished { run, .. } => {
+        kiln_train::Outcome::Finished { run, .. } | kiln_train::Outcome::CvFinished { run, .. } => {
             println!("run directory: {}", run.display());
             ExitCode::SUCCESS
         }

@@ -38,13 +38,14 @@ pub(crate) fn step_line(m: &StepMetrics, total: u64) -> String {
         .mfu
         .map_or("MFU n/a".to_string(), |v| format!("MFU {:.1}%", v * 100.0));
     format!(
-        "step {:>5}/{total} | loss {:.4} | lr {:.2e} | grad norm {:.3} | {:.1} ms/step | {:.0} tokens/s | {mfu} | data-wait {:.1}% | mem {} (peak {})",
+        "step {:>5}/{total} | loss {:.4} | lr {:.2e} | grad norm {:.3} | {:.1} ms/step | {:.0} tokens/s | {:.1} samples/s | {mfu} | data-wait {:.1}% | mem {} (peak {})",
         m.step,
         m.loss,
         m.lr,
         m.grad_norm,
         m.ms_per_step,
         m.tokens_per_s,
+        m.samples_per_s,
         m.data_wait_pct,
         mib(m.memory_bytes),
         mib(m.peak_memory_bytes)
@@ -118,6 +119,14 @@ impl Observer for Printer {
                 self.line(&format!("checkpoint {step}: {}", path.display()));
             }
             Event::Note(note) => self.line(&format!("kiln: {note}")),
+            Event::Report(lines) => {
+                if let Some(bar) = self.bar.take() {
+                    bar.finish_and_clear();
+                }
+                for l in lines {
+                    println!("{l}");
+                }
+            }
             Event::Done(summary) => {
                 if let Some(bar) = self.bar.take() {
                     bar.finish_and_clear();

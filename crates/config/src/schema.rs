@@ -93,6 +93,32 @@ pub struct DataSection {
     pub tokenizer_file: String,
     /// Where encoded corpora are cached, keyed by corpus and tokenizer.
     pub cache_dir: String,
+    /// Sentence pairs: the fields (JSONL) or columns (TSV/CSV) to read.
+    pub premise_field: String,
+    pub hypothesis_field: String,
+    pub label_field: String,
+    /// The label names, in class order.
+    pub labels: Vec<String>,
+    /// Rows with a missing or unknown label or an empty text.
+    pub bad_rows: BadRowsMode,
+    /// The pairs file layout.
+    pub format: PairsFormat,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BadRowsMode {
+    Skip,
+    Error,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PairsFormat {
+    Auto,
+    Jsonl,
+    Tsv,
+    Csv,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -189,6 +215,8 @@ pub struct LoaderSection {
     pub num_workers: usize,
     /// Batches queued ahead per worker.
     pub prefetch_factor: usize,
+    /// Sentence pairs: batch pairs of similar length together (less padding).
+    pub bucket_by_length: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -213,6 +241,8 @@ pub enum Backend {
 pub struct CvSection {
     /// Cross-validation folds (nli).
     pub folds: usize,
+    /// Stop a fold after this many evaluations without a better macro-F1; 0 never stops early.
+    pub patience: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -16,7 +16,13 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
 /// The fold (0..k) of each item, given each item's group key and label.
-pub fn grouped_stratified_folds(groups: &[&str], labels: &[usize], n_labels: usize, k: usize, seed: u64) -> Vec<usize> {
+pub fn grouped_stratified_folds(
+    groups: &[&str],
+    labels: &[usize],
+    n_labels: usize,
+    k: usize,
+    seed: u64,
+) -> Vec<usize> {
     let k = k.max(1);
     let mut index: HashMap<&str, usize> = HashMap::new();
     let mut members: Vec<Vec<usize>> = Vec::new();
@@ -90,7 +96,12 @@ fn worst(fold_counts: &[Vec<i64>], total: &[f64]) -> f64 {
 
 /// Moves single groups between folds while that lowers the worst deviation
 /// (bounded, so it always ends).
-fn repair(counts: &[Vec<i64>], fold_of_group: &mut [usize], fold_counts: &mut [Vec<i64>], total: &[f64]) {
+fn repair(
+    counts: &[Vec<i64>],
+    fold_of_group: &mut [usize],
+    fold_counts: &mut [Vec<i64>],
+    total: &[f64],
+) {
     let k = fold_counts.len();
     let n_labels = total.len();
     for _ in 0..counts.len().min(10_000) {
@@ -142,7 +153,13 @@ mod tests {
         let mut groups = Vec::new();
         let mut labels = Vec::new();
         for p in 0..330 {
-            let n = if p < 300 { 3 } else if p < 320 { 2 } else { 1 };
+            let n = if p < 300 {
+                3
+            } else if p < 320 {
+                2
+            } else {
+                1
+            };
             for j in 0..n {
                 groups.push(format!("premise {p}"));
                 labels.push((p + j) % 3);
@@ -159,11 +176,23 @@ mod tests {
             let size = folds.iter().filter(|&&x| x == f).count() as f64;
             assert!((size - n / 5.0).abs() <= 3.0, "fold {f} has {size}");
             for l in 0..3 {
-                let c = folds.iter().zip(&labels).filter(|(x, y)| **x == f && **y == l).count() as f64;
+                let c = folds
+                    .iter()
+                    .zip(&labels)
+                    .filter(|(x, y)| **x == f && **y == l)
+                    .count() as f64;
                 let share = labels.iter().filter(|&&y| y == l).count() as f64 / n;
-                assert!((c - size * share).abs() <= 1.0, "fold {f} label {l}: {c} vs {}", size * share);
+                assert!(
+                    (c - size * share).abs() <= 1.0,
+                    "fold {f} label {l}: {c} vs {}",
+                    size * share
+                );
             }
         }
-        assert_eq!(folds, grouped_stratified_folds(&refs, &labels, 3, 5, 7), "deterministic");
+        assert_eq!(
+            folds,
+            grouped_stratified_folds(&refs, &labels, 3, 5, 7),
+            "deterministic"
+        );
     }
 }

@@ -12,8 +12,8 @@ use crate::DataError;
 pub struct Pair {
     pub premise: String,
     pub hypothesis: String,
-    /// Index into the label names.
-    pub label: usize,
+    /// Index into the label names (`None`: unlabelled, where allowed).
+    pub label: Option<usize>,
     /// 1-based line of the file it came from.
     pub line: usize,
 }
@@ -44,6 +44,8 @@ pub struct PairSchema {
     pub labels: Vec<String>,
     pub bad_rows: BadRows,
     pub format: PairFormat,
+    /// Whether a row without a label is bad (training) or kept unlabelled (prediction).
+    pub require_label: bool,
 }
 
 /// The pairs read, and the rows skipped (line, reason).
@@ -60,7 +62,9 @@ impl PairDataset {
     pub fn label_counts(&self) -> Vec<usize> {
         let mut counts = vec![0; self.labels.len()];
         for p in &self.pairs {
-            counts[p.label] += 1;
+            if let Some(l) = p.label {
+                counts[l] += 1;
+            }
         }
         counts
     }
@@ -136,7 +140,8 @@ pub fn read_pairs(path: &Path, schema: &PairSchema) -> Result<PairDataset, DataE
             Some(format!("empty `{}`", schema.hypothesis))
         } else {
             match &row.label {
-                None => Some(format!("no `{}`", schema.label)),
+                None if schema.require_label => Some(format!("no `{}`", schema.label)),
+                None => None,
                 Some(l) => match schema.labels.iter().position(|n| n == l) {
                     Some(_) => None,
                     None => Some(format!(
@@ -151,8 +156,7 @@ pub fn read_pairs(path: &Path, schema: &PairSchema) -> Result<PairDataset, DataE
                 label: row
                     .label
                     .as_ref()
-                    .and_then(|l| schema.labels.iter().position(|n| n == l))
-                    .unwrap_or(0),
+                    .and_then(|l| schema.labels.iter().position(|n| n == l)),
                 premise: row.premise,
                 hypothesis: row.hypothesis,
                 line: row.line,
@@ -171,7 +175,10 @@ pub fn read_pairs(path: &Path, schema: &PairSchema) -> Result<PairDataset, DataE
         return Err(DataError::BadRow {
             path: path.to_path_buf(),
             line: skipped.first().map_or(1, |s| s.0),
-            why: format!("no usable pair in the file ({} rows skipped)", skipped.len()),
+            why: format!(
+                "no usable pair in the file ({} rows skipped)",
+                skipped.len()
+            ),
         });
     }
     Ok(PairDataset {
@@ -197,11 +204,12 @@ fn jsonl(path: &Path, text: &str, schema: &PairSchema) -> Result<Vec<Row>, DataE
         if raw.trim().is_empty() {
             continue;
         }
-        let value: serde_json::Value = serde_json::from_str(raw).map_err(|e| DataError::BadRow {
-            path: path.to_path_buf(),
-            line,
-            why: format!("malformed JSON: {e}"),
-        })?;
+        let value: serde_json::Value =
+            serde_json::from_str(raw).map_err(|e| DataError::BadRow {
+                path: path.to_path_buf(),
+                line,
+                why: format!("malformed JSON: {e}"),
+            })?;
         let field = |name: &str| -> Result<String, DataError> {
             match value.get(name) {
                 Some(serde_json::Value::String(s)) => Ok(s.clone()),
@@ -213,7 +221,9 @@ fn jsonl(path: &Path, text: &str, schema: &PairSchema) -> Result<Vec<Row>, DataE
                 None => Err(DataError::BadRow {
                     path: path.to_path_buf(),
                     line,
-                    why: format!("no field `{name}` (set data.premise_field / data.hypothesis_field)"),
+                    why: format!(
+                        "no field `{name}` (set data.premise_field / data.hypothesis_field)"
+                    ),
                 }),
             }
         };
@@ -235,7 +245,12 @@ fn jsonl(path: &Path, text: &str, schema: &PairSchema) -> Result<Vec<Row>, DataE
     Ok(rows)
 }
 
-fn delimited(path: &Path, text: &str, delimiter: u8, schema: &PairSchema) -> Result<Vec<Row>, DataError> {
+fn delimited(
+    path: &Path,
+    text: &str,
+    delimiter: u8,
+    schema: &PairSchema,
+) -> Result<Vec<Row>, DataError> {
     let mut reader = csv::ReaderBuilder::new()
         .delimiter(delimiter)
         .flexible(true)
@@ -259,7 +274,11 @@ fn delimited(path: &Path, text: &str, delimiter: u8, schema: &PairSchema) -> Res
                 ),
             })
     };
-    let (p, h, l) = (column(&schema.premise)?, column(&schema.hypothesis)?, column(&schema.label)?);
+    let (p, h, l) = (
+        column(&schema.premise)?,
+        column(&schema.hypothesis)?,
+        column(&schema.label)?,
+    );
     // Lines from byte offsets: csv's own line count differs with CRLF.
     // A record's position may point at the end of the line before it.
     let line_at = |byte: u64| {
@@ -298,9 +317,14 @@ mod tests {
             premise: "premise".into(),
             hypothesis: "hypothesis".into(),
             label: "label".into(),
-            labels: vec!["entailment".into(), "neutral".into(), "contradiction".into()],
+            labels: vec![
+                "entailment".into(),
+                "neutral".into(),
+                "contradiction".into(),
+            ],
             bad_rows,
             format: PairFormat::Auto,
+            require_label: true,
         }
     }
 
@@ -327,17 +351,29 @@ mod tests {
 
     #[test]
     fn jsonl_skips_bad_labels_and_empty_text_and_names_lines() {
-        assert_eq!(check("d.jsonl", JSONL.as_bytes(), BadRows::Skip), Ok((2, vec![3, 4, 5])));
+        assert_eq!(
+            check("d.jsonl", JSONL.as_bytes(), BadRows::Skip),
+            Ok((2, vec![3, 4, 5]))
+        );
         let err = check("d.jsonl", JSONL.as_bytes(), BadRows::Error).expect_err("rejects");
-        assert!(err.contains("d.jsonl` line 3") && err.contains("unknown label \"-\""), "{err}");
+        assert!(
+            err.contains("d.jsonl` line 3") && err.contains("unknown label \"-\""),
+            "{err}"
+        );
     }
 
     #[test]
     fn crlf_bom_tsv_and_csv_read_the_same_pairs() {
         let crlf = format!("\u{feff}{}", JSONL.replace('\n', "\r\n"));
-        assert_eq!(check("d.jsonl", crlf.as_bytes(), BadRows::Skip), Ok((2, vec![3, 4, 5])));
+        assert_eq!(
+            check("d.jsonl", crlf.as_bytes(), BadRows::Skip),
+            Ok((2, vec![3, 4, 5]))
+        );
         let tsv = "\u{feff}premise\thypothesis\tlabel\r\nA man.\tA person.\tentailment\r\nA man.\tA dog.\tcontradiction\r\nA man.\t\tneutral\r\n";
-        assert_eq!(check("d.tsv", tsv.as_bytes(), BadRows::Skip), Ok((2, vec![4])));
+        assert_eq!(
+            check("d.tsv", tsv.as_bytes(), BadRows::Skip),
+            Ok((2, vec![4]))
+        );
         let csv = "label,premise,hypothesis\nentailment,\"A man, tall.\",A person.\nneutral,A man.,\"He is \"\"tall\"\".\"\n";
         let (_d, path) = file("d.csv", csv.as_bytes());
         let d = read_pairs(&path, &schema(BadRows::Skip)).expect("reads");
@@ -350,22 +386,66 @@ mod tests {
     fn structural_problems_are_errors_with_file_and_line() {
         let err = check("d.jsonl", b"{\"premise\": \"a\", \"hypothesis\": \"b\", \"label\": \"neutral\"}\n{\"premise\": \n", BadRows::Skip)
             .expect_err("malformed");
-        assert!(err.contains("line 2") && err.contains("malformed JSON"), "{err}");
-        let err = check("d.jsonl", b"{\"sentence1\": \"a\", \"hypothesis\": \"b\", \"label\": \"neutral\"}\n", BadRows::Skip)
-            .expect_err("missing field");
-        assert!(err.contains("line 1") && err.contains("no field `premise`"), "{err}");
-        let err = check("d.tsv", b"sentence1\tsentence2\tlabel\na\tb\tneutral\n", BadRows::Skip).expect_err("missing column");
-        assert!(err.contains("no column `premise`") && err.contains("sentence1"), "{err}");
-        let err = check("d.jsonl", b"{\"premise\": \"caf\xe9\"}\n", BadRows::Skip).expect_err("latin-1");
-        assert!(err.contains("invalid byte 0xe9") && err.contains("line 1"), "{err}");
-        let err = check("d.jsonl", b"{\"premise\": \"a\", \"hypothesis\": \"b\", \"label\": \"x\"}\n", BadRows::Skip)
-            .expect_err("nothing usable");
+        assert!(
+            err.contains("line 2") && err.contains("malformed JSON"),
+            "{err}"
+        );
+        let err = check(
+            "d.jsonl",
+            b"{\"sentence1\": \"a\", \"hypothesis\": \"b\", \"label\": \"neutral\"}\n",
+            BadRows::Skip,
+        )
+        .expect_err("missing field");
+        assert!(
+            err.contains("line 1") && err.contains("no field `premise`"),
+            "{err}"
+        );
+        let err = check(
+            "d.tsv",
+            b"sentence1\tsentence2\tlabel\na\tb\tneutral\n",
+            BadRows::Skip,
+        )
+        .expect_err("missing column");
+        assert!(
+            err.contains("no column `premise`") && err.contains("sentence1"),
+            "{err}"
+        );
+        let err =
+            check("d.jsonl", b"{\"premise\": \"caf\xe9\"}\n", BadRows::Skip).expect_err("latin-1");
+        assert!(
+            err.contains("invalid byte 0xe9") && err.contains("line 1"),
+            "{err}"
+        );
+        let err = check(
+            "d.jsonl",
+            b"{\"premise\": \"a\", \"hypothesis\": \"b\", \"label\": \"x\"}\n",
+            BadRows::Skip,
+        )
+        .expect_err("nothing usable");
         assert!(err.contains("no usable pair"), "{err}");
     }
 
     #[test]
+    fn unlabelled_rows_are_kept_when_labels_are_optional() {
+        let (_d, path) = file("d.jsonl", b"{\"premise\": \"a\", \"hypothesis\": \"b\"}\n");
+        let d = read_pairs(
+            &path,
+            &PairSchema {
+                require_label: false,
+                ..schema(BadRows::Error)
+            },
+        )
+        .expect("reads");
+        assert_eq!(d.pairs[0].label, None);
+    }
+
+    #[test]
     fn numeric_labels_index_the_label_names() {
-        let d = check("d.jsonl", b"{\"premise\": \"a\", \"hypothesis\": \"b\", \"label\": 2}\n", BadRows::Error);
+        let d = check(
+            "d.jsonl",
+            b"{\"premise\": \"a\", \"hypothesis\": \"b\", \"label\": 2}\n",
+            BadRows::Error,
+        );
         assert_eq!(d, Ok((1, vec![])));
     }
 }

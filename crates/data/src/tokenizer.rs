@@ -6,7 +6,11 @@ use std::path::Path;
 
 use tokenizers::models::TrainerWrapper;
 use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+use tokenizers::normalizers::bert::BertNormalizer;
+use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::processors::template::TemplateProcessing;
+use tokenizers::{TruncationParams, TruncationStrategy};
 
 use crate::DataError;
 
@@ -18,6 +22,12 @@ pub enum TokenizerKind {
     /// Byte-level BPE (GPT-2 style) trained to `vocab_size` tokens.
     Bpe { vocab_size: usize },
 }
+
+/// Token ids and segment ids of one encoded pair.
+pub type PairIds = (Vec<u32>, Vec<u32>);
+
+/// BERT's special tokens, `[PAD]` first so that its id is 0.
+pub const SPECIALS: [&str; 5] = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"];
 
 /// A tokenizer and its vocabulary size.
 #[derive(Clone, Debug)]
@@ -85,6 +95,128 @@ impl Tokenizer {
             .train(&mut trainer, text.split_inclusive('\n'))
             .map_err(|e| DataError::Tokenizer(format!("training BPE: {e}")))?;
         Ok(Self { inner })
+    }
+
+    /// A BERT-style WordPiece tokenizer built from `texts` (lower-cased,
+    /// special tokens `[PAD]` = 0, `[UNK]`, `[CLS]`, `[SEP]`, `[MASK]`),
+    /// whose pairs encode as `[CLS] a [SEP] b [SEP]` with segment ids and
+    /// are cut longest-first to `max_length`.
+    ///
+    /// The vocabulary is deterministic: the specials, every character seen
+    /// (alone and as a `##` continuation, sorted), then whole words by
+    /// frequency (ties alphabetical) up to `vocab_size`. Hugging Face's
+    /// trainer breaks ties through randomly seeded hash maps, so two runs on
+    /// the same text could disagree; this one cannot. Words outside the
+    /// vocabulary fall back to characters.
+    pub fn wordpiece<'a>(
+        texts: impl Iterator<Item = &'a str>,
+        vocab_size: usize,
+        max_length: usize,
+    ) -> Result<Self, DataError> {
+        use std::collections::{BTreeMap, BTreeSet};
+        use tokenizers::{
+            Normalizer, OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer,
+        };
+        let normalizer = BertNormalizer::default();
+        let mut counts: BTreeMap<String, u64> = BTreeMap::new();
+        for text in texts {
+            let mut pts = PreTokenizedString::from(text);
+            pts.normalize(|s| normalizer.normalize(s))
+                .and_then(|()| BertPreTokenizer.pre_tokenize(&mut pts))
+                .map_err(|e| DataError::Tokenizer(format!("pre-tokenizing: {e}")))?;
+            for (word, _, _) in pts.get_splits(OffsetReferential::Original, OffsetType::Byte) {
+                *counts.entry(word.to_string()).or_default() += 1;
+            }
+        }
+        let chars: BTreeSet<char> = counts.keys().flat_map(|w| w.chars()).collect();
+        let mut vocab: Vec<String> = SPECIALS.iter().map(|s| s.to_string()).collect();
+        vocab.extend(chars.iter().map(|c| c.to_string()));
+        vocab.extend(chars.iter().map(|c| format!("##{c}")));
+        let mut words: Vec<(&String, &u64)> = counts
+            .iter()
+            .filter(|(w, _)| w.chars().count() > 1)
+            .collect();
+        words.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+        let room = vocab_size.saturating_sub(vocab.len());
+        vocab.extend(words.into_iter().take(room).map(|(w, _)| w.clone()));
+        let ids: serde_json::Map<String, serde_json::Value> = vocab
+            .iter()
+            .zip(0u32..)
+            .map(|(t, i)| (t.clone(), serde_json::Value::from(i)))
+            .collect();
+        let added: Vec<serde_json::Value> = SPECIALS
+            .iter()
+            .zip(0u32..)
+            .map(|(t, id)| {
+                serde_json::json!({ "id": id, "content": t, "single_word": false, "lstrip": false,
+                    "rstrip": false, "normalized": false, "special": true })
+            })
+            .collect();
+        let json = serde_json::json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": added,
+            "normalizer": { "type": "BertNormalizer", "clean_text": true, "handle_chinese_chars": true,
+                "strip_accents": null, "lowercase": true },
+            "pre_tokenizer": { "type": "BertPreTokenizer" },
+            "post_processor": null,
+            "decoder": { "type": "WordPiece", "prefix": "##", "cleanup": true },
+            "model": { "type": "WordPiece", "unk_token": "[UNK]", "continuing_subword_prefix": "##",
+                "max_input_chars_per_word": 100, "vocab": ids }
+        });
+        let inner = json
+            .to_string()
+            .parse::<tokenizers::Tokenizer>()
+            .map_err(|e| DataError::Tokenizer(format!("building WordPiece: {e}")))?;
+        let mut t = Self { inner };
+        t.set_pair_template(max_length)?;
+        Ok(t)
+    }
+
+    /// `[CLS] a [SEP] b [SEP]` for pairs, longest-first truncation to `max_length`.
+    pub fn set_pair_template(&mut self, max_length: usize) -> Result<(), DataError> {
+        let id = |t: &str| {
+            self.inner
+                .token_to_id(t)
+                .ok_or_else(|| DataError::Tokenizer(format!("the vocabulary has no {t}")))
+        };
+        let (cls, sep) = (id("[CLS]")?, id("[SEP]")?);
+        let template = TemplateProcessing::builder()
+            .try_single("[CLS] $A [SEP]")
+            .and_then(|b| b.try_pair("[CLS] $A [SEP] $B:1 [SEP]:1"))
+            .map_err(|e| DataError::Tokenizer(e.to_string()))?
+            .special_tokens(vec![("[CLS]", cls), ("[SEP]", sep)])
+            .build()
+            .map_err(|e| DataError::Tokenizer(e.to_string()))?;
+        self.inner.with_post_processor(Some(template));
+        self.inner
+            .with_truncation(Some(TruncationParams {
+                max_length,
+                strategy: TruncationStrategy::LongestFirst,
+                ..TruncationParams::default()
+            }))
+            .map_err(|e| DataError::Tokenizer(e.to_string()))?;
+        Ok(())
+    }
+
+    /// Encodes sentence pairs (in parallel): token ids and segment ids of each.
+    pub fn encode_pairs(&self, pairs: &[(&str, &str)]) -> Result<Vec<PairIds>, DataError> {
+        let inputs: Vec<tokenizers::EncodeInput<'_>> =
+            pairs.iter().map(|&(a, b)| (a, b).into()).collect();
+        let encodings = self
+            .inner
+            .encode_batch(inputs, true)
+            .map_err(|e| DataError::Tokenizer(format!("encoding pairs: {e}")))?;
+        Ok(encodings
+            .into_iter()
+            .map(|e| (e.get_ids().to_vec(), e.get_type_ids().to_vec()))
+            .collect())
+    }
+
+    /// The id of a token, if the vocabulary has it.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
     }
 
     /// Loads a `tokenizer.json`.
@@ -187,6 +319,47 @@ mod tests {
             text.len()
         );
         assert_eq!(t.decode(&ids).expect("decodes"), text);
+    }
+
+    #[test]
+    fn wordpiece_encodes_pairs_with_segments_and_truncates_longest_first() {
+        let texts = [
+            "A man is playing a guitar.",
+            "A person plays music.",
+            "Two dogs run in a field.",
+            "The dogs are sleeping.",
+        ];
+        let t = Tokenizer::wordpiece(texts.iter().copied(), 200, 12).expect("trains");
+        assert_eq!(t.token_id("[PAD]"), Some(0));
+        let again = Tokenizer::wordpiece(texts.iter().copied(), 200, 12).expect("trains");
+        assert_eq!(
+            t.to_json().expect("json"),
+            again.to_json().expect("json"),
+            "deterministic"
+        );
+        // A word never seen (spelled with seen letters) falls back to characters, not [UNK].
+        let unseen = t.encode_pairs(&[("spade", "a")]).expect("encodes");
+        assert!(!unseen[0].0.contains(&t.token_id("[UNK]").expect("unk")));
+        let cls = t.token_id("[CLS]").expect("cls");
+        let sep = t.token_id("[SEP]").expect("sep");
+        let enc = t.encode_pairs(&[("A man.", "A person.")]).expect("encodes");
+        let (ids, types) = &enc[0];
+        assert_eq!(ids[0], cls);
+        assert_eq!(ids.iter().filter(|&&i| i == sep).count(), 2);
+        let first_sep = ids.iter().position(|&i| i == sep).expect("sep");
+        assert!(types[..=first_sep].iter().all(|&s| s == 0));
+        assert!(types[first_sep + 1..].iter().all(|&s| s == 1));
+        let long = t
+            .encode_pairs(&[(
+                "a man is playing a guitar a man is playing a guitar",
+                "dogs",
+            )])
+            .expect("encodes");
+        assert_eq!(long[0].0.len(), 12);
+        assert!(
+            long[0].0.contains(&t.encode("dogs").expect("dogs")[0]),
+            "the short side is kept"
+        );
     }
 
     #[test]

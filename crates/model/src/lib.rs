@@ -4,7 +4,13 @@
 //!   blocks, causal self-attention, GELU MLP, weight tying, dropout), its
 //!   parameter count, FLOPs per token as nanoGPT counts them, and
 //!   [`Gpt::generate`].
+//! - [`EncoderClassifier`]: a BERT-style encoder for sentence pairs (token,
+//!   position and segment embeddings, padding-masked attention, [CLS] or
+//!   mean pooling, a classification head), with FLOPs per sequence counting
+//!   real or padded tokens and a frozen-encoder mode.
 
+mod encoder;
 mod gpt;
 
+pub use encoder::{EncoderClassifier, EncoderConfig, PoolingKind};
 pub use gpt::{GeluKind, Gpt, GptConfig, cross_entropy};

@@ -54,7 +54,11 @@ pub(crate) fn path_for(dir: &Path, step: u64) -> PathBuf {
 
 /// Writes the checkpoint of `state` into `dir` and deletes all but the
 /// newest `keep`.
-pub(crate) fn save(dir: &Path, state: &CheckpointState, keep: usize) -> Result<PathBuf, TrainError> {
+pub(crate) fn save(
+    dir: &Path,
+    state: &CheckpointState,
+    keep: usize,
+) -> Result<PathBuf, TrainError> {
     std::fs::create_dir_all(dir).map_err(|source| TrainError::Write {
         path: dir.to_path_buf(),
         source,
@@ -87,7 +91,11 @@ pub(crate) fn save_file(path: &Path, state: &CheckpointState) -> Result<(), Trai
     for (_, _, bytes) in &named {
         hasher.update(bytes);
     }
-    let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    let digest: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     let metadata: HashMap<String, String> = [
         ("format", FORMAT.to_string()),
         ("step", state.step.to_string()),
@@ -106,12 +114,16 @@ pub(crate) fn save_file(path: &Path, state: &CheckpointState) -> Result<(), Trai
     };
     let views: Vec<(String, TensorView<'_>)> = named
         .iter()
-        .map(|(name, shape, bytes)| TensorView::new(Dtype::F32, shape.clone(), bytes).map(|view| (name.clone(), view)))
+        .map(|(name, shape, bytes)| {
+            TensorView::new(Dtype::F32, shape.clone(), bytes).map(|view| (name.clone(), view))
+        })
         .collect::<Result<_, _>>()
         .map_err(other)?;
     let bytes = safetensors::serialize(views, Some(metadata)).map_err(other)?;
     let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    let name = path
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
     let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
     {
         let mut file = std::fs::File::create(&tmp).map_err(write_err(&tmp))?;

@@ -10,8 +10,7 @@ use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use kiln_config::{Gelu, RunConfig, TokenizerKind as ConfigTokenizer, Workload};
 use kiln_data::{
-    BatchSource, LmWindows, Split, TokenBatch, Tokenizer, TokenizerKind, encode_cached,
-    read_corpus,
+    BatchSource, LmWindows, Split, TokenBatch, Tokenizer, TokenizerKind, encode_cached, read_corpus,
 };
 use kiln_hwdetect::HardwareReport;
 use kiln_model::{GeluKind, Gpt, GptConfig};
@@ -19,10 +18,10 @@ use rand::SeedableRng;
 
 use crate::checkpoint::{self, CheckpointState};
 use crate::optim::{AdamW, AdamWConfig};
-use crate::trainer::{Evaluation, LoopEnd, LoopPlan, LoopPlanStart, Task, Work, restore, run_loop};
 use crate::report::{
     EvalMetrics, Event, Observer, StepMetrics, Summary, held_back_by, median, write_plots,
 };
+use crate::trainer::{Evaluation, LoopEnd, LoopPlan, LoopPlanStart, Task, Work, restore, run_loop};
 use crate::{DeviceChoice, RunDir, TrainError, select_device};
 
 /// What the caller provides besides the configuration.
@@ -43,6 +42,11 @@ pub enum Outcome {
         run: PathBuf,
         summary: Summary,
     },
+    /// A cross-validation run finished all its folds.
+    CvFinished {
+        run: PathBuf,
+        summary: crate::nli::CvSummary,
+    },
     /// Stopped by the interrupt flag, after writing this checkpoint.
     Interrupted {
         run: PathBuf,
@@ -51,17 +55,15 @@ pub enum Outcome {
     },
 }
 
-/// Trains the language model of `config` in a new run directory.
-pub fn train_lm(
+/// Trains `config` in a new run directory: the language model, or for the
+/// `nli` workload k-fold cross-validation ([`crate::train_cv`]).
+pub fn train(
     config: &RunConfig,
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
-    if config.workload != Workload::Lm {
-        return Err(TrainError::Unsupported(
-            "the nli workload",
-            "sentence-pair training with cross-validation is not built yet; use experiment=shakespeare_char".into(),
-        ));
+    if config.workload == Workload::Nli {
+        return crate::nli::train_cv(config, options, observer);
     }
     // Everything that can fail on bad input fails before the run directory exists.
     let device = select_device(config.device.backend)?;
@@ -87,6 +89,13 @@ pub fn resume(
 ) -> Result<Outcome, TrainError> {
     let run = RunDir::open(run_dir)?;
     let config = kiln_config::read_run_config(&run.file("config.toml"))?;
+    if config.workload == Workload::Nli {
+        observer.event(&Event::Note(format!(
+            "resuming cross-validation run `{}`",
+            run.path.display()
+        )));
+        return crate::nli::resume_cv(&config, &run, options, observer);
+    }
     let (info, state, notes) = checkpoint::latest_good(&run.checkpoints())?;
     for note in notes {
         observer.event(&Event::Note(note));
@@ -242,7 +251,11 @@ impl Session {
             "data: {} — {} tokens ({}), vocabulary {}",
             corpus.path.display(),
             ids.len(),
-            if cached.hit { "from the token cache" } else { "encoded and cached" },
+            if cached.hit {
+                "from the token cache"
+            } else {
+                "encoded and cached"
+            },
             tokenizer.vocab_size()
         )];
         let block = config.model.max_length;
@@ -263,12 +276,19 @@ impl Session {
         let seed = t.seed;
         let train_tokens: Arc<[u32]> = train_ids.into();
         let val_tokens: Arc<[u32]> = val_ids.into();
-        let train = Arc::new(LmWindows::new(Arc::clone(&train_tokens), t.batch_size, block, seed, Split::Train));
+        let train = Arc::new(LmWindows::new(
+            Arc::clone(&train_tokens),
+            t.batch_size,
+            block,
+            seed,
+            Split::Train,
+        ));
         let eval_seed = seed ^ 0xE7A1_0000_0000_0000;
         let total_steps = if t.max_steps > 0 {
             t.max_steps as u64
         } else {
-            (train.batches_per_epoch() * t.epochs as u64 / t.gradient_accumulation_steps as u64).max(1)
+            (train.batches_per_epoch() * t.epochs as u64 / t.gradient_accumulation_steps as u64)
+                .max(1)
         };
         let gpt = gpt_config(config, tokenizer.vocab_size());
         let mut train_device = device.device.clone().autodiff();
@@ -288,7 +308,14 @@ impl Session {
             ..LoopPlanStart::default()
         };
         if let Some((path, state)) = resume_from {
-            (model, start) = restore(model, &mut optim, state, &path, &train_device, &device.device)?;
+            (model, start) = restore(
+                model,
+                &mut optim,
+                state,
+                &path,
+                &train_device,
+                &device.device,
+            )?;
         }
         notes.push(format!(
             "model: GPT, {} layers × {} heads × {} wide, block {}, {:.2} M parameters, {:.2} M FLOPs per token",
@@ -301,8 +328,20 @@ impl Session {
         ));
         let task = LmTask {
             train,
-            eval_train: LmWindows::new(train_tokens, config.eval.batch_size, block, eval_seed, Split::Train),
-            eval_val: LmWindows::new(val_tokens, config.eval.batch_size, block, eval_seed, Split::Val),
+            eval_train: LmWindows::new(
+                train_tokens,
+                config.eval.batch_size,
+                block,
+                eval_seed,
+                Split::Train,
+            ),
+            eval_val: LmWindows::new(
+                val_tokens,
+                config.eval.batch_size,
+                block,
+                eval_seed,
+                Split::Val,
+            ),
             eval_iters: config.eval.eval_iters as u64,
             inner: device.device.clone(),
             flops_per_token: gpt.flops_per_token(),
@@ -339,7 +378,13 @@ impl Session {
         lines
     }
 
-    fn run(mut self, model: Gpt, run: &RunDir, options: &TrainOptions, observer: &mut dyn Observer) -> Result<Outcome, TrainError> {
+    fn run(
+        mut self,
+        model: Gpt,
+        run: &RunDir,
+        options: &TrainOptions,
+        observer: &mut dyn Observer,
+    ) -> Result<Outcome, TrainError> {
         let started = Instant::now();
         let (peak, peak_name) = cpu_peak(&self.device, &options.hardware);
         observer.event(&Event::Start {
@@ -378,8 +423,17 @@ impl Session {
             });
         }
         self.write_samples(&model, run)?;
-        let summary = self.summarise(run, &peak_name, &options.hardware, plan.tokens_seen, self.start.wall_before + started.elapsed().as_secs_f64());
-        run.write("summary.json", &serde_json::to_string_pretty(&summary).unwrap_or_default())?;
+        let summary = self.summarise(
+            run,
+            &peak_name,
+            &options.hardware,
+            plan.tokens_seen,
+            self.start.wall_before + started.elapsed().as_secs_f64(),
+        );
+        run.write(
+            "summary.json",
+            &serde_json::to_string_pretty(&summary).unwrap_or_default(),
+        )?;
         observer.event(&Event::Done(summary.clone()));
         Ok(Outcome::Finished {
             run: run.path.clone(),
@@ -395,14 +449,33 @@ impl Session {
         let mut rng = rand::rngs::StdRng::seed_from_u64(self.config.training.seed);
         let mut text = String::new();
         for i in 0..s.count {
-            let ids = model.generate(&prompt, s.tokens, s.temperature, s.top_k, &mut rng, &self.device.device);
+            let ids = model.generate(
+                &prompt,
+                s.tokens,
+                s.temperature,
+                s.top_k,
+                &mut rng,
+                &self.device.device,
+            );
             let sample = self.tokenizer.decode(&ids[prompt.len()..])?;
-            text.push_str(&format!("--- sample {} (temperature {}, top-k {})\n{sample}\n", i + 1, s.temperature, s.top_k));
+            text.push_str(&format!(
+                "--- sample {} (temperature {}, top-k {})\n{sample}\n",
+                i + 1,
+                s.temperature,
+                s.top_k
+            ));
         }
         run.write("samples.txt", &text)
     }
 
-    fn summarise(&self, run: &RunDir, peak_name: &str, hardware: &HardwareReport, tokens_seen: u64, wall_s: f64) -> Summary {
+    fn summarise(
+        &self,
+        run: &RunDir,
+        peak_name: &str,
+        hardware: &HardwareReport,
+        tokens_seen: u64,
+        wall_s: f64,
+    ) -> Summary {
         let metrics = run.metrics();
         let steps: Vec<StepMetrics> = metrics
             .iter()
@@ -418,7 +491,11 @@ impl Session {
         let _ = &self.gpt;
         // The first logged steps include start-up costs: leave them out of the medians.
         let steady: Vec<&StepMetrics> = steps.iter().filter(|s| s.step > 3).collect();
-        let steady = if steady.is_empty() { steps.iter().collect() } else { steady };
+        let steady = if steady.is_empty() {
+            steps.iter().collect()
+        } else {
+            steady
+        };
         let mut tps: Vec<f64> = steady.iter().map(|s| s.tokens_per_s).collect();
         let mut ms: Vec<f64> = steady.iter().map(|s| s.ms_per_step).collect();
         let mut mfu: Vec<f64> = steady.iter().filter_map(|s| s.mfu).collect();
@@ -439,7 +516,12 @@ impl Session {
             data_wait_pct,
             peak_memory_bytes: peak_memory,
             wall_s,
-            held_back_by: held_back_by(data_wait_pct, peak_memory, hardware.memory.total_bytes, median_mfu),
+            held_back_by: held_back_by(
+                data_wait_pct,
+                peak_memory,
+                hardware.memory.total_bytes,
+                median_mfu,
+            ),
         }
     }
 }
@@ -450,20 +532,36 @@ pub(crate) fn cpu_peak(device: &DeviceChoice, hardware: &HardwareReport) -> (Opt
         return (None, "no GPU peak on this backend".to_string());
     }
     match hardware.cpu.peak.fp32_flops {
-        Some(p) => (Some(p), format!("{:.1} GFLOP/s fp32, the CPU {}", p / 1e9, hardware.cpu.peak.how)),
+        Some(p) => (
+            Some(p),
+            format!(
+                "{:.1} GFLOP/s fp32, the CPU {}",
+                p / 1e9,
+                hardware.cpu.peak.how
+            ),
+        ),
         None => (None, format!("unknown ({})", hardware.cpu.peak.how)),
     }
 }
 
 /// Start lines about the device, precision, compile, loader and MFU.
-pub(crate) fn device_lines(c: &RunConfig, device: &DeviceChoice, options: &TrainOptions, peak_name: &str) -> Vec<String> {
+pub(crate) fn device_lines(
+    c: &RunConfig,
+    device: &DeviceChoice,
+    options: &TrainOptions,
+    peak_name: &str,
+) -> Vec<String> {
     let (precision, precision_why) = kiln_config::effective_precision(&c.precision, None);
     let mut lines = vec![
         format!("backend: {} — {}", device.name, device.why),
         format!("precision: {precision} — {precision_why}"),
         format!(
             "compile: {} — fusion and autotuning are GPU (CubeCL) features, not applicable on flex",
-            if c.optimization.compile { "asked for, not applicable" } else { "off" }
+            if c.optimization.compile {
+                "asked for, not applicable"
+            } else {
+                "off"
+            }
         ),
         format!(
             "loader: {} worker thread{}, {} batches ahead each",
@@ -472,7 +570,10 @@ pub(crate) fn device_lines(c: &RunConfig, device: &DeviceChoice, options: &Train
             c.loader.prefetch_factor
         ),
         format!("MFU is measured against {peak_name}"),
-        format!("threads: {} cores for compute", options.hardware.cpu.logical_cores),
+        format!(
+            "threads: {} cores for compute",
+            options.hardware.cpu.logical_cores
+        ),
     ];
     if c.model.gradient_checkpointing {
         lines.push("gradient checkpointing: on (activations recomputed in backward)".into());
@@ -485,7 +586,14 @@ pub(crate) fn schedule_line(c: &RunConfig, total_steps: u64) -> String {
     let t = &c.training;
     format!(
         "schedule: {} steps, AdamW lr {} (warm-up {}, cosine to {}), β {}/{}, weight decay {} on matrices, clip {}",
-        total_steps, t.learning_rate, t.warmup_steps, t.min_lr, t.beta1, t.beta2, t.weight_decay, t.grad_clip
+        total_steps,
+        t.learning_rate,
+        t.warmup_steps,
+        t.min_lr,
+        t.beta1,
+        t.beta2,
+        t.weight_decay,
+        t.grad_clip
     )
 }
 

@@ -67,13 +67,18 @@ pub enum Event {
     },
     Step(StepMetrics),
     /// An evaluation, as one line.
-    Eval { step: u64, line: String },
+    Eval {
+        step: u64,
+        line: String,
+    },
     Checkpoint {
         step: u64,
         path: std::path::PathBuf,
     },
     /// Something the user should know (a damaged checkpoint skipped, ...).
     Note(String),
+    /// Result lines to print as they are (a fold's scores, the CV table).
+    Report(Vec<String>),
     Done(Summary),
 }
 
@@ -227,6 +232,130 @@ pub(crate) fn write_plots(
             GREEN.stroke_width(2),
         ))
         .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
+
+/// Writes `cv_curves.svg` (validation macro-F1 per fold over steps, from
+/// each `fold-<k>/metrics.jsonl`) and `confusion.svg` (the folds' confusion
+/// matrices summed) into the run folder.
+pub(crate) fn write_cv_plots(dir: &Path, summary: &crate::nli::CvSummary) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    let curves: Vec<Vec<(u64, f64)>> = summary
+        .folds
+        .iter()
+        .map(|f| {
+            std::fs::read_to_string(dir.join(format!("fold-{}/metrics.jsonl", f.fold)))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .filter(|m| m["kind"] == "eval")
+                .filter_map(|m| Some((m["step"].as_u64()?, m["score"].as_f64()?)))
+                .collect()
+        })
+        .collect();
+    let last = curves
+        .iter()
+        .flatten()
+        .map(|p| p.0)
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let path = dir.join("cv_curves.svg");
+    let root = SVGBackend::new(&path, (900, 540)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("validation macro-F1 per fold", ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0u64..last, 0.0..1.0)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("optimizer step")
+        .y_desc("macro-F1")
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (i, curve) in curves.iter().enumerate() {
+        let color = Palette99::pick(i);
+        chart
+            .draw_series(LineSeries::new(
+                curve.iter().copied(),
+                color.stroke_width(2),
+            ))
+            .map_err(|e| err(&e))?
+            .label(format!("fold {}", i + 1))
+            .legend(move |(x, y)| {
+                PathElement::new(
+                    vec![(x, y), (x + 18, y)],
+                    Palette99::pick(i).stroke_width(2),
+                )
+            });
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+
+    let n = summary.labels.len();
+    let mut total = vec![vec![0usize; n]; n];
+    for f in &summary.folds {
+        for (t, row) in f.scores.confusion.iter().enumerate() {
+            for (p, c) in row.iter().enumerate() {
+                total[t][p] += c;
+            }
+        }
+    }
+    let max = total.iter().flatten().copied().max().unwrap_or(1).max(1) as f64;
+    let path = dir.join("confusion.svg");
+    let cell = 120i32;
+    let (w, h) = (160 + cell * n as i32 + 20, 80 + cell * n as i32 + 60);
+    let root = SVGBackend::new(&path, (w as u32, h as u32)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let style = ("sans-serif", 16).into_font();
+    root.draw(&Text::new(
+        "confusion (rows: true, columns: predicted), all folds",
+        (10, 10),
+        style.clone(),
+    ))
+    .map_err(|e| err(&e))?;
+    for (t, row) in total.iter().enumerate() {
+        let y = 60 + cell * t as i32;
+        root.draw(&Text::new(
+            summary.labels[t].clone(),
+            (10, y + cell / 2),
+            style.clone(),
+        ))
+        .map_err(|e| err(&e))?;
+        for (p, &c) in row.iter().enumerate() {
+            let x = 160 + cell * p as i32;
+            let shade = 1.0 - 0.8 * c as f64 / max;
+            let color = RGBColor((255.0 * shade) as u8, (255.0 * shade) as u8, 255);
+            root.draw(&Rectangle::new(
+                [(x, y), (x + cell - 2, y + cell - 2)],
+                color.filled(),
+            ))
+            .map_err(|e| err(&e))?;
+            root.draw(&Text::new(
+                c.to_string(),
+                (x + cell / 3, y + cell / 2),
+                style.clone(),
+            ))
+            .map_err(|e| err(&e))?;
+        }
+    }
+    for (p, label) in summary.labels.iter().enumerate() {
+        root.draw(&Text::new(
+            label.clone(),
+            (160 + cell * p as i32 + 10, 60 + cell * n as i32 + 10),
+            style.clone(),
+        ))
+        .map_err(|e| err(&e))?;
+    }
     root.present().map_err(|e| err(&e))?;
     Ok(())
 }

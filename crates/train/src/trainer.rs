@@ -46,7 +46,12 @@ pub(crate) trait Task {
     type Source: BatchSource;
 
     fn source(&self) -> Arc<Self::Source>;
-    fn loss(&self, model: &Self::Model, batch: &<Self::Source as BatchSource>::Batch, device: &Device) -> Tensor<1>;
+    fn loss(
+        &self,
+        model: &Self::Model,
+        batch: &<Self::Source as BatchSource>::Batch,
+        device: &Device,
+    ) -> Tensor<1>;
     fn work(&self, batch: &<Self::Source as BatchSource>::Batch) -> Work;
     fn evaluate(&self, model: &Self::Model, step: u64) -> Evaluation;
 }
@@ -73,8 +78,8 @@ pub(crate) struct LoopPlan {
 /// How a loop ended.
 #[derive(Debug)]
 pub(crate) enum LoopEnd {
-    Finished { step: u64 },
-    EarlyStopped { step: u64 },
+    Finished,
+    EarlyStopped,
     Interrupted { step: u64, checkpoint: PathBuf },
 }
 
@@ -83,7 +88,10 @@ pub(crate) const BEST_MODEL: &str = "best.safetensors";
 
 /// Runs `plan` over `task` with `model` and `optim`, writing metrics and
 /// checkpoints into `run`. Returns the final model and how it ended.
-#[allow(clippy::too_many_arguments, reason = "the loop's inputs, each distinct")]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the loop's inputs, each distinct"
+)]
 pub(crate) fn run_loop<T: Task>(
     task: &T,
     mut model: T::Model,
@@ -108,8 +116,23 @@ pub(crate) fn run_loop<T: Task>(
     let mut step = plan.first_step;
     while step <= plan.total_steps {
         if options.interrupt.load(Ordering::Relaxed) {
-            let path = save_checkpoint(&model, optim, run, step - 1, loader.position(), plan, started, config)?;
-            return Ok((model, LoopEnd::Interrupted { step: step - 1, checkpoint: path }));
+            let path = save_checkpoint(
+                &model,
+                optim,
+                run,
+                step - 1,
+                loader.position(),
+                plan,
+                started,
+                config,
+            )?;
+            return Ok((
+                model,
+                LoopEnd::Interrupted {
+                    step: step - 1,
+                    checkpoint: path,
+                },
+            ));
         }
         // Dropout draws from the device RNG: seeding it per step makes a
         // resumed run draw what the uninterrupted one would have.
@@ -133,7 +156,11 @@ pub(crate) fn run_loop<T: Task>(
                 None => loss.clone().detach(),
             });
             // Dividing by the accumulation steps makes the summed gradients an average.
-            let loss = if accum > 1 { loss.div_scalar(accum as f64) } else { loss };
+            let loss = if accum > 1 {
+                loss.div_scalar(accum as f64)
+            } else {
+                loss
+            };
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             if accum > 1 {
                 accumulator.accumulate(&model, grads);
@@ -152,13 +179,22 @@ pub(crate) fn run_loop<T: Task>(
         } else {
             1.0
         };
-        let lr = lr_at(step, t.learning_rate, t.min_lr, t.warmup_steps as u64, plan.total_steps);
+        let lr = lr_at(
+            step,
+            t.learning_rate,
+            t.min_lr,
+            t.warmup_steps as u64,
+            plan.total_steps,
+        );
         model = optim.step(model, grads, lr, scale);
         plan.tokens_seen += work.tokens as u64;
         let elapsed = step_started.elapsed().as_secs_f64();
 
         let last = step == plan.total_steps;
-        if step.is_multiple_of(config.logging.logging_steps as u64) || last || step == plan.first_step {
+        if step.is_multiple_of(config.logging.logging_steps as u64)
+            || last
+            || step == plan.first_step
+        {
             let (current, peak_mem) = memory.sample();
             let metrics = StepMetrics {
                 step,
@@ -177,7 +213,9 @@ pub(crate) fn run_loop<T: Task>(
             run.append_metric(&tagged("step", &metrics))?;
             observer.event(&Event::Step(metrics));
         }
-        let epoch_end = plan.eval_every_epoch.is_some_and(|e| step.is_multiple_of(e.max(1)));
+        let epoch_end = plan
+            .eval_every_epoch
+            .is_some_and(|e| step.is_multiple_of(e.max(1)));
         let mut stop = false;
         if step.is_multiple_of(config.eval.eval_steps as u64) || epoch_end || last {
             let eval = task.evaluate(&model, step);
@@ -190,7 +228,10 @@ pub(crate) fn run_loop<T: Task>(
                 }
             }
             run.append_metric(&record)?;
-            observer.event(&Event::Eval { step, line: eval.line });
+            observer.event(&Event::Eval {
+                step,
+                line: eval.line,
+            });
             if let Some(score) = eval.score {
                 if plan.best.is_none_or(|b| score > b) {
                     plan.best = Some(score);
@@ -203,7 +244,16 @@ pub(crate) fn run_loop<T: Task>(
             }
         }
         if step.is_multiple_of(config.checkpoint.every_steps as u64) || last || stop {
-            let path = save_checkpoint(&model, optim, run, step, loader.position(), plan, started, config)?;
+            let path = save_checkpoint(
+                &model,
+                optim,
+                run,
+                step,
+                loader.position(),
+                plan,
+                started,
+                config,
+            )?;
             observer.event(&Event::Checkpoint { step, path });
         }
         if stop {
@@ -211,11 +261,11 @@ pub(crate) fn run_loop<T: Task>(
                 "early stop at step {step}: no better score in {} evaluations",
                 plan.since_best
             )));
-            return Ok((model, LoopEnd::EarlyStopped { step }));
+            return Ok((model, LoopEnd::EarlyStopped));
         }
         step += 1;
     }
-    Ok((model, LoopEnd::Finished { step: plan.total_steps }))
+    Ok((model, LoopEnd::Finished))
 }
 
 /// A JSON object of `value` with `"kind": kind` added.
@@ -238,7 +288,10 @@ fn save_checkpoint<M: Module>(
     started: Instant,
     config: &RunConfig,
 ) -> Result<PathBuf, TrainError> {
-    let ids: HashMap<_, String> = param_entries(model).into_iter().map(|e| (e.id, e.path)).collect();
+    let ids: HashMap<_, String> = param_entries(model)
+        .into_iter()
+        .map(|e| (e.id, e.path))
+        .collect();
     let mut moments: Vec<(String, Vec<f32>, Vec<f32>)> = optim
         .moments
         .iter()
@@ -285,20 +338,29 @@ pub(crate) fn restore<M: Module>(
         .into_iter()
         .map(|(p, shape, v)| (p, (shape, v)))
         .collect();
-    let model = crate::params::load_values(model, values, train_device).map_err(|why| TrainError::CheckpointMismatch {
-        path: path.to_path_buf(),
-        why,
+    let model = crate::params::load_values(model, values, train_device).map_err(|why| {
+        TrainError::CheckpointMismatch {
+            path: path.to_path_buf(),
+            why,
+        }
     })?;
-    let ids: HashMap<String, _> = param_entries(&model).into_iter().map(|e| (e.path, e.id)).collect();
+    let ids: HashMap<String, _> = param_entries(&model)
+        .into_iter()
+        .map(|e| (e.path, e.id))
+        .collect();
     for (p, m, v) in state.moments {
         let id = ids.get(&p).ok_or_else(|| TrainError::CheckpointMismatch {
             path: path.to_path_buf(),
             why: format!("optimizer state for `{p}`, which the model lacks"),
         })?;
         let n = m.len();
-        optim
-            .moments
-            .insert(*id, (tensor_from::<1>(m, &[n], optim_device), tensor_from::<1>(v, &[n], optim_device)));
+        optim.moments.insert(
+            *id,
+            (
+                tensor_from::<1>(m, &[n], optim_device),
+                tensor_from::<1>(v, &[n], optim_device),
+            ),
+        );
     }
     optim.steps = state.adam_steps;
     Ok((

@@ -1,0 +1,182 @@
+//! Batches of encoded sentence pairs, padded per batch (to the longest pair
+//! in the batch, not to `max_length`), optionally bucketed by length. Batch
+//! `k` is a function of (seed, k): epoch `k / batches_per_epoch` shuffles the
+//! pairs with its own seed.
+
+use std::sync::Arc;
+
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+
+use crate::loader::BatchSource;
+
+/// One encoded pair and its label.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EncodedPair {
+    pub ids: Vec<u32>,
+    pub segments: Vec<u32>,
+    pub label: usize,
+}
+
+/// A padded batch, row-major `[batch_size, seq_len]`; padding has id 0 and
+/// `mask` false.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PairBatch {
+    pub index: u64,
+    pub batch_size: usize,
+    pub seq_len: usize,
+    pub ids: Vec<u32>,
+    pub segments: Vec<u32>,
+    pub mask: Vec<bool>,
+    pub labels: Vec<usize>,
+    /// Tokens that are not padding.
+    pub real_tokens: usize,
+}
+
+/// Pads `pairs` into one batch.
+pub fn pad_batch(index: u64, pairs: &[&EncodedPair]) -> PairBatch {
+    let seq_len = pairs.iter().map(|p| p.ids.len()).max().unwrap_or(1).max(1);
+    let n = pairs.len();
+    let mut ids = vec![0u32; n * seq_len];
+    let mut segments = vec![0u32; n * seq_len];
+    let mut mask = vec![false; n * seq_len];
+    let mut real_tokens = 0;
+    for (row, p) in pairs.iter().enumerate() {
+        let at = row * seq_len;
+        ids[at..at + p.ids.len()].copy_from_slice(&p.ids);
+        segments[at..at + p.segments.len()].copy_from_slice(&p.segments);
+        mask[at..at + p.ids.len()]
+            .iter_mut()
+            .for_each(|m| *m = true);
+        real_tokens += p.ids.len();
+    }
+    PairBatch {
+        index,
+        batch_size: n,
+        seq_len,
+        ids,
+        segments,
+        mask,
+        labels: pairs.iter().map(|p| p.label).collect(),
+        real_tokens,
+    }
+}
+
+/// Training batches over encoded pairs, reshuffled every epoch.
+#[derive(Clone, Debug)]
+pub struct PairBatches {
+    pairs: Arc<[EncodedPair]>,
+    batch_size: usize,
+    seed: u64,
+    bucket: bool,
+}
+
+impl PairBatches {
+    pub fn new(pairs: Arc<[EncodedPair]>, batch_size: usize, seed: u64, bucket: bool) -> Self {
+        Self {
+            pairs,
+            batch_size: batch_size.max(1),
+            seed,
+            bucket,
+        }
+    }
+
+    /// Batches per pass over the pairs (the last one may be smaller).
+    pub fn batches_per_epoch(&self) -> u64 {
+        self.pairs.len().div_ceil(self.batch_size).max(1) as u64
+    }
+
+    /// The pair order of an epoch, and the order its batches are served in.
+    fn epoch_plan(&self, epoch: u64) -> (Vec<usize>, Vec<usize>) {
+        let mut rng = StdRng::seed_from_u64(self.seed ^ epoch.wrapping_mul(0xA076_1D64_78BD_642F));
+        let mut order: Vec<usize> = (0..self.pairs.len()).collect();
+        order.shuffle(&mut rng);
+        if self.bucket {
+            // Sort within chunks of 50 batches: similar lengths share a batch,
+            // and the batch order is shuffled again below.
+            for chunk in order.chunks_mut(self.batch_size * 50) {
+                chunk.sort_by_key(|&i| self.pairs[i].ids.len());
+            }
+        }
+        let mut batches: Vec<usize> = (0..self.batches_per_epoch() as usize).collect();
+        if self.bucket {
+            batches.shuffle(&mut rng);
+        }
+        (order, batches)
+    }
+}
+
+impl BatchSource for PairBatches {
+    type Batch = PairBatch;
+
+    fn batch(&self, index: u64) -> PairBatch {
+        let per_epoch = self.batches_per_epoch();
+        let (order, batches) = self.epoch_plan(index / per_epoch);
+        let b = batches[(index % per_epoch) as usize];
+        let start = b * self.batch_size;
+        let end = (start + self.batch_size).min(order.len());
+        let picked: Vec<&EncodedPair> = order[start..end].iter().map(|&i| &self.pairs[i]).collect();
+        pad_batch(index, &picked)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(n: usize) -> Arc<[EncodedPair]> {
+        (0..n)
+            .map(|i| EncodedPair {
+                ids: (0..(3 + i % 7) as u32).collect(),
+                segments: vec![0; 3 + i % 7],
+                label: i % 3,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_epoch_serves_every_pair_once_padded_per_batch() {
+        let src = PairBatches::new(pairs(23), 5, 1, false);
+        assert_eq!(src.batches_per_epoch(), 5);
+        let mut seen = 0;
+        for k in 0..5 {
+            let b = src.batch(k);
+            seen += b.batch_size;
+            let longest = (0..b.batch_size)
+                .map(|r| {
+                    b.mask[r * b.seq_len..(r + 1) * b.seq_len]
+                        .iter()
+                        .filter(|m| **m)
+                        .count()
+                })
+                .max()
+                .unwrap_or(0);
+            assert_eq!(
+                b.seq_len, longest,
+                "padded to the batch's longest, not a fixed length"
+            );
+            assert_eq!(b.real_tokens, b.mask.iter().filter(|m| **m).count());
+        }
+        assert_eq!(seen, 23);
+        assert_ne!(
+            src.batch(0).labels,
+            src.batch(5).labels,
+            "epochs are reshuffled"
+        );
+    }
+
+    #[test]
+    fn bucketing_reduces_padding() {
+        let plain = PairBatches::new(pairs(400), 8, 3, false);
+        let bucketed = PairBatches::new(pairs(400), 8, 3, true);
+        let padded = |s: &PairBatches| (0..50).map(|k| s.batch(k).ids.len()).sum::<usize>();
+        assert!(
+            padded(&bucketed) < padded(&plain),
+            "{} vs {}",
+            padded(&bucketed),
+            padded(&plain)
+        );
+        assert_eq!(bucketed.batch(7), bucketed.batch(7));
+    }
+}

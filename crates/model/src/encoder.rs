@@ -1,0 +1,362 @@
+//! A BERT-style encoder classifier for sentence pairs: token, position and
+//! segment embeddings, post-LayerNorm blocks with padding-masked
+//! self-attention and a GELU MLP, [CLS] or mean pooling, dropout and a
+//! linear head.
+
+use burn::module::Module;
+use burn::nn::{
+    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
+    Linear, LinearConfig,
+};
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Bool, Device, Int, Tensor, activation};
+
+use crate::GeluKind;
+
+/// How the sequence becomes one vector.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolingKind {
+    /// The first token's ([CLS]) output.
+    Cls,
+    /// The mean over non-padding tokens.
+    Mean,
+}
+
+/// The shape of an encoder classifier.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EncoderConfig {
+    pub vocab_size: usize,
+    pub max_positions: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub dropout: f64,
+    pub classes: usize,
+    pub pooling: PoolingKind,
+    pub gelu: GeluKind,
+}
+
+impl EncoderConfig {
+    /// Parameters in the transformer blocks (no embeddings, no head).
+    pub fn block_params(&self) -> usize {
+        let (d, f) = (self.hidden, self.intermediate);
+        self.layers * (d * 3 * d + 3 * d + d * d + d + d * f + f + f * d + d + 4 * d)
+    }
+
+    /// Parameters of the classification head.
+    pub fn head_params(&self) -> usize {
+        self.hidden * self.classes + self.classes
+    }
+
+    /// All parameters.
+    pub fn num_params(&self) -> usize {
+        (self.vocab_size + self.max_positions + 2) * self.hidden
+            + 2 * self.hidden
+            + self.block_params()
+            + self.head_params()
+    }
+
+    /// Model FLOPs of one training step on one sequence of `len` tokens:
+    /// `6·N·T` for the blocks (embeddings are lookups) plus attention's
+    /// `12·L·T²·d` (PEERS.md's count: 2.63 GFLOP at T = 128 for its shape).
+    /// With a frozen encoder only the forward pass runs through the blocks
+    /// (a third of that) and the head trains.
+    pub fn flops_per_sequence(&self, len: usize, frozen_encoder: bool) -> f64 {
+        let t = len as f64;
+        let blocks = 6.0 * self.block_params() as f64 * t
+            + 12.0 * self.layers as f64 * t * t * self.hidden as f64;
+        let head = 6.0 * self.head_params() as f64;
+        if frozen_encoder {
+            blocks / 3.0 + head
+        } else {
+            blocks + head
+        }
+    }
+
+    pub fn init(&self, device: &Device) -> EncoderClassifier {
+        let normal = Initializer::Normal {
+            mean: 0.0,
+            std: 0.02,
+        };
+        let linear = |i: usize, o: usize| {
+            LinearConfig::new(i, o)
+                .with_initializer(normal.clone())
+                .init(device)
+        };
+        let embedding = |n: usize| {
+            EmbeddingConfig::new(n, self.hidden)
+                .with_initializer(normal.clone())
+                .init(device)
+        };
+        EncoderClassifier {
+            tokens: embedding(self.vocab_size),
+            positions: embedding(self.max_positions),
+            segments: embedding(2),
+            ln_embed: LayerNormConfig::new(self.hidden).init(device),
+            blocks: (0..self.layers)
+                .map(|_| EncoderBlock {
+                    qkv: linear(self.hidden, 3 * self.hidden),
+                    attn_out: linear(self.hidden, self.hidden),
+                    ln1: LayerNormConfig::new(self.hidden).init(device),
+                    fc: linear(self.hidden, self.intermediate),
+                    fc_out: linear(self.intermediate, self.hidden),
+                    ln2: LayerNormConfig::new(self.hidden).init(device),
+                    dropout: DropoutConfig::new(self.dropout).init(),
+                    heads: self.heads,
+                    tanh_gelu: self.gelu == GeluKind::Tanh,
+                })
+                .collect(),
+            dropout: DropoutConfig::new(self.dropout).init(),
+            head: linear(self.hidden, self.classes),
+            mean_pooling: self.pooling == PoolingKind::Mean,
+        }
+    }
+}
+
+/// The encoder classifier.
+#[derive(Module, Debug)]
+pub struct EncoderClassifier {
+    tokens: Embedding,
+    positions: Embedding,
+    segments: Embedding,
+    ln_embed: LayerNorm,
+    blocks: Vec<EncoderBlock>,
+    dropout: Dropout,
+    head: Linear,
+    #[module(skip)]
+    mean_pooling: bool,
+}
+
+#[derive(Module, Debug)]
+struct EncoderBlock {
+    qkv: Linear,
+    attn_out: Linear,
+    ln1: LayerNorm,
+    fc: Linear,
+    fc_out: Linear,
+    ln2: LayerNorm,
+    dropout: Dropout,
+    #[module(skip)]
+    heads: usize,
+    #[module(skip)]
+    tanh_gelu: bool,
+}
+
+impl EncoderBlock {
+    /// `pad` is `[b, h, t, t]`, true where a key is padding.
+    fn forward(&self, x: Tensor<3>, pad: Tensor<4, Bool>) -> Tensor<3> {
+        let [b, t, d] = x.dims();
+        let h = self.heads;
+        let qkv = self.qkv.forward(x.clone());
+        let heads = |part: usize| {
+            qkv.clone()
+                .narrow(2, part * d, d)
+                .reshape([b, t, h, d / h])
+                .swap_dims(1, 2)
+        };
+        let options = AttentionModuleOptions {
+            scale: None,
+            softcap: None,
+            is_causal: false,
+        };
+        let y = attention(heads(0), heads(1), heads(2), Some(pad), None, options)
+            .swap_dims(1, 2)
+            .reshape([b, t, d]);
+        let x = self
+            .ln1
+            .forward(x + self.dropout.forward(self.attn_out.forward(y)));
+        let hidden = self.fc.forward(x.clone());
+        let hidden = if self.tanh_gelu {
+            activation::gelu_approximate(hidden)
+        } else {
+            activation::gelu(hidden)
+        };
+        self.ln2
+            .forward(x + self.dropout.forward(self.fc_out.forward(hidden)))
+    }
+}
+
+impl EncoderClassifier {
+    /// Class logits `[b, classes]` for token ids, segment ids and the mask
+    /// (true on real tokens), each `[b, t]`.
+    pub fn forward(
+        &self,
+        ids: Tensor<2, Int>,
+        segments: Tensor<2, Int>,
+        mask: Tensor<2, Bool>,
+    ) -> Tensor<2> {
+        let [b, t] = ids.dims();
+        let device = ids.device();
+        let pos = Tensor::<1, Int>::arange(0..t as i64, &device)
+            .reshape([1, t])
+            .expand([b, t]);
+        let x = self.tokens.forward(ids)
+            + self.positions.forward(pos)
+            + self.segments.forward(segments);
+        let mut x = self.dropout.forward(self.ln_embed.forward(x));
+        let h = self.blocks.first().map_or(1, |blk| blk.heads);
+        let pad = mask
+            .clone()
+            .bool_not()
+            .reshape([b, 1, 1, t])
+            .expand([b, h, t, t]);
+        for block in &self.blocks {
+            x = block.forward(x, pad.clone());
+        }
+        let [_, _, d] = x.dims();
+        let pooled = if self.mean_pooling {
+            let keep = mask.float().reshape([b, t, 1]);
+            let count = keep.clone().sum_dim(1).reshape([b, 1]).clamp_min(1.0);
+            (x * keep).sum_dim(1).reshape([b, d]) / count
+        } else {
+            x.narrow(1, 0, 1).reshape([b, d])
+        };
+        self.head.forward(self.dropout.forward(pooled))
+    }
+
+    /// Mean cross-entropy of the logits against `labels [b]`.
+    pub fn loss(
+        &self,
+        ids: Tensor<2, Int>,
+        segments: Tensor<2, Int>,
+        mask: Tensor<2, Bool>,
+        labels: Tensor<1, Int>,
+    ) -> Tensor<1> {
+        let logits = self.forward(ids, segments, mask);
+        let [b, _] = logits.dims();
+        activation::log_softmax(logits, 1)
+            .gather(1, labels.reshape([b, 1]))
+            .mean()
+            .neg()
+    }
+
+    /// Stops gradients through everything but the head (`model.freeze_encoder`).
+    pub fn freeze_encoder(mut self) -> Self {
+        self.tokens = self.tokens.no_grad();
+        self.positions = self.positions.no_grad();
+        self.segments = self.segments.no_grad();
+        self.ln_embed = self.ln_embed.no_grad();
+        self.blocks = self.blocks.into_iter().map(Module::no_grad).collect();
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::TensorData;
+
+    use super::*;
+
+    fn peers_shape() -> EncoderConfig {
+        // ../shared/PEERS.md: 4 layers, hidden 256, 4 heads, intermediate 1024,
+        // max length 128, vocabulary 8000, 3 classes; 5.3 M parameters,
+        // 2.63 GFLOP per padded sample.
+        EncoderConfig {
+            vocab_size: 8000,
+            max_positions: 128,
+            layers: 4,
+            heads: 4,
+            hidden: 256,
+            intermediate: 1024,
+            dropout: 0.0,
+            classes: 3,
+            pooling: PoolingKind::Cls,
+            gelu: GeluKind::Exact,
+        }
+    }
+
+    #[test]
+    fn counts_match_peers_md() {
+        let c = peers_shape();
+        // 5.24 M: PEERS.md's 5.3 M includes BERT's pooler (a 256 × 256 dense
+        // layer before the head), which this model does without.
+        assert!(
+            (c.num_params() as f64 / 1e6 - 5.3).abs() < 0.1,
+            "{}",
+            c.num_params()
+        );
+        let gflop = c.flops_per_sequence(128, false) / 1e9;
+        assert!((gflop - 2.63).abs() < 0.02, "{gflop}");
+        assert!(c.flops_per_sequence(128, true) < c.flops_per_sequence(128, false) / 2.0);
+        assert_eq!(c.init(&Device::flex()).num_params(), c.num_params());
+    }
+
+    fn batch(device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>, Tensor<2, Bool>) {
+        let ids = Tensor::<2, Int>::from_data(
+            TensorData::new(vec![2i64, 7, 3, 9, 3, 0, 2, 5, 3, 0, 0, 0], [2, 6]),
+            device,
+        );
+        let seg = Tensor::<2, Int>::from_data(
+            TensorData::new(vec![0i64, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0], [2, 6]),
+            device,
+        );
+        let mask = Tensor::<2, Bool>::from_data(
+            TensorData::new(
+                vec![
+                    true, true, true, true, true, false, true, true, true, false, false, false,
+                ],
+                [2, 6],
+            ),
+            device,
+        );
+        (ids, seg, mask)
+    }
+
+    #[test]
+    fn padding_does_not_change_the_output() {
+        let c = EncoderConfig {
+            vocab_size: 20,
+            max_positions: 16,
+            layers: 2,
+            heads: 2,
+            hidden: 16,
+            intermediate: 32,
+            pooling: PoolingKind::Mean,
+            ..peers_shape()
+        };
+        let device = Device::flex();
+        device.seed(4);
+        let model = c.init(&device);
+        let (ids, seg, mask) = batch(&device);
+        let padded: Vec<f32> = model
+            .forward(ids.clone(), seg.clone(), mask.clone())
+            .into_data()
+            .iter::<f32>()
+            .collect();
+        // The second sequence alone, without its padding.
+        let ids2 = ids.narrow(0, 1, 1).narrow(1, 0, 3);
+        let seg2 = seg.narrow(0, 1, 1).narrow(1, 0, 3);
+        let mask2 = mask.narrow(0, 1, 1).narrow(1, 0, 3);
+        let alone: Vec<f32> = model
+            .forward(ids2, seg2, mask2)
+            .into_data()
+            .iter::<f32>()
+            .collect();
+        for (a, b) in padded[3..].iter().zip(&alone) {
+            assert!((a - b).abs() < 1e-5, "{padded:?} vs {alone:?}");
+        }
+    }
+
+    #[test]
+    fn a_frozen_encoder_trains_only_the_head() {
+        let c = EncoderConfig {
+            vocab_size: 20,
+            max_positions: 16,
+            layers: 1,
+            heads: 2,
+            hidden: 8,
+            intermediate: 16,
+            ..peers_shape()
+        };
+        let device = Device::flex().autodiff();
+        let model = c.init(&device).freeze_encoder();
+        let (ids, seg, mask) = batch(&device);
+        let labels = Tensor::<1, Int>::from_data(TensorData::new(vec![1i64, 2], [2]), &device);
+        let grads = model.loss(ids, seg, mask, labels).backward();
+        assert!(model.head.weight.val().grad(&grads).is_some());
+        assert!(model.tokens.weight.val().grad(&grads).is_none());
+        assert!(model.blocks[0].qkv.weight.val().grad(&grads).is_none());
+    }
+}
