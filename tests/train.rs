@@ -321,3 +321,15 @@ fn bench_lm_prints_json_with_the_step_split() {
     assert_eq!(b["timed_steps"], 5);
     assert_eq!(v["config"]["model"]["hidden"], 32);
 }
+
+#[test]
+fn gradient_checkpointing_trains() {
+    // Regression: the optimizer dropped the parameters' checkpointing
+    // strategy, and the next step's forward pass panicked on the mismatch.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut args = tiny(tmp.path(), "gc", 12);
+    args.push("model.gradient_checkpointing=true".into());
+    run_kiln(&args)
+        .expect_code(0)
+        .stdout_has(&["gradient checkpointing: on", "step    12/12"]);
+}

@@ -99,15 +99,20 @@ enum Command {
         /// Machine-readable output
         #[arg(long)]
         json: bool,
+        /// Pad every pair batch to model.max_length (as the PyTorch reference does)
+        #[arg(long)]
+        pad_to_max_length: bool,
         #[command(flatten)]
         layers: Layers,
     },
 }
 
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 enum BenchWorkload {
     /// The GPT language model
     Lm,
+    /// The sentence-pair encoder (`experiment=nli_snli` unless one is given)
+    Nli,
 }
 
 /// The configuration layers a command takes.
@@ -251,18 +256,33 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             return Ok(finish(outcome));
         }
         Command::Bench {
-            workload: BenchWorkload::Lm,
+            workload,
             warmup,
             steps,
             json,
-            layers,
+            pad_to_max_length,
+            mut layers,
         } => {
+            if workload == BenchWorkload::Nli
+                && !layers
+                    .overrides
+                    .iter()
+                    .any(|o| o.starts_with("experiment="))
+            {
+                layers
+                    .overrides
+                    .insert(0, "experiment=nli_snli".to_string());
+            }
             let resolved = resolve(presets, &report, &layers)?;
-            let result = kiln_train::bench_lm(
-                &resolved.config,
-                &report,
-                kiln_train::BenchOptions { warmup, steps },
-            )
+            let options = kiln_train::BenchOptions {
+                warmup,
+                steps,
+                pad_to_max_length,
+            };
+            let result = match workload {
+                BenchWorkload::Lm => kiln_train::bench_lm(&resolved.config, &report, options),
+                BenchWorkload::Nli => kiln_train::bench_nli(&resolved.config, &report, options),
+            }
             .map_err(train_error)?;
             if json {
                 let value = serde_json::json!({
@@ -414,24 +434,35 @@ fn finish(outcome: kiln_train::Outcome) -> ExitCode {
 fn bench_text(r: &kiln_train::BenchResult) -> String {
     let p = &r.phases;
     format!(
-        "bench lm on {}: {} timed steps after {} warm-up, {} tokens per step\n\
-         tokens/s: median {:.0} (min {:.0}, max {:.0}); {:.1} ms/step\n\
+        "bench {} on {}: {} timed steps after {} warm-up, batch {}\n\
+         samples/s: median {:.1}; tokens/s (no padding): median {:.0} (min {:.0}, max {:.0}); with padding {:.0}; {:.1} ms/step\n\
+         FLOPs per sample: {:.3} G as computed (padded), {:.3} G on real tokens only\n\
          MFU: {} against {}\n\
-         data-wait: {:.2}% of step time; peak memory {:.0} MiB\n\
+         data-wait: {:.2}% of step time; peak memory {:.0} MiB{}\n\
          phases (median ms): data wait {:.2}, host-to-device {:.2}, forward {:.1}, backward {:.1}, optimizer {:.1}\n",
+        r.workload,
         r.backend,
         r.timed_steps,
         r.warmup_steps,
-        r.tokens_per_step,
+        r.batch_size,
+        r.samples_per_s_median,
         r.tokens_per_s_median,
         r.tokens_per_s_min,
         r.tokens_per_s_max,
+        r.padded_tokens_per_s_median,
         r.ms_per_step_median,
+        r.flops_per_sample_padded / 1e9,
+        r.flops_per_sample_real / 1e9,
         r.mfu
             .map_or("n/a".to_string(), |m| format!("{:.1}%", m * 100.0)),
         r.mfu_peak,
         r.data_wait_pct,
         r.peak_memory_bytes as f64 / f64::from(1u32 << 20),
+        if r.gradient_checkpointing {
+            " (gradient checkpointing on)"
+        } else {
+            ""
+        },
         p.data_wait_ms,
         p.host_to_device_ms,
         p.forward_ms,

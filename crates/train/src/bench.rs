@@ -1,27 +1,36 @@
-//! `kiln bench lm`: warm-up steps excluded, then the median and spread of
-//! timed training steps, each split into its phases (device synchronised
-//! between them, which a training run does not do).
+//! `kiln bench lm | nli`: warm-up steps excluded, then the median and spread
+//! of timed training steps, each split into its phases (the device is
+//! synchronised between them, which a training run does not do).
 
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use burn::module::Module;
 use burn::optim::GradientsParams;
+use burn::tensor::{Device, Tensor};
 use kiln_config::RunConfig;
-use kiln_data::{LmWindows, Loader, Split, encode_cached, read_corpus};
+use kiln_data::{
+    BatchSource, EncodedPair, LmWindows, Loader, PairBatch, PairBatches, Split, Tokenizer,
+    encode_cached, pad_batch, read_corpus, read_pairs,
+};
 use kiln_hwdetect::HardwareReport;
 use serde::Serialize;
 
 use crate::lm::{batch_tensors, gpt_config, make_tokenizer};
+use crate::nli::{encoder_config, pair_tensors, schema};
 use crate::optim::{AdamW, AdamWConfig, global_grad_norm};
 use crate::report::median;
+use crate::trainer::Work;
 use crate::{MemoryTracker, TrainError, select_device};
 
-/// How many steps to run.
+/// How many steps to run, and how to pad pairs.
 #[derive(Clone, Copy, Debug)]
 pub struct BenchOptions {
     pub warmup: usize,
     pub steps: usize,
+    /// Pad every pair batch to `model.max_length` (PyTorch comparisons pad so).
+    pub pad_to_max_length: bool,
 }
 
 /// Median milliseconds per phase of a step.
@@ -34,26 +43,205 @@ pub struct PhaseTimes {
     pub optimizer_ms: f64,
 }
 
-/// What `bench_lm` measured.
+/// What a benchmark measured.
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchResult {
     pub workload: &'static str,
     pub backend: String,
     pub warmup_steps: usize,
     pub timed_steps: usize,
-    pub tokens_per_step: usize,
+    pub batch_size: usize,
+    pub samples_per_s_median: f64,
+    /// Tokens that carry data (no padding) per second.
     pub tokens_per_s_median: f64,
     pub tokens_per_s_min: f64,
     pub tokens_per_s_max: f64,
+    /// Tokens computed on, padding included, per second.
+    pub padded_tokens_per_s_median: f64,
     pub ms_per_step_median: f64,
     pub mfu: Option<f64>,
     pub mfu_peak: String,
-    pub flops_per_token: f64,
+    /// Model FLOPs per sample over the padded length, and over real tokens only.
+    pub flops_per_sample_padded: f64,
+    pub flops_per_sample_real: f64,
     pub parameters: usize,
     pub data_wait_pct: f64,
     pub peak_memory_bytes: u64,
+    pub gradient_checkpointing: bool,
     pub phases: PhaseTimes,
     pub final_loss: f64,
+}
+
+/// Per-step measurements.
+#[derive(Default)]
+struct Timings {
+    step_s: Vec<f64>,
+    phases: [Vec<f64>; 5],
+    work: Vec<Work>,
+    padded_tokens: Vec<usize>,
+    real_tokens: Vec<usize>,
+    final_loss: f64,
+}
+
+/// Runs `warmup + steps` training steps, timing each phase.
+#[allow(clippy::too_many_arguments, reason = "the parts of a timed step")]
+fn time_steps<M: Module, S: BatchSource, I>(
+    mut loader: Loader<S>,
+    mut model: M,
+    optim: &mut AdamW,
+    device: &Device,
+    config: &RunConfig,
+    options: BenchOptions,
+    upload: impl Fn(&S::Batch, &Device) -> I,
+    forward: impl Fn(&M, I) -> Tensor<1>,
+    work: impl Fn(&S::Batch) -> (Work, usize),
+) -> Timings {
+    let t = &config.training;
+    let sync = || {
+        let _ = device.sync();
+    };
+    let mut out = Timings::default();
+    for i in 0..options.warmup + options.steps {
+        let start = Instant::now();
+        let loaded = loader.next_batch();
+        let t_data = loaded.wait.as_secs_f64();
+        let t0 = Instant::now();
+        let inputs = upload(&loaded.batch, device);
+        sync();
+        let t1 = Instant::now();
+        let loss = forward(&model, inputs);
+        sync();
+        let t2 = Instant::now();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        sync();
+        let t3 = Instant::now();
+        let norm = global_grad_norm(&model, &grads);
+        let scale = if t.grad_clip > 0.0 && norm > t.grad_clip {
+            t.grad_clip / (norm + 1e-6)
+        } else {
+            1.0
+        };
+        model = optim.step(model, grads, t.learning_rate, scale);
+        out.final_loss = f64::from(loss.into_scalar::<f32>());
+        let t4 = Instant::now();
+        if i >= options.warmup {
+            out.step_s.push(start.elapsed().as_secs_f64());
+            let (w, padded) = work(&loaded.batch);
+            out.work.push(w);
+            out.real_tokens.push(w.tokens);
+            out.padded_tokens.push(padded);
+            let phases = [
+                t_data,
+                (t1 - t0).as_secs_f64(),
+                (t2 - t1).as_secs_f64(),
+                (t3 - t2).as_secs_f64(),
+                (t4 - t3).as_secs_f64(),
+            ];
+            for (list, v) in out.phases.iter_mut().zip(phases) {
+                list.push(v * 1e3);
+            }
+        }
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments, reason = "what a result is made of")]
+fn result(
+    workload: &'static str,
+    backend: String,
+    config: &RunConfig,
+    hardware: &HardwareReport,
+    is_gpu: bool,
+    options: BenchOptions,
+    parameters: usize,
+    flops_real: f64,
+    mut t: Timings,
+) -> BenchResult {
+    let mut memory = MemoryTracker::new();
+    let (_, peak_memory) = memory.sample();
+    let per_step = |v: &[usize]| -> Vec<f64> {
+        v.iter()
+            .zip(&t.step_s)
+            .map(|(n, s)| *n as f64 / s)
+            .collect()
+    };
+    let mut tps = per_step(&t.real_tokens);
+    let mut padded = per_step(&t.padded_tokens);
+    let mut sps: Vec<f64> = t
+        .work
+        .iter()
+        .zip(&t.step_s)
+        .map(|(w, s)| w.samples as f64 / s)
+        .collect();
+    let mut flops: Vec<f64> = t
+        .work
+        .iter()
+        .zip(&t.step_s)
+        .map(|(w, s)| w.flops / s)
+        .collect();
+    let mut ms: Vec<f64> = t.step_s.iter().map(|s| s * 1e3).collect();
+    let total: f64 = t.step_s.iter().sum();
+    let waited: f64 = t.phases[0].iter().sum::<f64>() / 1e3;
+    let samples: usize = t.work.iter().map(|w| w.samples).sum();
+    let flops_padded = t.work.iter().map(|w| w.flops).sum::<f64>() / samples.max(1) as f64;
+    let (peak, mfu_peak) = match hardware.cpu.peak.fp32_flops {
+        Some(p) if !is_gpu => (Some(p), format!("CPU fp32 {}", hardware.cpu.peak.how)),
+        _ => (None, "unknown".to_string()),
+    };
+    let tokens_per_s_median = median(&mut tps);
+    let [d, h, f, b, o] = &mut t.phases;
+    BenchResult {
+        workload,
+        backend,
+        warmup_steps: options.warmup,
+        timed_steps: options.steps,
+        batch_size: config.training.batch_size,
+        samples_per_s_median: median(&mut sps),
+        tokens_per_s_median,
+        tokens_per_s_min: tps.first().copied().unwrap_or(0.0),
+        tokens_per_s_max: tps.last().copied().unwrap_or(0.0),
+        padded_tokens_per_s_median: median(&mut padded),
+        ms_per_step_median: median(&mut ms),
+        mfu: peak.map(|p| median(&mut flops) / p),
+        mfu_peak,
+        flops_per_sample_padded: flops_padded,
+        flops_per_sample_real: flops_real,
+        parameters,
+        data_wait_pct: if total > 0.0 {
+            100.0 * waited / total
+        } else {
+            0.0
+        },
+        peak_memory_bytes: peak_memory,
+        gradient_checkpointing: config.model.gradient_checkpointing,
+        phases: PhaseTimes {
+            data_wait_ms: median(d),
+            host_to_device_ms: median(h),
+            forward_ms: median(f),
+            backward_ms: median(b),
+            optimizer_ms: median(o),
+        },
+        final_loss: t.final_loss,
+    }
+}
+
+fn optimizer(config: &RunConfig) -> AdamW {
+    let t = &config.training;
+    AdamW::new(AdamWConfig {
+        beta1: t.beta1,
+        beta2: t.beta2,
+        eps: t.eps,
+        weight_decay: t.weight_decay,
+    })
+}
+
+fn train_device(config: &RunConfig, inner: &Device) -> Device {
+    let mut device = inner.clone().autodiff();
+    if config.model.gradient_checkpointing {
+        device = device.gradient_checkpointing();
+    }
+    device.seed(config.training.seed);
+    device
 }
 
 /// Times training steps of the language model of `config`.
@@ -84,104 +272,208 @@ pub fn bench_lm(
         t.seed,
         Split::Train,
     ));
-    let mut loader = Loader::new(
+    let loader = Loader::new(
         source,
         0,
         config.loader.num_workers,
         config.loader.prefetch_factor,
     );
     let gpt = gpt_config(config, tokenizer.vocab_size());
-    let device = choice.device.clone().autodiff();
-    device.seed(t.seed);
-    let mut model = gpt.init(&device);
-    let mut optim = AdamW::new(AdamWConfig {
-        beta1: t.beta1,
-        beta2: t.beta2,
-        eps: t.eps,
-        weight_decay: t.weight_decay,
-    });
-    let sync = || {
-        let _ = device.sync();
-    };
-    let mut memory = MemoryTracker::new();
-    let mut step_s = Vec::new();
-    let mut phases: [Vec<f64>; 5] = Default::default();
-    let mut final_loss = f64::NAN;
-    for i in 0..options.warmup + options.steps {
-        let start = Instant::now();
-        let loaded = loader.next_batch();
-        let t_data = loaded.wait.as_secs_f64();
-        let t0 = Instant::now();
-        let (x, y) = batch_tensors(&loaded.batch, &device);
-        sync();
-        let t1 = Instant::now();
-        let loss = model.loss(x, y);
-        sync();
-        let t2 = Instant::now();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        sync();
-        let t3 = Instant::now();
-        let norm = global_grad_norm(&model, &grads);
-        let scale = if t.grad_clip > 0.0 && norm > t.grad_clip {
-            t.grad_clip / (norm + 1e-6)
-        } else {
-            1.0
-        };
-        model = optim.step(model, grads, t.learning_rate, scale);
-        final_loss = f64::from(loss.into_scalar::<f32>());
-        let t4 = Instant::now();
-        if i >= options.warmup {
-            step_s.push(start.elapsed().as_secs_f64());
-            for (list, v) in phases.iter_mut().zip([
-                t_data,
-                (t1 - t0).as_secs_f64(),
-                (t2 - t1).as_secs_f64(),
-                (t3 - t2).as_secs_f64(),
-                (t4 - t3).as_secs_f64(),
-            ]) {
-                list.push(v * 1e3);
-            }
-        }
+    let device = train_device(config, &choice.device);
+    let model = gpt.init(&device);
+    let per_token = gpt.flops_per_token();
+    let timings = time_steps(
+        loader,
+        model,
+        &mut optimizer(config),
+        &device,
+        config,
+        options,
+        batch_tensors,
+        |m: &kiln_model::Gpt, (x, y)| m.loss(x, y),
+        |b| {
+            let tokens = b.batch_size * b.block;
+            (
+                Work {
+                    samples: b.batch_size,
+                    tokens,
+                    flops: per_token * tokens as f64,
+                },
+                tokens,
+            )
+        },
+    );
+    Ok(result(
+        "lm",
+        choice.name,
+        config,
+        hardware,
+        choice.is_gpu,
+        options,
+        gpt.num_params(),
+        per_token * block as f64,
+        timings,
+    ))
+}
+
+/// Pads a batch out to `len` tokens.
+fn repad(b: &PairBatch, len: usize) -> PairBatch {
+    if b.seq_len >= len {
+        return b.clone();
     }
-    let (_, peak_memory) = memory.sample();
-    let tokens_per_step = t.batch_size * block;
-    let mut tps: Vec<f64> = step_s.iter().map(|s| tokens_per_step as f64 / s).collect();
-    let mut ms: Vec<f64> = step_s.iter().map(|s| s * 1e3).collect();
-    let total: f64 = step_s.iter().sum();
-    let waited: f64 = phases[0].iter().sum::<f64>() / 1e3;
-    let tokens_per_s_median = median(&mut tps);
-    let (peak, mfu_peak) = match hardware.cpu.peak.fp32_flops {
-        Some(p) if !choice.is_gpu => (Some(p), format!("CPU fp32 {}", hardware.cpu.peak.how)),
-        _ => (None, "unknown".to_string()),
+    let rows: Vec<EncodedPair> = (0..b.batch_size)
+        .map(|r| {
+            let row = r * b.seq_len..(r + 1) * b.seq_len;
+            let n = b.mask[row.clone()].iter().filter(|m| **m).count();
+            EncodedPair {
+                ids: b.ids[row.start..row.start + n].to_vec(),
+                segments: b.segments[row.start..row.start + n].to_vec(),
+                label: b.labels[r],
+            }
+        })
+        .collect();
+    let refs: Vec<&EncodedPair> = rows.iter().collect();
+    let mut out = pad_batch(b.index, &refs);
+    let extra = len - out.seq_len;
+    let widen = |v: &[u32]| -> Vec<u32> {
+        v.chunks(out.seq_len)
+            .flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0, extra)))
+            .collect()
     };
-    let [mut d, mut h, mut f, mut b, mut o] = phases;
-    Ok(BenchResult {
-        workload: "lm",
-        backend: choice.name,
-        warmup_steps: options.warmup,
-        timed_steps: options.steps,
-        tokens_per_step,
-        tokens_per_s_median,
-        tokens_per_s_min: tps.first().copied().unwrap_or(0.0),
-        tokens_per_s_max: tps.last().copied().unwrap_or(0.0),
-        ms_per_step_median: median(&mut ms),
-        mfu: peak.map(|p| gpt.flops_per_token() * tokens_per_s_median / p),
-        mfu_peak,
-        flops_per_token: gpt.flops_per_token(),
-        parameters: gpt.num_params(),
-        data_wait_pct: if total > 0.0 {
-            100.0 * waited / total
-        } else {
-            0.0
+    let mask: Vec<bool> = out
+        .mask
+        .chunks(out.seq_len)
+        .flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(false, extra)))
+        .collect();
+    out.ids = widen(&out.ids);
+    out.segments = widen(&out.segments);
+    out.mask = mask;
+    out.seq_len = len;
+    out
+}
+
+/// Times training steps of the sentence-pair encoder of `config` on its data.
+pub fn bench_nli(
+    config: &RunConfig,
+    hardware: &HardwareReport,
+    options: BenchOptions,
+) -> Result<BenchResult, TrainError> {
+    let choice = select_device(config.device.backend)?;
+    let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
+    let max_len = config.model.max_length;
+    let texts: Vec<(&str, &str)> = data
+        .pairs
+        .iter()
+        .map(|p| (p.premise.as_str(), p.hypothesis.as_str()))
+        .collect();
+    let tokenizer = Tokenizer::wordpiece(
+        texts.iter().flat_map(|(a, b)| [*a, *b]),
+        config.data.vocab_size,
+        max_len,
+    )?;
+    let encoded: Arc<[EncodedPair]> = tokenizer
+        .encode_pairs(&texts)?
+        .into_iter()
+        .zip(&data.pairs)
+        .map(|((ids, segments), p)| EncodedPair {
+            ids,
+            segments,
+            label: p.label.unwrap_or(0),
+        })
+        .collect();
+    let real_mean =
+        encoded.iter().map(|p| p.ids.len()).sum::<usize>() as f64 / encoded.len().max(1) as f64;
+    let t = &config.training;
+    let source = Arc::new(PairBatches::new(
+        encoded,
+        t.batch_size,
+        t.seed,
+        config.loader.bucket_by_length,
+    ));
+    let loader = Loader::new(
+        source,
+        0,
+        config.loader.num_workers,
+        config.loader.prefetch_factor,
+    );
+    let encoder = encoder_config(config, tokenizer.vocab_size());
+    let device = train_device(config, &choice.device);
+    let mut model = encoder.init(&device);
+    let frozen = config.model.freeze_encoder;
+    if frozen {
+        model = model.freeze_encoder();
+    }
+    let pad = options.pad_to_max_length;
+    let enc = encoder.clone();
+    let timings = time_steps(
+        loader,
+        model,
+        &mut optimizer(config),
+        &device,
+        config,
+        options,
+        |b: &PairBatch, d: &Device| {
+            if pad {
+                pair_tensors(&repad(b, max_len), d)
+            } else {
+                pair_tensors(b, d)
+            }
         },
-        peak_memory_bytes: peak_memory,
-        phases: PhaseTimes {
-            data_wait_ms: median(&mut d),
-            host_to_device_ms: median(&mut h),
-            forward_ms: median(&mut f),
-            backward_ms: median(&mut b),
-            optimizer_ms: median(&mut o),
+        |m: &kiln_model::EncoderClassifier, (ids, seg, mask, labels)| {
+            m.loss(ids, seg, mask, labels)
         },
-        final_loss,
-    })
+        |b| {
+            let len = if pad {
+                max_len.max(b.seq_len)
+            } else {
+                b.seq_len
+            };
+            (
+                Work {
+                    samples: b.batch_size,
+                    tokens: b.real_tokens,
+                    flops: b.batch_size as f64 * enc.flops_per_sequence(len, frozen),
+                },
+                b.batch_size * len,
+            )
+        },
+    );
+    Ok(result(
+        "nli",
+        choice.name,
+        config,
+        hardware,
+        choice.is_gpu,
+        options,
+        encoder.num_params(),
+        encoder.flops_per_sequence(real_mean.round() as usize, frozen),
+        timings,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repadding_keeps_the_rows_and_widens_with_padding() {
+        let pairs = [
+            EncodedPair {
+                ids: vec![2, 5, 3],
+                segments: vec![0, 0, 0],
+                label: 1,
+            },
+            EncodedPair {
+                ids: vec![2, 3],
+                segments: vec![0, 0],
+                label: 0,
+            },
+        ];
+        let b = pad_batch(0, &pairs.iter().collect::<Vec<_>>());
+        let wide = repad(&b, 6);
+        assert_eq!(wide.seq_len, 6);
+        assert_eq!(wide.ids, vec![2, 5, 3, 0, 0, 0, 2, 3, 0, 0, 0, 0]);
+        assert_eq!(wide.mask.iter().filter(|m| **m).count(), 5);
+        assert_eq!(wide.labels, vec![1, 0]);
+    }
 }

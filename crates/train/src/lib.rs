@@ -8,7 +8,7 @@
 //!   continues a run (in the right fold) from its last good checkpoint,
 //!   bitwise where the backend is deterministic; [`predict`] labels pairs
 //!   with a finished CV run's best fold.
-//! - [`bench_lm`]: timed steps with the step split into its phases.
+//! - [`bench_lm`], [`bench_nli`]: timed steps with the step split into its phases.
 //! - [`AdamW`], [`lr_at`]: the optimizer and schedule, written out so that
 //!   their state is ours to checkpoint.
 //!
@@ -27,7 +27,7 @@ mod report;
 mod rundir;
 mod trainer;
 
-pub use bench::{BenchOptions, BenchResult, PhaseTimes, bench_lm};
+pub use bench::{BenchOptions, BenchResult, PhaseTimes, bench_lm, bench_nli};
 pub use checkpoint::{CheckpointInfo, latest_good_checkpoint};
 pub use device::{DeviceChoice, select_device};
 pub use error::TrainError;

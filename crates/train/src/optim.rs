@@ -74,6 +74,8 @@ impl ModuleMapper for Update<'_> {
         let c = self.optim.config;
         let t = self.optim.steps as i32;
         let require_grad = tensor.is_require_grad();
+        // Gradient checkpointing is a property of the tensor: keep it.
+        let checkpointing = tensor.gradient_checkpointing_strategy();
         let dims = tensor.dims();
         let n: usize = dims.iter().product();
         let w: Tensor<1> = tensor.inner().reshape([n]);
@@ -106,6 +108,9 @@ impl ModuleMapper for Update<'_> {
         let updated: Tensor<D> = w.sub(update).reshape(dims);
         self.optim.moments.insert(id, (m, v));
         let mut updated = Tensor::from_inner(updated);
+        if let Some(strategy) = checkpointing {
+            updated = updated.with_gradient_checkpointing_strategy(strategy);
+        }
         if require_grad {
             updated = updated.require_grad();
         }

@@ -1,0 +1,106 @@
+"""PyTorch reference for `kiln bench nli --pad-to-max-length`: the same encoder.
+
+../shared/PEERS.md's BERT shape: 4 layers, hidden 256, 4 heads, intermediate
+1024, post-LayerNorm blocks, exact GELU, [CLS] pooling, 3 classes, sequences
+padded to 128 with a key-padding mask, vocabulary 8000, AdamW (lr 3e-4),
+global-norm clip 1.0, eager fp32 on 2 threads. Inputs are random token ids
+with real lengths drawn around the SNLI mean: padding is computed on anyway,
+so only the shapes matter for speed.
+
+    python bench/pytorch_encoder.py --batch 32 --steps 10 --warmup 3
+
+Prints one JSON object: samples/s (median, min, max) and ms/step.
+Not used by tests or CI.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Layer(nn.Module):
+    def __init__(self, d, h, f):
+        super().__init__()
+        self.h = h
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, f)
+        self.fc_out = nn.Linear(f, d)
+        self.ln2 = nn.LayerNorm(d)
+
+    def forward(self, x, pad):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=~pad[:, None, None, :])
+        x = self.ln1(x + self.out(y.transpose(1, 2).reshape(b, t, d)))
+        return self.ln2(x + self.fc_out(F.gelu(self.fc(x))))
+
+
+class Encoder(nn.Module):
+    def __init__(self, vocab, max_len, layers, heads, d, f, classes):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(max_len, d)
+        self.seg = nn.Embedding(2, d)
+        self.ln = nn.LayerNorm(d)
+        self.layers = nn.ModuleList(Layer(d, heads, f) for _ in range(layers))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, ids, seg, pad, labels):
+        t = ids.shape[1]
+        x = self.ln(self.tok(ids) + self.pos(torch.arange(t)) + self.seg(seg))
+        for layer in self.layers:
+            x = layer(x, pad)
+        return F.cross_entropy(self.head(x[:, 0]), labels)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--max-len", type=int, default=128)
+    ap.add_argument("--mean-len", type=int, default=28)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = Encoder(8000, args.max_len, 4, 4, 256, 1024, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
+    times = []
+    for i in range(args.warmup + args.steps):
+        lengths = torch.clamp(torch.poisson(torch.full((args.batch,), float(args.mean_len))), 4, args.max_len).long()
+        pad = torch.arange(args.max_len)[None, :] >= lengths[:, None]
+        ids = torch.randint(5, 8000, (args.batch, args.max_len)).masked_fill(pad, 0)
+        seg = torch.zeros_like(ids)
+        labels = torch.randint(0, 3, (args.batch,))
+        start = time.perf_counter()
+        loss = model(ids, seg, pad, labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    sps = sorted(args.batch / t for t in times)
+    print(json.dumps({
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "batch": args.batch,
+        "max_len": args.max_len,
+        "samples_per_s_median": statistics.median(sps),
+        "samples_per_s_min": sps[0],
+        "samples_per_s_max": sps[-1],
+        "ms_per_step_median": 1e3 * statistics.median(times),
+    }))
+
+
+if __name__ == "__main__":
+    main()
