@@ -3,10 +3,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
-use crate::support::{kiln, kiln_bin, root};
+use crate::support::{kill_when, kiln, root};
 
 /// 60 premises with one hypothesis per label; every premise carries a word
 /// of its own (`zq` and two letters: none is a prefix of another), so a
@@ -174,27 +172,12 @@ fn a_killed_cv_run_resumes_in_its_fold_and_ends_with_the_same_summary() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let epochs = 12;
     run_kiln(&tiny(tmp.path(), "whole", epochs)).expect_code(0);
-    let mut child = Command::new(kiln_bin())
-        .args(tiny(tmp.path(), "killed", epochs))
-        .current_dir(root())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn kiln");
     let killed = tmp.path().join("killed");
-    let started = Instant::now();
-    while !killed
-        .join("fold-2/checkpoints/ckpt-00000020.safetensors")
-        .exists()
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(300),
-            "fold 2 never checkpointed"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    child.kill().expect("kill");
-    child.wait().expect("reap");
+    kill_when(
+        &tiny(tmp.path(), "killed", epochs),
+        &killed.join("fold-2/checkpoints/ckpt-00000020.safetensors"),
+        &killed.join("fold-2/result.json"),
+    );
     assert!(killed.join("fold-1/result.json").is_file());
     assert!(
         !killed.join("fold-2/result.json").exists(),

@@ -152,3 +152,32 @@ pub(crate) fn fake_report(dir: &Path, gpus: &[FakeGpu<'_>]) -> PathBuf {
     std::fs::write(&path, serde_json::to_string(&report).expect("json")).expect("write report");
     path
 }
+
+/// Starts `kiln args` and SIGKILLs it as soon as `marker` exists (a
+/// checkpoint, say); fails if `done` exists by then (the run was too short
+/// to be killed midway).
+pub(crate) fn kill_when(args: &[String], marker: &Path, done: &Path) {
+    use std::time::{Duration, Instant};
+    let mut child = Command::new(kiln_bin())
+        .args(args)
+        .current_dir(root())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn kiln");
+    let started = Instant::now();
+    while !marker.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "{} never appeared",
+            marker.display()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    child.kill().expect("kill");
+    child.wait().expect("reap");
+    assert!(
+        !done.exists(),
+        "the run finished before it was killed: make it longer"
+    );
+}

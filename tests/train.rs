@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::support::{kiln, kiln_bin, root};
+use crate::support::{kill_when, kiln, kiln_bin, root};
 
 /// A tiny model and a short run on a 40 kB slice of the shipped corpus.
 fn tiny(dir: &Path, run: &str, steps: u32) -> Vec<String> {
@@ -129,28 +129,11 @@ fn a_killed_run_resumes_to_the_same_weights() {
     // The reference: uninterrupted.
     run_kiln(&tiny(tmp.path(), "whole", steps)).expect_code(0);
     // The same run, killed (SIGKILL) once its first checkpoint exists.
-    let args = tiny(tmp.path(), "killed", steps);
-    let mut child = Command::new(kiln_bin())
-        .args(&args)
-        .current_dir(root())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn kiln");
     let killed = tmp.path().join("killed");
-    let started = Instant::now();
-    while !ckpt(&killed, 100).exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "no checkpoint appeared"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    child.kill().expect("kill");
-    child.wait().expect("reap");
-    assert!(
-        !ckpt(&killed, steps).exists(),
-        "the run finished before it was killed: make it longer"
+    kill_when(
+        &tiny(tmp.path(), "killed", steps),
+        &ckpt(&killed, 100),
+        &ckpt(&killed, steps),
     );
     let resumed = kiln(&["resume", killed.to_str().expect("utf-8")])
         .run()

@@ -191,15 +191,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Cv { force, mut layers } => {
-            if !layers
-                .overrides
-                .iter()
-                .any(|o| o.starts_with("experiment="))
-            {
-                layers
-                    .overrides
-                    .insert(0, "experiment=nli_snli".to_string());
-            }
+            layers.default_experiment("nli_snli");
             let resolved = resolve(presets, &report, &layers)?;
             if resolved.config.workload != kiln_config::Workload::Nli {
                 return Err(BadInput(format!(
@@ -263,15 +255,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             pad_to_max_length,
             mut layers,
         } => {
-            if workload == BenchWorkload::Nli
-                && !layers
-                    .overrides
-                    .iter()
-                    .any(|o| o.starts_with("experiment="))
-            {
-                layers
-                    .overrides
-                    .insert(0, "experiment=nli_snli".to_string());
+            if workload == BenchWorkload::Nli {
+                layers.default_experiment("nli_snli");
             }
             let resolved = resolve(presets, &report, &layers)?;
             let options = kiln_train::BenchOptions {
@@ -309,6 +294,13 @@ impl Layers {
         Self {
             config: None,
             overrides: Vec::new(),
+        }
+    }
+
+    /// Chooses `experiment` unless the command line names one.
+    fn default_experiment(&mut self, experiment: &str) {
+        if !self.overrides.iter().any(|o| o.starts_with("experiment=")) {
+            self.overrides.insert(0, format!("experiment={experiment}"));
         }
     }
 }

@@ -31,7 +31,7 @@ pub use corpus::{Corpus, read_corpus};
 pub use error::DataError;
 pub use folds::grouped_stratified_folds;
 pub use loader::{BatchSource, Loaded, Loader, LoaderBenchmark, benchmark_loader};
-pub use pair_batches::{EncodedPair, PairBatch, PairBatches, pad_batch};
+pub use pair_batches::{EncodedPair, PairBatch, PairBatches, encode_dataset, pad_batch};
 pub use pairs::{BadRows, Pair, PairDataset, PairFormat, PairSchema, read_pairs};
 pub use tokenizer::{PairIds, SPECIALS, Tokenizer, TokenizerKind};
 pub use windows::{LmWindows, Split, TokenBatch};

@@ -10,6 +10,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
 use crate::loader::BatchSource;
+use crate::{DataError, PairDataset, Tokenizer};
 
 /// One encoded pair and its label.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -32,6 +33,28 @@ pub struct PairBatch {
     pub labels: Vec<usize>,
     /// Tokens that are not padding.
     pub real_tokens: usize,
+}
+
+/// Encodes every pair of `data` with `tokenizer` (unlabelled pairs get label 0).
+pub fn encode_dataset(
+    tokenizer: &Tokenizer,
+    data: &PairDataset,
+) -> Result<Vec<EncodedPair>, DataError> {
+    let texts: Vec<(&str, &str)> = data
+        .pairs
+        .iter()
+        .map(|p| (p.premise.as_str(), p.hypothesis.as_str()))
+        .collect();
+    Ok(tokenizer
+        .encode_pairs(&texts)?
+        .into_iter()
+        .zip(&data.pairs)
+        .map(|((ids, segments), p)| EncodedPair {
+            ids,
+            segments,
+            label: p.label.unwrap_or(0),
+        })
+        .collect())
 }
 
 /// Pads `pairs` into one batch.

@@ -12,16 +12,16 @@ use burn::tensor::{Device, Tensor};
 use kiln_config::RunConfig;
 use kiln_data::{
     BatchSource, EncodedPair, LmWindows, Loader, PairBatch, PairBatches, Split, Tokenizer,
-    encode_cached, pad_batch, read_corpus, read_pairs,
+    encode_cached, encode_dataset, pad_batch, read_corpus, read_pairs,
 };
 use kiln_hwdetect::HardwareReport;
 use serde::Serialize;
 
 use crate::lm::{batch_tensors, gpt_config, make_tokenizer};
 use crate::nli::{encoder_config, pair_tensors, schema};
-use crate::optim::{AdamW, AdamWConfig, global_grad_norm};
+use crate::optim::{AdamW, global_grad_norm};
 use crate::report::median;
-use crate::trainer::Work;
+use crate::trainer::{Work, train_device};
 use crate::{MemoryTracker, TrainError, select_device};
 
 /// How many steps to run, and how to pad pairs.
@@ -225,25 +225,6 @@ fn result(
     }
 }
 
-fn optimizer(config: &RunConfig) -> AdamW {
-    let t = &config.training;
-    AdamW::new(AdamWConfig {
-        beta1: t.beta1,
-        beta2: t.beta2,
-        eps: t.eps,
-        weight_decay: t.weight_decay,
-    })
-}
-
-fn train_device(config: &RunConfig, inner: &Device) -> Device {
-    let mut device = inner.clone().autodiff();
-    if config.model.gradient_checkpointing {
-        device = device.gradient_checkpointing();
-    }
-    device.seed(config.training.seed);
-    device
-}
-
 /// Times training steps of the language model of `config`.
 pub fn bench_lm(
     config: &RunConfig,
@@ -279,13 +260,13 @@ pub fn bench_lm(
         config.loader.prefetch_factor,
     );
     let gpt = gpt_config(config, tokenizer.vocab_size());
-    let device = train_device(config, &choice.device);
+    let device = train_device(config, &choice.device, config.training.seed);
     let model = gpt.init(&device);
     let per_token = gpt.flops_per_token();
     let timings = time_steps(
         loader,
         model,
-        &mut optimizer(config),
+        &mut AdamW::for_training(&config.training),
         &device,
         config,
         options,
@@ -361,26 +342,14 @@ pub fn bench_nli(
     let choice = select_device(config.device.backend)?;
     let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
     let max_len = config.model.max_length;
-    let texts: Vec<(&str, &str)> = data
-        .pairs
-        .iter()
-        .map(|p| (p.premise.as_str(), p.hypothesis.as_str()))
-        .collect();
     let tokenizer = Tokenizer::wordpiece(
-        texts.iter().flat_map(|(a, b)| [*a, *b]),
+        data.pairs
+            .iter()
+            .flat_map(|p| [p.premise.as_str(), p.hypothesis.as_str()]),
         config.data.vocab_size,
         max_len,
     )?;
-    let encoded: Arc<[EncodedPair]> = tokenizer
-        .encode_pairs(&texts)?
-        .into_iter()
-        .zip(&data.pairs)
-        .map(|((ids, segments), p)| EncodedPair {
-            ids,
-            segments,
-            label: p.label.unwrap_or(0),
-        })
-        .collect();
+    let encoded: Arc<[EncodedPair]> = encode_dataset(&tokenizer, &data)?.into();
     let real_mean =
         encoded.iter().map(|p| p.ids.len()).sum::<usize>() as f64 / encoded.len().max(1) as f64;
     let t = &config.training;
@@ -397,7 +366,7 @@ pub fn bench_nli(
         config.loader.prefetch_factor,
     );
     let encoder = encoder_config(config, tokenizer.vocab_size());
-    let device = train_device(config, &choice.device);
+    let device = train_device(config, &choice.device, config.training.seed);
     let mut model = encoder.init(&device);
     let frozen = config.model.freeze_encoder;
     if frozen {
@@ -408,7 +377,7 @@ pub fn bench_nli(
     let timings = time_steps(
         loader,
         model,
-        &mut optimizer(config),
+        &mut AdamW::for_training(&config.training),
         &device,
         config,
         options,

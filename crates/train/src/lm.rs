@@ -17,11 +17,13 @@ use kiln_model::{GeluKind, Gpt, GptConfig};
 use rand::SeedableRng;
 
 use crate::checkpoint::{self, CheckpointState};
-use crate::optim::{AdamW, AdamWConfig};
+use crate::optim::AdamW;
 use crate::report::{
     EvalMetrics, Event, Observer, StepMetrics, Summary, held_back_by, median, write_plots,
 };
-use crate::trainer::{Evaluation, LoopEnd, LoopPlan, LoopPlanStart, Task, Work, restore, run_loop};
+use crate::trainer::{
+    Evaluation, LoopEnd, LoopPlan, LoopPlanStart, Task, Work, restore, run_loop, train_device,
+};
 use crate::{DeviceChoice, RunDir, TrainError, select_device};
 
 /// What the caller provides besides the configuration.
@@ -291,18 +293,9 @@ impl Session {
                 .max(1)
         };
         let gpt = gpt_config(config, tokenizer.vocab_size());
-        let mut train_device = device.device.clone().autodiff();
-        if config.model.gradient_checkpointing {
-            train_device = train_device.gradient_checkpointing();
-        }
-        train_device.seed(seed);
+        let train_device = train_device(config, &device.device, seed);
         let mut model = gpt.init(&train_device);
-        let mut optim = AdamW::new(AdamWConfig {
-            beta1: t.beta1,
-            beta2: t.beta2,
-            eps: t.eps,
-            weight_decay: t.weight_decay,
-        });
+        let mut optim = AdamW::for_training(t);
         let mut start = LoopPlanStart {
             first_step: 1,
             ..LoopPlanStart::default()

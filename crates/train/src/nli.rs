@@ -14,18 +14,18 @@ use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use kiln_config::{BadRowsMode, PairsFormat, Pooling, RunConfig};
 use kiln_data::{
     BadRows, EncodedPair, PairBatch, PairBatches, PairDataset, PairFormat, PairSchema, Tokenizer,
-    grouped_stratified_folds, pad_batch, read_pairs,
+    encode_dataset, grouped_stratified_folds, pad_batch, read_pairs,
 };
 use kiln_model::{EncoderClassifier, EncoderConfig, GeluKind, PoolingKind};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint;
 use crate::lm::{cpu_peak, device_lines, schedule_line};
-use crate::optim::{AdamW, AdamWConfig};
+use crate::optim::AdamW;
 use crate::report::{Event, Observer, median};
 use crate::trainer::{
     BEST_MODEL, Evaluation, LoopEnd, LoopPlan, LoopPlanStart, Task, Work, best_from_metrics,
-    restore, run_loop,
+    restore, run_loop, train_device,
 };
 use crate::{DeviceChoice, Outcome, RunDir, TrainError, TrainOptions, select_device};
 
@@ -478,21 +478,7 @@ fn train_fold(
         tokenizer.save(&tok_path)?;
         tokenizer
     };
-    let texts: Vec<(&str, &str)> = data
-        .pairs
-        .iter()
-        .map(|p| (p.premise.as_str(), p.hypothesis.as_str()))
-        .collect();
-    let encoded: Vec<EncodedPair> = tokenizer
-        .encode_pairs(&texts)?
-        .into_iter()
-        .zip(&data.pairs)
-        .map(|((ids, segments), p)| EncodedPair {
-            ids,
-            segments,
-            label: p.label.unwrap_or(0),
-        })
-        .collect();
+    let encoded = encode_dataset(&tokenizer, data)?;
     let train_set: Arc<[EncodedPair]> = train_idx.iter().map(|&i| encoded[i].clone()).collect();
     let held: Vec<&EncodedPair> = held_idx.iter().map(|&i| &encoded[i]).collect();
     let held_out: Vec<PairBatch> = held
@@ -515,21 +501,12 @@ fn train_fold(
         steps_per_epoch * t.epochs as u64
     };
     let encoder = encoder_config(config, tokenizer.vocab_size());
-    let mut train_device = device.device.clone().autodiff();
-    if config.model.gradient_checkpointing {
-        train_device = train_device.gradient_checkpointing();
-    }
-    train_device.seed(seed);
+    let train_device = train_device(config, &device.device, seed);
     let mut model = encoder.init(&train_device);
     if config.model.freeze_encoder {
         model = model.freeze_encoder();
     }
-    let mut optim = AdamW::new(AdamWConfig {
-        beta1: t.beta1,
-        beta2: t.beta2,
-        eps: t.eps,
-        weight_decay: t.weight_decay,
-    });
+    let mut optim = AdamW::for_training(t);
     let mut start = LoopPlanStart {
         first_step: 1,
         ..LoopPlanStart::default()
@@ -792,20 +769,7 @@ pub fn predict(
             path: model_path.clone(),
             why,
         })?;
-    let texts: Vec<(&str, &str)> = data
-        .pairs
-        .iter()
-        .map(|p| (p.premise.as_str(), p.hypothesis.as_str()))
-        .collect();
-    let encoded: Vec<EncodedPair> = tokenizer
-        .encode_pairs(&texts)?
-        .into_iter()
-        .map(|(ids, segments)| EncodedPair {
-            ids,
-            segments,
-            label: 0,
-        })
-        .collect();
+    let encoded = encode_dataset(&tokenizer, &data)?;
     let refs: Vec<&EncodedPair> = encoded.iter().collect();
     let mut lines = String::new();
     let mut predicted = Vec::new();

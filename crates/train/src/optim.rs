@@ -38,6 +38,16 @@ impl AdamW {
         }
     }
 
+    /// AdamW with the hyper-parameters of a configuration's `training` section.
+    pub fn for_training(t: &kiln_config::TrainingSection) -> Self {
+        Self::new(AdamWConfig {
+            beta1: t.beta1,
+            beta2: t.beta2,
+            eps: t.eps,
+            weight_decay: t.weight_decay,
+        })
+    }
+
     /// One update of every parameter that has a gradient, with the gradients
     /// multiplied by `grad_scale` first (clipping).
     pub fn step<M: Module>(

@@ -268,6 +268,17 @@ pub(crate) fn run_loop<T: Task>(
     Ok((model, LoopEnd::Finished))
 }
 
+/// The device a model trains on: `inner` with autodiff (and gradient
+/// checkpointing when the config asks), its RNG seeded with `seed`.
+pub(crate) fn train_device(config: &RunConfig, inner: &Device, seed: u64) -> Device {
+    let mut device = inner.clone().autodiff();
+    if config.model.gradient_checkpointing {
+        device = device.gradient_checkpointing();
+    }
+    device.seed(seed);
+    device
+}
+
 /// A JSON object of `value` with `"kind": kind` added.
 pub(crate) fn tagged<T: serde::Serialize>(kind: &str, value: &T) -> serde_json::Value {
     let mut v = serde_json::to_value(value).unwrap_or_default();
