@@ -231,7 +231,6 @@ struct Session {
     device: DeviceChoice,
     train_device: Device,
     tokenizer: Tokenizer,
-    gpt: GptConfig,
     optim: AdamW,
     task: LmTask,
     start: LoopPlanStart,
@@ -344,7 +343,6 @@ impl Session {
             device,
             train_device,
             tokenizer,
-            gpt,
             optim,
             task,
             start,
@@ -481,7 +479,6 @@ impl Session {
             .filter_map(|m| serde_json::from_value(m.clone()).ok())
             .collect();
         let _ = write_plots(&run.path, &steps, &evals);
-        let _ = &self.gpt;
         // The first logged steps include start-up costs: leave them out of the medians.
         let steady: Vec<&StepMetrics> = steps.iter().filter(|s| s.step > 3).collect();
         let steady = if steady.is_empty() {
