@@ -106,8 +106,8 @@ fn cargo() -> Command {
     cmd
 }
 
-/// Runs `kiln <base> <rest>` from the repository root, built in release mode.
-fn kiln(base: &[&str], rest: Vec<String>) -> Result<ExitCode, String> {
+/// `cargo run` of the `kiln` binary in release mode, from the repository root.
+fn kiln_command() -> Command {
     let mut cmd = cargo();
     cmd.args([
         "run",
@@ -119,6 +119,12 @@ fn kiln(base: &[&str], rest: Vec<String>) -> Result<ExitCode, String> {
         "kiln",
         "--",
     ]);
+    cmd
+}
+
+/// Runs `kiln <base> <rest>`.
+fn kiln(base: &[&str], rest: Vec<String>) -> Result<ExitCode, String> {
+    let mut cmd = kiln_command();
     cmd.args(base).args(rest);
     run(cmd)
 }
@@ -137,17 +143,7 @@ fn bench(rest: Vec<String>) -> Result<ExitCode, String> {
     let mut results = Vec::new();
     for (name, overrides) in BENCHES {
         eprintln!("xtask: bench {name}");
-        let mut cmd = cargo();
-        cmd.args([
-            "run",
-            "--quiet",
-            "--release",
-            "--package",
-            "kiln-cli",
-            "--bin",
-            "kiln",
-            "--",
-        ]);
+        let mut cmd = kiln_command();
         cmd.args(["bench", "lm", "--json"])
             .args(*overrides)
             .args(&rest);

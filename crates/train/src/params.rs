@@ -15,13 +15,15 @@ pub(crate) struct ParamEntry {
 }
 
 /// Visits float parameters with their dotted path (Burn's derive calls
-/// `enter_module` / `exit_module` around every field, parameters included).
-struct PathVisitor<F> {
+/// `enter_module` / `exit_module` around every field, parameters included),
+/// reading their values to the host when asked.
+struct PathVisitor {
     stack: Vec<String>,
-    on_param: F,
+    read_values: bool,
+    out: Vec<(ParamEntry, Vec<f32>)>,
 }
 
-impl<F: FnMut(String, ParamId, Vec<usize>)> ModuleVisitor for PathVisitor<F> {
+impl ModuleVisitor for PathVisitor {
     fn enter_module(&mut self, name: &str, _container_type: &str) {
         self.stack.push(name.to_string());
     }
@@ -32,46 +34,44 @@ impl<F: FnMut(String, ParamId, Vec<usize>)> ModuleVisitor for PathVisitor<F> {
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let tensor = param.val();
-        (self.on_param)(self.stack.join("."), param.id, tensor.dims().to_vec());
+        let values = if self.read_values {
+            host(&tensor)
+        } else {
+            Vec::new()
+        };
+        let entry = ParamEntry {
+            path: self.stack.join("."),
+            id: param.id,
+            shape: tensor.dims().to_vec(),
+        };
+        self.out.push((entry, values));
     }
+}
+
+fn visit_paths<M: Module>(module: &M, read_values: bool) -> Vec<(ParamEntry, Vec<f32>)> {
+    let mut v = PathVisitor {
+        stack: Vec::new(),
+        read_values,
+        out: Vec::new(),
+    };
+    module.visit(&mut v);
+    v.out
 }
 
 /// Every float parameter of `module`, in visiting order.
 pub(crate) fn param_entries<M: Module>(module: &M) -> Vec<ParamEntry> {
-    let mut out = Vec::new();
-    let mut v = PathVisitor {
-        stack: Vec::new(),
-        on_param: |path, id, shape| out.push(ParamEntry { path, id, shape }),
-    };
-    module.visit(&mut v);
-    out
+    visit_paths(module, false)
+        .into_iter()
+        .map(|(e, _)| e)
+        .collect()
 }
 
 /// Every float parameter's values on the host, by path.
 pub(crate) fn param_values<M: Module>(module: &M) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    struct Read {
-        stack: Vec<String>,
-        out: Vec<(String, Vec<usize>, Vec<f32>)>,
-    }
-    impl ModuleVisitor for Read {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.stack.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.stack.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let tensor = param.val();
-            self.out
-                .push((self.stack.join("."), tensor.dims().to_vec(), host(&tensor)));
-        }
-    }
-    let mut r = Read {
-        stack: Vec::new(),
-        out: Vec::new(),
-    };
-    module.visit(&mut r);
-    r.out
+    visit_paths(module, true)
+        .into_iter()
+        .map(|(e, v)| (e.path, e.shape, v))
+        .collect()
 }
 
 /// Host values of a tensor.
