@@ -245,6 +245,16 @@ fn bad_training_input_is_named_with_exit_2_and_no_run_directory() {
             ],
             vec!["invalid tokenizer".into(), "tokenizer.json".into()],
         ),
+        (
+            vec![
+                format!("data.path={}", good.display()),
+                "device.backend=cuda".into(),
+            ],
+            vec![
+                "backend `cuda` is not available".into(),
+                "`cuda` feature".into(),
+            ],
+        ),
     ];
     for (extra, wants) in cases {
         let mut args = vec![

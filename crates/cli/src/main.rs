@@ -208,7 +208,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             data,
             out: output,
         } => {
-            let p = kiln_train::predict(&run, &data, output.as_deref()).map_err(train_error)?;
+            let p = kiln_train::predict(&run, &data, output.as_deref(), &report)
+                .map_err(train_error)?;
             if let Some(skipped) = &p.skipped {
                 eprintln!("kiln: {skipped}");
             }

@@ -148,10 +148,9 @@ fn time_steps<M: Module, S: BatchSource, I>(
 #[allow(clippy::too_many_arguments, reason = "what a result is made of")]
 fn result(
     workload: &'static str,
-    backend: String,
+    device: &crate::DeviceChoice,
     config: &RunConfig,
     hardware: &HardwareReport,
-    is_gpu: bool,
     options: BenchOptions,
     parameters: usize,
     flops_real: f64,
@@ -184,15 +183,12 @@ fn result(
     let waited: f64 = t.phases[0].iter().sum::<f64>() / 1e3;
     let samples: usize = t.work.iter().map(|w| w.samples).sum();
     let flops_padded = t.work.iter().map(|w| w.flops).sum::<f64>() / samples.max(1) as f64;
-    let (peak, mfu_peak) = match hardware.cpu.peak.fp32_flops {
-        Some(p) if !is_gpu => (Some(p), format!("CPU fp32 {}", hardware.cpu.peak.how)),
-        _ => (None, "unknown".to_string()),
-    };
+    let (peak, mfu_peak) = crate::lm::mfu_peak(device, hardware);
     let tokens_per_s_median = median(&mut tps);
     let [d, h, f, b, o] = &mut t.phases;
     BenchResult {
         workload,
-        backend,
+        backend: device.name.clone(),
         warmup_steps: options.warmup,
         timed_steps: options.steps,
         batch_size: config.training.batch_size,
@@ -231,7 +227,7 @@ pub fn bench_lm(
     hardware: &HardwareReport,
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
-    let choice = select_device(config.device.backend)?;
+    let choice = select_device(config.device.backend, !hardware.gpus().is_empty())?;
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
     let tokenizer = make_tokenizer(config, &corpus.text)?;
     let (ids, _) = encode_cached(&tokenizer, &corpus, Path::new(&config.data.cache_dir))?;
@@ -286,10 +282,9 @@ pub fn bench_lm(
     );
     Ok(result(
         "lm",
-        choice.name,
+        &choice,
         config,
         hardware,
-        choice.is_gpu,
         options,
         gpt.num_params(),
         per_token * block as f64,
@@ -339,7 +334,7 @@ pub fn bench_nli(
     hardware: &HardwareReport,
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
-    let choice = select_device(config.device.backend)?;
+    let choice = select_device(config.device.backend, !hardware.gpus().is_empty())?;
     let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
     let max_len = config.model.max_length;
     let tokenizer = Tokenizer::wordpiece(
@@ -409,10 +404,9 @@ pub fn bench_nli(
     );
     Ok(result(
         "nli",
-        choice.name,
+        &choice,
         config,
         hardware,
-        choice.is_gpu,
         options,
         encoder.num_params(),
         encoder.flops_per_sequence(real_mean.round() as usize, frozen),

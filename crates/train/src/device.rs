@@ -9,38 +9,55 @@ use crate::TrainError;
 #[derive(Clone, Debug)]
 pub struct DeviceChoice {
     pub device: Device,
-    /// "flex (CPU)", ...
+    /// "flex (CPU)", "wgpu (GPU)".
     pub name: String,
     pub why: String,
     pub is_gpu: bool,
 }
 
-/// The device for `backend`. This build has the `flex` CPU backend only;
-/// asking for another names the feature it needs.
-pub fn select_device(backend: Backend) -> Result<DeviceChoice, TrainError> {
-    let flex = |why: &str| DeviceChoice {
+fn flex(why: &str) -> DeviceChoice {
+    DeviceChoice {
         device: Device::flex(),
         name: "flex (CPU)".to_string(),
         why: why.to_string(),
         is_gpu: false,
+    }
+}
+
+#[cfg(feature = "wgpu")]
+fn wgpu(why: &str) -> DeviceChoice {
+    DeviceChoice {
+        device: Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+        name: "wgpu (GPU)".to_string(),
+        why: why.to_string(),
+        is_gpu: true,
+    }
+}
+
+/// The device for `backend`. `auto` takes a wgpu GPU where this build has
+/// the `wgpu` feature and the machine has an NVIDIA GPU (`has_gpu`), else the
+/// CPU; a backend this build lacks is an error naming the feature it needs.
+pub fn select_device(backend: Backend, has_gpu: bool) -> Result<DeviceChoice, TrainError> {
+    let missing = |name: &str| TrainError::Backend {
+        backend: name.to_string(),
+        why: format!(
+            "kiln was built without the `{name}` feature; rebuild with `--features {name}` or set device.backend=auto"
+        ),
     };
     match backend {
         Backend::Flex => Ok(flex("device.backend = flex")),
-        Backend::Auto => Ok(flex(
-            "auto: this build has no GPU backend (the `wgpu` and `cuda` features are off), so the CPU",
+        #[cfg(feature = "wgpu")]
+        Backend::Auto if has_gpu => Ok(wgpu(
+            "auto: an NVIDIA GPU is present and this build has the `wgpu` backend",
         )),
-        Backend::Wgpu | Backend::Cuda => {
-            let name = if backend == Backend::Wgpu {
-                "wgpu"
-            } else {
-                "cuda"
-            };
-            Err(TrainError::Backend {
-                backend: name.to_string(),
-                why: format!(
-                    "kiln was built without the `{name}` feature; rebuild with `--features {name}` or set device.backend=auto"
-                ),
-            })
-        }
+        Backend::Auto if has_gpu => Ok(flex(
+            "auto: a GPU is present, but this build has no GPU backend (the `wgpu` feature is off), so the CPU",
+        )),
+        Backend::Auto => Ok(flex("auto: no GPU, so the CPU")),
+        #[cfg(feature = "wgpu")]
+        Backend::Wgpu => Ok(wgpu("device.backend = wgpu")),
+        #[cfg(not(feature = "wgpu"))]
+        Backend::Wgpu => Err(missing("wgpu")),
+        Backend::Cuda => Err(missing("cuda")),
     }
 }

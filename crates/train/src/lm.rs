@@ -68,7 +68,7 @@ pub fn train(
         return crate::nli::train_cv(config, options, observer);
     }
     // Everything that can fail on bad input fails before the run directory exists.
-    let device = select_device(config.device.backend)?;
+    let device = select_device(config.device.backend, !options.hardware.gpus().is_empty())?;
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
     let tokenizer = make_tokenizer(config, &corpus.text)?;
     let (session, model) = Session::new(config, device, &corpus, tokenizer, None)?;
@@ -108,7 +108,7 @@ pub fn resume(
         info.step,
         info.path.display()
     )));
-    let device = select_device(config.device.backend)?;
+    let device = select_device(config.device.backend, !options.hardware.gpus().is_empty())?;
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
     let tokenizer = Tokenizer::load(&run.file("tokenizer.json"))?;
     run.truncate_metrics_after(info.step)?;
@@ -377,7 +377,7 @@ impl Session {
         observer: &mut dyn Observer,
     ) -> Result<Outcome, TrainError> {
         let started = Instant::now();
-        let (peak, peak_name) = cpu_peak(&self.device, &options.hardware);
+        let (peak, peak_name) = mfu_peak(&self.device, &options.hardware);
         observer.event(&Event::Start {
             lines: self.start_lines(options, &peak_name),
             first_step: self.start.first_step,
@@ -516,10 +516,31 @@ impl Session {
     }
 }
 
-/// The peak FLOP/s MFU is counted against on this device, and its name.
-pub(crate) fn cpu_peak(device: &DeviceChoice, hardware: &HardwareReport) -> (Option<f64>, String) {
+/// The peak FLOP/s MFU is counted against on this device, and its name: on
+/// a GPU the fp32 figure of kiln-hwdetect's table for the first GPU (kiln
+/// computes in f32 today), on the CPU the estimated fp32 peak.
+pub(crate) fn mfu_peak(device: &DeviceChoice, hardware: &HardwareReport) -> (Option<f64>, String) {
     if device.is_gpu {
-        return (None, "no GPU peak on this backend".to_string());
+        return match hardware.gpus().first() {
+            Some(gpu) => match (&gpu.peak, &gpu.peak_source) {
+                (Some(p), Some(source)) => (
+                    Some(p.fp32),
+                    format!(
+                        "{:.1} TFLOP/s fp32 of the {} ({source})",
+                        p.fp32 / 1e12,
+                        gpu.name
+                    ),
+                ),
+                _ => (
+                    None,
+                    format!("no peak: the {} is not in kiln's table", gpu.name),
+                ),
+            },
+            None => (
+                None,
+                "no peak: the GPU is not an NVIDIA GPU kiln knows".to_string(),
+            ),
+        };
     }
     match hardware.cpu.peak.fp32_flops {
         Some(p) => (
@@ -541,18 +562,36 @@ pub(crate) fn device_lines(
     options: &TrainOptions,
     peak_name: &str,
 ) -> Vec<String> {
-    let (precision, precision_why) = kiln_config::effective_precision(&c.precision, None);
+    let (precision, precision_why) = if device.is_gpu {
+        (
+            "f32".to_string(),
+            "the mixed-precision policy is not built yet: the GPU computes in f32".to_string(),
+        )
+    } else {
+        kiln_config::effective_precision(&c.precision, None)
+    };
     let mut lines = vec![
         format!("backend: {} — {}", device.name, device.why),
         format!("precision: {precision} — {precision_why}"),
-        format!(
-            "compile: {} — fusion and autotuning are GPU (CubeCL) features, not applicable on flex",
-            if c.optimization.compile {
-                "asked for, not applicable"
-            } else {
-                "off"
-            }
-        ),
+        if device.is_gpu {
+            format!(
+                "compile: {} — kiln does not turn Burn's fusion and autotuning on or off yet; the wgpu backend runs as built",
+                if c.optimization.compile {
+                    "asked for"
+                } else {
+                    "off"
+                }
+            )
+        } else {
+            format!(
+                "compile: {} — fusion and autotuning are GPU (CubeCL) features, not applicable on flex",
+                if c.optimization.compile {
+                    "asked for, not applicable"
+                } else {
+                    "off"
+                }
+            )
+        },
         format!(
             "loader: {} worker thread{}, {} batches ahead each",
             c.loader.num_workers,
@@ -560,10 +599,13 @@ pub(crate) fn device_lines(
             c.loader.prefetch_factor
         ),
         format!("MFU is measured against {peak_name}"),
-        format!(
-            "threads: {} cores for compute",
-            options.hardware.cpu.logical_cores
-        ),
+        match (device.is_gpu, options.hardware.gpus().first()) {
+            (true, Some(gpu)) => format!("device: {}", gpu.name),
+            _ => format!(
+                "threads: {} cores for compute",
+                options.hardware.cpu.logical_cores
+            ),
+        },
     ];
     if c.model.gradient_checkpointing {
         lines.push("gradient checkpointing: on (activations recomputed in backward)".into());

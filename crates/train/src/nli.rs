@@ -20,7 +20,7 @@ use kiln_model::{EncoderClassifier, EncoderConfig, GeluKind, PoolingKind};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint;
-use crate::lm::{cpu_peak, device_lines, schedule_line};
+use crate::lm::{device_lines, mfu_peak, schedule_line};
 use crate::optim::AdamW;
 use crate::report::{Event, Observer, median};
 use crate::trainer::{
@@ -279,7 +279,7 @@ pub fn train_cv(
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
-    let device = select_device(config.device.backend)?;
+    let device = select_device(config.device.backend, !options.hardware.gpus().is_empty())?;
     let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
     if !config.data.tokenizer_file.is_empty() {
         Tokenizer::load(Path::new(&config.data.tokenizer_file))?;
@@ -305,7 +305,7 @@ pub(crate) fn resume_cv(
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
-    let device = select_device(config.device.backend)?;
+    let device = select_device(config.device.backend, !options.hardware.gpus().is_empty())?;
     let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
     run_cv(config, run, &device, data, options, observer)
 }
@@ -542,7 +542,7 @@ fn train_fold(
         let top = (0..counts.len()).max_by_key(|&c| counts[c]).unwrap_or(0);
         held.iter().filter(|p| p.label == top).count() as f64 / held.len().max(1) as f64
     };
-    let (peak, peak_name) = cpu_peak(device, &options.hardware);
+    let (peak, peak_name) = mfu_peak(device, &options.hardware);
     let mut lines = vec![
         format!(
             "fold {}/{}: {} training pairs, {} held out; WordPiece vocabulary {} (trained on this fold's training pairs)",
@@ -729,6 +729,7 @@ pub fn predict(
     run_dir: &Path,
     data_path: &Path,
     output: Option<&Path>,
+    hardware: &kiln_hwdetect::HardwareReport,
 ) -> Result<Prediction, TrainError> {
     let run = RunDir::open(run_dir)?;
     let config = kiln_config::read_run_config(&run.file("config.toml"))?;
@@ -752,7 +753,7 @@ pub fn predict(
     let mut tokenizer = Tokenizer::load(&fold_dir.join("tokenizer.json"))?;
     tokenizer.set_pair_template(config.model.max_length)?;
     let data = read_pairs(data_path, &schema(&config, false))?;
-    let device = select_device(config.device.backend)?;
+    let device = select_device(config.device.backend, !hardware.gpus().is_empty())?;
     let encoder = encoder_config(&config, tokenizer.vocab_size());
     let model_path = fold_dir.join(BEST_MODEL);
     let state = checkpoint::load(&model_path).map_err(|why| TrainError::CheckpointMismatch {
