@@ -34,7 +34,7 @@ cargo xtask <target> [args...]
   nli-train-auto            the NLI encoder with k-fold CV, preset from hardware
   nli-train-<gpu> [--force] the same with a GPU preset
   bench                     the standard benchmarks → bench/results.json
-  ci                        cargo fmt --check, clippy -D warnings, tests
+  ci                        cargo fmt --check, clippy -D warnings (also with wgpu), tests
 
 Extra arguments go to `kiln` (overrides like training.batch_size=8).
 A GPU preset on a machine without that GPU exits 2 unless --force.";
@@ -171,22 +171,18 @@ fn bench(rest: Vec<String>) -> Result<ExitCode, String> {
 }
 
 fn ci() -> Result<ExitCode, String> {
-    let steps: [&[&str]; 3] = [
-        &["fmt", "--all", "--check"],
-        &[
-            "clippy",
-            "--workspace",
-            "--all-targets",
-            "--",
-            "-D",
-            "warnings",
-        ],
-        &["test", "--workspace"],
+    let clippy = ["clippy", "--workspace", "--all-targets"];
+    let deny = ["--", "-D", "warnings"];
+    let steps: Vec<Vec<&str>> = vec![
+        vec!["fmt", "--all", "--check"],
+        [&clippy[..], &deny[..]].concat(),
+        [&clippy[..], &["--features", "kiln-cli/wgpu"][..], &deny[..]].concat(),
+        vec!["test", "--workspace"],
     ];
     for step in steps {
         eprintln!("$ cargo {}", step.join(" "));
         let mut cmd = cargo();
-        cmd.args(step);
+        cmd.args(&step);
         let code = run(cmd)?;
         if code != ExitCode::SUCCESS {
             return Ok(code);
