@@ -171,31 +171,31 @@ pub(crate) fn write_plots(
         .y_desc("loss")
         .draw()
         .map_err(|e| err(&e))?;
-    chart
-        .draw_series(LineSeries::new(
-            steps.iter().map(|s| (s.step, s.loss)),
-            BLUE.mix(0.5),
-        ))
-        .map_err(|e| err(&e))?
-        .label("train (batch)")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE.mix(0.5)));
-    if !evals.is_empty() {
+    /// Points, style and legend label of one curve.
+    type Curve<'a> = (Vec<(u64, f64)>, ShapeStyle, &'a str);
+    let series: [Curve<'_>; 3] = [
+        (
+            steps.iter().map(|s| (s.step, s.loss)).collect(),
+            BLUE.mix(0.5).into(),
+            "train (batch)",
+        ),
+        (
+            evals.iter().map(|e| (e.step, e.train_loss)).collect(),
+            BLUE.stroke_width(2),
+            "train (eval)",
+        ),
+        (
+            evals.iter().map(|e| (e.step, e.val_loss)).collect(),
+            RED.stroke_width(2),
+            "validation (eval)",
+        ),
+    ];
+    for (points, style, label) in series.into_iter().filter(|s| !s.0.is_empty()) {
         chart
-            .draw_series(LineSeries::new(
-                evals.iter().map(|e| (e.step, e.train_loss)),
-                BLUE.stroke_width(2),
-            ))
+            .draw_series(LineSeries::new(points, style))
             .map_err(|e| err(&e))?
-            .label("train (eval)")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE.stroke_width(2)));
-        chart
-            .draw_series(LineSeries::new(
-                evals.iter().map(|e| (e.step, e.val_loss)),
-                RED.stroke_width(2),
-            ))
-            .map_err(|e| err(&e))?
-            .label("validation (eval)")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], RED.stroke_width(2)));
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], style));
     }
     chart
         .configure_series_labels()
