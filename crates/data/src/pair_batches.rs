@@ -3,7 +3,7 @@
 //! `k` is a function of (seed, k): epoch `k / batches_per_epoch` shuffles the
 //! pairs with its own seed.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -93,6 +93,18 @@ pub struct PairBatches {
     batch_size: usize,
     seed: u64,
     bucket: bool,
+    /// The plans of the last two epochs asked for: every batch of an epoch
+    /// reads its plan, so it is shuffled once, not once per batch (two, for
+    /// workers on either side of an epoch boundary).
+    plans: Arc<Mutex<Vec<Arc<EpochPlan>>>>,
+}
+
+/// The pair order of an epoch, and the order its batches are served in.
+#[derive(Debug)]
+struct EpochPlan {
+    epoch: u64,
+    order: Vec<usize>,
+    batches: Vec<usize>,
 }
 
 impl PairBatches {
@@ -102,6 +114,7 @@ impl PairBatches {
             batch_size: batch_size.max(1),
             seed,
             bucket,
+            plans: Arc::new(Mutex::new(Vec::new())),
         }
     }
 
@@ -110,8 +123,24 @@ impl PairBatches {
         self.pairs.len().div_ceil(self.batch_size).max(1) as u64
     }
 
-    /// The pair order of an epoch, and the order its batches are served in.
-    fn epoch_plan(&self, epoch: u64) -> (Vec<usize>, Vec<usize>) {
+    /// The plan of `epoch`, from the cache or made and cached.
+    fn plan(&self, epoch: u64) -> Arc<EpochPlan> {
+        let mut plans = self
+            .plans
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(plan) = plans.iter().find(|p| p.epoch == epoch) {
+            return Arc::clone(plan);
+        }
+        let plan = Arc::new(self.make_plan(epoch));
+        if plans.len() == 2 {
+            plans.remove(0);
+        }
+        plans.push(Arc::clone(&plan));
+        plan
+    }
+
+    fn make_plan(&self, epoch: u64) -> EpochPlan {
         let mut rng = StdRng::seed_from_u64(self.seed ^ epoch.wrapping_mul(0xA076_1D64_78BD_642F));
         let mut order: Vec<usize> = (0..self.pairs.len()).collect();
         order.shuffle(&mut rng);
@@ -126,7 +155,11 @@ impl PairBatches {
         if self.bucket {
             batches.shuffle(&mut rng);
         }
-        (order, batches)
+        EpochPlan {
+            epoch,
+            order,
+            batches,
+        }
     }
 }
 
@@ -135,11 +168,14 @@ impl BatchSource for PairBatches {
 
     fn batch(&self, index: u64) -> PairBatch {
         let per_epoch = self.batches_per_epoch();
-        let (order, batches) = self.epoch_plan(index / per_epoch);
-        let b = batches[(index % per_epoch) as usize];
+        let plan = self.plan(index / per_epoch);
+        let b = plan.batches[(index % per_epoch) as usize];
         let start = b * self.batch_size;
-        let end = (start + self.batch_size).min(order.len());
-        let picked: Vec<&EncodedPair> = order[start..end].iter().map(|&i| &self.pairs[i]).collect();
+        let end = (start + self.batch_size).min(plan.order.len());
+        let picked: Vec<&EncodedPair> = plan.order[start..end]
+            .iter()
+            .map(|&i| &self.pairs[i])
+            .collect();
         pad_batch(index, &picked)
     }
 }

@@ -72,13 +72,7 @@ pub fn train(
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
     let tokenizer = make_tokenizer(config, &corpus.text)?;
     let (session, model) = Session::new(config, device, &corpus, tokenizer, None)?;
-    let run = RunDir::create(&config.run.dir, &config.experiment)?;
-    run.write("config.toml", &toml_of(config))?;
-    run.write("config-sources.txt", &(options.sources.join("\n") + "\n"))?;
-    run.write(
-        "hardware.json",
-        &serde_json::to_string_pretty(&options.hardware).unwrap_or_default(),
-    )?;
+    let run = RunDir::start(config, options)?;
     session.tokenizer.save(&run.file("tokenizer.json"))?;
     session.run(model, &run, options, observer)
 }
@@ -120,10 +114,6 @@ pub fn resume(
         Some((info.path, state)),
     )?;
     session.run(model, &run, options, observer)
-}
-
-fn toml_of(config: &RunConfig) -> String {
-    toml::to_string_pretty(config).unwrap_or_default()
 }
 
 pub(crate) fn make_tokenizer(config: &RunConfig, text: &str) -> Result<Tokenizer, TrainError> {

@@ -284,16 +284,7 @@ pub fn train_cv(
     if !config.data.tokenizer_file.is_empty() {
         Tokenizer::load(Path::new(&config.data.tokenizer_file))?;
     }
-    let run = RunDir::create(&config.run.dir, &config.experiment)?;
-    run.write(
-        "config.toml",
-        &toml::to_string_pretty(config).unwrap_or_default(),
-    )?;
-    run.write("config-sources.txt", &(options.sources.join("\n") + "\n"))?;
-    run.write(
-        "hardware.json",
-        &serde_json::to_string_pretty(&options.hardware).unwrap_or_default(),
-    )?;
+    let run = RunDir::start(config, options)?;
     run_cv(config, &run, &device, data, options, observer)
 }
 

@@ -3,6 +3,8 @@
 
 use std::path::Path;
 
+use plotters::coord::Shift;
+use plotters::coord::types::{RangedCoordf64, RangedCoordu64};
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -131,6 +133,34 @@ pub(crate) fn held_back_by(
     }
 }
 
+/// A white SVG chart over optimizer steps `0..last`, with its caption, mesh
+/// and y axis (`y_label_area` pixels wide for the labels).
+fn step_chart<'a, 'b>(
+    root: &'a DrawingArea<SVGBackend<'b>, Shift>,
+    caption: &str,
+    y_desc: &str,
+    y_label_area: u32,
+    last: u64,
+    y: std::ops::Range<f64>,
+) -> Result<ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordu64, RangedCoordf64>>, String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(root)
+        .caption(caption, ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(y_label_area)
+        .build_cartesian_2d(0u64..last, y)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("optimizer step")
+        .y_desc(y_desc)
+        .draw()
+        .map_err(|e| err(&e))?;
+    Ok(chart)
+}
+
 /// Writes `loss.svg` (training loss per logged step, evaluation losses) and
 /// `throughput.svg` (tokens/s per logged step) into `dir`.
 pub(crate) fn write_plots(
@@ -157,20 +187,14 @@ pub(crate) fn write_plots(
 
     let path = dir.join("loss.svg");
     let root = SVGBackend::new(&path, (900, 540)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("loss (nats per token)", ("sans-serif", 22))
-        .margin(16)
-        .x_label_area_size(40)
-        .y_label_area_size(56)
-        .build_cartesian_2d(0u64..last, (lo * 0.95)..(hi * 1.02))
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc("optimizer step")
-        .y_desc("loss")
-        .draw()
-        .map_err(|e| err(&e))?;
+    let mut chart = step_chart(
+        &root,
+        "loss (nats per token)",
+        "loss",
+        56,
+        last,
+        (lo * 0.95)..(hi * 1.02),
+    )?;
     /// Points, style and legend label of one curve.
     type Curve<'a> = (Vec<(u64, f64)>, ShapeStyle, &'a str);
     let series: [Curve<'_>; 3] = [
@@ -206,26 +230,20 @@ pub(crate) fn write_plots(
     root.present().map_err(|e| err(&e))?;
 
     let path = dir.join("throughput.svg");
-    let root = SVGBackend::new(&path, (900, 540)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
     let top = steps
         .iter()
         .map(|s| s.tokens_per_s)
         .fold(0.0, f64::max)
         .max(1.0);
-    let mut chart = ChartBuilder::on(&root)
-        .caption("throughput (tokens/s)", ("sans-serif", 22))
-        .margin(16)
-        .x_label_area_size(40)
-        .y_label_area_size(70)
-        .build_cartesian_2d(0u64..last, 0.0..top * 1.1)
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc("optimizer step")
-        .y_desc("tokens/s")
-        .draw()
-        .map_err(|e| err(&e))?;
+    let root = SVGBackend::new(&path, (900, 540)).into_drawing_area();
+    let mut chart = step_chart(
+        &root,
+        "throughput (tokens/s)",
+        "tokens/s",
+        70,
+        last,
+        0.0..top * 1.1,
+    )?;
     chart
         .draw_series(LineSeries::new(
             steps.iter().map(|s| (s.step, s.tokens_per_s)),
@@ -263,20 +281,14 @@ pub(crate) fn write_cv_plots(dir: &Path, summary: &crate::nli::CvSummary) -> Res
         .max(1);
     let path = dir.join("cv_curves.svg");
     let root = SVGBackend::new(&path, (900, 540)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("validation macro-F1 per fold", ("sans-serif", 22))
-        .margin(16)
-        .x_label_area_size(40)
-        .y_label_area_size(56)
-        .build_cartesian_2d(0u64..last, 0.0..1.0)
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc("optimizer step")
-        .y_desc("macro-F1")
-        .draw()
-        .map_err(|e| err(&e))?;
+    let mut chart = step_chart(
+        &root,
+        "validation macro-F1 per fold",
+        "macro-F1",
+        56,
+        last,
+        0.0..1.0,
+    )?;
     for (i, curve) in curves.iter().enumerate() {
         let color = Palette99::pick(i);
         chart

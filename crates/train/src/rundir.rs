@@ -38,6 +38,26 @@ impl RunDir {
         Ok(Self { path })
     }
 
+    /// Creates the run folder of `config` and records what the run is made
+    /// of: `config.toml` (reads back with `--config`), `config-sources.txt`
+    /// and `hardware.json`.
+    pub(crate) fn start(
+        config: &kiln_config::RunConfig,
+        options: &crate::TrainOptions,
+    ) -> Result<Self, TrainError> {
+        let run = Self::create(&config.run.dir, &config.experiment)?;
+        run.write(
+            "config.toml",
+            &toml::to_string_pretty(config).unwrap_or_default(),
+        )?;
+        run.write("config-sources.txt", &(options.sources.join("\n") + "\n"))?;
+        run.write(
+            "hardware.json",
+            &serde_json::to_string_pretty(&options.hardware).unwrap_or_default(),
+        )?;
+        Ok(run)
+    }
+
     /// Opens an existing run for resuming.
     pub fn open(path: &Path) -> Result<Self, TrainError> {
         if !path.is_dir() {
