@@ -73,8 +73,12 @@ fn every_preset_value_says_why() {
 
 /// Every dotted key of the configuration, from `kiln config` on the defaults.
 fn config_keys() -> BTreeSet<String> {
-    let text = read(&root().join("presets/defaults.toml"));
-    let table: toml::Table = toml::from_str(&text).expect("defaults.toml parses");
+    leaf_keys(&root().join("presets/defaults.toml"))
+}
+
+/// The dotted leaf keys a TOML file sets.
+fn leaf_keys(path: &Path) -> BTreeSet<String> {
+    let table: toml::Table = toml::from_str(&read(path)).expect("TOML parses");
     let mut keys = BTreeSet::new();
     fn walk(t: &toml::Table, prefix: &str, out: &mut BTreeSet<String>) {
         for (k, v) in t {
@@ -211,25 +215,69 @@ fn presets_table() -> String {
 }
 
 #[test]
-fn presets_doc_table_matches_the_files() {
-    let path = root().join("docs/PRESETS.md");
-    let doc = read(&path);
-    let (start, end) = ("<!-- presets:start -->\n", "<!-- presets:end -->");
-    let (Some(a), Some(b)) = (doc.find(start), doc.find(end)) else {
-        panic!("docs/PRESETS.md lacks the {start:?} … {end:?} markers");
-    };
+fn presets_doc_tables_match_the_files() {
     let table = presets_table();
-    let current = &doc[a + start.len()..b];
-    if current != table {
-        if std::env::var_os("UPDATE_DOCS").is_some() {
-            let updated = format!("{}{table}{}", &doc[..a + start.len()], &doc[b..]);
-            std::fs::write(&path, updated).expect("write docs/PRESETS.md");
-        } else {
-            panic!(
-                "docs/PRESETS.md is out of date with presets/: run `UPDATE_DOCS=1 cargo test -p kiln-tests` to regenerate. Expected:\n{table}"
-            );
+    for doc_name in ["docs/PRESETS.md", "docs/GPU_TUNING.md"] {
+        let path = root().join(doc_name);
+        let doc = read(&path);
+        let (start, end) = ("<!-- presets:start -->\n", "<!-- presets:end -->");
+        let (Some(a), Some(b)) = (doc.find(start), doc.find(end)) else {
+            panic!("{doc_name} lacks the {start:?} … {end:?} markers");
+        };
+        let current = &doc[a + start.len()..b];
+        if current != table {
+            if std::env::var_os("UPDATE_DOCS").is_some() {
+                let updated = format!("{}{table}{}", &doc[..a + start.len()], &doc[b..]);
+                std::fs::write(&path, updated).expect("write the doc");
+            } else {
+                panic!(
+                    "{doc_name} is out of date with presets/: run `UPDATE_DOCS=1 cargo test -p kiln-tests` to regenerate. Expected:\n{table}"
+                );
+            }
         }
     }
+}
+
+/// docs/GPU_TUNING.md explains every key a hardware preset sets, and every
+/// key it explains exists.
+#[test]
+fn tuning_guide_explains_every_preset_knob() {
+    let doc = read(&root().join("docs/GPU_TUNING.md"));
+    let keys = config_keys();
+    let explained: BTreeSet<String> = doc
+        .lines()
+        .filter(|l| l.starts_with("**`"))
+        .flat_map(|l| {
+            let head = l.split("** ").next().unwrap_or(l).to_string();
+            head.split('`')
+                .skip(1)
+                .step_by(2)
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    for key in &explained {
+        assert!(
+            keys.contains(key),
+            "docs/GPU_TUNING.md explains `{key}`, which is not a config key"
+        );
+    }
+    let mut files = Vec::new();
+    files_with_extension(&root().join("presets/hardware"), "toml", &mut files);
+    let set: BTreeSet<String> = files.iter().flat_map(|f| leaf_keys(f)).collect();
+    let set: BTreeSet<String> = set
+        .into_iter()
+        .map(|k| {
+            k.strip_prefix("lm.")
+                .or(k.strip_prefix("nli."))
+                .map_or(k.clone(), str::to_string)
+        })
+        .collect();
+    let missing: Vec<_> = set.difference(&explained).collect();
+    assert!(
+        missing.is_empty(),
+        "docs/GPU_TUNING.md does not explain {missing:?}, which presets set"
+    );
 }
 
 #[test]

@@ -3,6 +3,7 @@
 
 mod cli;
 mod hygiene;
+mod measure;
 mod nli;
 mod support;
 mod train;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use crate::support::{kill_when, kiln, kiln_bin, root};
 
 /// A tiny model and a short run on a 40 kB slice of the shipped corpus.
-fn tiny(dir: &Path, run: &str, steps: u32) -> Vec<String> {
+pub(crate) fn tiny(dir: &Path, run: &str, steps: u32) -> Vec<String> {
     let corpus = dir.join("corpus.txt");
     if !corpus.exists() {
         let text =

@@ -34,6 +34,8 @@ cargo xtask <target> [args...]
   nli-train-auto            the NLI encoder with k-fold CV, preset from hardware
   nli-train-<gpu> [--force] the same with a GPU preset
   bench                     the standard benchmarks → bench/results.json
+  bench-tune                `kiln tune` judged against the exhaustive sweep, for
+                            both experiments → bench/tune-results.json
   ci                        cargo fmt --check, clippy -D warnings (also with wgpu), tests
 
 Extra arguments go to `kiln` (overrides like training.batch_size=8).
@@ -57,6 +59,7 @@ fn main() -> ExitCode {
         "nli-train-auto" => kiln(&["cv", "hardware=auto", "experiment=nli_snli"], rest),
         "ci" => ci(),
         "bench" => bench(rest),
+        "bench-tune" => bench_tune(rest),
         other => match train_target(other) {
             Some((preset, nli)) => {
                 let hw = format!("hardware={preset}");
@@ -129,24 +132,41 @@ fn kiln(base: &[&str], rest: Vec<String>) -> Result<ExitCode, String> {
     run(cmd)
 }
 
-/// The standard benchmark set: the default LM run and the PyTorch comparison
-/// shape of ../shared/PEERS.md (block 128, batch 32).
+/// The standard benchmark set: the default runs of both workloads, the
+/// PyTorch comparison shapes of ../shared/PEERS.md (GPT block 128 × batch 32;
+/// encoder batch 32 padded to 128), and the LM's loader alone.
 const BENCHES: &[(&str, &[&str])] = &[
-    ("lm-default", &[]),
+    ("lm-default", &["lm"]),
     (
         "lm-peers-shape",
-        &["model.max_length=128", "training.batch_size=32"],
+        &["lm", "model.max_length=128", "training.batch_size=32"],
     ),
+    ("nli-default", &["nli"]),
+    (
+        "nli-peers-shape",
+        &[
+            "nli",
+            "--pad-to-max-length",
+            "--warmup=2",
+            "--steps=8",
+            "training.batch_size=32",
+        ],
+    ),
+    ("loader-lm", &["loader"]),
 ];
 
-fn bench(rest: Vec<String>) -> Result<ExitCode, String> {
+/// Runs `kiln <args> --json` for each entry and writes the outputs, named,
+/// as one JSON array to `bench/<file>`.
+fn collect(
+    file: &str,
+    entries: &[(String, Vec<String>)],
+    rest: &[String],
+) -> Result<ExitCode, String> {
     let mut results = Vec::new();
-    for (name, overrides) in BENCHES {
-        eprintln!("xtask: bench {name}");
+    for (name, args) in entries {
+        eprintln!("xtask: {name}: kiln {}", args.join(" "));
         let mut cmd = kiln_command();
-        cmd.args(["bench", "lm", "--json"])
-            .args(*overrides)
-            .args(&rest);
+        cmd.args(args).arg("--json").args(rest);
         let out = cmd
             .output()
             .map_err(|e| format!("failed to run {cmd:?}: {e}"))?;
@@ -163,11 +183,42 @@ fn bench(rest: Vec<String>) -> Result<ExitCode, String> {
     let dir = root().join("bench");
     std::fs::create_dir_all(&dir)
         .map_err(|e| format!("failed to create {}: {e}", dir.display()))?;
-    let path = dir.join("results.json");
+    let path = dir.join(file);
     std::fs::write(&path, format!("[\n{}\n]\n", results.join(",\n")))
         .map_err(|e| format!("failed to write {}: {e}", path.display()))?;
     println!("wrote {}", path.display());
     Ok(ExitCode::SUCCESS)
+}
+
+fn bench(rest: Vec<String>) -> Result<ExitCode, String> {
+    let entries: Vec<(String, Vec<String>)> = BENCHES
+        .iter()
+        .map(|(name, args)| {
+            let mut a = vec!["bench".to_string()];
+            a.extend(args.iter().map(|s| s.to_string()));
+            (name.to_string(), a)
+        })
+        .collect();
+    collect("results.json", &entries, &rest)
+}
+
+/// `kiln tune --compare-sweep` for both experiments: the tuner's time as a
+/// share of the sweep's, and its choice against the sweep's head to head.
+fn bench_tune(rest: Vec<String>) -> Result<ExitCode, String> {
+    let entries: Vec<(String, Vec<String>)> = ["shakespeare_char", "nli_snli"]
+        .iter()
+        .map(|e| {
+            (
+                format!("tune-{e}"),
+                vec![
+                    "tune".to_string(),
+                    "--compare-sweep".into(),
+                    format!("experiment={e}"),
+                ],
+            )
+        })
+        .collect();
+    collect("tune-results.json", &entries, &rest)
 }
 
 fn ci() -> Result<ExitCode, String> {

@@ -6,6 +6,7 @@
 #![allow(clippy::print_stderr, reason = "the CLI prints its errors")]
 
 mod hardware;
+mod measure;
 mod progress;
 
 use std::io::Write;
@@ -85,7 +86,8 @@ enum Command {
         /// The run directory (`runs/<time>-<experiment>`)
         run: PathBuf,
     },
-    /// Time training steps: tokens/s, ms/step, MFU, data-wait, the step's phases
+    /// Time training steps: tokens/s, ms/step, MFU, data-wait, peak memory,
+    /// the step's phases; or the loader alone
     Bench {
         /// What to time
         #[arg(value_enum)]
@@ -96,12 +98,63 @@ enum Command {
         /// Steps timed
         #[arg(long, default_value_t = 30)]
         steps: usize,
+        /// Keep timing past --steps until the timed steps add up to this many
+        /// seconds (short steps are noisy), up to 50 × --steps
+        #[arg(long, default_value_t = 0.0)]
+        min_seconds: f64,
+        /// Batches each loader setting delivers (`bench loader`)
+        #[arg(long, default_value_t = 500)]
+        batches: usize,
         /// Machine-readable output
         #[arg(long)]
         json: bool,
         /// Pad every pair batch to model.max_length (as the PyTorch reference does)
         #[arg(long)]
         pad_to_max_length: bool,
+        #[command(flatten)]
+        layers: Layers,
+    },
+    /// Pre-flight check: device, data against the config, config problems with
+    /// their fixes, a memory estimate, and a measured burst of steps.
+    /// Exit 2 when a problem would make the run fail
+    Diagnose {
+        /// Training steps to time for the time estimate and the loader's
+        /// verdict (0: none)
+        #[arg(long, default_value_t = 10)]
+        burst: usize,
+        /// Machine-readable output
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        layers: Layers,
+    },
+    /// Measure this machine's micro-batch, accumulation and loader settings
+    /// for the experiment (its effective batch kept) and write them to
+    /// presets/tuned/<machine>.toml, used by hardware=tuned
+    Tune {
+        /// Steps not timed in each probe
+        #[arg(long, default_value_t = 3)]
+        warmup: usize,
+        /// Steps timed in each probe, at least...
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+        /// ...and at least this many seconds of them
+        #[arg(long, default_value_t = 1.0)]
+        min_seconds: f64,
+        /// Measure the whole grid (micro-batch × workers × prefetch) instead
+        /// of searching it; writes nothing (a benchmark for the tuner)
+        #[arg(long)]
+        sweep: bool,
+        /// Measure and print, but do not write the tuned preset
+        #[arg(long)]
+        dry_run: bool,
+        /// Judge the tuner: run it and the sweep, then measure both choices
+        /// again head to head (interleaved rounds); writes nothing
+        #[arg(long, conflicts_with = "sweep")]
+        compare_sweep: bool,
+        /// Machine-readable output
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         layers: Layers,
     },
@@ -113,6 +166,8 @@ enum BenchWorkload {
     Lm,
     /// The sentence-pair encoder (`experiment=nli_snli` unless one is given)
     Nli,
+    /// The configured experiment's loader alone, with 0, 1, 2 and 4 workers
+    Loader,
 }
 
 /// The configuration layers a command takes.
@@ -163,6 +218,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Some(path) => read_report(path)?,
         None => kiln_hwdetect::detect(),
     };
+    let prefix = cli_prefix(&cli);
     let presets = cli.presets.as_deref();
     let mut out = std::io::stdout().lock();
     match cli.command {
@@ -252,6 +308,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             workload,
             warmup,
             steps,
+            min_seconds,
+            batches,
             json,
             pad_to_max_length,
             mut layers,
@@ -260,31 +318,100 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 layers.default_experiment("nli_snli");
             }
             let resolved = resolve(presets, &report, &layers)?;
+            let config = &resolved.config;
+            if workload == BenchWorkload::Loader {
+                let result = kiln_train::bench_loader(config, batches).map_err(train_error)?;
+                if json {
+                    let value = serde_json::json!({
+                        "schema": LOADER_SCHEMA,
+                        "loader": result,
+                        "hardware": hardware_summary(&report),
+                        "config": config,
+                    });
+                    writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+                } else {
+                    write!(out, "{}", loader_text(&result))?;
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
             let options = kiln_train::BenchOptions {
                 warmup,
                 steps,
+                min_seconds,
                 pad_to_max_length,
             };
             let result = match workload {
-                BenchWorkload::Lm => kiln_train::bench_lm(&resolved.config, &report, options),
-                BenchWorkload::Nli => kiln_train::bench_nli(&resolved.config, &report, options),
+                BenchWorkload::Nli => kiln_train::bench_nli(config, &report, options),
+                _ => kiln_train::bench_lm(config, &report, options),
             }
             .map_err(train_error)?;
             if json {
                 let value = serde_json::json!({
+                    "schema": BENCH_SCHEMA,
                     "bench": result,
-                    "hardware": {
-                        "cpu": report.cpu.model,
-                        "cores": report.cpu.logical_cores,
-                        "peak_fp32_flops": report.cpu.peak.fp32_flops,
-                        "gpus": report.gpus().iter().map(|g| g.name.clone()).collect::<Vec<_>>(),
-                    },
-                    "config": resolved.config,
+                    "hardware": hardware_summary(&report),
+                    "config": config,
                 });
                 writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
             } else {
                 write!(out, "{}", bench_text(&result))?;
             }
+        }
+        Command::Diagnose {
+            burst,
+            json,
+            layers,
+        } => {
+            let resolved = resolve(presets, &report, &layers)?;
+            let d = kiln_train::diagnose(&resolved.config, &report, burst).map_err(train_error)?;
+            if json {
+                let value = serde_json::json!({
+                    "schema": "kiln.diagnose/1",
+                    "experiment": resolved.config.experiment,
+                    "hardware_preset": resolved.config.hardware,
+                    "diagnosis": d,
+                });
+                writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+            } else {
+                let mut head = format!(
+                    "kiln diagnose: experiment `{}` ({:?}), hardware preset `{}`",
+                    resolved.config.experiment, resolved.config.workload, resolved.config.hardware
+                );
+                if let Some(choice) = &resolved.hardware_choice {
+                    head.push_str(&format!(" ({})", choice.why));
+                }
+                write!(out, "{}", measure::diagnosis_text(&d, &head))?;
+            }
+            if d.has_errors() {
+                return Ok(ExitCode::from(2));
+            }
+        }
+        Command::Tune {
+            warmup,
+            steps,
+            min_seconds,
+            sweep,
+            dry_run,
+            compare_sweep,
+            json,
+            layers,
+        } => {
+            let resolved = resolve(presets, &report, &layers)?;
+            return tune_command(
+                &prefix,
+                &resolved,
+                &report,
+                &layers,
+                TuneArgs {
+                    warmup,
+                    steps,
+                    min_seconds,
+                    sweep,
+                    compare: compare_sweep,
+                    write: !dry_run && !sweep && !compare_sweep,
+                    json,
+                },
+            );
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -424,11 +551,234 @@ fn finish(outcome: kiln_train::Outcome) -> ExitCode {
     }
 }
 
+/// The version of `kiln bench --json`'s layout (docs/PERFORMANCE.md).
+const BENCH_SCHEMA: &str = "kiln.bench/1";
+const LOADER_SCHEMA: &str = "kiln.bench-loader/1";
+
+/// The machine in a benchmark's output.
+fn hardware_summary(report: &HardwareReport) -> serde_json::Value {
+    serde_json::json!({
+        "machine": report.machine_id(),
+        "cpu": report.cpu.model,
+        "cores": report.cpu.logical_cores,
+        "peak_fp32_flops": report.cpu.peak.fp32_flops,
+        "memory_total_bytes": report.memory.total_bytes,
+        "gpus": report.gpus().iter().map(|g| g.name.clone()).collect::<Vec<_>>(),
+    })
+}
+
+/// The global flags a child `kiln` needs to see the same presets and machine.
+fn cli_prefix(cli: &Cli) -> Vec<String> {
+    let mut args = Vec::new();
+    if let Some(p) = &cli.presets {
+        args.push(format!("--presets={}", p.display()));
+    }
+    if let Some(r) = &cli.hardware_report {
+        args.push(format!("--hardware-report={}", r.display()));
+    }
+    args
+}
+
+#[derive(Clone, Copy, Debug)]
+struct TuneArgs {
+    warmup: usize,
+    steps: usize,
+    min_seconds: f64,
+    sweep: bool,
+    compare: bool,
+    write: bool,
+    json: bool,
+}
+
+/// `kiln tune`: search (or sweep) with child-process probes, then write the
+/// tuned preset.
+fn tune_command(
+    prefix: &[String],
+    resolved: &ResolvedConfig,
+    report: &HardwareReport,
+    layers: &Layers,
+    args: TuneArgs,
+) -> anyhow::Result<ExitCode> {
+    let config = &resolved.config;
+    let t = &config.training;
+    let effective = t.batch_size * t.gradient_accumulation_steps.max(1);
+    let device = kiln_train::select_device(config.device.backend, !report.gpus().is_empty())
+        .map_err(train_error)?;
+    let gpu = report
+        .gpus()
+        .iter()
+        .find(|g| g.index as usize == config.device.index)
+        .filter(|_| device.is_gpu);
+    let (limit, what) = match gpu {
+        Some(g) => (
+            g.memory_total_bytes / 10 * 9,
+            format!("GPU {} memory less a 10 % margin", g.index),
+        ),
+        None => (
+            report.memory.available_bytes / 10 * 9,
+            "available RAM less a 10 % margin".to_string(),
+        ),
+    };
+    let space = kiln_train::TuneSpace::new(
+        effective,
+        config.loader.num_workers,
+        config.loader.prefetch_factor,
+        report.cpu.logical_cores,
+        limit,
+        what,
+        device.is_gpu,
+    );
+    let workload = match config.workload {
+        kiln_config::Workload::Lm => "lm",
+        kiln_config::Workload::Nli => "nli",
+    };
+    let mut child_layers = Vec::new();
+    if let Some(file) = &layers.config {
+        child_layers.push(format!("--config={}", file.display()));
+    }
+    child_layers.push(format!("experiment={}", config.experiment));
+    child_layers.extend(layers.overrides.iter().cloned());
+    let mut probe = measure::ChildProbe {
+        exe: std::env::current_exe()?,
+        prefix: prefix
+            .iter()
+            .cloned()
+            .chain(["bench".to_string(), workload.to_string()])
+            .collect(),
+        layers: child_layers,
+        warmup: args.warmup,
+        steps: args.steps,
+        min_seconds: args.min_seconds,
+        timeout: std::time::Duration::from_secs(600),
+    };
+    let mode = match (args.sweep, args.compare) {
+        (true, _) => "sweep",
+        (_, true) => "compare-sweep",
+        _ => "tune",
+    };
+    if !args.json {
+        eprintln!(
+            "kiln {mode}: experiment `{}` on {} ({}), each probe a child `kiln bench {workload}` of {} warm-up + at least {} timed steps and {} s",
+            config.experiment,
+            device.name,
+            report.machine_id(),
+            args.warmup,
+            args.steps,
+            args.min_seconds
+        );
+    }
+    if args.compare {
+        let c = measure::compare_with_sweep(&space, &mut probe, 3)?;
+        let mut out = std::io::stdout().lock();
+        if args.json {
+            let value = serde_json::json!({
+                "schema": "kiln.tune-compare/1",
+                "experiment": config.experiment,
+                "machine": report.machine_id(),
+                "space": space,
+                "comparison": c,
+            });
+            writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+        } else {
+            write!(out, "{}", measure::comparison_text(&space, &c))?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let result = if args.sweep {
+        kiln_train::sweep(&space, &mut probe)
+    } else {
+        kiln_train::tune(&space, &mut probe)
+    }?;
+    let mut written = None;
+    if args.write {
+        let dir = kiln_config::find_presets_dir(
+            prefix
+                .iter()
+                .find_map(|a| a.strip_prefix("--presets="))
+                .map(Path::new),
+        )?;
+        let path = kiln_config::tuned_path(&dir, report);
+        let header = format!(
+            "kiln tune, {} UTC, on {}: {} ({} cores){}; {}; {} probes of {} warm-up + {} timed steps, {:.0} s",
+            kiln_train::utc_stamp(std::time::SystemTime::now()),
+            report.machine_id(),
+            report.cpu.model,
+            report.cpu.logical_cores,
+            gpu.map(|g| format!(", {}", g.name)).unwrap_or_default(),
+            device.name,
+            result.trials.len(),
+            args.warmup,
+            args.steps,
+            result.seconds
+        );
+        let block = kiln_train::tuned_block(&config.experiment, &header, &space, &result);
+        kiln_train::write_tuned(&path, &config.experiment, &block)
+            .map_err(|e| anyhow::anyhow!("failed to write `{}`: {e}", path.display()))?;
+        written = Some(path);
+    }
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        let value = serde_json::json!({
+            "schema": "kiln.tune/1",
+            "mode": mode,
+            "experiment": config.experiment,
+            "machine": report.machine_id(),
+            "space": space,
+            "result": result,
+            "written": written,
+        });
+        writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+    } else {
+        write!(out, "{}", measure::tune_text(&space, &result, mode))?;
+        if let Some(path) = written {
+            writeln!(
+                out,
+                "wrote {}
+use it with: kiln train hardware=tuned experiment={}",
+                path.display(),
+                config.experiment
+            )?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn loader_text(r: &kiln_train::LoaderBenchResult) -> String {
+    let mut s = format!(
+        "bench loader ({}): {} batches of {} per setting, nothing else running
+{:>7} {:>8} {:>10} {:>10} {:>12}
+",
+        r.workload,
+        r.batches,
+        r.batch_size,
+        "workers",
+        "prefetch",
+        "batches/s",
+        "samples/s",
+        "mean wait ms"
+    );
+    for row in &r.rows {
+        s.push_str(&format!(
+            "{:>7} {:>8} {:>10.1} {:>10.1} {:>12.3}{}
+",
+            row.num_workers,
+            row.prefetch_factor,
+            row.batches_per_s,
+            row.samples_per_s,
+            row.mean_wait_ms,
+            if row.configured { "  (configured)" } else { "" }
+        ));
+    }
+    s.push_str("compare samples/s with `kiln bench`'s: a loader slower than the step makes the run data-bound
+");
+    s
+}
+
 fn bench_text(r: &kiln_train::BenchResult) -> String {
     let p = &r.phases;
     format!(
         "bench {} on {}: {} timed steps after {} warm-up, batch {}\n\
-         samples/s: median {:.1}; tokens/s (no padding): median {:.0} (min {:.0}, max {:.0}); with padding {:.0}; {:.1} ms/step\n\
+         samples/s: median {:.1}; tokens/s (no padding): median {:.0} (p10 {:.0}, p90 {:.0}; min {:.0}, max {:.0}); with padding {:.0}; {:.1} ms/step\n\
          FLOPs per sample: {:.3} G as computed (padded), {:.3} G on real tokens only\n\
          MFU: {} against {}\n\
          data-wait: {:.2}% of step time; peak memory {:.0} MiB{}\n\
@@ -440,6 +790,8 @@ fn bench_text(r: &kiln_train::BenchResult) -> String {
         r.batch_size,
         r.samples_per_s_median,
         r.tokens_per_s_median,
+        r.tokens_per_s_p10,
+        r.tokens_per_s_p90,
         r.tokens_per_s_min,
         r.tokens_per_s_max,
         r.padded_tokens_per_s_median,

@@ -65,6 +65,16 @@ pub enum ConfigError {
     #[error("no presets directory: looked for {}", looked.iter().map(|p| format!("`{}`", p.display())).collect::<Vec<_>>().join(", "))]
     NoPresets { looked: Vec<PathBuf> },
 
+    #[error(
+        "hardware=tuned: no tuning {what} (`{}`); run `kiln tune{}` on this machine first, or use hardware=auto", path.display(), tune_args
+    )]
+    NotTuned {
+        path: PathBuf,
+        /// "for this machine" or "of experiment `x` in it".
+        what: String,
+        tune_args: String,
+    },
+
     #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
     Many(Vec<ConfigError>),
 }

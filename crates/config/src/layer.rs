@@ -17,6 +17,8 @@ pub enum LayerKind {
     Defaults,
     Hardware(String),
     Experiment(String),
+    /// `presets/tuned/<machine>.toml`, written by `kiln tune`.
+    Tuned(String),
     ConfigFile,
     Environment,
     CommandLine,
@@ -30,6 +32,7 @@ impl fmt::Display for LayerKind {
             Self::Defaults => write!(f, "defaults"),
             Self::Hardware(name) => write!(f, "hardware preset `{name}`"),
             Self::Experiment(name) => write!(f, "experiment `{name}`"),
+            Self::Tuned(machine) => write!(f, "tuned preset `{machine}`"),
             Self::ConfigFile => write!(f, "config file"),
             Self::Environment => write!(f, "environment"),
             Self::CommandLine => write!(f, "command line"),

@@ -24,7 +24,7 @@ pub use error::ConfigError;
 pub use layer::{LayerKind, Source};
 pub use load::{
     ExplainRow, LoadOptions, ResolvedConfig, available_presets, find_presets_dir, read_run_config,
-    resolve,
+    resolve, tuned_path,
 };
 pub use preset::{
     ANY_GPU_PRESETS, PRESET_GPUS, PresetChoice, check_preset_fits, choose_preset,

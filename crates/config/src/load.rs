@@ -174,7 +174,8 @@ pub fn resolve(opts: &LoadOptions<'_>) -> Result<ResolvedConfig, ConfigError> {
     let hardware_source = select.source_of("hardware");
     let experiment_source = select.source_of("experiment");
 
-    let choice = (hardware_asked == "auto").then(|| choose_preset(opts.hardware));
+    let tuned = hardware_asked == "tuned";
+    let choice = (hardware_asked == "auto" || tuned).then(|| choose_preset(opts.hardware));
     let hardware = choice
         .as_ref()
         .map_or(hardware_asked.clone(), |c| c.name.clone());
@@ -210,7 +211,12 @@ pub fn resolve(opts: &LoadOptions<'_>) -> Result<ResolvedConfig, ConfigError> {
         ("lm", Workload::Lm, hw_layer.take_section("lm")),
         ("nli", Workload::Nli, hw_layer.take_section("nli")),
     ];
-    layers.splice(1..1, [hw_layer, exp_layer]);
+    let tuned_layer = if tuned {
+        Some(tuned_layer(opts, &experiment)?)
+    } else {
+        None
+    };
+    layers.splice(1..1, [hw_layer, exp_layer].into_iter().chain(tuned_layer));
 
     // Pass 2: the workload decides which section of the hardware preset applies.
     let workload: Workload = Resolver::new(&layers, &known_keys).extract("workload")?;
@@ -228,13 +234,24 @@ pub fn resolve(opts: &LoadOptions<'_>) -> Result<ResolvedConfig, ConfigError> {
     for key in leaf_keys(&merged) {
         sources.insert(key.clone(), resolver.source_of(&key));
     }
-    if let Some(choice) = &choice {
+    let mut choice = choice;
+    if let Some(choice) = &mut choice {
+        if tuned {
+            choice.why = format!(
+                "`{}` as measured by `kiln tune` ({}), over `{}`: {}",
+                opts.hardware.machine_id(),
+                tuned_path(opts.presets_dir, opts.hardware).display(),
+                choice.name,
+                choice.why
+            );
+            choice.name = "tuned".to_string();
+        }
         config.hardware = choice.name.clone();
         sources.insert(
             "hardware".to_string(),
             Source {
                 layer: LayerKind::HardwareDetection,
-                location: format!("auto: {}", choice.why),
+                location: format!("{hardware_asked}: {}", choice.why),
             },
         );
     }
@@ -244,6 +261,50 @@ pub fn resolve(opts: &LoadOptions<'_>) -> Result<ResolvedConfig, ConfigError> {
         sources,
         hardware_choice: choice,
     })
+}
+
+/// Where `kiln tune` keeps the measured settings of `hardware`'s machine:
+/// `<presets>/tuned/<machine id>.toml`.
+pub fn tuned_path(presets_dir: &Path, hardware: &HardwareReport) -> PathBuf {
+    presets_dir
+        .join("tuned")
+        .join(format!("{}.toml", hardware.machine_id()))
+}
+
+/// `presets/tuned/<machine>.toml`'s section for `experiment`, as a layer
+/// above the experiment: the tuner measured these values for it.
+fn tuned_layer(opts: &LoadOptions<'_>, experiment: &str) -> Result<Layer, ConfigError> {
+    let path = tuned_path(opts.presets_dir, opts.hardware);
+    let machine = opts.hardware.machine_id();
+    if !path.is_file() {
+        return Err(ConfigError::NotTuned {
+            path,
+            what: format!("for this machine, `{machine}`"),
+            tune_args: format!(" experiment={experiment}"),
+        });
+    }
+    let mut file = Layer::from_file(LayerKind::Tuned(machine), &path)?;
+    let Some((dict, locations)) = file.take_section(experiment) else {
+        return Err(ConfigError::NotTuned {
+            path,
+            what: format!("of experiment `{experiment}` in it"),
+            tune_args: format!(" experiment={experiment}"),
+        });
+    };
+    file.dict = dict;
+    file.locations = locations;
+    for key in ["hardware", "experiment", "workload"] {
+        if file.dict.contains_key(key) {
+            return Err(ConfigError::KeyNotAllowedHere {
+                key: key.to_string(),
+                set_by: Box::new(Source {
+                    layer: file.kind.clone(),
+                    location: file.location_of(key),
+                }),
+            });
+        }
+    }
+    Ok(file)
 }
 
 /// Reads a configuration a run saved (its `config.toml`): one file that sets

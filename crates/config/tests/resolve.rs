@@ -371,3 +371,62 @@ fn broken_presets_name_file_and_line() {
         "{err}"
     );
 }
+
+#[test]
+fn hardware_tuned_layers_this_machines_measured_values_over_its_preset() {
+    let tmp = presets_copy();
+    let mut case = Case::new(&["hardware=tuned"]);
+    case.presets = tmp.path();
+    let machine = case.report.machine_id();
+
+    // Not tuned yet: the error says what to run.
+    let err = case.run(tmp.path()).expect_err("untuned").to_string();
+    assert!(
+        err.contains(&machine) && err.contains("kiln tune experiment=shakespeare_char"),
+        "{err}"
+    );
+
+    let path = tmp.path().join(format!("tuned/{machine}.toml"));
+    std::fs::create_dir_all(path.parent().expect("dir")).expect("mkdir");
+    std::fs::write(
+        &path,
+        "[shakespeare_char.training]\n# measured\nbatch_size = 6\ngradient_accumulation_steps = 2\n\
+         [shakespeare_char.loader]\nnum_workers = 2\n",
+    )
+    .expect("write");
+    let r = case.run(tmp.path()).expect("tuned");
+    assert_eq!(r.config.hardware, "tuned");
+    assert_eq!(r.config.training.batch_size, 6);
+    assert_eq!(r.config.training.gradient_accumulation_steps, 2);
+    assert_eq!(r.config.loader.num_workers, 2);
+    // The rest comes from the preset the machine would get (cpu).
+    assert_eq!(r.config.device.backend, kiln_config::Backend::Flex);
+    let source = &r.sources["training.batch_size"];
+    assert_eq!(source.layer, LayerKind::Tuned(machine.clone()));
+    assert!(source.location.contains(":3"), "{source}");
+    assert!(
+        r.hardware_choice
+            .expect("choice")
+            .why
+            .contains("over `cpu`")
+    );
+    // The command line still wins.
+    let mut over = Case::new(&["hardware=tuned", "training.batch_size=4"]);
+    over.presets = tmp.path();
+    assert_eq!(
+        over.run(tmp.path()).expect("ok").config.training.batch_size,
+        4
+    );
+
+    // Another experiment was not tuned; a misspelt key is named with its line.
+    let mut nli = Case::new(&["hardware=tuned", "experiment=nli_snli"]);
+    nli.presets = tmp.path();
+    let err = nli.run(tmp.path()).expect_err("nli untuned").to_string();
+    assert!(err.contains("experiment `nli_snli`"), "{err}");
+    std::fs::write(&path, "[shakespeare_char.training]\nbatch_sise = 6\n").expect("write");
+    let err = case.run(tmp.path()).expect_err("typo").to_string();
+    assert!(
+        err.contains("batch_sise") && err.contains("did you mean") && err.contains(":2"),
+        "{err}"
+    );
+}

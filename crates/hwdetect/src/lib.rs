@@ -38,6 +38,28 @@ impl HardwareReport {
     pub fn gpus(&self) -> &[GpuInfo] {
         self.gpu.gpus()
     }
+
+    /// A file-name-safe name for this class of machine, which tuned presets
+    /// are kept under: the GPU kiln trains on (the one with the most memory,
+    /// with the count when there are several), else the CPU and its cores —
+    /// `gpu-nvidia-h200`, `gpu-2x-nvidia-a30`, `cpu-amd-epyc-2c`.
+    pub fn machine_id(&self) -> String {
+        let gpus = self.gpus();
+        let raw = match gpus.iter().max_by_key(|g| g.memory_total_bytes) {
+            Some(gpu) if gpus.len() > 1 => format!("gpu-{}x-{}", gpus.len(), gpu.name),
+            Some(gpu) => format!("gpu-{}", gpu.name),
+            None => format!("cpu-{}-{}c", self.cpu.model, self.cpu.logical_cores),
+        };
+        let mut id = String::new();
+        for c in raw.chars() {
+            if c.is_ascii_alphanumeric() {
+                id.push(c.to_ascii_lowercase());
+            } else if !id.ends_with('-') {
+                id.push('-');
+            }
+        }
+        id.trim_matches('-').to_string()
+    }
 }
 
 /// Host memory, in bytes.
@@ -50,6 +72,15 @@ pub struct MemoryInfo {
 /// Reads this machine, asking NVML for GPUs.
 pub fn detect() -> HardwareReport {
     detect_with(&NvmlProbe)
+}
+
+/// The NVIDIA GPUs as NVML sees them now (free memory included); empty
+/// without a driver.
+pub fn detect_gpus() -> Vec<GpuInfo> {
+    match NvmlProbe.probe().0 {
+        GpuStatus::Found { gpus } => gpus,
+        GpuStatus::None { .. } => Vec::new(),
+    }
 }
 
 /// Reads this machine's CPU and memory, and asks `probe` for GPUs.
@@ -106,5 +137,23 @@ mod tests {
         let back: HardwareReport = serde_json::from_str(&text).expect("parse");
         assert_eq!(back, report);
         assert!(report.memory.total_bytes > 0);
+    }
+
+    #[test]
+    fn machine_ids_name_the_gpu_or_the_cpu() {
+        let with = |gpus: Vec<GpuInfo>| {
+            let mut r = detect_with(&FixedProbe(
+                GpuStatus::Found { gpus },
+                DriverInfo::default(),
+            ));
+            r.cpu.model = "AMD EPYC 9R45".into();
+            r.cpu.logical_cores = 2;
+            r
+        };
+        let h200 = GpuInfo::new(0, "NVIDIA H200", 141 << 30, 140 << 30, (9, 0));
+        let a30 = |i| GpuInfo::new(i, "NVIDIA A30", 24 << 30, 23 << 30, (8, 0));
+        assert_eq!(with(vec![h200]).machine_id(), "gpu-nvidia-h200");
+        assert_eq!(with(vec![a30(0), a30(1)]).machine_id(), "gpu-2x-nvidia-a30");
+        assert_eq!(with(Vec::new()).machine_id(), "cpu-amd-epyc-9r45-2c");
     }
 }

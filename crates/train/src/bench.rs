@@ -9,10 +9,10 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
-use kiln_config::RunConfig;
+use kiln_config::{RunConfig, Workload};
 use kiln_data::{
-    BatchSource, EncodedPair, LmWindows, Loader, PairBatch, PairBatches, Split, Tokenizer,
-    encode_cached, encode_dataset, pad_batch, read_corpus, read_pairs,
+    BatchSource, EncodedPair, LmWindows, Loader, LoaderBenchmark, PairBatch, PairBatches, Split,
+    Tokenizer, benchmark_loader, encode_cached, encode_dataset, pad_batch, read_corpus, read_pairs,
 };
 use kiln_hwdetect::HardwareReport;
 use serde::Serialize;
@@ -28,7 +28,11 @@ use crate::{MemoryTracker, TrainError, select_device};
 #[derive(Clone, Copy, Debug)]
 pub struct BenchOptions {
     pub warmup: usize,
+    /// Timed steps, at least...
     pub steps: usize,
+    /// ...and at least this many seconds of them (short steps are noisy:
+    /// more of them), up to 50 × `steps`.
+    pub min_seconds: f64,
     /// Pad every pair batch to `model.max_length` (PyTorch comparisons pad so).
     pub pad_to_max_length: bool,
 }
@@ -56,6 +60,9 @@ pub struct BenchResult {
     pub tokens_per_s_median: f64,
     pub tokens_per_s_min: f64,
     pub tokens_per_s_max: f64,
+    /// The spread: 10th and 90th percentiles of the timed steps.
+    pub tokens_per_s_p10: f64,
+    pub tokens_per_s_p90: f64,
     /// Tokens computed on, padding included, per second.
     pub padded_tokens_per_s_median: f64,
     pub ms_per_step_median: f64,
@@ -66,7 +73,12 @@ pub struct BenchResult {
     pub flops_per_sample_real: f64,
     pub parameters: usize,
     pub data_wait_pct: f64,
+    /// Peak resident memory of the process (host RAM).
     pub peak_memory_bytes: u64,
+    /// Memory in use on the GPU after the timed steps, as NVML reports it
+    /// (the whole device; `None` on the CPU or without NVML).
+    pub device_memory_used_bytes: Option<u64>,
+    pub device_memory_total_bytes: Option<u64>,
     pub gradient_checkpointing: bool,
     pub phases: PhaseTimes,
     pub final_loss: f64,
@@ -101,7 +113,16 @@ fn time_steps<M: Module, S: BatchSource, I>(
         let _ = device.sync();
     };
     let mut out = Timings::default();
-    for i in 0..options.warmup + options.steps {
+    let mut timed = 0.0;
+    let enough = |i: usize, timed: f64| {
+        let steps = i.saturating_sub(options.warmup);
+        i >= options.warmup
+            && steps >= options.steps
+            && (timed >= options.min_seconds || steps >= 50 * options.steps.max(1))
+    };
+    let mut i = 0;
+    while !enough(i, timed) {
+        i += 1;
         let start = Instant::now();
         let loaded = loader.next_batch();
         let t_data = loaded.wait.as_secs_f64();
@@ -124,7 +145,8 @@ fn time_steps<M: Module, S: BatchSource, I>(
         model = optim.step(model, grads, t.learning_rate, scale);
         out.final_loss = f64::from(loss.into_scalar::<f32>());
         let t4 = Instant::now();
-        if i >= options.warmup {
+        if i > options.warmup {
+            timed += start.elapsed().as_secs_f64();
             out.step_s.push(start.elapsed().as_secs_f64());
             let (w, padded) = work(&loaded.batch);
             out.work.push(w);
@@ -185,17 +207,40 @@ fn result(
     let flops_padded = t.work.iter().map(|w| w.flops).sum::<f64>() / samples.max(1) as f64;
     let (peak, mfu_peak) = crate::lm::mfu_peak(device, hardware);
     let tokens_per_s_median = median(&mut tps);
+    let percentile = |v: &[f64], q: f64| -> f64 {
+        // `median` sorted `tps`; nearest rank.
+        v.get(((v.len().saturating_sub(1)) as f64 * q).round() as usize)
+            .copied()
+            .unwrap_or(0.0)
+    };
+    let gpu_memory = device
+        .is_gpu
+        .then(|| {
+            let index = config.device.index;
+            kiln_hwdetect::detect_gpus()
+                .into_iter()
+                .find(|g| g.index as usize == index)
+                .map(|g| {
+                    (
+                        g.memory_total_bytes - g.memory_free_bytes,
+                        g.memory_total_bytes,
+                    )
+                })
+        })
+        .flatten();
     let [d, h, f, b, o] = &mut t.phases;
     BenchResult {
         workload,
         backend: device.name.clone(),
         warmup_steps: options.warmup,
-        timed_steps: options.steps,
+        timed_steps: t.step_s.len(),
         batch_size: config.training.batch_size,
         samples_per_s_median: median(&mut sps),
         tokens_per_s_median,
         tokens_per_s_min: tps.first().copied().unwrap_or(0.0),
         tokens_per_s_max: tps.last().copied().unwrap_or(0.0),
+        tokens_per_s_p10: percentile(&tps, 0.1),
+        tokens_per_s_p90: percentile(&tps, 0.9),
         padded_tokens_per_s_median: median(&mut padded),
         ms_per_step_median: median(&mut ms),
         mfu: peak.map(|p| median(&mut flops) / p),
@@ -209,6 +254,8 @@ fn result(
             0.0
         },
         peak_memory_bytes: peak_memory,
+        device_memory_used_bytes: gpu_memory.map(|(used, _)| used),
+        device_memory_total_bytes: gpu_memory.map(|(_, total)| total),
         gradient_checkpointing: config.model.gradient_checkpointing,
         phases: PhaseTimes {
             data_wait_ms: median(d),
@@ -221,13 +268,8 @@ fn result(
     }
 }
 
-/// Times training steps of the language model of `config`.
-pub fn bench_lm(
-    config: &RunConfig,
-    hardware: &HardwareReport,
-    options: BenchOptions,
-) -> Result<BenchResult, TrainError> {
-    let choice = select_device(config.device.backend, !hardware.gpus().is_empty())?;
+/// The language model's training windows for `config`, and the vocabulary size.
+pub(crate) fn lm_source(config: &RunConfig) -> Result<(Arc<LmWindows>, usize), TrainError> {
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
     let tokenizer = make_tokenizer(config, &corpus.text)?;
     let (ids, _) = encode_cached(&tokenizer, &corpus, Path::new(&config.data.cache_dir))?;
@@ -249,13 +291,121 @@ pub fn bench_lm(
         t.seed,
         Split::Train,
     ));
+    Ok((source, tokenizer.vocab_size()))
+}
+
+/// Batches of all of `config`'s pairs (a WordPiece vocabulary built on them),
+/// the vocabulary size and the mean pair length in tokens.
+pub(crate) fn nli_source(config: &RunConfig) -> Result<(Arc<PairBatches>, usize, f64), TrainError> {
+    let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
+    let tokenizer = Tokenizer::wordpiece(
+        data.pairs
+            .iter()
+            .flat_map(|p| [p.premise.as_str(), p.hypothesis.as_str()]),
+        config.data.vocab_size,
+        config.model.max_length,
+    )?;
+    let encoded: Arc<[EncodedPair]> = encode_dataset(&tokenizer, &data)?.into();
+    let real_mean =
+        encoded.iter().map(|p| p.ids.len()).sum::<usize>() as f64 / encoded.len().max(1) as f64;
+    let t = &config.training;
+    let source = Arc::new(PairBatches::new(
+        encoded,
+        t.batch_size,
+        t.seed,
+        config.loader.bucket_by_length,
+    ));
+    Ok((source, tokenizer.vocab_size(), real_mean))
+}
+
+/// One loader setting of [`bench_loader`].
+#[derive(Clone, Debug, Serialize)]
+pub struct LoaderRow {
+    pub num_workers: usize,
+    pub prefetch_factor: usize,
+    pub batches_per_s: f64,
+    pub samples_per_s: f64,
+    /// Mean time the consumer waited for a batch.
+    pub mean_wait_ms: f64,
+    /// Whether this is the configured setting.
+    pub configured: bool,
+}
+
+/// What `kiln bench loader` measured: the loader alone, as fast as it can go.
+#[derive(Clone, Debug, Serialize)]
+pub struct LoaderBenchResult {
+    pub workload: &'static str,
+    pub batch_size: usize,
+    pub batches: usize,
+    pub rows: Vec<LoaderRow>,
+}
+
+/// The guides' `benchmark_dataloader`: pulls `batches` batches of the
+/// configured workload with the configured loader and with 0, 1, 2 and 4
+/// workers, nothing else running, and reports the rates. Compare
+/// `samples_per_s` with the training step's to see whether loading can keep up.
+pub fn bench_loader(config: &RunConfig, batches: usize) -> Result<LoaderBenchResult, TrainError> {
+    let l = &config.loader;
+    let mut settings = vec![(l.num_workers, l.prefetch_factor)];
+    for w in [0, 1, 2, 4] {
+        if w != l.num_workers {
+            settings.push((w, l.prefetch_factor));
+        }
+    }
+    let batch = config.training.batch_size;
+    let measure = |rows: &mut Vec<LoaderRow>, (w, p): (usize, usize), bench: LoaderBenchmark| {
+        rows.push(LoaderRow {
+            num_workers: w,
+            prefetch_factor: p,
+            batches_per_s: bench.batches_per_second,
+            samples_per_s: bench.batches_per_second * batch as f64,
+            mean_wait_ms: bench.mean_wait.as_secs_f64() * 1e3,
+            configured: rows.is_empty(),
+        });
+    };
+    let mut rows = Vec::new();
+    let workload = match config.workload {
+        Workload::Lm => {
+            let (source, _) = lm_source(config)?;
+            for (w, p) in settings {
+                let mut loader = Loader::new(Arc::clone(&source), 0, w, p);
+                measure(&mut rows, (w, p), benchmark_loader(&mut loader, batches));
+            }
+            "lm"
+        }
+        Workload::Nli => {
+            let (source, _, _) = nli_source(config)?;
+            for (w, p) in settings {
+                let mut loader = Loader::new(Arc::clone(&source), 0, w, p);
+                measure(&mut rows, (w, p), benchmark_loader(&mut loader, batches));
+            }
+            "nli"
+        }
+    };
+    Ok(LoaderBenchResult {
+        workload,
+        batch_size: batch,
+        batches,
+        rows,
+    })
+}
+
+/// Times training steps of the language model of `config`.
+pub fn bench_lm(
+    config: &RunConfig,
+    hardware: &HardwareReport,
+    options: BenchOptions,
+) -> Result<BenchResult, TrainError> {
+    let choice = select_device(config.device.backend, !hardware.gpus().is_empty())?;
+    let (source, vocab) = lm_source(config)?;
+    let block = config.model.max_length;
     let loader = Loader::new(
         source,
         0,
         config.loader.num_workers,
         config.loader.prefetch_factor,
     );
-    let gpt = gpt_config(config, tokenizer.vocab_size());
+    let gpt = gpt_config(config, vocab);
     let device = train_device(config, &choice.device, config.training.seed);
     let model = gpt.init(&device);
     let per_token = gpt.flops_per_token();
@@ -335,32 +485,15 @@ pub fn bench_nli(
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
     let choice = select_device(config.device.backend, !hardware.gpus().is_empty())?;
-    let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
+    let (source, vocab, real_mean) = nli_source(config)?;
     let max_len = config.model.max_length;
-    let tokenizer = Tokenizer::wordpiece(
-        data.pairs
-            .iter()
-            .flat_map(|p| [p.premise.as_str(), p.hypothesis.as_str()]),
-        config.data.vocab_size,
-        max_len,
-    )?;
-    let encoded: Arc<[EncodedPair]> = encode_dataset(&tokenizer, &data)?.into();
-    let real_mean =
-        encoded.iter().map(|p| p.ids.len()).sum::<usize>() as f64 / encoded.len().max(1) as f64;
-    let t = &config.training;
-    let source = Arc::new(PairBatches::new(
-        encoded,
-        t.batch_size,
-        t.seed,
-        config.loader.bucket_by_length,
-    ));
     let loader = Loader::new(
         source,
         0,
         config.loader.num_workers,
         config.loader.prefetch_factor,
     );
-    let encoder = encoder_config(config, tokenizer.vocab_size());
+    let encoder = encoder_config(config, vocab);
     let device = train_device(config, &choice.device, config.training.seed);
     let mut model = encoder.init(&device);
     let frozen = config.model.freeze_encoder;

@@ -8,7 +8,11 @@
 //!   continues a run (in the right fold) from its last good checkpoint,
 //!   bitwise where the backend is deterministic; [`predict`] labels pairs
 //!   with a finished CV run's best fold.
-//! - [`bench_lm`], [`bench_nli`]: timed steps with the step split into its phases.
+//! - [`bench_lm`], [`bench_nli`]: timed steps with the step split into its
+//!   phases; [`bench_loader`]: the loader alone.
+//! - [`diagnose`]: the pre-flight check (device, data, config problems with
+//!   their fixes, memory, a measured burst); [`tune`]: micro-batch,
+//!   accumulation and loader settings measured for this machine.
 //! - [`AdamW`], [`lr_at`]: the optimizer and schedule, written out so that
 //!   their state is ours to checkpoint.
 //!
@@ -17,6 +21,7 @@
 mod bench;
 mod checkpoint;
 mod device;
+mod diagnose;
 mod error;
 mod lm;
 mod memory;
@@ -26,14 +31,26 @@ mod params;
 mod report;
 mod rundir;
 mod trainer;
+mod tune;
 
-pub use bench::{BenchOptions, BenchResult, PhaseTimes, bench_lm, bench_nli};
+pub use bench::{
+    BenchOptions, BenchResult, LoaderBenchResult, LoaderRow, PhaseTimes, bench_lm, bench_loader,
+    bench_nli,
+};
 pub use checkpoint::{CheckpointInfo, latest_good_checkpoint};
 pub use device::{DeviceChoice, select_device};
+pub use diagnose::{
+    Burst, CheckInput, DataSize, Diagnosis, Finding, MemoryEstimate, Severity, check_config,
+    diagnose, estimate_memory, gib, loader_verdict,
+};
 pub use error::TrainError;
 pub use lm::{Outcome, TrainOptions, resume, train};
 pub use memory::MemoryTracker;
 pub use nli::{ClassMetrics, CvSummary, FoldResult, Prediction, Scores, predict, train_cv};
 pub use optim::{AdamW, lr_at};
 pub use report::{Event, Observer, StepMetrics, Summary};
-pub use rundir::RunDir;
+pub use rundir::{RunDir, utc_stamp};
+pub use tune::{
+    Candidate, Measurement, NothingRan, Probe, ProbeResult, Trial, TuneResult, TuneSpace, divisors,
+    sweep, tune, tuned_block, write_tuned,
+};

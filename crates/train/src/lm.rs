@@ -545,6 +545,18 @@ pub(crate) fn mfu_peak(device: &DeviceChoice, hardware: &HardwareReport) -> (Opt
     }
 }
 
+/// The precision a run computes in on the device, and why.
+pub(crate) fn run_precision(c: &RunConfig, is_gpu: bool) -> (String, String) {
+    if is_gpu {
+        (
+            "f32".to_string(),
+            "the mixed-precision policy is not built yet: the GPU computes in f32".to_string(),
+        )
+    } else {
+        kiln_config::effective_precision(&c.precision, None)
+    }
+}
+
 /// Start lines about the device, precision, compile, loader and MFU.
 pub(crate) fn device_lines(
     c: &RunConfig,
@@ -552,14 +564,7 @@ pub(crate) fn device_lines(
     options: &TrainOptions,
     peak_name: &str,
 ) -> Vec<String> {
-    let (precision, precision_why) = if device.is_gpu {
-        (
-            "f32".to_string(),
-            "the mixed-precision policy is not built yet: the GPU computes in f32".to_string(),
-        )
-    } else {
-        kiln_config::effective_precision(&c.precision, None)
-    };
+    let (precision, precision_why) = run_precision(c, device.is_gpu);
     let mut lines = vec![
         format!("backend: {} — {}", device.name, device.why),
         format!("precision: {precision} — {precision_why}"),

@@ -131,7 +131,7 @@ impl RunDir {
 }
 
 /// `YYYYMMDD-HHMMSS` in UTC.
-fn utc_stamp(t: std::time::SystemTime) -> String {
+pub fn utc_stamp(t: std::time::SystemTime) -> String {
     let secs = t
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());

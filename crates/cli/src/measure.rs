@@ -1,0 +1,419 @@
+//! `kiln diagnose` and `kiln tune` as the CLI prints them, and the tuner's
+//! probe: each candidate runs as a child `kiln bench` process, so that a
+//! probe that runs out of memory (a panic in Burn, which can leave a GPU
+//! unusable) or is killed by the kernel costs only that probe.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kiln_train::{
+    Candidate, Diagnosis, Measurement, Probe, ProbeResult, TuneResult, TuneSpace, gib,
+};
+
+/// Runs a candidate as `kiln [global flags] bench <workload> --json ...`.
+#[derive(Clone, Debug)]
+pub(crate) struct ChildProbe {
+    pub(crate) exe: PathBuf,
+    /// `--presets`/`--hardware-report` and the workload: `bench lm`.
+    pub(crate) prefix: Vec<String>,
+    /// `--config FILE` and the user's overrides.
+    pub(crate) layers: Vec<String>,
+    pub(crate) warmup: usize,
+    pub(crate) steps: usize,
+    pub(crate) min_seconds: f64,
+    pub(crate) timeout: Duration,
+}
+
+impl Probe for ChildProbe {
+    fn probe(&mut self, c: &Candidate) -> ProbeResult {
+        let started = Instant::now();
+        let failed = |why: String| ProbeResult::Failed {
+            why,
+            seconds: started.elapsed().as_secs_f64(),
+        };
+        let mut cmd = Command::new(&self.exe);
+        cmd.args(&self.prefix)
+            .args([
+                "--json".to_string(),
+                format!("--warmup={}", self.warmup),
+                format!("--steps={}", self.steps),
+                format!("--min-seconds={}", self.min_seconds),
+            ])
+            .args(&self.layers)
+            .args([
+                format!("training.batch_size={}", c.micro_batch),
+                format!("training.gradient_accumulation_steps={}", c.accumulation),
+                format!("loader.num_workers={}", c.num_workers),
+                format!("loader.prefetch_factor={}", c.prefetch_factor),
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = match cmd.spawn() {
+            Ok(child) => child,
+            Err(e) => return failed(format!("could not start {}: {e}", self.exe.display())),
+        };
+        // Read both pipes on threads so that a chatty child cannot block.
+        let read = |pipe: Option<Box<dyn std::io::Read + Send>>| {
+            std::thread::spawn(move || {
+                let mut text = String::new();
+                if let Some(mut p) = pipe {
+                    let _ = p.read_to_string(&mut text);
+                }
+                text
+            })
+        };
+        let out = read(child.stdout.take().map(|p| Box::new(p) as _));
+        let err = read(child.stderr.take().map(|p| Box::new(p) as _));
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(status)) => break Ok(status),
+                Ok(None) if started.elapsed() > self.timeout => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break Err(format!(
+                        "no result within {} s: killed",
+                        self.timeout.as_secs()
+                    ));
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+                Err(e) => break Err(format!("waiting for the probe: {e}")),
+            }
+        };
+        let stdout = out.join().unwrap_or_default();
+        let stderr = err.join().unwrap_or_default();
+        let status = match status {
+            Ok(s) => s,
+            Err(why) => return failed(why),
+        };
+        if !status.success() {
+            let last = stderr
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("no message");
+            let how = match status.code() {
+                Some(code) => format!("exit {code}"),
+                None => "killed by a signal (out of memory?)".to_string(),
+            };
+            return failed(format!("{how}: {last}"));
+        }
+        match measurement(&stdout, c, started.elapsed().as_secs_f64()) {
+            Some(m) => ProbeResult::Ran(m),
+            None => failed("the probe printed no benchmark result".into()),
+        }
+    }
+}
+
+/// Reads a `kiln bench --json` result as the tuner's measurement: whole
+/// optimizer steps of `accumulation` micro-steps and one optimizer step.
+fn measurement(json: &str, c: &Candidate, seconds: f64) -> Option<Measurement> {
+    let value: serde_json::Value = serde_json::from_str(json).ok()?;
+    let b = value.get("bench")?;
+    let num = |k: &str| b.get(k).and_then(serde_json::Value::as_f64);
+    let step_ms = num("ms_per_step_median")?;
+    let optimizer_ms = b.get("phases")?.get("optimizer_ms")?.as_f64()?;
+    let micro_ms = (step_ms - optimizer_ms).max(0.0);
+    let effective_ms = c.accumulation as f64 * micro_ms + optimizer_ms;
+    let effective = (c.micro_batch * c.accumulation) as f64;
+    Some(Measurement {
+        samples_per_s: if effective_ms > 0.0 {
+            effective * 1e3 / effective_ms
+        } else {
+            0.0
+        },
+        ms_per_micro_step: micro_ms,
+        data_wait_pct: num("data_wait_pct")?,
+        peak_memory_bytes: b.get("peak_memory_bytes")?.as_u64()?,
+        device_memory_used_bytes: b
+            .get("device_memory_used_bytes")
+            .and_then(serde_json::Value::as_u64),
+        seconds,
+    })
+}
+
+/// The tuner judged against the exhaustive sweep.
+#[derive(Debug, serde::Serialize)]
+pub(crate) struct Comparison {
+    pub(crate) tune: TuneResult,
+    pub(crate) sweep: TuneResult,
+    /// The tuner's probing time as a share of the sweep's.
+    pub(crate) time_share: f64,
+    /// Throughput as each search measured it (the sweep's best is the
+    /// largest of many noisy measurements, so biased upward).
+    pub(crate) ratio_as_searched: f64,
+    /// Both choices measured again, interleaved, `rounds` times each with
+    /// three times the probe's minimum time: samples/s, in order.
+    pub(crate) rounds: usize,
+    pub(crate) tune_again: Vec<f64>,
+    pub(crate) sweep_again: Vec<f64>,
+    /// Median of `tune_again` over median of `sweep_again`.
+    pub(crate) ratio_head_to_head: f64,
+}
+
+/// Runs the tuner and the sweep, then both choices again head to head.
+pub(crate) fn compare_with_sweep(
+    space: &TuneSpace,
+    probe: &mut ChildProbe,
+    rounds: usize,
+) -> anyhow::Result<Comparison> {
+    let tune = kiln_train::tune(space, probe)?;
+    let sweep = kiln_train::sweep(space, probe)?;
+    let mut long = probe.clone();
+    long.min_seconds = (probe.min_seconds * 3.0).max(1.0);
+    let mut rate = |c: &Candidate| match long.probe(c) {
+        ProbeResult::Ran(m) => Ok(m.samples_per_s),
+        ProbeResult::Failed { why, .. } => Err(anyhow::anyhow!(
+            "re-measuring batch {}: {why}",
+            c.micro_batch
+        )),
+    };
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        a.push(rate(&tune.chosen)?);
+        b.push(rate(&sweep.chosen)?);
+    }
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok(Comparison {
+        time_share: tune.seconds / sweep.seconds.max(1e-9),
+        ratio_as_searched: tune.measurement.samples_per_s
+            / sweep.measurement.samples_per_s.max(1e-9),
+        ratio_head_to_head: median(&a) / median(&b).max(1e-9),
+        rounds,
+        tune_again: a,
+        sweep_again: b,
+        tune,
+        sweep,
+    })
+}
+
+/// [`Comparison`] for people.
+pub(crate) fn comparison_text(space: &TuneSpace, c: &Comparison) -> String {
+    let show = |c: &Candidate| {
+        format!(
+            "batch {} × accumulation {}, {} worker(s), prefetch {}",
+            c.micro_batch, c.accumulation, c.num_workers, c.prefetch_factor
+        )
+    };
+    let list = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.1}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    format!(
+        "{}
+{}
+         tuner: {} — {} probes, {:.1} s
+         sweep: {} — {} probes, {:.1} s
+         time: the tuner took {:.1} % of the sweep's
+         throughput as searched: {:.1} vs {:.1} samples/s = {:.1} %
+         head to head ({} interleaved rounds): tuner's choice {} vs sweep's {} samples/s = {:.1} %
+",
+        tune_text(space, &c.tune, "tune"),
+        tune_text(space, &c.sweep, "sweep"),
+        show(&c.tune.chosen),
+        c.tune.trials.len(),
+        c.tune.seconds,
+        show(&c.sweep.chosen),
+        c.sweep.trials.len(),
+        c.sweep.seconds,
+        100.0 * c.time_share,
+        c.tune.measurement.samples_per_s,
+        c.sweep.measurement.samples_per_s,
+        100.0 * c.ratio_as_searched,
+        c.rounds,
+        list(&c.tune_again),
+        list(&c.sweep_again),
+        100.0 * c.ratio_head_to_head,
+    )
+}
+
+/// The tuner's trials and choice, for people.
+pub(crate) fn tune_text(space: &TuneSpace, r: &TuneResult, what: &str) -> String {
+    let mut s = format!(
+        "{what}: effective batch {} kept; memory limit {} ({})\n\
+         {:>5} {:>5} {:>7} {:>8} {:>10} {:>9} {:>9} {:>9}\n",
+        space.effective_batch,
+        gib(space.memory_limit),
+        space.memory_limit_what,
+        "batch",
+        "accum",
+        "workers",
+        "prefetch",
+        "samples/s",
+        "wait %",
+        "peak RAM",
+        "seconds",
+    );
+    for t in &r.trials {
+        let c = t.candidate;
+        let _ = write!(
+            s,
+            "{:>5} {:>5} {:>7} {:>8} ",
+            c.micro_batch, c.accumulation, c.num_workers, c.prefetch_factor
+        );
+        match &t.result {
+            ProbeResult::Ran(m) => {
+                let _ = write!(
+                    s,
+                    "{:>10.1} {:>9.2} {:>9} {:>9.1}",
+                    m.samples_per_s,
+                    m.data_wait_pct,
+                    gib(m.peak_memory_bytes),
+                    m.seconds
+                );
+            }
+            ProbeResult::Failed { seconds, .. } => {
+                let _ = write!(s, "{:>10} {:>9} {:>9} {:>9.1}", "-", "-", "-", seconds);
+            }
+        }
+        if !t.note.is_empty() {
+            let _ = write!(s, "  {}", t.note);
+        }
+        s.push('\n');
+    }
+    let c = r.chosen;
+    let _ = writeln!(
+        s,
+        "chosen: training.batch_size={} training.gradient_accumulation_steps={} loader.num_workers={} loader.prefetch_factor={}: {:.1} samples/s\n\
+         loader: {}\n\
+         {} probes, {:.1} s",
+        c.micro_batch,
+        c.accumulation,
+        c.num_workers,
+        c.prefetch_factor,
+        r.measurement.samples_per_s,
+        r.loader_why,
+        r.trials.len(),
+        r.seconds
+    );
+    s
+}
+
+/// `kiln diagnose` for people.
+pub(crate) fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
+    let mut s = format!("{header}\n");
+    let _ = writeln!(s, "device:    {} ({})", d.device, d.device_why);
+    let _ = writeln!(s, "precision: {} ({})", d.precision, d.precision_why);
+    let data = &d.data;
+    let _ = write!(
+        s,
+        "data:      {} training {}, {} validation; {} samples per epoch",
+        data.train, data.unit, data.validation, data.samples_per_epoch
+    );
+    if let Some(longest) = data.longest {
+        let _ = write!(
+            s,
+            "; pairs up to {longest} tokens, 99 % within {}; {} longer than model.max_length",
+            data.p99_length.unwrap_or(0),
+            data.truncated
+        );
+    }
+    s.push('\n');
+    let _ = writeln!(
+        s,
+        "budget:    {} optimizer steps, {} per epoch: {:.2} epochs",
+        d.total_steps, d.steps_per_epoch, d.epochs
+    );
+    let m = &d.memory;
+    let _ = writeln!(
+        s,
+        "memory:    estimate {} = weights {} + gradients {} + AdamW {} + activations {} \
+         (attention's T² part {}; {} with gradient checkpointing), of {} {}; {:.2} M parameters",
+        gib(m.total),
+        gib(m.weights),
+        gib(m.gradients),
+        gib(m.optimizer),
+        gib(m.activations),
+        gib(m.attention),
+        gib(m.activations_checkpointed),
+        gib(m.available),
+        m.available_what,
+        m.parameters as f64 / 1e6
+    );
+    match &d.burst {
+        Some(b) => {
+            let _ = writeln!(
+                s,
+                "measured:  {} steps, {:.1} ms per micro-step, peak RAM {}: {} per epoch, {} for the run's {} steps (evaluation not included)\n\
+                 loader:    {}",
+                b.steps,
+                b.ms_per_step,
+                gib(b.peak_memory_bytes),
+                duration(b.seconds_per_epoch),
+                duration(b.seconds_total),
+                d.total_steps,
+                b.loader_verdict
+            );
+        }
+        None => {
+            s.push_str("measured:  no burst (--burst 0, or an error above makes it pointless)\n")
+        }
+    }
+    if d.findings.is_empty() {
+        s.push_str("problems:  none found\n");
+    } else {
+        s.push_str("problems:\n");
+        for f in &d.findings {
+            let level = match f.severity {
+                kiln_train::Severity::Error => "error",
+                kiln_train::Severity::Warning => "warning",
+                kiln_train::Severity::Note => "note",
+            };
+            let _ = writeln!(
+                s,
+                "  {level:<7} {}: {}\n          fix: {}",
+                f.key, f.problem, f.fix
+            );
+        }
+    }
+    s
+}
+
+/// Seconds as "1 h 02 min", "3 min 05 s" or "12.3 s".
+pub(crate) fn duration(seconds: f64) -> String {
+    let s = seconds.round() as u64;
+    if s >= 3600 {
+        format!("{} h {:02} min", s / 3600, (s % 3600) / 60)
+    } else if s >= 60 {
+        format!("{} min {:02} s", s / 60, s % 60)
+    } else {
+        format!("{seconds:.1} s")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bench_result_becomes_whole_optimizer_steps() {
+        let json = r#"{"bench": {"ms_per_step_median": 12.0, "phases": {"optimizer_ms": 2.0},
+            "data_wait_pct": 0.5, "peak_memory_bytes": 1024, "device_memory_used_bytes": null}}"#;
+        let c = Candidate {
+            micro_batch: 4,
+            accumulation: 3,
+            num_workers: 1,
+            prefetch_factor: 2,
+        };
+        let m = measurement(json, &c, 1.5).expect("parsed");
+        // 3 micro-steps of 10 ms and one optimizer step of 2 ms carry 12 samples.
+        assert!((m.samples_per_s - 12.0 * 1e3 / 32.0).abs() < 1e-9, "{m:?}");
+        assert_eq!(m.peak_memory_bytes, 1024);
+        assert!(measurement("not json", &c, 1.0).is_none());
+    }
+
+    #[test]
+    fn durations_read_naturally() {
+        assert_eq!(duration(12.34), "12.3 s");
+        assert_eq!(duration(185.0), "3 min 05 s");
+        assert_eq!(duration(3720.0), "1 h 02 min");
+    }
+}

@@ -1,0 +1,395 @@
+//! `kiln diagnose`, `kiln tune` and `kiln bench --json` as a user runs them.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use crate::support::{fake_report, kiln, root};
+use crate::train::tiny;
+
+/// `tiny`'s data and model without its command and run directory.
+fn tiny_layers(dir: &Path) -> Vec<String> {
+    tiny(dir, "unused", 50)
+        .into_iter()
+        .skip(1)
+        .filter(|a| !a.starts_with("run.dir"))
+        .collect()
+}
+
+fn run(args: &[String]) -> crate::support::Run {
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    kiln(&refs).run()
+}
+
+#[test]
+fn diagnose_catches_each_config_problem_with_its_fix() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let t4 = tmp.path().join("t4");
+    std::fs::create_dir_all(&t4).expect("mkdir");
+    let t4_report = fake_report(&t4, &[("Tesla T4", 15, (7, 5))]);
+    let t4_flag = format!("--hardware-report={}", t4_report.display());
+    // (arguments, key, what the problem says, the fix, exit code)
+    let cases: &[(&[&str], &str, &str, &str, i32)] = &[
+        (
+            &["training.batch_size=100000"],
+            "training.batch_size",
+            "larger than the training data",
+            "fix: training.batch_size=",
+            2,
+        ),
+        (
+            &["training.max_steps=100", "eval.eval_steps=5000"],
+            "eval.eval_steps",
+            "no evaluation before the end",
+            "fix: eval.eval_steps=25",
+            0,
+        ),
+        (
+            &["training.max_steps=100", "logging.logging_steps=500"],
+            "logging.logging_steps",
+            "nothing is logged",
+            "fix: logging.logging_steps=5",
+            0,
+        ),
+        (
+            &["training.max_steps=100", "training.warmup_steps=100"],
+            "training.warmup_steps",
+            "never reaches",
+            "fix: training.warmup_steps=10",
+            0,
+        ),
+        (
+            &["loader.num_workers=64"],
+            "loader.num_workers",
+            "compete with training",
+            "fix: loader.num_workers=1",
+            0,
+        ),
+        (
+            &["precision.amp=true", "precision.amp_dtype=fp16"],
+            "precision.amp",
+            "on the CPU",
+            "fix: precision.amp=false",
+            0,
+        ),
+        (
+            &[&t4_flag, "hardware=t4", "precision.amp_dtype=bf16"],
+            "precision.amp_dtype",
+            "has no bf16",
+            "fix: precision.amp_dtype=fp16",
+            0,
+        ),
+        (
+            &["optimization.compile=true"],
+            "optimization.compile",
+            "not applicable on the CPU",
+            "fix: optimization.compile=false",
+            0,
+        ),
+        (
+            &["experiment=nli_snli", "model.max_length=16"],
+            "model.max_length",
+            "longer than model.max_length=16",
+            "fix: model.max_length=",
+            0,
+        ),
+        (
+            &["data.max_chars=20000", "model.max_length=4000"],
+            "model.max_length",
+            "validation split has",
+            "fix: model.max_length=",
+            2,
+        ),
+        (
+            &["hardware=gpu_4090"],
+            "hardware",
+            "RTX 4090",
+            "fix: hardware=auto",
+            2,
+        ),
+        (
+            &["model.max_length=4096", "training.batch_size=64"],
+            "training.batch_size",
+            "(estimate)",
+            "keeps the effective batch",
+            2,
+        ),
+        (
+            &["checkpoint.every_steps=100000"],
+            "checkpoint.every_steps",
+            "only the final checkpoint",
+            "fix: checkpoint.every_steps=",
+            0,
+        ),
+    ];
+    for (args, key, problem, fix, code) in cases {
+        let mut full: Vec<String> = args
+            .iter()
+            .filter(|a| a.starts_with("--"))
+            .map(|a| a.to_string())
+            .collect();
+        full.extend(["diagnose".to_string(), "--burst=0".into()]);
+        full.extend(
+            args.iter()
+                .filter(|a| !a.starts_with("--"))
+                .map(|a| a.to_string()),
+        );
+        let out = run(&full);
+        assert_eq!(
+            out.code, *code,
+            "{args:?}: exit code\n{}\n{}",
+            out.stdout, out.stderr
+        );
+        let line = out.stdout.lines().position(|l| {
+            l.trim_start().starts_with(level(*code, key))
+                && l.contains(&format!(" {key}: "))
+                && l.contains(problem)
+        });
+        let Some(i) = line else {
+            panic!(
+                "{args:?}: no `{key}` finding saying `{problem}`:\n{}",
+                out.stdout
+            );
+        };
+        let next = out.stdout.lines().nth(i + 1).unwrap_or("");
+        assert!(next.contains(fix), "{args:?}: fix `{next}` lacks `{fix}`");
+    }
+}
+
+/// The severity word a case expects before its key.
+fn level(code: i32, key: &str) -> &'static str {
+    match (code, key) {
+        (2, _) => "error",
+        (_, "checkpoint.every_steps") => "note",
+        _ => "warning",
+    }
+}
+
+#[test]
+fn diagnose_measures_a_burst_and_passes_a_clean_config() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut args = vec!["diagnose".to_string(), "--burst=3".into()];
+    args.extend(tiny_layers(tmp.path()));
+    args.extend([
+        "checkpoint.every_steps=10".into(),
+        "eval.eval_steps=10".into(),
+    ]);
+    let out = run(&args).expect_code(0);
+    out.stdout_has(&[
+        "device:    flex (CPU)",
+        "training tokens",
+        "memory:    estimate",
+        "measured:  3 steps",
+        "not data-bound",
+        "problems:  none found",
+    ]);
+    // --json carries the same.
+    args.push("--json".into());
+    let out = run(&args).expect_code(0);
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("json");
+    assert_eq!(v["schema"], "kiln.diagnose/1");
+    assert!(
+        v["diagnosis"]["memory"]["total"]
+            .as_u64()
+            .is_some_and(|t| t > 0)
+    );
+    assert!(
+        v["diagnosis"]["burst"]["ms_per_step"]
+            .as_f64()
+            .is_some_and(|t| t > 0.0)
+    );
+}
+
+#[test]
+fn tune_writes_a_preset_that_keeps_the_effective_batch_and_hardware_tuned_uses() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let presets = tmp.path().join("presets");
+    for group in ["", "hardware", "experiment"] {
+        std::fs::create_dir_all(presets.join(group)).expect("mkdir");
+        for entry in std::fs::read_dir(root().join("presets").join(group)).expect("read") {
+            let path = entry.expect("entry").path();
+            if path.is_file() {
+                std::fs::copy(
+                    &path,
+                    presets.join(group).join(path.file_name().expect("name")),
+                )
+                .expect("copy");
+            }
+        }
+    }
+    let flag = format!("--presets={}", presets.display());
+    let mut args = vec![
+        flag.clone(),
+        "tune".into(),
+        "--warmup=1".into(),
+        "--steps=2".into(),
+        "--min-seconds=0".into(),
+        "--json".into(),
+    ];
+    args.extend(tiny_layers(tmp.path()));
+    args.extend([
+        "training.batch_size=4".into(),
+        "training.gradient_accumulation_steps=2".into(),
+    ]);
+    let out = run(&args).expect_code(0);
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("json");
+    let trials = v["result"]["trials"].as_array().expect("trials");
+    assert!(!trials.is_empty());
+    for t in trials {
+        let c = &t["candidate"];
+        assert_eq!(
+            c["micro_batch"].as_u64().unwrap_or(0) * c["accumulation"].as_u64().unwrap_or(0),
+            8,
+            "{t}"
+        );
+    }
+    let chosen = &v["result"]["chosen"];
+    let path = Path::new(v["written"].as_str().expect("written"));
+    assert!(
+        path.starts_with(presets.join("tuned")),
+        "{}",
+        path.display()
+    );
+    let text = std::fs::read_to_string(path).expect("tuned preset");
+    assert!(text.contains("# == shakespeare_char =="), "{text}");
+    assert!(
+        text.contains("samples/s"),
+        "the measurements are written: {text}"
+    );
+
+    // hardware=tuned takes the measured values, and says where they came from.
+    let out = run(&[
+        flag.clone(),
+        "config".into(),
+        "--explain".into(),
+        "hardware=tuned".into(),
+    ])
+    .expect_code(0);
+    let explained: BTreeMap<&str, &str> = out
+        .stdout
+        .lines()
+        .filter_map(|l| l.split_once(" = "))
+        .collect();
+    let batch = explained["training.batch_size"];
+    assert!(
+        batch.starts_with(&chosen["micro_batch"].to_string()) && batch.contains("tuned preset"),
+        "{batch}"
+    );
+    assert!(
+        explained["training.gradient_accumulation_steps"]
+            .starts_with(&chosen["accumulation"].to_string())
+    );
+
+    // Not tuned for the other experiment: exit 2, saying what to run.
+    run(&[
+        flag,
+        "config".into(),
+        "hardware=tuned".into(),
+        "experiment=nli_snli".into(),
+    ])
+    .expect_code(2)
+    .stderr_has(&["kiln tune experiment=nli_snli"]);
+}
+
+/// The documented fields of a JSON layout: `(dotted path, type)`.
+fn documented(marker: &str) -> BTreeMap<String, String> {
+    let doc = std::fs::read_to_string(root().join("docs/PERFORMANCE.md")).expect("doc");
+    let start = format!("<!-- {marker}:start -->");
+    let end = format!("<!-- {marker}:end -->");
+    let (a, b) = (
+        doc.find(&start).expect("start marker"),
+        doc.find(&end).expect("end marker"),
+    );
+    doc[a..b]
+        .lines()
+        .filter(|l| l.starts_with("| `"))
+        .map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            (cells[1].trim_matches('`').to_string(), cells[2].to_string())
+        })
+        .collect()
+}
+
+/// Every field of `value` (not inside `config` or arrays) with its JSON type.
+fn fields(value: &serde_json::Value, prefix: &str, out: &mut BTreeMap<String, String>) {
+    let Some(map) = value.as_object() else { return };
+    for (k, v) in map {
+        let path = if prefix.is_empty() {
+            k.clone()
+        } else {
+            format!("{prefix}.{k}")
+        };
+        let kind = match v {
+            serde_json::Value::Null => "null",
+            serde_json::Value::Bool(_) => "boolean",
+            serde_json::Value::Number(n) if n.is_u64() || n.is_i64() => "integer",
+            serde_json::Value::Number(_) => "number",
+            serde_json::Value::String(_) => "string",
+            serde_json::Value::Array(_) => "array",
+            serde_json::Value::Object(_) => "object",
+        };
+        out.insert(path.clone(), kind.to_string());
+        if k != "config" {
+            fields(v, &path, out);
+        }
+    }
+}
+
+fn check_schema(marker: &str, json: &str) {
+    let doc = documented(marker);
+    let v: serde_json::Value = serde_json::from_str(json).expect("json");
+    let mut got = BTreeMap::new();
+    fields(&v, "", &mut got);
+    for (path, kind) in &got {
+        let Some(want) = doc.get(path) else {
+            panic!("`{path}` ({kind}) is not documented in docs/PERFORMANCE.md's {marker}");
+        };
+        let ok = want == kind
+            || (want == "number" && kind == "integer")
+            || want
+                .split(" or ")
+                .any(|w| w == kind || (w == "number" && kind == "integer"));
+        assert!(ok, "`{path}` is {kind}, documented as {want}");
+    }
+    for path in doc.keys() {
+        assert!(
+            got.contains_key(path),
+            "documented `{path}` is missing from the output"
+        );
+    }
+}
+
+#[test]
+fn bench_json_follows_the_documented_schema() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut args = vec![
+        "bench".to_string(),
+        "lm".into(),
+        "--json".into(),
+        "--warmup=1".into(),
+        "--steps=3".into(),
+    ];
+    args.extend(tiny_layers(tmp.path()));
+    let out = run(&args).expect_code(0);
+    check_schema("bench-schema", &out.stdout);
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("json");
+    assert_eq!(v["schema"], "kiln.bench/1");
+    assert_eq!(v["bench"]["timed_steps"], 3);
+
+    let mut args = vec![
+        "bench".to_string(),
+        "loader".into(),
+        "--json".into(),
+        "--batches=20".into(),
+    ];
+    args.extend(tiny_layers(tmp.path()));
+    let out = run(&args).expect_code(0);
+    check_schema("loader-schema", &out.stdout);
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("json");
+    let rows = v["loader"]["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 4, "configured 1 worker, then 0, 2 and 4");
+    assert_eq!(rows[0]["configured"], true);
+    assert!(
+        rows.iter()
+            .all(|r| r["batches_per_s"].as_f64().is_some_and(|b| b > 0.0))
+    );
+}
