@@ -355,6 +355,26 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
             } else {
                 write!(out, "{}", bench_text(&result))?;
+                let m = &config.model;
+                writeln!(
+                    out,
+                    "machine: {} ({}, {} cores{}); experiment `{}`: {} layers × {} wide, {} heads, max_length {}, batch {} (hardware preset `{}`)",
+                    report.machine_id(),
+                    report.cpu.model,
+                    report.cpu.logical_cores,
+                    report
+                        .gpus()
+                        .iter()
+                        .map(|g| format!(", {}", g.name))
+                        .collect::<String>(),
+                    config.experiment,
+                    m.layers,
+                    m.hidden,
+                    m.heads,
+                    m.max_length,
+                    config.training.batch_size,
+                    config.hardware
+                )?;
             }
         }
         Command::Diagnose {
