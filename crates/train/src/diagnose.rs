@@ -182,7 +182,7 @@ pub fn diagnose(
             total_steps,
         )?),
     };
-    findings.sort_by(|a, b| b.severity.cmp(&a.severity));
+    findings.sort_by_key(|f| std::cmp::Reverse(f.severity));
     Ok(Diagnosis {
         device: device_name,
         device_why,

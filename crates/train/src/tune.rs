@@ -157,7 +157,7 @@ impl TuneSpace {
 
 /// The divisors of `n`, ascending.
 pub fn divisors(n: usize) -> Vec<usize> {
-    (1..=n.max(1)).filter(|d| n.max(1) % d == 0).collect()
+    (1..=n.max(1)).filter(|d| n.max(1).is_multiple_of(*d)).collect()
 }
 
 /// One probe and what the search made of it.
