@@ -358,33 +358,33 @@ fn check_schema(marker: &str, json: &str) {
     }
 }
 
+/// Runs `kiln <args> --json` on the tiny model and checks its output
+/// against the documented schema `marker`.
+fn bench_json(dir: &Path, args: &[&str], marker: &str) -> serde_json::Value {
+    let mut full: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    full.push("--json".into());
+    full.extend(tiny_layers(dir));
+    let out = run(&full).expect_code(0);
+    check_schema(marker, &out.stdout);
+    serde_json::from_str(&out.stdout).expect("json")
+}
+
 #[test]
 fn bench_json_follows_the_documented_schema() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let mut args = vec![
-        "bench".to_string(),
-        "lm".into(),
-        "--json".into(),
-        "--warmup=1".into(),
-        "--steps=3".into(),
-    ];
-    args.extend(tiny_layers(tmp.path()));
-    let out = run(&args).expect_code(0);
-    check_schema("bench-schema", &out.stdout);
-    let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("json");
+    let v = bench_json(
+        tmp.path(),
+        &["bench", "lm", "--warmup=1", "--steps=3"],
+        "bench-schema",
+    );
     assert_eq!(v["schema"], "kiln.bench/1");
     assert_eq!(v["bench"]["timed_steps"], 3);
 
-    let mut args = vec![
-        "bench".to_string(),
-        "loader".into(),
-        "--json".into(),
-        "--batches=20".into(),
-    ];
-    args.extend(tiny_layers(tmp.path()));
-    let out = run(&args).expect_code(0);
-    check_schema("loader-schema", &out.stdout);
-    let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("json");
+    let v = bench_json(
+        tmp.path(),
+        &["bench", "loader", "--batches=20"],
+        "loader-schema",
+    );
     let rows = v["loader"]["rows"].as_array().expect("rows");
     assert_eq!(rows.len(), 4, "configured 1 worker, then 0, 2 and 4");
     assert_eq!(rows[0]["configured"], true);

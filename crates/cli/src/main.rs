@@ -322,13 +322,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if workload == BenchWorkload::Loader {
                 let result = kiln_train::bench_loader(config, batches).map_err(train_error)?;
                 if json {
-                    let value = serde_json::json!({
-                        "schema": LOADER_SCHEMA,
-                        "loader": result,
-                        "hardware": hardware_summary(&report),
-                        "config": config,
-                    });
-                    writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+                    let value = serde_json::to_value(&result)?;
+                    write_bench_json(&mut out, LOADER_SCHEMA, "loader", value, &report, config)?;
                 } else {
                     write!(out, "{}", loader_text(&result))?;
                 }
@@ -346,13 +341,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             .map_err(train_error)?;
             if json {
-                let value = serde_json::json!({
-                    "schema": BENCH_SCHEMA,
-                    "bench": result,
-                    "hardware": hardware_summary(&report),
-                    "config": config,
-                });
-                writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+                let value = serde_json::to_value(&result)?;
+                write_bench_json(&mut out, BENCH_SCHEMA, "bench", value, &report, config)?;
             } else {
                 write!(out, "{}", bench_text(&result))?;
                 let m = &config.model;
@@ -574,6 +564,26 @@ fn finish(outcome: kiln_train::Outcome) -> ExitCode {
 /// The version of `kiln bench --json`'s layout (docs/PERFORMANCE.md).
 const BENCH_SCHEMA: &str = "kiln.bench/1";
 const LOADER_SCHEMA: &str = "kiln.bench-loader/1";
+
+/// A benchmark's JSON: its schema, the result under `name`, the machine and
+/// the resolved configuration.
+fn write_bench_json(
+    out: &mut impl Write,
+    schema: &str,
+    name: &str,
+    result: serde_json::Value,
+    report: &HardwareReport,
+    config: &kiln_config::RunConfig,
+) -> anyhow::Result<()> {
+    let mut value = serde_json::json!({
+        "schema": schema,
+        "hardware": hardware_summary(report),
+        "config": config,
+    });
+    value[name] = result;
+    writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+    Ok(())
+}
 
 /// The machine in a benchmark's output.
 fn hardware_summary(report: &HardwareReport) -> serde_json::Value {

@@ -492,39 +492,40 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
         }
     }
 
-    // Step budget against evaluation, logging, checkpoints and warm-up.
-    if c.eval.eval_steps > total_steps {
-        add(
-            Severity::Warning,
+    // Step budget against evaluation, logging, checkpoints and warm-up:
+    // (value, key, severity, what follows, the fix as a fraction of the run).
+    let cadences = [
+        (
+            c.eval.eval_steps,
             "eval.eval_steps",
-            format!(
-                "eval.eval_steps={} is beyond the run's {total_steps} steps: no evaluation before the end",
-                c.eval.eval_steps
-            ),
-            format!("eval.eval_steps={}", (total_steps / 4).max(1)),
-        );
-    }
-    if c.logging.logging_steps > total_steps {
-        add(
             Severity::Warning,
+            "no evaluation before the end",
+            4,
+        ),
+        (
+            c.logging.logging_steps,
             "logging.logging_steps",
-            format!(
-                "logging.logging_steps={} is beyond the run's {total_steps} steps: nothing is logged",
-                c.logging.logging_steps
-            ),
-            format!("logging.logging_steps={}", (total_steps / 20).max(1)),
-        );
-    }
-    if c.checkpoint.every_steps > total_steps {
-        add(
-            Severity::Note,
+            Severity::Warning,
+            "nothing is logged",
+            20,
+        ),
+        (
+            c.checkpoint.every_steps,
             "checkpoint.every_steps",
-            format!(
-                "checkpoint.every_steps={} is beyond the run's {total_steps} steps: only the final checkpoint is written, so a crash loses the run",
-                c.checkpoint.every_steps
-            ),
-            format!("checkpoint.every_steps={}", (total_steps / 4).max(1)),
-        );
+            Severity::Note,
+            "only the final checkpoint is written, so a crash loses the run",
+            4,
+        ),
+    ];
+    for (value, key, severity, consequence, part) in cadences {
+        if value > total_steps {
+            add(
+                severity,
+                key,
+                format!("{key}={value} is beyond the run's {total_steps} steps: {consequence}"),
+                format!("{key}={}", (total_steps / part).max(1)),
+            );
+        }
     }
     if t.warmup_steps >= total_steps {
         add(
@@ -692,5 +693,62 @@ pub fn gib(bytes: u64) -> String {
         format!("{:.1} GiB", b / f64::from(1u32 << 30))
     } else {
         format!("{:.0} MiB", b / f64::from(1u32 << 20))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(overrides: &[&str]) -> RunConfig {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../presets");
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        let report = kiln_hwdetect::detect_with(&kiln_hwdetect::FixedProbe(
+            kiln_hwdetect::GpuStatus::None { why: String::new() },
+            kiln_hwdetect::DriverInfo::default(),
+        ));
+        kiln_config::resolve(&kiln_config::LoadOptions {
+            presets_dir: &dir,
+            config_file: None,
+            overrides: &overrides,
+            env: &[],
+            hardware: &report,
+        })
+        .expect("resolves")
+        .config
+    }
+
+    #[test]
+    fn memory_estimate_grows_as_the_shapes_say() {
+        let base = estimate_memory(&config(&[]), 65);
+        let twice_batch = estimate_memory(&config(&["training.batch_size=24"]), 65);
+        let twice_len = estimate_memory(&config(&["model.max_length=128"]), 65);
+        // Activations are linear in the batch; attention is quadratic in T.
+        assert_eq!(twice_batch.activations, 2 * base.activations);
+        assert_eq!(twice_len.attention, 4 * base.attention);
+        assert_eq!(twice_batch.weights, base.weights);
+        // Weights, gradients and AdamW: 4 + 4 + 8 bytes per parameter.
+        assert_eq!(base.weights, 4 * base.parameters as u64);
+        assert_eq!(base.optimizer, 2 * base.gradients);
+        assert!(base.activations_checkpointed < base.activations);
+        let ckpt = estimate_memory(&config(&["model.gradient_checkpointing=true"]), 65);
+        assert_eq!(
+            ckpt.total,
+            base.total - base.activations + base.activations_checkpointed
+        );
+        // A frozen encoder keeps gradients and moments for the head only.
+        let nli = estimate_memory(&config(&["experiment=nli_snli"]), 8000);
+        let frozen = estimate_memory(
+            &config(&["experiment=nli_snli", "model.freeze_encoder=true"]),
+            8000,
+        );
+        assert!(frozen.gradients * 100 < nli.gradients);
+    }
+
+    #[test]
+    fn loader_verdicts_name_the_fix() {
+        assert!(loader_verdict(0.1, 1, 2).starts_with("not data-bound"));
+        assert!(loader_verdict(12.0, 1, 8).contains("raise loader.num_workers to 2"));
+        assert!(loader_verdict(12.0, 2, 2).contains("prefetch_factor"));
     }
 }

@@ -157,7 +157,9 @@ impl TuneSpace {
 
 /// The divisors of `n`, ascending.
 pub fn divisors(n: usize) -> Vec<usize> {
-    (1..=n.max(1)).filter(|d| n.max(1).is_multiple_of(*d)).collect()
+    (1..=n.max(1))
+        .filter(|d| n.max(1).is_multiple_of(*d))
+        .collect()
 }
 
 /// One probe and what the search made of it.
@@ -526,6 +528,15 @@ mod tests {
         }
     }
 
+    fn machine(fail_from: usize, plateau: usize, wait_pct: f64) -> Fake {
+        Fake {
+            fail_from,
+            plateau,
+            wait_pct,
+            calls: Vec::new(),
+        }
+    }
+
     fn space(eff: usize) -> TuneSpace {
         TuneSpace::new(eff, 1, 2, 4, u64::MAX, "RAM".into(), false)
     }
@@ -533,12 +544,7 @@ mod tests {
     #[test]
     fn the_effective_batch_is_kept_by_every_probe() {
         let sp = space(24);
-        let mut fake = Fake {
-            fail_from: usize::MAX,
-            plateau: 1000,
-            wait_pct: 30.0,
-            calls: Vec::new(),
-        };
+        let mut fake = machine(usize::MAX, 1000, 30.0);
         let r = tune(&sp, &mut fake).expect("tuned");
         assert!(!fake.calls.is_empty());
         for c in &fake.calls {
@@ -556,12 +562,7 @@ mod tests {
     #[test]
     fn a_failed_probe_is_never_returned_and_ends_the_climb() {
         let sp = space(16);
-        let mut fake = Fake {
-            fail_from: 8,
-            plateau: 1000,
-            wait_pct: 0.0,
-            calls: Vec::new(),
-        };
+        let mut fake = machine(8, 1000, 0.0);
         let r = tune(&sp, &mut fake).expect("tuned");
         assert_eq!(r.chosen.micro_batch, 4, "{:?}", r.trials);
         assert_eq!(
@@ -575,12 +576,7 @@ mod tests {
                 .any(|t| !t.usable && t.note.contains("simulated"))
         );
         // Everything fails: an error, not a size that never ran.
-        let mut broken = Fake {
-            fail_from: 1,
-            plateau: 1,
-            wait_pct: 0.0,
-            calls: Vec::new(),
-        };
+        let mut broken = machine(1, 1, 0.0);
         let err = tune(&sp, &mut broken).expect_err("nothing ran").to_string();
         assert!(err.contains("batch 1 failed"), "{err}");
     }
@@ -589,12 +585,7 @@ mod tests {
     fn over_the_memory_limit_is_not_returned() {
         let mut sp = space(16);
         sp.memory_limit = 2500; // batches 1 and 2 fit (1000 bytes per sample)
-        let mut fake = Fake {
-            fail_from: usize::MAX,
-            plateau: 1000,
-            wait_pct: 0.0,
-            calls: Vec::new(),
-        };
+        let mut fake = machine(usize::MAX, 1000, 0.0);
         let r = tune(&sp, &mut fake).expect("tuned");
         assert_eq!(r.chosen.micro_batch, 2);
         assert_eq!(r.chosen.accumulation, 8);
@@ -603,12 +594,7 @@ mod tests {
     #[test]
     fn the_smallest_batch_within_3_percent_of_the_fastest_is_chosen() {
         let sp = space(64);
-        let mut fake = Fake {
-            fail_from: usize::MAX,
-            plateau: 8,
-            wait_pct: 0.0,
-            calls: Vec::new(),
-        };
+        let mut fake = machine(usize::MAX, 8, 0.0);
         let r = tune(&sp, &mut fake).expect("tuned");
         // 64, 32, 16 and 8 are as fast (plateau); 8 gains 11 % over 4: stop.
         assert_eq!(
@@ -617,12 +603,7 @@ mod tests {
         );
         assert_eq!(r.chosen.micro_batch, 8);
         // The sweep finds the same best in many more probes.
-        let mut all = Fake {
-            fail_from: usize::MAX,
-            plateau: 8,
-            wait_pct: 0.0,
-            calls: Vec::new(),
-        };
+        let mut all = machine(usize::MAX, 8, 0.0);
         let s = sweep(&sp, &mut all).expect("swept");
         assert!(s.trials.len() > 5 * r.trials.len());
         assert!(r.measurement.samples_per_s >= 0.95 * s.measurement.samples_per_s);
@@ -631,12 +612,7 @@ mod tests {
     #[test]
     fn a_data_bound_batch_gets_more_workers() {
         let sp = space(4);
-        let mut fake = Fake {
-            fail_from: usize::MAX,
-            plateau: 1000,
-            wait_pct: 40.0,
-            calls: Vec::new(),
-        };
+        let mut fake = machine(usize::MAX, 1000, 40.0);
         let r = tune(&sp, &mut fake).expect("tuned");
         assert!(r.chosen.num_workers > 1, "{:?}", r.chosen);
         assert!(r.loader_why.contains("workers"), "{}", r.loader_why);
@@ -647,12 +623,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tmp");
         let path = dir.path().join("tuned/m.toml");
         let sp = space(4);
-        let mut fake = Fake {
-            fail_from: usize::MAX,
-            plateau: 1000,
-            wait_pct: 0.0,
-            calls: Vec::new(),
-        };
+        let mut fake = machine(usize::MAX, 1000, 0.0);
         let r = tune(&sp, &mut fake).expect("tuned");
         write_tuned(&path, "a", &tuned_block("a", "first", &sp, &r)).expect("write");
         write_tuned(&path, "b", &tuned_block("b", "second", &sp, &r)).expect("write");
