@@ -326,3 +326,52 @@ fn gradient_checkpointing_trains() {
         .expect_code(0)
         .stdout_has(&["gradient checkpointing: on", "step    12/12"]);
 }
+
+#[test]
+fn a_diverging_run_skips_non_finite_steps_then_stops_with_finite_checkpoints() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut args = tiny(tmp.path(), "run", 50);
+    // A learning rate no model survives: the second step's loss is not finite.
+    args.extend([
+        "training.learning_rate=1e30".to_string(),
+        "training.warmup_steps=0".into(),
+        "checkpoint.every_steps=1".into(),
+        "checkpoint.keep=50".into(),
+        "precision.max_bad_steps=3".into(),
+    ]);
+    let run = run_kiln(&args).expect_code(1);
+    run.stderr_has(&[
+        "3 step(s) in a row (precision.max_bad_steps)",
+        "last good checkpoint is intact",
+    ]);
+    run.stdout_has(&["step skipped, no update (1 in a row", "(2 in a row"]);
+    let dir = tmp.path().join("run");
+    let metrics = std::fs::read_to_string(dir.join("metrics.jsonl")).expect("metrics");
+    let skipped: Vec<serde_json::Value> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["kind"] == "skipped")
+        .collect();
+    assert_eq!(skipped.len(), 2, "{metrics}");
+    // Every checkpoint written, before and during the bad steps, is finite.
+    let mut checked = 0;
+    for entry in std::fs::read_dir(dir.join("checkpoints")).expect("checkpoints") {
+        let bytes = std::fs::read(entry.expect("entry").path()).expect("read");
+        let file = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+        for (name, view) in file.tensors() {
+            if view.dtype() == safetensors::Dtype::F32 {
+                assert!(
+                    view.data()
+                        .chunks_exact(4)
+                        .all(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()),
+                    "{name} holds a non-finite value"
+                );
+            }
+        }
+        checked += 1;
+    }
+    assert!(
+        checked >= 2,
+        "checkpoints before and during the skipped steps"
+    );
+}

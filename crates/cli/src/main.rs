@@ -632,7 +632,7 @@ fn tune_command(
     let config = &resolved.config;
     let t = &config.training;
     let effective = t.batch_size * t.gradient_accumulation_steps.max(1);
-    let device = kiln_train::select_device(config.device.backend, !report.gpus().is_empty())
+    let device = kiln_train::select_device(&config.device, !report.gpus().is_empty())
         .map_err(train_error)?;
     let gpu = report
         .gpus()

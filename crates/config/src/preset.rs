@@ -406,6 +406,7 @@ mod tests {
             amp: true,
             amp_dtype: AmpDtype::Bf16,
             tf32: true,
+            max_bad_steps: 5,
         };
         let t4 = GpuInfo::new(0, "Tesla T4", 15 * GIB, 15 * GIB, (7, 5));
         let a100 = GpuInfo::new(0, "NVIDIA A100-SXM4-40GB", 40 * GIB, 40 * GIB, (8, 0));

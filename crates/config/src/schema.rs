@@ -183,6 +183,9 @@ pub struct PrecisionSection {
     pub amp_dtype: AmpDtype,
     /// Allow TF32 matmuls where the device has them.
     pub tf32: bool,
+    /// Steps in a row whose loss or gradient norm is not finite (each
+    /// skipped, no update) before the run stops.
+    pub max_bad_steps: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -295,6 +298,11 @@ impl RunConfig {
             "must be in [0, 1)",
         );
         check(m.max_length >= 2, "model.max_length", "must be at least 2");
+        check(
+            self.precision.max_bad_steps >= 1,
+            "precision.max_bad_steps",
+            "must be at least 1",
+        );
         let d = &self.data;
         check(!d.path.trim().is_empty(), "data.path", "must not be empty");
         check(

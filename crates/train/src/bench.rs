@@ -396,7 +396,7 @@ pub fn bench_lm(
     hardware: &HardwareReport,
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
-    let choice = select_device(config.device.backend, !hardware.gpus().is_empty())?;
+    let choice = select_device(&config.device, !hardware.gpus().is_empty())?;
     let (source, vocab) = lm_source(config)?;
     let block = config.model.max_length;
     let loader = Loader::new(
@@ -484,7 +484,7 @@ pub fn bench_nli(
     hardware: &HardwareReport,
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
-    let choice = select_device(config.device.backend, !hardware.gpus().is_empty())?;
+    let choice = select_device(&config.device, !hardware.gpus().is_empty())?;
     let (source, vocab, real_mean) = nli_source(config)?;
     let max_len = config.model.max_length;
     let loader = Loader::new(

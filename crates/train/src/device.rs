@@ -1,7 +1,9 @@
 //! Choosing the device: `device.backend = auto | cuda | wgpu | flex`.
+//! The `cuda` feature needs a build that can download CubeCL's LLVM bundle
+//! from GitHub; `wgpu` reaches NVIDIA GPUs through Vulkan without it.
 
 use burn::tensor::Device;
-use kiln_config::Backend;
+use kiln_config::{Backend, DeviceSection};
 
 use crate::TrainError;
 
@@ -34,30 +36,51 @@ fn wgpu(why: &str) -> DeviceChoice {
     }
 }
 
-/// The device for `backend`. `auto` takes a wgpu GPU where this build has
-/// the `wgpu` feature and the machine has an NVIDIA GPU (`has_gpu`), else the
-/// CPU; a backend this build lacks is an error naming the feature it needs.
-pub fn select_device(backend: Backend, has_gpu: bool) -> Result<DeviceChoice, TrainError> {
+#[cfg(feature = "cuda")]
+fn cuda(index: usize, why: &str) -> DeviceChoice {
+    DeviceChoice {
+        device: Device::cuda(index),
+        name: format!("cuda (GPU {index})"),
+        why: why.to_string(),
+        is_gpu: true,
+    }
+}
+
+/// The device for `device.backend`. `auto` takes CUDA where this build has
+/// the `cuda` feature and the machine has an NVIDIA GPU (`has_gpu`, from
+/// NVML), else a wgpu GPU where it has the `wgpu` feature, else the CPU; a
+/// backend this build lacks is an error naming the feature it needs.
+pub fn select_device(device: &DeviceSection, has_gpu: bool) -> Result<DeviceChoice, TrainError> {
     let missing = |name: &str| TrainError::Backend {
         backend: name.to_string(),
         why: format!(
             "kiln was built without the `{name}` feature; rebuild with `--features {name}` or set device.backend=auto"
         ),
     };
-    match backend {
+    #[cfg(feature = "cuda")]
+    let index = device.index;
+    match device.backend {
         Backend::Flex => Ok(flex("device.backend = flex")),
-        #[cfg(feature = "wgpu")]
+        #[cfg(feature = "cuda")]
+        Backend::Auto if has_gpu => Ok(cuda(
+            index,
+            "auto: an NVIDIA GPU is present and this build has the `cuda` backend",
+        )),
+        #[cfg(all(feature = "wgpu", not(feature = "cuda")))]
         Backend::Auto if has_gpu => Ok(wgpu(
             "auto: an NVIDIA GPU is present and this build has the `wgpu` backend",
         )),
         Backend::Auto if has_gpu => Ok(flex(
-            "auto: a GPU is present, but this build has no GPU backend (the `wgpu` feature is off), so the CPU",
+            "auto: a GPU is present, but this build has no GPU backend (the `wgpu` and `cuda` features are off), so the CPU",
         )),
         Backend::Auto => Ok(flex("auto: no GPU, so the CPU")),
         #[cfg(feature = "wgpu")]
         Backend::Wgpu => Ok(wgpu("device.backend = wgpu")),
         #[cfg(not(feature = "wgpu"))]
         Backend::Wgpu => Err(missing("wgpu")),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => Ok(cuda(index, "device.backend = cuda")),
+        #[cfg(not(feature = "cuda"))]
         Backend::Cuda => Err(missing("cuda")),
     }
 }

@@ -129,7 +129,7 @@ pub fn diagnose(
         .iter()
         .find(|g| g.index as usize == config.device.index)
         .or(hardware.gpus().first());
-    let device = select_device(config.device.backend, gpu.is_some());
+    let device = select_device(&config.device, gpu.is_some());
     let (device_name, device_why, is_gpu, backend_error) = match &device {
         Ok(d) => (d.name.clone(), d.why.clone(), d.is_gpu, None),
         Err(e) => (

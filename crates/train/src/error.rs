@@ -37,9 +37,13 @@ pub enum TrainError {
     Backend { backend: String, why: String },
 
     #[error(
-        "the loss became {value} at step {step}: training diverged (the last good checkpoint is kept); lower training.learning_rate or raise training.warmup_steps"
+        "{what} at step {step}, {in_a_row} step(s) in a row (precision.max_bad_steps): training diverged; the non-finite steps were skipped, so the last good checkpoint is intact; lower training.learning_rate or raise training.warmup_steps"
     )]
-    NonFinite { step: u64, value: f32 },
+    NonFinite {
+        step: u64,
+        what: String,
+        in_a_row: usize,
+    },
 
     #[error("{0} is not supported yet: {1}")]
     Unsupported(&'static str, String),

@@ -68,7 +68,7 @@ pub fn train(
         return crate::nli::train_cv(config, options, observer);
     }
     // Everything that can fail on bad input fails before the run directory exists.
-    let device = select_device(config.device.backend, !options.hardware.gpus().is_empty())?;
+    let device = select_device(&config.device, !options.hardware.gpus().is_empty())?;
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
     let tokenizer = make_tokenizer(config, &corpus.text)?;
     let (session, model) = Session::new(config, device, &corpus, tokenizer, None)?;
@@ -102,7 +102,7 @@ pub fn resume(
         info.step,
         info.path.display()
     )));
-    let device = select_device(config.device.backend, !options.hardware.gpus().is_empty())?;
+    let device = select_device(&config.device, !options.hardware.gpus().is_empty())?;
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
     let tokenizer = Tokenizer::load(&run.file("tokenizer.json"))?;
     run.truncate_metrics_after(info.step)?;

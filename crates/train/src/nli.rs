@@ -279,7 +279,7 @@ pub fn train_cv(
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
-    let device = select_device(config.device.backend, !options.hardware.gpus().is_empty())?;
+    let device = select_device(&config.device, !options.hardware.gpus().is_empty())?;
     let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
     if !config.data.tokenizer_file.is_empty() {
         Tokenizer::load(Path::new(&config.data.tokenizer_file))?;
@@ -296,7 +296,7 @@ pub(crate) fn resume_cv(
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
-    let device = select_device(config.device.backend, !options.hardware.gpus().is_empty())?;
+    let device = select_device(&config.device, !options.hardware.gpus().is_empty())?;
     let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
     run_cv(config, run, &device, data, options, observer)
 }
@@ -744,7 +744,7 @@ pub fn predict(
     let mut tokenizer = Tokenizer::load(&fold_dir.join("tokenizer.json"))?;
     tokenizer.set_pair_template(config.model.max_length)?;
     let data = read_pairs(data_path, &schema(&config, false))?;
-    let device = select_device(config.device.backend, !hardware.gpus().is_empty())?;
+    let device = select_device(&config.device, !hardware.gpus().is_empty())?;
     let encoder = encoder_config(&config, tokenizer.vocab_size());
     let model_path = fold_dir.join(BEST_MODEL);
     let state = checkpoint::load(&model_path).map_err(|why| TrainError::CheckpointMismatch {

@@ -56,6 +56,61 @@ pub(crate) trait Task {
     fn evaluate(&self, model: &Self::Model, step: u64) -> Evaluation;
 }
 
+/// Counts steps in a row whose loss or gradient norm is not finite.
+#[derive(Debug)]
+pub(crate) struct BadSteps {
+    pub(crate) max: usize,
+    in_a_row: usize,
+}
+
+/// What to do with a step's gradients.
+#[derive(Debug, PartialEq)]
+pub(crate) enum StepVerdict {
+    Apply,
+    /// Not finite: skip the update.
+    Skip {
+        what: String,
+        in_a_row: usize,
+    },
+    /// `max` non-finite steps in a row: stop the run.
+    Stop {
+        what: String,
+        in_a_row: usize,
+    },
+}
+
+impl BadSteps {
+    pub(crate) fn new(max: usize) -> Self {
+        Self {
+            max: max.max(1),
+            in_a_row: 0,
+        }
+    }
+
+    pub(crate) fn check(&mut self, loss: f32, grad_norm: f64) -> StepVerdict {
+        let what = if !loss.is_finite() {
+            format!("the loss is {loss}")
+        } else if !grad_norm.is_finite() {
+            format!("the gradient norm is {grad_norm}")
+        } else {
+            self.in_a_row = 0;
+            return StepVerdict::Apply;
+        };
+        self.in_a_row += 1;
+        if self.in_a_row >= self.max {
+            StepVerdict::Stop {
+                what,
+                in_a_row: self.in_a_row,
+            }
+        } else {
+            StepVerdict::Skip {
+                what,
+                in_a_row: self.in_a_row,
+            }
+        }
+    }
+}
+
 /// Where a loop starts and what it is asked to do.
 #[derive(Clone, Debug)]
 pub(crate) struct LoopPlan {
@@ -113,6 +168,7 @@ pub(crate) fn run_loop<T: Task>(
         config.loader.prefetch_factor,
     );
     let mut memory = MemoryTracker::new();
+    let mut bad_steps = BadSteps::new(config.precision.max_bad_steps);
     let mut step = plan.first_step;
     while step <= plan.total_steps {
         if options.interrupt.load(Ordering::Relaxed) {
@@ -170,15 +226,7 @@ pub(crate) fn run_loop<T: Task>(
         }
         let grads = single.unwrap_or_else(|| accumulator.grads());
         let loss = loss_sum.map_or(f32::NAN, |l| l.into_scalar::<f32>()) / accum as f32;
-        if !loss.is_finite() {
-            return Err(TrainError::NonFinite { step, value: loss });
-        }
         let norm = global_grad_norm(&model, &grads);
-        let scale = if t.grad_clip > 0.0 && norm > t.grad_clip {
-            t.grad_clip / (norm + 1e-6)
-        } else {
-            1.0
-        };
         let lr = lr_at(
             step,
             t.learning_rate,
@@ -186,7 +234,37 @@ pub(crate) fn run_loop<T: Task>(
             t.warmup_steps as u64,
             plan.total_steps,
         );
-        model = optim.step(model, grads, lr, scale);
+        match bad_steps.check(loss, norm) {
+            StepVerdict::Apply => {
+                let scale = if t.grad_clip > 0.0 && norm > t.grad_clip {
+                    t.grad_clip / (norm + 1e-6)
+                } else {
+                    1.0
+                };
+                model = optim.step(model, grads, lr, scale);
+            }
+            StepVerdict::Skip { what, in_a_row } => {
+                // No update: the weights and the optimizer state stay as
+                // they were, finite, and so does every checkpoint.
+                run.append_metric(&serde_json::json!({
+                    "kind": "skipped",
+                    "step": step,
+                    "why": what,
+                    "in_a_row": in_a_row,
+                }))?;
+                observer.event(&Event::Note(format!(
+                    "step {step}: {what}: step skipped, no update ({in_a_row} in a row; precision.max_bad_steps = {})",
+                    bad_steps.max
+                )));
+            }
+            StepVerdict::Stop { what, in_a_row } => {
+                return Err(TrainError::NonFinite {
+                    step,
+                    what,
+                    in_a_row,
+                });
+            }
+        }
         plan.tokens_seen += work.tokens as u64;
         let elapsed = step_started.elapsed().as_secs_f64();
 
@@ -409,4 +487,42 @@ pub(crate) fn best_from_metrics(metrics: &[serde_json::Value]) -> (Option<f64>, 
         }
     }
     (best, since)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_finite_steps_are_skipped_then_stop_the_run() {
+        let mut bad = BadSteps::new(3);
+        assert_eq!(bad.check(1.0, 0.5), StepVerdict::Apply);
+        assert!(matches!(
+            bad.check(f32::NAN, 0.5),
+            StepVerdict::Skip { in_a_row: 1, .. }
+        ));
+        assert!(matches!(
+            bad.check(1.0, f64::INFINITY),
+            StepVerdict::Skip { in_a_row: 2, ref what } if what.contains("gradient norm is inf")
+        ));
+        // A finite step resets the count.
+        assert_eq!(bad.check(2.0, 1.0), StepVerdict::Apply);
+        assert!(matches!(
+            bad.check(f32::INFINITY, 1.0),
+            StepVerdict::Skip { in_a_row: 1, .. }
+        ));
+        assert!(matches!(
+            bad.check(f32::NAN, 1.0),
+            StepVerdict::Skip { in_a_row: 2, .. }
+        ));
+        assert!(matches!(
+            bad.check(f32::NAN, f64::NAN),
+            StepVerdict::Stop { in_a_row: 3, ref what } if what.contains("loss is NaN")
+        ));
+        // max_bad_steps = 1 stops at the first.
+        assert!(matches!(
+            BadSteps::new(1).check(f32::NAN, 0.0),
+            StepVerdict::Stop { .. }
+        ));
+    }
 }
