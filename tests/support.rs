@@ -12,7 +12,8 @@ pub(crate) fn root() -> PathBuf {
 }
 
 /// The `kiln` binary of this build profile, brought up to date once per
-/// test run (`cargo test -p kiln-tests` alone would not rebuild it).
+/// test run (`cargo test -p kiln-tests` alone would not rebuild it); with
+/// this crate's `wgpu` feature, built with the wgpu backend.
 pub(crate) fn kiln_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
@@ -39,6 +40,11 @@ pub(crate) fn kiln_bin() -> &'static Path {
                 "--profile",
                 profile,
             ])
+            .args(if cfg!(feature = "wgpu") {
+                &["--features", "kiln-cli/wgpu"][..]
+            } else {
+                &[][..]
+            })
             .current_dir(root())
             .status()
             .expect("run cargo build");

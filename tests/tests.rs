@@ -2,6 +2,8 @@
 //! checks that keep docs, presets and code in step.
 
 mod cli;
+#[cfg(feature = "wgpu")]
+mod gpu;
 mod hygiene;
 mod measure;
 mod nli;

@@ -116,7 +116,7 @@ pub(crate) fn human(report: &HardwareReport, resolved: &ResolvedConfig) -> Strin
             ),
         ),
         ("max_length", c.model.max_length.to_string()),
-        ("backend", format!("{:?}", c.device.backend).to_lowercase()),
+        ("backend", backend_line(report, resolved)),
     ];
     for (k, v) in rows {
         let _ = writeln!(s, "  {k:<14} {v}");
@@ -189,6 +189,16 @@ fn peak_text(p: &PeakFlops) -> String {
     format!("{} TFLOP/s", parts.join(", "))
 }
 
+/// `device.backend`, and the device this build of kiln takes for it, and why.
+fn backend_line(report: &HardwareReport, resolved: &ResolvedConfig) -> String {
+    let c = &resolved.config;
+    let asked = format!("{:?}", c.device.backend).to_lowercase();
+    match kiln_train::select_device(&c.device, !report.gpus().is_empty()) {
+        Ok(d) => format!("{asked} → {} in this build ({})", d.name, d.why),
+        Err(e) => format!("{asked}: {e}"),
+    }
+}
+
 /// `kiln check-hardware --json`: the report, the preset and the recommendation.
 pub(crate) fn json(report: &HardwareReport, resolved: &ResolvedConfig) -> serde_json::Value {
     let c = &resolved.config;
@@ -214,6 +224,7 @@ pub(crate) fn json(report: &HardwareReport, resolved: &ResolvedConfig) -> serde_
             "gradient_checkpointing": c.model.gradient_checkpointing,
             "max_length": c.model.max_length,
             "backend": c.device.backend,
+            "backend_in_this_build": backend_line(report, resolved),
         },
     })
 }

@@ -21,7 +21,7 @@ use crate::lm::{batch_tensors, gpt_config, make_tokenizer};
 use crate::nli::{encoder_config, pair_tensors, schema};
 use crate::optim::{AdamW, global_grad_norm};
 use crate::report::median;
-use crate::trainer::{Work, train_device};
+use crate::trainer::{Work, init_model, train_device};
 use crate::{MemoryTracker, TrainError, select_device};
 
 /// How many steps to run, and how to pad pairs.
@@ -406,8 +406,9 @@ pub fn bench_lm(
         config.loader.prefetch_factor,
     );
     let gpt = gpt_config(config, vocab);
-    let device = train_device(config, &choice.device, config.training.seed);
-    let model = gpt.init(&device);
+    let seed = config.training.seed;
+    let device = train_device(config, &choice.device, seed);
+    let model = init_model(config, &device, choice.is_gpu, seed, |d| gpt.init(d));
     let per_token = gpt.flops_per_token();
     let timings = time_steps(
         loader,
@@ -494,8 +495,9 @@ pub fn bench_nli(
         config.loader.prefetch_factor,
     );
     let encoder = encoder_config(config, vocab);
-    let device = train_device(config, &choice.device, config.training.seed);
-    let mut model = encoder.init(&device);
+    let seed = config.training.seed;
+    let device = train_device(config, &choice.device, seed);
+    let mut model = init_model(config, &device, choice.is_gpu, seed, |d| encoder.init(d));
     let frozen = config.model.freeze_encoder;
     if frozen {
         model = model.freeze_encoder();

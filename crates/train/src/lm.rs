@@ -22,7 +22,8 @@ use crate::report::{
     EvalMetrics, Event, Observer, StepMetrics, Summary, held_back_by, median, write_plots,
 };
 use crate::trainer::{
-    Evaluation, LoopEnd, LoopPlan, LoopPlanStart, Task, Work, restore, run_loop, train_device,
+    Evaluation, LoopEnd, LoopPlan, LoopPlanStart, Task, Work, init_model, restore, run_loop,
+    train_device,
 };
 use crate::{DeviceChoice, RunDir, TrainError, select_device};
 
@@ -283,7 +284,7 @@ impl Session {
         };
         let gpt = gpt_config(config, tokenizer.vocab_size());
         let train_device = train_device(config, &device.device, seed);
-        let mut model = gpt.init(&train_device);
+        let mut model = init_model(config, &train_device, device.is_gpu, seed, |d| gpt.init(d));
         let mut optim = AdamW::for_training(t);
         let mut start = LoopPlanStart {
             first_step: 1,

@@ -25,7 +25,7 @@ use crate::optim::AdamW;
 use crate::report::{Event, Observer, median};
 use crate::trainer::{
     BEST_MODEL, Evaluation, LoopEnd, LoopPlan, LoopPlanStart, Task, Work, best_from_metrics,
-    restore, run_loop, train_device,
+    init_model, restore, run_loop, train_device,
 };
 use crate::{DeviceChoice, Outcome, RunDir, TrainError, TrainOptions, select_device};
 
@@ -493,7 +493,9 @@ fn train_fold(
     };
     let encoder = encoder_config(config, tokenizer.vocab_size());
     let train_device = train_device(config, &device.device, seed);
-    let mut model = encoder.init(&train_device);
+    let mut model = init_model(config, &train_device, device.is_gpu, seed, |d| {
+        encoder.init(d)
+    });
     if config.model.freeze_encoder {
         model = model.freeze_encoder();
     }

@@ -357,6 +357,34 @@ pub(crate) fn train_device(config: &RunConfig, inner: &Device, seed: u64) -> Dev
     device
 }
 
+/// Builds a model whose initial weights do not depend on the device: on a
+/// GPU they are drawn on the CPU (`flex`, seeded as `device` is) and copied
+/// over, so a wgpu or CUDA run starts from the weights a flex run of the
+/// same seed starts from, and the two can be compared step by step.
+pub(crate) fn init_model<M: Module>(
+    config: &RunConfig,
+    device: &Device,
+    is_gpu: bool,
+    seed: u64,
+    init: impl Fn(&Device) -> M,
+) -> M {
+    #[cfg(feature = "flex")]
+    if is_gpu {
+        let cpu = train_device(config, &Device::flex(), seed);
+        let values = crate::params::param_values(&init(&cpu))
+            .into_iter()
+            .map(|(path, shape, v)| (path, (shape, v)))
+            .collect();
+        // Same model, same paths: loading cannot fail; if it did, the
+        // device's own draw is still a valid start.
+        if let Ok(model) = crate::params::load_values(init(device), values, device) {
+            return model;
+        }
+    }
+    let _ = (config, is_gpu, seed);
+    init(device)
+}
+
 /// A JSON object of `value` with `"kind": kind` added.
 pub(crate) fn tagged<T: serde::Serialize>(kind: &str, value: &T) -> serde_json::Value {
     let mut v = serde_json::to_value(value).unwrap_or_default();
