@@ -305,3 +305,35 @@ fn a_report_read_on_a_real_h200_replays() {
         "Preset   h100 — H200: compute capability 9.0, bf16; 140 GiB",
     ]);
 }
+
+#[test]
+fn cv_and_bench_nli_respect_an_experiment_chosen_by_any_layer() {
+    // The environment's experiment wins over cv's default (nli_snli): an LM
+    // experiment is refused rather than silently replaced.
+    kiln(&["cv"])
+        .env("KILN_EXPERIMENT", "shakespeare_char")
+        .run()
+        .expect_code(2)
+        .stderr_has(&[
+            "`kiln cv` cross-validates the nli workload",
+            "shakespeare_char",
+        ]);
+    // Where no layer chooses one, `bench nli` takes the NLI experiment.
+    let run = kiln(&[
+        "bench",
+        "nli",
+        "--json",
+        "--warmup=0",
+        "--steps=1",
+        "model.layers=1",
+        "model.hidden=32",
+        "model.heads=2",
+        "model.intermediate=64",
+        "training.batch_size=4",
+    ])
+    .run()
+    .expect_code(0);
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("json");
+    assert_eq!(v["bench"]["workload"], "nli");
+    assert_eq!(v["config"]["experiment"], "nli_snli");
+}

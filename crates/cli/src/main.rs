@@ -246,9 +246,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 write!(out, "{}", resolved.to_toml())?;
             }
         }
-        Command::Cv { force, mut layers } => {
-            layers.default_experiment("nli_snli");
-            let resolved = resolve(presets, &report, &layers)?;
+        Command::Cv { force, layers } => {
+            let resolved = resolve_nli(presets, &report, layers)?;
             if resolved.config.workload != kiln_config::Workload::Nli {
                 return Err(BadInput(format!(
                     "`kiln cv` cross-validates the nli workload, but experiment `{}` is `{:?}`; use `kiln train`",
@@ -312,12 +311,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             batches,
             json,
             pad_to_max_length,
-            mut layers,
+            layers,
         } => {
-            if workload == BenchWorkload::Nli {
-                layers.default_experiment("nli_snli");
-            }
-            let resolved = resolve(presets, &report, &layers)?;
+            let resolved = if workload == BenchWorkload::Nli {
+                resolve_nli(presets, &report, layers)?
+            } else {
+                resolve(presets, &report, &layers)?
+            };
             let config = &resolved.config;
             if workload == BenchWorkload::Loader {
                 let result = kiln_train::bench_loader(config, batches).map_err(train_error)?;
@@ -434,13 +434,28 @@ impl Layers {
             overrides: Vec::new(),
         }
     }
+}
 
-    /// Chooses `experiment` unless the command line names one.
-    fn default_experiment(&mut self, experiment: &str) {
-        if !self.overrides.iter().any(|o| o.starts_with("experiment=")) {
-            self.overrides.insert(0, format!("experiment={experiment}"));
-        }
+/// Resolves for a sentence-pair command (`cv`, `bench nli`): the experiment
+/// any layer chose, or `nli_snli` where none did (the defaults' experiment
+/// is the language model's).
+fn resolve_nli(
+    presets: Option<&Path>,
+    report: &HardwareReport,
+    mut layers: Layers,
+) -> anyhow::Result<ResolvedConfig> {
+    let resolved = resolve(presets, report, &layers)?;
+    let chosen = resolved
+        .sources
+        .get("experiment")
+        .is_some_and(|s| s.layer != kiln_config::LayerKind::Defaults);
+    if chosen || resolved.config.workload == kiln_config::Workload::Nli {
+        return Ok(resolved);
     }
+    layers
+        .overrides
+        .insert(0, "experiment=nli_snli".to_string());
+    resolve(presets, report, &layers)
 }
 
 fn read_report(path: &Path) -> anyhow::Result<HardwareReport> {
