@@ -744,7 +744,7 @@ fn tune_command(
         )?;
         let path = kiln_config::tuned_path(&dir, report);
         let header = format!(
-            "kiln tune, {} UTC, on {}: {} ({} cores){}; {}; {} probes of {} warm-up + {} timed steps, {:.0} s",
+            "kiln tune, {} UTC, on {}: {} ({} cores){}; {}; {} probes of {} warm-up + at least {} timed steps and {} s, {:.0} s in all",
             kiln_train::utc_stamp(std::time::SystemTime::now()),
             report.machine_id(),
             report.cpu.model,
@@ -754,6 +754,7 @@ fn tune_command(
             result.trials.len(),
             args.warmup,
             args.steps,
+            args.min_seconds,
             result.seconds
         );
         let block = kiln_train::tuned_block(&config.experiment, &header, &space, &result);
