@@ -16,6 +16,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::{Parser, Subcommand};
+
+/// mimalloc keeps freed memory for reuse: with the system allocator every
+/// step's large tensors were mapped and unmapped again (page faults took a
+/// quarter of the CPU time; docs/PERFORMANCE.md has the profile).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use kiln_config::{ConfigError, LoadOptions, ResolvedConfig};
 use kiln_hwdetect::HardwareReport;
 
