@@ -175,11 +175,7 @@ pub(crate) fn compare_with_sweep(
         a.push(rate(&tune.chosen)?);
         b.push(rate(&sweep.chosen)?);
     }
-    let median = |v: &[f64]| {
-        let mut v = v.to_vec();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
+    let median = |v: &[f64]| kiln_train::median(&mut v.to_vec());
     Ok(Comparison {
         time_share: tune.seconds / sweep.seconds.max(1e-9),
         ratio_as_searched: tune.measurement.samples_per_s

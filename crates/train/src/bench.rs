@@ -11,8 +11,8 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
 use kiln_config::{RunConfig, Workload};
 use kiln_data::{
-    BatchSource, EncodedPair, LmWindows, Loader, LoaderBenchmark, PairBatch, PairBatches, Split,
-    Tokenizer, benchmark_loader, encode_cached, encode_dataset, pad_batch, read_corpus, read_pairs,
+    BatchSource, EncodedPair, LmWindows, Loader, PairBatch, PairBatches, Split, Tokenizer,
+    benchmark_loader, encode_cached, encode_dataset, pad_batch, read_corpus, read_pairs,
 };
 use kiln_hwdetect::HardwareReport;
 use serde::Serialize;
@@ -98,7 +98,7 @@ struct Timings {
 /// Runs `warmup + steps` training steps, timing each phase.
 #[allow(clippy::too_many_arguments, reason = "the parts of a timed step")]
 fn time_steps<M: Module, S: BatchSource, I>(
-    mut loader: Loader<S>,
+    source: Arc<S>,
     mut model: M,
     optim: &mut AdamW,
     device: &Device,
@@ -109,6 +109,12 @@ fn time_steps<M: Module, S: BatchSource, I>(
     work: impl Fn(&S::Batch) -> (Work, usize),
 ) -> Timings {
     let t = &config.training;
+    let mut loader = Loader::new(
+        source,
+        0,
+        config.loader.num_workers,
+        config.loader.prefetch_factor,
+    );
     let sync = || {
         let _ = device.sync();
     };
@@ -353,34 +359,15 @@ pub fn bench_loader(config: &RunConfig, batches: usize) -> Result<LoaderBenchRes
         }
     }
     let batch = config.training.batch_size;
-    let measure = |rows: &mut Vec<LoaderRow>, (w, p): (usize, usize), bench: LoaderBenchmark| {
-        rows.push(LoaderRow {
-            num_workers: w,
-            prefetch_factor: p,
-            batches_per_s: bench.batches_per_second,
-            samples_per_s: bench.batches_per_second * batch as f64,
-            mean_wait_ms: bench.mean_wait.as_secs_f64() * 1e3,
-            configured: rows.is_empty(),
-        });
-    };
-    let mut rows = Vec::new();
-    let workload = match config.workload {
-        Workload::Lm => {
-            let (source, _) = lm_source(config)?;
-            for (w, p) in settings {
-                let mut loader = Loader::new(Arc::clone(&source), 0, w, p);
-                measure(&mut rows, (w, p), benchmark_loader(&mut loader, batches));
-            }
-            "lm"
-        }
-        Workload::Nli => {
-            let (source, _, _) = nli_source(config)?;
-            for (w, p) in settings {
-                let mut loader = Loader::new(Arc::clone(&source), 0, w, p);
-                measure(&mut rows, (w, p), benchmark_loader(&mut loader, batches));
-            }
-            "nli"
-        }
+    let (workload, rows) = match config.workload {
+        Workload::Lm => (
+            "lm",
+            loader_rows(lm_source(config)?.0, &settings, batches, batch),
+        ),
+        Workload::Nli => (
+            "nli",
+            loader_rows(nli_source(config)?.0, &settings, batches, batch),
+        ),
     };
     Ok(LoaderBenchResult {
         workload,
@@ -390,28 +377,56 @@ pub fn bench_loader(config: &RunConfig, batches: usize) -> Result<LoaderBenchRes
     })
 }
 
+/// One row per loader setting (the first is the configured one).
+fn loader_rows<S: BatchSource>(
+    source: Arc<S>,
+    settings: &[(usize, usize)],
+    batches: usize,
+    batch: usize,
+) -> Vec<LoaderRow> {
+    settings
+        .iter()
+        .enumerate()
+        .map(|(i, &(w, p))| {
+            let mut loader = Loader::new(Arc::clone(&source), 0, w, p);
+            let bench = benchmark_loader(&mut loader, batches);
+            LoaderRow {
+                num_workers: w,
+                prefetch_factor: p,
+                batches_per_s: bench.batches_per_second,
+                samples_per_s: bench.batches_per_second * batch as f64,
+                mean_wait_ms: bench.mean_wait.as_secs_f64() * 1e3,
+                configured: i == 0,
+            }
+        })
+        .collect()
+}
+
+/// The device a benchmark runs on, and its seeded training device.
+fn bench_device(
+    config: &RunConfig,
+    hardware: &HardwareReport,
+) -> Result<(crate::DeviceChoice, Device), TrainError> {
+    let choice = select_device(&config.device, !hardware.gpus().is_empty())?;
+    let device = train_device(config, &choice.device, config.training.seed);
+    Ok((choice, device))
+}
+
 /// Times training steps of the language model of `config`.
 pub fn bench_lm(
     config: &RunConfig,
     hardware: &HardwareReport,
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
-    let choice = select_device(&config.device, !hardware.gpus().is_empty())?;
+    let (choice, device) = bench_device(config, hardware)?;
     let (source, vocab) = lm_source(config)?;
     let block = config.model.max_length;
-    let loader = Loader::new(
-        source,
-        0,
-        config.loader.num_workers,
-        config.loader.prefetch_factor,
-    );
     let gpt = gpt_config(config, vocab);
     let seed = config.training.seed;
-    let device = train_device(config, &choice.device, seed);
     let model = init_model(config, &device, choice.is_gpu, seed, |d| gpt.init(d));
     let per_token = gpt.flops_per_token();
     let timings = time_steps(
-        loader,
+        source,
         model,
         &mut AdamW::for_training(&config.training),
         &device,
@@ -485,18 +500,11 @@ pub fn bench_nli(
     hardware: &HardwareReport,
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
-    let choice = select_device(&config.device, !hardware.gpus().is_empty())?;
+    let (choice, device) = bench_device(config, hardware)?;
     let (source, vocab, real_mean) = nli_source(config)?;
     let max_len = config.model.max_length;
-    let loader = Loader::new(
-        source,
-        0,
-        config.loader.num_workers,
-        config.loader.prefetch_factor,
-    );
     let encoder = encoder_config(config, vocab);
     let seed = config.training.seed;
-    let device = train_device(config, &choice.device, seed);
     let mut model = init_model(config, &device, choice.is_gpu, seed, |d| encoder.init(d));
     let frozen = config.model.freeze_encoder;
     if frozen {
@@ -505,7 +513,7 @@ pub fn bench_nli(
     let pad = options.pad_to_max_length;
     let enc = encoder.clone();
     let timings = time_steps(
-        loader,
+        source,
         model,
         &mut AdamW::for_training(&config.training),
         &device,

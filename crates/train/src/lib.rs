@@ -48,7 +48,7 @@ pub use lm::{Outcome, TrainOptions, resume, train};
 pub use memory::MemoryTracker;
 pub use nli::{ClassMetrics, CvSummary, FoldResult, Prediction, Scores, predict, train_cv};
 pub use optim::{AdamW, lr_at};
-pub use report::{Event, Observer, StepMetrics, Summary};
+pub use report::{Event, Observer, StepMetrics, Summary, median};
 pub use rundir::{RunDir, utc_stamp};
 pub use tune::{
     Candidate, Measurement, NothingRan, Probe, ProbeResult, Trial, TuneResult, TuneSpace, divisors,

@@ -90,7 +90,7 @@ pub trait Observer {
 }
 
 /// The median of some values (0 for none).
-pub(crate) fn median(values: &mut [f64]) -> f64 {
+pub fn median(values: &mut [f64]) -> f64 {
     if values.is_empty() {
         return 0.0;
     }
