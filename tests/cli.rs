@@ -79,7 +79,7 @@ fn check_hardware_on_fake_gpus() {
                 "GPU 0    Tesla T4",
                 "bf16 no",
                 "Preset   t4 — T4: compute capability 7.5, no bf16 → fp16; 15 GiB",
-                "fp16 compute with loss scaling",
+                "fp16 compute with dynamic loss scaling",
                 "no bf16 → fp16",
             ],
         ),
@@ -163,6 +163,45 @@ fn config_explain_shows_each_source() {
             "training.batch_size = 7",
             "# environment (KILN_TRAINING__BATCH_SIZE)",
         ]);
+}
+
+#[test]
+fn config_explain_shows_bf16_on_a_t4_resolving_to_fp16() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let t4 = fake_report(tmp.path(), &[("Tesla T4", 15, (7, 5))]);
+    let report = t4.to_str().expect("utf-8");
+    kiln(&[
+        "--hardware-report",
+        report,
+        "config",
+        "hardware=t4",
+        "precision.amp_dtype=bf16",
+        "--explain",
+    ])
+    .run()
+    .expect_code(0)
+    .stdout_has(&[
+        "precision.amp_dtype = \"bf16\"",
+        "# command line (precision.amp_dtype=bf16)",
+        "#   precision → fp16 compute with dynamic loss scaling, f32 master weights — bf16 asked for, but compute capability 7.5 has no bf16 → fp16",
+        "#   backend → auto → flex (CPU) in this build",
+        "#   compile → CubeCL autotune level minimal",
+    ]);
+    // On an A100 the same request stays bf16.
+    let a100 = fake_report(tmp.path(), &[("NVIDIA A100-SXM4-40GB", 40, (8, 0))]);
+    kiln(&[
+        "--hardware-report",
+        a100.to_str().expect("utf-8"),
+        "config",
+        "hardware=a100",
+        "--explain",
+    ])
+    .run()
+    .expect_code(0)
+    .stdout_has(&[
+        "#   precision → bf16 compute, f32 master weights",
+        "#   compile → CubeCL autotune level balanced",
+    ]);
 }
 
 #[test]

@@ -90,3 +90,68 @@ fn a_short_training_run_on_wgpu_ends_with_its_run_directory() {
         "{v}"
     );
 }
+
+/// The final validation loss of a `kiln train` run and its start lines.
+fn train_on_wgpu(dir: &Path, run: &str, steps: u32, extra: &[&str]) -> (f64, String) {
+    let mut args = tiny(dir, run, steps);
+    args.push("device.backend=wgpu".into());
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = kiln(&refs).run().expect_code(0);
+    let summary = std::fs::read_to_string(dir.join(run).join("summary.json")).expect("summary");
+    let v: serde_json::Value = serde_json::from_str(&summary).expect("json");
+    (v["final_val_loss"].as_f64().expect("val loss"), out.stdout)
+}
+
+/// bf16 and fp16 asked for on the wgpu device: where it computes in them,
+/// 100 steps end within 0.02 of the f32 run's validation loss (as on flex);
+/// where it lacks them, the fallback is taken and the start line says why.
+/// The compile line reports CubeCL's autotune level for the mode, and MFU
+/// counts against the peak Burn measures on the device.
+#[test]
+fn reduced_precision_on_wgpu_ends_near_f32_or_says_why_not() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (reference, out) = train_on_wgpu(
+        tmp.path(),
+        "f32",
+        100,
+        &[
+            "optimization.compile=true",
+            "optimization.compile_mode=max-autotune",
+        ],
+    );
+    assert!(out.contains("precision: f32"), "{out}");
+    assert!(
+        out.contains("compile: on (max-autotune) — CubeCL autotune level full"),
+        "{out}"
+    );
+    // MFU's denominator: the device's own f32 peak, measured by Burn.
+    assert!(
+        out.contains("MFU is measured against")
+            && out.contains("f32 of wgpu (GPU), measured by Burn's performance_stats"),
+        "{out}"
+    );
+    for dtype in ["bf16", "fp16"] {
+        let amp = format!("precision.amp_dtype={dtype}");
+        let (loss, out) = train_on_wgpu(tmp.path(), dtype, 100, &["precision.amp=true", &amp]);
+        let line = out
+            .lines()
+            .find(|l| l.contains("precision: "))
+            .unwrap_or_else(|| panic!("no precision line: {out}"));
+        if line.contains("precision: f32") {
+            assert!(line.contains("→ f32"), "a fallback says why: {line}");
+        } else {
+            assert!(
+                line.contains("bf16 compute") || line.contains("fp16 compute"),
+                "{line}"
+            );
+            if dtype == "bf16" && line.contains("fp16 compute") {
+                assert!(line.contains("no bf16 → fp16"), "{line}");
+            }
+            assert!(
+                (loss - reference).abs() < 0.02,
+                "{dtype} ({line}): val loss {loss} vs f32 {reference}"
+            );
+        }
+    }
+}

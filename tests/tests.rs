@@ -7,5 +7,6 @@ mod gpu;
 mod hygiene;
 mod measure;
 mod nli;
+mod precision;
 mod support;
 mod train;

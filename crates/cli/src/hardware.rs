@@ -82,8 +82,11 @@ pub(crate) fn human(report: &HardwareReport, resolved: &ResolvedConfig) -> Strin
         .as_ref()
         .map_or("set explicitly".to_string(), |c| c.why.clone());
     let _ = writeln!(s, "\nPreset   {} — {why}", c.hardware);
-    let (precision, precision_why) =
-        kiln_config::effective_precision(&c.precision, chosen_gpu(report, resolved));
+    let kiln_config::EffectivePrecision {
+        label: precision,
+        why: precision_why,
+        ..
+    } = kiln_config::effective_precision(&c.precision, chosen_gpu(report, resolved));
     let _ = writeln!(
         s,
         "Recommended (hardware={}, experiment={}; `kiln config --explain` shows every key):",
@@ -194,7 +197,14 @@ fn backend_line(report: &HardwareReport, resolved: &ResolvedConfig) -> String {
     let c = &resolved.config;
     let asked = format!("{:?}", c.device.backend).to_lowercase();
     match kiln_train::select_device(&c.device, !report.gpus().is_empty()) {
-        Ok(d) => format!("{asked} → {} in this build ({})", d.name, d.why),
+        Ok(d) => {
+            let gpu = chosen_gpu(report, resolved).filter(|_| d.is_gpu);
+            let p = kiln_train::choose_precision(&c.precision, &d, gpu);
+            format!(
+                "{asked} → {} in this build ({}); computes in {} ({})",
+                d.name, d.why, p.label, p.why
+            )
+        }
         Err(e) => format!("{asked}: {e}"),
     }
 }
@@ -202,8 +212,11 @@ fn backend_line(report: &HardwareReport, resolved: &ResolvedConfig) -> String {
 /// `kiln check-hardware --json`: the report, the preset and the recommendation.
 pub(crate) fn json(report: &HardwareReport, resolved: &ResolvedConfig) -> serde_json::Value {
     let c = &resolved.config;
-    let (precision, precision_why) =
-        kiln_config::effective_precision(&c.precision, chosen_gpu(report, resolved));
+    let kiln_config::EffectivePrecision {
+        label: precision,
+        why: precision_why,
+        ..
+    } = kiln_config::effective_precision(&c.precision, chosen_gpu(report, resolved));
     json!({
         "hardware": report,
         "preset": {
@@ -227,4 +240,21 @@ pub(crate) fn json(report: &HardwareReport, resolved: &ResolvedConfig) -> serde_
             "backend_in_this_build": backend_line(report, resolved),
         },
     })
+}
+
+/// What the resolved keys come to on this machine (for `kiln config
+/// --explain`): the precision as the GPU's capabilities decide it, and the
+/// backend, dtype and compile behaviour of this build.
+pub(crate) fn derived_text(report: &HardwareReport, resolved: &ResolvedConfig) -> String {
+    let c = &resolved.config;
+    let p = kiln_config::effective_precision(&c.precision, chosen_gpu(report, resolved));
+    let mut s = String::from("# derived on this machine (not keys):\n");
+    let _ = writeln!(s, "#   precision → {} — {}", p.label, p.why);
+    let _ = writeln!(s, "#   backend → {}", backend_line(report, resolved));
+    let _ = writeln!(
+        s,
+        "#   compile → CubeCL autotune level {} on GPU backends; not applicable on flex",
+        kiln_train::autotune_level(&c.optimization)
+    );
+    s
 }

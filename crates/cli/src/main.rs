@@ -247,6 +247,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let resolved = resolve(presets, &report, &layers)?;
             if explain {
                 write!(out, "{}", explain_text(&resolved))?;
+                write!(out, "{}", hardware::derived_text(&report, &resolved))?;
             } else {
                 write!(out, "{}", header(&resolved))?;
                 write!(out, "{}", resolved.to_toml())?;

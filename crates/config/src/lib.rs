@@ -27,7 +27,7 @@ pub use load::{
     resolve, tuned_path,
 };
 pub use preset::{
-    ANY_GPU_PRESETS, PRESET_GPUS, PresetChoice, check_preset_fits, choose_preset,
-    effective_precision,
+    ANY_GPU_PRESETS, EffectivePrecision, PRESET_GPUS, PresetChoice, check_preset_fits,
+    choose_preset, effective_precision,
 };
 pub use schema::*;

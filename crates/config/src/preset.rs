@@ -172,18 +172,54 @@ pub fn check_preset_fits(preset: &str, report: &HardwareReport) -> Result<(), St
     Ok(())
 }
 
-/// The compute precision a run will use on a device, and why.
+/// The precision a run computes in, as the machine's capabilities decide it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EffectivePrecision {
+    /// The dtype products compute in (`None`: f32); parameters stay f32.
+    pub compute: Option<AmpDtype>,
+    /// "bf16 compute, f32 master weights", "f32, TF32 matmuls", ...
+    pub label: String,
+    pub why: String,
+}
+
+impl EffectivePrecision {
+    /// The label for computing in `compute` (f32 master weights either way).
+    pub fn label_for(compute: Option<AmpDtype>) -> String {
+        match compute {
+            None => "f32".to_string(),
+            Some(AmpDtype::Bf16) => "bf16 compute, f32 master weights".to_string(),
+            Some(AmpDtype::Fp16) => {
+                "fp16 compute with dynamic loss scaling, f32 master weights".to_string()
+            }
+        }
+    }
+
+    fn new(compute: Option<AmpDtype>, suffix: &str, why: String) -> Self {
+        Self {
+            compute,
+            label: format!("{}{suffix}", Self::label_for(compute)),
+            why,
+        }
+    }
+}
+
+/// The compute precision a run will use, and why: on a GPU (`gpu`) its
+/// compute capability decides (bf16 from Ampere on, else fp16 — the guides'
+/// T4 rule — else f32); on the CPU (`None`) `precision.amp` is honoured, and
+/// the reason says it is slower there.
 pub fn effective_precision(
     precision: &PrecisionSection,
     gpu: Option<&GpuInfo>,
-) -> (String, String) {
+) -> EffectivePrecision {
     let Some(gpu) = gpu else {
-        let why = if precision.amp {
-            "mixed precision is not used on the CPU: kernels have no bf16/fp16 fast path there (PyTorch's bf16 autocast runs 15× slower on such CPUs)"
-        } else {
-            "precision.amp is off"
-        };
-        return ("f32".to_string(), why.to_string());
+        if !precision.amp {
+            return EffectivePrecision::new(None, "", "precision.amp is off".to_string());
+        }
+        return EffectivePrecision::new(
+            Some(precision.amp_dtype),
+            "",
+            "precision.amp asked for on the CPU: flex computes bf16/fp16 by converting to f32, so it is slower than f32 there (the CPU presets keep amp off)".to_string(),
+        );
     };
     let caps = gpu.capabilities;
     let tf32 = if precision.tf32 && caps.tf32 {
@@ -192,27 +228,31 @@ pub fn effective_precision(
         ""
     };
     if !precision.amp {
-        return (format!("f32{tf32}"), "precision.amp is off".to_string());
+        return EffectivePrecision::new(None, tf32, "precision.amp is off".to_string());
     }
     let cc = gpu.compute_capability;
     match precision.amp_dtype {
-        AmpDtype::Bf16 if caps.bf16 => (
-            format!("bf16 compute, f32 master weights{tf32}"),
+        AmpDtype::Bf16 if caps.bf16 => EffectivePrecision::new(
+            Some(AmpDtype::Bf16),
+            tf32,
             format!("compute capability {}.{} has bf16", cc.0, cc.1),
         ),
-        AmpDtype::Bf16 if caps.fp16 => (
-            "fp16 compute with loss scaling, f32 master weights".to_string(),
+        AmpDtype::Bf16 if caps.fp16 => EffectivePrecision::new(
+            Some(AmpDtype::Fp16),
+            "",
             format!(
                 "bf16 asked for, but compute capability {}.{} has no bf16 → fp16",
                 cc.0, cc.1
             ),
         ),
-        AmpDtype::Fp16 if caps.fp16 => (
-            "fp16 compute with loss scaling, f32 master weights".to_string(),
+        AmpDtype::Fp16 if caps.fp16 => EffectivePrecision::new(
+            Some(AmpDtype::Fp16),
+            "",
             "precision.amp_dtype = fp16".to_string(),
         ),
-        _ => (
-            format!("f32{tf32}"),
+        _ => EffectivePrecision::new(
+            None,
+            tf32,
             format!(
                 "compute capability {}.{} has neither bf16 nor fp16",
                 cc.0, cc.1
@@ -407,17 +447,24 @@ mod tests {
             amp_dtype: AmpDtype::Bf16,
             tf32: true,
             max_bad_steps: 5,
+            loss_scale_init: 65536.0,
+            loss_scale_growth_interval: 2000,
         };
         let t4 = GpuInfo::new(0, "Tesla T4", 15 * GIB, 15 * GIB, (7, 5));
         let a100 = GpuInfo::new(0, "NVIDIA A100-SXM4-40GB", 40 * GIB, 40 * GIB, (8, 0));
-        assert!(effective_precision(&p, Some(&t4)).0.starts_with("fp16"));
-        assert!(
-            effective_precision(&p, Some(&t4))
-                .1
-                .contains("no bf16 → fp16")
-        );
-        assert!(effective_precision(&p, Some(&a100)).0.starts_with("bf16"));
-        assert!(effective_precision(&p, Some(&a100)).0.contains("TF32"));
-        assert_eq!(effective_precision(&p, None).0, "f32");
+        let on_t4 = effective_precision(&p, Some(&t4));
+        assert_eq!(on_t4.compute, Some(AmpDtype::Fp16));
+        assert!(on_t4.label.starts_with("fp16"), "{}", on_t4.label);
+        assert!(on_t4.why.contains("no bf16 → fp16"), "{}", on_t4.why);
+        let on_a100 = effective_precision(&p, Some(&a100));
+        assert_eq!(on_a100.compute, Some(AmpDtype::Bf16));
+        assert!(on_a100.label.contains("TF32"), "{}", on_a100.label);
+        // The CPU honours an explicit amp, and says it is slower there.
+        let on_cpu = effective_precision(&p, None);
+        assert_eq!(on_cpu.compute, Some(AmpDtype::Bf16));
+        assert!(on_cpu.why.contains("slower"), "{}", on_cpu.why);
+        let off = PrecisionSection { amp: false, ..p };
+        assert_eq!(effective_precision(&off, None).label, "f32");
+        assert_eq!(effective_precision(&off, Some(&a100)).compute, None);
     }
 }

@@ -186,6 +186,10 @@ pub struct PrecisionSection {
     /// Steps in a row whose loss or gradient norm is not finite (each
     /// skipped, no update) before the run stops.
     pub max_bad_steps: usize,
+    /// fp16's dynamic loss scale: where it starts (PyTorch: 2^16).
+    pub loss_scale_init: f64,
+    /// Clean steps in a row after which the loss scale doubles (PyTorch: 2000).
+    pub loss_scale_growth_interval: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -301,6 +305,16 @@ impl RunConfig {
         check(
             self.precision.max_bad_steps >= 1,
             "precision.max_bad_steps",
+            "must be at least 1",
+        );
+        check(
+            self.precision.loss_scale_init.is_finite() && self.precision.loss_scale_init >= 1.0,
+            "precision.loss_scale_init",
+            "must be a finite number of at least 1",
+        );
+        check(
+            self.precision.loss_scale_growth_interval >= 1,
+            "precision.loss_scale_growth_interval",
             "must be at least 1",
         );
         let d = &self.data;

@@ -8,11 +8,10 @@ use burn::nn::{
     Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
     Linear, LinearConfig,
 };
-use burn::tensor::module::attention;
-use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Device, Int, Tensor, activation};
 
 use crate::GeluKind;
+use crate::precision::{self, ComputeDtype};
 
 /// How the sequence becomes one vector.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,11 +105,13 @@ impl EncoderConfig {
                     dropout: DropoutConfig::new(self.dropout).init(),
                     heads: self.heads,
                     tanh_gelu: self.gelu == GeluKind::Tanh,
+                    compute: ComputeDtype::F32,
                 })
                 .collect(),
             dropout: DropoutConfig::new(self.dropout).init(),
             head: linear(self.hidden, self.classes),
             mean_pooling: self.pooling == PoolingKind::Mean,
+            compute: ComputeDtype::F32,
         }
     }
 }
@@ -127,6 +128,8 @@ pub struct EncoderClassifier {
     head: Linear,
     #[module(skip)]
     mean_pooling: bool,
+    #[module(skip)]
+    compute: ComputeDtype,
 }
 
 #[derive(Module, Debug)]
@@ -142,6 +145,8 @@ struct EncoderBlock {
     heads: usize,
     #[module(skip)]
     tanh_gelu: bool,
+    #[module(skip)]
+    compute: ComputeDtype,
 }
 
 impl EncoderBlock {
@@ -149,32 +154,33 @@ impl EncoderBlock {
     fn forward(&self, x: Tensor<3>, pad: Tensor<4, Bool>) -> Tensor<3> {
         let [b, t, d] = x.dims();
         let h = self.heads;
-        let qkv = self.qkv.forward(x.clone());
+        let c = self.compute;
+        let qkv = precision::linear(&self.qkv, x.clone(), c);
         let heads = |part: usize| {
             qkv.clone()
                 .narrow(2, part * d, d)
                 .reshape([b, t, h, d / h])
                 .swap_dims(1, 2)
         };
-        let options = AttentionModuleOptions {
-            scale: None,
-            softcap: None,
-            is_causal: false,
-        };
-        let y = attention(heads(0), heads(1), heads(2), Some(pad), None, options)
+        let y = precision::attention(heads(0), heads(1), heads(2), Some(pad), false, c)
             .swap_dims(1, 2)
             .reshape([b, t, d]);
-        let x = self
-            .ln1
-            .forward(x + self.dropout.forward(self.attn_out.forward(y)));
-        let hidden = self.fc.forward(x.clone());
+        let x = self.ln1.forward(
+            x + self
+                .dropout
+                .forward(precision::linear(&self.attn_out, y, c)),
+        );
+        let hidden = precision::linear(&self.fc, x.clone(), c);
         let hidden = if self.tanh_gelu {
             activation::gelu_approximate(hidden)
         } else {
             activation::gelu(hidden)
         };
-        self.ln2
-            .forward(x + self.dropout.forward(self.fc_out.forward(hidden)))
+        self.ln2.forward(
+            x + self
+                .dropout
+                .forward(precision::linear(&self.fc_out, hidden, c)),
+        )
     }
 }
 
@@ -213,7 +219,22 @@ impl EncoderClassifier {
         } else {
             x.narrow(1, 0, 1).reshape([b, d])
         };
-        self.head.forward(self.dropout.forward(pooled))
+        precision::linear(&self.head, self.dropout.forward(pooled), self.compute)
+    }
+
+    /// The same model computing its products in `compute` (parameters stay
+    /// f32; see [`crate::precision`]).
+    pub fn with_compute(mut self, compute: ComputeDtype) -> Self {
+        self.compute = compute;
+        for block in &mut self.blocks {
+            block.compute = compute;
+        }
+        self
+    }
+
+    /// The dtype the products compute in.
+    pub fn compute(&self) -> ComputeDtype {
+        self.compute
     }
 
     /// Mean cross-entropy of the logits against `labels [b]`.

@@ -7,10 +7,10 @@ use burn::nn::{
     Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
     Linear, LinearConfig,
 };
-use burn::tensor::module::attention;
-use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Device, Int, Tensor, TensorData, activation};
 use rand::RngExt;
+
+use crate::precision::{self, ComputeDtype};
 
 /// GELU: exact (erf) or the tanh approximation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +80,7 @@ impl GptConfig {
                 dropout: DropoutConfig::new(self.dropout).init(),
                 heads: self.heads,
                 gelu: self.gelu == GeluKind::Tanh,
+                compute: ComputeDtype::F32,
             })
             .collect();
         Gpt {
@@ -93,6 +94,7 @@ impl GptConfig {
             ln_f: LayerNormConfig::new(self.hidden).init(device),
             dropout: DropoutConfig::new(self.dropout).init(),
             block_size: self.block_size,
+            compute: ComputeDtype::F32,
         }
     }
 }
@@ -118,6 +120,8 @@ pub struct Gpt {
     dropout: Dropout,
     #[module(skip)]
     block_size: usize,
+    #[module(skip)]
+    compute: ComputeDtype,
 }
 
 #[derive(Module, Debug)]
@@ -133,35 +137,37 @@ struct Block {
     heads: usize,
     #[module(skip)]
     gelu: bool,
+    #[module(skip)]
+    compute: ComputeDtype,
 }
 
 impl Block {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         let [b, t, d] = x.dims();
         let h = self.heads;
-        let qkv = self.qkv.forward(self.ln1.forward(x.clone()));
+        let c = self.compute;
+        let qkv = precision::linear(&self.qkv, self.ln1.forward(x.clone()), c);
         let heads = |part: usize| {
             qkv.clone()
                 .narrow(2, part * d, d)
                 .reshape([b, t, h, d / h])
                 .swap_dims(1, 2)
         };
-        let options = AttentionModuleOptions {
-            scale: None,
-            softcap: None,
-            is_causal: true,
-        };
-        let y = attention(heads(0), heads(1), heads(2), None, None, options)
+        let y = precision::attention(heads(0), heads(1), heads(2), None, true, c)
             .swap_dims(1, 2)
             .reshape([b, t, d]);
-        let x = x + self.dropout.forward(self.attn_proj.forward(y));
-        let hidden = self.fc.forward(self.ln2.forward(x.clone()));
+        let x = x + self
+            .dropout
+            .forward(precision::linear(&self.attn_proj, y, c));
+        let hidden = precision::linear(&self.fc, self.ln2.forward(x.clone()), c);
         let hidden = if self.gelu {
             activation::gelu_approximate(hidden)
         } else {
             activation::gelu(hidden)
         };
-        x + self.dropout.forward(self.mlp_proj.forward(hidden))
+        x + self
+            .dropout
+            .forward(precision::linear(&self.mlp_proj, hidden, c))
     }
 }
 
@@ -182,7 +188,22 @@ impl Gpt {
         let x = self.ln_f.forward(x);
         // Weight tying: the output projection is the token embedding.
         let wte = self.wte.weight.val().transpose().unsqueeze::<3>();
-        x.matmul(wte)
+        precision::matmul(x, wte, self.compute)
+    }
+
+    /// The same model computing its products in `compute` (parameters stay
+    /// f32; see [`crate::precision`]).
+    pub fn with_compute(mut self, compute: ComputeDtype) -> Self {
+        self.compute = compute;
+        for block in &mut self.blocks {
+            block.compute = compute;
+        }
+        self
+    }
+
+    /// The dtype the products compute in.
+    pub fn compute(&self) -> ComputeDtype {
+        self.compute
     }
 
     /// Mean cross-entropy of next-token prediction.
@@ -328,16 +349,64 @@ mod tests {
         let a: Vec<i64> = vec![1, 2, 3, 4, 5, 6, 7, 8];
         let mut b = a.clone();
         b[7] = 40;
-        let run = |ids: Vec<i64>| {
-            let x = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, 8]), &device);
-            model
-                .forward(x)
-                .narrow(1, 0, 7)
-                .into_data()
-                .iter::<f32>()
-                .collect::<Vec<_>>()
+        // Fused attention in f32, the explicit causal mask in bf16 and fp16.
+        for dtype in [ComputeDtype::F32, ComputeDtype::Bf16, ComputeDtype::F16] {
+            let model = model.clone().with_compute(dtype);
+            let run = |ids: Vec<i64>| {
+                let x = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, 8]), &device);
+                model
+                    .forward(x)
+                    .narrow(1, 0, 7)
+                    .into_data()
+                    .iter::<f32>()
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(run(a.clone()), run(b.clone()), "{dtype:?}");
+        }
+    }
+
+    #[test]
+    fn reduced_compute_keeps_f32_parameters_and_gradients() {
+        use burn::tensor::DType;
+        let c = GptConfig {
+            block_size: 16,
+            ..peers_shape()
         };
-        assert_eq!(run(a), run(b));
+        let device = Device::flex().autodiff();
+        device.seed(7);
+        let model = c.init(&device);
+        let ids: Vec<i64> = (0..32).map(|i| (i * 7) % 65).collect();
+        let next: Vec<i64> = ids.iter().map(|i| (i * 3 + 1) % 65).collect();
+        let x = Tensor::<2, Int>::from_data(TensorData::new(ids, [2, 16]), &device);
+        let y = Tensor::<2, Int>::from_data(TensorData::new(next, [2, 16]), &device);
+        let step = |m: &Gpt| {
+            let loss = m.loss(x.clone(), y.clone());
+            assert_eq!(loss.dtype(), DType::F32, "the loss is f32");
+            let value: f32 = loss.clone().into_scalar();
+            let grads = loss.backward();
+            let weight = m.blocks[0].fc.weight.val();
+            assert_eq!(weight.dtype(), DType::F32, "parameters stay f32");
+            let grad = weight.grad(&grads).expect("fc gradient");
+            assert_eq!(
+                grad.dtype(),
+                DType::F32,
+                "gradients reach f32 parameters as f32"
+            );
+            (value, grad.into_data().iter::<f32>().collect::<Vec<_>>())
+        };
+        let (loss32, grad32) = step(&model);
+        let norm = |g: &[f32]| g.iter().map(|v| v * v).sum::<f32>().sqrt();
+        for dtype in [ComputeDtype::Bf16, ComputeDtype::F16] {
+            let (loss, grad) = step(&model.clone().with_compute(dtype));
+            assert!(
+                (loss - loss32).abs() < 0.02,
+                "{dtype:?}: loss {loss} vs {loss32}"
+            );
+            let diff: Vec<f32> = grad.iter().zip(&grad32).map(|(a, b)| a - b).collect();
+            let rel = norm(&diff) / norm(&grad32);
+            // bf16 rounds to 2^-8 relative, fp16 to 2^-11.
+            assert!(rel < 0.05, "{dtype:?}: gradient off by {rel}");
+        }
     }
 
     #[test]

@@ -8,9 +8,13 @@
 //!   position and segment embeddings, padding-masked attention, [CLS] or
 //!   mean pooling, a classification head), with FLOPs per sequence counting
 //!   real or padded tokens and a frozen-encoder mode.
+//! - [`precision`]: the mixed-precision policy both models follow: f32
+//!   parameters, products in a [`ComputeDtype`], everything else f32.
 
 mod encoder;
 mod gpt;
+pub mod precision;
 
 pub use encoder::{EncoderClassifier, EncoderConfig, PoolingKind};
 pub use gpt::{GeluKind, Gpt, GptConfig, cross_entropy};
+pub use precision::ComputeDtype;

@@ -22,7 +22,7 @@ use crate::nli::{encoder_config, pair_tensors, schema};
 use crate::optim::{AdamW, global_grad_norm};
 use crate::report::median;
 use crate::trainer::{Work, init_model, train_device};
-use crate::{MemoryTracker, TrainError, select_device};
+use crate::{MemoryTracker, TrainError, open_device};
 
 /// How many steps to run, and how to pad pairs.
 #[derive(Clone, Copy, Debug)]
@@ -52,6 +52,8 @@ pub struct PhaseTimes {
 pub struct BenchResult {
     pub workload: &'static str,
     pub backend: String,
+    /// What the products computed in: "f32", "bf16 compute, f32 master weights", ...
+    pub precision: String,
     pub warmup_steps: usize,
     pub timed_steps: usize,
     pub batch_size: usize,
@@ -211,7 +213,8 @@ fn result(
     let waited: f64 = t.phases[0].iter().sum::<f64>() / 1e3;
     let samples: usize = t.work.iter().map(|w| w.samples).sum();
     let flops_padded = t.work.iter().map(|w| w.flops).sum::<f64>() / samples.max(1) as f64;
-    let (peak, mfu_peak) = crate::lm::mfu_peak(device, hardware);
+    let precision = crate::lm::run_precision(config, device, hardware);
+    let (peak, mfu_peak) = crate::lm::mfu_peak(device, &precision, hardware);
     let tokens_per_s_median = median(&mut tps);
     let percentile = |v: &[f64], q: f64| -> f64 {
         // `median` sorted `tps`; nearest rank.
@@ -238,6 +241,7 @@ fn result(
     BenchResult {
         workload,
         backend: device.name.clone(),
+        precision: precision.label,
         warmup_steps: options.warmup,
         timed_steps: t.step_s.len(),
         batch_size: config.training.batch_size,
@@ -407,7 +411,7 @@ fn bench_device(
     config: &RunConfig,
     hardware: &HardwareReport,
 ) -> Result<(crate::DeviceChoice, Device), TrainError> {
-    let choice = select_device(&config.device, !hardware.gpus().is_empty())?;
+    let choice = open_device(config, !hardware.gpus().is_empty())?;
     let device = train_device(config, &choice.device, config.training.seed);
     Ok((choice, device))
 }
@@ -423,7 +427,9 @@ pub fn bench_lm(
     let block = config.model.max_length;
     let gpt = gpt_config(config, vocab);
     let seed = config.training.seed;
-    let model = init_model(config, &device, choice.is_gpu, seed, |d| gpt.init(d));
+    let compute = crate::lm::run_precision(config, &choice, hardware).compute;
+    let model =
+        init_model(config, &device, choice.is_gpu, seed, |d| gpt.init(d)).with_compute(compute);
     let per_token = gpt.flops_per_token();
     let timings = time_steps(
         source,
@@ -505,7 +511,9 @@ pub fn bench_nli(
     let max_len = config.model.max_length;
     let encoder = encoder_config(config, vocab);
     let seed = config.training.seed;
-    let mut model = init_model(config, &device, choice.is_gpu, seed, |d| encoder.init(d));
+    let compute = crate::lm::run_precision(config, &choice, hardware).compute;
+    let mut model =
+        init_model(config, &device, choice.is_gpu, seed, |d| encoder.init(d)).with_compute(compute);
     let frozen = config.model.freeze_encoder;
     if frozen {
         model = model.freeze_encoder();

@@ -30,6 +30,8 @@ pub(crate) struct CheckpointState {
     pub(crate) tokens_seen: u64,
     /// Seconds of training before this checkpoint, over all sessions.
     pub(crate) wall_s: f64,
+    /// fp16's loss scale and its clean steps (runs that scale their loss).
+    pub(crate) loss_scale: Option<(f64, u64)>,
     /// Model parameters by path: shape and values.
     pub(crate) params: Vec<(String, Vec<usize>, Vec<f32>)>,
     /// Adam moments by parameter path: (m, v), flattened.
@@ -96,7 +98,7 @@ pub(crate) fn save_file(path: &Path, state: &CheckpointState) -> Result<(), Trai
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    let metadata: HashMap<String, String> = [
+    let mut metadata: HashMap<String, String> = [
         ("format", FORMAT.to_string()),
         ("step", state.step.to_string()),
         ("loader_position", state.loader_position.to_string()),
@@ -108,6 +110,10 @@ pub(crate) fn save_file(path: &Path, state: &CheckpointState) -> Result<(), Trai
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    if let Some((scale, clean)) = state.loss_scale {
+        metadata.insert("loss_scale".into(), scale.to_string());
+        metadata.insert("loss_scale_clean".into(), clean.to_string());
+    }
     let other = |e: safetensors::SafeTensorError| TrainError::Write {
         path: path.to_path_buf(),
         source: std::io::Error::other(e.to_string()),
@@ -224,6 +230,10 @@ pub(crate) fn load(path: &Path) -> Result<CheckpointState, String> {
             .get("wall_s")
             .and_then(|s| s.parse().ok())
             .unwrap_or(0.0),
+        loss_scale: meta
+            .get("loss_scale")
+            .and_then(|s| s.parse().ok())
+            .map(|scale| (scale, num("loss_scale_clean").unwrap_or(0))),
         params,
         moments,
     })
@@ -273,6 +283,7 @@ mod tests {
             adam_steps: step,
             tokens_seen: step * 100,
             wall_s: 1.5,
+            loss_scale: Some((32768.0, step)),
             params: vec![
                 (
                     "wte.weight".into(),

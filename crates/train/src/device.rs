@@ -15,6 +15,8 @@ pub struct DeviceChoice {
     pub name: String,
     pub why: String,
     pub is_gpu: bool,
+    /// What `optimization.compile` does on it (set by [`open_device`]).
+    pub compile: String,
 }
 
 fn flex(why: &str) -> DeviceChoice {
@@ -23,6 +25,7 @@ fn flex(why: &str) -> DeviceChoice {
         name: "flex (CPU)".to_string(),
         why: why.to_string(),
         is_gpu: false,
+        compile: String::new(),
     }
 }
 
@@ -33,6 +36,7 @@ fn wgpu(why: &str) -> DeviceChoice {
         name: "wgpu (GPU)".to_string(),
         why: why.to_string(),
         is_gpu: true,
+        compile: String::new(),
     }
 }
 
@@ -43,6 +47,7 @@ fn cuda(index: usize, why: &str) -> DeviceChoice {
         name: format!("cuda (GPU {index})"),
         why: why.to_string(),
         is_gpu: true,
+        compile: String::new(),
     }
 }
 
@@ -83,4 +88,16 @@ pub fn select_device(device: &DeviceSection, has_gpu: bool) -> Result<DeviceChoi
         #[cfg(not(feature = "cuda"))]
         Backend::Cuda => Err(missing("cuda")),
     }
+}
+
+/// The device a run trains on: [`select_device`] for `config.device`, with
+/// `optimization.compile` applied to CubeCL first (its configuration must be
+/// in place before the device's first kernel).
+pub fn open_device(
+    config: &kiln_config::RunConfig,
+    has_gpu: bool,
+) -> Result<DeviceChoice, TrainError> {
+    let probe = select_device(&config.device, has_gpu)?;
+    let compile = crate::compile::apply_compile(&config.optimization, &probe);
+    Ok(DeviceChoice { compile, ..probe })
 }

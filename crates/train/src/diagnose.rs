@@ -139,7 +139,13 @@ pub fn diagnose(
             Some(e.to_string()),
         ),
     };
-    let (precision, precision_why) = run_precision(config, is_gpu);
+    let (precision, precision_why) = match &device {
+        Ok(d) => {
+            let p = run_precision(config, d, hardware);
+            (p.label, p.why)
+        }
+        Err(_) => ("f32".to_string(), "no device".to_string()),
+    };
     let (data, vocab) = data_size(config)?;
     let mut memory = estimate_memory(config, vocab);
     match gpu.filter(|_| is_gpu) {
@@ -617,7 +623,7 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
                 Severity::Warning,
                 "precision.amp",
                 format!(
-                    "mixed precision ({}) asked for on the CPU, which has no fast bf16/fp16 path: the run uses f32",
+                    "mixed precision ({}) asked for on the CPU, which has no fast bf16/fp16 path: flex converts the products to f32, so the run is slower than in f32",
                     dtype(c.precision.amp_dtype)
                 ),
                 "precision.amp=false".into(),

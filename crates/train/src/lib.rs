@@ -20,6 +20,7 @@
 
 mod bench;
 mod checkpoint;
+mod compile;
 mod device;
 mod diagnose;
 mod error;
@@ -28,6 +29,7 @@ mod memory;
 mod nli;
 mod optim;
 mod params;
+mod precision;
 mod report;
 mod rundir;
 mod trainer;
@@ -38,7 +40,8 @@ pub use bench::{
     bench_nli,
 };
 pub use checkpoint::{CheckpointInfo, latest_good_checkpoint};
-pub use device::{DeviceChoice, select_device};
+pub use compile::{FUSION_BUILT_IN, apply_compile, autotune_level};
+pub use device::{DeviceChoice, open_device, select_device};
 pub use diagnose::{
     Burst, CheckInput, DataSize, Diagnosis, Finding, MemoryEstimate, Severity, check_config,
     diagnose, estimate_memory, gib, loader_verdict,
@@ -48,6 +51,9 @@ pub use lm::{Outcome, TrainOptions, resume, train};
 pub use memory::MemoryTracker;
 pub use nli::{ClassMetrics, CvSummary, FoldResult, Prediction, Scores, predict, train_cv};
 pub use optim::{AdamW, lr_at};
+pub use precision::{
+    LossScaler, PrecisionChoice, ScaleVerdict, choose_precision, choose_precision_with,
+};
 pub use report::{Event, Observer, StepMetrics, Summary, median};
 pub use rundir::{RunDir, utc_stamp};
 pub use tune::{

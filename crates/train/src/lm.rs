@@ -12,12 +12,13 @@ use kiln_config::{Gelu, RunConfig, TokenizerKind as ConfigTokenizer, Workload};
 use kiln_data::{
     BatchSource, LmWindows, Split, TokenBatch, Tokenizer, TokenizerKind, encode_cached, read_corpus,
 };
-use kiln_hwdetect::HardwareReport;
-use kiln_model::{GeluKind, Gpt, GptConfig};
+use kiln_hwdetect::{GpuInfo, HardwareReport};
+use kiln_model::{ComputeDtype, GeluKind, Gpt, GptConfig};
 use rand::SeedableRng;
 
 use crate::checkpoint::{self, CheckpointState};
 use crate::optim::AdamW;
+use crate::precision::{LossScaler, PrecisionChoice};
 use crate::report::{
     EvalMetrics, Event, Observer, StepMetrics, Summary, held_back_by, median, write_plots,
 };
@@ -25,7 +26,7 @@ use crate::trainer::{
     Evaluation, LoopEnd, LoopPlan, LoopPlanStart, Task, Work, init_model, restore, run_loop,
     train_device,
 };
-use crate::{DeviceChoice, RunDir, TrainError, select_device};
+use crate::{DeviceChoice, RunDir, TrainError, open_device};
 
 /// What the caller provides besides the configuration.
 #[derive(Clone, Debug)]
@@ -69,10 +70,11 @@ pub fn train(
         return crate::nli::train_cv(config, options, observer);
     }
     // Everything that can fail on bad input fails before the run directory exists.
-    let device = select_device(&config.device, !options.hardware.gpus().is_empty())?;
+    let device = open_device(config, !options.hardware.gpus().is_empty())?;
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
     let tokenizer = make_tokenizer(config, &corpus.text)?;
-    let (session, model) = Session::new(config, device, &corpus, tokenizer, None)?;
+    let (session, model) =
+        Session::new(config, device, &options.hardware, &corpus, tokenizer, None)?;
     let run = RunDir::start(config, options)?;
     session.tokenizer.save(&run.file("tokenizer.json"))?;
     session.run(model, &run, options, observer)
@@ -103,13 +105,14 @@ pub fn resume(
         info.step,
         info.path.display()
     )));
-    let device = select_device(&config.device, !options.hardware.gpus().is_empty())?;
+    let device = open_device(&config, !options.hardware.gpus().is_empty())?;
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
     let tokenizer = Tokenizer::load(&run.file("tokenizer.json"))?;
     run.truncate_metrics_after(info.step)?;
     let (session, model) = Session::new(
         &config,
         device,
+        &options.hardware,
         &corpus,
         tokenizer,
         Some((info.path, state)),
@@ -227,12 +230,14 @@ struct Session {
     start: LoopPlanStart,
     total_steps: u64,
     notes: Vec<String>,
+    precision: PrecisionChoice,
 }
 
 impl Session {
     fn new(
         config: &RunConfig,
         device: DeviceChoice,
+        hardware: &HardwareReport,
         corpus: &kiln_data::Corpus,
         tokenizer: Tokenizer,
         resume_from: Option<(PathBuf, CheckpointState)>,
@@ -284,6 +289,7 @@ impl Session {
         };
         let gpt = gpt_config(config, tokenizer.vocab_size());
         let train_device = train_device(config, &device.device, seed);
+        let precision = run_precision(config, &device, hardware);
         let mut model = init_model(config, &train_device, device.is_gpu, seed, |d| gpt.init(d));
         let mut optim = AdamW::for_training(t);
         let mut start = LoopPlanStart {
@@ -300,6 +306,7 @@ impl Session {
                 &device.device,
             )?;
         }
+        let model = model.with_compute(precision.compute);
         notes.push(format!(
             "model: GPT, {} layers × {} heads × {} wide, block {}, {:.2} M parameters, {:.2} M FLOPs per token",
             gpt.layers,
@@ -332,6 +339,7 @@ impl Session {
         let session = Self {
             config: config.clone(),
             device,
+            precision,
             train_device,
             tokenizer,
             optim,
@@ -347,7 +355,13 @@ impl Session {
         let c = &self.config;
         let t = &c.training;
         let mut lines = self.notes.clone();
-        lines.extend(device_lines(c, &self.device, options, peak_name));
+        lines.extend(device_lines(
+            c,
+            &self.device,
+            &self.precision,
+            options,
+            peak_name,
+        ));
         lines.push(format!(
             "batch: {} × {} tokens, accumulation {} → {} sequences ({} tokens) per optimizer step",
             t.batch_size,
@@ -368,7 +382,7 @@ impl Session {
         observer: &mut dyn Observer,
     ) -> Result<Outcome, TrainError> {
         let started = Instant::now();
-        let (peak, peak_name) = mfu_peak(&self.device, &options.hardware);
+        let (peak, peak_name) = mfu_peak(&self.device, &self.precision, &options.hardware);
         observer.event(&Event::Start {
             lines: self.start_lines(options, &peak_name),
             first_step: self.start.first_step,
@@ -385,6 +399,9 @@ impl Session {
             best: None,
             since_best: 0,
             peak_flops: peak,
+            scaler: self
+                .start
+                .scaler(self.precision.loss_scaling(), &self.config),
         };
         let (model, end) = run_loop(
             &self.task,
@@ -507,29 +524,73 @@ impl Session {
     }
 }
 
-/// The peak FLOP/s MFU is counted against on this device, and its name: on
-/// a GPU the fp32 figure of kiln-hwdetect's table for the first GPU (kiln
-/// computes in f32 today), on the CPU the estimated fp32 peak.
-pub(crate) fn mfu_peak(device: &DeviceChoice, hardware: &HardwareReport) -> (Option<f64>, String) {
+/// The GPU a run on a GPU backend uses, from the hardware report.
+pub(crate) fn run_gpu<'a>(c: &RunConfig, hardware: &'a HardwareReport) -> Option<&'a GpuInfo> {
+    let gpus = hardware.gpus();
+    gpus.iter()
+        .find(|g| g.index as usize == c.device.index)
+        .or(gpus.first())
+}
+
+/// The peak FLOP/s MFU is counted against on this device for the dtype the
+/// products compute in, and where it came from: on a CubeCL GPU measured by
+/// Burn's `performance_stats` (cached by CubeCL), else kiln-hwdetect's table
+/// for the GPU and dtype; on the CPU the estimated fp32 peak (flex converts
+/// bf16/fp16 products to f32, so that is their ceiling too). Mixed
+/// precision counts against the bf16/fp16 peak, as the guides count MFU.
+pub(crate) fn mfu_peak(
+    device: &DeviceChoice,
+    precision: &PrecisionChoice,
+    hardware: &HardwareReport,
+) -> (Option<f64>, String) {
+    let dtype = precision.compute.name();
     if device.is_gpu {
-        return match hardware.gpus().first() {
-            Some(gpu) => match (&gpu.peak, &gpu.peak_source) {
-                (Some(p), Some(source)) => (
-                    Some(p.fp32),
-                    format!(
-                        "{:.1} TFLOP/s fp32 of the {} ({source})",
-                        p.fp32 / 1e12,
-                        gpu.name
-                    ),
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        if let Some(p) = crate::precision::measured_peak(&device.device, precision.compute) {
+            return (
+                Some(p),
+                format!(
+                    "{:.1} TFLOP/s {dtype} of {}, measured by Burn's performance_stats (cached by CubeCL)",
+                    p / 1e12,
+                    device.name
                 ),
-                _ => (
-                    None,
-                    format!("no peak: the {} is not in kiln's table", gpu.name),
+            );
+        }
+        let Some(gpu) = hardware.gpus().first() else {
+            return (
+                None,
+                format!(
+                    "no peak: {} reported none and it is not an NVIDIA GPU kiln knows",
+                    device.name
                 ),
-            },
+            );
+        };
+        let (Some(peak), Some(source)) = (&gpu.peak, &gpu.peak_source) else {
+            return (
+                None,
+                format!("no peak: the {} is not in kiln's table", gpu.name),
+            );
+        };
+        let value = match precision.compute {
+            ComputeDtype::F32 => Some(peak.fp32),
+            ComputeDtype::Bf16 => peak.bf16,
+            ComputeDtype::F16 => peak.fp16,
+        };
+        return match value {
+            Some(p) => (
+                Some(p),
+                format!(
+                    "{:.1} TFLOP/s {dtype} of the {} ({source}; not measured on this device)",
+                    p / 1e12,
+                    gpu.name
+                ),
+            ),
             None => (
                 None,
-                "no peak: the GPU is not an NVIDIA GPU kiln knows".to_string(),
+                format!(
+                    "no peak: kiln's table has no {dtype} figure for the {}",
+                    gpu.name
+                ),
             ),
         };
     }
@@ -537,56 +598,52 @@ pub(crate) fn mfu_peak(device: &DeviceChoice, hardware: &HardwareReport) -> (Opt
         Some(p) => (
             Some(p),
             format!(
-                "{:.1} GFLOP/s fp32, the CPU {}",
+                "{:.1} GFLOP/s fp32, the CPU {}{}",
                 p / 1e9,
-                hardware.cpu.peak.how
+                hardware.cpu.peak.how,
+                if precision.compute.is_reduced() {
+                    " (flex computes bf16/fp16 products in f32, so this is their ceiling too)"
+                } else {
+                    ""
+                }
             ),
         ),
         None => (None, format!("unknown ({})", hardware.cpu.peak.how)),
     }
 }
 
-/// The precision a run computes in on the device, and why.
-pub(crate) fn run_precision(c: &RunConfig, is_gpu: bool) -> (String, String) {
-    if is_gpu {
-        (
-            "f32".to_string(),
-            "the mixed-precision policy is not built yet: the GPU computes in f32".to_string(),
-        )
-    } else {
-        kiln_config::effective_precision(&c.precision, None)
-    }
+/// The precision a run computes in on its device, and why.
+pub(crate) fn run_precision(
+    c: &RunConfig,
+    device: &DeviceChoice,
+    hardware: &HardwareReport,
+) -> PrecisionChoice {
+    crate::precision::choose_precision(&c.precision, device, run_gpu(c, hardware))
 }
 
 /// Start lines about the device, precision, compile, loader and MFU.
 pub(crate) fn device_lines(
     c: &RunConfig,
     device: &DeviceChoice,
+    precision: &PrecisionChoice,
     options: &TrainOptions,
     peak_name: &str,
 ) -> Vec<String> {
-    let (precision, precision_why) = run_precision(c, device.is_gpu);
+    let tf32 = match (device.is_gpu, run_gpu(c, &options.hardware)) {
+        (true, Some(gpu)) if gpu.capabilities.tf32 => format!(
+            "; TF32: the {} has it, and CubeCL's matmul autotuner may pick TF32 tensor-core kernels for f32 products whatever precision.tf32 says",
+            gpu.name
+        ),
+        (true, _) => "; TF32: not on this device".to_string(),
+        (false, _) => String::new(),
+    };
     let mut lines = vec![
         format!("backend: {} — {}", device.name, device.why),
-        format!("precision: {precision} — {precision_why}"),
-        if device.is_gpu {
-            format!(
-                "compile: {} — kiln does not turn Burn's fusion and autotuning on or off yet; the wgpu backend runs as built",
-                if c.optimization.compile {
-                    "asked for"
-                } else {
-                    "off"
-                }
-            )
+        format!("precision: {} — {}{tf32}", precision.label, precision.why),
+        if device.compile.is_empty() {
+            crate::compile::apply_compile(&c.optimization, device)
         } else {
-            format!(
-                "compile: {} — fusion and autotuning are GPU (CubeCL) features, not applicable on flex",
-                if c.optimization.compile {
-                    "asked for, not applicable"
-                } else {
-                    "off"
-                }
-            )
+            device.compile.clone()
         },
         format!(
             "loader: {} worker thread{}, {} batches ahead each",
@@ -603,6 +660,13 @@ pub(crate) fn device_lines(
             ),
         },
     ];
+    if precision.loss_scaling() {
+        lines.push(format!(
+            "loss scaling: dynamic, from {} (×2 after {} clean steps, ×0.5 and the step skipped on overflow)",
+            LossScaler::INITIAL,
+            LossScaler::GROWTH_INTERVAL
+        ));
+    }
     if c.model.gradient_checkpointing {
         lines.push("gradient checkpointing: on (activations recomputed in backward)".into());
     }

@@ -27,7 +27,7 @@ use crate::trainer::{
     BEST_MODEL, Evaluation, LoopEnd, LoopPlan, LoopPlanStart, Task, Work, best_from_metrics,
     init_model, restore, run_loop, train_device,
 };
-use crate::{DeviceChoice, Outcome, RunDir, TrainError, TrainOptions, select_device};
+use crate::{DeviceChoice, Outcome, RunDir, TrainError, TrainOptions, open_device, select_device};
 
 /// Precision, recall and F1 of one class.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -279,7 +279,7 @@ pub fn train_cv(
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
-    let device = select_device(&config.device, !options.hardware.gpus().is_empty())?;
+    let device = open_device(config, !options.hardware.gpus().is_empty())?;
     let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
     if !config.data.tokenizer_file.is_empty() {
         Tokenizer::load(Path::new(&config.data.tokenizer_file))?;
@@ -296,7 +296,7 @@ pub(crate) fn resume_cv(
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
-    let device = select_device(&config.device, !options.hardware.gpus().is_empty())?;
+    let device = open_device(config, !options.hardware.gpus().is_empty())?;
     let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
     run_cv(config, run, &device, data, options, observer)
 }
@@ -493,6 +493,7 @@ fn train_fold(
     };
     let encoder = encoder_config(config, tokenizer.vocab_size());
     let train_device = train_device(config, &device.device, seed);
+    let precision = crate::lm::run_precision(config, device, &options.hardware);
     let mut model = init_model(config, &train_device, device.is_gpu, seed, |d| {
         encoder.init(d)
     });
@@ -526,6 +527,7 @@ fn train_fold(
         }
         Err(_) => dir.truncate_metrics_after(0)?,
     }
+    let model = model.with_compute(precision.compute);
     let (best, since_best) = best_from_metrics(&dir.metrics());
     let majority = {
         let mut counts = vec![0usize; data.labels.len()];
@@ -535,7 +537,7 @@ fn train_fold(
         let top = (0..counts.len()).max_by_key(|&c| counts[c]).unwrap_or(0);
         held.iter().filter(|p| p.label == top).count() as f64 / held.len().max(1) as f64
     };
-    let (peak, peak_name) = mfu_peak(device, &options.hardware);
+    let (peak, peak_name) = mfu_peak(device, &precision, &options.hardware);
     let mut lines = vec![
         format!(
             "fold {}/{}: {} training pairs, {} held out; WordPiece vocabulary {} (trained on this fold's training pairs)",
@@ -559,7 +561,9 @@ fn train_fold(
             }
         ),
     ];
-    lines.extend(device_lines(config, device, options, &peak_name));
+    lines.extend(device_lines(
+        config, device, &precision, options, &peak_name,
+    ));
     lines.push(format!(
         "batch: {} pairs padded per batch{}, accumulation {} → {} pairs per optimizer step; {steps_per_epoch} steps per epoch",
         t.batch_size,
@@ -592,6 +596,7 @@ fn train_fold(
         best,
         since_best,
         peak_flops: peak,
+        scaler: start.scaler(precision.loss_scaling(), config),
     };
     let (_model, end) = run_loop(
         &task,

@@ -18,6 +18,7 @@ use kiln_data::{BatchSource, Loader};
 use crate::checkpoint::{self, CheckpointState};
 use crate::optim::{AdamW, global_grad_norm, lr_at};
 use crate::params::{host, param_entries, param_values, tensor_from};
+use crate::precision::{LossScaler, ScaleVerdict};
 use crate::report::{Event, Observer, StepMetrics};
 use crate::{MemoryTracker, RunDir, TrainError, TrainOptions};
 
@@ -128,6 +129,8 @@ pub(crate) struct LoopPlan {
     pub(crate) since_best: usize,
     /// The peak FLOP/s MFU is counted against.
     pub(crate) peak_flops: Option<f64>,
+    /// fp16's dynamic loss scaling (`None`: bf16 or f32, no scaling).
+    pub(crate) scaler: Option<LossScaler>,
 }
 
 /// How a loop ended.
@@ -199,6 +202,7 @@ pub(crate) fn run_loop<T: Task>(
         let mut loss_sum: Option<Tensor<1>> = None;
         let mut accumulator = GradientsAccumulator::<T::Model>::new();
         let mut single: Option<GradientsParams> = None;
+        let loss_scale = plan.scaler.map_or(1.0, |s| s.scale);
         for _ in 0..accum {
             let loaded = loader.next_batch();
             waited += loaded.wait;
@@ -211,11 +215,14 @@ pub(crate) fn run_loop<T: Task>(
                 Some(s) => s.add(loss.clone().detach()),
                 None => loss.clone().detach(),
             });
-            // Dividing by the accumulation steps makes the summed gradients an average.
-            let loss = if accum > 1 {
-                loss.div_scalar(accum as f64)
-            } else {
+            // Dividing by the accumulation steps makes the summed gradients
+            // an average; fp16's loss scale multiplies them (and the update
+            // divides it out again).
+            let factor = loss_scale / accum as f64;
+            let loss = if factor == 1.0 {
                 loss
+            } else {
+                loss.mul_scalar(factor)
             };
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             if accum > 1 {
@@ -226,7 +233,7 @@ pub(crate) fn run_loop<T: Task>(
         }
         let grads = single.unwrap_or_else(|| accumulator.grads());
         let loss = loss_sum.map_or(f32::NAN, |l| l.into_scalar::<f32>()) / accum as f32;
-        let norm = global_grad_norm(&model, &grads);
+        let norm = global_grad_norm(&model, &grads) / loss_scale;
         let lr = lr_at(
             step,
             t.learning_rate,
@@ -234,16 +241,54 @@ pub(crate) fn run_loop<T: Task>(
             t.warmup_steps as u64,
             plan.total_steps,
         );
-        match bad_steps.check(loss, norm) {
-            StepVerdict::Apply => {
-                let scale = if t.grad_clip > 0.0 && norm > t.grad_clip {
+        let overflow = loss.is_finite()
+            && !norm.is_finite()
+            && plan.scaler.as_ref().is_some_and(LossScaler::can_back_off);
+        let verdict = if overflow {
+            None
+        } else {
+            Some(bad_steps.check(loss, norm))
+        };
+        match verdict {
+            None => {
+                // fp16 overflowed at this scale: skip the update, halve the
+                // scale. Not a bad step while the scale can still shrink.
+                let scaler = plan.scaler.as_mut().expect("overflow needs a scaler");
+                let ScaleVerdict::Overflow { to } = scaler.update(false) else {
+                    unreachable!("update(false) is an overflow")
+                };
+                run.append_metric(&serde_json::json!({
+                    "kind": "skipped",
+                    "step": step,
+                    "why": "fp16 gradients overflowed",
+                    "loss_scale": to,
+                    "overflows": scaler.overflows,
+                }))?;
+                observer.event(&Event::Note(format!(
+                    "step {step}: fp16 gradients overflowed at loss scale {}: step skipped, scale halved to {to} ({} overflows so far)",
+                    to * 2.0,
+                    scaler.overflows
+                )));
+            }
+            Some(StepVerdict::Apply) => {
+                let clip = if t.grad_clip > 0.0 && norm > t.grad_clip {
                     t.grad_clip / (norm + 1e-6)
                 } else {
                     1.0
                 };
-                model = optim.step(model, grads, lr, scale);
+                model = optim.step(model, grads, lr, clip / loss_scale);
+                if let Some(scaler) = plan.scaler.as_mut()
+                    && scaler.update(true) == (ScaleVerdict::Apply { grown: true })
+                {
+                    run.append_metric(&serde_json::json!({
+                        "kind": "loss_scale",
+                        "step": step,
+                        "scale": scaler.scale,
+                        "why": format!("{} clean steps in a row", scaler.growth_interval),
+                    }))?;
+                }
             }
-            StepVerdict::Skip { what, in_a_row } => {
+            Some(StepVerdict::Skip { what, in_a_row }) => {
                 // No update: the weights and the optimizer state stay as
                 // they were, finite, and so does every checkpoint.
                 run.append_metric(&serde_json::json!({
@@ -257,7 +302,7 @@ pub(crate) fn run_loop<T: Task>(
                     bad_steps.max
                 )));
             }
-            StepVerdict::Stop { what, in_a_row } => {
+            Some(StepVerdict::Stop { what, in_a_row }) => {
                 return Err(TrainError::NonFinite {
                     step,
                     what,
@@ -421,6 +466,7 @@ fn save_checkpoint<M: Module>(
         adam_steps: optim.steps,
         tokens_seen: plan.tokens_seen,
         wall_s: plan.wall_before + started.elapsed().as_secs_f64(),
+        loss_scale: plan.scaler.map(|s| (s.scale, s.clean)),
         params: param_values(model),
         moments,
     };
@@ -435,6 +481,7 @@ pub(crate) fn save_model<M: Module>(model: &M, path: &std::path::Path) -> Result
         adam_steps: 0,
         tokens_seen: 0,
         wall_s: 0.0,
+        loss_scale: None,
         params: param_values(model),
         moments: Vec::new(),
     };
@@ -487,6 +534,7 @@ pub(crate) fn restore<M: Module>(
             loader_start: state.loader_position,
             tokens_seen: state.tokens_seen,
             wall_before: state.wall_s,
+            loss_scale: state.loss_scale,
         },
     ))
 }
@@ -498,6 +546,26 @@ pub(crate) struct LoopPlanStart {
     pub(crate) loader_start: u64,
     pub(crate) tokens_seen: u64,
     pub(crate) wall_before: f64,
+    /// fp16's loss scale and its clean steps, where the run scaled its loss.
+    pub(crate) loss_scale: Option<(f64, u64)>,
+}
+
+impl LoopPlanStart {
+    /// The loss scaler a run continues with: the checkpoint's scale, else a
+    /// fresh one as `config` sets it.
+    pub(crate) fn scaler(&self, scaling: bool, config: &RunConfig) -> Option<LossScaler> {
+        scaling.then(|| {
+            let fresh = LossScaler::from_config(&config.precision);
+            match self.loss_scale {
+                Some((scale, clean)) => LossScaler {
+                    scale,
+                    clean,
+                    ..fresh
+                },
+                None => fresh,
+            }
+        })
+    }
 }
 
 /// Best score and evaluations since it, from a run's metric lines (for resume).

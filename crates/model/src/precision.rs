@@ -1,0 +1,172 @@
+//! Mixed precision as an explicit policy (Burn has no autocast): parameters
+//! stay f32 (the master weights, and so the optimizer state); matrix
+//! multiplies and attention's two products run in the compute dtype through
+//! casts at the layer's edges, and their results come back as f32, so
+//! softmax, LayerNorm, GELU, the residual stream, the loss and every
+//! reduction stay f32. `Tensor::cast` is differentiable: gradients flow back
+//! through the casts and arrive at the f32 parameters as f32.
+
+use burn::nn::Linear;
+use burn::tensor::module::{attention as fused_attention, linear as linear_op};
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Bool, FloatDType, Tensor, activation};
+
+/// The dtype matrix multiplies and attention compute in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ComputeDtype {
+    /// Everything in f32 (the models' plain Burn path, fused attention included).
+    #[default]
+    F32,
+    /// bfloat16 products, f32 everywhere else.
+    Bf16,
+    /// IEEE half products, f32 everywhere else; needs loss scaling to train.
+    F16,
+}
+
+impl ComputeDtype {
+    /// `f32`, `bf16` or `fp16`, as the configuration spells them.
+    pub fn name(self) -> &'static str {
+        match self {
+            ComputeDtype::F32 => "f32",
+            ComputeDtype::Bf16 => "bf16",
+            ComputeDtype::F16 => "fp16",
+        }
+    }
+
+    /// Burn's dtype for it.
+    pub fn float_dtype(self) -> FloatDType {
+        match self {
+            ComputeDtype::F32 => FloatDType::F32,
+            ComputeDtype::Bf16 => FloatDType::BF16,
+            ComputeDtype::F16 => FloatDType::F16,
+        }
+    }
+
+    /// Whether products run below f32.
+    pub fn is_reduced(self) -> bool {
+        self != ComputeDtype::F32
+    }
+}
+
+/// `x · W + b` with the product in `dtype`; the result is f32.
+pub(crate) fn linear<const D: usize>(
+    layer: &Linear,
+    x: Tensor<D>,
+    dtype: ComputeDtype,
+) -> Tensor<D> {
+    if !dtype.is_reduced() {
+        return layer.forward(x);
+    }
+    let low = dtype.float_dtype();
+    let weight = layer.weight.val().cast(low);
+    let bias = layer.bias.as_ref().map(|b| b.val().cast(low));
+    linear_op(x.cast(low), weight, bias).cast(FloatDType::F32)
+}
+
+/// `a · b` with the product in `dtype`; the result is f32.
+pub(crate) fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>, dtype: ComputeDtype) -> Tensor<D> {
+    if !dtype.is_reduced() {
+        return a.matmul(b);
+    }
+    let low = dtype.float_dtype();
+    a.cast(low).matmul(b.cast(low)).cast(FloatDType::F32)
+}
+
+/// Scaled dot-product attention over `[b, h, t, d]` heads. In f32 it is
+/// Burn's fused attention; in a reduced dtype the two products run in that
+/// dtype and the scores are masked and soft-maxed in f32. `pad` is true where
+/// a key is masked out.
+pub(crate) fn attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    pad: Option<Tensor<4, Bool>>,
+    causal: bool,
+    dtype: ComputeDtype,
+) -> Tensor<4> {
+    if !dtype.is_reduced() {
+        let options = AttentionModuleOptions {
+            scale: None,
+            softcap: None,
+            is_causal: causal,
+        };
+        return fused_attention(q, k, v, pad, None, options);
+    }
+    let [b, h, t, d] = q.dims();
+    let scale = 1.0 / (d as f64).sqrt();
+    let scores = matmul(q, k.swap_dims(2, 3), dtype).mul_scalar(scale);
+    let scores = match pad {
+        Some(pad) => scores.mask_fill(pad, f32::NEG_INFINITY),
+        None => scores,
+    };
+    let scores = if causal {
+        // True above the diagonal: the keys after each query.
+        let future = Tensor::<2, Bool>::tril_mask([t, t], 0, &scores.device())
+            .reshape([1, 1, t, t])
+            .expand([b, h, t, t]);
+        scores.mask_fill(future, f32::NEG_INFINITY)
+    } else {
+        scores
+    };
+    matmul(activation::softmax(scores, 3), v, dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{DType, Device, Distribution};
+
+    use super::*;
+
+    fn heads(device: &Device) -> [Tensor<4>; 3] {
+        [0, 1, 2].map(|_| Tensor::<4>::random([2, 3, 6, 8], Distribution::Normal(0.0, 1.0), device))
+    }
+
+    fn max_diff(a: Tensor<4>, b: Tensor<4>) -> f32 {
+        (a - b).abs().max().into_scalar()
+    }
+
+    #[test]
+    fn reduced_attention_matches_the_fused_f32_attention() {
+        let device = Device::flex();
+        device.seed(5);
+        let [q, k, v] = heads(&device);
+        for causal in [false, true] {
+            let reference = attention(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                None,
+                causal,
+                ComputeDtype::F32,
+            );
+            for dtype in [ComputeDtype::Bf16, ComputeDtype::F16] {
+                let low = attention(q.clone(), k.clone(), v.clone(), None, causal, dtype);
+                assert_eq!(low.dtype(), DType::F32, "{dtype:?} returns f32");
+                let diff = max_diff(reference.clone(), low);
+                // bf16 keeps 8 bits of mantissa (2^-8 = 0.004), fp16 11.
+                assert!(diff < 0.05, "{dtype:?} causal={causal}: {diff}");
+            }
+        }
+    }
+
+    #[test]
+    fn reduced_attention_masks_padding_like_the_fused_one() {
+        let device = Device::flex();
+        device.seed(6);
+        let [q, k, v] = heads(&device);
+        // The last two keys are padding.
+        let keep = Tensor::<1, burn::tensor::Int>::arange(0..6, &device).greater_equal_elem(4);
+        let pad = keep.reshape([1, 1, 1, 6]).expand([2, 3, 6, 6]);
+        let reference = attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            Some(pad.clone()),
+            false,
+            ComputeDtype::F32,
+        );
+        let low = attention(q, k, v, Some(pad), false, ComputeDtype::Bf16);
+        let diff = max_diff(reference, low);
+        assert!(diff < 0.05, "{diff}");
+    }
+}
