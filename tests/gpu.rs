@@ -1,6 +1,8 @@
 //! The GPU code path, on whatever Vulkan device wgpu finds (in CI: Mesa's
 //! software device, llvmpipe — correctness, never speed). Built only with
-//! this crate's `wgpu` feature: `cargo test -p kiln-tests --features wgpu gpu::`.
+//! this crate's `wgpu` feature: `cargo test -p kiln-tests --features wgpu gpu::`;
+//! with `--features fusion` the same suite runs on a `kiln` built with Burn's
+//! operation fusion, so fused and unfused steps are each held to flex.
 //!
 //! A GPU run draws its initial weights on the CPU with the same seed, so a
 //! wgpu run and a flex run start from the same model and see the same
@@ -82,7 +84,14 @@ fn a_short_training_run_on_wgpu_ends_with_its_run_directory() {
     args.push("device.backend=wgpu".into());
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     let run = kiln(&refs).run().expect_code(0);
-    run.stdout_has(&["backend: wgpu (GPU)"]);
+    run.stdout_has(&[
+        "backend: wgpu (GPU)",
+        if cfg!(feature = "fusion") {
+            "fusion built in (always on in this build)"
+        } else {
+            "fusion not in this build"
+        },
+    ]);
     let summary = std::fs::read_to_string(tmp.path().join("run/summary.json")).expect("summary");
     let v: serde_json::Value = serde_json::from_str(&summary).expect("json");
     assert!(

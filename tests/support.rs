@@ -13,7 +13,8 @@ pub(crate) fn root() -> PathBuf {
 
 /// The `kiln` binary of this build profile, brought up to date once per
 /// test run (`cargo test -p kiln-tests` alone would not rebuild it); with
-/// this crate's `wgpu` feature, built with the wgpu backend.
+/// this crate's `wgpu` feature, built with the wgpu backend, and with its
+/// `fusion` feature, with Burn's operation fusion too.
 pub(crate) fn kiln_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
@@ -40,7 +41,9 @@ pub(crate) fn kiln_bin() -> &'static Path {
                 "--profile",
                 profile,
             ])
-            .args(if cfg!(feature = "wgpu") {
+            .args(if cfg!(feature = "fusion") {
+                &["--features", "kiln-cli/wgpu,kiln-cli/fusion"][..]
+            } else if cfg!(feature = "wgpu") {
                 &["--features", "kiln-cli/wgpu"][..]
             } else {
                 &[][..]

@@ -128,14 +128,7 @@ mod tests {
 
     #[test]
     fn on_flex_compile_is_not_applicable() {
-        let flex = crate::select_device(
-            &kiln_config::DeviceSection {
-                backend: kiln_config::Backend::Flex,
-                index: 0,
-            },
-            false,
-        )
-        .expect("flex");
+        let flex = crate::device::flex("device.backend = flex");
         let line = apply_compile(
             &OptimizationSection {
                 compile: true,

@@ -19,7 +19,8 @@ pub struct DeviceChoice {
     pub compile: String,
 }
 
-fn flex(why: &str) -> DeviceChoice {
+/// The CPU device, with `why` as its reason.
+pub(crate) fn flex(why: &str) -> DeviceChoice {
     DeviceChoice {
         device: Device::flex(),
         name: "flex (CPU)".to_string(),

@@ -550,8 +550,8 @@ pub(crate) fn mfu_peak(
             return (
                 Some(p),
                 format!(
-                    "{:.1} TFLOP/s {dtype} of {}, measured by Burn's performance_stats (cached by CubeCL)",
-                    p / 1e12,
+                    "{} {dtype} of {}, measured by Burn's performance_stats (cached by CubeCL)",
+                    flops_rate(p),
                     device.name
                 ),
             );
@@ -580,8 +580,8 @@ pub(crate) fn mfu_peak(
             Some(p) => (
                 Some(p),
                 format!(
-                    "{:.1} TFLOP/s {dtype} of the {} ({source}; not measured on this device)",
-                    p / 1e12,
+                    "{} {dtype} of the {} ({source}; not measured on this device)",
+                    flops_rate(p),
                     gpu.name
                 ),
             ),
@@ -609,6 +609,15 @@ pub(crate) fn mfu_peak(
             ),
         ),
         None => (None, format!("unknown ({})", hardware.cpu.peak.how)),
+    }
+}
+
+/// A peak in TFLOP/s, or GFLOP/s below one TFLOP/s (software devices).
+fn flops_rate(flops: f64) -> String {
+    if flops >= 1e12 {
+        format!("{:.1} TFLOP/s", flops / 1e12)
+    } else {
+        format!("{:.1} GFLOP/s", flops / 1e9)
     }
 }
 

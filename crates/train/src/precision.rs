@@ -296,14 +296,7 @@ mod tests {
 
     #[test]
     fn flex_computes_in_what_amp_asks_for() {
-        let flex = crate::select_device(
-            &kiln_config::DeviceSection {
-                backend: kiln_config::Backend::Flex,
-                index: 0,
-            },
-            false,
-        )
-        .expect("flex");
+        let flex = crate::device::flex("device.backend = flex");
         for (dtype, compute) in [
             (AmpDtype::Bf16, ComputeDtype::Bf16),
             (AmpDtype::Fp16, ComputeDtype::F16),
