@@ -361,6 +361,39 @@ mod tests {
     }
 
     #[test]
+    fn reduced_compute_follows_the_f32_logits() {
+        let c = EncoderConfig {
+            vocab_size: 20,
+            max_positions: 16,
+            layers: 2,
+            heads: 2,
+            hidden: 16,
+            intermediate: 32,
+            ..peers_shape()
+        };
+        let device = Device::flex();
+        device.seed(8);
+        let model = c.init(&device);
+        let (ids, seg, mask) = batch(&device);
+        let logits = |m: &EncoderClassifier| -> Vec<f32> {
+            m.forward(ids.clone(), seg.clone(), mask.clone())
+                .into_data()
+                .iter::<f32>()
+                .collect()
+        };
+        let reference = logits(&model);
+        for dtype in [ComputeDtype::Bf16, ComputeDtype::F16] {
+            let low = logits(&model.clone().with_compute(dtype));
+            assert_ne!(low, reference, "{dtype:?} must round somewhere");
+            for (a, b) in low.iter().zip(&reference) {
+                // Post-LayerNorm blocks keep activations near unit scale;
+                // bf16 rounds at 2^-8 of that.
+                assert!((a - b).abs() < 0.05, "{dtype:?}: {low:?} vs {reference:?}");
+            }
+        }
+    }
+
+    #[test]
     fn a_frozen_encoder_trains_only_the_head() {
         let c = EncoderConfig {
             vocab_size: 20,
