@@ -40,7 +40,9 @@ cargo xtask <target> [args...]
                             the tests, the GPU suite on Vulkan
 
 Extra arguments go to `kiln` (overrides like training.batch_size=8).
-A GPU preset on a machine without that GPU exits 2 unless --force.";
+A GPU preset on a machine without that GPU exits 2 unless --force.
+GPU targets build kiln with --features wgpu (the auto targets where an
+NVIDIA GPU is present); KILN_FEATURES=cuda,fusion picks other features.";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -54,10 +56,14 @@ fn main() -> ExitCode {
             println!("{HELP}");
             return ExitCode::SUCCESS;
         }
-        "check-hardware" => kiln(&["check-hardware"], rest),
-        "check-gpu" => kiln(&["check-gpu"], rest),
-        "train-auto" => kiln(&["train", "hardware=auto"], rest),
-        "nli-train-auto" => kiln(&["cv", "hardware=auto", "experiment=nli_snli"], rest),
+        "check-hardware" => kiln(&["check-hardware"], rest, Build::Auto),
+        "check-gpu" => kiln(&["check-gpu"], rest, Build::Auto),
+        "train-auto" => kiln(&["train", "hardware=auto"], rest, Build::Auto),
+        "nli-train-auto" => kiln(
+            &["cv", "hardware=auto", "experiment=nli_snli"],
+            rest,
+            Build::Auto,
+        ),
         "ci" => ci(),
         "bench" => bench(rest),
         "bench-tune" => bench_tune(rest),
@@ -69,7 +75,12 @@ fn main() -> ExitCode {
                 } else {
                     vec!["train", hw.as_str()]
                 };
-                kiln(&base, rest)
+                let build = if preset == "cpu" {
+                    Build::Cpu
+                } else {
+                    Build::Gpu
+                };
+                kiln(&base, rest, build)
             }
             None => {
                 eprintln!("unknown target `{other}`\n\n{HELP}");
@@ -110,8 +121,59 @@ fn cargo() -> Command {
     cmd
 }
 
-/// `cargo run` of the `kiln` binary in release mode, from the repository root.
-fn kiln_command() -> Command {
+/// Which backend features a target builds `kiln` with.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Build {
+    /// The default build: the CPU backend (flex).
+    Cpu,
+    /// A GPU preset: the `wgpu` backend too.
+    Gpu,
+    /// `wgpu` where this machine has an NVIDIA GPU, else the default build.
+    Auto,
+}
+
+/// Whether an NVIDIA driver reports a GPU (no ML crate linked: the driver's
+/// proc files, else `nvidia-smi -L`).
+fn nvidia_gpu_present() -> bool {
+    let proc_gpus = std::fs::read_dir("/proc/driver/nvidia/gpus")
+        .is_ok_and(|mut entries| entries.next().is_some());
+    proc_gpus
+        || Command::new("nvidia-smi")
+            .arg("-L")
+            .output()
+            .is_ok_and(|o| o.status.success() && !o.stdout.is_empty())
+}
+
+/// The Cargo features `kiln` is built with: `KILN_FEATURES` when set (e.g.
+/// `cuda,fusion` on a machine that can build CUDA), else `wgpu` for GPU
+/// presets and, for the auto targets, where an NVIDIA GPU is present.
+fn features(build: Build) -> Option<String> {
+    features_for(
+        build,
+        std::env::var("KILN_FEATURES").ok(),
+        nvidia_gpu_present,
+    )
+}
+
+fn features_for(
+    build: Build,
+    chosen: Option<String>,
+    gpu_present: impl Fn() -> bool,
+) -> Option<String> {
+    if let Some(f) = chosen {
+        return (!f.trim().is_empty()).then_some(f);
+    }
+    let gpu = match build {
+        Build::Cpu => false,
+        Build::Gpu => true,
+        Build::Auto => gpu_present(),
+    };
+    gpu.then(|| "wgpu".to_string())
+}
+
+/// `cargo run` of the `kiln` binary in release mode, from the repository
+/// root, with the backend features `build` needs.
+fn kiln_command(build: Build) -> Command {
     let mut cmd = cargo();
     cmd.args([
         "run",
@@ -121,14 +183,18 @@ fn kiln_command() -> Command {
         "kiln-cli",
         "--bin",
         "kiln",
-        "--",
     ]);
+    if let Some(f) = features(build) {
+        eprintln!("xtask: building kiln with --features {f}");
+        cmd.args(["--features", &f]);
+    }
+    cmd.arg("--");
     cmd
 }
 
 /// Runs `kiln <base> <rest>`.
-fn kiln(base: &[&str], rest: Vec<String>) -> Result<ExitCode, String> {
-    let mut cmd = kiln_command();
+fn kiln(base: &[&str], rest: Vec<String>, build: Build) -> Result<ExitCode, String> {
+    let mut cmd = kiln_command(build);
     cmd.args(base).args(rest);
     run(cmd)
 }
@@ -166,7 +232,7 @@ fn collect(
     let mut results = Vec::new();
     for (name, args) in entries {
         eprintln!("xtask: {name}: kiln {}", args.join(" "));
-        let mut cmd = kiln_command();
+        let mut cmd = kiln_command(Build::Auto);
         cmd.args(args).arg("--json").args(rest);
         let out = cmd
             .output()
