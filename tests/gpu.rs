@@ -77,14 +77,47 @@ fn nli_steps_on_wgpu_agree_with_flex() {
     );
 }
 
+/// The loss a run logged at `step` (`step     1/30 | loss 4.0557 | …`).
+fn logged_loss(stdout: &str, step: u32) -> f64 {
+    let prefix = format!("{step}/");
+    stdout
+        .lines()
+        .filter_map(|l| {
+            let mut parts = l.split('|');
+            let mut head = parts.next()?.split_whitespace();
+            (head.next()? == "step" && head.next()?.starts_with(&prefix)).then_some(())?;
+            parts
+                .next()?
+                .trim()
+                .strip_prefix("loss ")?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .next()
+        .unwrap_or_else(|| panic!("no loss logged for step {step}: {stdout}"))
+}
+
+/// `kiln train` on wgpu ends with its run directory, and follows the flex
+/// run of the same seed: the first step's loss within 1e-4, the final
+/// validation loss within 1e-3 (the tolerances of the bench comparison).
 #[test]
-fn a_short_training_run_on_wgpu_ends_with_its_run_directory() {
+fn a_short_training_run_on_wgpu_follows_the_flex_run() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let mut args = tiny(tmp.path(), "run", 30);
-    args.push("device.backend=wgpu".into());
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    let run = kiln(&refs).run().expect_code(0);
-    run.stdout_has(&[
+    let run = |backend: &str| {
+        let mut args = tiny(tmp.path(), backend, 30);
+        args.push(format!("device.backend={backend}"));
+        args.push("logging.logging_steps=10".into());
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = kiln(&refs).run().expect_code(0);
+        let summary = std::fs::read_to_string(tmp.path().join(backend).join("summary.json"))
+            .expect("summary");
+        let v: serde_json::Value = serde_json::from_str(&summary).expect("json");
+        let val = v["final_val_loss"].as_f64().expect("val loss");
+        (out, val)
+    };
+    let (wgpu, wgpu_val) = run("wgpu");
+    wgpu.stdout_has(&[
         "backend: wgpu (GPU)",
         if cfg!(feature = "fusion") {
             "fusion built in (always on in this build)"
@@ -92,11 +125,12 @@ fn a_short_training_run_on_wgpu_ends_with_its_run_directory() {
             "fusion not in this build"
         },
     ]);
-    let summary = std::fs::read_to_string(tmp.path().join("run/summary.json")).expect("summary");
-    let v: serde_json::Value = serde_json::from_str(&summary).expect("json");
+    let (flex, flex_val) = run("flex");
+    let (a, b) = (logged_loss(&flex.stdout, 1), logged_loss(&wgpu.stdout, 1));
+    assert!((a - b).abs() < 1e-4, "step 1: flex {a} vs wgpu {b}");
     assert!(
-        v["final_val_loss"].as_f64().is_some_and(f64::is_finite),
-        "{v}"
+        (flex_val - wgpu_val).abs() < 1e-3,
+        "val loss after 30 steps: flex {flex_val} vs wgpu {wgpu_val}"
     );
 }
 

@@ -703,10 +703,12 @@ pub fn gib(bytes: u64) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn config(overrides: &[&str]) -> RunConfig {
+    /// The configuration the shipped presets resolve to on a machine without
+    /// a GPU, with `overrides`.
+    pub(crate) fn config(overrides: &[&str]) -> RunConfig {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../presets");
         let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
         let report = kiln_hwdetect::detect_with(&kiln_hwdetect::FixedProbe(

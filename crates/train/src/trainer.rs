@@ -402,10 +402,15 @@ pub(crate) fn train_device(config: &RunConfig, inner: &Device, seed: u64) -> Dev
     device
 }
 
-/// Builds a model whose initial weights do not depend on the device: on a
-/// GPU they are drawn on the CPU (`flex`, seeded as `device` is) and copied
-/// over, so a wgpu or CUDA run starts from the weights a flex run of the
-/// same seed starts from, and the two can be compared step by step.
+/// Builds a model whose initial weights depend on `seed` alone, not on the
+/// device or on what draws from the device's RNG later. Burn initialises a
+/// parameter lazily, at its first use: left alone, the draw would happen in
+/// the first training step, after the loop has reseeded the RNG for that
+/// step, and a model drawn on the CPU and copied over would not match. So
+/// every parameter is materialised here; on a GPU the values are drawn on
+/// the CPU (`flex`, seeded as `device` is) and copied over, so a wgpu or
+/// CUDA run starts from the weights a flex run of the same seed starts from,
+/// and the two can be compared step by step.
 pub(crate) fn init_model<M: Module>(
     config: &RunConfig,
     device: &Device,
@@ -427,7 +432,10 @@ pub(crate) fn init_model<M: Module>(
         }
     }
     let _ = (config, is_gpu, seed);
-    init(device)
+    let model = init(device);
+    // Visiting reads every parameter, which materialises it now, in order.
+    let _ = param_entries(&model);
+    model
 }
 
 /// A JSON object of `value` with `"kind": kind` added.
@@ -588,6 +596,31 @@ pub(crate) fn best_from_metrics(metrics: &[serde_json::Value]) -> (Option<f64>, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn initial_weights_come_from_the_seed_not_the_first_step() {
+        let config = crate::diagnose::tests::config(&[]);
+        let gpt = kiln_model::GptConfig {
+            vocab_size: 11,
+            block_size: 8,
+            layers: 1,
+            heads: 2,
+            hidden: 8,
+            intermediate: 16,
+            dropout: 0.0,
+            gelu: kiln_model::GeluKind::Exact,
+        };
+        let draw = |reseed: bool| {
+            let device = train_device(&config, &Device::flex(), 7);
+            let model = init_model(&config, &device, false, 7, |d| gpt.init(d));
+            if reseed {
+                // What the loop does before each step.
+                device.seed(12345);
+            }
+            param_values(&model)
+        };
+        assert_eq!(draw(false), draw(true));
+    }
 
     #[test]
     fn non_finite_steps_are_skipped_then_stop_the_run() {
