@@ -80,7 +80,6 @@ impl GptConfig {
                 dropout: DropoutConfig::new(self.dropout).init(),
                 heads: self.heads,
                 gelu: self.gelu == GeluKind::Tanh,
-                compute: ComputeDtype::F32,
             })
             .collect();
         Gpt {
@@ -137,15 +136,13 @@ struct Block {
     heads: usize,
     #[module(skip)]
     gelu: bool,
-    #[module(skip)]
-    compute: ComputeDtype,
 }
 
 impl Block {
-    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+    /// One block, its products in `c`.
+    fn forward(&self, x: Tensor<3>, c: ComputeDtype) -> Tensor<3> {
         let [b, t, d] = x.dims();
         let h = self.heads;
-        let c = self.compute;
         let qkv = precision::linear(&self.qkv, self.ln1.forward(x.clone()), c);
         let heads = |part: usize| {
             qkv.clone()
@@ -183,7 +180,7 @@ impl Gpt {
             .dropout
             .forward(self.wte.forward(idx) + self.wpe.forward(pos));
         for block in &self.blocks {
-            x = block.forward(x);
+            x = block.forward(x, self.compute);
         }
         let x = self.ln_f.forward(x);
         // Weight tying: the output projection is the token embedding.
@@ -193,12 +190,8 @@ impl Gpt {
 
     /// The same model computing its products in `compute` (parameters stay
     /// f32; see [`crate::precision`]).
-    pub fn with_compute(mut self, compute: ComputeDtype) -> Self {
-        self.compute = compute;
-        for block in &mut self.blocks {
-            block.compute = compute;
-        }
-        self
+    pub fn with_compute(self, compute: ComputeDtype) -> Self {
+        Self { compute, ..self }
     }
 
     /// The dtype the products compute in.
