@@ -4,8 +4,8 @@
 
 use std::path::Path;
 
-use crate::support::kiln;
-use crate::train::tiny;
+use crate::support::{kill_when, kiln};
+use crate::train::{checkpoint_digest, ckpt, tiny};
 
 fn train(dir: &Path, run: &str, steps: u32, extra: &[&str]) -> crate::support::Run {
     let mut args = tiny(dir, run, steps);
@@ -151,5 +151,41 @@ fn the_fp16_loss_scaler_backs_off_skips_and_grows() {
         header["__metadata__"]["loss_scale"].as_str(),
         Some(scale.to_string().as_str()),
         "{header}"
+    );
+}
+
+/// fp16 with a scale that changes early (an overflowing start, growth every
+/// 5 clean steps), killed after its first checkpoint and resumed: the
+/// resumed run continues from the checkpoint's loss scale, not from
+/// `loss_scale_init`, and ends bitwise where the uninterrupted run ends.
+#[test]
+fn a_killed_fp16_run_resumes_with_its_loss_scale() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let steps = 300;
+    let args = |run: &str| {
+        let mut a = tiny(tmp.path(), run, steps);
+        a.extend(
+            [
+                "precision.amp=true",
+                "precision.amp_dtype=fp16",
+                "precision.loss_scale_init=1099511627776",
+                "precision.loss_scale_growth_interval=5",
+            ]
+            .map(String::from),
+        );
+        a
+    };
+    let whole_args = args("whole");
+    let whole: Vec<&str> = whole_args.iter().map(String::as_str).collect();
+    kiln(&whole).run().expect_code(0);
+    let killed = tmp.path().join("killed");
+    kill_when(&args("killed"), &ckpt(&killed, 100), &ckpt(&killed, steps));
+    kiln(&["resume", killed.to_str().expect("utf-8")])
+        .run()
+        .expect_code(0)
+        .stdout_has(&["resuming", "from step 100"]);
+    assert_eq!(
+        checkpoint_digest(&ckpt(&killed, steps)),
+        checkpoint_digest(&ckpt(&tmp.path().join("whole"), steps))
     );
 }

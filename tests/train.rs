@@ -48,7 +48,7 @@ fn run_kiln(args: &[String]) -> crate::support::Run {
 
 /// The SHA-256 a checkpoint's header records over all its tensors (model
 /// and optimizer): equal digests mean bitwise-equal state.
-fn checkpoint_digest(path: &Path) -> String {
+pub(crate) fn checkpoint_digest(path: &Path) -> String {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
     let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).expect("header");
@@ -58,7 +58,7 @@ fn checkpoint_digest(path: &Path) -> String {
         .to_string()
 }
 
-fn ckpt(run: &Path, step: u32) -> PathBuf {
+pub(crate) fn ckpt(run: &Path, step: u32) -> PathBuf {
     run.join(format!("checkpoints/ckpt-{step:08}.safetensors"))
 }
 
