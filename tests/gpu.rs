@@ -11,7 +11,7 @@
 use std::path::Path;
 
 use crate::support::kiln;
-use crate::train::tiny;
+use crate::train::{final_val_loss, tiny, train_tiny};
 
 /// The loss `kiln bench <workload>` reaches after `steps` steps on a backend.
 fn final_loss(dir: &Path, workload: &str, backend: &str, steps: usize, extra: &[&str]) -> f64 {
@@ -105,16 +105,15 @@ fn logged_loss(stdout: &str, step: u32) -> f64 {
 fn a_short_training_run_on_wgpu_follows_the_flex_run() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let run = |backend: &str| {
-        let mut args = tiny(tmp.path(), backend, 30);
-        args.push(format!("device.backend={backend}"));
-        args.push("logging.logging_steps=10".into());
-        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        let out = kiln(&refs).run().expect_code(0);
-        let summary = std::fs::read_to_string(tmp.path().join(backend).join("summary.json"))
-            .expect("summary");
-        let v: serde_json::Value = serde_json::from_str(&summary).expect("json");
-        let val = v["final_val_loss"].as_f64().expect("val loss");
-        (out, val)
+        let device = format!("device.backend={backend}");
+        let out = train_tiny(
+            tmp.path(),
+            backend,
+            30,
+            &[device.as_str(), "logging.logging_steps=10"],
+        )
+        .expect_code(0);
+        (out, final_val_loss(&tmp.path().join(backend)))
     };
     let (wgpu, wgpu_val) = run("wgpu");
     wgpu.stdout_has(&[
@@ -136,14 +135,10 @@ fn a_short_training_run_on_wgpu_follows_the_flex_run() {
 
 /// The final validation loss of a `kiln train` run and its start lines.
 fn train_on_wgpu(dir: &Path, run: &str, steps: u32, extra: &[&str]) -> (f64, String) {
-    let mut args = tiny(dir, run, steps);
-    args.push("device.backend=wgpu".into());
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = kiln(&refs).run().expect_code(0);
-    let summary = std::fs::read_to_string(dir.join(run).join("summary.json")).expect("summary");
-    let v: serde_json::Value = serde_json::from_str(&summary).expect("json");
-    (v["final_val_loss"].as_f64().expect("val loss"), out.stdout)
+    let mut extra = extra.to_vec();
+    extra.push("device.backend=wgpu");
+    let out = train_tiny(dir, run, steps, &extra).expect_code(0);
+    (final_val_loss(&dir.join(run)), out.stdout)
 }
 
 /// bf16 and fp16 asked for on the wgpu device: where it computes in them,

@@ -5,19 +5,7 @@
 use std::path::Path;
 
 use crate::support::{kill_when, kiln};
-use crate::train::{checkpoint_digest, ckpt, tiny};
-
-fn train(dir: &Path, run: &str, steps: u32, extra: &[&str]) -> crate::support::Run {
-    let mut args = tiny(dir, run, steps);
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    kiln(&refs).run()
-}
-
-fn summary(run: &Path) -> serde_json::Value {
-    let text = std::fs::read_to_string(run.join("summary.json")).expect("summary.json");
-    serde_json::from_str(&text).expect("json")
-}
+use crate::train::{checkpoint_digest, ckpt, final_val_loss, tiny, train_tiny as train};
 
 fn metrics(run: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
@@ -56,9 +44,7 @@ fn bf16_and_fp16_runs_end_near_the_f32_run_with_f32_state() {
     train(tmp.path(), "f32", 100, &common)
         .expect_code(0)
         .stdout_has(&["precision: f32 — precision.amp is off"]);
-    let reference = summary(&tmp.path().join("f32"))["final_val_loss"]
-        .as_f64()
-        .expect("val loss");
+    let reference = final_val_loss(&tmp.path().join("f32"));
     for (dtype, label) in [
         ("bf16", "precision: bf16 compute, f32 master weights"),
         (
@@ -72,7 +58,7 @@ fn bf16_and_fp16_runs_end_near_the_f32_run_with_f32_state() {
         let run = train(tmp.path(), dtype, 100, &args).expect_code(0);
         run.stdout_has(&[label]);
         let dir = tmp.path().join(dtype);
-        let loss = summary(&dir)["final_val_loss"].as_f64().expect("val loss");
+        let loss = final_val_loss(&dir);
         assert!(
             (loss - reference).abs() < 0.02,
             "{dtype}: val loss {loss} vs f32 {reference}"
@@ -142,9 +128,7 @@ fn the_fp16_loss_scaler_backs_off_skips_and_grows() {
     }
     assert!(grown >= 1, "no growth in 60 steps");
     // The run finished, finite, and its checkpoint carries the scale.
-    let val = summary(&tmp.path().join("run"))["final_val_loss"]
-        .as_f64()
-        .expect("val loss");
+    let val = final_val_loss(&tmp.path().join("run"));
     assert!(val.is_finite(), "{val}");
     let (header, _) = last_checkpoint(&tmp.path().join("run"));
     assert_eq!(

@@ -41,6 +41,20 @@ pub(crate) fn tiny(dir: &Path, run: &str, steps: u32) -> Vec<String> {
     .to_vec()
 }
 
+/// `kiln` with the tiny run's arguments and `extra` overrides.
+pub(crate) fn train_tiny(dir: &Path, run: &str, steps: u32, extra: &[&str]) -> crate::support::Run {
+    let mut args = tiny(dir, run, steps);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    run_kiln(&args)
+}
+
+/// The final validation loss a run wrote to its `summary.json`.
+pub(crate) fn final_val_loss(run: &Path) -> f64 {
+    let text = std::fs::read_to_string(run.join("summary.json")).expect("summary.json");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+    v["final_val_loss"].as_f64().expect("final_val_loss")
+}
+
 fn run_kiln(args: &[String]) -> crate::support::Run {
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     kiln(&refs).run()

@@ -199,6 +199,16 @@ pub enum AmpDtype {
     Fp16,
 }
 
+impl AmpDtype {
+    /// `bf16` or `fp16`, as the configuration spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            AmpDtype::Bf16 => "bf16",
+            AmpDtype::Fp16 => "fp16",
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OptimizationSection {

@@ -20,6 +20,7 @@ use serde::Serialize;
 use crate::lm::{batch_tensors, gpt_config, make_tokenizer};
 use crate::nli::{encoder_config, pair_tensors, schema};
 use crate::optim::{AdamW, global_grad_norm};
+use crate::precision::PrecisionChoice;
 use crate::report::median;
 use crate::trainer::{Work, init_model, train_device};
 use crate::{MemoryTracker, TrainError, open_device};
@@ -179,6 +180,7 @@ fn time_steps<M: Module, S: BatchSource, I>(
 fn result(
     workload: &'static str,
     device: &crate::DeviceChoice,
+    precision: &PrecisionChoice,
     config: &RunConfig,
     hardware: &HardwareReport,
     options: BenchOptions,
@@ -213,8 +215,7 @@ fn result(
     let waited: f64 = t.phases[0].iter().sum::<f64>() / 1e3;
     let samples: usize = t.work.iter().map(|w| w.samples).sum();
     let flops_padded = t.work.iter().map(|w| w.flops).sum::<f64>() / samples.max(1) as f64;
-    let precision = crate::lm::run_precision(config, device, hardware);
-    let (peak, mfu_peak) = crate::lm::mfu_peak(device, &precision, hardware);
+    let (peak, mfu_peak) = crate::lm::mfu_peak(device, precision, hardware);
     let tokens_per_s_median = median(&mut tps);
     let percentile = |v: &[f64], q: f64| -> f64 {
         // `median` sorted `tps`; nearest rank.
@@ -241,7 +242,7 @@ fn result(
     BenchResult {
         workload,
         backend: device.name.clone(),
-        precision: precision.label,
+        precision: precision.label.clone(),
         warmup_steps: options.warmup,
         timed_steps: t.step_s.len(),
         batch_size: config.training.batch_size,
@@ -406,14 +407,16 @@ fn loader_rows<S: BatchSource>(
         .collect()
 }
 
-/// The device a benchmark runs on, and its seeded training device.
+/// The device a benchmark runs on, its seeded training device, and the
+/// precision the model computes in there.
 fn bench_device(
     config: &RunConfig,
     hardware: &HardwareReport,
-) -> Result<(crate::DeviceChoice, Device), TrainError> {
+) -> Result<(crate::DeviceChoice, Device, PrecisionChoice), TrainError> {
     let choice = open_device(config, !hardware.gpus().is_empty())?;
     let device = train_device(config, &choice.device, config.training.seed);
-    Ok((choice, device))
+    let precision = crate::lm::run_precision(config, &choice, hardware);
+    Ok((choice, device, precision))
 }
 
 /// Times training steps of the language model of `config`.
@@ -422,14 +425,13 @@ pub fn bench_lm(
     hardware: &HardwareReport,
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
-    let (choice, device) = bench_device(config, hardware)?;
+    let (choice, device, precision) = bench_device(config, hardware)?;
     let (source, vocab) = lm_source(config)?;
     let block = config.model.max_length;
     let gpt = gpt_config(config, vocab);
     let seed = config.training.seed;
-    let compute = crate::lm::run_precision(config, &choice, hardware).compute;
-    let model =
-        init_model(config, &device, choice.is_gpu, seed, |d| gpt.init(d)).with_compute(compute);
+    let model = init_model(config, &device, choice.is_gpu, seed, |d| gpt.init(d))
+        .with_compute(precision.compute);
     let per_token = gpt.flops_per_token();
     let timings = time_steps(
         source,
@@ -455,6 +457,7 @@ pub fn bench_lm(
     Ok(result(
         "lm",
         &choice,
+        &precision,
         config,
         hardware,
         options,
@@ -506,14 +509,13 @@ pub fn bench_nli(
     hardware: &HardwareReport,
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
-    let (choice, device) = bench_device(config, hardware)?;
+    let (choice, device, precision) = bench_device(config, hardware)?;
     let (source, vocab, real_mean) = nli_source(config)?;
     let max_len = config.model.max_length;
     let encoder = encoder_config(config, vocab);
     let seed = config.training.seed;
-    let compute = crate::lm::run_precision(config, &choice, hardware).compute;
-    let mut model =
-        init_model(config, &device, choice.is_gpu, seed, |d| encoder.init(d)).with_compute(compute);
+    let mut model = init_model(config, &device, choice.is_gpu, seed, |d| encoder.init(d))
+        .with_compute(precision.compute);
     let frozen = config.model.freeze_encoder;
     if frozen {
         model = model.freeze_encoder();
@@ -556,6 +558,7 @@ pub fn bench_nli(
     Ok(result(
         "nli",
         &choice,
+        &precision,
         config,
         hardware,
         options,

@@ -15,7 +15,7 @@ use kiln_hwdetect::HardwareReport;
 use serde::Serialize;
 
 use crate::bench::{BenchOptions, bench_lm, bench_nli};
-use crate::lm::{gpt_config, make_tokenizer, run_precision};
+use crate::lm::{gpt_config, make_tokenizer, run_gpu, run_precision};
 use crate::nli::{encoder_config, schema};
 use crate::{TrainError, select_device};
 
@@ -124,11 +124,7 @@ pub fn diagnose(
     hardware: &HardwareReport,
     burst_steps: usize,
 ) -> Result<Diagnosis, TrainError> {
-    let gpu = hardware
-        .gpus()
-        .iter()
-        .find(|g| g.index as usize == config.device.index)
-        .or(hardware.gpus().first());
+    let gpu = run_gpu(config, hardware);
     let device = select_device(&config.device, gpu.is_some());
     let (device_name, device_why, is_gpu, backend_error) = match &device {
         Ok(d) => (d.name.clone(), d.why.clone(), d.is_gpu, None),
@@ -624,7 +620,7 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
                 "precision.amp",
                 format!(
                     "mixed precision ({}) asked for on the CPU, which has no fast bf16/fp16 path: flex converts the products to f32, so the run is slower than in f32",
-                    dtype(c.precision.amp_dtype)
+                    c.precision.amp_dtype.name()
                 ),
                 "precision.amp=false".into(),
             );
@@ -683,13 +679,6 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
         );
     }
     out
-}
-
-fn dtype(d: AmpDtype) -> &'static str {
-    match d {
-        AmpDtype::Bf16 => "bf16",
-        AmpDtype::Fp16 => "fp16",
-    }
 }
 
 /// Bytes in GiB (or MiB below one GiB), for messages.

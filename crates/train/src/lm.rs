@@ -649,11 +649,7 @@ pub(crate) fn device_lines(
     let mut lines = vec![
         format!("backend: {} — {}", device.name, device.why),
         format!("precision: {} — {}{tf32}", precision.label, precision.why),
-        if device.compile.is_empty() {
-            crate::compile::apply_compile(&c.optimization, device)
-        } else {
-            device.compile.clone()
-        },
+        device.compile.clone(),
         format!(
             "loader: {} worker thread{}, {} batches ahead each",
             c.loader.num_workers,

@@ -6,7 +6,7 @@
 //! lack a dtype the chip has (wgpu has no bf16). Parameters and optimizer
 //! state stay f32 whatever is chosen; see [`kiln_model::precision`].
 
-use burn::tensor::{DType, FloatDType};
+use burn::tensor::FloatDType;
 use kiln_config::{AmpDtype, EffectivePrecision, PrecisionSection};
 use kiln_hwdetect::GpuInfo;
 use kiln_model::ComputeDtype;
@@ -27,18 +27,12 @@ impl PrecisionChoice {
     pub fn loss_scaling(&self) -> bool {
         self.compute == ComputeDtype::F16
     }
-
-    /// The Burn dtype MFU's peak is taken for.
-    pub fn dtype(&self) -> DType {
-        self.compute.float_dtype().into()
-    }
 }
 
-fn compute_of(amp: Option<AmpDtype>) -> ComputeDtype {
+fn compute_of(amp: AmpDtype) -> ComputeDtype {
     match amp {
-        None => ComputeDtype::F32,
-        Some(AmpDtype::Bf16) => ComputeDtype::Bf16,
-        Some(AmpDtype::Fp16) => ComputeDtype::F16,
+        AmpDtype::Bf16 => ComputeDtype::Bf16,
+        AmpDtype::Fp16 => ComputeDtype::F16,
     }
 }
 
@@ -51,19 +45,21 @@ pub fn choose_precision_with(
     gpu: Option<&GpuInfo>,
     supports: impl Fn(FloatDType) -> bool,
 ) -> PrecisionChoice {
-    let hw: EffectivePrecision = match (device.is_gpu, gpu) {
-        (true, Some(gpu)) => kiln_config::effective_precision(precision, Some(gpu)),
-        (true, None) if precision.amp => EffectivePrecision {
+    let gpu = gpu.filter(|_| device.is_gpu);
+    let hw = if device.is_gpu && gpu.is_none() && precision.amp {
+        // A GPU without a capability table (not NVIDIA, or llvmpipe): the
+        // device's own answer below decides.
+        EffectivePrecision {
             compute: Some(precision.amp_dtype),
             label: String::new(),
             why: format!(
                 "precision.amp_dtype = {}; no NVIDIA capability table for this device, so {} decides",
-                dtype_name(precision.amp_dtype),
+                precision.amp_dtype.name(),
                 device.name
             ),
-        },
-        (true, None) => kiln_config::effective_precision(precision, None),
-        (false, _) => kiln_config::effective_precision(precision, None),
+        }
+    } else {
+        kiln_config::effective_precision(precision, gpu)
     };
     let Some(mut amp) = hw.compute else {
         return PrecisionChoice {
@@ -95,7 +91,7 @@ pub fn choose_precision_with(
         EffectivePrecision::label_for(Some(amp))
     };
     PrecisionChoice {
-        compute: compute_of(Some(amp)),
+        compute: compute_of(amp),
         label,
         why,
     }
@@ -145,13 +141,6 @@ pub(crate) fn measured_peak(device: &burn::tensor::Device, compute: ComputeDtype
         .filter_map(|stat| stat.value.ok().map(|v| v.ops_per_s()))
         .filter(|flops| flops.is_finite() && *flops > 0.0)
         .reduce(f64::max)
-}
-
-fn dtype_name(d: AmpDtype) -> &'static str {
-    match d {
-        AmpDtype::Bf16 => "bf16",
-        AmpDtype::Fp16 => "fp16",
-    }
 }
 
 /// fp16's dynamic loss scaling, with PyTorch's `GradScaler` defaults: the

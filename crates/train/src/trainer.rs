@@ -68,6 +68,12 @@ pub(crate) struct BadSteps {
 #[derive(Debug, PartialEq)]
 pub(crate) enum StepVerdict {
     Apply,
+    /// fp16's gradients overflowed at the loss scale: skip the update; the
+    /// scale was halved to `to`. Not a bad step while the scale can shrink.
+    Overflow {
+        to: f64,
+        overflows: u64,
+    },
     /// Not finite: skip the update.
     Skip {
         what: String,
@@ -241,36 +247,31 @@ pub(crate) fn run_loop<T: Task>(
             t.warmup_steps as u64,
             plan.total_steps,
         );
-        let overflow = loss.is_finite()
-            && !norm.is_finite()
-            && plan.scaler.as_ref().is_some_and(LossScaler::can_back_off);
-        let verdict = if overflow {
-            None
-        } else {
-            Some(bad_steps.check(loss, norm))
+        let verdict = match plan.scaler.as_mut() {
+            Some(scaler) if loss.is_finite() && !norm.is_finite() && scaler.can_back_off() => {
+                scaler.update(false);
+                StepVerdict::Overflow {
+                    to: scaler.scale,
+                    overflows: scaler.overflows,
+                }
+            }
+            _ => bad_steps.check(loss, norm),
         };
         match verdict {
-            None => {
-                // fp16 overflowed at this scale: skip the update, halve the
-                // scale. Not a bad step while the scale can still shrink.
-                let scaler = plan.scaler.as_mut().expect("overflow needs a scaler");
-                let ScaleVerdict::Overflow { to } = scaler.update(false) else {
-                    unreachable!("update(false) is an overflow")
-                };
+            StepVerdict::Overflow { to, overflows } => {
                 run.append_metric(&serde_json::json!({
                     "kind": "skipped",
                     "step": step,
                     "why": "fp16 gradients overflowed",
                     "loss_scale": to,
-                    "overflows": scaler.overflows,
+                    "overflows": overflows,
                 }))?;
                 observer.event(&Event::Note(format!(
-                    "step {step}: fp16 gradients overflowed at loss scale {}: step skipped, scale halved to {to} ({} overflows so far)",
-                    to * 2.0,
-                    scaler.overflows
+                    "step {step}: fp16 gradients overflowed at loss scale {}: step skipped, scale halved to {to} ({overflows} overflows so far)",
+                    to * 2.0
                 )));
             }
-            Some(StepVerdict::Apply) => {
+            StepVerdict::Apply => {
                 let clip = if t.grad_clip > 0.0 && norm > t.grad_clip {
                     t.grad_clip / (norm + 1e-6)
                 } else {
@@ -288,7 +289,7 @@ pub(crate) fn run_loop<T: Task>(
                     }))?;
                 }
             }
-            Some(StepVerdict::Skip { what, in_a_row }) => {
+            StepVerdict::Skip { what, in_a_row } => {
                 // No update: the weights and the optimizer state stay as
                 // they were, finite, and so does every checkpoint.
                 run.append_metric(&serde_json::json!({
@@ -302,7 +303,7 @@ pub(crate) fn run_loop<T: Task>(
                     bad_steps.max
                 )));
             }
-            Some(StepVerdict::Stop { what, in_a_row }) => {
+            StepVerdict::Stop { what, in_a_row } => {
                 return Err(TrainError::NonFinite {
                     step,
                     what,
