@@ -250,6 +250,20 @@ fn bad_input_exits_2_with_key_value_and_layer() {
             ],
         ),
         (
+            &["config", "precision.loss_scale_init=0.5"],
+            &[
+                "invalid value 0.5 for `precision.loss_scale_init`",
+                "must be a finite number of at least 1",
+            ],
+        ),
+        (
+            &["config", "precision.loss_scale_growth_interval=0"],
+            &[
+                "invalid value 0 for `precision.loss_scale_growth_interval`",
+                "must be at least 1",
+            ],
+        ),
+        (
             &["config", "hardware=nope"],
             &["unknown hardware preset `nope`", "a100, a100_80gb", "t4"],
         ),
