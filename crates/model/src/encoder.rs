@@ -11,6 +11,7 @@ use burn::nn::{
 use burn::tensor::{Bool, Device, Int, Tensor, activation};
 
 use crate::GeluKind;
+use crate::kernels::{self, Kernels};
 use crate::precision::{self, ComputeDtype};
 
 /// How the sequence becomes one vector.
@@ -111,6 +112,7 @@ impl EncoderConfig {
             head: linear(self.hidden, self.classes),
             mean_pooling: self.pooling == PoolingKind::Mean,
             compute: ComputeDtype::F32,
+            kernels: Kernels::Fused,
         }
     }
 }
@@ -129,6 +131,8 @@ pub struct EncoderClassifier {
     mean_pooling: bool,
     #[module(skip)]
     compute: ComputeDtype,
+    #[module(skip)]
+    kernels: Kernels,
 }
 
 #[derive(Module, Debug)]
@@ -147,8 +151,15 @@ struct EncoderBlock {
 }
 
 impl EncoderBlock {
-    /// `pad` is `[b, h, t, t]`, true where a key is padding; products in `c`.
-    fn forward(&self, x: Tensor<3>, pad: Tensor<4, Bool>, c: ComputeDtype) -> Tensor<3> {
+    /// `pad` is `[b, t]`, true where a key is padding; products in `c`, hot
+    /// spots run by `k`.
+    fn forward(
+        &self,
+        x: Tensor<3>,
+        pad: Tensor<2, Bool>,
+        c: ComputeDtype,
+        k: Kernels,
+    ) -> Tensor<3> {
         let [b, t, d] = x.dims();
         let h = self.heads;
         let qkv = precision::linear(&self.qkv, x.clone(), c);
@@ -158,7 +169,7 @@ impl EncoderBlock {
                 .reshape([b, t, h, d / h])
                 .swap_dims(1, 2)
         };
-        let y = precision::attention(heads(0), heads(1), heads(2), Some(pad), false, c)
+        let y = precision::attention(heads(0), heads(1), heads(2), Some(pad), false, c, k)
             .swap_dims(1, 2)
             .reshape([b, t, d]);
         let x = self.ln1.forward(
@@ -170,7 +181,7 @@ impl EncoderBlock {
         let hidden = if self.tanh_gelu {
             activation::gelu_approximate(hidden)
         } else {
-            activation::gelu(hidden)
+            kernels::gelu(hidden, k)
         };
         self.ln2.forward(
             x + self
@@ -198,14 +209,9 @@ impl EncoderClassifier {
             + self.positions.forward(pos)
             + self.segments.forward(segments);
         let mut x = self.dropout.forward(self.ln_embed.forward(x));
-        let h = self.blocks.first().map_or(1, |blk| blk.heads);
-        let pad = mask
-            .clone()
-            .bool_not()
-            .reshape([b, 1, 1, t])
-            .expand([b, h, t, t]);
+        let pad = mask.clone().bool_not();
         for block in &self.blocks {
-            x = block.forward(x, pad.clone(), self.compute);
+            x = block.forward(x, pad.clone(), self.compute, self.kernels);
         }
         let [_, _, d] = x.dims();
         let pooled = if self.mean_pooling {
@@ -227,6 +233,17 @@ impl EncoderClassifier {
     /// The dtype the products compute in.
     pub fn compute(&self) -> ComputeDtype {
         self.compute
+    }
+
+    /// The same model running its element-wise hot spots with `kernels`
+    /// (see [`crate::kernels`]).
+    pub fn with_kernels(self, kernels: Kernels) -> Self {
+        Self { kernels, ..self }
+    }
+
+    /// The kernels the model runs.
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
     }
 
     /// Mean cross-entropy of the logits against `labels [b]`.

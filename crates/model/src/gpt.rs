@@ -10,6 +10,7 @@ use burn::nn::{
 use burn::tensor::{Device, Int, Tensor, TensorData, activation};
 use rand::RngExt;
 
+use crate::kernels::{self, Kernels};
 use crate::precision::{self, ComputeDtype};
 
 /// GELU: exact (erf) or the tanh approximation.
@@ -94,6 +95,7 @@ impl GptConfig {
             dropout: DropoutConfig::new(self.dropout).init(),
             block_size: self.block_size,
             compute: ComputeDtype::F32,
+            kernels: Kernels::Fused,
         }
     }
 }
@@ -121,6 +123,8 @@ pub struct Gpt {
     block_size: usize,
     #[module(skip)]
     compute: ComputeDtype,
+    #[module(skip)]
+    kernels: Kernels,
 }
 
 #[derive(Module, Debug)]
@@ -139,8 +143,8 @@ struct Block {
 }
 
 impl Block {
-    /// One block, its products in `c`.
-    fn forward(&self, x: Tensor<3>, c: ComputeDtype) -> Tensor<3> {
+    /// One block, its products in `c`, its hot spots run by `k`.
+    fn forward(&self, x: Tensor<3>, c: ComputeDtype, k: Kernels) -> Tensor<3> {
         let [b, t, d] = x.dims();
         let h = self.heads;
         let qkv = precision::linear(&self.qkv, self.ln1.forward(x.clone()), c);
@@ -150,7 +154,7 @@ impl Block {
                 .reshape([b, t, h, d / h])
                 .swap_dims(1, 2)
         };
-        let y = precision::attention(heads(0), heads(1), heads(2), None, true, c)
+        let y = precision::attention(heads(0), heads(1), heads(2), None, true, c, k)
             .swap_dims(1, 2)
             .reshape([b, t, d]);
         let x = x + self
@@ -160,7 +164,7 @@ impl Block {
         let hidden = if self.gelu {
             activation::gelu_approximate(hidden)
         } else {
-            activation::gelu(hidden)
+            kernels::gelu(hidden, k)
         };
         x + self
             .dropout
@@ -180,7 +184,7 @@ impl Gpt {
             .dropout
             .forward(self.wte.forward(idx) + self.wpe.forward(pos));
         for block in &self.blocks {
-            x = block.forward(x, self.compute);
+            x = block.forward(x, self.compute, self.kernels);
         }
         let x = self.ln_f.forward(x);
         // Weight tying: the output projection is the token embedding.
@@ -197,6 +201,17 @@ impl Gpt {
     /// The dtype the products compute in.
     pub fn compute(&self) -> ComputeDtype {
         self.compute
+    }
+
+    /// The same model running its element-wise hot spots with `kernels`
+    /// (see [`crate::kernels`]).
+    pub fn with_kernels(self, kernels: Kernels) -> Self {
+        Self { kernels, ..self }
+    }
+
+    /// The kernels the model runs.
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
     }
 
     /// Mean cross-entropy of next-token prediction.

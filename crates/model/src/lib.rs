@@ -10,11 +10,15 @@
 //!   real or padded tokens and a frozen-encoder mode.
 //! - [`precision`]: the mixed-precision policy both models follow: f32
 //!   parameters, products in a [`ComputeDtype`], everything else f32.
+//! - [`kernels`]: fused CPU kernels (Burn backend extensions with their own
+//!   backward) for the element-wise hot spots, chosen by [`Kernels`].
 
 mod encoder;
 mod gpt;
+pub mod kernels;
 pub mod precision;
 
 pub use encoder::{EncoderClassifier, EncoderConfig, PoolingKind};
 pub use gpt::{GeluKind, Gpt, GptConfig, cross_entropy};
+pub use kernels::Kernels;
 pub use precision::ComputeDtype;

@@ -7,9 +7,10 @@
 //! through the casts and arrive at the f32 parameters as f32.
 
 use burn::nn::Linear;
-use burn::tensor::module::{attention as fused_attention, linear as linear_op};
-use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::module::linear as linear_op;
 use burn::tensor::{Bool, FloatDType, Tensor, activation};
+
+use crate::kernels::{self, Kernels};
 
 /// The dtype matrix multiplies and attention compute in.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -73,34 +74,33 @@ pub(crate) fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>, dtype: ComputeD
 }
 
 /// Scaled dot-product attention over `[b, h, t, d]` heads. In f32 it is
-/// Burn's fused attention; in a reduced dtype the two products run in that
-/// dtype and the scores are masked and soft-maxed in f32. `pad` is true where
-/// a key is masked out.
+/// [`kernels::attention`] (kiln's fused kernel on flex, Burn's fused
+/// attention elsewhere or with `Kernels::Reference`); in a reduced dtype the
+/// two products run in that dtype and the scores are masked and soft-maxed
+/// in f32. `key_pad` (`[b, t]`) is true where a key is padding.
 pub(crate) fn attention(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,
-    pad: Option<Tensor<4, Bool>>,
+    key_pad: Option<Tensor<2, Bool>>,
     causal: bool,
     dtype: ComputeDtype,
+    kernels: Kernels,
 ) -> Tensor<4> {
     if !dtype.is_reduced() {
-        let options = AttentionModuleOptions {
-            scale: None,
-            softcap: None,
-            is_causal: causal,
-        };
-        return fused_attention(q, k, v, pad, None, options);
+        return kernels::attention(q, k, v, key_pad, causal, kernels);
     }
     let [b, h, t, d] = q.dims();
     let scale = 1.0 / (d as f64).sqrt();
     let scores = matmul(q, k.swap_dims(2, 3), dtype).mul_scalar(scale);
-    let scores = match pad {
-        Some(pad) => scores.mask_fill(pad, f32::NEG_INFINITY),
+    let scores = match key_pad {
+        Some(pad) => scores.mask_fill(
+            pad.reshape([b, 1, 1, t]).expand([b, h, t, t]),
+            f32::NEG_INFINITY,
+        ),
         None => scores,
     };
     let scores = if causal {
-        // True above the diagonal: the keys after each query.
         let future = Tensor::<2, Bool>::tril_mask([t, t], 0, &scores.device())
             .reshape([1, 1, t, t])
             .expand([b, h, t, t]);
@@ -138,9 +138,18 @@ mod tests {
                 None,
                 causal,
                 ComputeDtype::F32,
+                Kernels::Reference,
             );
             for dtype in [ComputeDtype::Bf16, ComputeDtype::F16] {
-                let low = attention(q.clone(), k.clone(), v.clone(), None, causal, dtype);
+                let low = attention(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    None,
+                    causal,
+                    dtype,
+                    Kernels::Fused,
+                );
                 assert_eq!(low.dtype(), DType::F32, "{dtype:?} returns f32");
                 let diff = max_diff(reference.clone(), low);
                 // bf16 keeps 8 bits of mantissa (2^-8 = 0.004), fp16 11.
@@ -156,7 +165,7 @@ mod tests {
         let [q, k, v] = heads(&device);
         // The last two keys are padding.
         let keep = Tensor::<1, burn::tensor::Int>::arange(0..6, &device).greater_equal_elem(4);
-        let pad = keep.reshape([1, 1, 1, 6]).expand([2, 3, 6, 6]);
+        let pad = keep.reshape([1, 6]).expand([2, 6]);
         let reference = attention(
             q.clone(),
             k.clone(),
@@ -164,8 +173,17 @@ mod tests {
             Some(pad.clone()),
             false,
             ComputeDtype::F32,
+            Kernels::Reference,
         );
-        let low = attention(q, k, v, Some(pad), false, ComputeDtype::Bf16);
+        let low = attention(
+            q,
+            k,
+            v,
+            Some(pad),
+            false,
+            ComputeDtype::Bf16,
+            Kernels::Fused,
+        );
         let diff = max_diff(reference, low);
         assert!(diff < 0.05, "{diff}");
     }

@@ -1,0 +1,426 @@
+//! The fused kernels on Burn's `flex` CPU backend: each one pass over
+//! contiguous f32 memory, split over rayon's threads (the same pool flex's
+//! matmul uses), its inner loop compiled for the CPU's widest SIMD.
+
+use burn::backend::flex::FlexTensor;
+use burn::tensor::{DType, Shape, TensorData};
+use rayon::prelude::*;
+
+use super::math;
+
+/// Elements per rayon task: big enough that scheduling is noise, small
+/// enough that both cores get work on a 128 × 512 activation.
+const CHUNK: usize = 1 << 13;
+
+/// Runs `f` compiled for the best instruction set this CPU has (AVX-512,
+/// AVX2 + FMA, or baseline x86-64), chosen at run time: the loops inside are
+/// inlined into a `#[target_feature]` function and vectorised for it.
+#[inline(always)]
+fn vectorized<R>(f: impl FnOnce() -> R) -> R {
+    pulp::Arch::new().dispatch(f)
+}
+
+/// `t` as contiguous f32, copied only when it is a strided view.
+fn contiguous(t: FlexTensor) -> FlexTensor {
+    assert_eq!(t.dtype(), DType::F32, "kiln kernels take f32 tensors");
+    if t.as_slice::<f32>().is_some() {
+        t
+    } else {
+        t.to_contiguous()
+    }
+}
+
+fn slice(t: &FlexTensor) -> &[f32] {
+    t.as_slice::<f32>()
+        .expect("contiguous f32 tensor (checked by `contiguous`)")
+}
+
+fn shape(t: &FlexTensor) -> Shape {
+    t.layout().shape().clone()
+}
+
+fn from_vec(values: Vec<f32>, shape: Shape) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, shape))
+}
+
+/// `t`'s own buffer when nothing else holds it and it is exactly the
+/// tensor's elements, so a kernel can write its result in place.
+fn writable(t: &mut FlexTensor) -> Option<&mut [f32]> {
+    let n = t.layout().num_elements();
+    let dense = t.layout().contiguous_offsets() == Some((0, n));
+    if !dense {
+        return None;
+    }
+    t.try_storage_mut::<f32>().filter(|s| s.len() == n)
+}
+
+/// Exact GELU, forward.
+pub(crate) fn gelu(x: FlexTensor) -> FlexTensor {
+    let x = contiguous(x);
+    let input = slice(&x);
+    let mut out = vec![0.0f32; input.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(input.par_chunks(CHUNK))
+        .for_each(|(o, i)| {
+            vectorized(|| {
+                for (o, &i) in o.iter_mut().zip(i) {
+                    *o = math::gelu(i);
+                }
+            })
+        });
+    from_vec(out, shape(&x))
+}
+
+/// Exact GELU, backward: `grad · gelu'(x)`, written over `grad` when it is
+/// not shared.
+pub(crate) fn gelu_backward(x: FlexTensor, grad: FlexTensor) -> FlexTensor {
+    let x = contiguous(x);
+    let mut grad = contiguous(grad);
+    let xs = slice(&x);
+    let kernel = |g: &mut [f32], x: &[f32]| {
+        vectorized(|| {
+            for (g, &x) in g.iter_mut().zip(x) {
+                *g = math::gelu_grad(x, *g);
+            }
+        })
+    };
+    if let Some(g) = writable(&mut grad) {
+        g.par_chunks_mut(CHUNK)
+            .zip(xs.par_chunks(CHUNK))
+            .for_each(|(g, x)| kernel(g, x));
+        return grad;
+    }
+    let mut out = slice(&grad).to_vec();
+    out.par_chunks_mut(CHUNK)
+        .zip(xs.par_chunks(CHUNK))
+        .for_each(|(g, x)| kernel(g, x));
+    from_vec(out, shape(&grad))
+}
+
+/// A `[batch, heads, time, head_dim]` f32 tensor's storage and strides, for
+/// passing strided heads straight to gemm (no copy of the q/k/v views).
+struct Heads<'a> {
+    data: &'a [f32],
+    offset: usize,
+    /// Strides of batch, head, time, head_dim, in elements.
+    strides: [usize; 4],
+    dims: [usize; 4],
+}
+
+impl<'a> Heads<'a> {
+    /// `t`'s view; `t` must have non-negative strides (see [`positive`]).
+    fn new(t: &'a FlexTensor) -> Self {
+        let layout = t.layout();
+        let dims: [usize; 4] = layout
+            .shape()
+            .as_slice()
+            .try_into()
+            .expect("attention takes [batch, heads, time, head_dim]");
+        let strides = std::array::from_fn(|i| layout.strides()[i] as usize);
+        Self {
+            data: t.storage::<f32>(),
+            offset: layout.start_offset(),
+            strides,
+            dims,
+        }
+    }
+
+    /// Pointer to head `(b, h)`'s first element.
+    fn head(&self, b: usize, h: usize) -> *const f32 {
+        let at = self.offset + b * self.strides[0] + h * self.strides[1];
+        debug_assert!(at < self.data.len());
+        self.data[at..].as_ptr()
+    }
+
+    fn at(&self, b: usize, h: usize, t: usize, d: usize) -> f32 {
+        self.data[self.offset
+            + b * self.strides[0]
+            + h * self.strides[1]
+            + t * self.strides[2]
+            + d * self.strides[3]]
+    }
+
+    fn row_stride(&self) -> isize {
+        self.strides[2] as isize
+    }
+
+    fn col_stride(&self) -> isize {
+        self.strides[3] as isize
+    }
+}
+
+/// The key-padding mask's values, `None` when no key is padding.
+fn padding(key_pad: &FlexTensor, len: usize) -> Option<&[f32]> {
+    let pad = slice(key_pad);
+    assert_eq!(pad.len(), len, "attention: key_pad must be [batch, time]");
+    pad.iter().any(|&p| p > 0.5).then_some(pad)
+}
+
+/// `t` with non-negative strides (a flipped view is copied).
+fn positive(t: FlexTensor) -> FlexTensor {
+    assert_eq!(t.dtype(), DType::F32, "kiln kernels take f32 tensors");
+    if t.layout().strides().iter().all(|&s| s >= 0) {
+        t
+    } else {
+        t.to_contiguous()
+    }
+}
+
+/// A raw pointer shared by rayon tasks that write disjoint parts of one
+/// buffer.
+#[derive(Clone, Copy)]
+struct SharedMut(*mut f32);
+// SAFETY: every task writes a region no other task touches (one head each).
+unsafe impl Send for SharedMut {}
+unsafe impl Sync for SharedMut {}
+
+impl SharedMut {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// A strided matrix operand of [`matmul`]: pointer, row stride, column stride.
+#[derive(Clone, Copy)]
+struct Mat(*const f32, isize, isize);
+
+impl Mat {
+    /// The transpose: the same memory, strides swapped.
+    fn t(self) -> Self {
+        Mat(self.0, self.2, self.1)
+    }
+}
+
+/// `dst (m × n) = alpha · lhs (m × k) · rhs (k × n)`, single-threaded (the
+/// caller runs one head per rayon task), any strides.
+///
+/// # Safety
+/// The operands must address `m × k`, `k × n` and `m × n` valid f32s with
+/// the strides given, and `dst` must not overlap the others.
+unsafe fn matmul(m: usize, n: usize, k: usize, dst: Mat, lhs: Mat, rhs: Mat, alpha: f32) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.0.cast_mut(),
+            dst.2,
+            dst.1,
+            false,
+            lhs.0,
+            lhs.2,
+            lhs.1,
+            rhs.0,
+            rhs.2,
+            rhs.1,
+            0.0,
+            alpha,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// Which keys query `i` may attend to: `j ≤ i` when causal, and not a
+/// padding key. Returns the number of leading keys to consider.
+#[inline(always)]
+fn visible(i: usize, t: usize, causal: bool) -> usize {
+    if causal { i + 1 } else { t }
+}
+
+/// Scaled dot-product attention over `[batch, heads, time, head_dim]`,
+/// one head per rayon task, the `time × time` scores of one head at a time
+/// in a task-local buffer (never the whole `[b, h, t, t]` tensor).
+/// `key_pad` (`[batch, time]`, 1.0 where a key is padding; all zeros for
+/// none) and `causal`
+/// mask keys. Returns the output (`[b, h, t, d]` shape, laid out as
+/// `[b, t, h, d]` so that the caller's merge of the heads is free) and the
+/// log-sum-exp of each query's scores (`[b, h, t]`), which the backward
+/// pass uses to rebuild the probabilities. A query that sees no key gets
+/// zeros.
+pub(crate) fn attention(
+    q: FlexTensor,
+    k: FlexTensor,
+    v: FlexTensor,
+    key_pad: FlexTensor,
+    causal: bool,
+) -> (FlexTensor, FlexTensor) {
+    let (q, k, v) = (positive(q), positive(k), positive(v));
+    let key_pad = contiguous(key_pad);
+    let (qh, kh, vh) = (Heads::new(&q), Heads::new(&k), Heads::new(&v));
+    let [b, h, t, d] = qh.dims;
+    assert_eq!(kh.dims, qh.dims, "attention: k's shape differs from q's");
+    assert_eq!(vh.dims, qh.dims, "attention: v's shape differs from q's");
+    let pad = padding(&key_pad, b * t);
+    let scale = 1.0 / (d as f32).sqrt();
+
+    let mut out = vec![0.0f32; b * t * h * d];
+    let mut lse = vec![0.0f32; b * h * t];
+    let out_ptr = SharedMut(out.as_mut_ptr());
+    lse.par_chunks_mut(t).enumerate().for_each(|(bh, lse)| {
+        let (bi, hi) = (bh / h, bh % h);
+        let pad = pad.map(|p| &p[bi * t..(bi + 1) * t]);
+        let mut p = vec![0.0f32; t * t];
+        // SAFETY: q/k/v heads are `t × d` with their own strides inside
+        // their storage; `p` is `t × t`; this task's output rows
+        // `(bi, ·, hi, ·)` belong to no other task.
+        unsafe {
+            let qm = Mat(qh.head(bi, hi), qh.row_stride(), qh.col_stride());
+            let km = Mat(kh.head(bi, hi), kh.row_stride(), kh.col_stride());
+            let vm = Mat(vh.head(bi, hi), vh.row_stride(), vh.col_stride());
+            matmul(t, t, d, Mat(p.as_ptr(), t as isize, 1), qm, km.t(), scale);
+            vectorized(|| softmax_rows(&mut p, lse, t, pad, causal));
+            let o = out_ptr.get().add((bi * t * h + hi) * d);
+            matmul(
+                t,
+                d,
+                t,
+                Mat(o, (h * d) as isize, 1),
+                Mat(p.as_ptr(), t as isize, 1),
+                vm,
+                1.0,
+            );
+        }
+    });
+    let out = from_vec(out, Shape::new([b, t, h, d])).permute(&[0, 2, 1, 3]);
+    (out, from_vec(lse, Shape::new([b, h, t])))
+}
+
+/// Masked softmax of each row of `p` (`t × t` scores) in place, writing each
+/// row's log-sum-exp to `lse`.
+#[inline(always)]
+fn softmax_rows(p: &mut [f32], lse: &mut [f32], t: usize, pad: Option<&[f32]>, causal: bool) {
+    for (i, (row, lse)) in p.chunks_exact_mut(t).zip(lse.iter_mut()).enumerate() {
+        let n = visible(i, t, causal);
+        mask_row(row, n, pad);
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        if max == f32::NEG_INFINITY {
+            row.fill(0.0);
+            *lse = 0.0;
+            continue;
+        }
+        let mut sum = 0.0;
+        for x in row.iter_mut() {
+            *x = math::exp(*x - max);
+            sum += *x;
+        }
+        let inv = 1.0 / sum;
+        for x in row.iter_mut() {
+            *x *= inv;
+        }
+        *lse = max + sum.ln();
+    }
+}
+
+/// Sets the scores of keys a query may not see to −∞ (so `exp` gives 0):
+/// those from `n` on, and padding keys.
+#[inline(always)]
+fn mask_row(row: &mut [f32], n: usize, pad: Option<&[f32]>) {
+    row[n..].fill(f32::NEG_INFINITY);
+    if let Some(pad) = pad {
+        for (x, &p) in row.iter_mut().zip(pad) {
+            if p > 0.5 {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+/// The gradients of [`attention`] with respect to q, k and v, from the
+/// output gradient `grad`, the forward's output and log-sum-exp. The
+/// probabilities are rebuilt per head from q, k and the log-sum-exp rather
+/// than kept from the forward pass. Same layouts as the forward's output.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_backward(
+    q: FlexTensor,
+    k: FlexTensor,
+    v: FlexTensor,
+    key_pad: FlexTensor,
+    causal: bool,
+    out: FlexTensor,
+    lse: FlexTensor,
+    grad: FlexTensor,
+) -> (FlexTensor, FlexTensor, FlexTensor) {
+    let (q, k, v) = (positive(q), positive(k), positive(v));
+    let (out, grad) = (positive(out), positive(grad));
+    let (key_pad, lse) = (contiguous(key_pad), contiguous(lse));
+    let (qh, kh, vh) = (Heads::new(&q), Heads::new(&k), Heads::new(&v));
+    let (oh, gh) = (Heads::new(&out), Heads::new(&grad));
+    let [b, h, t, d] = qh.dims;
+    let pad = padding(&key_pad, b * t);
+    let lse = slice(&lse);
+    let scale = 1.0 / (d as f32).sqrt();
+
+    let len = b * t * h * d;
+    let (mut dq, mut dk, mut dv) = (vec![0.0f32; len], vec![0.0f32; len], vec![0.0f32; len]);
+    let (dq_ptr, dk_ptr, dv_ptr) = (
+        SharedMut(dq.as_mut_ptr()),
+        SharedMut(dk.as_mut_ptr()),
+        SharedMut(dv.as_mut_ptr()),
+    );
+    (0..b * h).into_par_iter().for_each(|bh| {
+        let (bi, hi) = (bh / h, bh % h);
+        let pad = pad.map(|p| &p[bi * t..(bi + 1) * t]);
+        let lse = &lse[bh * t..(bh + 1) * t];
+        // Row i of `delta`: Σ_d dO[i, d] · O[i, d].
+        let delta: Vec<f32> = (0..t)
+            .map(|i| {
+                (0..d)
+                    .map(|c| gh.at(bi, hi, i, c) * oh.at(bi, hi, i, c))
+                    .sum()
+            })
+            .collect();
+        let mut p = vec![0.0f32; t * t];
+        let mut dp = vec![0.0f32; t * t];
+        let tt = t as isize;
+        let row_out = (h * d) as isize;
+        let at = (bi * t * h + hi) * d;
+        // SAFETY: as in `attention`; each task writes only its own head's
+        // rows of dq, dk and dv.
+        unsafe {
+            let qm = Mat(qh.head(bi, hi), qh.row_stride(), qh.col_stride());
+            let km = Mat(kh.head(bi, hi), kh.row_stride(), kh.col_stride());
+            let vm = Mat(vh.head(bi, hi), vh.row_stride(), vh.col_stride());
+            let gm = Mat(gh.head(bi, hi), gh.row_stride(), gh.col_stride());
+            let pm = Mat(p.as_ptr(), tt, 1);
+            let dpm = Mat(dp.as_ptr(), tt, 1);
+            matmul(t, t, d, pm, qm, km.t(), scale);
+            vectorized(|| {
+                for (i, row) in p.chunks_exact_mut(t).enumerate() {
+                    mask_row(row, visible(i, t, causal), pad);
+                    for x in row.iter_mut() {
+                        *x = math::exp(*x - lse[i]);
+                    }
+                }
+            });
+            // dV = Pᵀ dO
+            let dvm = Mat(dv_ptr.get().add(at), row_out, 1);
+            matmul(t, d, t, dvm, pm.t(), gm, 1.0);
+            // dP = dO Vᵀ, then dS = P ⊙ (dP − delta) · scale, into dp.
+            matmul(t, t, d, dpm, gm, vm.t(), 1.0);
+            vectorized(|| {
+                for (i, (ds, p)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
+                    for (ds, &p) in ds.iter_mut().zip(p) {
+                        *ds = p * (*ds - delta[i]) * scale;
+                    }
+                }
+            });
+            // dQ = dS K, dK = dSᵀ Q
+            matmul(t, d, t, Mat(dq_ptr.get().add(at), row_out, 1), dpm, km, 1.0);
+            matmul(
+                t,
+                d,
+                t,
+                Mat(dk_ptr.get().add(at), row_out, 1),
+                dpm.t(),
+                qm,
+                1.0,
+            );
+        }
+    });
+    let heads = |x: Vec<f32>| from_vec(x, Shape::new([b, t, h, d])).permute(&[0, 2, 1, 3]);
+    (heads(dq), heads(dk), heads(dv))
+}

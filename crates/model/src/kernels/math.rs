@@ -1,0 +1,135 @@
+//! Element-wise math written so that LLVM vectorises it: no branches, no
+//! calls into libm, only multiplies, adds, a division and bit casts. The
+//! loops that call these run inside [`super::cpu::vectorized`], which compiles
+//! them for the widest instruction set the CPU has (AVX-512, AVX2 + FMA) and
+//! picks one at run time.
+
+/// `e^x` for f32: `x = n·ln 2 + r` with `|r| ≤ ln 2 / 2`, a degree-7
+/// Taylor polynomial for `e^r` (truncation error below 1e-8 relative), and `2^n`
+/// built in the exponent bits. Inputs are clamped to the finite range of f32
+/// (below −87.3 the result is the smallest normal, not zero).
+#[inline(always)]
+pub(crate) fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split in two so that `n·LN2_HI` is exact for |n| < 2^9.
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // 1.5 · 2^23: adding and subtracting it rounds to the nearest integer.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.3, 88.7);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let p = 1.0 / 5040.0;
+    let p = p * r + 1.0 / 720.0;
+    let p = p * r + 1.0 / 120.0;
+    let p = p * r + 1.0 / 24.0;
+    let p = p * r + 1.0 / 6.0;
+    let p = p * r + 0.5;
+    let p = p * r + 1.0;
+    let p = p * r + 1.0;
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    p * scale
+}
+
+/// `erf(x)` for f32: the odd-over-even rational approximation Eigen and
+/// TensorFlow use for floats, on `x` clamped to [−4, 4], and exactly ±1 from
+/// |x| ≥ 3.9 on (where erf rounds to ±1 in f32, so GELU of a large negative
+/// input is 0, not a rounding residue). Measured against libm in the tests:
+/// within 1e-6 absolute everywhere.
+#[inline(always)]
+pub(crate) fn erf(x: f32) -> f32 {
+    let x = x.clamp(-4.0, 4.0);
+    let x2 = x * x;
+    let p = x2 * -2.726_142_3e-10 + 2.770_681_4e-8;
+    let p = x2 * p + -2.101_024_e-6;
+    let p = x2 * p + -5.692_506_4e-5;
+    let p = x2 * p + -7.349_906_3e-4;
+    let p = x2 * p + -2.954_600_1e-3;
+    let p = x2 * p + -1.609_603_3e-2;
+    let p = x * p;
+    let q = x2 * -1.456_607_2e-5 + -2.133_740_6e-4;
+    let q = x2 * q + -1.682_827e-3;
+    let q = x2 * q + -7.373_329_4e-3;
+    let q = x2 * q + -1.426_473_9e-2;
+    let r = p / q;
+    if x.abs() >= 3.9 {
+        1.0f32.copysign(x)
+    } else {
+        r
+    }
+}
+
+const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+/// 1 / sqrt(2π).
+const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+
+/// Exact GELU, `x · Φ(x)` with `Φ(x) = (1 + erf(x / √2)) / 2`.
+#[inline(always)]
+pub(crate) fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + erf(x * FRAC_1_SQRT_2))
+}
+
+/// The derivative of exact GELU times the incoming gradient:
+/// `g · (Φ(x) + x · φ(x))`, `φ` the standard normal density.
+#[inline(always)]
+pub(crate) fn gelu_grad(x: f32, g: f32) -> f32 {
+    let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
+    let pdf = FRAC_1_SQRT_2PI * exp(-0.5 * x * x);
+    g * (cdf + x * pdf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every 1/64 from −12 to 12, plus the edges of the clamps.
+    fn grid() -> impl Iterator<Item = f32> {
+        (-768..=768)
+            .map(|i| i as f32 / 64.0)
+            .chain([-100.0, -87.3, -4.0, 4.0, 88.0, 100.0])
+    }
+
+    #[test]
+    fn exp_is_within_three_ulp_of_libm_over_the_normal_range() {
+        for i in -8700..=8800 {
+            let x = i as f32 / 100.0;
+            let (got, want) = (exp(x), x.exp());
+            assert!(
+                ((got - want) / want).abs() < 3.6e-7,
+                "exp({x}) = {got}, libm {want}"
+            );
+        }
+        assert_eq!(exp(0.0), 1.0);
+        assert!(exp(-1000.0) < 1e-37, "underflow clamps to ~0");
+    }
+
+    #[test]
+    fn erf_is_within_1e6_of_libm() {
+        for x in grid() {
+            let (got, want) = (erf(x), libm_erf(x));
+            assert!((got - want).abs() < 1e-6, "erf({x}) = {got}, libm {want}");
+        }
+        assert_eq!(erf(0.0), 0.0);
+    }
+
+    #[test]
+    fn gelu_and_its_gradient_match_the_libm_formulas() {
+        for x in grid() {
+            let cdf = 0.5 * (1.0 + libm_erf(x / std::f32::consts::SQRT_2));
+            let want = x * cdf;
+            assert!(
+                (gelu(x) - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                "gelu({x})"
+            );
+            let pdf = (-0.5 * x * x).exp() / (2.0 * std::f32::consts::PI).sqrt();
+            let want = 0.7 * (cdf + x * pdf);
+            let got = gelu_grad(x, 0.7);
+            assert!((got - want).abs() < 1e-6, "gelu'({x}) = {got}, want {want}");
+        }
+    }
+
+    /// erf in f64 from the libm crate, rounded to f32.
+    fn libm_erf(x: f32) -> f32 {
+        libm::erf(f64::from(x)) as f32
+    }
+}

@@ -1,0 +1,465 @@
+//! Fused CPU kernels for the models' element-wise hot spots, through Burn's
+//! backend-extension point.
+//!
+//! Burn's `flex` backend runs each element-wise operation as its own pass on
+//! one thread, and exact GELU through scalar libm `erf`: in a profile of a
+//! GPT training step those passes, not the matrix multiplies, are most of
+//! the time (docs/PERFORMANCE.md). Each kernel here is one pass, split over
+//! all cores, vectorised for the CPU's widest SIMD, with its own backward.
+//!
+//! How it plugs into Burn: [`KilnKernels`] is a backend extension
+//! (`#[backend_extension]`) implemented for `Flex` (the kernels in `cpu`)
+//! and for `Autodiff<B>` (which records the operation and calls the
+//! backend's backward kernel). The public functions here ([`gelu`]) take a
+//! [`Kernels`] choice: on a flex f32 tensor, `Fused` runs the kernel; on any
+//! other device or dtype, or with `Reference`, they run the plain Burn
+//! composition of the same math, which is also what the tests compare the
+//! kernels against, forward and backward.
+
+#[cfg(feature = "flex")]
+mod cpu;
+mod math;
+
+use burn::tensor::module::attention as burn_attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Bool, Tensor, activation};
+
+/// Which implementation of the fused operations a model runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Kernels {
+    /// kiln's fused kernels where the device has them (flex, f32), the
+    /// plain Burn composition elsewhere.
+    #[default]
+    Fused,
+    /// Always the plain Burn composition (the reference the fused kernels
+    /// are tested against).
+    Reference,
+}
+
+impl Kernels {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernels::Fused => "fused",
+            Kernels::Reference => "reference",
+        }
+    }
+}
+
+/// Exact GELU, `x · Φ(x)`.
+pub fn gelu<const D: usize>(x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
+    #[cfg(feature = "flex")]
+    if kernels == Kernels::Fused && flex::runs_fused(&x) {
+        return flex::gelu(x);
+    }
+    let _ = kernels;
+    activation::gelu(x)
+}
+
+/// Scaled dot-product attention over `[batch, heads, time, head_dim]`,
+/// scale `1/√head_dim`. `key_pad` (`[batch, time]`, true where a key is
+/// padding) and `causal` (query `i` sees keys `≤ i`) mask keys. The fused
+/// kernel keeps one head's `time × time` scores at a time and rebuilds them
+/// in the backward pass; the reference is Burn's `attention` with the mask
+/// expanded to `[batch, heads, time, time]`.
+pub fn attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    key_pad: Option<Tensor<2, Bool>>,
+    causal: bool,
+    kernels: Kernels,
+) -> Tensor<4> {
+    #[cfg(feature = "flex")]
+    if kernels == Kernels::Fused && flex::runs_fused(&q) {
+        return flex::attention(q, k, v, key_pad, causal);
+    }
+    let _ = kernels;
+    let [b, h, t, _] = q.dims();
+    let mask = key_pad.map(|pad| pad.reshape([b, 1, 1, t]).expand([b, h, t, t]));
+    let options = AttentionModuleOptions {
+        scale: None,
+        softcap: None,
+        is_causal: causal,
+    };
+    burn_attention(q, k, v, mask, None, options)
+}
+
+#[cfg(feature = "flex")]
+mod flex {
+    //! The extension trait, its flex and autodiff implementations, and the
+    //! routing from `Tensor` to them.
+
+    use burn::backend::autodiff::checkpoint::base::Checkpointer;
+    use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+    use burn::backend::autodiff::grads::Gradients;
+    use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+    use burn::backend::tensor::FloatTensor;
+    use burn::backend::{
+        Autodiff, AutodiffBackend, Backend, Dispatch, DispatchDevice, Flex, backend_extension,
+    };
+    use burn::tensor::{Bool, DType, Tensor};
+
+    use super::cpu;
+
+    /// kiln's fused operations as a Burn backend extension.
+    #[backend_extension(Flex, Autodiff)]
+    pub(crate) trait KilnKernels: Backend {
+        fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self>;
+        fn kiln_gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self>;
+        /// Attention's output and each query's log-sum-exp (see
+        /// `cpu::attention`).
+        fn kiln_attention(
+            q: FloatTensor<Self>,
+            k: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            key_pad: FloatTensor<Self>,
+            causal: bool,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>);
+        /// The gradients of q, k and v.
+        #[allow(clippy::too_many_arguments)]
+        fn kiln_attention_backward(
+            q: FloatTensor<Self>,
+            k: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            key_pad: FloatTensor<Self>,
+            causal: bool,
+            out: FloatTensor<Self>,
+            lse: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+    }
+
+    impl KilnKernels for Flex {
+        fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+            cpu::gelu(x)
+        }
+
+        fn kiln_gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+            cpu::gelu_backward(x, grad)
+        }
+
+        fn kiln_attention(
+            q: FloatTensor<Self>,
+            k: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            key_pad: FloatTensor<Self>,
+            causal: bool,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            cpu::attention(q, k, v, key_pad, causal)
+        }
+
+        fn kiln_attention_backward(
+            q: FloatTensor<Self>,
+            k: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            key_pad: FloatTensor<Self>,
+            causal: bool,
+            out: FloatTensor<Self>,
+            lse: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            cpu::attention_backward(q, k, v, key_pad, causal, out, lse, grad)
+        }
+    }
+
+    impl<B: Backend + KilnKernels, C: CheckpointStrategy> KilnKernels for Autodiff<B, C> {
+        fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+            #[derive(Debug)]
+            struct GeluBackward;
+
+            impl<B: Backend + KilnKernels> Backward<B, 1> for GeluBackward {
+                /// The input, kept for the derivative.
+                type State = FloatTensor<B>;
+
+                fn backward(
+                    self,
+                    ops: Ops<Self::State, 1>,
+                    grads: &mut Gradients,
+                    _: &mut Checkpointer,
+                ) {
+                    let x = ops.state;
+                    unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+                        B::kiln_gelu_backward(x, grad)
+                    });
+                }
+            }
+
+            let input = Self::inner(x.clone());
+            match GeluBackward
+                .prepare::<C>([x.node()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(input.clone(), B::kiln_gelu(input)),
+                OpsKind::UnTracked(prep) => prep.finish(B::kiln_gelu(input)),
+            }
+        }
+
+        fn kiln_gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+            // Second derivatives are not needed by anything kiln trains:
+            // computed without tracking.
+            Self::from_inner(B::kiln_gelu_backward(Self::inner(x), Self::inner(grad)))
+        }
+
+        fn kiln_attention(
+            q: FloatTensor<Self>,
+            k: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            key_pad: FloatTensor<Self>,
+            causal: bool,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            /// What the backward pass needs: the inputs, the mask, the
+            /// output and the log-sum-exp.
+            #[derive(Clone, Debug)]
+            struct Saved<P> {
+                q: P,
+                k: P,
+                v: P,
+                key_pad: P,
+                causal: bool,
+                out: P,
+                lse: P,
+            }
+
+            #[derive(Debug)]
+            struct AttentionBackward;
+
+            impl<B: Backend + KilnKernels> Backward<B, 3> for AttentionBackward {
+                type State = Saved<FloatTensor<B>>;
+
+                fn backward(
+                    self,
+                    ops: Ops<Self::State, 3>,
+                    grads: &mut Gradients,
+                    _: &mut Checkpointer,
+                ) {
+                    let s = ops.state;
+                    let grad = grads.consume::<B>(&ops.node);
+                    let (dq, dk, dv) = B::kiln_attention_backward(
+                        s.q, s.k, s.v, s.key_pad, s.causal, s.out, s.lse, grad,
+                    );
+                    for (parent, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
+                        if let Some(parent) = parent {
+                            grads.register::<B>(parent.id, grad);
+                        }
+                    }
+                }
+            }
+
+            let nodes = [q.node(), k.node(), v.node()];
+            let [q, k, v] = [q, k, v].map(Self::inner);
+            let key_pad = Self::inner(key_pad);
+            let (out, lse) =
+                B::kiln_attention(q.clone(), k.clone(), v.clone(), key_pad.clone(), causal);
+            let lse_out = Self::from_inner(lse.clone());
+            let out = match AttentionBackward
+                .prepare::<C>(nodes)
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => {
+                    let saved = Saved {
+                        q,
+                        k,
+                        v,
+                        key_pad,
+                        causal,
+                        out: out.clone(),
+                        lse,
+                    };
+                    prep.finish(saved, out)
+                }
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            };
+            (out, lse_out)
+        }
+
+        fn kiln_attention_backward(
+            q: FloatTensor<Self>,
+            k: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            key_pad: FloatTensor<Self>,
+            causal: bool,
+            out: FloatTensor<Self>,
+            lse: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            let [q, k, v, out, lse, grad] = [q, k, v, out, lse, grad].map(Self::inner);
+            let (dq, dk, dv) =
+                B::kiln_attention_backward(q, k, v, Self::inner(key_pad), causal, out, lse, grad);
+            (
+                Self::from_inner(dq),
+                Self::from_inner(dk),
+                Self::from_inner(dv),
+            )
+        }
+    }
+
+    /// Whether `x` lives on flex (with or without autodiff) in f32.
+    pub(crate) fn runs_fused<const D: usize>(x: &Tensor<D>) -> bool {
+        x.dtype() == DType::F32
+            && matches!(x.device().inner().as_dispatch(), DispatchDevice::Flex(_))
+    }
+
+    pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+        Tensor::from_dispatch(<Dispatch as KilnKernels>::kiln_gelu(x.into_dispatch()))
+    }
+
+    pub(crate) fn attention(
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        key_pad: Option<Tensor<2, Bool>>,
+        causal: bool,
+    ) -> Tensor<4> {
+        // Always a mask (the extension cannot route an optional tensor):
+        // zeros when nothing is padding.
+        let [b, _, t, _] = q.dims();
+        let key_pad = match key_pad {
+            Some(pad) => pad.float(),
+            None => Tensor::zeros([b, t], &q.device().without_autodiff()),
+        }
+        .into_dispatch();
+        let (out, _lse) = <Dispatch as KilnKernels>::kiln_attention(
+            q.into_dispatch(),
+            k.into_dispatch(),
+            v.into_dispatch(),
+            key_pad,
+            causal,
+        );
+        Tensor::from_dispatch(out)
+    }
+}
+
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use burn::tensor::{Device, Distribution, Int, Tensor};
+
+    use super::*;
+
+    fn max_abs(a: Tensor<2>, b: Tensor<2>) -> f32 {
+        (a - b).abs().max().into_scalar()
+    }
+
+    /// Runs `op` with both kernel choices on the same input and upstream
+    /// gradient; returns (fused, reference) outputs and input gradients.
+    fn both(
+        op: impl Fn(Tensor<2>, Kernels) -> Tensor<2>,
+        x: Tensor<2>,
+        upstream: Tensor<2>,
+    ) -> [(Tensor<2>, Tensor<2>); 2] {
+        [Kernels::Fused, Kernels::Reference].map(|kernels| {
+            let x = x.clone().require_grad();
+            let y = op(x.clone(), kernels);
+            let grads = (y.clone() * upstream.clone()).sum().backward();
+            let dx = x.grad(&grads).expect("input gradient");
+            (y.detach(), dx)
+        })
+    }
+
+    #[test]
+    fn fused_gelu_matches_burn_gelu_forward_and_backward() {
+        let device = Device::flex().autodiff();
+        device.seed(7);
+        // Wide enough to span several rayon chunks and a ragged tail.
+        let x = Tensor::<2>::random([37, 1009], Distribution::Normal(0.0, 3.0), &device);
+        let upstream = Tensor::<2>::random([37, 1009], Distribution::Normal(0.0, 1.0), &device);
+        let [(y, dx), (y_ref, dx_ref)] = both(gelu, x, upstream);
+        assert!(max_abs(y, y_ref) < 2e-6, "forward");
+        assert!(max_abs(dx, dx_ref) < 2e-6, "backward");
+    }
+
+    #[test]
+    fn fused_gelu_runs_without_autodiff_and_on_strided_views() {
+        let device = Device::flex();
+        device.seed(8);
+        let x = Tensor::<2>::random([64, 48], Distribution::Normal(0.0, 2.0), &device);
+        let view = x.clone().swap_dims(0, 1);
+        let fused = gelu(view.clone(), Kernels::Fused);
+        assert!(max_abs(fused, activation::gelu(view)) < 2e-6);
+    }
+
+    fn max_abs4(a: Tensor<4>, b: Tensor<4>) -> f32 {
+        (a - b).abs().max().into_scalar()
+    }
+
+    /// Attention's output and q/k/v gradients with `kernels`, the heads cut
+    /// from one `[b, t, 3·h·d]` projection as the models cut them (strided
+    /// views, not contiguous tensors).
+    fn attention_run(
+        qkv: &Tensor<3>,
+        upstream: &Tensor<4>,
+        key_pad: Option<Tensor<2, Bool>>,
+        causal: bool,
+        heads: usize,
+        kernels: Kernels,
+    ) -> (Tensor<4>, Tensor<3>) {
+        let [b, t, three_d] = qkv.dims();
+        let d = three_d / 3;
+        let qkv = qkv.clone().require_grad();
+        let part = |i: usize| {
+            qkv.clone()
+                .narrow(2, i * d, d)
+                .reshape([b, t, heads, d / heads])
+                .swap_dims(1, 2)
+        };
+        let y = attention(part(0), part(1), part(2), key_pad, causal, kernels);
+        let grads = (y.clone() * upstream.clone()).sum().backward();
+        (y.detach(), qkv.grad(&grads).expect("qkv gradient"))
+    }
+
+    #[test]
+    fn fused_attention_matches_burn_attention_forward_and_backward() {
+        let device = Device::flex().autodiff();
+        device.seed(9);
+        let (b, t, h, hd) = (3, 19, 4, 8);
+        let qkv = Tensor::<3>::random([b, t, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device);
+        let upstream = Tensor::<4>::random([b, h, t, hd], Distribution::Normal(0.0, 1.0), &device);
+        // Batch 1 has its last 5 keys padded, batch 2 its last one.
+        let lengths = Tensor::<2, Int>::from_data([[19], [14], [18]], &device);
+        let pad = Tensor::<1, Int>::arange(0..t as i64, &device)
+            .reshape([1, t])
+            .expand([b, t])
+            .greater_equal(lengths.expand([b, t]));
+        for (key_pad, causal) in [(None, true), (Some(pad.clone()), false), (Some(pad), true)] {
+            let label = format!("padded={} causal={causal}", key_pad.is_some());
+            let (y, dqkv) =
+                attention_run(&qkv, &upstream, key_pad.clone(), causal, h, Kernels::Fused);
+            let (y_ref, dqkv_ref) =
+                attention_run(&qkv, &upstream, key_pad, causal, h, Kernels::Reference);
+            let fwd = max_abs4(y, y_ref);
+            let bwd: f32 = (dqkv - dqkv_ref).abs().max().into_scalar();
+            assert!(fwd < 1e-5, "{label}: forward differs by {fwd}");
+            assert!(bwd < 1e-4, "{label}: backward differs by {bwd}");
+        }
+    }
+
+    #[test]
+    fn fused_attention_masks_the_future_and_padding() {
+        // Changing a future key or a padding key leaves the output alone.
+        let device = Device::flex();
+        device.seed(10);
+        let [q, k, v] = [0, 1, 2]
+            .map(|_| Tensor::<4>::random([1, 2, 6, 4], Distribution::Normal(0.0, 1.0), &device));
+        let bump = |x: Tensor<4>, at: usize| {
+            let slice = x.clone().narrow(2, at, 1) + 5.0;
+            x.slice_assign([0..1, 0..2, at..at + 1, 0..4], slice)
+        };
+        let causal = |k: Tensor<4>, v: Tensor<4>| {
+            attention(q.clone(), k, v, None, true, Kernels::Fused).narrow(2, 0, 5)
+        };
+        let moved = causal(bump(k.clone(), 5), bump(v.clone(), 5));
+        assert!(
+            max_abs4(causal(k.clone(), v.clone()), moved) < 1e-6,
+            "future leaked"
+        );
+        let pad = Tensor::<1, Int>::arange(0..6, &device)
+            .greater_equal_elem(4)
+            .reshape([1, 6]);
+        let padded = |k: Tensor<4>, v: Tensor<4>| {
+            attention(q.clone(), k, v, Some(pad.clone()), false, Kernels::Fused)
+        };
+        let moved = padded(bump(k.clone(), 4), bump(v.clone(), 5));
+        assert!(max_abs4(padded(k, v), moved) < 1e-6, "padding leaked");
+    }
+}
