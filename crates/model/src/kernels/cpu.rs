@@ -4,6 +4,7 @@
 
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{DType, Shape, TensorData};
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 use super::math;
@@ -12,13 +13,9 @@ use super::math;
 /// enough that both cores get work on a 128 × 512 activation.
 const CHUNK: usize = 1 << 13;
 
-/// Runs `f` compiled for the best instruction set this CPU has (AVX-512,
-/// AVX2 + FMA, or baseline x86-64), chosen at run time: the loops inside are
-/// inlined into a `#[target_feature]` function and vectorised for it.
-#[inline(always)]
-fn vectorized<R>(f: impl FnOnce() -> R) -> R {
-    pulp::Arch::new().dispatch(f)
-}
+// The slice loops below are `#[multiversion]` functions: compiled once per
+// instruction set (AVX-512, AVX2 + FMA, baseline) with the `math` helpers
+// inlined into each, and picked at run time from what the CPU has.
 
 /// `t` as contiguous f32, copied only when it is a strided view.
 fn contiguous(t: FlexTensor) -> FlexTensor {
@@ -54,6 +51,20 @@ fn writable(t: &mut FlexTensor) -> Option<&mut [f32]> {
     t.try_storage_mut::<f32>().filter(|s| s.len() == n)
 }
 
+#[multiversion(targets = "simd")]
+fn gelu_slice(x: &[f32], out: &mut [f32]) {
+    for (o, &x) in out.iter_mut().zip(x) {
+        *o = math::gelu(x);
+    }
+}
+
+#[multiversion(targets = "simd")]
+fn gelu_grad_slice(x: &[f32], grad: &mut [f32]) {
+    for (g, &x) in grad.iter_mut().zip(x) {
+        *g = math::gelu_grad(x, *g);
+    }
+}
+
 /// Exact GELU, forward.
 pub(crate) fn gelu(x: FlexTensor) -> FlexTensor {
     let x = contiguous(x);
@@ -61,13 +72,7 @@ pub(crate) fn gelu(x: FlexTensor) -> FlexTensor {
     let mut out = vec![0.0f32; input.len()];
     out.par_chunks_mut(CHUNK)
         .zip(input.par_chunks(CHUNK))
-        .for_each(|(o, i)| {
-            vectorized(|| {
-                for (o, &i) in o.iter_mut().zip(i) {
-                    *o = math::gelu(i);
-                }
-            })
-        });
+        .for_each(|(o, i)| gelu_slice(i, o));
     from_vec(out, shape(&x))
 }
 
@@ -77,23 +82,16 @@ pub(crate) fn gelu_backward(x: FlexTensor, grad: FlexTensor) -> FlexTensor {
     let x = contiguous(x);
     let mut grad = contiguous(grad);
     let xs = slice(&x);
-    let kernel = |g: &mut [f32], x: &[f32]| {
-        vectorized(|| {
-            for (g, &x) in g.iter_mut().zip(x) {
-                *g = math::gelu_grad(x, *g);
-            }
-        })
-    };
     if let Some(g) = writable(&mut grad) {
         g.par_chunks_mut(CHUNK)
             .zip(xs.par_chunks(CHUNK))
-            .for_each(|(g, x)| kernel(g, x));
+            .for_each(|(g, x)| gelu_grad_slice(x, g));
         return grad;
     }
     let mut out = slice(&grad).to_vec();
     out.par_chunks_mut(CHUNK)
         .zip(xs.par_chunks(CHUNK))
-        .for_each(|(g, x)| kernel(g, x));
+        .for_each(|(g, x)| gelu_grad_slice(x, g));
     from_vec(out, shape(&grad))
 }
 
@@ -272,7 +270,7 @@ pub(crate) fn attention(
             let km = Mat(kh.head(bi, hi), kh.row_stride(), kh.col_stride());
             let vm = Mat(vh.head(bi, hi), vh.row_stride(), vh.col_stride());
             matmul(t, t, d, Mat(p.as_ptr(), t as isize, 1), qm, km.t(), scale);
-            vectorized(|| softmax_rows(&mut p, lse, t, pad, causal));
+            softmax_rows(&mut p, lse, t, pad, causal);
             let o = out_ptr.get().add((bi * t * h + hi) * d);
             matmul(
                 t,
@@ -290,38 +288,93 @@ pub(crate) fn attention(
 }
 
 /// Masked softmax of each row of `p` (`t × t` scores) in place, writing each
-/// row's log-sum-exp to `lse`.
-#[inline(always)]
+/// row's log-sum-exp to `lse`. Masked keys get exactly 0.
+#[multiversion(targets = "simd")]
 fn softmax_rows(p: &mut [f32], lse: &mut [f32], t: usize, pad: Option<&[f32]>, causal: bool) {
     for (i, (row, lse)) in p.chunks_exact_mut(t).zip(lse.iter_mut()).enumerate() {
         let n = visible(i, t, causal);
         mask_row(row, n, pad);
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let max = max_of(&row[..n]);
         if max == f32::NEG_INFINITY {
             row.fill(0.0);
             *lse = 0.0;
             continue;
         }
-        let mut sum = 0.0;
-        for x in row.iter_mut() {
+        for x in row[..n].iter_mut() {
             *x = math::exp(*x - max);
-            sum += *x;
         }
-        let inv = 1.0 / sum;
-        for x in row.iter_mut() {
+        let inv = 1.0 / sum_of(&row[..n]);
+        for x in row[..n].iter_mut() {
             *x *= inv;
         }
-        *lse = max + sum.ln();
+        *lse = max - inv.ln();
     }
 }
 
-/// Sets the scores of keys a query may not see to −∞ (so `exp` gives 0):
-/// those from `n` on, and padding keys.
+/// Rebuilds the probabilities from the scores in `p` and each row's
+/// log-sum-exp, masked keys exactly 0.
+#[multiversion(targets = "simd")]
+fn probabilities(p: &mut [f32], lse: &[f32], t: usize, pad: Option<&[f32]>, causal: bool) {
+    for (i, row) in p.chunks_exact_mut(t).enumerate() {
+        let n = visible(i, t, causal);
+        mask_row(row, n, pad);
+        for x in row[..n].iter_mut() {
+            *x = math::exp(*x - lse[i]);
+        }
+    }
+}
+
+/// `dS = P ⊙ (dP − delta) · scale`, in place over `dp`.
+#[multiversion(targets = "simd")]
+fn score_grads(dp: &mut [f32], p: &[f32], delta: &[f32], t: usize, scale: f32) {
+    for (i, (ds, p)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
+        for (ds, &p) in ds.iter_mut().zip(p) {
+            *ds = p * (*ds - delta[i]) * scale;
+        }
+    }
+}
+
+/// Lanes of the partial sums and maxima below: two AVX-512 registers, so
+/// that the reductions vectorise (a single running f32 would not).
+const LANES: usize = 32;
+
+#[inline(always)]
+fn sum_of(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+#[inline(always)]
+fn max_of(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = if v > *a { v } else { *a };
+        }
+    }
+    acc.iter().fold(tail, |m, &v| if v > m { v } else { m })
+}
+
+/// Masks the keys a query may not see: those from `n` on are set to 0 (the
+/// callers exponentiate only `row[..n]`), padding keys among the first `n`
+/// to −∞ (which `math::exp` turns into exactly 0).
 #[inline(always)]
 fn mask_row(row: &mut [f32], n: usize, pad: Option<&[f32]>) {
-    row[n..].fill(f32::NEG_INFINITY);
+    row[n..].fill(0.0);
     if let Some(pad) = pad {
-        for (x, &p) in row.iter_mut().zip(pad) {
+        for (x, &p) in row[..n].iter_mut().zip(pad) {
             if p > 0.5 {
                 *x = f32::NEG_INFINITY;
             }
@@ -388,26 +441,13 @@ pub(crate) fn attention_backward(
             let pm = Mat(p.as_ptr(), tt, 1);
             let dpm = Mat(dp.as_ptr(), tt, 1);
             matmul(t, t, d, pm, qm, km.t(), scale);
-            vectorized(|| {
-                for (i, row) in p.chunks_exact_mut(t).enumerate() {
-                    mask_row(row, visible(i, t, causal), pad);
-                    for x in row.iter_mut() {
-                        *x = math::exp(*x - lse[i]);
-                    }
-                }
-            });
+            probabilities(&mut p, lse, t, pad, causal);
             // dV = Pᵀ dO
             let dvm = Mat(dv_ptr.get().add(at), row_out, 1);
             matmul(t, d, t, dvm, pm.t(), gm, 1.0);
             // dP = dO Vᵀ, then dS = P ⊙ (dP − delta) · scale, into dp.
             matmul(t, t, d, dpm, gm, vm.t(), 1.0);
-            vectorized(|| {
-                for (i, (ds, p)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
-                    for (ds, &p) in ds.iter_mut().zip(p) {
-                        *ds = p * (*ds - delta[i]) * scale;
-                    }
-                }
-            });
+            score_grads(&mut dp, &p, &delta, t, scale);
             // dQ = dS K, dK = dSᵀ Q
             matmul(t, d, t, Mat(dq_ptr.get().add(at), row_out, 1), dpm, km, 1.0);
             matmul(

@@ -1,13 +1,13 @@
 //! Element-wise math written so that LLVM vectorises it: no branches, no
 //! calls into libm, only multiplies, adds, a division and bit casts. The
-//! loops that call these run inside [`super::cpu::vectorized`], which compiles
-//! them for the widest instruction set the CPU has (AVX-512, AVX2 + FMA) and
-//! picks one at run time.
+//! loops that call these are `#[multiversion]` functions (in `cpu`), compiled
+//! for each instruction set (AVX-512, AVX2 + FMA, baseline) and picked at run
+//! time.
 
 /// `e^x` for f32: `x = n·ln 2 + r` with `|r| ≤ ln 2 / 2`, a degree-7
 /// Taylor polynomial for `e^r` (truncation error below 1e-8 relative), and `2^n`
-/// built in the exponent bits. Inputs are clamped to the finite range of f32
-/// (below −87.3 the result is the smallest normal, not zero).
+/// built in the exponent bits. Inputs above 88.7 are clamped there; below
+/// −87.3 (where e^x leaves f32's normal range), and for −∞, the result is 0.
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -16,6 +16,7 @@ pub(crate) fn exp(x: f32) -> f32 {
     const LN2_LO: f32 = 1.428_606_8e-6;
     // 1.5 · 2^23: adding and subtracting it rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
+    let underflow = x < -87.3;
     let x = x.clamp(-87.3, 88.7);
     let n = (x * LOG2E + ROUND) - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;
@@ -28,7 +29,7 @@ pub(crate) fn exp(x: f32) -> f32 {
     let p = p * r + 1.0;
     let p = p * r + 1.0;
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
-    p * scale
+    if underflow { 0.0 } else { p * scale }
 }
 
 /// `erf(x)` for f32: the odd-over-even rational approximation Eigen and
@@ -100,7 +101,8 @@ mod tests {
             );
         }
         assert_eq!(exp(0.0), 1.0);
-        assert!(exp(-1000.0) < 1e-37, "underflow clamps to ~0");
+        assert_eq!(exp(-1000.0), 0.0, "underflow is 0");
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
     }
 
     #[test]
