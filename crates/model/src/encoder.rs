@@ -11,7 +11,7 @@ use burn::nn::{
 use burn::tensor::{Bool, Device, Int, Tensor, activation};
 
 use crate::GeluKind;
-use crate::kernels::{self, Kernels};
+use crate::kernels::{self, Kernels, LAYER_NORM_EPSILON};
 use crate::precision::{self, ComputeDtype};
 
 /// How the sequence becomes one vector.
@@ -94,15 +94,21 @@ impl EncoderConfig {
             tokens: embedding(self.vocab_size),
             positions: embedding(self.max_positions),
             segments: embedding(2),
-            ln_embed: LayerNormConfig::new(self.hidden).init(device),
+            ln_embed: LayerNormConfig::new(self.hidden)
+                .with_epsilon(LAYER_NORM_EPSILON)
+                .init(device),
             blocks: (0..self.layers)
                 .map(|_| EncoderBlock {
                     qkv: linear(self.hidden, 3 * self.hidden),
                     attn_out: linear(self.hidden, self.hidden),
-                    ln1: LayerNormConfig::new(self.hidden).init(device),
+                    ln1: LayerNormConfig::new(self.hidden)
+                        .with_epsilon(LAYER_NORM_EPSILON)
+                        .init(device),
                     fc: linear(self.hidden, self.intermediate),
                     fc_out: linear(self.intermediate, self.hidden),
-                    ln2: LayerNormConfig::new(self.hidden).init(device),
+                    ln2: LayerNormConfig::new(self.hidden)
+                        .with_epsilon(LAYER_NORM_EPSILON)
+                        .init(device),
                     dropout: DropoutConfig::new(self.dropout).init(),
                     heads: self.heads,
                     tanh_gelu: self.gelu == GeluKind::Tanh,
@@ -172,10 +178,12 @@ impl EncoderBlock {
         let y = precision::attention(heads(0), heads(1), heads(2), Some(pad), false, c, k)
             .swap_dims(1, 2)
             .reshape([b, t, d]);
-        let x = self.ln1.forward(
+        let x = kernels::layer_norm(
+            &self.ln1,
             x + self
                 .dropout
                 .forward(precision::linear(&self.attn_out, y, c)),
+            k,
         );
         let hidden = precision::linear(&self.fc, x.clone(), c);
         let hidden = if self.tanh_gelu {
@@ -183,10 +191,12 @@ impl EncoderBlock {
         } else {
             kernels::gelu(hidden, k)
         };
-        self.ln2.forward(
+        kernels::layer_norm(
+            &self.ln2,
             x + self
                 .dropout
                 .forward(precision::linear(&self.fc_out, hidden, c)),
+            k,
         )
     }
 }
@@ -208,7 +218,9 @@ impl EncoderClassifier {
         let x = self.tokens.forward(ids)
             + self.positions.forward(pos)
             + self.segments.forward(segments);
-        let mut x = self.dropout.forward(self.ln_embed.forward(x));
+        let mut x = self
+            .dropout
+            .forward(kernels::layer_norm(&self.ln_embed, x, self.kernels));
         let pad = mask.clone().bool_not();
         for block in &self.blocks {
             x = block.forward(x, pad.clone(), self.compute, self.kernels);

@@ -10,7 +10,7 @@ use burn::nn::{
 use burn::tensor::{Device, Int, Tensor, TensorData, activation};
 use rand::RngExt;
 
-use crate::kernels::{self, Kernels};
+use crate::kernels::{self, Kernels, LAYER_NORM_EPSILON};
 use crate::precision::{self, ComputeDtype};
 
 /// GELU: exact (erf) or the tanh approximation.
@@ -72,10 +72,14 @@ impl GptConfig {
         };
         let blocks = (0..self.layers)
             .map(|_| Block {
-                ln1: LayerNormConfig::new(self.hidden).init(device),
+                ln1: LayerNormConfig::new(self.hidden)
+                    .with_epsilon(LAYER_NORM_EPSILON)
+                    .init(device),
                 qkv: linear(self.hidden, 3 * self.hidden, 0.02),
                 attn_proj: linear(self.hidden, self.hidden, proj_std),
-                ln2: LayerNormConfig::new(self.hidden).init(device),
+                ln2: LayerNormConfig::new(self.hidden)
+                    .with_epsilon(LAYER_NORM_EPSILON)
+                    .init(device),
                 fc: linear(self.hidden, self.intermediate, 0.02),
                 mlp_proj: linear(self.intermediate, self.hidden, proj_std),
                 dropout: DropoutConfig::new(self.dropout).init(),
@@ -91,7 +95,9 @@ impl GptConfig {
                 .with_initializer(normal(0.02))
                 .init(device),
             blocks,
-            ln_f: LayerNormConfig::new(self.hidden).init(device),
+            ln_f: LayerNormConfig::new(self.hidden)
+                .with_epsilon(LAYER_NORM_EPSILON)
+                .init(device),
             dropout: DropoutConfig::new(self.dropout).init(),
             block_size: self.block_size,
             compute: ComputeDtype::F32,
@@ -147,7 +153,7 @@ impl Block {
     fn forward(&self, x: Tensor<3>, c: ComputeDtype, k: Kernels) -> Tensor<3> {
         let [b, t, d] = x.dims();
         let h = self.heads;
-        let qkv = precision::linear(&self.qkv, self.ln1.forward(x.clone()), c);
+        let qkv = precision::linear(&self.qkv, kernels::layer_norm(&self.ln1, x.clone(), k), c);
         let heads = |part: usize| {
             qkv.clone()
                 .narrow(2, part * d, d)
@@ -160,7 +166,7 @@ impl Block {
         let x = x + self
             .dropout
             .forward(precision::linear(&self.attn_proj, y, c));
-        let hidden = precision::linear(&self.fc, self.ln2.forward(x.clone()), c);
+        let hidden = precision::linear(&self.fc, kernels::layer_norm(&self.ln2, x.clone(), k), c);
         let hidden = if self.gelu {
             activation::gelu_approximate(hidden)
         } else {
@@ -186,7 +192,7 @@ impl Gpt {
         for block in &self.blocks {
             x = block.forward(x, self.compute, self.kernels);
         }
-        let x = self.ln_f.forward(x);
+        let x = kernels::layer_norm(&self.ln_f, x, self.kernels);
         // Weight tying: the output projection is the token embedding.
         let wte = self.wte.weight.val().transpose().unsqueeze::<3>();
         precision::matmul(x, wte, self.compute)

@@ -351,6 +351,49 @@ fn sum_of(x: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// `Σ a·b`, in `LANES` partial sums.
+#[inline(always)]
+fn dot2(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(a, b)| a * b)
+        .sum();
+    for (ca, cb) in ca.zip(cb) {
+        for ((acc, &a), &b) in acc.iter_mut().zip(ca).zip(cb) {
+            *acc += a * b;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `Σ a·b·c`, in `LANES` partial sums.
+#[inline(always)]
+fn dot3(a: &[f32], b: &[f32], c: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let (ca, cb, cc) = (
+        a.chunks_exact(LANES),
+        b.chunks_exact(LANES),
+        c.chunks_exact(LANES),
+    );
+    let tail: f32 = (ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .zip(cc.remainder()))
+    .map(|((a, b), c)| a * b * c)
+    .sum();
+    for ((ca, cb), cc) in ca.zip(cb).zip(cc) {
+        for (((acc, &a), &b), &c) in acc.iter_mut().zip(ca).zip(cb).zip(cc) {
+            *acc += a * b * c;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 #[inline(always)]
 fn max_of(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
@@ -463,4 +506,164 @@ pub(crate) fn attention_backward(
     });
     let heads = |x: Vec<f32>| from_vec(x, Shape::new([b, t, h, d])).permute(&[0, 2, 1, 3]);
     (heads(dq), heads(dk), heads(dv))
+}
+
+/// Rows per rayon task in the LayerNorm kernels.
+const ROWS: usize = 64;
+
+/// LayerNorm over the last dimension: `(x − mean) / √(var + eps) · gamma +
+/// beta`, one pass per row. Returns the output and each row's mean and
+/// reciprocal standard deviation (`[rows]`), which the backward pass uses.
+pub(crate) fn layer_norm(
+    x: FlexTensor,
+    gamma: FlexTensor,
+    beta: FlexTensor,
+    epsilon: f64,
+) -> (FlexTensor, FlexTensor, FlexTensor) {
+    let (x, gamma, beta) = (contiguous(x), contiguous(gamma), contiguous(beta));
+    let (xs, g, b) = (slice(&x), slice(&gamma), slice(&beta));
+    let d = g.len();
+    assert_eq!(b.len(), d, "layer_norm: beta's length differs from gamma's");
+    assert_eq!(
+        xs.len() % d,
+        0,
+        "layer_norm: last dimension is not gamma's length"
+    );
+    let rows = xs.len() / d;
+    let mut y = vec![0.0f32; xs.len()];
+    let mut mean = vec![0.0f32; rows];
+    let mut rstd = vec![0.0f32; rows];
+    y.par_chunks_mut(ROWS * d)
+        .zip(xs.par_chunks(ROWS * d))
+        .zip(mean.par_chunks_mut(ROWS).zip(rstd.par_chunks_mut(ROWS)))
+        .for_each(|((y, x), (mean, rstd))| layer_norm_rows(x, g, b, epsilon as f32, y, mean, rstd));
+    let stats = |v: Vec<f32>| from_vec(v, Shape::new([rows]));
+    (from_vec(y, shape(&x)), stats(mean), stats(rstd))
+}
+
+#[multiversion(targets = "simd")]
+fn layer_norm_rows(
+    x: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    epsilon: f32,
+    y: &mut [f32],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+) {
+    let d = gamma.len();
+    let inv_d = 1.0 / d as f32;
+    for (((x, y), mean), rstd) in x
+        .chunks_exact(d)
+        .zip(y.chunks_exact_mut(d))
+        .zip(mean.iter_mut())
+        .zip(rstd.iter_mut())
+    {
+        let mu = sum_of(x) * inv_d;
+        for (y, &x) in y.iter_mut().zip(x) {
+            *y = x - mu;
+        }
+        let mut sq = [0.0f32; LANES];
+        let chunks = y.chunks_exact(LANES);
+        let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+        for c in chunks {
+            for (a, &v) in sq.iter_mut().zip(c) {
+                *a += v * v;
+            }
+        }
+        let var = (sq.iter().sum::<f32>() + tail) * inv_d;
+        let r = 1.0 / (var + epsilon).sqrt();
+        for ((y, &g), &b) in y.iter_mut().zip(gamma).zip(beta) {
+            *y = *y * r * g + b;
+        }
+        *mean = mu;
+        *rstd = r;
+    }
+}
+
+/// LayerNorm's backward: the gradients of x, gamma and beta from the
+/// output gradient and the forward's row statistics.
+pub(crate) fn layer_norm_backward(
+    x: FlexTensor,
+    gamma: FlexTensor,
+    mean: FlexTensor,
+    rstd: FlexTensor,
+    grad: FlexTensor,
+) -> (FlexTensor, FlexTensor, FlexTensor) {
+    let (x, gamma, grad) = (contiguous(x), contiguous(gamma), contiguous(grad));
+    let (mean, rstd) = (contiguous(mean), contiguous(rstd));
+    let (xs, g, dy) = (slice(&x), slice(&gamma), slice(&grad));
+    let (mean, rstd) = (slice(&mean), slice(&rstd));
+    let d = g.len();
+    let mut dx = vec![0.0f32; xs.len()];
+    // Each task's partial sums of dgamma and dbeta, added up below.
+    let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
+        .par_chunks_mut(ROWS * d)
+        .zip(xs.par_chunks(ROWS * d))
+        .zip(dy.par_chunks(ROWS * d))
+        .zip(mean.par_chunks(ROWS).zip(rstd.par_chunks(ROWS)))
+        .map(|(((dx, x), dy), (mean, rstd))| {
+            let mut dgamma = vec![0.0f32; d];
+            let mut dbeta = vec![0.0f32; d];
+            layer_norm_grad_rows(x, dy, g, mean, rstd, dx, &mut dgamma, &mut dbeta);
+            (dgamma, dbeta)
+        })
+        .collect();
+    let mut dgamma = vec![0.0f32; d];
+    let mut dbeta = vec![0.0f32; d];
+    for (pg, pb) in &partials {
+        for (a, &v) in dgamma.iter_mut().zip(pg) {
+            *a += v;
+        }
+        for (a, &v) in dbeta.iter_mut().zip(pb) {
+            *a += v;
+        }
+    }
+    (
+        from_vec(dx, shape(&x)),
+        from_vec(dgamma, Shape::new([d])),
+        from_vec(dbeta, Shape::new([d])),
+    )
+}
+
+#[multiversion(targets = "simd")]
+#[allow(clippy::too_many_arguments)]
+fn layer_norm_grad_rows(
+    x: &[f32],
+    dy: &[f32],
+    gamma: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    dx: &mut [f32],
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+) {
+    let d = gamma.len();
+    let inv_d = 1.0 / d as f32;
+    for ((((x, dy), dx), &mu), &r) in x
+        .chunks_exact(d)
+        .zip(dy.chunks_exact(d))
+        .zip(dx.chunks_exact_mut(d))
+        .zip(mean)
+        .zip(rstd)
+    {
+        // dx holds x̂ first; dx̂ = dy · gamma, c1 = mean(dx̂ · x̂), c2 = mean(dx̂).
+        for ((((dx, &x), &dy), dg), db) in dx
+            .iter_mut()
+            .zip(x)
+            .zip(dy)
+            .zip(dgamma.iter_mut())
+            .zip(dbeta.iter_mut())
+        {
+            let xhat = (x - mu) * r;
+            *dx = xhat;
+            *dg += dy * xhat;
+            *db += dy;
+        }
+        let c1 = dot3(dy, gamma, dx) * inv_d;
+        let c2 = dot2(dy, gamma) * inv_d;
+        for ((dx, &dy), &g) in dx.iter_mut().zip(dy).zip(gamma) {
+            *dx = r * (dy * g - c2 - *dx * c1);
+        }
+    }
 }

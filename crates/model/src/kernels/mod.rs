@@ -20,6 +20,7 @@
 mod cpu;
 mod math;
 
+use burn::nn::LayerNorm;
 use burn::tensor::module::attention as burn_attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Tensor, activation};
@@ -84,6 +85,26 @@ pub fn attention(
     burn_attention(q, k, v, mask, None, options)
 }
 
+/// The epsilon of every LayerNorm in kiln's models (Burn's and PyTorch's
+/// default); the models build their LayerNorms with it and the fused kernel
+/// uses it.
+pub const LAYER_NORM_EPSILON: f64 = 1e-5;
+
+/// `ln`'s LayerNorm of `x` over the last dimension. The fused kernel (one
+/// pass per row forward, one backward, row statistics kept in between)
+/// needs a bias and `ln` built with [`LAYER_NORM_EPSILON`]; the reference
+/// is `ln.forward(x)`.
+pub fn layer_norm<const D: usize>(ln: &LayerNorm, x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
+    #[cfg(feature = "flex")]
+    if kernels == Kernels::Fused && flex::runs_fused(&x) {
+        if let Some(beta) = &ln.beta {
+            return flex::layer_norm(x, ln.gamma.val(), beta.val(), LAYER_NORM_EPSILON);
+        }
+    }
+    let _ = kernels;
+    ln.forward(x)
+}
+
 #[cfg(feature = "flex")]
 mod flex {
     //! The extension trait, its flex and autodiff implementations, and the
@@ -127,6 +148,21 @@ mod flex {
             lse: FloatTensor<Self>,
             grad: FloatTensor<Self>,
         ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+        /// LayerNorm's output and each row's mean and 1/σ.
+        fn kiln_layer_norm(
+            x: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            beta: FloatTensor<Self>,
+            epsilon: f64,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+        /// The gradients of x, gamma and beta.
+        fn kiln_layer_norm_backward(
+            x: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            mean: FloatTensor<Self>,
+            rstd: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
     }
 
     impl KilnKernels for Flex {
@@ -159,6 +195,25 @@ mod flex {
             grad: FloatTensor<Self>,
         ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
             cpu::attention_backward(q, k, v, key_pad, causal, out, lse, grad)
+        }
+
+        fn kiln_layer_norm(
+            x: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            beta: FloatTensor<Self>,
+            epsilon: f64,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            cpu::layer_norm(x, gamma, beta, epsilon)
+        }
+
+        fn kiln_layer_norm_backward(
+            x: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            mean: FloatTensor<Self>,
+            rstd: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            cpu::layer_norm_backward(x, gamma, mean, rstd, grad)
         }
     }
 
@@ -293,6 +348,71 @@ mod flex {
                 Self::from_inner(dv),
             )
         }
+
+        fn kiln_layer_norm(
+            x: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            beta: FloatTensor<Self>,
+            epsilon: f64,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            #[derive(Debug)]
+            struct LayerNormBackward;
+
+            impl<B: Backend + KilnKernels> Backward<B, 3> for LayerNormBackward {
+                /// x, gamma, and the rows' mean and 1/σ.
+                type State = [FloatTensor<B>; 4];
+
+                fn backward(
+                    self,
+                    ops: Ops<Self::State, 3>,
+                    grads: &mut Gradients,
+                    _: &mut Checkpointer,
+                ) {
+                    let [x, gamma, mean, rstd] = ops.state;
+                    let grad = grads.consume::<B>(&ops.node);
+                    let (dx, dgamma, dbeta) =
+                        B::kiln_layer_norm_backward(x, gamma, mean, rstd, grad);
+                    for (parent, grad) in ops.parents.into_iter().zip([dx, dgamma, dbeta]) {
+                        if let Some(parent) = parent {
+                            grads.register::<B>(parent.id, grad);
+                        }
+                    }
+                }
+            }
+
+            let nodes = [x.node(), gamma.node(), beta.node()];
+            let [x, gamma, beta] = [x, gamma, beta].map(Self::inner);
+            let (y, mean, rstd) = B::kiln_layer_norm(x.clone(), gamma.clone(), beta, epsilon);
+            let stats = (
+                Self::from_inner(mean.clone()),
+                Self::from_inner(rstd.clone()),
+            );
+            let y = match LayerNormBackward
+                .prepare::<C>(nodes)
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish([x, gamma, mean, rstd], y),
+                OpsKind::UnTracked(prep) => prep.finish(y),
+            };
+            (y, stats.0, stats.1)
+        }
+
+        fn kiln_layer_norm_backward(
+            x: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            mean: FloatTensor<Self>,
+            rstd: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            let [x, gamma, mean, rstd, grad] = [x, gamma, mean, rstd, grad].map(Self::inner);
+            let (dx, dgamma, dbeta) = B::kiln_layer_norm_backward(x, gamma, mean, rstd, grad);
+            (
+                Self::from_inner(dx),
+                Self::from_inner(dgamma),
+                Self::from_inner(dbeta),
+            )
+        }
     }
 
     /// Whether `x` lives on flex (with or without autodiff) in f32.
@@ -303,6 +423,21 @@ mod flex {
 
     pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
         Tensor::from_dispatch(<Dispatch as KilnKernels>::kiln_gelu(x.into_dispatch()))
+    }
+
+    pub(crate) fn layer_norm<const D: usize>(
+        x: Tensor<D>,
+        gamma: Tensor<1>,
+        beta: Tensor<1>,
+        epsilon: f64,
+    ) -> Tensor<D> {
+        let (y, _mean, _rstd) = <Dispatch as KilnKernels>::kiln_layer_norm(
+            x.into_dispatch(),
+            gamma.into_dispatch(),
+            beta.into_dispatch(),
+            epsilon,
+        );
+        Tensor::from_dispatch(y)
     }
 
     pub(crate) fn attention(
@@ -461,5 +596,47 @@ mod tests {
         };
         let moved = padded(bump(k.clone(), 4), bump(v.clone(), 5));
         assert!(max_abs4(padded(k, v), moved) < 1e-6, "padding leaked");
+    }
+
+    #[test]
+    fn fused_layer_norm_matches_burn_layer_norm_forward_and_backward() {
+        use burn::nn::LayerNormConfig;
+
+        let device = Device::flex().autodiff();
+        device.seed(11);
+        // 150 rows: two full tasks of 64 and a ragged one; width 72 is not a
+        // multiple of the SIMD lanes.
+        let d = 72;
+        // Not the initial ones and zeros, so that gamma and beta matter.
+        let mut ln = LayerNormConfig::new(d)
+            .with_epsilon(LAYER_NORM_EPSILON)
+            .init(&device);
+        ln.gamma = ln
+            .gamma
+            .map(|g| g.random_like(Distribution::Normal(1.0, 0.5)).require_grad());
+        ln.beta = ln
+            .beta
+            .map(|b| b.map(|b| b.random_like(Distribution::Normal(0.0, 0.5)).require_grad()));
+        let x = Tensor::<2>::random([150, d], Distribution::Normal(3.0, 2.0), &device);
+        let upstream = Tensor::<2>::random([150, d], Distribution::Normal(0.0, 1.0), &device);
+        let run = |kernels| {
+            let x = x.clone().require_grad();
+            let y = layer_norm(&ln, x.clone(), kernels);
+            let grads = (y.clone() * upstream.clone()).sum().backward();
+            let gamma = ln.gamma.grad(&grads).expect("gamma gradient");
+            let beta = ln
+                .beta
+                .as_ref()
+                .and_then(|b| b.grad(&grads))
+                .expect("beta gradient");
+            (y.detach(), x.grad(&grads).expect("x gradient"), gamma, beta)
+        };
+        let (y, dx, dgamma, dbeta) = run(Kernels::Fused);
+        let (y_ref, dx_ref, dgamma_ref, dbeta_ref) = run(Kernels::Reference);
+        assert!(max_abs(y, y_ref) < 1e-5, "forward");
+        assert!(max_abs(dx, dx_ref) < 1e-5, "x gradient");
+        let d1 = |a: Tensor<1>, b: Tensor<1>| -> f32 { (a - b).abs().max().into_scalar() };
+        assert!(d1(dgamma, dgamma_ref) < 1e-4, "gamma gradient");
+        assert!(d1(dbeta, dbeta_ref) < 1e-4, "beta gradient");
     }
 }
