@@ -166,18 +166,8 @@ impl EncoderBlock {
         c: ComputeDtype,
         k: Kernels,
     ) -> Tensor<3> {
-        let [b, t, d] = x.dims();
-        let h = self.heads;
         let qkv = precision::linear(&self.qkv, x.clone(), c);
-        let heads = |part: usize| {
-            qkv.clone()
-                .narrow(2, part * d, d)
-                .reshape([b, t, h, d / h])
-                .swap_dims(1, 2)
-        };
-        let y = precision::attention(heads(0), heads(1), heads(2), Some(pad), false, c, k)
-            .swap_dims(1, 2)
-            .reshape([b, t, d]);
+        let y = precision::self_attention(qkv, self.heads, Some(pad), false, c, k);
         let x = kernels::layer_norm(
             &self.ln1,
             x + self

@@ -151,18 +151,8 @@ struct Block {
 impl Block {
     /// One block, its products in `c`, its hot spots run by `k`.
     fn forward(&self, x: Tensor<3>, c: ComputeDtype, k: Kernels) -> Tensor<3> {
-        let [b, t, d] = x.dims();
-        let h = self.heads;
         let qkv = precision::linear(&self.qkv, kernels::layer_norm(&self.ln1, x.clone(), k), c);
-        let heads = |part: usize| {
-            qkv.clone()
-                .narrow(2, part * d, d)
-                .reshape([b, t, h, d / h])
-                .swap_dims(1, 2)
-        };
-        let y = precision::attention(heads(0), heads(1), heads(2), None, true, c, k)
-            .swap_dims(1, 2)
-            .reshape([b, t, d]);
+        let y = precision::self_attention(qkv, self.heads, None, true, c, k);
         let x = x + self
             .dropout
             .forward(precision::linear(&self.attn_proj, y, c));

@@ -73,23 +73,24 @@ pub(crate) fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>, dtype: ComputeD
     a.cast(low).matmul(b.cast(low)).cast(FloatDType::F32)
 }
 
-/// Scaled dot-product attention over `[b, h, t, d]` heads. In f32 it is
-/// [`kernels::attention`] (kiln's fused kernel on flex, Burn's fused
-/// attention elsewhere or with `Kernels::Reference`); in a reduced dtype the
-/// two products run in that dtype and the scores are masked and soft-maxed
-/// in f32. `key_pad` (`[b, t]`) is true where a key is padding.
-pub(crate) fn attention(
-    q: Tensor<4>,
-    k: Tensor<4>,
-    v: Tensor<4>,
+/// Multi-head self-attention of a packed `[b, t, 3·d]` projection (see
+/// [`kernels::self_attention`]), heads merged in the `[b, t, d]` result. In
+/// f32 it is [`kernels::self_attention`] (kiln's fused kernel on flex,
+/// Burn's attention elsewhere or with `Kernels::Reference`); in a reduced
+/// dtype the two products run in that dtype and the scores are masked and
+/// soft-maxed in f32. `key_pad` (`[b, t]`) is true where a key is padding.
+pub(crate) fn self_attention(
+    qkv: Tensor<3>,
+    heads: usize,
     key_pad: Option<Tensor<2, Bool>>,
     causal: bool,
     dtype: ComputeDtype,
     kernels: Kernels,
-) -> Tensor<4> {
+) -> Tensor<3> {
     if !dtype.is_reduced() {
-        return kernels::attention(q, k, v, key_pad, causal, kernels);
+        return kernels::self_attention(qkv, heads, key_pad, causal, kernels);
     }
+    let [q, k, v] = kernels::split_heads(qkv, heads);
     let [b, h, t, d] = q.dims();
     let scale = 1.0 / (d as f64).sqrt();
     let scores = matmul(q, k.swap_dims(2, 3), dtype).mul_scalar(scale);
@@ -109,6 +110,8 @@ pub(crate) fn attention(
         scores
     };
     matmul(activation::softmax(scores, 3), v, dtype)
+        .swap_dims(1, 2)
+        .reshape([b, t, h * d])
 }
 
 #[cfg(test)]
@@ -117,39 +120,31 @@ mod tests {
 
     use super::*;
 
-    fn heads(device: &Device) -> [Tensor<4>; 3] {
-        [0, 1, 2].map(|_| Tensor::<4>::random([2, 3, 6, 8], Distribution::Normal(0.0, 1.0), device))
+    /// A packed `[2, 6, 3·24]` projection: 3 heads of 8.
+    fn qkv(device: &Device) -> Tensor<3> {
+        Tensor::<3>::random([2, 6, 72], Distribution::Normal(0.0, 1.0), device)
     }
 
-    fn max_diff(a: Tensor<4>, b: Tensor<4>) -> f32 {
+    fn max_diff(a: Tensor<3>, b: Tensor<3>) -> f32 {
         (a - b).abs().max().into_scalar()
     }
 
     #[test]
-    fn reduced_attention_matches_the_fused_f32_attention() {
+    fn reduced_attention_matches_the_f32_attention() {
         let device = Device::flex();
         device.seed(5);
-        let [q, k, v] = heads(&device);
+        let qkv = qkv(&device);
         for causal in [false, true] {
-            let reference = attention(
-                q.clone(),
-                k.clone(),
-                v.clone(),
+            let reference = self_attention(
+                qkv.clone(),
+                3,
                 None,
                 causal,
                 ComputeDtype::F32,
                 Kernels::Reference,
             );
             for dtype in [ComputeDtype::Bf16, ComputeDtype::F16] {
-                let low = attention(
-                    q.clone(),
-                    k.clone(),
-                    v.clone(),
-                    None,
-                    causal,
-                    dtype,
-                    Kernels::Fused,
-                );
+                let low = self_attention(qkv.clone(), 3, None, causal, dtype, Kernels::Fused);
                 assert_eq!(low.dtype(), DType::F32, "{dtype:?} returns f32");
                 let diff = max_diff(reference.clone(), low);
                 // bf16 keeps 8 bits of mantissa (2^-8 = 0.004), fp16 11.
@@ -159,31 +154,22 @@ mod tests {
     }
 
     #[test]
-    fn reduced_attention_masks_padding_like_the_fused_one() {
+    fn reduced_attention_masks_padding_like_the_f32_one() {
         let device = Device::flex();
         device.seed(6);
-        let [q, k, v] = heads(&device);
+        let qkv = qkv(&device);
         // The last two keys are padding.
         let keep = Tensor::<1, burn::tensor::Int>::arange(0..6, &device).greater_equal_elem(4);
         let pad = keep.reshape([1, 6]).expand([2, 6]);
-        let reference = attention(
-            q.clone(),
-            k.clone(),
-            v.clone(),
+        let reference = self_attention(
+            qkv.clone(),
+            3,
             Some(pad.clone()),
             false,
             ComputeDtype::F32,
             Kernels::Reference,
         );
-        let low = attention(
-            q,
-            k,
-            v,
-            Some(pad),
-            false,
-            ComputeDtype::Bf16,
-            Kernels::Fused,
-        );
+        let low = self_attention(qkv, 3, Some(pad), false, ComputeDtype::Bf16, Kernels::Fused);
         let diff = max_diff(reference, low);
         assert!(diff < 0.05, "{diff}");
     }

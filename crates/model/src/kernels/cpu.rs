@@ -106,20 +106,26 @@ struct Heads<'a> {
 }
 
 impl<'a> Heads<'a> {
-    /// `t`'s view; `t` must have non-negative strides (see [`positive`]).
-    fn new(t: &'a FlexTensor) -> Self {
+    /// The heads of columns `part·d .. (part+1)·d` of `t` (`[batch, time,
+    /// width]`, non-negative strides, see [`positive`]): `heads` heads of
+    /// `d / heads` columns each, as a `[batch, heads, time, head_dim]` view.
+    fn split(t: &'a FlexTensor, part: usize, d: usize, heads: usize) -> Self {
         let layout = t.layout();
-        let dims: [usize; 4] = layout
+        let [b, time, width]: [usize; 3] = layout
             .shape()
             .as_slice()
             .try_into()
-            .expect("attention takes [batch, heads, time, head_dim]");
-        let strides = std::array::from_fn(|i| layout.strides()[i] as usize);
+            .expect("attention takes [batch, time, width] activations");
+        assert!(
+            (part + 1) * d <= width && d % heads == 0,
+            "attention: {heads} heads of width {d} (part {part}) do not fit width {width}"
+        );
+        let [s0, s1, s2] = std::array::from_fn(|i| layout.strides()[i] as usize);
         Self {
             data: t.storage::<f32>(),
-            offset: layout.start_offset(),
-            strides,
-            dims,
+            offset: layout.start_offset() + part * d * s2,
+            strides: [s0, (d / heads) * s2, s1, s2],
+            dims: [b, heads, time, d / heads],
         }
     }
 
@@ -229,62 +235,61 @@ fn visible(i: usize, t: usize, causal: bool) -> usize {
     if causal { i + 1 } else { t }
 }
 
-/// Scaled dot-product attention over `[batch, heads, time, head_dim]`,
-/// one head per rayon task, the `time × time` scores of one head at a time
-/// in a task-local buffer (never the whole `[b, h, t, t]` tensor).
-/// `key_pad` (`[batch, time]`, 1.0 where a key is padding; all zeros for
-/// none) and `causal`
-/// mask keys. Returns the output (`[b, h, t, d]` shape, laid out as
-/// `[b, t, h, d]` so that the caller's merge of the heads is free) and the
-/// log-sum-exp of each query's scores (`[b, h, t]`), which the backward
-/// pass uses to rebuild the probabilities. A query that sees no key gets
-/// zeros.
+/// Multi-head scaled dot-product attention of a packed projection `qkv`
+/// (`[batch, time, 3·d]`: queries, keys, values side by side, each `heads`
+/// heads of `d / heads`), one head per rayon task, the `time × time` scores
+/// of one head at a time in a task-local buffer (never the whole
+/// `[b, h, t, t]` tensor). `key_pad` (`[batch, time]`, 1.0 where a key is
+/// padding; all zeros for none) and `causal` mask keys. Returns the output
+/// with the heads merged (`[batch, time, d]`) and the log-sum-exp of each
+/// query's scores (`[batch, heads, time]`), which the backward pass uses to
+/// rebuild the probabilities. A query that sees no key gets zeros.
 pub(crate) fn attention(
-    q: FlexTensor,
-    k: FlexTensor,
-    v: FlexTensor,
+    qkv: FlexTensor,
     key_pad: FlexTensor,
+    heads: usize,
     causal: bool,
 ) -> (FlexTensor, FlexTensor) {
-    let (q, k, v) = (positive(q), positive(k), positive(v));
+    let qkv = positive(qkv);
     let key_pad = contiguous(key_pad);
-    let (qh, kh, vh) = (Heads::new(&q), Heads::new(&k), Heads::new(&v));
-    let [b, h, t, d] = qh.dims;
-    assert_eq!(kh.dims, qh.dims, "attention: k's shape differs from q's");
-    assert_eq!(vh.dims, qh.dims, "attention: v's shape differs from q's");
+    let d = qkv.layout().shape()[2] / 3;
+    let [qh, kh, vh] = [0, 1, 2].map(|part| Heads::split(&qkv, part, d, heads));
+    let [b, h, t, hd] = qh.dims;
     let pad = padding(&key_pad, b * t);
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = 1.0 / (hd as f32).sqrt();
 
-    let mut out = vec![0.0f32; b * t * h * d];
+    let mut out = vec![0.0f32; b * t * d];
     let mut lse = vec![0.0f32; b * h * t];
     let out_ptr = SharedMut(out.as_mut_ptr());
     lse.par_chunks_mut(t).enumerate().for_each(|(bh, lse)| {
         let (bi, hi) = (bh / h, bh % h);
         let pad = pad.map(|p| &p[bi * t..(bi + 1) * t]);
         let mut p = vec![0.0f32; t * t];
-        // SAFETY: q/k/v heads are `t × d` with their own strides inside
-        // their storage; `p` is `t × t`; this task's output rows
-        // `(bi, ·, hi, ·)` belong to no other task.
+        // SAFETY: q/k/v heads are `t × hd` with their own strides inside
+        // their storage; `p` is `t × t`; this task's output columns
+        // `hi·hd .. (hi+1)·hd` of batch `bi` belong to no other task.
         unsafe {
             let qm = Mat(qh.head(bi, hi), qh.row_stride(), qh.col_stride());
             let km = Mat(kh.head(bi, hi), kh.row_stride(), kh.col_stride());
             let vm = Mat(vh.head(bi, hi), vh.row_stride(), vh.col_stride());
-            matmul(t, t, d, Mat(p.as_ptr(), t as isize, 1), qm, km.t(), scale);
+            matmul(t, t, hd, Mat(p.as_ptr(), t as isize, 1), qm, km.t(), scale);
             softmax_rows(&mut p, lse, t, pad, causal);
-            let o = out_ptr.get().add((bi * t * h + hi) * d);
+            let o = out_ptr.get().add(bi * t * d + hi * hd);
             matmul(
                 t,
-                d,
+                hd,
                 t,
-                Mat(o, (h * d) as isize, 1),
+                Mat(o, d as isize, 1),
                 Mat(p.as_ptr(), t as isize, 1),
                 vm,
                 1.0,
             );
         }
     });
-    let out = from_vec(out, Shape::new([b, t, h, d])).permute(&[0, 2, 1, 3]);
-    (out, from_vec(lse, Shape::new([b, h, t])))
+    (
+        from_vec(out, Shape::new([b, t, d])),
+        from_vec(lse, Shape::new([b, h, t])),
+    )
 }
 
 /// Masked softmax of each row of `p` (`t × t` scores) in place, writing each
@@ -425,46 +430,44 @@ fn mask_row(row: &mut [f32], n: usize, pad: Option<&[f32]>) {
     }
 }
 
-/// The gradients of [`attention`] with respect to q, k and v, from the
-/// output gradient `grad`, the forward's output and log-sum-exp. The
-/// probabilities are rebuilt per head from q, k and the log-sum-exp rather
-/// than kept from the forward pass. Same layouts as the forward's output.
-#[allow(clippy::too_many_arguments)]
+/// The gradient of [`attention`] with respect to its packed `qkv`, from the
+/// output gradient `grad` (`[batch, time, d]`), the forward's output and
+/// log-sum-exp. The probabilities are rebuilt per head from q, k and the
+/// log-sum-exp rather than kept from the forward pass; each head writes its
+/// query, key and value gradients straight into its columns of one
+/// `[batch, time, 3·d]` buffer.
 pub(crate) fn attention_backward(
-    q: FlexTensor,
-    k: FlexTensor,
-    v: FlexTensor,
+    qkv: FlexTensor,
     key_pad: FlexTensor,
+    heads: usize,
     causal: bool,
     out: FlexTensor,
     lse: FlexTensor,
     grad: FlexTensor,
-) -> (FlexTensor, FlexTensor, FlexTensor) {
-    let (q, k, v) = (positive(q), positive(k), positive(v));
-    let (out, grad) = (positive(out), positive(grad));
+) -> FlexTensor {
+    let (qkv, out, grad) = (positive(qkv), positive(out), positive(grad));
     let (key_pad, lse) = (contiguous(key_pad), contiguous(lse));
-    let (qh, kh, vh) = (Heads::new(&q), Heads::new(&k), Heads::new(&v));
-    let (oh, gh) = (Heads::new(&out), Heads::new(&grad));
-    let [b, h, t, d] = qh.dims;
+    let d = qkv.layout().shape()[2] / 3;
+    let [qh, kh, vh] = [0, 1, 2].map(|part| Heads::split(&qkv, part, d, heads));
+    let (oh, gh) = (
+        Heads::split(&out, 0, d, heads),
+        Heads::split(&grad, 0, d, heads),
+    );
+    let [b, h, t, hd] = qh.dims;
     let pad = padding(&key_pad, b * t);
     let lse = slice(&lse);
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = 1.0 / (hd as f32).sqrt();
 
-    let len = b * t * h * d;
-    let (mut dq, mut dk, mut dv) = (vec![0.0f32; len], vec![0.0f32; len], vec![0.0f32; len]);
-    let (dq_ptr, dk_ptr, dv_ptr) = (
-        SharedMut(dq.as_mut_ptr()),
-        SharedMut(dk.as_mut_ptr()),
-        SharedMut(dv.as_mut_ptr()),
-    );
+    let mut dqkv = vec![0.0f32; b * t * 3 * d];
+    let dqkv_ptr = SharedMut(dqkv.as_mut_ptr());
     (0..b * h).into_par_iter().for_each(|bh| {
         let (bi, hi) = (bh / h, bh % h);
         let pad = pad.map(|p| &p[bi * t..(bi + 1) * t]);
         let lse = &lse[bh * t..(bh + 1) * t];
-        // Row i of `delta`: Σ_d dO[i, d] · O[i, d].
+        // Row i of `delta`: Σ_c dO[i, c] · O[i, c].
         let delta: Vec<f32> = (0..t)
             .map(|i| {
-                (0..d)
+                (0..hd)
                     .map(|c| gh.at(bi, hi, i, c) * oh.at(bi, hi, i, c))
                     .sum()
             })
@@ -472,10 +475,11 @@ pub(crate) fn attention_backward(
         let mut p = vec![0.0f32; t * t];
         let mut dp = vec![0.0f32; t * t];
         let tt = t as isize;
-        let row_out = (h * d) as isize;
-        let at = (bi * t * h + hi) * d;
+        let row = (3 * d) as isize;
+        // This head's columns of dq, dk and dv in the packed gradient.
+        let at = |part: usize| bi * t * 3 * d + part * d + hi * hd;
         // SAFETY: as in `attention`; each task writes only its own head's
-        // rows of dq, dk and dv.
+        // columns of dqkv.
         unsafe {
             let qm = Mat(qh.head(bi, hi), qh.row_stride(), qh.col_stride());
             let km = Mat(kh.head(bi, hi), kh.row_stride(), kh.col_stride());
@@ -483,29 +487,36 @@ pub(crate) fn attention_backward(
             let gm = Mat(gh.head(bi, hi), gh.row_stride(), gh.col_stride());
             let pm = Mat(p.as_ptr(), tt, 1);
             let dpm = Mat(dp.as_ptr(), tt, 1);
-            matmul(t, t, d, pm, qm, km.t(), scale);
+            matmul(t, t, hd, pm, qm, km.t(), scale);
             probabilities(&mut p, lse, t, pad, causal);
             // dV = Pᵀ dO
-            let dvm = Mat(dv_ptr.get().add(at), row_out, 1);
-            matmul(t, d, t, dvm, pm.t(), gm, 1.0);
+            let dv = Mat(dqkv_ptr.get().add(at(2)), row, 1);
+            matmul(t, hd, t, dv, pm.t(), gm, 1.0);
             // dP = dO Vᵀ, then dS = P ⊙ (dP − delta) · scale, into dp.
-            matmul(t, t, d, dpm, gm, vm.t(), 1.0);
+            matmul(t, t, hd, dpm, gm, vm.t(), 1.0);
             score_grads(&mut dp, &p, &delta, t, scale);
             // dQ = dS K, dK = dSᵀ Q
-            matmul(t, d, t, Mat(dq_ptr.get().add(at), row_out, 1), dpm, km, 1.0);
             matmul(
                 t,
-                d,
+                hd,
                 t,
-                Mat(dk_ptr.get().add(at), row_out, 1),
+                Mat(dqkv_ptr.get().add(at(0)), row, 1),
+                dpm,
+                km,
+                1.0,
+            );
+            matmul(
+                t,
+                hd,
+                t,
+                Mat(dqkv_ptr.get().add(at(1)), row, 1),
                 dpm.t(),
                 qm,
                 1.0,
             );
         }
     });
-    let heads = |x: Vec<f32>| from_vec(x, Shape::new([b, t, h, d])).permute(&[0, 2, 1, 3]);
-    (heads(dq), heads(dk), heads(dv))
+    from_vec(dqkv, Shape::new([b, t, 3 * d]))
 }
 
 /// Rows per rayon task in the LayerNorm kernels.

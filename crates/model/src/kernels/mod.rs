@@ -56,26 +56,30 @@ pub fn gelu<const D: usize>(x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
     activation::gelu(x)
 }
 
-/// Scaled dot-product attention over `[batch, heads, time, head_dim]`,
-/// scale `1/√head_dim`. `key_pad` (`[batch, time]`, true where a key is
+/// Multi-head self-attention of a packed projection `qkv` (`[batch, time,
+/// 3·d]`: queries, keys and values side by side, each `heads` heads of
+/// `d / heads`), scale `1/√head_dim`, heads merged in the result
+/// (`[batch, time, d]`). `key_pad` (`[batch, time]`, true where a key is
 /// padding) and `causal` (query `i` sees keys `≤ i`) mask keys. The fused
-/// kernel keeps one head's `time × time` scores at a time and rebuilds them
-/// in the backward pass; the reference is Burn's `attention` with the mask
-/// expanded to `[batch, heads, time, time]`.
-pub fn attention(
-    q: Tensor<4>,
-    k: Tensor<4>,
-    v: Tensor<4>,
+/// kernel reads the heads where they lie in `qkv`, keeps one head's
+/// `time × time` scores at a time, rebuilds them in the backward pass and
+/// writes the gradient of `qkv` in one piece; the reference splits the
+/// heads and runs Burn's `attention` with the mask expanded to
+/// `[batch, heads, time, time]`.
+pub fn self_attention(
+    qkv: Tensor<3>,
+    heads: usize,
     key_pad: Option<Tensor<2, Bool>>,
     causal: bool,
     kernels: Kernels,
-) -> Tensor<4> {
+) -> Tensor<3> {
     #[cfg(feature = "flex")]
-    if kernels == Kernels::Fused && flex::runs_fused(&q) {
-        return flex::attention(q, k, v, key_pad, causal);
+    if kernels == Kernels::Fused && flex::runs_fused(&qkv) {
+        return flex::self_attention(qkv, heads, key_pad, causal);
     }
     let _ = kernels;
-    let [b, h, t, _] = q.dims();
+    let [q, k, v] = split_heads(qkv, heads);
+    let [b, h, t, hd] = q.dims();
     let mask = key_pad.map(|pad| pad.reshape([b, 1, 1, t]).expand([b, h, t, t]));
     let options = AttentionModuleOptions {
         scale: None,
@@ -83,6 +87,21 @@ pub fn attention(
         is_causal: causal,
     };
     burn_attention(q, k, v, mask, None, options)
+        .swap_dims(1, 2)
+        .reshape([b, t, h * hd])
+}
+
+/// Queries, keys and values of a packed `[batch, time, 3·d]` projection as
+/// `[batch, heads, time, d / heads]` views.
+pub fn split_heads(qkv: Tensor<3>, heads: usize) -> [Tensor<4>; 3] {
+    let [b, t, three_d] = qkv.dims();
+    let d = three_d / 3;
+    [0, 1, 2].map(|part| {
+        qkv.clone()
+            .narrow(2, part * d, d)
+            .reshape([b, t, heads, d / heads])
+            .swap_dims(1, 2)
+    })
 }
 
 /// The epsilon of every LayerNorm in kiln's models (Burn's and PyTorch's
@@ -130,24 +149,21 @@ mod flex {
         /// Attention's output and each query's log-sum-exp (see
         /// `cpu::attention`).
         fn kiln_attention(
-            q: FloatTensor<Self>,
-            k: FloatTensor<Self>,
-            v: FloatTensor<Self>,
+            qkv: FloatTensor<Self>,
             key_pad: FloatTensor<Self>,
+            heads: usize,
             causal: bool,
         ) -> (FloatTensor<Self>, FloatTensor<Self>);
-        /// The gradients of q, k and v.
-        #[allow(clippy::too_many_arguments)]
+        /// The gradient of the packed qkv.
         fn kiln_attention_backward(
-            q: FloatTensor<Self>,
-            k: FloatTensor<Self>,
-            v: FloatTensor<Self>,
+            qkv: FloatTensor<Self>,
             key_pad: FloatTensor<Self>,
+            heads: usize,
             causal: bool,
             out: FloatTensor<Self>,
             lse: FloatTensor<Self>,
             grad: FloatTensor<Self>,
-        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+        ) -> FloatTensor<Self>;
         /// LayerNorm's output and each row's mean and 1/σ.
         fn kiln_layer_norm(
             x: FloatTensor<Self>,
@@ -175,26 +191,24 @@ mod flex {
         }
 
         fn kiln_attention(
-            q: FloatTensor<Self>,
-            k: FloatTensor<Self>,
-            v: FloatTensor<Self>,
+            qkv: FloatTensor<Self>,
             key_pad: FloatTensor<Self>,
+            heads: usize,
             causal: bool,
         ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-            cpu::attention(q, k, v, key_pad, causal)
+            cpu::attention(qkv, key_pad, heads, causal)
         }
 
         fn kiln_attention_backward(
-            q: FloatTensor<Self>,
-            k: FloatTensor<Self>,
-            v: FloatTensor<Self>,
+            qkv: FloatTensor<Self>,
             key_pad: FloatTensor<Self>,
+            heads: usize,
             causal: bool,
             out: FloatTensor<Self>,
             lse: FloatTensor<Self>,
             grad: FloatTensor<Self>,
-        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-            cpu::attention_backward(q, k, v, key_pad, causal, out, lse, grad)
+        ) -> FloatTensor<Self> {
+            cpu::attention_backward(qkv, key_pad, heads, causal, out, lse, grad)
         }
 
         fn kiln_layer_norm(
@@ -257,20 +271,18 @@ mod flex {
         }
 
         fn kiln_attention(
-            q: FloatTensor<Self>,
-            k: FloatTensor<Self>,
-            v: FloatTensor<Self>,
+            qkv: FloatTensor<Self>,
             key_pad: FloatTensor<Self>,
+            heads: usize,
             causal: bool,
         ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-            /// What the backward pass needs: the inputs, the mask, the
+            /// What the backward pass needs: the input, the mask, the
             /// output and the log-sum-exp.
             #[derive(Clone, Debug)]
             struct Saved<P> {
-                q: P,
-                k: P,
-                v: P,
+                qkv: P,
                 key_pad: P,
+                heads: usize,
                 causal: bool,
                 out: P,
                 lse: P,
@@ -279,47 +291,41 @@ mod flex {
             #[derive(Debug)]
             struct AttentionBackward;
 
-            impl<B: Backend + KilnKernels> Backward<B, 3> for AttentionBackward {
+            impl<B: Backend + KilnKernels> Backward<B, 1> for AttentionBackward {
                 type State = Saved<FloatTensor<B>>;
 
                 fn backward(
                     self,
-                    ops: Ops<Self::State, 3>,
+                    ops: Ops<Self::State, 1>,
                     grads: &mut Gradients,
                     _: &mut Checkpointer,
                 ) {
                     let s = ops.state;
-                    let grad = grads.consume::<B>(&ops.node);
-                    let (dq, dk, dv) = B::kiln_attention_backward(
-                        s.q, s.k, s.v, s.key_pad, s.causal, s.out, s.lse, grad,
-                    );
-                    for (parent, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
-                        if let Some(parent) = parent {
-                            grads.register::<B>(parent.id, grad);
-                        }
-                    }
+                    unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+                        B::kiln_attention_backward(
+                            s.qkv, s.key_pad, s.heads, s.causal, s.out, s.lse, grad,
+                        )
+                    });
                 }
             }
 
-            let nodes = [q.node(), k.node(), v.node()];
-            let [q, k, v] = [q, k, v].map(Self::inner);
-            let key_pad = Self::inner(key_pad);
-            let (out, lse) =
-                B::kiln_attention(q.clone(), k.clone(), v.clone(), key_pad.clone(), causal);
+            let node = qkv.node();
+            let (qkv, key_pad) = (Self::inner(qkv), Self::inner(key_pad));
+            let (out, lse) = B::kiln_attention(qkv.clone(), key_pad.clone(), heads, causal);
             let lse_out = Self::from_inner(lse.clone());
             let out = match AttentionBackward
-                .prepare::<C>(nodes)
+                .prepare::<C>([node])
                 .compute_bound()
                 .stateful()
             {
                 OpsKind::Tracked(prep) => {
+                    let out_saved = out.clone();
                     let saved = Saved {
-                        q,
-                        k,
-                        v,
+                        qkv,
                         key_pad,
+                        heads,
                         causal,
-                        out: out.clone(),
+                        out: out_saved,
                         lse,
                     };
                     prep.finish(saved, out)
@@ -330,23 +336,18 @@ mod flex {
         }
 
         fn kiln_attention_backward(
-            q: FloatTensor<Self>,
-            k: FloatTensor<Self>,
-            v: FloatTensor<Self>,
+            qkv: FloatTensor<Self>,
             key_pad: FloatTensor<Self>,
+            heads: usize,
             causal: bool,
             out: FloatTensor<Self>,
             lse: FloatTensor<Self>,
             grad: FloatTensor<Self>,
-        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-            let [q, k, v, out, lse, grad] = [q, k, v, out, lse, grad].map(Self::inner);
-            let (dq, dk, dv) =
-                B::kiln_attention_backward(q, k, v, Self::inner(key_pad), causal, out, lse, grad);
-            (
-                Self::from_inner(dq),
-                Self::from_inner(dk),
-                Self::from_inner(dv),
-            )
+        ) -> FloatTensor<Self> {
+            let [qkv, key_pad, out, lse, grad] = [qkv, key_pad, out, lse, grad].map(Self::inner);
+            Self::from_inner(B::kiln_attention_backward(
+                qkv, key_pad, heads, causal, out, lse, grad,
+            ))
         }
 
         fn kiln_layer_norm(
@@ -440,28 +441,22 @@ mod flex {
         Tensor::from_dispatch(y)
     }
 
-    pub(crate) fn attention(
-        q: Tensor<4>,
-        k: Tensor<4>,
-        v: Tensor<4>,
+    pub(crate) fn self_attention(
+        qkv: Tensor<3>,
+        heads: usize,
         key_pad: Option<Tensor<2, Bool>>,
         causal: bool,
-    ) -> Tensor<4> {
+    ) -> Tensor<3> {
         // Always a mask (the extension cannot route an optional tensor):
         // zeros when nothing is padding.
-        let [b, _, t, _] = q.dims();
+        let [b, t, _] = qkv.dims();
         let key_pad = match key_pad {
             Some(pad) => pad.float(),
-            None => Tensor::zeros([b, t], &q.device().without_autodiff()),
+            None => Tensor::zeros([b, t], &qkv.device().without_autodiff()),
         }
         .into_dispatch();
-        let (out, _lse) = <Dispatch as KilnKernels>::kiln_attention(
-            q.into_dispatch(),
-            k.into_dispatch(),
-            v.into_dispatch(),
-            key_pad,
-            causal,
-        );
+        let (out, _lse) =
+            <Dispatch as KilnKernels>::kiln_attention(qkv.into_dispatch(), key_pad, heads, causal);
         Tensor::from_dispatch(out)
     }
 }
@@ -514,31 +509,21 @@ mod tests {
         assert!(max_abs(fused, activation::gelu(view)) < 2e-6);
     }
 
-    fn max_abs4(a: Tensor<4>, b: Tensor<4>) -> f32 {
+    fn max_abs3(a: Tensor<3>, b: Tensor<3>) -> f32 {
         (a - b).abs().max().into_scalar()
     }
 
-    /// Attention's output and q/k/v gradients with `kernels`, the heads cut
-    /// from one `[b, t, 3·h·d]` projection as the models cut them (strided
-    /// views, not contiguous tensors).
+    /// Self-attention's output and qkv gradient with `kernels`.
     fn attention_run(
         qkv: &Tensor<3>,
-        upstream: &Tensor<4>,
+        upstream: &Tensor<3>,
         key_pad: Option<Tensor<2, Bool>>,
         causal: bool,
         heads: usize,
         kernels: Kernels,
-    ) -> (Tensor<4>, Tensor<3>) {
-        let [b, t, three_d] = qkv.dims();
-        let d = three_d / 3;
+    ) -> (Tensor<3>, Tensor<3>) {
         let qkv = qkv.clone().require_grad();
-        let part = |i: usize| {
-            qkv.clone()
-                .narrow(2, i * d, d)
-                .reshape([b, t, heads, d / heads])
-                .swap_dims(1, 2)
-        };
-        let y = attention(part(0), part(1), part(2), key_pad, causal, kernels);
+        let y = self_attention(qkv.clone(), heads, key_pad, causal, kernels);
         let grads = (y.clone() * upstream.clone()).sum().backward();
         (y.detach(), qkv.grad(&grads).expect("qkv gradient"))
     }
@@ -549,21 +534,31 @@ mod tests {
         device.seed(9);
         let (b, t, h, hd) = (3, 19, 4, 8);
         let qkv = Tensor::<3>::random([b, t, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device);
-        let upstream = Tensor::<4>::random([b, h, t, hd], Distribution::Normal(0.0, 1.0), &device);
+        let upstream = Tensor::<3>::random([b, t, h * hd], Distribution::Normal(0.0, 1.0), &device);
         // Batch 1 has its last 5 keys padded, batch 2 its last one.
         let lengths = Tensor::<2, Int>::from_data([[19], [14], [18]], &device);
         let pad = Tensor::<1, Int>::arange(0..t as i64, &device)
             .reshape([1, t])
             .expand([b, t])
             .greater_equal(lengths.expand([b, t]));
-        for (key_pad, causal) in [(None, true), (Some(pad.clone()), false), (Some(pad), true)] {
+        // A strided input too: a projection seen through a transpose.
+        let strided =
+            Tensor::<3>::random([t, b, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device)
+                .swap_dims(0, 1);
+        let cases = [
+            (&qkv, None, true),
+            (&qkv, Some(pad.clone()), false),
+            (&qkv, Some(pad), true),
+            (&strided, None, true),
+        ];
+        for (input, key_pad, causal) in cases {
             let label = format!("padded={} causal={causal}", key_pad.is_some());
             let (y, dqkv) =
-                attention_run(&qkv, &upstream, key_pad.clone(), causal, h, Kernels::Fused);
+                attention_run(input, &upstream, key_pad.clone(), causal, h, Kernels::Fused);
             let (y_ref, dqkv_ref) =
-                attention_run(&qkv, &upstream, key_pad, causal, h, Kernels::Reference);
-            let fwd = max_abs4(y, y_ref);
-            let bwd: f32 = (dqkv - dqkv_ref).abs().max().into_scalar();
+                attention_run(input, &upstream, key_pad, causal, h, Kernels::Reference);
+            let fwd = max_abs3(y, y_ref);
+            let bwd = max_abs3(dqkv, dqkv_ref);
             assert!(fwd < 1e-5, "{label}: forward differs by {fwd}");
             assert!(bwd < 1e-4, "{label}: backward differs by {bwd}");
         }
@@ -571,31 +566,26 @@ mod tests {
 
     #[test]
     fn fused_attention_masks_the_future_and_padding() {
-        // Changing a future key or a padding key leaves the output alone.
+        // Changing a future key/value or a padding key/value leaves the
+        // output alone: keys are columns 8..16, values 16..24 of qkv.
         let device = Device::flex();
         device.seed(10);
-        let [q, k, v] = [0, 1, 2]
-            .map(|_| Tensor::<4>::random([1, 2, 6, 4], Distribution::Normal(0.0, 1.0), &device));
-        let bump = |x: Tensor<4>, at: usize| {
-            let slice = x.clone().narrow(2, at, 1) + 5.0;
-            x.slice_assign([0..1, 0..2, at..at + 1, 0..4], slice)
+        let qkv = Tensor::<3>::random([1, 6, 24], Distribution::Normal(0.0, 1.0), &device);
+        let bump = |x: Tensor<3>, at: usize| {
+            let moved = x.clone().slice([0..1, at..at + 1, 8..24]) + 5.0;
+            x.slice_assign([0..1, at..at + 1, 8..24], moved)
         };
-        let causal = |k: Tensor<4>, v: Tensor<4>| {
-            attention(q.clone(), k, v, None, true, Kernels::Fused).narrow(2, 0, 5)
-        };
-        let moved = causal(bump(k.clone(), 5), bump(v.clone(), 5));
-        assert!(
-            max_abs4(causal(k.clone(), v.clone()), moved) < 1e-6,
-            "future leaked"
-        );
+        let causal =
+            |qkv: Tensor<3>| self_attention(qkv, 2, None, true, Kernels::Fused).narrow(1, 0, 5);
+        let moved = causal(bump(qkv.clone(), 5));
+        assert!(max_abs3(causal(qkv.clone()), moved) < 1e-6, "future leaked");
         let pad = Tensor::<1, Int>::arange(0..6, &device)
             .greater_equal_elem(4)
             .reshape([1, 6]);
-        let padded = |k: Tensor<4>, v: Tensor<4>| {
-            attention(q.clone(), k, v, Some(pad.clone()), false, Kernels::Fused)
-        };
-        let moved = padded(bump(k.clone(), 4), bump(v.clone(), 5));
-        assert!(max_abs4(padded(k, v), moved) < 1e-6, "padding leaked");
+        let padded =
+            |qkv: Tensor<3>| self_attention(qkv, 2, Some(pad.clone()), false, Kernels::Fused);
+        let moved = padded(bump(bump(qkv.clone(), 4), 5));
+        assert!(max_abs3(padded(qkv), moved) < 1e-6, "padding leaked");
     }
 
     #[test]
