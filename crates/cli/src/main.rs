@@ -22,6 +22,32 @@ use clap::{Parser, Subcommand};
 /// quarter of the CPU time; docs/PERFORMANCE.md has the profile).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// And mimalloc keeps it: by default it hands freed pages back to the OS
+/// after a delay, and a training step frees and reallocates the same large
+/// activation buffers every step, so each came back as fresh pages the
+/// kernel zeroes on first touch (`clear_page_erms`: 42 % of the main
+/// thread's samples in an encoder bench). `MIMALLOC_PURGE_DELAY=-1` turns
+/// purging off: +7–10 % samples/s on the encoder bench, system time 2–3.7 s
+/// → 0.5–1 s (docs/PERFORMANCE.md). mimalloc reads its options when it
+/// starts, before `main`, and setting the option later through its API did
+/// not give the same result (measured), so the variable is set in a
+/// constructor that runs before the allocator's first use. The cost: the
+/// process keeps its peak memory until it exits. A value already in the
+/// environment wins.
+#[cfg(target_os = "linux")]
+#[used]
+#[unsafe(link_section = ".init_array")]
+static KEEP_FREED_MEMORY: extern "C" fn() = keep_freed_memory;
+
+#[cfg(target_os = "linux")]
+extern "C" fn keep_freed_memory() {
+    // SAFETY: runs before `main`, single-threaded; both strings are
+    // NUL-terminated literals, and overwrite = 0 keeps a user's value.
+    unsafe {
+        libc::setenv(c"MIMALLOC_PURGE_DELAY".as_ptr(), c"-1".as_ptr(), 0);
+    }
+}
 use kiln_config::{ConfigError, LoadOptions, ResolvedConfig};
 use kiln_hwdetect::HardwareReport;
 

@@ -117,7 +117,7 @@ impl<'a> Heads<'a> {
             .try_into()
             .expect("attention takes [batch, time, width] activations");
         assert!(
-            (part + 1) * d <= width && d % heads == 0,
+            (part + 1) * d <= width && d.is_multiple_of(heads),
             "attention: {heads} heads of width {d} (part {part}) do not fit width {width}"
         );
         let [s0, s1, s2] = std::array::from_fn(|i| layout.strides()[i] as usize);

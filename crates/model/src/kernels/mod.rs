@@ -115,10 +115,11 @@ pub const LAYER_NORM_EPSILON: f64 = 1e-5;
 /// is `ln.forward(x)`.
 pub fn layer_norm<const D: usize>(ln: &LayerNorm, x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
     #[cfg(feature = "flex")]
-    if kernels == Kernels::Fused && flex::runs_fused(&x) {
-        if let Some(beta) = &ln.beta {
-            return flex::layer_norm(x, ln.gamma.val(), beta.val(), LAYER_NORM_EPSILON);
-        }
+    if kernels == Kernels::Fused
+        && flex::runs_fused(&x)
+        && let Some(beta) = &ln.beta
+    {
+        return flex::layer_norm(x, ln.gamma.val(), beta.val(), LAYER_NORM_EPSILON);
     }
     let _ = kernels;
     ln.forward(x)
