@@ -3,7 +3,8 @@
 ../shared/PEERS.md's BERT shape: 4 layers, hidden 256, 4 heads, intermediate
 1024, post-LayerNorm blocks, exact GELU, [CLS] pooling, 3 classes, sequences
 padded to 128 with a key-padding mask, vocabulary 8000, AdamW (lr 3e-4),
-global-norm clip 1.0, eager fp32 on 2 threads. Inputs are random token ids
+global-norm clip 1.0, no dropout (run kiln with `model.dropout=0.0`: the NLI
+experiment's default is BERT's 0.1), eager fp32 on 2 threads. Inputs are random token ids
 with real lengths drawn around the SNLI mean: padding is computed on anyway,
 so only the shapes matter for speed.
 

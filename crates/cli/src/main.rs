@@ -860,7 +860,7 @@ fn bench_text(r: &kiln_train::BenchResult) -> String {
          samples/s: median {:.1}; tokens/s (no padding): median {:.0} (p10 {:.0}, p90 {:.0}; min {:.0}, max {:.0}); with padding {:.0}; {:.1} ms/step\n\
          FLOPs per sample: {:.3} G as computed (padded), {:.3} G on real tokens only\n\
          MFU: {} against {}\n\
-         data-wait: {:.2}% of step time; peak memory {:.0} MiB{}\n\
+         data-wait: {:.2}% of step time; peak memory {:.0} MiB{}; CPU {} during the timed steps\n\
          phases (median ms): data wait {:.2}, host-to-device {:.2}, forward {:.1}, backward {:.1}, optimizer {:.1}\n",
         r.workload,
         r.backend,
@@ -887,6 +887,8 @@ fn bench_text(r: &kiln_train::BenchResult) -> String {
         } else {
             ""
         },
+        r.cpu_util_pct
+            .map_or("n/a".to_string(), |c| format!("{c:.0}% of one core")),
         p.data_wait_ms,
         p.host_to_device_ms,
         p.forward_ms,

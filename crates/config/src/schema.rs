@@ -215,6 +215,16 @@ pub struct OptimizationSection {
     /// Kernel fusion and autotuning on backends that have them.
     pub compile: bool,
     pub compile_mode: CompileMode,
+    /// kiln's fused CPU kernels (GELU, attention, LayerNorm) or Burn's plain
+    /// composition of the same math.
+    pub kernels: KernelChoice,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KernelChoice {
+    Fused,
+    Reference,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

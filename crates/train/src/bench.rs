@@ -22,7 +22,7 @@ use crate::nli::{encoder_config, pair_tensors, schema};
 use crate::optim::{AdamW, global_grad_norm};
 use crate::precision::PrecisionChoice;
 use crate::report::median;
-use crate::trainer::{Work, init_model, train_device};
+use crate::trainer::{Work, init_model, kernels, train_device};
 use crate::{MemoryTracker, TrainError, open_device};
 
 /// How many steps to run, and how to pad pairs.
@@ -85,6 +85,10 @@ pub struct BenchResult {
     pub gradient_checkpointing: bool,
     pub phases: PhaseTimes,
     pub final_loss: f64,
+    /// CPU time of the whole process (all threads, user and system) over
+    /// the wall time of the timed steps, in percent of one core: 200 is two
+    /// cores busy throughout. `None` where the platform does not report it.
+    pub cpu_util_pct: Option<f64>,
 }
 
 /// Per-step measurements.
@@ -96,6 +100,27 @@ struct Timings {
     padded_tokens: Vec<usize>,
     real_tokens: Vec<usize>,
     final_loss: f64,
+    cpu_util_pct: Option<f64>,
+}
+
+/// CPU seconds this process has used (user and system, all threads).
+#[cfg(unix)]
+fn process_cpu_seconds() -> Option<f64> {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage fills the struct it is given; RUSAGE_SELF is valid.
+    let usage = unsafe {
+        if libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) != 0 {
+            return None;
+        }
+        usage.assume_init()
+    };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    Some(secs(usage.ru_utime) + secs(usage.ru_stime))
+}
+
+#[cfg(not(unix))]
+fn process_cpu_seconds() -> Option<f64> {
+    None
 }
 
 /// Runs `warmup + steps` training steps, timing each phase.
@@ -130,8 +155,13 @@ fn time_steps<M: Module, S: BatchSource, I>(
             && (timed >= options.min_seconds || steps >= 50 * options.steps.max(1))
     };
     let mut i = 0;
+    // (CPU seconds, wall clock) when the first timed step starts.
+    let mut timed_from = None;
     while !enough(i, timed) {
         i += 1;
+        if i == options.warmup + 1 {
+            timed_from = Some((process_cpu_seconds(), Instant::now()));
+        }
         let start = Instant::now();
         let loaded = loader.next_batch();
         let t_data = loaded.wait.as_secs_f64();
@@ -172,6 +202,12 @@ fn time_steps<M: Module, S: BatchSource, I>(
                 list.push(v * 1e3);
             }
         }
+    }
+    if let Some((Some(cpu0), wall0)) = timed_from {
+        let wall = wall0.elapsed().as_secs_f64();
+        out.cpu_util_pct = process_cpu_seconds()
+            .filter(|_| wall > 0.0)
+            .map(|cpu1| 100.0 * (cpu1 - cpu0) / wall);
     }
     out
 }
@@ -276,6 +312,7 @@ fn result(
             optimizer_ms: median(o),
         },
         final_loss: t.final_loss,
+        cpu_util_pct: t.cpu_util_pct,
     }
 }
 
@@ -431,7 +468,8 @@ pub fn bench_lm(
     let gpt = gpt_config(config, vocab);
     let seed = config.training.seed;
     let model = init_model(config, &device, choice.is_gpu, seed, |d| gpt.init(d))
-        .with_compute(precision.compute);
+        .with_compute(precision.compute)
+        .with_kernels(kernels(config));
     let per_token = gpt.flops_per_token();
     let timings = time_steps(
         source,
@@ -515,7 +553,8 @@ pub fn bench_nli(
     let encoder = encoder_config(config, vocab);
     let seed = config.training.seed;
     let mut model = init_model(config, &device, choice.is_gpu, seed, |d| encoder.init(d))
-        .with_compute(precision.compute);
+        .with_compute(precision.compute)
+        .with_kernels(kernels(config));
     let frozen = config.model.freeze_encoder;
     if frozen {
         model = model.freeze_encoder();

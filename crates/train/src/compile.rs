@@ -113,6 +113,7 @@ mod tests {
         let o = |compile, compile_mode| OptimizationSection {
             compile,
             compile_mode,
+            kernels: kiln_config::KernelChoice::Fused,
         };
         assert_eq!(
             autotune_level(&o(false, CompileMode::MaxAutotune)),
@@ -133,6 +134,7 @@ mod tests {
             &OptimizationSection {
                 compile: true,
                 compile_mode: CompileMode::MaxAutotune,
+                kernels: kiln_config::KernelChoice::Fused,
             },
             &flex,
         );

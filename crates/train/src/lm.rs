@@ -23,8 +23,8 @@ use crate::report::{
     EvalMetrics, Event, Observer, StepMetrics, Summary, held_back_by, median, write_plots,
 };
 use crate::trainer::{
-    Evaluation, LoopEnd, LoopPlan, LoopPlanStart, Task, Work, init_model, restore, run_loop,
-    train_device,
+    Evaluation, LoopEnd, LoopPlan, LoopPlanStart, Task, Work, init_model, kernels, restore,
+    run_loop, train_device,
 };
 use crate::{DeviceChoice, RunDir, TrainError, open_device};
 
@@ -306,7 +306,9 @@ impl Session {
                 &device.device,
             )?;
         }
-        let model = model.with_compute(precision.compute);
+        let model = model
+            .with_compute(precision.compute)
+            .with_kernels(kernels(config));
         notes.push(format!(
             "model: GPT, {} layers × {} heads × {} wide, block {}, {:.2} M parameters, {:.2} M FLOPs per token",
             gpt.layers,

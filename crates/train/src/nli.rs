@@ -25,7 +25,7 @@ use crate::optim::AdamW;
 use crate::report::{Event, Observer, median};
 use crate::trainer::{
     BEST_MODEL, Evaluation, LoopEnd, LoopPlan, LoopPlanStart, Task, Work, best_from_metrics,
-    init_model, restore, run_loop, train_device,
+    init_model, kernels, restore, run_loop, train_device,
 };
 use crate::{DeviceChoice, Outcome, RunDir, TrainError, TrainOptions, open_device, select_device};
 
@@ -527,7 +527,9 @@ fn train_fold(
         }
         Err(_) => dir.truncate_metrics_after(0)?,
     }
-    let model = model.with_compute(precision.compute);
+    let model = model
+        .with_compute(precision.compute)
+        .with_kernels(kernels(config));
     let (best, since_best) = best_from_metrics(&dir.metrics());
     let majority = {
         let mut counts = vec![0usize; data.labels.len()];

@@ -403,6 +403,14 @@ pub(crate) fn train_device(config: &RunConfig, inner: &Device, seed: u64) -> Dev
     device
 }
 
+/// The kernels `optimization.kernels` asks the models to run.
+pub(crate) fn kernels(config: &RunConfig) -> kiln_model::Kernels {
+    match config.optimization.kernels {
+        kiln_config::KernelChoice::Fused => kiln_model::Kernels::Fused,
+        kiln_config::KernelChoice::Reference => kiln_model::Kernels::Reference,
+    }
+}
+
 /// Builds a model whose initial weights depend on `seed` alone, not on the
 /// device or on what draws from the device's RNG later. Burn initialises a
 /// parameter lazily, at its first use: left alone, the draw would happen in
