@@ -166,16 +166,16 @@ impl EncoderBlock {
         c: ComputeDtype,
         k: Kernels,
     ) -> Tensor<3> {
-        let qkv = precision::linear(&self.qkv, x.clone(), c);
+        let qkv = precision::linear(&self.qkv, x.clone(), c, k);
         let y = precision::self_attention(qkv, self.heads, Some(pad), false, c, k);
         let x = kernels::layer_norm(
             &self.ln1,
             x + self
                 .dropout
-                .forward(precision::linear(&self.attn_out, y, c)),
+                .forward(precision::linear(&self.attn_out, y, c, k)),
             k,
         );
-        let hidden = precision::linear(&self.fc, x.clone(), c);
+        let hidden = precision::linear(&self.fc, x.clone(), c, k);
         let hidden = if self.tanh_gelu {
             activation::gelu_approximate(hidden)
         } else {
@@ -185,7 +185,7 @@ impl EncoderBlock {
             &self.ln2,
             x + self
                 .dropout
-                .forward(precision::linear(&self.fc_out, hidden, c)),
+                .forward(precision::linear(&self.fc_out, hidden, c, k)),
             k,
         )
     }
@@ -223,7 +223,12 @@ impl EncoderClassifier {
         } else {
             x.narrow(1, 0, 1).reshape([b, d])
         };
-        precision::linear(&self.head, self.dropout.forward(pooled), self.compute)
+        precision::linear(
+            &self.head,
+            self.dropout.forward(pooled),
+            self.compute,
+            self.kernels,
+        )
     }
 
     /// The same model computing its products in `compute` (parameters stay

@@ -151,12 +151,18 @@ struct Block {
 impl Block {
     /// One block, its products in `c`, its hot spots run by `k`.
     fn forward(&self, x: Tensor<3>, c: ComputeDtype, k: Kernels) -> Tensor<3> {
-        let qkv = precision::linear(&self.qkv, kernels::layer_norm(&self.ln1, x.clone(), k), c);
+        let qkv = precision::linear(
+            &self.qkv,
+            kernels::layer_norm(&self.ln1, x.clone(), k),
+            c,
+            k,
+        );
         let y = precision::self_attention(qkv, self.heads, None, true, c, k);
         let x = x + self
             .dropout
-            .forward(precision::linear(&self.attn_proj, y, c));
-        let hidden = precision::linear(&self.fc, kernels::layer_norm(&self.ln2, x.clone(), k), c);
+            .forward(precision::linear(&self.attn_proj, y, c, k));
+        let hidden =
+            precision::linear(&self.fc, kernels::layer_norm(&self.ln2, x.clone(), k), c, k);
         let hidden = if self.gelu {
             activation::gelu_approximate(hidden)
         } else {
@@ -164,7 +170,7 @@ impl Block {
         };
         x + self
             .dropout
-            .forward(precision::linear(&self.mlp_proj, hidden, c))
+            .forward(precision::linear(&self.mlp_proj, hidden, c, k))
     }
 }
 

@@ -54,9 +54,10 @@ pub(crate) fn linear<const D: usize>(
     layer: &Linear,
     x: Tensor<D>,
     dtype: ComputeDtype,
+    kernels: Kernels,
 ) -> Tensor<D> {
     if !dtype.is_reduced() {
-        return layer.forward(x);
+        return kernels::linear(layer, x, kernels);
     }
     let low = dtype.float_dtype();
     let weight = layer.weight.val().cast(low);

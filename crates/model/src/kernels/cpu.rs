@@ -272,7 +272,15 @@ pub(crate) fn attention(
             let qm = Mat(qh.head(bi, hi), qh.row_stride(), qh.col_stride());
             let km = Mat(kh.head(bi, hi), kh.row_stride(), kh.col_stride());
             let vm = Mat(vh.head(bi, hi), vh.row_stride(), vh.col_stride());
-            matmul(t, t, hd, Mat(p.as_ptr(), t as isize, 1), qm, km.t(), scale);
+            matmul(
+                t,
+                t,
+                hd,
+                Mat(p.as_mut_ptr(), t as isize, 1),
+                qm,
+                km.t(),
+                scale,
+            );
             softmax_rows(&mut p, lse, t, pad, causal);
             let o = out_ptr.get().add(bi * t * d + hi * hd);
             matmul(
@@ -280,7 +288,7 @@ pub(crate) fn attention(
                 hd,
                 t,
                 Mat(o, d as isize, 1),
-                Mat(p.as_ptr(), t as isize, 1),
+                Mat(p.as_mut_ptr(), t as isize, 1),
                 vm,
                 1.0,
             );
@@ -485,23 +493,25 @@ pub(crate) fn attention_backward(
             let km = Mat(kh.head(bi, hi), kh.row_stride(), kh.col_stride());
             let vm = Mat(vh.head(bi, hi), vh.row_stride(), vh.col_stride());
             let gm = Mat(gh.head(bi, hi), gh.row_stride(), gh.col_stride());
-            let pm = Mat(p.as_ptr(), tt, 1);
-            let dpm = Mat(dp.as_ptr(), tt, 1);
-            matmul(t, t, hd, pm, qm, km.t(), scale);
+            // Pointers to the task's buffers are taken afresh after each
+            // mutable borrow of them.
+            matmul(t, t, hd, Mat(p.as_mut_ptr(), tt, 1), qm, km.t(), scale);
             probabilities(&mut p, lse, t, pad, causal);
+            let pm = Mat(p.as_mut_ptr(), tt, 1);
             // dV = Pᵀ dO
             let dv = Mat(dqkv_ptr.get().add(at(2)), row, 1);
             matmul(t, hd, t, dv, pm.t(), gm, 1.0);
             // dP = dO Vᵀ, then dS = P ⊙ (dP − delta) · scale, into dp.
-            matmul(t, t, hd, dpm, gm, vm.t(), 1.0);
+            matmul(t, t, hd, Mat(dp.as_mut_ptr(), tt, 1), gm, vm.t(), 1.0);
             score_grads(&mut dp, &p, &delta, t, scale);
+            let dsm = Mat(dp.as_mut_ptr(), tt, 1);
             // dQ = dS K, dK = dSᵀ Q
             matmul(
                 t,
                 hd,
                 t,
                 Mat(dqkv_ptr.get().add(at(0)), row, 1),
-                dpm,
+                dsm,
                 km,
                 1.0,
             );
@@ -510,7 +520,7 @@ pub(crate) fn attention_backward(
                 hd,
                 t,
                 Mat(dqkv_ptr.get().add(at(1)), row, 1),
-                dpm.t(),
+                dsm.t(),
                 qm,
                 1.0,
             );
@@ -675,6 +685,174 @@ fn layer_norm_grad_rows(
         let c2 = dot2(dy, gamma) * inv_d;
         for ((dx, &dy), &g) in dx.iter_mut().zip(dy).zip(gamma) {
             *dx = r * (dy * g - c2 - *dx * c1);
+        }
+    }
+}
+
+/// `dst (m × n) = lhs (m × k) · rhs (k × n)`, plus what `dst` holds when
+/// `accumulate`, split over rayon's threads by gemm itself.
+///
+/// # Safety
+/// As [`matmul`].
+unsafe fn matmul_parallel(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Mat,
+    lhs: Mat,
+    rhs: Mat,
+    accumulate: bool,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.0.cast_mut(),
+            dst.2,
+            dst.1,
+            accumulate,
+            lhs.0,
+            lhs.2,
+            lhs.1,
+            rhs.0,
+            rhs.2,
+            rhs.1,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(0),
+        )
+    }
+}
+
+/// A `[rows, cols]` matrix's storage pointer and strides.
+fn matrix(t: &FlexTensor) -> Mat {
+    let layout = t.layout();
+    let strides = layout.strides();
+    let [rs, cs] = [strides[0], strides[1]];
+    Mat(t.storage::<f32>()[layout.start_offset()..].as_ptr(), rs, cs)
+}
+
+/// A linear layer, `x · weight + bias` over the last dimension of `x`
+/// (`weight` is `[in, out]`, Burn's layout): one gemm over all rows at once
+/// (the weight packed once, not once per batch entry), the bias written
+/// into the output first and accumulated onto.
+pub(crate) fn linear(x: FlexTensor, weight: FlexTensor, bias: FlexTensor) -> FlexTensor {
+    let (x, weight, bias) = (contiguous(x), positive(weight), contiguous(bias));
+    let [d_in, d_out]: [usize; 2] = weight
+        .layout()
+        .shape()
+        .as_slice()
+        .try_into()
+        .expect("linear: weight is [in, out]");
+    let xs = slice(&x);
+    let b = slice(&bias);
+    assert_eq!(
+        b.len(),
+        d_out,
+        "linear: bias length differs from the weight's outputs"
+    );
+    assert!(
+        xs.len().is_multiple_of(d_in),
+        "linear: input width is not the weight's inputs"
+    );
+    let rows = xs.len() / d_in;
+    let mut y = vec![0.0f32; rows * d_out];
+    y.par_chunks_mut(ROWS * d_out).for_each(|y| {
+        for row in y.chunks_exact_mut(d_out) {
+            row.copy_from_slice(b);
+        }
+    });
+    // SAFETY: x is `rows × d_in` contiguous, weight `d_in × d_out` with its
+    // strides, y `rows × d_out` and separate from both.
+    unsafe {
+        matmul_parallel(
+            rows,
+            d_out,
+            d_in,
+            Mat(y.as_mut_ptr(), d_out as isize, 1),
+            Mat(xs.as_ptr(), d_in as isize, 1),
+            matrix(&weight),
+            true,
+        );
+    }
+    let mut dims = shape(&x).as_slice().to_vec();
+    *dims.last_mut().expect("linear: input has a last dimension") = d_out;
+    from_vec(y, Shape::from(dims))
+}
+
+/// The linear layer's backward: `dx = grad · weightᵀ`, `dweight = xᵀ · grad`
+/// (one gemm each, over all rows) and `dbias` = the column sums of `grad`.
+pub(crate) fn linear_backward(
+    x: FlexTensor,
+    weight: FlexTensor,
+    grad: FlexTensor,
+) -> (FlexTensor, FlexTensor, FlexTensor) {
+    let (x, weight, grad) = (contiguous(x), positive(weight), contiguous(grad));
+    let [d_in, d_out]: [usize; 2] = weight
+        .layout()
+        .shape()
+        .as_slice()
+        .try_into()
+        .expect("linear: weight is [in, out]");
+    let (xs, gs) = (slice(&x), slice(&grad));
+    let rows = xs.len() / d_in;
+    let w = matrix(&weight);
+    let mut dx = vec![0.0f32; rows * d_in];
+    let mut dw = vec![0.0f32; d_in * d_out];
+    // SAFETY: the shapes above; every destination is a fresh buffer.
+    unsafe {
+        let g = Mat(gs.as_ptr(), d_out as isize, 1);
+        matmul_parallel(
+            rows,
+            d_in,
+            d_out,
+            Mat(dx.as_mut_ptr(), d_in as isize, 1),
+            g,
+            w.t(),
+            false,
+        );
+        let xt = Mat(xs.as_ptr(), d_in as isize, 1).t();
+        matmul_parallel(
+            d_in,
+            d_out,
+            rows,
+            Mat(dw.as_mut_ptr(), d_out as isize, 1),
+            xt,
+            g,
+            false,
+        );
+    }
+    let partials: Vec<Vec<f32>> = gs
+        .par_chunks(ROWS * d_out)
+        .map(|g| {
+            let mut sums = vec![0.0f32; d_out];
+            column_sums(g, &mut sums);
+            sums
+        })
+        .collect();
+    let mut db = vec![0.0f32; d_out];
+    for part in &partials {
+        for (a, &v) in db.iter_mut().zip(part) {
+            *a += v;
+        }
+    }
+    (
+        from_vec(dx, shape(&x)),
+        from_vec(dw, Shape::new([d_in, d_out])),
+        from_vec(db, Shape::new([d_out])),
+    )
+}
+
+#[multiversion(targets = "simd")]
+fn column_sums(rows: &[f32], sums: &mut [f32]) {
+    for row in rows.chunks_exact(sums.len()) {
+        for (s, &v) in sums.iter_mut().zip(row) {
+            *s += v;
         }
     }
 }

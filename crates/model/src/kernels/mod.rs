@@ -20,7 +20,7 @@
 mod cpu;
 mod math;
 
-use burn::nn::LayerNorm;
+use burn::nn::{LayerNorm, Linear};
 use burn::tensor::module::attention as burn_attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Tensor, activation};
@@ -104,6 +104,23 @@ pub fn split_heads(qkv: Tensor<3>, heads: usize) -> [Tensor<4>; 3] {
     })
 }
 
+/// `layer`'s linear map of `x` (`x · weight + bias` over the last
+/// dimension). The fused kernel runs one gemm over all rows with the bias
+/// accumulated in, and its backward one gemm per gradient and parallel
+/// column sums for the bias; it needs a bias. The reference is
+/// `layer.forward(x)`.
+pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
+    #[cfg(feature = "flex")]
+    if kernels == Kernels::Fused
+        && flex::runs_fused(&x)
+        && let Some(bias) = &layer.bias
+    {
+        return flex::linear(x, layer.weight.val(), bias.val());
+    }
+    let _ = kernels;
+    layer.forward(x)
+}
+
 /// The epsilon of every LayerNorm in kiln's models (Burn's and PyTorch's
 /// default); the models build their LayerNorms with it and the fused kernel
 /// uses it.
@@ -165,6 +182,18 @@ mod flex {
             lse: FloatTensor<Self>,
             grad: FloatTensor<Self>,
         ) -> FloatTensor<Self>;
+        /// A linear layer's output.
+        fn kiln_linear(
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            bias: FloatTensor<Self>,
+        ) -> FloatTensor<Self>;
+        /// The gradients of x, the weight and the bias.
+        fn kiln_linear_backward(
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
         /// LayerNorm's output and each row's mean and 1/σ.
         fn kiln_layer_norm(
             x: FloatTensor<Self>,
@@ -210,6 +239,22 @@ mod flex {
             grad: FloatTensor<Self>,
         ) -> FloatTensor<Self> {
             cpu::attention_backward(qkv, key_pad, heads, causal, out, lse, grad)
+        }
+
+        fn kiln_linear(
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            bias: FloatTensor<Self>,
+        ) -> FloatTensor<Self> {
+            cpu::linear(x, weight, bias)
+        }
+
+        fn kiln_linear_backward(
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            cpu::linear_backward(x, weight, grad)
         }
 
         fn kiln_layer_norm(
@@ -351,6 +396,62 @@ mod flex {
             ))
         }
 
+        fn kiln_linear(
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            bias: FloatTensor<Self>,
+        ) -> FloatTensor<Self> {
+            #[derive(Debug)]
+            struct LinearBackward;
+
+            impl<B: Backend + KilnKernels> Backward<B, 3> for LinearBackward {
+                /// x and the weight.
+                type State = [FloatTensor<B>; 2];
+
+                fn backward(
+                    self,
+                    ops: Ops<Self::State, 3>,
+                    grads: &mut Gradients,
+                    _: &mut Checkpointer,
+                ) {
+                    let [x, weight] = ops.state;
+                    let grad = grads.consume::<B>(&ops.node);
+                    let (dx, dw, db) = B::kiln_linear_backward(x, weight, grad);
+                    for (parent, grad) in ops.parents.into_iter().zip([dx, dw, db]) {
+                        if let Some(parent) = parent {
+                            grads.register::<B>(parent.id, grad);
+                        }
+                    }
+                }
+            }
+
+            let nodes = [x.node(), weight.node(), bias.node()];
+            let [x, weight, bias] = [x, weight, bias].map(Self::inner);
+            let y = B::kiln_linear(x.clone(), weight.clone(), bias);
+            match LinearBackward
+                .prepare::<C>(nodes)
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish([x, weight], y),
+                OpsKind::UnTracked(prep) => prep.finish(y),
+            }
+        }
+
+        fn kiln_linear_backward(
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            let [x, weight, grad] = [x, weight, grad].map(Self::inner);
+            let (dx, dw, db) = B::kiln_linear_backward(x, weight, grad);
+            (
+                Self::from_inner(dx),
+                Self::from_inner(dw),
+                Self::from_inner(db),
+            )
+        }
+
         fn kiln_layer_norm(
             x: FloatTensor<Self>,
             gamma: FloatTensor<Self>,
@@ -425,6 +526,18 @@ mod flex {
 
     pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
         Tensor::from_dispatch(<Dispatch as KilnKernels>::kiln_gelu(x.into_dispatch()))
+    }
+
+    pub(crate) fn linear<const D: usize>(
+        x: Tensor<D>,
+        weight: Tensor<2>,
+        bias: Tensor<1>,
+    ) -> Tensor<D> {
+        Tensor::from_dispatch(<Dispatch as KilnKernels>::kiln_linear(
+            x.into_dispatch(),
+            weight.into_dispatch(),
+            bias.into_dispatch(),
+        ))
     }
 
     pub(crate) fn layer_norm<const D: usize>(
@@ -629,5 +742,41 @@ mod tests {
         let d1 = |a: Tensor<1>, b: Tensor<1>| -> f32 { (a - b).abs().max().into_scalar() };
         assert!(d1(dgamma, dgamma_ref) < 1e-4, "gamma gradient");
         assert!(d1(dbeta, dbeta_ref) < 1e-4, "beta gradient");
+    }
+
+    #[test]
+    fn fused_linear_matches_burn_linear_forward_and_backward() {
+        use burn::nn::LinearConfig;
+
+        let device = Device::flex().autodiff();
+        device.seed(12);
+        // 3 × 50 rows (two tasks of 64 and a ragged one for the bias sums),
+        // 40 → 24.
+        let layer = LinearConfig::new(40, 24).init(&device);
+        let mut layer = layer;
+        layer.bias = layer
+            .bias
+            .map(|b| b.map(|b| b.random_like(Distribution::Normal(0.0, 1.0)).require_grad()));
+        let x = Tensor::<3>::random([3, 50, 40], Distribution::Normal(0.0, 1.0), &device);
+        let upstream = Tensor::<3>::random([3, 50, 24], Distribution::Normal(0.0, 1.0), &device);
+        let run = |kernels| {
+            let x = x.clone().require_grad();
+            let y = linear(&layer, x.clone(), kernels);
+            let grads = (y.clone() * upstream.clone()).sum().backward();
+            let dw = layer.weight.grad(&grads).expect("weight gradient");
+            let db = layer
+                .bias
+                .as_ref()
+                .and_then(|b| b.grad(&grads))
+                .expect("bias gradient");
+            (y.detach(), x.grad(&grads).expect("x gradient"), dw, db)
+        };
+        let (y, dx, dw, db) = run(Kernels::Fused);
+        let (y_ref, dx_ref, dw_ref, db_ref) = run(Kernels::Reference);
+        assert!(max_abs3(y, y_ref) < 1e-5, "forward");
+        assert!(max_abs3(dx, dx_ref) < 1e-5, "x gradient");
+        assert!(max_abs(dw, dw_ref) < 1e-4, "weight gradient");
+        let db: f32 = (db - db_ref).abs().max().into_scalar();
+        assert!(db < 1e-4, "bias gradient");
     }
 }
