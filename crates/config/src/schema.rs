@@ -215,7 +215,7 @@ pub struct OptimizationSection {
     /// Kernel fusion and autotuning on backends that have them.
     pub compile: bool,
     pub compile_mode: CompileMode,
-    /// kiln's fused CPU kernels (GELU, attention, LayerNorm) or Burn's plain
+    /// kiln's fused CPU kernels (linear, GELU, attention, LayerNorm) or Burn's plain
     /// composition of the same math.
     pub kernels: KernelChoice,
 }

@@ -1,16 +1,20 @@
-//! Fused CPU kernels for the models' element-wise hot spots, through Burn's
+//! Fused CPU kernels for the models' hot spots, through Burn's
 //! backend-extension point.
 //!
 //! Burn's `flex` backend runs each element-wise operation as its own pass on
-//! one thread, and exact GELU through scalar libm `erf`: in a profile of a
-//! GPT training step those passes, not the matrix multiplies, are most of
-//! the time (docs/PERFORMANCE.md). Each kernel here is one pass, split over
-//! all cores, vectorised for the CPU's widest SIMD, with its own backward.
+//! one thread, exact GELU through scalar libm `erf`, attention and LayerNorm
+//! as chains of such passes under autodiff, and a batched linear layer as
+//! one gemm per batch entry (packing the weight each time): in a profile of
+//! a GPT training step that, not the multiply itself, was most of the time
+//! (docs/PERFORMANCE.md). Each kernel here is one pass (or one gemm) split
+//! over all cores, its loops vectorised for the CPU's widest SIMD, with its
+//! own backward.
 //!
-//! How it plugs into Burn: [`KilnKernels`] is a backend extension
+//! How it plugs into Burn: `KilnKernels` is a backend extension
 //! (`#[backend_extension]`) implemented for `Flex` (the kernels in `cpu`)
 //! and for `Autodiff<B>` (which records the operation and calls the
-//! backend's backward kernel). The public functions here ([`gelu`]) take a
+//! backend's backward kernel). The public functions here ([`linear`],
+//! [`gelu`], [`self_attention`], [`layer_norm`]) take a
 //! [`Kernels`] choice: on a flex f32 tensor, `Fused` runs the kernel; on any
 //! other device or dtype, or with `Reference`, they run the plain Burn
 //! composition of the same math, which is also what the tests compare the
