@@ -204,6 +204,38 @@ impl Mat {
 unsafe fn matmul(m: usize, n: usize, k: usize, dst: Mat, lhs: Mat, rhs: Mat, alpha: f32) {
     // SAFETY: forwarded from the caller.
     unsafe {
+        gemm_call(
+            m,
+            n,
+            k,
+            dst,
+            lhs,
+            rhs,
+            alpha,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// `dst = alpha · lhs · rhs`, plus what `dst` holds when `accumulate`.
+///
+/// # Safety
+/// As [`matmul`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_call(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Mat,
+    lhs: Mat,
+    rhs: Mat,
+    alpha: f32,
+    accumulate: bool,
+    parallelism: gemm::Parallelism,
+) {
+    // SAFETY: forwarded from the caller; gemm takes column stride first.
+    unsafe {
         gemm::gemm(
             m,
             n,
@@ -211,19 +243,19 @@ unsafe fn matmul(m: usize, n: usize, k: usize, dst: Mat, lhs: Mat, rhs: Mat, alp
             dst.0.cast_mut(),
             dst.2,
             dst.1,
-            false,
+            accumulate,
             lhs.0,
             lhs.2,
             lhs.1,
             rhs.0,
             rhs.2,
             rhs.1,
-            0.0,
+            1.0,
             alpha,
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            parallelism,
         )
     }
 }
@@ -705,25 +737,15 @@ unsafe fn matmul_parallel(
 ) {
     // SAFETY: forwarded from the caller.
     unsafe {
-        gemm::gemm(
+        gemm_call(
             m,
             n,
             k,
-            dst.0.cast_mut(),
-            dst.2,
-            dst.1,
+            dst,
+            lhs,
+            rhs,
+            1.0,
             accumulate,
-            lhs.0,
-            lhs.2,
-            lhs.1,
-            rhs.0,
-            rhs.2,
-            rhs.1,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
             gemm::Parallelism::Rayon(0),
         )
     }
@@ -737,18 +759,23 @@ fn matrix(t: &FlexTensor) -> Mat {
     Mat(t.storage::<f32>()[layout.start_offset()..].as_ptr(), rs, cs)
 }
 
+/// A linear layer's `[in, out]`.
+fn weight_dims(weight: &FlexTensor) -> [usize; 2] {
+    weight
+        .layout()
+        .shape()
+        .as_slice()
+        .try_into()
+        .expect("linear: weight is [in, out]")
+}
+
 /// A linear layer, `x · weight + bias` over the last dimension of `x`
 /// (`weight` is `[in, out]`, Burn's layout): one gemm over all rows at once
 /// (the weight packed once, not once per batch entry), the bias written
 /// into the output first and accumulated onto.
 pub(crate) fn linear(x: FlexTensor, weight: FlexTensor, bias: FlexTensor) -> FlexTensor {
     let (x, weight, bias) = (contiguous(x), positive(weight), contiguous(bias));
-    let [d_in, d_out]: [usize; 2] = weight
-        .layout()
-        .shape()
-        .as_slice()
-        .try_into()
-        .expect("linear: weight is [in, out]");
+    let [d_in, d_out] = weight_dims(&weight);
     let xs = slice(&x);
     let b = slice(&bias);
     assert_eq!(
@@ -793,12 +820,7 @@ pub(crate) fn linear_backward(
     grad: FlexTensor,
 ) -> (FlexTensor, FlexTensor, FlexTensor) {
     let (x, weight, grad) = (contiguous(x), positive(weight), contiguous(grad));
-    let [d_in, d_out]: [usize; 2] = weight
-        .layout()
-        .shape()
-        .as_slice()
-        .try_into()
-        .expect("linear: weight is [in, out]");
+    let [d_in, d_out] = weight_dims(&weight);
     let (xs, gs) = (slice(&x), slice(&grad));
     let rows = xs.len() / d_in;
     let w = matrix(&weight);

@@ -418,14 +418,10 @@ mod flex {
                     grads: &mut Gradients,
                     _: &mut Checkpointer,
                 ) {
-                    let [x, weight] = ops.state;
-                    let grad = grads.consume::<B>(&ops.node);
-                    let (dx, dw, db) = B::kiln_linear_backward(x, weight, grad);
-                    for (parent, grad) in ops.parents.into_iter().zip([dx, dw, db]) {
-                        if let Some(parent) = parent {
-                            grads.register::<B>(parent.id, grad);
-                        }
-                    }
+                    backward_of::<B, _, 3>(ops, grads, |[x, weight], grad| {
+                        let (dx, dw, db) = B::kiln_linear_backward(x, weight, grad);
+                        [dx, dw, db]
+                    });
                 }
             }
 
@@ -448,12 +444,7 @@ mod flex {
             grad: FloatTensor<Self>,
         ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
             let [x, weight, grad] = [x, weight, grad].map(Self::inner);
-            let (dx, dw, db) = B::kiln_linear_backward(x, weight, grad);
-            (
-                Self::from_inner(dx),
-                Self::from_inner(dw),
-                Self::from_inner(db),
-            )
+            lift3::<B, C>(B::kiln_linear_backward(x, weight, grad))
         }
 
         fn kiln_layer_norm(
@@ -475,15 +466,11 @@ mod flex {
                     grads: &mut Gradients,
                     _: &mut Checkpointer,
                 ) {
-                    let [x, gamma, mean, rstd] = ops.state;
-                    let grad = grads.consume::<B>(&ops.node);
-                    let (dx, dgamma, dbeta) =
-                        B::kiln_layer_norm_backward(x, gamma, mean, rstd, grad);
-                    for (parent, grad) in ops.parents.into_iter().zip([dx, dgamma, dbeta]) {
-                        if let Some(parent) = parent {
-                            grads.register::<B>(parent.id, grad);
-                        }
-                    }
+                    backward_of::<B, _, 3>(ops, grads, |[x, gamma, mean, rstd], grad| {
+                        let (dx, dgamma, dbeta) =
+                            B::kiln_layer_norm_backward(x, gamma, mean, rstd, grad);
+                        [dx, dgamma, dbeta]
+                    });
                 }
             }
 
@@ -513,13 +500,33 @@ mod flex {
             grad: FloatTensor<Self>,
         ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
             let [x, gamma, mean, rstd, grad] = [x, gamma, mean, rstd, grad].map(Self::inner);
-            let (dx, dgamma, dbeta) = B::kiln_layer_norm_backward(x, gamma, mean, rstd, grad);
-            (
-                Self::from_inner(dx),
-                Self::from_inner(dgamma),
-                Self::from_inner(dbeta),
-            )
+            lift3::<B, C>(B::kiln_layer_norm_backward(x, gamma, mean, rstd, grad))
         }
+    }
+
+    /// The backward step of an operation with `N` tracked inputs: `compute`
+    /// turns the saved state and the output's gradient into one gradient per
+    /// input, registered for the inputs that require one.
+    fn backward_of<B: Backend, S, const N: usize>(
+        ops: Ops<S, N>,
+        grads: &mut Gradients,
+        compute: impl FnOnce(S, FloatTensor<B>) -> [FloatTensor<B>; N],
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        for (parent, value) in ops.parents.into_iter().zip(compute(ops.state, grad)) {
+            if let Some(parent) = parent {
+                grads.register::<B>(parent.id, value);
+            }
+        }
+    }
+
+    /// Three tensors of one backend.
+    type Three<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
+    /// Three inner-backend tensors as untracked autodiff tensors.
+    fn lift3<B: Backend, C: CheckpointStrategy>((a, b, c): Three<B>) -> Three<Autodiff<B, C>> {
+        let lift = Autodiff::<B, C>::from_inner;
+        (lift(a), lift(b), lift(c))
     }
 
     /// Whether `x` lives on flex (with or without autodiff) in f32.
@@ -581,7 +588,7 @@ mod flex {
 
 #[cfg(all(test, feature = "flex"))]
 mod tests {
-    use burn::tensor::{Device, Distribution, Int, Tensor};
+    use burn::tensor::{Device, Distribution, Gradients, Int, Tensor};
 
     use super::*;
 
@@ -727,25 +734,20 @@ mod tests {
             .map(|b| b.map(|b| b.random_like(Distribution::Normal(0.0, 0.5)).require_grad()));
         let x = Tensor::<2>::random([150, d], Distribution::Normal(3.0, 2.0), &device);
         let upstream = Tensor::<2>::random([150, d], Distribution::Normal(0.0, 1.0), &device);
-        let run = |kernels| {
-            let x = x.clone().require_grad();
-            let y = layer_norm(&ln, x.clone(), kernels);
-            let grads = (y.clone() * upstream.clone()).sum().backward();
-            let gamma = ln.gamma.grad(&grads).expect("gamma gradient");
-            let beta = ln
-                .beta
-                .as_ref()
-                .and_then(|b| b.grad(&grads))
-                .expect("beta gradient");
-            (y.detach(), x.grad(&grads).expect("x gradient"), gamma, beta)
-        };
-        let (y, dx, dgamma, dbeta) = run(Kernels::Fused);
-        let (y_ref, dx_ref, dgamma_ref, dbeta_ref) = run(Kernels::Reference);
-        assert!(max_abs(y, y_ref) < 1e-5, "forward");
-        assert!(max_abs(dx, dx_ref) < 1e-5, "x gradient");
-        let d1 = |a: Tensor<1>, b: Tensor<1>| -> f32 { (a - b).abs().max().into_scalar() };
-        assert!(d1(dgamma, dgamma_ref) < 1e-4, "gamma gradient");
-        assert!(d1(dbeta, dbeta_ref) < 1e-4, "beta gradient");
+        let diffs = fused_vs_reference(
+            &x,
+            &upstream,
+            |x, k| layer_norm(&ln, x, k),
+            |grads| {
+                let beta = ln.beta.as_ref().and_then(|b| b.grad(grads));
+                [ln.gamma.grad(grads), beta]
+            },
+        );
+        let [forward, dx, dgamma, dbeta] = diffs;
+        assert!(forward < 1e-5, "forward: {forward}");
+        assert!(dx < 1e-5, "x gradient: {dx}");
+        assert!(dgamma < 1e-4, "gamma gradient: {dgamma}");
+        assert!(dbeta < 1e-4, "beta gradient: {dbeta}");
     }
 
     #[test]
@@ -763,24 +765,46 @@ mod tests {
             .map(|b| b.map(|b| b.random_like(Distribution::Normal(0.0, 1.0)).require_grad()));
         let x = Tensor::<3>::random([3, 50, 40], Distribution::Normal(0.0, 1.0), &device);
         let upstream = Tensor::<3>::random([3, 50, 24], Distribution::Normal(0.0, 1.0), &device);
-        let run = |kernels| {
+        let diffs = fused_vs_reference(
+            &x,
+            &upstream,
+            |x, k| linear(&layer, x, k),
+            |grads| {
+                let weight = layer.weight.grad(grads).map(|w| w.reshape([-1]));
+                [weight, layer.bias.as_ref().and_then(|b| b.grad(grads))]
+            },
+        );
+        let [forward, dx, dweight, dbias] = diffs;
+        assert!(forward < 1e-5, "forward: {forward}");
+        assert!(dx < 1e-5, "x gradient: {dx}");
+        assert!(dweight < 1e-4, "weight gradient: {dweight}");
+        assert!(dbias < 1e-4, "bias gradient: {dbias}");
+    }
+
+    /// The largest differences between the fused kernel and the reference
+    /// for `op` on `x` with `upstream` as the output's gradient: output,
+    /// input gradient, and the two parameter gradients `params` reads
+    /// (flattened).
+    fn fused_vs_reference<const D: usize>(
+        x: &Tensor<D>,
+        upstream: &Tensor<D>,
+        op: impl Fn(Tensor<D>, Kernels) -> Tensor<D>,
+        params: impl Fn(&Gradients) -> [Option<Tensor<1>>; 2],
+    ) -> [f32; 4] {
+        let [fused, reference] = [Kernels::Fused, Kernels::Reference].map(|kernels| {
             let x = x.clone().require_grad();
-            let y = linear(&layer, x.clone(), kernels);
+            let y = op(x.clone(), kernels);
             let grads = (y.clone() * upstream.clone()).sum().backward();
-            let dw = layer.weight.grad(&grads).expect("weight gradient");
-            let db = layer
-                .bias
-                .as_ref()
-                .and_then(|b| b.grad(&grads))
-                .expect("bias gradient");
-            (y.detach(), x.grad(&grads).expect("x gradient"), dw, db)
-        };
-        let (y, dx, dw, db) = run(Kernels::Fused);
-        let (y_ref, dx_ref, dw_ref, db_ref) = run(Kernels::Reference);
-        assert!(max_abs3(y, y_ref) < 1e-5, "forward");
-        assert!(max_abs3(dx, dx_ref) < 1e-5, "x gradient");
-        assert!(max_abs(dw, dw_ref) < 1e-4, "weight gradient");
-        let db: f32 = (db - db_ref).abs().max().into_scalar();
-        assert!(db < 1e-4, "bias gradient");
+            let dx = x.grad(&grads).expect("input gradient");
+            let [p, q] = params(&grads).map(|g| g.expect("parameter gradient"));
+            (y.detach().reshape([-1]), dx.reshape([-1]), p, q)
+        });
+        let diff = |a: Tensor<1>, b: Tensor<1>| -> f32 { (a - b).abs().max().into_scalar() };
+        [
+            diff(fused.0, reference.0),
+            diff(fused.1, reference.1),
+            diff(fused.2, reference.2),
+            diff(fused.3, reference.3),
+        ]
     }
 }
