@@ -30,9 +30,9 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// thread's samples in an encoder bench). `MIMALLOC_PURGE_DELAY=-1` turns
 /// purging off: +7–10 % samples/s on the encoder bench, system time 2–3.7 s
 /// → 0.5–1 s (docs/PERFORMANCE.md). mimalloc reads its options when it
-/// starts, before `main`, and setting the option later through its API did
-/// not give the same result (measured), so the variable is set in a
-/// constructor that runs before the allocator's first use. The cost: the
+/// starts, before `main` (setting the option later through its API gave
+/// inconclusive runs), so the variable is set in a constructor that runs
+/// before the allocator reads it. The cost: the
 /// process keeps its peak memory until it exits. A value already in the
 /// environment wins.
 #[cfg(target_os = "linux")]
