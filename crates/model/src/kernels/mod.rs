@@ -22,6 +22,7 @@
 
 #[cfg(feature = "flex")]
 mod cpu;
+#[cfg(feature = "flex")]
 mod math;
 
 use burn::nn::{LayerNorm, Linear};
@@ -39,15 +40,6 @@ pub enum Kernels {
     /// Always the plain Burn composition (the reference the fused kernels
     /// are tested against).
     Reference,
-}
-
-impl Kernels {
-    pub fn name(self) -> &'static str {
-        match self {
-            Kernels::Fused => "fused",
-            Kernels::Reference => "reference",
-        }
-    }
 }
 
 /// Exact GELU, `x · Φ(x)`.
@@ -477,7 +469,7 @@ mod flex {
             let nodes = [x.node(), gamma.node(), beta.node()];
             let [x, gamma, beta] = [x, gamma, beta].map(Self::inner);
             let (y, mean, rstd) = B::kiln_layer_norm(x.clone(), gamma.clone(), beta, epsilon);
-            let stats = (
+            let (mean_out, rstd_out) = (
                 Self::from_inner(mean.clone()),
                 Self::from_inner(rstd.clone()),
             );
@@ -489,7 +481,7 @@ mod flex {
                 OpsKind::Tracked(prep) => prep.finish([x, gamma, mean, rstd], y),
                 OpsKind::UnTracked(prep) => prep.finish(y),
             };
-            (y, stats.0, stats.1)
+            (y, mean_out, rstd_out)
         }
 
         fn kiln_layer_norm_backward(
