@@ -264,6 +264,13 @@ fn bad_input_exits_2_with_key_value_and_layer() {
             ],
         ),
         (
+            &["config", "optimization.kernels=fast"],
+            &[
+                "invalid value \"fast\" for `optimization.kernels`",
+                "expected one of `fused`, `reference`",
+            ],
+        ),
+        (
             &["config", "hardware=nope"],
             &["unknown hardware preset `nope`", "a100, a100_80gb", "t4"],
         ),
