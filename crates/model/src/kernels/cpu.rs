@@ -2,6 +2,8 @@
 //! contiguous f32 memory, split over rayon's threads (the same pool flex's
 //! matmul uses), its inner loop compiled for the CPU's widest SIMD.
 
+use std::mem::MaybeUninit;
+
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{DType, Shape, TensorData};
 use multiversion::multiversion;
@@ -40,6 +42,31 @@ fn from_vec(values: Vec<f32>, shape: Shape) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(values, shape))
 }
 
+/// A new buffer of `n` f32s, written by `fill` through its uninitialised
+/// room: chunks made writable with [`zeroed`] inside their own rayon task,
+/// or a gemm that does not read its destination. Never zeroed as a whole:
+/// `vec![0.0; n]` of reused memory is a `memset` on the calling thread while
+/// the other cores wait (3 % of the CPU samples of a GPT step).
+///
+/// # Safety
+/// `fill` must write all `n` elements.
+unsafe fn buffer(n: usize, fill: impl FnOnce(&mut [MaybeUninit<f32>])) -> Vec<f32> {
+    let mut v = Vec::with_capacity(n);
+    fill(&mut v.spare_capacity_mut()[..n]);
+    // SAFETY: `fill` wrote all `n` elements (the caller's promise).
+    unsafe { v.set_len(n) };
+    v
+}
+
+/// `room` zeroed, as f32s: called by the task that then writes the chunk,
+/// so the zeroing is spread over the threads and leaves the chunk in cache.
+fn zeroed(room: &mut [MaybeUninit<f32>]) -> &mut [f32] {
+    room.fill(MaybeUninit::new(0.0));
+    // SAFETY: every element was just written, and `MaybeUninit<f32>` has the
+    // layout of `f32`.
+    unsafe { &mut *(room as *mut [MaybeUninit<f32>] as *mut [f32]) }
+}
+
 /// `t`'s own buffer when nothing else holds it and it is exactly the
 /// tensor's elements, so a kernel can write its result in place.
 fn writable(t: &mut FlexTensor) -> Option<&mut [f32]> {
@@ -69,10 +96,14 @@ fn gelu_grad_slice(x: &[f32], grad: &mut [f32]) {
 pub(crate) fn gelu(x: FlexTensor) -> FlexTensor {
     let x = contiguous(x);
     let input = slice(&x);
-    let mut out = vec![0.0f32; input.len()];
-    out.par_chunks_mut(CHUNK)
-        .zip(input.par_chunks(CHUNK))
-        .for_each(|(o, i)| gelu_slice(i, o));
+    // SAFETY: the chunks cover the buffer, and each is written in full.
+    let out = unsafe {
+        buffer(input.len(), |room| {
+            room.par_chunks_mut(CHUNK)
+                .zip(input.par_chunks(CHUNK))
+                .for_each(|(o, i)| gelu_slice(i, zeroed(o)))
+        })
+    };
     from_vec(out, shape(&x))
 }
 
@@ -290,42 +321,32 @@ pub(crate) fn attention(
     let pad = padding(&key_pad, b * t);
     let scale = 1.0 / (hd as f32).sqrt();
 
-    let mut out = vec![0.0f32; b * t * d];
     let mut lse = vec![0.0f32; b * h * t];
-    let out_ptr = SharedMut(out.as_mut_ptr());
-    lse.par_chunks_mut(t).enumerate().for_each(|(bh, lse)| {
-        let (bi, hi) = (bh / h, bh % h);
-        let pad = pad.map(|p| &p[bi * t..(bi + 1) * t]);
-        let mut p = vec![0.0f32; t * t];
-        // SAFETY: q/k/v heads are `t × hd` with their own strides inside
-        // their storage; `p` is `t × t`; this task's output columns
-        // `hi·hd .. (hi+1)·hd` of batch `bi` belong to no other task.
-        unsafe {
-            let qm = Mat(qh.head(bi, hi), qh.row_stride(), qh.col_stride());
-            let km = Mat(kh.head(bi, hi), kh.row_stride(), kh.col_stride());
-            let vm = Mat(vh.head(bi, hi), vh.row_stride(), vh.col_stride());
-            matmul(
-                t,
-                t,
-                hd,
-                Mat(p.as_mut_ptr(), t as isize, 1),
-                qm,
-                km.t(),
-                scale,
-            );
-            softmax_rows(&mut p, lse, t, pad, causal);
-            let o = out_ptr.get().add(bi * t * d + hi * hd);
-            matmul(
-                t,
-                hd,
-                t,
-                Mat(o, d as isize, 1),
-                Mat(p.as_mut_ptr(), t as isize, 1),
-                vm,
-                1.0,
-            );
-        }
-    });
+    // SAFETY: q/k/v heads are `t × hd` with their own strides inside their
+    // storage; `p` is `t × t`; the gemms write their destinations in full
+    // without reading them; this task's output columns `hi·hd ..
+    // (hi+1)·hd` of batch `bi` belong to no other task, and the tasks
+    // together cover the output.
+    let out = unsafe {
+        buffer(b * t * d, |room| {
+            let out_ptr = SharedMut(room.as_mut_ptr().cast());
+            lse.par_chunks_mut(t).enumerate().for_each(|(bh, lse)| {
+                let (bi, hi) = (bh / h, bh % h);
+                let pad = pad.map(|p| &p[bi * t..(bi + 1) * t]);
+                let qm = Mat(qh.head(bi, hi), qh.row_stride(), qh.col_stride());
+                let km = Mat(kh.head(bi, hi), kh.row_stride(), kh.col_stride());
+                let vm = Mat(vh.head(bi, hi), vh.row_stride(), vh.col_stride());
+                let mut p = buffer(t * t, |room| {
+                    let p = Mat(room.as_mut_ptr().cast(), t as isize, 1);
+                    matmul(t, t, hd, p, qm, km.t(), scale)
+                });
+                softmax_rows(&mut p, lse, t, pad, causal);
+                let o = out_ptr.get().add(bi * t * d + hi * hd);
+                let pm = Mat(p.as_ptr(), t as isize, 1);
+                matmul(t, hd, t, Mat(o, d as isize, 1), pm, vm, 1.0);
+            })
+        })
+    };
     (
         from_vec(out, Shape::new([b, t, d])),
         from_vec(lse, Shape::new([b, h, t])),
@@ -498,66 +519,69 @@ pub(crate) fn attention_backward(
     let lse = slice(&lse);
     let scale = 1.0 / (hd as f32).sqrt();
 
-    let mut dqkv = vec![0.0f32; b * t * 3 * d];
-    let dqkv_ptr = SharedMut(dqkv.as_mut_ptr());
-    (0..b * h).into_par_iter().for_each(|bh| {
-        let (bi, hi) = (bh / h, bh % h);
-        let pad = pad.map(|p| &p[bi * t..(bi + 1) * t]);
-        let lse = &lse[bh * t..(bh + 1) * t];
-        // Row i of `delta`: Σ_c dO[i, c] · O[i, c].
-        let delta: Vec<f32> = (0..t)
-            .map(|i| {
-                (0..hd)
-                    .map(|c| gh.at(bi, hi, i, c) * oh.at(bi, hi, i, c))
-                    .sum()
+    let tt = t as isize;
+    let row = (3 * d) as isize;
+    // SAFETY: as in `attention`; each task writes only its own head's
+    // columns of dq, dk and dv, and the tasks together cover dqkv.
+    let dqkv = unsafe {
+        buffer(b * t * 3 * d, |room| {
+            let dqkv_ptr = SharedMut(room.as_mut_ptr().cast());
+            (0..b * h).into_par_iter().for_each(|bh| {
+                let (bi, hi) = (bh / h, bh % h);
+                let pad = pad.map(|p| &p[bi * t..(bi + 1) * t]);
+                let lse = &lse[bh * t..(bh + 1) * t];
+                // Row i of `delta`: Σ_c dO[i, c] · O[i, c].
+                let delta: Vec<f32> = (0..t)
+                    .map(|i| {
+                        (0..hd)
+                            .map(|c| gh.at(bi, hi, i, c) * oh.at(bi, hi, i, c))
+                            .sum()
+                    })
+                    .collect();
+                // This head's columns of dq, dk and dv in the packed gradient.
+                let part = |part: usize| {
+                    let at = bi * t * 3 * d + part * d + hi * hd;
+                    Mat(dqkv_ptr.get().add(at), row, 1)
+                };
+                let qm = Mat(qh.head(bi, hi), qh.row_stride(), qh.col_stride());
+                let km = Mat(kh.head(bi, hi), kh.row_stride(), kh.col_stride());
+                let vm = Mat(vh.head(bi, hi), vh.row_stride(), vh.col_stride());
+                let gm = Mat(gh.head(bi, hi), gh.row_stride(), gh.col_stride());
+                let mut p = buffer(t * t, |room| {
+                    matmul(
+                        t,
+                        t,
+                        hd,
+                        Mat(room.as_mut_ptr().cast(), tt, 1),
+                        qm,
+                        km.t(),
+                        scale,
+                    )
+                });
+                probabilities(&mut p, lse, t, pad, causal);
+                let pm = Mat(p.as_ptr(), tt, 1);
+                // dV = Pᵀ dO
+                matmul(t, hd, t, part(2), pm.t(), gm, 1.0);
+                // dP = dO Vᵀ, then dS = P ⊙ (dP − delta) · scale, into dp.
+                let mut dp = buffer(t * t, |room| {
+                    matmul(
+                        t,
+                        t,
+                        hd,
+                        Mat(room.as_mut_ptr().cast(), tt, 1),
+                        gm,
+                        vm.t(),
+                        1.0,
+                    )
+                });
+                score_grads(&mut dp, &p, &delta, t, scale);
+                let dsm = Mat(dp.as_ptr(), tt, 1);
+                // dQ = dS K, dK = dSᵀ Q
+                matmul(t, hd, t, part(0), dsm, km, 1.0);
+                matmul(t, hd, t, part(1), dsm.t(), qm, 1.0);
             })
-            .collect();
-        let mut p = vec![0.0f32; t * t];
-        let mut dp = vec![0.0f32; t * t];
-        let tt = t as isize;
-        let row = (3 * d) as isize;
-        // This head's columns of dq, dk and dv in the packed gradient.
-        let at = |part: usize| bi * t * 3 * d + part * d + hi * hd;
-        // SAFETY: as in `attention`; each task writes only its own head's
-        // columns of dqkv.
-        unsafe {
-            let qm = Mat(qh.head(bi, hi), qh.row_stride(), qh.col_stride());
-            let km = Mat(kh.head(bi, hi), kh.row_stride(), kh.col_stride());
-            let vm = Mat(vh.head(bi, hi), vh.row_stride(), vh.col_stride());
-            let gm = Mat(gh.head(bi, hi), gh.row_stride(), gh.col_stride());
-            // Pointers to the task's buffers are taken afresh after each
-            // mutable borrow of them.
-            matmul(t, t, hd, Mat(p.as_mut_ptr(), tt, 1), qm, km.t(), scale);
-            probabilities(&mut p, lse, t, pad, causal);
-            let pm = Mat(p.as_mut_ptr(), tt, 1);
-            // dV = Pᵀ dO
-            let dv = Mat(dqkv_ptr.get().add(at(2)), row, 1);
-            matmul(t, hd, t, dv, pm.t(), gm, 1.0);
-            // dP = dO Vᵀ, then dS = P ⊙ (dP − delta) · scale, into dp.
-            matmul(t, t, hd, Mat(dp.as_mut_ptr(), tt, 1), gm, vm.t(), 1.0);
-            score_grads(&mut dp, &p, &delta, t, scale);
-            let dsm = Mat(dp.as_mut_ptr(), tt, 1);
-            // dQ = dS K, dK = dSᵀ Q
-            matmul(
-                t,
-                hd,
-                t,
-                Mat(dqkv_ptr.get().add(at(0)), row, 1),
-                dsm,
-                km,
-                1.0,
-            );
-            matmul(
-                t,
-                hd,
-                t,
-                Mat(dqkv_ptr.get().add(at(1)), row, 1),
-                dsm.t(),
-                qm,
-                1.0,
-            );
-        }
-    });
+        })
+    };
     from_vec(dqkv, Shape::new([b, t, 3 * d]))
 }
 
@@ -583,13 +607,19 @@ pub(crate) fn layer_norm(
         "layer_norm: last dimension is not gamma's length"
     );
     let rows = xs.len() / d;
-    let mut y = vec![0.0f32; xs.len()];
     let mut mean = vec![0.0f32; rows];
     let mut rstd = vec![0.0f32; rows];
-    y.par_chunks_mut(ROWS * d)
-        .zip(xs.par_chunks(ROWS * d))
-        .zip(mean.par_chunks_mut(ROWS).zip(rstd.par_chunks_mut(ROWS)))
-        .for_each(|((y, x), (mean, rstd))| layer_norm_rows(x, g, b, epsilon as f32, y, mean, rstd));
+    // SAFETY: the chunks cover the buffer, and each is written in full.
+    let y = unsafe {
+        buffer(xs.len(), |room| {
+            room.par_chunks_mut(ROWS * d)
+                .zip(xs.par_chunks(ROWS * d))
+                .zip(mean.par_chunks_mut(ROWS).zip(rstd.par_chunks_mut(ROWS)))
+                .for_each(|((y, x), (mean, rstd))| {
+                    layer_norm_rows(x, g, b, epsilon as f32, zeroed(y), mean, rstd)
+                })
+        })
+    };
     let stats = |v: Vec<f32>| from_vec(v, Shape::new([rows]));
     (from_vec(y, shape(&x)), stats(mean), stats(rstd))
 }
@@ -648,20 +678,26 @@ pub(crate) fn layer_norm_backward(
     let (xs, g, dy) = (slice(&x), slice(&gamma), slice(&grad));
     let (mean, rstd) = (slice(&mean), slice(&rstd));
     let d = g.len();
-    let mut dx = vec![0.0f32; xs.len()];
     // Each task's partial sums of dgamma and dbeta, added up below.
-    let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
-        .par_chunks_mut(ROWS * d)
-        .zip(xs.par_chunks(ROWS * d))
-        .zip(dy.par_chunks(ROWS * d))
-        .zip(mean.par_chunks(ROWS).zip(rstd.par_chunks(ROWS)))
-        .map(|(((dx, x), dy), (mean, rstd))| {
-            let mut dgamma = vec![0.0f32; d];
-            let mut dbeta = vec![0.0f32; d];
-            layer_norm_grad_rows(x, dy, g, mean, rstd, dx, &mut dgamma, &mut dbeta);
-            (dgamma, dbeta)
+    let mut partials: Vec<(Vec<f32>, Vec<f32>)> = Vec::new();
+    // SAFETY: the chunks cover the buffer, and each is written in full.
+    let dx = unsafe {
+        buffer(xs.len(), |room| {
+            partials = room
+                .par_chunks_mut(ROWS * d)
+                .zip(xs.par_chunks(ROWS * d))
+                .zip(dy.par_chunks(ROWS * d))
+                .zip(mean.par_chunks(ROWS).zip(rstd.par_chunks(ROWS)))
+                .map(|(((dx, x), dy), (mean, rstd))| {
+                    let mut dgamma = vec![0.0f32; d];
+                    let mut dbeta = vec![0.0f32; d];
+                    let dx = zeroed(dx);
+                    layer_norm_grad_rows(x, dy, g, mean, rstd, dx, &mut dgamma, &mut dbeta);
+                    (dgamma, dbeta)
+                })
+                .collect()
         })
-        .collect();
+    };
     let mut dgamma = vec![0.0f32; d];
     let mut dbeta = vec![0.0f32; d];
     for (pg, pb) in &partials {
@@ -788,25 +824,29 @@ pub(crate) fn linear(x: FlexTensor, weight: FlexTensor, bias: FlexTensor) -> Fle
         "linear: input width is not the weight's inputs"
     );
     let rows = xs.len() / d_in;
-    let mut y = vec![0.0f32; rows * d_out];
-    y.par_chunks_mut(ROWS * d_out).for_each(|y| {
-        for row in y.chunks_exact_mut(d_out) {
-            row.copy_from_slice(b);
-        }
-    });
-    // SAFETY: x is `rows × d_in` contiguous, weight `d_in × d_out` with its
-    // strides, y `rows × d_out` and separate from both.
-    unsafe {
-        matmul_parallel(
-            rows,
-            d_out,
-            d_in,
-            Mat(y.as_mut_ptr(), d_out as isize, 1),
-            Mat(xs.as_ptr(), d_in as isize, 1),
-            matrix(&weight),
-            true,
-        );
-    }
+    // SAFETY: every row of y is written with the bias first; x is
+    // `rows × d_in` contiguous, weight `d_in × d_out` with its strides, y
+    // `rows × d_out` and separate from both.
+    let y = unsafe {
+        buffer(rows * d_out, |room| {
+            room.par_chunks_mut(ROWS * d_out).for_each(|y| {
+                for row in y.chunks_exact_mut(d_out) {
+                    for (y, &b) in row.iter_mut().zip(b) {
+                        y.write(b);
+                    }
+                }
+            });
+            matmul_parallel(
+                rows,
+                d_out,
+                d_in,
+                Mat(room.as_mut_ptr().cast(), d_out as isize, 1),
+                Mat(xs.as_ptr(), d_in as isize, 1),
+                matrix(&weight),
+                true,
+            );
+        })
+    };
     let mut dims = shape(&x).as_slice().to_vec();
     *dims.last_mut().expect("linear: input has a last dimension") = d_out;
     from_vec(y, Shape::from(dims))
@@ -824,31 +864,21 @@ pub(crate) fn linear_backward(
     let (xs, gs) = (slice(&x), slice(&grad));
     let rows = xs.len() / d_in;
     let w = matrix(&weight);
-    let mut dx = vec![0.0f32; rows * d_in];
-    let mut dw = vec![0.0f32; d_in * d_out];
-    // SAFETY: the shapes above; every destination is a fresh buffer.
-    unsafe {
-        let g = Mat(gs.as_ptr(), d_out as isize, 1);
-        matmul_parallel(
-            rows,
-            d_in,
-            d_out,
-            Mat(dx.as_mut_ptr(), d_in as isize, 1),
-            g,
-            w.t(),
-            false,
-        );
-        let xt = Mat(xs.as_ptr(), d_in as isize, 1).t();
-        matmul_parallel(
-            d_in,
-            d_out,
-            rows,
-            Mat(dw.as_mut_ptr(), d_out as isize, 1),
-            xt,
-            g,
-            false,
-        );
-    }
+    let g = Mat(gs.as_ptr(), d_out as isize, 1);
+    // SAFETY: the shapes above; each destination is a fresh buffer that its
+    // gemm writes in full without reading it.
+    let (dx, dw) = unsafe {
+        let dx = buffer(rows * d_in, |room| {
+            let dx = Mat(room.as_mut_ptr().cast(), d_in as isize, 1);
+            matmul_parallel(rows, d_in, d_out, dx, g, w.t(), false)
+        });
+        let dw = buffer(d_in * d_out, |room| {
+            let xt = Mat(xs.as_ptr(), d_in as isize, 1).t();
+            let dw = Mat(room.as_mut_ptr().cast(), d_out as isize, 1);
+            matmul_parallel(d_in, d_out, rows, dw, xt, g, false)
+        });
+        (dx, dw)
+    };
     let partials: Vec<Vec<f32>> = gs
         .par_chunks(ROWS * d_out)
         .map(|g| {
