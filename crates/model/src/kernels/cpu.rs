@@ -249,6 +249,22 @@ unsafe fn matmul(m: usize, n: usize, k: usize, dst: Mat, lhs: Mat, rhs: Mat, alp
     }
 }
 
+/// `alpha · lhs (t × k) · rhs (k × t)` in a new `t × t` buffer (one head's
+/// scores or their gradient).
+///
+/// # Safety
+/// The operands as in [`matmul`].
+unsafe fn square(t: usize, k: usize, lhs: Mat, rhs: Mat, alpha: f32) -> Vec<f32> {
+    // SAFETY: forwarded from the caller; the gemm writes all `t × t`
+    // elements without reading them.
+    unsafe {
+        buffer(t * t, |room| {
+            let dst = Mat(room.as_mut_ptr().cast(), t as isize, 1);
+            matmul(t, t, k, dst, lhs, rhs, alpha)
+        })
+    }
+}
+
 /// `dst = alpha · lhs · rhs`, plus what `dst` holds when `accumulate`.
 ///
 /// # Safety
@@ -336,10 +352,7 @@ pub(crate) fn attention(
                 let qm = Mat(qh.head(bi, hi), qh.row_stride(), qh.col_stride());
                 let km = Mat(kh.head(bi, hi), kh.row_stride(), kh.col_stride());
                 let vm = Mat(vh.head(bi, hi), vh.row_stride(), vh.col_stride());
-                let mut p = buffer(t * t, |room| {
-                    let p = Mat(room.as_mut_ptr().cast(), t as isize, 1);
-                    matmul(t, t, hd, p, qm, km.t(), scale)
-                });
+                let mut p = square(t, hd, qm, km.t(), scale);
                 softmax_rows(&mut p, lse, t, pad, causal);
                 let o = out_ptr.get().add(bi * t * d + hi * hd);
                 let pm = Mat(p.as_ptr(), t as isize, 1);
@@ -547,33 +560,13 @@ pub(crate) fn attention_backward(
                 let km = Mat(kh.head(bi, hi), kh.row_stride(), kh.col_stride());
                 let vm = Mat(vh.head(bi, hi), vh.row_stride(), vh.col_stride());
                 let gm = Mat(gh.head(bi, hi), gh.row_stride(), gh.col_stride());
-                let mut p = buffer(t * t, |room| {
-                    matmul(
-                        t,
-                        t,
-                        hd,
-                        Mat(room.as_mut_ptr().cast(), tt, 1),
-                        qm,
-                        km.t(),
-                        scale,
-                    )
-                });
+                let mut p = square(t, hd, qm, km.t(), scale);
                 probabilities(&mut p, lse, t, pad, causal);
                 let pm = Mat(p.as_ptr(), tt, 1);
                 // dV = Pᵀ dO
                 matmul(t, hd, t, part(2), pm.t(), gm, 1.0);
                 // dP = dO Vᵀ, then dS = P ⊙ (dP − delta) · scale, into dp.
-                let mut dp = buffer(t * t, |room| {
-                    matmul(
-                        t,
-                        t,
-                        hd,
-                        Mat(room.as_mut_ptr().cast(), tt, 1),
-                        gm,
-                        vm.t(),
-                        1.0,
-                    )
-                });
+                let mut dp = square(t, hd, gm, vm.t(), 1.0);
                 score_grads(&mut dp, &p, &delta, t, scale);
                 let dsm = Mat(dp.as_ptr(), tt, 1);
                 // dQ = dS K, dK = dSᵀ Q
