@@ -250,7 +250,7 @@ fn main() -> ExitCode {
 /// then split their work over. A parallel section started from a pool
 /// thread does its share on that thread and wakes one other; started from
 /// `main` it hands all of it to the pool and waits. The PEERS-shape GPT bench
-/// went from 185 % to 190 % CPU and +6–9 % tokens/s (docs/PERFORMANCE.md).
+/// went from 185–188 % to 189–190 % CPU, +6–9 % tokens/s (docs/PERFORMANCE.md).
 /// Where no pool can be built, `f` runs here as before.
 fn on_compute_pool<T: Send>(f: impl FnOnce() -> T + Send) -> T {
     // The main thread's stack size: nothing that ran on `main` runs short.
