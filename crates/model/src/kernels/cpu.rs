@@ -265,6 +265,9 @@ unsafe fn square(t: usize, k: usize, lhs: Mat, rhs: Mat, alpha: f32) -> Vec<f32>
     }
 }
 
+/// gemm splitting one product over rayon's threads itself.
+const ALL_THREADS: gemm::Parallelism = gemm::Parallelism::Rayon(0);
+
 /// `dst = alpha · lhs · rhs`, plus what `dst` holds when `accumulate`.
 ///
 /// # Safety
@@ -750,36 +753,6 @@ fn layer_norm_grad_rows(
     }
 }
 
-/// `dst (m × n) = lhs (m × k) · rhs (k × n)`, plus what `dst` holds when
-/// `accumulate`, split over rayon's threads by gemm itself.
-///
-/// # Safety
-/// As [`matmul`].
-unsafe fn matmul_parallel(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: Mat,
-    lhs: Mat,
-    rhs: Mat,
-    accumulate: bool,
-) {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        gemm_call(
-            m,
-            n,
-            k,
-            dst,
-            lhs,
-            rhs,
-            1.0,
-            accumulate,
-            gemm::Parallelism::Rayon(0),
-        )
-    }
-}
-
 /// A `[rows, cols]` matrix's storage pointer and strides.
 fn matrix(t: &FlexTensor) -> Mat {
     let layout = t.layout();
@@ -829,14 +802,16 @@ pub(crate) fn linear(x: FlexTensor, weight: FlexTensor, bias: FlexTensor) -> Fle
                     }
                 }
             });
-            matmul_parallel(
+            gemm_call(
                 rows,
                 d_out,
                 d_in,
                 Mat(room.as_mut_ptr().cast(), d_out as isize, 1),
                 Mat(xs.as_ptr(), d_in as isize, 1),
                 matrix(&weight),
+                1.0,
                 true,
+                ALL_THREADS,
             );
         })
     };
@@ -863,12 +838,12 @@ pub(crate) fn linear_backward(
     let (dx, dw) = unsafe {
         let dx = buffer(rows * d_in, |room| {
             let dx = Mat(room.as_mut_ptr().cast(), d_in as isize, 1);
-            matmul_parallel(rows, d_in, d_out, dx, g, w.t(), false)
+            gemm_call(rows, d_in, d_out, dx, g, w.t(), 1.0, false, ALL_THREADS)
         });
         let dw = buffer(d_in * d_out, |room| {
             let xt = Mat(xs.as_ptr(), d_in as isize, 1).t();
             let dw = Mat(room.as_mut_ptr().cast(), d_out as isize, 1);
-            matmul_parallel(d_in, d_out, rows, dw, xt, g, false)
+            gemm_call(d_in, d_out, rows, dw, xt, g, 1.0, false, ALL_THREADS)
         });
         (dx, dw)
     };

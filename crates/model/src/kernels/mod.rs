@@ -146,7 +146,7 @@ mod flex {
     use burn::backend::autodiff::checkpoint::base::Checkpointer;
     use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
     use burn::backend::autodiff::grads::Gradients;
-    use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+    use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
     use burn::backend::tensor::FloatTensor;
     use burn::backend::{
         Autodiff, AutodiffBackend, Backend, Dispatch, DispatchDevice, Flex, backend_extension,
@@ -275,32 +275,11 @@ mod flex {
 
     impl<B: Backend + KilnKernels, C: CheckpointStrategy> KilnKernels for Autodiff<B, C> {
         fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-            #[derive(Debug)]
-            struct GeluBackward;
-
-            impl<B: Backend + KilnKernels> Backward<B, 1> for GeluBackward {
-                /// The input, kept for the derivative.
-                type State = FloatTensor<B>;
-
-                fn backward(
-                    self,
-                    ops: Ops<Self::State, 1>,
-                    grads: &mut Gradients,
-                    _: &mut Checkpointer,
-                ) {
-                    let x = ops.state;
-                    unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-                        B::kiln_gelu_backward(x, grad)
-                    });
-                }
-            }
-
+            // The input, kept for the derivative.
+            let backward =
+                KernelBackward::<B, FloatTensor<B>, 1>(|x, grad| [B::kiln_gelu_backward(x, grad)]);
             let input = Self::inner(x.clone());
-            match GeluBackward
-                .prepare::<C>([x.node()])
-                .compute_bound()
-                .stateful()
-            {
+            match backward.prepare::<C>([x.node()]).compute_bound().stateful() {
                 OpsKind::Tracked(prep) => prep.finish(input.clone(), B::kiln_gelu(input)),
                 OpsKind::UnTracked(prep) => prep.finish(B::kiln_gelu(input)),
             }
@@ -330,36 +309,16 @@ mod flex {
                 lse: P,
             }
 
-            #[derive(Debug)]
-            struct AttentionBackward;
-
-            impl<B: Backend + KilnKernels> Backward<B, 1> for AttentionBackward {
-                type State = Saved<FloatTensor<B>>;
-
-                fn backward(
-                    self,
-                    ops: Ops<Self::State, 1>,
-                    grads: &mut Gradients,
-                    _: &mut Checkpointer,
-                ) {
-                    let s = ops.state;
-                    unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-                        B::kiln_attention_backward(
-                            s.qkv, s.key_pad, s.heads, s.causal, s.out, s.lse, grad,
-                        )
-                    });
-                }
-            }
-
+            let backward = KernelBackward::<B, Saved<FloatTensor<B>>, 1>(|s, grad| {
+                [B::kiln_attention_backward(
+                    s.qkv, s.key_pad, s.heads, s.causal, s.out, s.lse, grad,
+                )]
+            });
             let node = qkv.node();
             let (qkv, key_pad) = (Self::inner(qkv), Self::inner(key_pad));
             let (out, lse) = B::kiln_attention(qkv.clone(), key_pad.clone(), heads, causal);
             let lse_out = Self::from_inner(lse.clone());
-            let out = match AttentionBackward
-                .prepare::<C>([node])
-                .compute_bound()
-                .stateful()
-            {
+            let out = match backward.prepare::<C>([node]).compute_bound().stateful() {
                 OpsKind::Tracked(prep) => {
                     let out_saved = out.clone();
                     let saved = Saved {
@@ -397,34 +356,15 @@ mod flex {
             weight: FloatTensor<Self>,
             bias: FloatTensor<Self>,
         ) -> FloatTensor<Self> {
-            #[derive(Debug)]
-            struct LinearBackward;
-
-            impl<B: Backend + KilnKernels> Backward<B, 3> for LinearBackward {
-                /// x and the weight.
-                type State = [FloatTensor<B>; 2];
-
-                fn backward(
-                    self,
-                    ops: Ops<Self::State, 3>,
-                    grads: &mut Gradients,
-                    _: &mut Checkpointer,
-                ) {
-                    backward_of::<B, _, 3>(ops, grads, |[x, weight], grad| {
-                        let (dx, dw, db) = B::kiln_linear_backward(x, weight, grad);
-                        [dx, dw, db]
-                    });
-                }
-            }
-
+            // x and the weight.
+            let backward = KernelBackward::<B, [FloatTensor<B>; 2], 3>(|[x, weight], grad| {
+                let (dx, dw, db) = B::kiln_linear_backward(x, weight, grad);
+                [dx, dw, db]
+            });
             let nodes = [x.node(), weight.node(), bias.node()];
             let [x, weight, bias] = [x, weight, bias].map(Self::inner);
             let y = B::kiln_linear(x.clone(), weight.clone(), bias);
-            match LinearBackward
-                .prepare::<C>(nodes)
-                .compute_bound()
-                .stateful()
-            {
+            match backward.prepare::<C>(nodes).compute_bound().stateful() {
                 OpsKind::Tracked(prep) => prep.finish([x, weight], y),
                 OpsKind::UnTracked(prep) => prep.finish(y),
             }
@@ -445,27 +385,13 @@ mod flex {
             beta: FloatTensor<Self>,
             epsilon: f64,
         ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-            #[derive(Debug)]
-            struct LayerNormBackward;
-
-            impl<B: Backend + KilnKernels> Backward<B, 3> for LayerNormBackward {
-                /// x, gamma, and the rows' mean and 1/σ.
-                type State = [FloatTensor<B>; 4];
-
-                fn backward(
-                    self,
-                    ops: Ops<Self::State, 3>,
-                    grads: &mut Gradients,
-                    _: &mut Checkpointer,
-                ) {
-                    backward_of::<B, _, 3>(ops, grads, |[x, gamma, mean, rstd], grad| {
-                        let (dx, dgamma, dbeta) =
-                            B::kiln_layer_norm_backward(x, gamma, mean, rstd, grad);
-                        [dx, dgamma, dbeta]
-                    });
-                }
-            }
-
+            // x, gamma, and the rows' mean and 1/σ.
+            let backward =
+                KernelBackward::<B, [FloatTensor<B>; 4], 3>(|[x, gamma, mean, rstd], grad| {
+                    let (dx, dgamma, dbeta) =
+                        B::kiln_layer_norm_backward(x, gamma, mean, rstd, grad);
+                    [dx, dgamma, dbeta]
+                });
             let nodes = [x.node(), gamma.node(), beta.node()];
             let [x, gamma, beta] = [x, gamma, beta].map(Self::inner);
             let (y, mean, rstd) = B::kiln_layer_norm(x.clone(), gamma.clone(), beta, epsilon);
@@ -473,11 +399,7 @@ mod flex {
                 Self::from_inner(mean.clone()),
                 Self::from_inner(rstd.clone()),
             );
-            let y = match LayerNormBackward
-                .prepare::<C>(nodes)
-                .compute_bound()
-                .stateful()
-            {
+            let y = match backward.prepare::<C>(nodes).compute_bound().stateful() {
                 OpsKind::Tracked(prep) => prep.finish([x, gamma, mean, rstd], y),
                 OpsKind::UnTracked(prep) => prep.finish(y),
             };
@@ -496,18 +418,32 @@ mod flex {
         }
     }
 
-    /// The backward step of an operation with `N` tracked inputs: `compute`
-    /// turns the saved state and the output's gradient into one gradient per
-    /// input, registered for the inputs that require one.
-    fn backward_of<B: Backend, S, const N: usize>(
-        ops: Ops<S, N>,
-        grads: &mut Gradients,
-        compute: impl FnOnce(S, FloatTensor<B>) -> [FloatTensor<B>; N],
-    ) {
-        let grad = grads.consume::<B>(&ops.node);
-        for (parent, value) in ops.parents.into_iter().zip(compute(ops.state, grad)) {
-            if let Some(parent) = parent {
-                grads.register::<B>(parent.id, value);
+    /// The backward step of a kernel with `N` tracked inputs: the function
+    /// turns the saved state `S` and the output's gradient into one gradient
+    /// per input, registered for the inputs that require one.
+    struct KernelBackward<B: Backend, S, const N: usize>(
+        fn(S, FloatTensor<B>) -> [FloatTensor<B>; N],
+    );
+
+    impl<B: Backend, S, const N: usize> std::fmt::Debug for KernelBackward<B, S, N> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("KernelBackward")
+        }
+    }
+
+    impl<B, S, const N: usize> Backward<B, N> for KernelBackward<B, S, N>
+    where
+        B: Backend,
+        S: Clone + Send + std::fmt::Debug + 'static,
+    {
+        type State = S;
+
+        fn backward(self, ops: Ops<S, N>, grads: &mut Gradients, _: &mut Checkpointer) {
+            let grad = grads.consume::<B>(&ops.node);
+            for (parent, value) in ops.parents.into_iter().zip((self.0)(ops.state, grad)) {
+                if let Some(parent) = parent {
+                    grads.register::<B>(parent.id, value);
+                }
             }
         }
     }
