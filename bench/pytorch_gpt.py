@@ -10,8 +10,16 @@ Usage (a virtual environment outside the repository, `pip install torch`):
 
     python bench/pytorch_gpt.py --block 128 --batch 32 --steps 30 --warmup 5
 
-Prints one JSON object: tokens/s (median, min, max), ms/step and the loss.
-Not used by tests or CI.
+On a GPU, as the best PyTorch training code runs it (bf16 autocast, flash
+scaled_dot_product_attention, fused AdamW, TF32 for what stays in f32;
+`--compile` adds torch.compile): the GPU check (bench/gpu_check.py) runs
+
+    python bench/pytorch_gpt.py --device cuda --dtype bf16 --layers 12 --heads 12 \
+        --hidden 768 --block 1024 --batch 16 --vocab 50257
+
+`--vocab` other than the character vocabulary draws random token ids (the
+speed does not depend on the text). Prints one JSON object: tokens/s
+(median, min, max), ms/step and the loss. Not used by tests or CI.
 """
 
 import argparse
@@ -61,7 +69,7 @@ class Gpt(nn.Module):
 
     def forward(self, idx, targets):
         t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(t))
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         for blk in self.blocks:
             x = blk(x)
         logits = self.ln_f(x) @ self.wte.weight.T
@@ -80,30 +88,50 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "fp16"],
+                    help="autocast dtype of the products (f32: none)")
+    ap.add_argument("--vocab", type=int, default=0,
+                    help="vocabulary size; 0 or the corpus' character count: characters")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        # The guides: TF32 for whatever stays in f32 (Ampere and newer).
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     text = open(args.data, encoding="utf-8").read()
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}
     data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
-    train = data[: int(0.9 * len(data))]
+    vocab = len(chars)
+    if args.vocab and args.vocab != vocab:
+        vocab = args.vocab
+        data = torch.randint(vocab, (len(data),), dtype=torch.long)
+    train = data[: int(0.9 * len(data))].to(device)
 
-    model = Gpt(len(chars), args.block, args.layers, args.heads, args.hidden)
+    model = Gpt(vocab, args.block, args.layers, args.heads, args.hidden).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+        lr=1e-3, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if cuda else {}),
     )
+    step_model = torch.compile(model) if args.compile else model
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
+    offsets = torch.arange(args.block, device=device)
     times, loss = [], float("nan")
     for i in range(args.warmup + args.steps):
         start = time.perf_counter()
-        ix = torch.randint(len(train) - args.block, (args.batch,))
-        x = torch.stack([train[j : j + args.block] for j in ix])
-        y = torch.stack([train[j + 1 : j + 1 + args.block] for j in ix])
-        loss_t = model(x, y)
+        ix = torch.randint(len(train) - args.block, (args.batch, 1), device=device)
+        x = train[ix + offsets]
+        y = train[ix + offsets + 1]
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            loss_t = step_model(x, y)
         opt.zero_grad(set_to_none=True)
         loss_t.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -115,6 +143,11 @@ def main():
     tps = sorted(tokens / t for t in times)
     print(json.dumps({
         "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "dtype": args.dtype,
+        "compiled": args.compile,
+        "vocab": vocab,
+        "parameters": sum(p.numel() for p in model.parameters()),
         "threads": args.threads,
         "block": args.block,
         "batch": args.batch,

@@ -193,3 +193,80 @@ fn reduced_precision_on_wgpu_ends_near_f32_or_says_why_not() {
         }
     }
 }
+
+/// The prepared GPU check (`bench/gpu_check.py`, what a lent GPU machine
+/// runs on the CUDA build) end to end with tiny shapes on this wgpu build:
+/// every step it has runs and passes (the PyTorch steps are skipped where
+/// no torch with CUDA is installed), and its JSON carries each benchmark's
+/// figures and the GPU-vs-flex reference verdicts. Once per CI run: not
+/// repeated in the fused suite.
+#[cfg(not(feature = "fusion"))]
+#[test]
+fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let out = tmp.path().join("gpu-check.json");
+    let run = std::process::Command::new("python3")
+        .arg(crate::support::root().join("bench/gpu_check.py"))
+        .args(["--tiny", "--backend=wgpu", "--budget=1200", "--kiln"])
+        .arg(crate::support::kiln_bin())
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("python3 runs bench/gpu_check.py (python3 is needed for the GPU check)");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "gpu_check.py failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("gpu-check.json"))
+            .expect("json");
+    assert_eq!(report["schema"], "kiln.gpu-check/1");
+    let steps = report["steps"].as_array().expect("steps");
+    let step = |name: &str| {
+        steps
+            .iter()
+            .find(|s| s["name"] == name)
+            .unwrap_or_else(|| panic!("no step `{name}` in {stdout}"))
+    };
+    for name in [
+        "check-hardware",
+        "bench lm tiny f32",
+        "bench lm tiny bf16",
+        "bench lm gpt2-small bf16",
+        "bench lm gpt2-small f32",
+        "bench nli bert-base bf16",
+        "reference lm: wgpu vs flex after 20 step(s)",
+        "reference nli: wgpu vs flex after 20 step(s)",
+        "train-auto 300 steps",
+    ] {
+        assert_eq!(step(name)["status"], "ok", "{name}: {stdout}");
+    }
+    let gpt2 = &step("bench lm gpt2-small bf16")["result"]["bench"];
+    assert!(
+        gpt2["backend"]
+            .as_str()
+            .is_some_and(|b| b.starts_with("wgpu")),
+        "{gpt2}"
+    );
+    assert!(
+        gpt2["tokens_per_s_median"]
+            .as_f64()
+            .is_some_and(|t| t > 0.0),
+        "{gpt2}"
+    );
+    // The BPE stops where the tiny shapes' 300-token vocabulary ends.
+    assert!(
+        gpt2["vocab_size"]
+            .as_u64()
+            .is_some_and(|v| (257..=300).contains(&v)),
+        "{gpt2}"
+    );
+    let reference = step("reference lm: wgpu vs flex after 1 step(s)");
+    assert!(
+        reference["difference"].as_f64().is_some_and(|d| d < 1e-4),
+        "{reference}"
+    );
+    assert!(stdout.contains("passed, 0 failed"), "{stdout}");
+}

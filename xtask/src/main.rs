@@ -4,6 +4,8 @@
 #![allow(clippy::print_stdout, reason = "xtask prints its help")]
 #![allow(clippy::print_stderr, reason = "xtask prints what it runs")]
 
+mod cuda;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
@@ -33,16 +35,23 @@ cargo xtask <target> [args...]
                             a100-80gb a30 a40 v100 t4 h100 low-mem cpu
   nli-train-auto            the NLI encoder with k-fold CV, preset from hardware
   nli-train-<gpu> [--force] the same with a GPU preset
+  build-cuda [--profile P] [--features F]
+                            build kiln with the CUDA backend (installs the
+                            static LLVM it links from PyPI on first use)
+  gpu-pack [--features F]   build, strip and compress the CUDA kiln into
+                            gpu-pack/kiln[-F].xz for bench/gpu_check.py on a
+                            GPU machine without network
   bench                     the standard benchmarks → bench/results.json
   bench-tune                `kiln tune` judged against the exhaustive sweep, for
                             both experiments → bench/tune-results.json
   ci                        what .ci/run checks: fmt, clippy (also wgpu, cuda),
-                            the tests, the GPU suite on Vulkan
+                            the tests, the GPU suite on Vulkan, the CUDA build
 
 Extra arguments go to `kiln` (overrides like training.batch_size=8).
 A GPU preset on a machine without that GPU exits 2 unless --force.
-GPU targets build kiln with --features wgpu (the auto targets where an
-NVIDIA GPU is present); KILN_FEATURES=cuda,fusion picks other features.";
+Where an NVIDIA driver reports a GPU, the GPU and auto targets build kiln
+with --features cuda; GPU targets elsewhere use wgpu (Vulkan, Metal, DX12).
+KILN_FEATURES=wgpu,fusion (any list) picks other features.";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -65,6 +74,8 @@ fn main() -> ExitCode {
             Build::Auto,
         ),
         "ci" => ci(),
+        "build-cuda" => build_cuda(&rest).map(|_| ExitCode::SUCCESS),
+        "gpu-pack" => gpu_pack(&rest),
         "bench" => bench(rest),
         "bench-tune" => bench_tune(rest),
         other => match train_target(other) {
@@ -126,9 +137,9 @@ fn cargo() -> Command {
 enum Build {
     /// The default build: the CPU backend (flex).
     Cpu,
-    /// A GPU preset: the `wgpu` backend too.
+    /// A GPU preset: `cuda` on an NVIDIA machine, else `wgpu`.
     Gpu,
-    /// `wgpu` where this machine has an NVIDIA GPU, else the default build.
+    /// `cuda` where this machine has an NVIDIA GPU, else the default build.
     Auto,
 }
 
@@ -145,8 +156,8 @@ fn nvidia_gpu_present() -> bool {
 }
 
 /// The Cargo features `kiln` is built with: `KILN_FEATURES` when set (e.g.
-/// `cuda,fusion` on a machine that can build CUDA), else `wgpu` for GPU
-/// presets and, for the auto targets, where an NVIDIA GPU is present.
+/// `wgpu,fusion`), else `cuda` where an NVIDIA GPU is present (GPU presets
+/// and the auto targets), `wgpu` for GPU presets elsewhere.
 fn features(build: Build) -> Option<String> {
     features_for(
         build,
@@ -158,22 +169,22 @@ fn features(build: Build) -> Option<String> {
 fn features_for(
     build: Build,
     chosen: Option<String>,
-    gpu_present: impl Fn() -> bool,
+    nvidia_present: impl Fn() -> bool,
 ) -> Option<String> {
     if let Some(f) = chosen {
         return (!f.trim().is_empty()).then_some(f);
     }
-    let gpu = match build {
-        Build::Cpu => false,
-        Build::Gpu => true,
-        Build::Auto => gpu_present(),
-    };
-    gpu.then(|| "wgpu".to_string())
+    match build {
+        Build::Cpu => None,
+        Build::Gpu if nvidia_present() => Some("cuda".to_string()),
+        Build::Gpu => Some("wgpu".to_string()),
+        Build::Auto => nvidia_present().then(|| "cuda".to_string()),
+    }
 }
 
 /// `cargo run` of the `kiln` binary in release mode, from the repository
 /// root, with the backend features `build` needs.
-fn kiln_command(build: Build) -> Command {
+fn kiln_command(build: Build) -> Result<Command, String> {
     let mut cmd = cargo();
     cmd.args([
         "run",
@@ -187,16 +198,110 @@ fn kiln_command(build: Build) -> Command {
     if let Some(f) = features(build) {
         eprintln!("xtask: building kiln with --features {f}");
         cmd.args(["--features", &f]);
+        if cuda::wants_cuda(&f) {
+            cuda::prepare_build(&mut cmd)?;
+        }
     }
     cmd.arg("--");
-    cmd
+    Ok(cmd)
 }
 
 /// Runs `kiln <base> <rest>`.
 fn kiln(base: &[&str], rest: Vec<String>, build: Build) -> Result<ExitCode, String> {
-    let mut cmd = kiln_command(build);
+    let mut cmd = kiln_command(build)?;
     cmd.args(base).args(rest);
     run(cmd)
+}
+
+/// `cargo xtask build-cuda [--profile P] [--features F]`: builds `kiln` with
+/// the CUDA backend (and `F`, e.g. `fusion`), installing the static LLVM it
+/// links first; returns the binary's path.
+fn build_cuda(args: &[String]) -> Result<PathBuf, String> {
+    let mut profile = "release".to_string();
+    let mut features = vec!["cuda".to_string()];
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| {
+            it.next()
+                .cloned()
+                .ok_or_else(|| format!("{name} needs a value"))
+        };
+        match a.as_str() {
+            "--profile" => profile = value("--profile")?,
+            "--features" => features.push(value("--features")?),
+            other => return Err(format!("build-cuda: unknown argument `{other}`")),
+        }
+    }
+    let features = features.join(",");
+    let mut cmd = cargo();
+    cmd.args([
+        "build",
+        "--locked",
+        "--package",
+        "kiln-cli",
+        "--bin",
+        "kiln",
+    ])
+    .args(["--profile", &profile, "--features", &features]);
+    cuda::prepare_build(&mut cmd)?;
+    eprintln!("xtask: cargo build --profile {profile} --features {features} (CUDA)");
+    if run(cmd)? != ExitCode::SUCCESS {
+        return Err("building kiln with CUDA failed (see cargo's output above)".into());
+    }
+    let dir = if profile == "dev" { "debug" } else { &profile };
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target"));
+    let bin = target.join(dir).join("kiln");
+    eprintln!("xtask: built {}", bin.display());
+    Ok(bin)
+}
+
+/// `cargo xtask gpu-pack [--features F]`: the CUDA `kiln` (release, with
+/// `F` too) stripped and compressed into `gpu-pack/kiln.xz` (with `F`:
+/// `gpu-pack/kiln-F.xz`), for `bench/gpu_check.py` on a GPU machine that has
+/// no network (the repository's tracked files carry the presets, data and
+/// scripts).
+fn gpu_pack(args: &[String]) -> Result<ExitCode, String> {
+    let bin = build_cuda(args)?;
+    let extra: Vec<&str> = args
+        .windows(2)
+        .filter(|w| w[0] == "--features")
+        .flat_map(|w| w[1].split(','))
+        .map(str::trim)
+        .filter(|f| !f.is_empty())
+        .collect();
+    let name = if extra.is_empty() {
+        "kiln".to_string()
+    } else {
+        format!("kiln-{}", extra.join("-"))
+    };
+    let dir = root().join("gpu-pack");
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| format!("failed to create {}: {e}", dir.display()))?;
+    let stripped = dir.join(&name);
+    let mut strip = Command::new("strip");
+    strip.arg("-o").arg(&stripped).arg(&bin);
+    if run(strip)? != ExitCode::SUCCESS {
+        return Err(format!("strip {} failed", bin.display()));
+    }
+    let packed = dir.join(format!("{name}.xz"));
+    let _ = std::fs::remove_file(&packed);
+    let mut xz = Command::new("xz");
+    xz.args(["-6", "-T0", "--force"]).arg(&stripped);
+    if run(xz)? != ExitCode::SUCCESS {
+        return Err(format!("xz {} failed", stripped.display()));
+    }
+    let size = std::fs::metadata(&packed)
+        .map_err(|e| format!("failed to read {}: {e}", packed.display()))?
+        .len();
+    println!(
+        "wrote {} ({:.1} MiB); on the GPU machine, from the repository root:
+           python3 bench/gpu_check.py --kiln gpu-pack/kiln.xz [--kiln-fusion gpu-pack/kiln-fusion.xz] --out gpu-check.json",
+        packed.display(),
+        size as f64 / (1 << 20) as f64
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The standard benchmark set: the default runs of both workloads, the
@@ -232,7 +337,7 @@ fn collect(
     let mut results = Vec::new();
     for (name, args) in entries {
         eprintln!("xtask: {name}: kiln {}", args.join(" "));
-        let mut cmd = kiln_command(Build::Auto);
+        let mut cmd = kiln_command(Build::Auto)?;
         cmd.args(args).arg("--json").args(rest);
         let out = cmd
             .output()
@@ -290,7 +395,8 @@ fn bench_tune(rest: Vec<String>) -> Result<ExitCode, String> {
 
 /// The steps of `.ci/run` (without its system packages): formatting, lints
 /// (also with the wgpu backend and its tests, and type-checking CUDA), the
-/// tests, and the GPU suite on whatever Vulkan device there is.
+/// tests, the GPU suite on whatever Vulkan device there is, and the CUDA
+/// build linked for real.
 fn ci() -> Result<ExitCode, String> {
     let clippy = ["clippy", "--workspace", "--all-targets"];
     let deny = ["--", "-D", "warnings"];
@@ -325,7 +431,8 @@ fn ci() -> Result<ExitCode, String> {
         let mut cmd = cargo();
         cmd.args(&step);
         if docs_rs {
-            // Skips cubecl-cuda's LLVM download: a type-check of the CUDA path.
+            // Skips cubecl-llvm's native build: lints the CUDA path quickly;
+            // the build below links it for real.
             cmd.env("DOCS_RS", "1");
         }
         let code = run(cmd)?;
@@ -333,6 +440,7 @@ fn ci() -> Result<ExitCode, String> {
             return Ok(code);
         }
     }
+    build_cuda(&["--profile".to_string(), "dev".to_string()])?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -359,6 +467,24 @@ mod tests {
                 .join(format!("{preset}.toml"));
             assert!(path.is_file(), "train-{suffix}: {} missing", path.display());
         }
+    }
+
+    #[test]
+    fn nvidia_machines_build_cuda_and_others_wgpu_or_nothing() {
+        let f = |build, chosen: Option<&str>, nvidia| {
+            features_for(build, chosen.map(str::to_string), || nvidia)
+        };
+        assert_eq!(f(Build::Auto, None, true).as_deref(), Some("cuda"));
+        assert_eq!(f(Build::Auto, None, false), None);
+        assert_eq!(f(Build::Gpu, None, true).as_deref(), Some("cuda"));
+        assert_eq!(f(Build::Gpu, None, false).as_deref(), Some("wgpu"));
+        assert_eq!(f(Build::Cpu, None, true), None);
+        // KILN_FEATURES wins; empty means the default build.
+        assert_eq!(
+            f(Build::Auto, Some("wgpu,fusion"), true).as_deref(),
+            Some("wgpu,fusion")
+        );
+        assert_eq!(f(Build::Gpu, Some(" "), true), None);
     }
 
     #[test]

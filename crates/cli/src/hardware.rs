@@ -201,8 +201,12 @@ fn backend_line(report: &HardwareReport, resolved: &ResolvedConfig) -> String {
             let gpu = chosen_gpu(report, resolved).filter(|_| d.is_gpu);
             let p = kiln_train::choose_precision(&c.precision, &d, gpu);
             format!(
-                "{asked} → {} in this build ({}); computes in {} ({})",
-                d.name, d.why, p.label, p.why
+                "{asked} → {} in this build ({}); computes in {} ({}); backends built in: {}",
+                d.name,
+                d.why,
+                p.label,
+                p.why,
+                kiln_train::BACKENDS_BUILT_IN.join(", ")
             )
         }
         Err(e) => format!("{asked}: {e}"),

@@ -75,6 +75,9 @@ pub struct BenchResult {
     pub flops_per_sample_padded: f64,
     pub flops_per_sample_real: f64,
     pub parameters: usize,
+    /// The vocabulary the model was built with (a trained BPE or WordPiece
+    /// can stop below `data.vocab_size` on a small corpus).
+    pub vocab_size: usize,
     pub data_wait_pct: f64,
     /// Peak resident memory of the process (host RAM).
     pub peak_memory_bytes: u64,
@@ -220,7 +223,7 @@ fn result(
     config: &RunConfig,
     hardware: &HardwareReport,
     options: BenchOptions,
-    parameters: usize,
+    (parameters, vocab_size): (usize, usize),
     flops_real: f64,
     mut t: Timings,
 ) -> BenchResult {
@@ -295,6 +298,7 @@ fn result(
         flops_per_sample_padded: flops_padded,
         flops_per_sample_real: flops_real,
         parameters,
+        vocab_size,
         data_wait_pct: if total > 0.0 {
             100.0 * waited / total
         } else {
@@ -499,7 +503,7 @@ pub fn bench_lm(
         config,
         hardware,
         options,
-        gpt.num_params(),
+        (gpt.num_params(), vocab),
         per_token * block as f64,
         timings,
     ))
@@ -601,7 +605,7 @@ pub fn bench_nli(
         config,
         hardware,
         options,
-        encoder.num_params(),
+        (encoder.num_params(), vocab),
         encoder.flops_per_sequence(real_mean.round() as usize, frozen),
         timings,
     ))

@@ -52,6 +52,16 @@ fn cuda(index: usize, why: &str) -> DeviceChoice {
     }
 }
 
+/// The backends this build of kiln has, in the order `auto` prefers them
+/// (the CPU last): `["cuda", "wgpu", "flex"]` at most.
+pub const BACKENDS_BUILT_IN: &[&str] = &[
+    #[cfg(feature = "cuda")]
+    "cuda",
+    #[cfg(feature = "wgpu")]
+    "wgpu",
+    "flex",
+];
+
 /// The device for `device.backend`. `auto` takes CUDA where this build has
 /// the `cuda` feature and the machine has an NVIDIA GPU (`has_gpu`, from
 /// NVML), else a wgpu GPU where it has the `wgpu` feature, else the CPU; a

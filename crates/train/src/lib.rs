@@ -41,7 +41,7 @@ pub use bench::{
 };
 pub use checkpoint::{CheckpointInfo, latest_good_checkpoint};
 pub use compile::{FUSION_BUILT_IN, apply_compile, autotune_level};
-pub use device::{DeviceChoice, open_device, select_device};
+pub use device::{BACKENDS_BUILT_IN, DeviceChoice, open_device, select_device};
 pub use diagnose::{
     Burst, CheckInput, DataSize, Diagnosis, Finding, MemoryEstimate, Severity, check_config,
     diagnose, estimate_memory, gib, loader_verdict,

@@ -1,0 +1,449 @@
+"""The prepared GPU check: one command on a GPU machine turns minutes of
+device time into every figure kiln needs, in one JSON file.
+
+It runs a `kiln` binary (a CUDA build packed by `cargo xtask gpu-pack`, or
+any build) through, in order of importance:
+
+1. the machine: `nvidia-smi`, `kiln check-hardware --json`;
+2. reference checks: training steps on the GPU against the same steps on
+   the CPU (flex), for the GPT and the encoder: the loss after 1 step within
+   1e-4 and after 20 steps within 1e-3 (the GPU suite's tolerances);
+3. `kiln bench lm` on the tiny GPT (block 128, batch 32: the shape of the
+   earlier wgpu figures) and on GPT-2 small, in f32 and bf16;
+   `kiln bench nli` on the BERT-base encoder in bf16;
+4. PyTorch at the same shapes (bench/pytorch_gpt.py), where `import torch`
+   works, for a ratio;
+5. 300 steps of `kiln train hardware=auto` (the `train-auto` run).
+
+Each step has its own time limit and the whole check a budget; a step that
+fails or runs out of time is recorded with the end of its output and the
+check goes on. The JSON (`--out`) holds every step: its command, exit code,
+seconds and what it measured; the end of the output is a table.
+
+`--tiny` shrinks every shape (2 layers, 32 wide, a few steps) so that the
+same check runs on a software GPU (Mesa's llvmpipe through wgpu): CI runs it
+that way, so that it works the first time on a real GPU.
+
+Usage:
+
+    python3 bench/gpu_check.py --kiln gpu-pack/kiln.xz --out $OUT/gpu-check.json
+    python3 bench/gpu_check.py --tiny --backend wgpu --kiln target/debug/kiln --out /tmp/c.json
+
+Python's standard library only (a `.xz` binary is unpacked with `lzma`).
+Exit code 0 when every step passed, 1 otherwise.
+"""
+
+import argparse
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The tiny GPT and encoder of the reference checks (the GPU suite's shapes).
+TINY_MODEL = [
+    "model.layers=2",
+    "model.heads=2",
+    "model.hidden=32",
+    "model.intermediate=128",
+    "model.max_length=32",
+    "training.batch_size=8",
+]
+TINY_NLI = [
+    "experiment=nli_snli",
+    "model.dropout=0.0",
+    "model.layers=2",
+    "model.heads=2",
+    "model.hidden=32",
+    "model.intermediate=128",
+    "model.max_length=48",
+    "training.batch_size=8",
+]
+
+
+def tail(text, n=1500):
+    text = text or ""
+    return text[-n:]
+
+
+class Check:
+    def __init__(self, args):
+        self.args = args
+        self.start = time.monotonic()
+        self.steps = []
+        self.work = tempfile.mkdtemp(prefix="kiln-gpu-check-")
+        self.kiln = self.unpack(args.kiln, "kiln")
+        self.kiln_fusion = self.unpack(args.kiln_fusion, "kiln-fusion") if args.kiln_fusion else None
+        self.gpu = args.backend
+        self.torch = None
+        self.env = dict(os.environ)
+        # Every run's cache and run directories live in the scratch folder.
+        self.cache = os.path.join(self.work, "cache")
+
+    def unpack(self, path, name):
+        """The kiln binary to run: `path`, or `path` unpacked if it is `.xz`."""
+        if not path.endswith(".xz"):
+            return os.path.abspath(path)
+        out = os.path.join(self.work, name)
+        with lzma.open(path) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.chmod(out, 0o755)
+        return out
+
+    def left(self):
+        return self.args.budget - (time.monotonic() - self.start)
+
+    def run(self, name, cmd, timeout, parse_json=True, cwd=ROOT):
+        """Runs one step within its limit and the budget left; records it."""
+        limit = min(timeout, self.left())
+        step = {"name": name, "command": " ".join(cmd)}
+        if limit < 5:
+            step.update(status="skipped", why="the check's time budget is spent")
+            self.steps.append(step)
+            print(f"-- {name}: skipped (budget spent)", flush=True)
+            return step
+        print(f"-- {name}: {step['command']}", flush=True)
+        t0 = time.monotonic()
+        try:
+            p = subprocess.run(
+                cmd, cwd=cwd, env=self.env, capture_output=True, text=True, timeout=limit
+            )
+            step["exit_code"] = p.returncode
+            step["seconds"] = round(time.monotonic() - t0, 1)
+            out, err = p.stdout, p.stderr
+            if p.returncode == 0:
+                step["status"] = "ok"
+            else:
+                step["status"] = "failed"
+        except subprocess.TimeoutExpired as e:
+            step["seconds"] = round(time.monotonic() - t0, 1)
+            step["status"] = "timeout"
+            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        except OSError as e:
+            step["seconds"] = round(time.monotonic() - t0, 1)
+            step["status"] = "failed"
+            out, err = "", str(e)
+        if parse_json and step["status"] == "ok":
+            try:
+                step["result"] = json.loads(out)
+            except ValueError:
+                step["status"] = "failed"
+                step["why"] = "the output is not JSON"
+        if not parse_json:
+            step["stdout_tail"] = tail(out, 4000)
+        if step["status"] != "ok":
+            step["stdout_tail"] = tail(out)
+            step["stderr_tail"] = tail(err)
+            print(f"   {step['status']} after {step['seconds']} s: {tail(err, 600)}", flush=True)
+        else:
+            print(f"   ok, {step['seconds']} s", flush=True)
+        self.steps.append(step)
+        return step
+
+    def kiln_cmd(self, *args, binary=None):
+        return [binary or self.kiln, *args, f"data.cache_dir={self.cache}"]
+
+    # -- the steps ---------------------------------------------------------
+
+    def machine(self):
+        if shutil.which("nvidia-smi"):
+            self.run(
+                "nvidia-smi",
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit",
+                    "--format=csv",
+                ],
+                30,
+                parse_json=False,
+            )
+        self.run("check-hardware", [self.kiln, "check-hardware", "--json"], 60)
+
+    def bench(self, name, workload, overrides, warmup, steps, timeout, extra=(), binary=None):
+        cmd = self.kiln_cmd(
+            "bench",
+            workload,
+            "--json",
+            f"--warmup={warmup}",
+            f"--steps={steps}",
+            *extra,
+            *overrides,
+            binary=binary,
+        )
+        return self.run(name, cmd, timeout)
+
+    def reference(self, workload, shape):
+        """GPU steps against flex steps from the same weights and batches."""
+        tolerances = {1: 1e-4, 20: 1e-3}
+        for steps, tol in tolerances.items():
+            losses = {}
+            for side, backend in (("flex", "flex"), ("gpu", self.gpu)):
+                s = self.bench(
+                    f"reference {workload} {steps} step(s) on {backend} ({side})",
+                    workload,
+                    [*shape, f"device.backend={backend}", "precision.amp=false"],
+                    0,
+                    steps,
+                    120,
+                )
+                if s["status"] == "ok":
+                    losses[side] = s["result"]["bench"]["final_loss"]
+            verdict = {
+                "name": f"reference {workload}: {self.gpu} vs flex after {steps} step(s)",
+                "tolerance": tol,
+                "losses": losses,
+            }
+            if len(losses) == 2:
+                diff = abs(losses["flex"] - losses["gpu"])
+                verdict["difference"] = diff
+                verdict["status"] = "ok" if diff < tol else "failed"
+            else:
+                verdict["status"] = "failed"
+                verdict["why"] = "a run failed"
+            print(f"-- {verdict['name']}: {verdict['status']} {losses}", flush=True)
+            self.steps.append(verdict)
+
+    def shapes(self):
+        """The benchmark shapes: name → kiln overrides (tiny: shrunk)."""
+        gpu = [f"device.backend={self.gpu}"]
+        lm_tiny = ["model.max_length=128", "training.batch_size=32"]
+        gpt2 = ["experiment=gpt2_small"]
+        bert = ["experiment=bert_base"]
+        if self.args.tiny:
+            shrink = [
+                "model.layers=2",
+                "model.heads=2",
+                "model.hidden=32",
+                "model.intermediate=128",
+                "model.max_length=32",
+                "training.batch_size=4",
+                "data.vocab_size=300",
+            ]
+            lm_tiny = [*TINY_MODEL]
+            gpt2 = [*gpt2, *shrink]
+            bert = [*bert, *shrink, "model.max_length=48"]
+        f32 = ["precision.amp=false"]
+        bf16 = ["precision.amp=true", "precision.amp_dtype=bf16"]
+        return {
+            "bench lm tiny f32": ("lm", [*gpu, *lm_tiny, *f32], []),
+            "bench lm tiny bf16": ("lm", [*gpu, *lm_tiny, *bf16], []),
+            "bench lm gpt2-small bf16": ("lm", [*gpu, *gpt2, *bf16], []),
+            "bench lm gpt2-small f32": ("lm", [*gpu, *gpt2, *f32], []),
+            "bench nli bert-base bf16": ("nli", [*gpu, *bert, *bf16], ["--pad-to-max-length"]),
+        }
+
+    def bench_named(self, name, fused=False):
+        """One of `shapes()`; `fused`: on the build with Burn's fusion."""
+        if fused and self.kiln_fusion is None:
+            return None
+        workload, overrides, extra = self.shapes()[name]
+        small = "tiny" in name
+        if self.args.tiny:
+            warmup, steps = 1, 2
+        elif small:
+            warmup, steps = 5, 20
+        else:
+            warmup, steps = 3, 10
+        label = f"{name} (fusion)" if fused else name
+        binary = self.kiln_fusion if fused else None
+        return self.bench(label, workload, overrides, warmup, steps, 120 if small else 180, extra, binary)
+
+    def pytorch(self, variants):
+        """bench/pytorch_gpt.py at the shapes kiln benchmarked, for a ratio:
+        `variants` are (name, kiln step, dtype, extra arguments)."""
+        if self.args.skip_pytorch:
+            return
+        if self.torch is None:
+            probe = subprocess.run(
+                [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                capture_output=True,
+                text=True,
+            )
+            self.torch = probe.returncode == 0 and probe.stdout.strip() == "True"
+            if not self.torch:
+                why = "no torch with CUDA here"
+                self.steps.append({"name": "pytorch", "status": "skipped", "why": why})
+                print(f"-- pytorch: skipped ({why})", flush=True)
+        if not self.torch:
+            return
+        script = os.path.join(ROOT, "bench", "pytorch_gpt.py")
+        for name, kiln_step, dtype, extra in variants:
+            shape = self.kiln_shape(kiln_step)
+            if shape is None:
+                self.steps.append({"name": name, "status": "skipped", "why": f"{kiln_step} did not run"})
+                continue
+            cmd = [
+                sys.executable,
+                script,
+                "--device=cuda",
+                f"--dtype={dtype}",
+                f"--layers={shape['layers']}",
+                f"--heads={shape['heads']}",
+                f"--hidden={shape['hidden']}",
+                f"--block={shape['block']}",
+                f"--batch={shape['batch']}",
+                f"--vocab={shape['vocab']}",
+                "--warmup=5",
+                "--steps=20",
+                *extra,
+            ]
+            self.run(name, cmd, 180)
+
+    def kiln_shape(self, step_name):
+        """The model shape and vocabulary a kiln bench step ran with."""
+        step = next((s for s in self.steps if s["name"] == step_name and s["status"] == "ok"), None)
+        if step is None:
+            return None
+        cfg, bench = step["result"]["config"], step["result"]["bench"]
+        return {
+            "layers": cfg["model"]["layers"],
+            "heads": cfg["model"]["heads"],
+            "hidden": cfg["model"]["hidden"],
+            "block": cfg["model"]["max_length"],
+            "batch": cfg["training"]["batch_size"],
+            "vocab": bench["vocab_size"],
+        }
+
+    def train_auto(self):
+        run_dir = os.path.join(self.work, "train-auto")
+        args = ["train", "hardware=auto", f"run.dir={run_dir}", "sample.count=1", "sample.tokens=50"]
+        if self.args.tiny:
+            args += [*TINY_MODEL, "training.max_steps=5", "logging.logging_steps=1", "eval.eval_iters=2"]
+        else:
+            args += ["training.max_steps=300", "logging.logging_steps=50", "eval.eval_steps=300"]
+        step = self.run("train-auto 300 steps", self.kiln_cmd(*args), 200, parse_json=False)
+        summary = os.path.join(run_dir, "summary.json")
+        if os.path.exists(summary):
+            with open(summary) as f:
+                step["summary"] = json.load(f)
+
+    # -- the report --------------------------------------------------------
+
+    def datasheet_peak(self, dtype):
+        hw = next((s for s in self.steps if s["name"] == "check-hardware" and s["status"] == "ok"), None)
+        if hw is None:
+            return None
+        gpus = find_key(hw["result"], "gpus") or []
+        if not gpus or not isinstance(gpus[0], dict):
+            return None
+        peak = gpus[0].get("peak") or {}
+        return peak.get({"f32": "fp32", "bf16": "bf16", "fp16": "fp16"}.get(dtype, "fp32"))
+
+    def derive(self):
+        """MFU against the data sheet's dense peak, by kiln's FLOP count and
+        by llm.c's (6N + 6·L·C·T per token: causal attention counted half)."""
+        for s in self.steps:
+            if s.get("status") != "ok" or "result" not in s or "bench" not in s["result"]:
+                continue
+            b, cfg = s["result"]["bench"], s["result"]["config"]
+            dtype = "bf16" if b["precision"].startswith("bf16") else (
+                "fp16" if b["precision"].startswith("fp16") else "f32")
+            peak = self.datasheet_peak(dtype)
+            d = {"dtype": dtype, "datasheet_peak_flops": peak}
+            flops = b["flops_per_sample_padded"] * b["samples_per_s_median"]
+            d["achieved_flops_per_s"] = flops
+            if peak:
+                d["mfu_datasheet"] = flops / peak
+                if b["workload"] == "lm":
+                    m = cfg["model"]
+                    per_token = 6 * b["parameters"] + 6 * m["layers"] * m["hidden"] * m["max_length"]
+                    d["mfu_datasheet_llmc"] = per_token * b["tokens_per_s_median"] / peak
+            s["derived"] = d
+
+    def write(self):
+        report = {
+            "schema": "kiln.gpu-check/1",
+            "kiln": self.args.kiln,
+            "backend": self.gpu,
+            "tiny": self.args.tiny,
+            "seconds": round(time.monotonic() - self.start, 1),
+            "steps": self.steps,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
+        with open(self.args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        self.table()
+
+    def table(self):
+        print(f"\n{'step':42} {'status':8} {'s':>6} {'tok/s':>10} {'ms/step':>8} "
+              f"{'fwd':>6} {'bwd':>6} {'opt':>6} {'MFU':>6} {'MFUds':>6} {'llm.c':>6}")
+        for s in self.steps:
+            row = f"{s['name'][:42]:42} {s.get('status', ''):8} {s.get('seconds', ''):>6}"
+            b = s.get("result", {}).get("bench") if isinstance(s.get("result"), dict) else None
+            if b:
+                p, d = b["phases"], s.get("derived", {})
+                pct = lambda v: f"{100 * v:5.1f}%" if isinstance(v, (int, float)) else "     -"
+                row += (f" {b['tokens_per_s_median']:10.0f} {b['ms_per_step_median']:8.1f}"
+                        f" {p['forward_ms']:6.1f} {p['backward_ms']:6.1f} {p['optimizer_ms']:6.1f}"
+                        f" {pct(b.get('mfu'))} {pct(d.get('mfu_datasheet'))} {pct(d.get('mfu_datasheet_llmc'))}")
+            elif isinstance(s.get("result"), dict) and "tokens_per_s_median" in s["result"]:
+                r = s["result"]
+                row += f" {r['tokens_per_s_median']:10.0f} {r['ms_per_step_median']:8.1f}"
+            elif "difference" in s:
+                row += f"  |Δloss| {s['difference']:.2e} (tolerance {s['tolerance']:.0e})"
+            print(row)
+        failed = [s["name"] for s in self.steps if s.get("status") not in ("ok", "skipped")]
+        print(f"\n{len(self.steps) - len(failed)} passed, {len(failed)} failed")
+
+
+def find_key(value, key):
+    """The first value under `key` anywhere in a JSON value."""
+    if isinstance(value, dict):
+        if key in value:
+            return value[key]
+        value = list(value.values())
+    if isinstance(value, list):
+        for v in value:
+            found = find_key(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kiln", required=True, help="the kiln binary, or its .xz")
+    ap.add_argument("--kiln-fusion", help="a build with Burn's fusion too (or its .xz): a few benches again")
+    ap.add_argument("--backend", default="cuda", choices=["cuda", "wgpu", "flex"],
+                    help="the GPU backend (flex: a dry run of the check on the CPU)")
+    ap.add_argument("--out", default="gpu-check.json")
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole check")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (a software GPU in CI)")
+    ap.add_argument("--skip-pytorch", action="store_true")
+    args = ap.parse_args()
+    check = Check(args)
+    gpt2_bf16 = ("pytorch gpt2-small bf16", "bench lm gpt2-small bf16", "bf16", [])
+    tiny_f32 = ("pytorch gpt tiny f32", "bench lm tiny f32", "f32", [])
+    compiled = ("pytorch gpt2-small bf16 compiled", "bench lm gpt2-small bf16", "bf16", ["--compile"])
+    try:
+        # Most important first: a budget that runs out skips the last.
+        check.machine()
+        check.bench_named("bench lm tiny f32")
+        check.reference("lm", TINY_MODEL)
+        check.bench_named("bench lm gpt2-small bf16")
+        check.bench_named("bench nli bert-base bf16")
+        check.pytorch([gpt2_bf16])
+        check.bench_named("bench lm tiny bf16")
+        check.bench_named("bench lm tiny f32", fused=True)
+        check.bench_named("bench lm gpt2-small bf16", fused=True)
+        check.bench_named("bench lm gpt2-small f32")
+        check.pytorch([tiny_f32])
+        check.reference("nli", TINY_NLI)
+        check.train_auto()
+        check.pytorch([compiled])
+    finally:
+        check.derive()
+        check.write()
+        shutil.rmtree(check.work, ignore_errors=True)
+    failed = [s for s in check.steps if s.get("status") not in ("ok", "skipped")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
