@@ -397,3 +397,51 @@ fn cv_and_bench_nli_respect_an_experiment_chosen_by_any_layer() {
     assert_eq!(v["bench"]["workload"], "nli");
     assert_eq!(v["config"]["experiment"], "nli_snli");
 }
+
+#[test]
+fn a_machine_with_two_different_gpus_trains_on_the_one_its_preset_was_chosen_for() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    // GPU 0 a T4 (no bf16), GPU 1 an A100 80GB: the preset is the A100's.
+    let report = fake_report(
+        tmp.path(),
+        &[
+            ("Tesla T4", 15, (7, 5)),
+            ("NVIDIA A100-SXM4-80GB", 80, (8, 0)),
+        ],
+    );
+    let report = report.to_str().expect("utf-8");
+    kiln(&["--hardware-report", report, "config", "--explain"])
+        .run()
+        .expect_code(0)
+        .stdout_has(&[
+            "hardware = \"a100_80gb\"",
+            "device.index = 1",
+            "# hardware detection (auto: GPU 1, the GPU the preset was chosen for)",
+        ]);
+    // The run then plans for that GPU: no T4 fallback to fp16, and the GPU
+    // it names is the A100.
+    let out = kiln(&[
+        "--hardware-report",
+        report,
+        "diagnose",
+        "--burst=0",
+        "--json",
+        "precision.amp_dtype=bf16",
+    ])
+    .run();
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("json");
+    let findings = v["diagnosis"]["findings"].to_string();
+    assert!(findings.contains("A100"), "{findings}");
+    assert!(!findings.contains("T4"), "{findings}");
+    // An index set by the user stays.
+    kiln(&[
+        "--hardware-report",
+        report,
+        "config",
+        "--explain",
+        "device.index=0",
+    ])
+    .run()
+    .expect_code(0)
+    .stdout_has(&["device.index = 0", "# command line (device.index=0)"]);
+}

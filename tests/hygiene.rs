@@ -281,9 +281,9 @@ fn tuning_guide_explains_every_preset_knob() {
 }
 
 #[test]
-fn detection_and_config_crates_do_not_depend_on_burn() {
+fn detection_config_and_planning_crates_do_not_depend_on_burn() {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    for krate in ["kiln-hwdetect", "kiln-config"] {
+    for krate in ["kiln-hwdetect", "kiln-config", "kiln-plan"] {
         let out = std::process::Command::new(&cargo)
             .args([
                 "tree",
@@ -315,5 +315,122 @@ fn detection_and_config_crates_do_not_depend_on_burn() {
             })
             .collect();
         assert!(ml.is_empty(), "{krate} depends on {ml:?}");
+    }
+}
+
+/// The top-level modules of a crate's `src/` that each module's `use
+/// crate::...` lines name (a folder module with its files counts as one).
+fn module_imports(
+    src: &Path,
+) -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+    let mut graph = std::collections::BTreeMap::new();
+    let mut files = Vec::new();
+    let mut stack = vec![src.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).expect("read src").flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    let modules: std::collections::BTreeSet<String> = files
+        .iter()
+        .filter_map(|f| {
+            let rel = f.strip_prefix(src).ok()?;
+            let first = rel.components().next()?.as_os_str().to_str()?;
+            Some(first.trim_end_matches(".rs").to_string())
+        })
+        .filter(|m| m != "lib" && m != "main")
+        .collect();
+    // What lib.rs re-exports, by name: `pub use module::{A, B};`.
+    let lib = std::fs::read_to_string(src.join("lib.rs")).expect("lib.rs");
+    let mut exported: std::collections::BTreeMap<String, String> = Default::default();
+    for stmt in lib.split("pub use ").skip(1) {
+        let stmt = stmt.split(';').next().unwrap_or("");
+        let Some((module, rest)) = stmt.split_once("::") else {
+            continue;
+        };
+        for name in rest.split(|c: char| !(c.is_alphanumeric() || c == '_')) {
+            if !name.is_empty() {
+                exported.insert(name.to_string(), module.trim().to_string());
+            }
+        }
+    }
+    let ident = |t: &str| -> String {
+        t.trim_start()
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect()
+    };
+    for f in &files {
+        let rel = f.strip_prefix(src).expect("under src");
+        let Some(first) = rel.components().next().and_then(|c| c.as_os_str().to_str()) else {
+            continue;
+        };
+        let module = first.trim_end_matches(".rs").to_string();
+        if module == "lib" || module == "main" {
+            continue;
+        }
+        let text = std::fs::read_to_string(f).expect("read module");
+        // Only the module's own code, not its tests.
+        let code = text.split("#[cfg(test)]").next().unwrap_or("");
+        let mut names = Vec::new();
+        for after in code.split("crate::").skip(1) {
+            if let Some(group) = after.strip_prefix('{') {
+                let group = group.split('}').next().unwrap_or("");
+                names.extend(group.split(',').map(ident));
+            } else {
+                names.push(ident(after));
+            }
+        }
+        let deps: &mut std::collections::BTreeSet<String> =
+            graph.entry(module.clone()).or_default();
+        for name in names {
+            let target = if modules.contains(&name) {
+                Some(name)
+            } else {
+                exported.get(&name).cloned()
+            };
+            if let Some(t) = target.filter(|t| t != &module) {
+                deps.insert(t);
+            }
+        }
+    }
+    graph
+}
+
+#[test]
+fn kiln_train_modules_import_each_other_without_a_circle() {
+    let graph = module_imports(&root().join("crates/train/src"));
+    assert!(
+        graph.contains_key("step") && graph.contains_key("workload"),
+        "{graph:?}"
+    );
+    // Depth-first search for a back edge.
+    fn visit(
+        m: &str,
+        graph: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut std::collections::BTreeSet<String>,
+    ) {
+        if let Some(i) = path.iter().position(|p| p == m) {
+            panic!("import circle: {} → {m}", path[i..].join(" → "));
+        }
+        if done.contains(m) {
+            return;
+        }
+        path.push(m.to_string());
+        for d in graph.get(m).into_iter().flatten() {
+            visit(d, graph, path, done);
+        }
+        path.pop();
+        done.insert(m.to_string());
+    }
+    let mut done = std::collections::BTreeSet::new();
+    for m in graph.keys() {
+        visit(m, &graph, &mut Vec::new(), &mut done);
     }
 }

@@ -274,3 +274,28 @@ fn bad_pair_files_are_named_with_their_line_and_exit_2() {
         );
     }
 }
+
+#[test]
+fn diagnose_predicts_each_folds_steps_with_accumulation_and_epochs() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut args = tiny(tmp.path(), "steps", 3);
+    args.retain(|a| !a.starts_with("training.gradient_accumulation_steps"));
+    // 90 training pairs a fold, 12 batches an epoch, 3 epochs in groups of
+    // 5: 7 steps (counting whole steps per epoch first would give 6).
+    args.push("training.gradient_accumulation_steps=5".into());
+    args.push("cv.folds=2".into());
+    args.push("experiment=nli_snli".into());
+    let predicted = crate::train::predicted_steps(&args);
+    run_kiln(&args).expect_code(0);
+    // The first fold, as diagnose measures it.
+    let done = crate::train::last_step(&tmp.path().join("steps/fold-1/metrics.jsonl"));
+    assert_eq!(predicted, done);
+    assert_eq!(done, 7);
+    // Evaluations where the first two epochs end (steps 3 and 5) and at the last step.
+    let evals = std::fs::read_to_string(tmp.path().join("steps/fold-1/metrics.jsonl"))
+        .expect("metrics")
+        .lines()
+        .filter(|l| l.contains("\"kind\":\"eval\""))
+        .count();
+    assert!(evals >= 3, "{evals} evaluations");
+}

@@ -389,3 +389,46 @@ fn a_diverging_run_skips_non_finite_steps_then_stops_with_finite_checkpoints() {
         "checkpoints before and during the skipped steps"
     );
 }
+
+/// The steps of a run's last logged step, from its `metrics.jsonl`.
+pub(crate) fn last_step(metrics: &Path) -> u64 {
+    std::fs::read_to_string(metrics)
+        .expect("metrics.jsonl")
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["kind"] == "step")
+        .filter_map(|m| m["step"].as_u64())
+        .max()
+        .expect("a step record")
+}
+
+/// `kiln diagnose --json` for a run's arguments: the steps it predicts.
+pub(crate) fn predicted_steps(train_args: &[String]) -> u64 {
+    let mut args = vec!["diagnose".to_string(), "--burst=0".into(), "--json".into()];
+    args.extend(train_args.iter().skip(1).cloned());
+    let out = run_kiln(&args);
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).unwrap_or_else(|e| {
+        panic!("diagnose --json: {e}\n{}", out.stderr);
+    });
+    v["diagnosis"]["total_steps"].as_u64().expect("total_steps")
+}
+
+#[test]
+fn diagnose_predicts_the_steps_the_run_makes_with_accumulation_and_epochs() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    // 140 batches an epoch over 2 epochs in groups of 3: 93 steps (the
+    // third-of-a-step left over is dropped), not the 92 that counting steps
+    // per epoch first would give.
+    let mut args = tiny(tmp.path(), "epochs", 0);
+    args.extend([
+        "training.epochs=2".to_string(),
+        "training.gradient_accumulation_steps=3".into(),
+        "training.warmup_steps=5".into(),
+        "model.layers=1".into(),
+    ]);
+    let predicted = predicted_steps(&args);
+    run_kiln(&args).expect_code(0);
+    let done = last_step(&tmp.path().join("epochs/metrics.jsonl"));
+    assert_eq!(predicted, done);
+    assert_eq!(done, 93);
+}

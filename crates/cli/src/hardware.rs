@@ -12,14 +12,10 @@ fn gib(bytes: u64) -> String {
     format!("{:.1} GiB", bytes as f64 / GIB)
 }
 
-/// The GPU the recommendation is for, if any.
+/// The GPU the run would use (`device.index`, which `hardware=auto` sets
+/// to the GPU it chose the preset for), if any.
 fn chosen_gpu<'a>(report: &'a HardwareReport, resolved: &ResolvedConfig) -> Option<&'a GpuInfo> {
-    let index = resolved
-        .hardware_choice
-        .as_ref()
-        .and_then(|c| c.gpu_index)
-        .unwrap_or(0);
-    report.gpus().iter().find(|g| g.index == index)
+    kiln_plan::run_gpu(&resolved.config, report)
 }
 
 /// The readable report of `kiln check-hardware`.

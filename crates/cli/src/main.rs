@@ -698,22 +698,9 @@ fn tune_command(
     let effective = t.batch_size * t.gradient_accumulation_steps.max(1);
     let device = kiln_train::select_device(&config.device, !report.gpus().is_empty())
         .map_err(train_error)?;
-    let gpu = report
-        .gpus()
-        .iter()
-        .find(|g| g.index as usize == config.device.index)
-        .filter(|_| device.is_gpu);
-    let (limit, what) = match gpu {
-        Some(g) => (
-            g.memory_total_bytes / 10 * 9,
-            format!("GPU {} memory less a 10 % margin", g.index),
-        ),
-        None => (
-            report.memory.available_bytes / 10 * 9,
-            "available RAM less a 10 % margin".to_string(),
-        ),
-    };
-    let space = kiln_train::TuneSpace::new(
+    let (limit, what) = kiln_plan::memory_limit(config, report, device.is_gpu);
+    let gpu = kiln_plan::run_gpu(config, report).filter(|_| device.is_gpu);
+    let space = kiln_plan::TuneSpace::new(
         effective,
         config.loader.num_workers,
         config.loader.prefetch_factor,
@@ -779,9 +766,9 @@ fn tune_command(
         return Ok(ExitCode::SUCCESS);
     }
     let result = if args.sweep {
-        kiln_train::sweep(&space, &mut probe)
+        kiln_plan::sweep(&space, &mut probe)
     } else {
-        kiln_train::tune(&space, &mut probe)
+        kiln_plan::tune(&space, &mut probe)
     }?;
     let mut written = None;
     if args.write {
@@ -806,8 +793,8 @@ fn tune_command(
             args.min_seconds,
             result.seconds
         );
-        let block = kiln_train::tuned_block(&config.experiment, &header, &space, &result);
-        kiln_train::write_tuned(&path, &config.experiment, &block)
+        let block = kiln_plan::tuned_block(&config.experiment, &header, &space, &result);
+        kiln_config::write_tuned(&path, &config.experiment, &block)
             .map_err(|e| anyhow::anyhow!("failed to write `{}`: {e}", path.display()))?;
         written = Some(path);
     }

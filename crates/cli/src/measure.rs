@@ -8,9 +8,8 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kiln_train::{
-    Candidate, Diagnosis, Measurement, Probe, ProbeResult, TuneResult, TuneSpace, gib,
-};
+use kiln_plan::{Candidate, Measurement, Probe, ProbeResult, TuneResult, TuneSpace, gib};
+use kiln_train::Diagnosis;
 
 /// Runs a candidate as `kiln [global flags] bench <workload> --json ...`.
 #[derive(Clone, Debug)]
@@ -107,20 +106,19 @@ impl Probe for ChildProbe {
     }
 }
 
-/// Reads a `kiln bench --json` result as the tuner's measurement: whole
-/// optimizer steps of `accumulation` micro-steps and one optimizer step.
+/// Reads a `kiln bench --json` result as the tuner's measurement: the bench
+/// times whole optimizer steps (`accumulation` micro-steps and one update).
 fn measurement(json: &str, c: &Candidate, seconds: f64) -> Option<Measurement> {
     let value: serde_json::Value = serde_json::from_str(json).ok()?;
     let b = value.get("bench")?;
     let num = |k: &str| b.get(k).and_then(serde_json::Value::as_f64);
     let step_ms = num("ms_per_step_median")?;
     let optimizer_ms = b.get("phases")?.get("optimizer_ms")?.as_f64()?;
-    let micro_ms = (step_ms - optimizer_ms).max(0.0);
-    let effective_ms = c.accumulation as f64 * micro_ms + optimizer_ms;
+    let micro_ms = (step_ms - optimizer_ms).max(0.0) / c.accumulation.max(1) as f64;
     let effective = (c.micro_batch * c.accumulation) as f64;
     Some(Measurement {
-        samples_per_s: if effective_ms > 0.0 {
-            effective * 1e3 / effective_ms
+        samples_per_s: if step_ms > 0.0 {
+            effective * 1e3 / step_ms
         } else {
             0.0
         },
@@ -159,8 +157,8 @@ pub(crate) fn compare_with_sweep(
     probe: &mut ChildProbe,
     rounds: usize,
 ) -> anyhow::Result<Comparison> {
-    let tune = kiln_train::tune(space, probe)?;
-    let sweep = kiln_train::sweep(space, probe)?;
+    let tune = kiln_plan::tune(space, probe)?;
+    let sweep = kiln_plan::sweep(space, probe)?;
     let mut long = probe.clone();
     long.min_seconds = (probe.min_seconds * 3.0).max(1.0);
     let mut rate = |c: &Candidate| match long.probe(c) {
@@ -316,7 +314,9 @@ pub(crate) fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
     let _ = writeln!(
         s,
         "budget:    {} optimizer steps, {} per epoch: {:.2} epochs",
-        d.total_steps, d.steps_per_epoch, d.epochs
+        d.total_steps,
+        (d.steps_per_epoch * 10.0).round() / 10.0,
+        d.epochs
     );
     let m = &d.memory;
     let _ = writeln!(
@@ -338,7 +338,7 @@ pub(crate) fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
         Some(b) => {
             let _ = writeln!(
                 s,
-                "measured:  {} steps, {:.1} ms per micro-step, peak RAM {}: {} per epoch, {} for the run's {} steps (evaluation not included)\n\
+                "measured:  {} steps, {:.1} ms per optimizer step, peak RAM {}: {} per epoch, {} for the run's {} steps (evaluation not included)\n\
                  loader:    {}",
                 b.steps,
                 b.ms_per_step,
@@ -359,9 +359,9 @@ pub(crate) fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
         s.push_str("problems:\n");
         for f in &d.findings {
             let level = match f.severity {
-                kiln_train::Severity::Error => "error",
-                kiln_train::Severity::Warning => "warning",
-                kiln_train::Severity::Note => "note",
+                kiln_plan::Severity::Error => "error",
+                kiln_plan::Severity::Warning => "warning",
+                kiln_plan::Severity::Note => "note",
             };
             let _ = writeln!(
                 s,
@@ -391,7 +391,9 @@ mod tests {
 
     #[test]
     fn a_bench_result_becomes_whole_optimizer_steps() {
-        let json = r#"{"bench": {"ms_per_step_median": 12.0, "phases": {"optimizer_ms": 2.0},
+        // The bench times whole steps: 3 micro-steps of 10 ms and one
+        // optimizer step of 2 ms.
+        let json = r#"{"bench": {"ms_per_step_median": 32.0, "phases": {"optimizer_ms": 2.0},
             "data_wait_pct": 0.5, "peak_memory_bytes": 1024, "device_memory_used_bytes": null}}"#;
         let c = Candidate {
             micro_batch: 4,
@@ -400,8 +402,9 @@ mod tests {
             prefetch_factor: 2,
         };
         let m = measurement(json, &c, 1.5).expect("parsed");
-        // 3 micro-steps of 10 ms and one optimizer step of 2 ms carry 12 samples.
+        // They carry 12 samples.
         assert!((m.samples_per_s - 12.0 * 1e3 / 32.0).abs() < 1e-9, "{m:?}");
+        assert!((m.ms_per_micro_step - 10.0).abs() < 1e-9, "{m:?}");
         assert_eq!(m.peak_memory_bytes, 1024);
         assert!(measurement("not json", &c, 1.0).is_none());
     }

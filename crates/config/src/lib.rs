@@ -19,6 +19,7 @@ mod layer;
 mod load;
 mod preset;
 mod schema;
+mod tuned;
 
 pub use error::ConfigError;
 pub use layer::{LayerKind, Source};
@@ -31,3 +32,4 @@ pub use preset::{
     choose_preset, effective_precision,
 };
 pub use schema::*;
+pub use tuned::write_tuned;

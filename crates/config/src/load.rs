@@ -254,6 +254,23 @@ pub fn resolve(opts: &LoadOptions<'_>) -> Result<ResolvedConfig, ConfigError> {
                 location: format!("{hardware_asked}: {}", choice.why),
             },
         );
+        // The run trains on the GPU the preset was chosen for, unless a
+        // layer above the defaults names one.
+        let index_set = sources
+            .get("device.index")
+            .is_some_and(|s| s.layer != LayerKind::Defaults);
+        if let (Some(index), false) = (choice.gpu_index, index_set) {
+            config.device.index = index as usize;
+            sources.insert(
+                "device.index".to_string(),
+                Source {
+                    layer: LayerKind::HardwareDetection,
+                    location: format!(
+                        "{hardware_asked}: GPU {index}, the GPU the preset was chosen for"
+                    ),
+                },
+            );
+        }
     }
     resolver.check_ranges(&config)?;
     Ok(ResolvedConfig {

@@ -1,28 +1,26 @@
-//! `kiln bench lm | nli`: warm-up steps excluded, then the median and spread
-//! of timed training steps, each split into its phases (the device is
-//! synchronised between them, which a training run does not do).
+//! `kiln bench lm | nli`: warm-up steps excluded, then the median and
+//! spread of timed optimizer steps — [`train_step`], the function training
+//! runs, with gradient accumulation and loss scaling as configured — each
+//! split into its phases (the device is synchronised between them, which a
+//! training run does not do).
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use burn::module::Module;
-use burn::optim::GradientsParams;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Device;
 use kiln_config::{RunConfig, Workload};
-use kiln_data::{
-    BatchSource, EncodedPair, LmWindows, Loader, PairBatch, PairBatches, Split, Tokenizer,
-    benchmark_loader, encode_cached, encode_dataset, pad_batch, read_corpus, read_pairs,
-};
+use kiln_data::{BatchSource, Loader, benchmark_loader};
 use kiln_hwdetect::HardwareReport;
 use serde::Serialize;
 
-use crate::lm::{batch_tensors, gpt_config, make_tokenizer};
-use crate::nli::{encoder_config, pair_tensors, schema};
-use crate::optim::{AdamW, global_grad_norm};
-use crate::precision::PrecisionChoice;
+use crate::optim::AdamW;
+use crate::precision::{LossScaler, PrecisionChoice};
 use crate::report::median;
-use crate::trainer::{Work, init_model, kernels, train_device};
+use crate::setup::{init_model, mfu_peak, run_precision, train_device};
+use crate::step::{Phase, PhaseTimer, StepState, train_step};
+use crate::task::{Task, Work};
+use crate::translate::kernels;
+use crate::workload::{lm, nli};
 use crate::{MemoryTracker, TrainError, open_device};
 
 /// How many steps to run, and how to pad pairs.
@@ -38,7 +36,8 @@ pub struct BenchOptions {
     pub pad_to_max_length: bool,
 }
 
-/// Median milliseconds per phase of a step.
+/// Median milliseconds per phase of an optimizer step (the first four
+/// summed over its micro-batches).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct PhaseTimes {
     pub data_wait_ms: f64,
@@ -55,9 +54,13 @@ pub struct BenchResult {
     pub backend: String,
     /// What the products computed in: "f32", "bf16 compute, f32 master weights", ...
     pub precision: String,
+    /// Optimizer steps: each of `gradient_accumulation_steps` micro-batches.
     pub warmup_steps: usize,
     pub timed_steps: usize,
     pub batch_size: usize,
+    pub gradient_accumulation_steps: usize,
+    /// fp16's loss scale at the end (`None`: no loss scaling).
+    pub loss_scale: Option<f64>,
     pub samples_per_s_median: f64,
     /// Tokens that carry data (no padding) per second.
     pub tokens_per_s_median: f64,
@@ -100,10 +103,41 @@ struct Timings {
     step_s: Vec<f64>,
     phases: [Vec<f64>; 5],
     work: Vec<Work>,
-    padded_tokens: Vec<usize>,
-    real_tokens: Vec<usize>,
     final_loss: f64,
+    loss_scale: Option<f64>,
     cpu_util_pct: Option<f64>,
+}
+
+/// The bench's phase timer: synchronises the device at the end of each
+/// phase and adds the time since the last mark to the phase.
+struct SyncTimer<'a> {
+    device: &'a Device,
+    last: Instant,
+    /// Seconds per phase in the current step.
+    step: [f64; 5],
+}
+
+impl SyncTimer<'_> {
+    fn start_step(&mut self) {
+        self.step = [0.0; 5];
+        self.last = Instant::now();
+    }
+}
+
+impl PhaseTimer for SyncTimer<'_> {
+    fn end(&mut self, phase: Phase) {
+        let _ = self.device.sync();
+        let now = Instant::now();
+        let i = match phase {
+            Phase::Data => 0,
+            Phase::Upload => 1,
+            Phase::Forward => 2,
+            Phase::Backward => 3,
+            Phase::Optimizer => 4,
+        };
+        self.step[i] += (now - self.last).as_secs_f64();
+        self.last = now;
+    }
 }
 
 /// CPU seconds this process has used (user and system, all threads).
@@ -126,28 +160,27 @@ fn process_cpu_seconds() -> Option<f64> {
     None
 }
 
-/// Runs `warmup + steps` training steps, timing each phase.
-#[allow(clippy::too_many_arguments, reason = "the parts of a timed step")]
-fn time_steps<M: Module, S: BatchSource, I>(
-    source: Arc<S>,
-    mut model: M,
-    optim: &mut AdamW,
+/// Runs `warmup + steps` optimizer steps of `task`, timing each phase.
+fn time_steps<T: Task>(
+    task: &T,
+    mut model: T::Model,
     device: &Device,
     config: &RunConfig,
     options: BenchOptions,
-    upload: impl Fn(&S::Batch, &Device) -> I,
-    forward: impl Fn(&M, I) -> Tensor<1>,
-    work: impl Fn(&S::Batch) -> (Work, usize),
+    scaler: Option<LossScaler>,
 ) -> Timings {
-    let t = &config.training;
     let mut loader = Loader::new(
-        source,
+        task.source(),
         0,
         config.loader.num_workers,
         config.loader.prefetch_factor,
     );
-    let sync = || {
-        let _ = device.sync();
+    let mut optim = AdamW::for_training(&config.training);
+    let mut state = StepState::new(config, scaler);
+    let mut timer = SyncTimer {
+        device,
+        last: Instant::now(),
+        step: [0.0; 5],
     };
     let mut out = Timings::default();
     let mut timed = 0.0;
@@ -166,46 +199,31 @@ fn time_steps<M: Module, S: BatchSource, I>(
             timed_from = Some((process_cpu_seconds(), Instant::now()));
         }
         let start = Instant::now();
-        let loaded = loader.next_batch();
-        let t_data = loaded.wait.as_secs_f64();
-        let t0 = Instant::now();
-        let inputs = upload(&loaded.batch, device);
-        sync();
-        let t1 = Instant::now();
-        let loss = forward(&model, inputs);
-        sync();
-        let t2 = Instant::now();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        sync();
-        let t3 = Instant::now();
-        let norm = global_grad_norm(&model, &grads);
-        let scale = if t.grad_clip > 0.0 && norm > t.grad_clip {
-            t.grad_clip / (norm + 1e-6)
-        } else {
-            1.0
-        };
-        model = optim.step(model, grads, t.learning_rate, scale);
-        out.final_loss = f64::from(loss.into_scalar::<f32>());
-        let t4 = Instant::now();
+        timer.start_step();
+        let (stepped, report) = train_step(
+            task,
+            model,
+            &mut optim,
+            &mut state,
+            &mut loader,
+            device,
+            config.training.learning_rate,
+            &config.training,
+            &mut timer,
+        );
+        model = stepped;
+        out.final_loss = f64::from(report.loss);
         if i > options.warmup {
-            timed += start.elapsed().as_secs_f64();
-            out.step_s.push(start.elapsed().as_secs_f64());
-            let (w, padded) = work(&loaded.batch);
-            out.work.push(w);
-            out.real_tokens.push(w.tokens);
-            out.padded_tokens.push(padded);
-            let phases = [
-                t_data,
-                (t1 - t0).as_secs_f64(),
-                (t2 - t1).as_secs_f64(),
-                (t3 - t2).as_secs_f64(),
-                (t4 - t3).as_secs_f64(),
-            ];
-            for (list, v) in out.phases.iter_mut().zip(phases) {
+            let seconds = start.elapsed().as_secs_f64();
+            timed += seconds;
+            out.step_s.push(seconds);
+            out.work.push(report.work);
+            for (list, v) in out.phases.iter_mut().zip(timer.step) {
                 list.push(v * 1e3);
             }
         }
     }
+    out.loss_scale = state.scaler.map(|s| s.scale);
     if let Some((Some(cpu0), wall0)) = timed_from {
         let wall = wall0.elapsed().as_secs_f64();
         out.cpu_util_pct = process_cpu_seconds()
@@ -235,8 +253,10 @@ fn result(
             .map(|(n, s)| *n as f64 / s)
             .collect()
     };
-    let mut tps = per_step(&t.real_tokens);
-    let mut padded = per_step(&t.padded_tokens);
+    let real: Vec<usize> = t.work.iter().map(|w| w.tokens).collect();
+    let padded: Vec<usize> = t.work.iter().map(|w| w.padded_tokens).collect();
+    let mut tps = per_step(&real);
+    let mut padded = per_step(&padded);
     let mut sps: Vec<f64> = t
         .work
         .iter()
@@ -254,7 +274,7 @@ fn result(
     let waited: f64 = t.phases[0].iter().sum::<f64>() / 1e3;
     let samples: usize = t.work.iter().map(|w| w.samples).sum();
     let flops_padded = t.work.iter().map(|w| w.flops).sum::<f64>() / samples.max(1) as f64;
-    let (peak, mfu_peak) = crate::lm::mfu_peak(device, precision, hardware);
+    let (peak, mfu_peak) = mfu_peak(device, precision, hardware);
     let tokens_per_s_median = median(&mut tps);
     let percentile = |v: &[f64], q: f64| -> f64 {
         // `median` sorted `tps`; nearest rank.
@@ -265,10 +285,10 @@ fn result(
     let gpu_memory = device
         .is_gpu
         .then(|| {
-            let index = config.device.index;
+            let index = kiln_plan::run_gpu(config, hardware).map(|g| g.index);
             kiln_hwdetect::detect_gpus()
                 .into_iter()
-                .find(|g| g.index as usize == index)
+                .find(|g| Some(g.index) == index)
                 .map(|g| {
                     (
                         g.memory_total_bytes - g.memory_free_bytes,
@@ -285,6 +305,8 @@ fn result(
         warmup_steps: options.warmup,
         timed_steps: t.step_s.len(),
         batch_size: config.training.batch_size,
+        gradient_accumulation_steps: config.training.gradient_accumulation_steps,
+        loss_scale: t.loss_scale,
         samples_per_s_median: median(&mut sps),
         tokens_per_s_median,
         tokens_per_s_min: tps.first().copied().unwrap_or(0.0),
@@ -318,56 +340,6 @@ fn result(
         final_loss: t.final_loss,
         cpu_util_pct: t.cpu_util_pct,
     }
-}
-
-/// The language model's training windows for `config`, and the vocabulary size.
-pub(crate) fn lm_source(config: &RunConfig) -> Result<(Arc<LmWindows>, usize), TrainError> {
-    let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
-    let tokenizer = make_tokenizer(config, &corpus.text)?;
-    let (ids, _) = encode_cached(&tokenizer, &corpus, Path::new(&config.data.cache_dir))?;
-    let block = config.model.max_length;
-    if ids.len() < block + 1 {
-        return Err(kiln_data::DataError::TooShort {
-            path: corpus.path.clone(),
-            split: "train",
-            tokens: ids.len(),
-            need: block + 1,
-        }
-        .into());
-    }
-    let t = &config.training;
-    let source = Arc::new(LmWindows::new(
-        ids.into(),
-        t.batch_size,
-        block,
-        t.seed,
-        Split::Train,
-    ));
-    Ok((source, tokenizer.vocab_size()))
-}
-
-/// Batches of all of `config`'s pairs (a WordPiece vocabulary built on them),
-/// the vocabulary size and the mean pair length in tokens.
-pub(crate) fn nli_source(config: &RunConfig) -> Result<(Arc<PairBatches>, usize, f64), TrainError> {
-    let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
-    let tokenizer = Tokenizer::wordpiece(
-        data.pairs
-            .iter()
-            .flat_map(|p| [p.premise.as_str(), p.hypothesis.as_str()]),
-        config.data.vocab_size,
-        config.model.max_length,
-    )?;
-    let encoded: Arc<[EncodedPair]> = encode_dataset(&tokenizer, &data)?.into();
-    let real_mean =
-        encoded.iter().map(|p| p.ids.len()).sum::<usize>() as f64 / encoded.len().max(1) as f64;
-    let t = &config.training;
-    let source = Arc::new(PairBatches::new(
-        encoded,
-        t.batch_size,
-        t.seed,
-        config.loader.bucket_by_length,
-    ));
-    Ok((source, tokenizer.vocab_size(), real_mean))
 }
 
 /// One loader setting of [`bench_loader`].
@@ -406,14 +378,19 @@ pub fn bench_loader(config: &RunConfig, batches: usize) -> Result<LoaderBenchRes
     }
     let batch = config.training.batch_size;
     let (workload, rows) = match config.workload {
-        Workload::Lm => (
-            "lm",
-            loader_rows(lm_source(config)?.0, &settings, batches, batch),
-        ),
-        Workload::Nli => (
-            "nli",
-            loader_rows(nli_source(config)?.0, &settings, batches, batch),
-        ),
+        Workload::Lm => {
+            let prepared = lm::prepare(config, lm::TokenizerFrom::Config)?;
+            let task = prepared.task(config, &Device::flex())?;
+            ("lm", loader_rows(task.source(), &settings, batches, batch))
+        }
+        Workload::Nli => {
+            let pairs = nli::read(config)?;
+            let prepared = nli::prepare(config, &pairs, 0, None)?;
+            (
+                "nli",
+                loader_rows(prepared.train, &settings, batches, batch),
+            )
+        }
     };
     Ok(LoaderBenchResult {
         workload,
@@ -456,46 +433,29 @@ fn bench_device(
 ) -> Result<(crate::DeviceChoice, Device, PrecisionChoice), TrainError> {
     let choice = open_device(config, !hardware.gpus().is_empty())?;
     let device = train_device(config, &choice.device, config.training.seed);
-    let precision = crate::lm::run_precision(config, &choice, hardware);
+    let precision = run_precision(config, &choice, hardware);
     Ok((choice, device, precision))
 }
 
-/// Times training steps of the language model of `config`.
+/// Times training steps of the language model of `config`, prepared as a
+/// run prepares it.
 pub fn bench_lm(
     config: &RunConfig,
     hardware: &HardwareReport,
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
     let (choice, device, precision) = bench_device(config, hardware)?;
-    let (source, vocab) = lm_source(config)?;
-    let block = config.model.max_length;
-    let gpt = gpt_config(config, vocab);
+    let prepared = lm::prepare(config, lm::TokenizerFrom::Config)?;
+    let task = prepared.task(config, &choice.device)?;
+    let gpt = &prepared.gpt;
     let seed = config.training.seed;
     let model = init_model(config, &device, choice.is_gpu, seed, |d| gpt.init(d))
         .with_compute(precision.compute)
         .with_kernels(kernels(config));
-    let per_token = gpt.flops_per_token();
-    let timings = time_steps(
-        source,
-        model,
-        &mut AdamW::for_training(&config.training),
-        &device,
-        config,
-        options,
-        batch_tensors,
-        |m: &kiln_model::Gpt, (x, y)| m.loss(x, y),
-        |b| {
-            let tokens = b.batch_size * b.block;
-            (
-                Work {
-                    samples: b.batch_size,
-                    tokens,
-                    flops: per_token * tokens as f64,
-                },
-                tokens,
-            )
-        },
-    );
+    let scaler = precision
+        .loss_scaling()
+        .then(|| LossScaler::from_config(&config.precision));
+    let timings = time_steps(&task, model, &device, config, options, scaler);
     Ok(result(
         "lm",
         &choice,
@@ -503,101 +463,38 @@ pub fn bench_lm(
         config,
         hardware,
         options,
-        (gpt.num_params(), vocab),
-        per_token * block as f64,
+        (gpt.num_params(), gpt.vocab_size),
+        gpt.flops_per_token() * config.model.max_length as f64,
         timings,
     ))
 }
 
-/// Pads a batch out to `len` tokens.
-fn repad(b: &PairBatch, len: usize) -> PairBatch {
-    if b.seq_len >= len {
-        return b.clone();
-    }
-    let rows: Vec<EncodedPair> = (0..b.batch_size)
-        .map(|r| {
-            let row = r * b.seq_len..(r + 1) * b.seq_len;
-            let n = b.mask[row.clone()].iter().filter(|m| **m).count();
-            EncodedPair {
-                ids: b.ids[row.start..row.start + n].to_vec(),
-                segments: b.segments[row.start..row.start + n].to_vec(),
-                label: b.labels[r],
-            }
-        })
-        .collect();
-    let refs: Vec<&EncodedPair> = rows.iter().collect();
-    let mut out = pad_batch(b.index, &refs);
-    let extra = len - out.seq_len;
-    let widen = |v: &[u32]| -> Vec<u32> {
-        v.chunks(out.seq_len)
-            .flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0, extra)))
-            .collect()
-    };
-    let mask: Vec<bool> = out
-        .mask
-        .chunks(out.seq_len)
-        .flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(false, extra)))
-        .collect();
-    out.ids = widen(&out.ids);
-    out.segments = widen(&out.segments);
-    out.mask = mask;
-    out.seq_len = len;
-    out
-}
-
-/// Times training steps of the sentence-pair encoder of `config` on its data.
+/// Times training steps of the sentence-pair encoder of `config` on its
+/// first fold, prepared as the run prepares it.
 pub fn bench_nli(
     config: &RunConfig,
     hardware: &HardwareReport,
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
     let (choice, device, precision) = bench_device(config, hardware)?;
-    let (source, vocab, real_mean) = nli_source(config)?;
-    let max_len = config.model.max_length;
-    let encoder = encoder_config(config, vocab);
-    let seed = config.training.seed;
-    let mut model = init_model(config, &device, choice.is_gpu, seed, |d| encoder.init(d))
-        .with_compute(precision.compute)
-        .with_kernels(kernels(config));
+    let pairs = nli::read(config)?;
+    let prepared = nli::prepare(config, &pairs, 0, None)?;
+    let encoder = &prepared.encoder;
+    let mut model = init_model(config, &device, choice.is_gpu, prepared.seed, |d| {
+        encoder.init(d)
+    })
+    .with_compute(precision.compute)
+    .with_kernels(kernels(config));
     let frozen = config.model.freeze_encoder;
     if frozen {
         model = model.freeze_encoder();
     }
-    let pad = options.pad_to_max_length;
-    let enc = encoder.clone();
-    let timings = time_steps(
-        source,
-        model,
-        &mut AdamW::for_training(&config.training),
-        &device,
-        config,
-        options,
-        |b: &PairBatch, d: &Device| {
-            if pad {
-                pair_tensors(&repad(b, max_len), d)
-            } else {
-                pair_tensors(b, d)
-            }
-        },
-        |m: &kiln_model::EncoderClassifier, (ids, seg, mask, labels)| {
-            m.loss(ids, seg, mask, labels)
-        },
-        |b| {
-            let len = if pad {
-                max_len.max(b.seq_len)
-            } else {
-                b.seq_len
-            };
-            (
-                Work {
-                    samples: b.batch_size,
-                    tokens: b.real_tokens,
-                    flops: b.batch_size as f64 * enc.flops_per_sequence(len, frozen),
-                },
-                b.batch_size * len,
-            )
-        },
-    );
+    let pad_to = options.pad_to_max_length.then_some(config.model.max_length);
+    let task = prepared.task(config, &pairs.data.labels, &choice.device, pad_to);
+    let scaler = precision
+        .loss_scaling()
+        .then(|| LossScaler::from_config(&config.precision));
+    let timings = time_steps(&task, model, &device, config, options, scaler);
     Ok(result(
         "nli",
         &choice,
@@ -605,8 +502,8 @@ pub fn bench_nli(
         config,
         hardware,
         options,
-        (encoder.num_params(), vocab),
-        encoder.flops_per_sequence(real_mean.round() as usize, frozen),
+        (encoder.num_params(), encoder.vocab_size),
+        encoder.flops_per_sequence(prepared.mean_length.round() as usize, frozen),
         timings,
     ))
 }
@@ -615,25 +512,64 @@ pub fn bench_nli(
 mod tests {
     use super::*;
 
-    #[test]
-    fn repadding_keeps_the_rows_and_widens_with_padding() {
-        let pairs = [
-            EncodedPair {
-                ids: vec![2, 5, 3],
-                segments: vec![0, 0, 0],
-                label: 1,
-            },
-            EncodedPair {
-                ids: vec![2, 3],
-                segments: vec![0, 0],
-                label: 0,
-            },
+    /// A tiny model on a slice of the shipped corpus, with `extra` overrides.
+    fn tiny(cache: &std::path::Path, extra: &[&str]) -> RunConfig {
+        let corpus =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/tinyshakespeare.txt");
+        let mut overrides = vec![
+            format!("data.path={}", corpus.display()),
+            format!("data.cache_dir={}", cache.display()),
+            "data.max_chars=40000".to_string(),
+            "model.layers=1".into(),
+            "model.heads=2".into(),
+            "model.hidden=16".into(),
+            "model.intermediate=32".into(),
+            "model.max_length=16".into(),
+            "training.batch_size=4".into(),
+            "loader.num_workers=0".into(),
         ];
-        let b = pad_batch(0, &pairs.iter().collect::<Vec<_>>());
-        let wide = repad(&b, 6);
-        assert_eq!(wide.seq_len, 6);
-        assert_eq!(wide.ids, vec![2, 5, 3, 0, 0, 0, 2, 3, 0, 0, 0, 0]);
-        assert_eq!(wide.mask.iter().filter(|m| **m).count(), 5);
-        assert_eq!(wide.labels, vec![1, 0]);
+        overrides.extend(extra.iter().map(|s| s.to_string()));
+        let refs: Vec<&str> = overrides.iter().map(String::as_str).collect();
+        crate::tests::config(&refs)
+    }
+
+    #[test]
+    fn bench_times_the_training_step_with_accumulation_and_loss_scaling() {
+        let cache = tempfile::tempdir().expect("tempdir");
+        let config = tiny(
+            cache.path(),
+            &[
+                "training.gradient_accumulation_steps=4",
+                "precision.amp=true",
+                "precision.amp_dtype=fp16",
+            ],
+        );
+        let hardware = kiln_hwdetect::detect_with(&kiln_hwdetect::FixedProbe(
+            kiln_hwdetect::GpuStatus::None { why: String::new() },
+            kiln_hwdetect::DriverInfo::default(),
+        ));
+        let options = BenchOptions {
+            warmup: 1,
+            steps: 3,
+            min_seconds: 0.0,
+            pad_to_max_length: false,
+        };
+        let before = crate::step::steps_run();
+        let r = bench_lm(&config, &hardware, options).expect("bench runs");
+        // Each warm-up and timed step was one call of the loop's step...
+        assert_eq!(
+            crate::step::steps_run() - before,
+            (r.warmup_steps + r.timed_steps) as u64
+        );
+        assert_eq!(r.timed_steps, 3);
+        // ...of four micro-batches, its fp16 loss scaled.
+        assert_eq!(r.gradient_accumulation_steps, 4);
+        assert!(r.loss_scale.is_some_and(|s| s > 1.0), "{:?}", r.loss_scale);
+        let tokens_per_step = r.tokens_per_s_median * r.ms_per_step_median / 1e3;
+        assert!(
+            (tokens_per_step - (4 * 4 * 16) as f64).abs() < 1.0,
+            "{tokens_per_step} tokens per step"
+        );
+        assert!(r.final_loss.is_finite());
     }
 }

@@ -100,15 +100,3 @@ pub fn select_device(device: &DeviceSection, has_gpu: bool) -> Result<DeviceChoi
         Backend::Cuda => Err(missing("cuda")),
     }
 }
-
-/// The device a run trains on: [`select_device`] for `config.device`, with
-/// `optimization.compile` applied to CubeCL first (its configuration must be
-/// in place before the device's first kernel).
-pub fn open_device(
-    config: &kiln_config::RunConfig,
-    has_gpu: bool,
-) -> Result<DeviceChoice, TrainError> {
-    let probe = select_device(&config.device, has_gpu)?;
-    let compile = crate::compile::apply_compile(&config.optimization, &probe);
-    Ok(DeviceChoice { compile, ..probe })
-}

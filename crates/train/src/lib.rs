@@ -4,17 +4,21 @@
 //! - [`train`]: trains a [`RunConfig`] in a run directory — the GPT language
 //!   model, or the sentence-pair encoder with grouped, stratified k-fold
 //!   cross-validation ([`train_cv`]) — reporting each step through an
-//!   [`Observer`], writing metrics, plots and checkpoints; [`resume`]
-//!   continues a run (in the right fold) from its last good checkpoint,
-//!   bitwise where the backend is deterministic; [`predict`] labels pairs
-//!   with a finished CV run's best fold.
-//! - [`bench_lm`], [`bench_nli`]: timed steps with the step split into its
+//!   [`Observer`], writing metrics ([`Record`]), plots and checkpoints;
+//!   [`resume`] continues a run (in the right fold) from its last good
+//!   checkpoint, bitwise where the backend is deterministic; [`predict`]
+//!   labels pairs with a finished CV run's best fold.
+//! - [`bench_lm`], [`bench_nli`]: the training step timed, split into its
 //!   phases; [`bench_loader`]: the loader alone.
-//! - [`diagnose`]: the pre-flight check (device, data, config problems with
-//!   their fixes, memory, a measured burst); [`tune`]: micro-batch,
-//!   accumulation and loader settings measured for this machine.
-//! - [`AdamW`], [`lr_at`]: the optimizer and schedule, written out so that
-//!   their state is ours to checkpoint.
+//! - [`diagnose`]: the pre-flight check, measured (kiln-plan decides).
+//! - [`AdamW`]: the optimizer, written out so that its state is ours to
+//!   checkpoint.
+//!
+//! Inside, each decision lives once: `workload/` prepares each workload
+//! for the run, bench and diagnose alike; `step.rs` is the one optimizer
+//! step the loop (`trainer.rs`) runs and bench times; `setup.rs` the
+//! device, precision and first weights; `translate.rs` the mapping of
+//! config types to library types.
 //!
 //! [`RunConfig`]: kiln_config::RunConfig
 
@@ -24,16 +28,21 @@ mod compile;
 mod device;
 mod diagnose;
 mod error;
-mod lm;
 mod memory;
-mod nli;
 mod optim;
+mod options;
 mod params;
 mod precision;
+mod records;
 mod report;
+mod run;
 mod rundir;
+mod setup;
+mod step;
+mod task;
 mod trainer;
-mod tune;
+mod translate;
+mod workload;
 
 pub use bench::{
     BenchOptions, BenchResult, LoaderBenchResult, LoaderRow, PhaseTimes, bench_lm, bench_loader,
@@ -41,22 +50,46 @@ pub use bench::{
 };
 pub use checkpoint::{CheckpointInfo, latest_good_checkpoint};
 pub use compile::{FUSION_BUILT_IN, apply_compile, autotune_level};
-pub use device::{BACKENDS_BUILT_IN, DeviceChoice, open_device, select_device};
-pub use diagnose::{
-    Burst, CheckInput, DataSize, Diagnosis, Finding, MemoryEstimate, Severity, check_config,
-    diagnose, estimate_memory, gib, loader_verdict,
-};
+pub use device::{BACKENDS_BUILT_IN, DeviceChoice, select_device};
+pub use diagnose::{Diagnosis, diagnose};
 pub use error::TrainError;
-pub use lm::{Outcome, TrainOptions, resume, train};
 pub use memory::MemoryTracker;
-pub use nli::{ClassMetrics, CvSummary, FoldResult, Prediction, Scores, predict, train_cv};
-pub use optim::{AdamW, lr_at};
+pub use optim::AdamW;
+pub use options::{Outcome, TrainOptions};
 pub use precision::{
     LossScaler, PrecisionChoice, ScaleVerdict, choose_precision, choose_precision_with,
 };
-pub use report::{Event, Observer, StepMetrics, Summary, median};
-pub use rundir::{RunDir, utc_stamp};
-pub use tune::{
-    Candidate, Measurement, NothingRan, Probe, ProbeResult, Trial, TuneResult, TuneSpace, divisors,
-    sweep, tune, tuned_block, write_tuned,
+pub use records::{
+    ClassMetrics, CvSummary, EvalMetrics, EvalRecord, FoldResult, Record, Scores, Skipped,
+    StepMetrics,
 };
+pub use report::{Event, Observer, Summary, median};
+pub use run::{resume, train, train_cv};
+pub use rundir::{RunDir, utc_stamp};
+pub use setup::open_device;
+pub use workload::nli::{Prediction, predict};
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use kiln_config::RunConfig;
+
+    /// The configuration the shipped presets resolve to on a machine without
+    /// a GPU, with `overrides`.
+    pub(crate) fn config(overrides: &[&str]) -> RunConfig {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../presets");
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        let report = kiln_hwdetect::detect_with(&kiln_hwdetect::FixedProbe(
+            kiln_hwdetect::GpuStatus::None { why: String::new() },
+            kiln_hwdetect::DriverInfo::default(),
+        ));
+        kiln_config::resolve(&kiln_config::LoadOptions {
+            presets_dir: &dir,
+            config_file: None,
+            overrides: &overrides,
+            env: &[],
+            hardware: &report,
+        })
+        .expect("resolves")
+        .config
+    }
+}

@@ -4,7 +4,6 @@
 //! The state is plain tensors keyed by parameter, so checkpoints hold it all.
 
 use std::collections::HashMap;
-use std::f64::consts::PI;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -151,36 +150,12 @@ pub(crate) fn global_grad_norm<M: Module>(module: &M, grads: &GradientsParams) -
         .map_or(0.0, |s| f64::from(s.into_scalar::<f32>()).sqrt())
 }
 
-/// The learning rate at optimizer step `step` (1-based): linear warm-up to
-/// `max_lr` over `warmup` steps, then cosine decay to `min_lr` at `total`.
-pub fn lr_at(step: u64, max_lr: f64, min_lr: f64, warmup: u64, total: u64) -> f64 {
-    if warmup > 0 && step <= warmup {
-        return max_lr * step as f64 / warmup as f64;
-    }
-    if step >= total {
-        return min_lr;
-    }
-    let progress = (step - warmup) as f64 / (total - warmup).max(1) as f64;
-    min_lr + 0.5 * (1.0 + (PI * progress).cos()) * (max_lr - min_lr)
-}
-
 #[cfg(test)]
 mod tests {
     use burn::nn::{Linear, LinearConfig};
     use burn::tensor::{Device, TensorData};
 
     use super::*;
-
-    #[test]
-    fn schedule_warms_up_then_decays_to_min() {
-        let lr = |s| lr_at(s, 1e-3, 1e-4, 10, 110);
-        assert!((lr(1) - 1e-4).abs() < 1e-12);
-        assert!((lr(10) - 1e-3).abs() < 1e-12);
-        assert!((lr(60) - 5.5e-4).abs() < 1e-9, "{}", lr(60));
-        assert!((lr(110) - 1e-4).abs() < 1e-12);
-        assert!((lr(500) - 1e-4).abs() < 1e-12);
-        assert!(lr(30) > lr(31));
-    }
 
     /// Two steps with a constant gradient, worked by hand: loss = sum(w·x + b)
     /// with x = (1, 2) gives g_w = (1, 2), g_b = 1 every step. With bias

@@ -8,33 +8,14 @@ use plotters::coord::types::{RangedCoordf64, RangedCoordu64};
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
 
-/// One logged optimizer step.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct StepMetrics {
-    pub step: u64,
-    pub loss: f64,
-    pub lr: f64,
-    pub grad_norm: f64,
-    /// Wall time of the step, loader wait included.
-    pub ms_per_step: f64,
-    /// Tokens that carry data (padding not counted) per second.
-    pub tokens_per_s: f64,
-    pub samples_per_s: f64,
-    /// Model FLOPs/s over the device peak (`None`: peak unknown).
-    pub mfu: Option<f64>,
-    /// Share of the step spent waiting for the loader, in percent.
-    pub data_wait_pct: f64,
-    pub memory_bytes: u64,
-    pub peak_memory_bytes: u64,
-    pub tokens_seen: u64,
-}
+use crate::records::{CvSummary, StepMetrics};
 
-/// A language-model evaluation: mean loss over `eval_iters` batches of each split.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub(crate) struct EvalMetrics {
-    pub step: u64,
-    pub train_loss: f64,
-    pub val_loss: f64,
+/// A language-model evaluation, for the loss plot.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct LmEval {
+    pub(crate) step: u64,
+    pub(crate) train_loss: f64,
+    pub(crate) val_loss: f64,
 }
 
 /// The end of a run, also written as `summary.json`.
@@ -166,7 +147,7 @@ fn step_chart<'a, 'b>(
 pub(crate) fn write_plots(
     dir: &Path,
     steps: &[StepMetrics],
-    evals: &[EvalMetrics],
+    evals: &[LmEval],
 ) -> Result<(), String> {
     if steps.is_empty() {
         return Ok(());
@@ -254,24 +235,15 @@ pub(crate) fn write_plots(
     Ok(())
 }
 
-/// Writes `cv_curves.svg` (validation macro-F1 per fold over steps, from
-/// each `fold-<k>/metrics.jsonl`) and `confusion.svg` (the folds' confusion
-/// matrices summed) into the run folder.
-pub(crate) fn write_cv_plots(dir: &Path, summary: &crate::nli::CvSummary) -> Result<(), String> {
+/// Writes `cv_curves.svg` (validation macro-F1 per fold over steps: the
+/// `(step, score)` points of each fold's evaluations) and `confusion.svg`
+/// (the folds' confusion matrices summed) into the run folder.
+pub(crate) fn write_cv_plots(
+    dir: &Path,
+    summary: &CvSummary,
+    curves: &[Vec<(u64, f64)>],
+) -> Result<(), String> {
     let err = |e: &dyn std::fmt::Display| e.to_string();
-    let curves: Vec<Vec<(u64, f64)>> = summary
-        .folds
-        .iter()
-        .map(|f| {
-            std::fs::read_to_string(dir.join(format!("fold-{}/metrics.jsonl", f.fold)))
-                .unwrap_or_default()
-                .lines()
-                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-                .filter(|m| m["kind"] == "eval")
-                .filter_map(|m| Some((m["step"].as_u64()?, m["score"].as_f64()?)))
-                .collect()
-        })
-        .collect();
     let last = curves
         .iter()
         .flatten()
@@ -409,7 +381,7 @@ mod tests {
                 tokens_seen: u64::from(i as u32) * 10,
             })
             .collect();
-        let evals = vec![EvalMetrics {
+        let evals = vec![LmEval {
             step: 10,
             train_loss: 3.0,
             val_loss: 3.2,

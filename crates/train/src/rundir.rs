@@ -105,8 +105,22 @@ impl RunDir {
         writeln!(file, "{value}").map_err(|source| TrainError::Write { path, source })
     }
 
+    /// Appends one record to `metrics.jsonl`.
+    pub(crate) fn append(&self, record: &crate::records::Record) -> Result<(), TrainError> {
+        self.append_metric(&serde_json::to_value(record).unwrap_or_default())
+    }
+
     /// The metric lines, parsed (a torn last line from a killed run is skipped).
     pub(crate) fn metrics(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.file("metrics.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// The records of `metrics.jsonl` (a torn last line from a killed run is skipped).
+    pub(crate) fn records(&self) -> Vec<crate::records::Record> {
         std::fs::read_to_string(self.file("metrics.jsonl"))
             .unwrap_or_default()
             .lines()

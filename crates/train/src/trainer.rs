@@ -1,120 +1,72 @@
-//! The training loop every workload shares: loader, accumulation that
-//! averages, global-norm clipping, AdamW with warm-up + cosine, logging,
-//! evaluation, best-model keeping and early stopping, checkpoints, interrupt.
-//! A workload plugs in through [`Task`].
+//! The training loop every workload shares, as nanoGPT's reads: step,
+//! log, evaluate, checkpoint — with early stopping, the best model kept,
+//! and Ctrl-C writing a checkpoint. The step itself is [`train_step`];
+//! a workload plugs in through [`Task`].
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Device;
 use kiln_config::RunConfig;
-use kiln_data::{BatchSource, Loader};
+use kiln_data::Loader;
+use kiln_plan::Schedule;
 
 use crate::checkpoint::{self, CheckpointState};
-use crate::optim::{AdamW, global_grad_norm, lr_at};
+use crate::optim::AdamW;
 use crate::params::{host, param_entries, param_values, tensor_from};
-use crate::precision::{LossScaler, ScaleVerdict};
-use crate::report::{Event, Observer, StepMetrics};
+use crate::precision::LossScaler;
+use crate::records::{EvalRecord, Record, Skipped, StepMetrics};
+use crate::report::{Event, Observer};
+use crate::step::{StepState, StepVerdict, Untimed, train_step};
+use crate::task::Task;
 use crate::{MemoryTracker, RunDir, TrainError, TrainOptions};
 
-/// The work one batch represents.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Work {
-    pub(crate) samples: usize,
-    /// Tokens that carry data (no padding).
-    pub(crate) tokens: usize,
-    /// Model FLOPs of one training step (forward and backward) on the batch.
-    pub(crate) flops: f64,
+/// Stops a run after `patience` evaluations without a better score, and
+/// remembers the best.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct EarlyStopping {
+    /// `None`: never stop early.
+    pub(crate) patience: Option<usize>,
+    pub(crate) best: Option<f64>,
+    pub(crate) since_best: usize,
 }
 
-/// One evaluation: the record for `metrics.jsonl`, a line to print, and a
-/// score (higher is better) for keeping the best model and early stopping.
-#[derive(Clone, Debug)]
-pub(crate) struct Evaluation {
-    pub(crate) record: serde_json::Value,
-    pub(crate) line: String,
-    pub(crate) score: Option<f64>,
-}
+impl EarlyStopping {
+    /// The state a run had after `records` (for resume).
+    pub(crate) fn from_records(patience: Option<usize>, records: &[Record]) -> Self {
+        let mut stopping = Self {
+            patience,
+            ..Self::default()
+        };
+        for r in records {
+            if let Record::Eval(EvalRecord {
+                score: Some(score), ..
+            }) = r
+            {
+                stopping.observe(*score);
+            }
+        }
+        stopping
+    }
 
-/// A workload: its model, its batches, its loss and its evaluation.
-pub(crate) trait Task {
-    type Model: Module;
-    type Source: BatchSource;
-
-    fn source(&self) -> Arc<Self::Source>;
-    fn loss(
-        &self,
-        model: &Self::Model,
-        batch: &<Self::Source as BatchSource>::Batch,
-        device: &Device,
-    ) -> Tensor<1>;
-    fn work(&self, batch: &<Self::Source as BatchSource>::Batch) -> Work;
-    fn evaluate(&self, model: &Self::Model, step: u64) -> Evaluation;
-}
-
-/// Counts steps in a row whose loss or gradient norm is not finite.
-#[derive(Debug)]
-pub(crate) struct BadSteps {
-    pub(crate) max: usize,
-    in_a_row: usize,
-}
-
-/// What to do with a step's gradients.
-#[derive(Debug, PartialEq)]
-pub(crate) enum StepVerdict {
-    Apply,
-    /// fp16's gradients overflowed at the loss scale: skip the update; the
-    /// scale was halved to `to`. Not a bad step while the scale can shrink.
-    Overflow {
-        to: f64,
-        overflows: u64,
-    },
-    /// Not finite: skip the update.
-    Skip {
-        what: String,
-        in_a_row: usize,
-    },
-    /// `max` non-finite steps in a row: stop the run.
-    Stop {
-        what: String,
-        in_a_row: usize,
-    },
-}
-
-impl BadSteps {
-    pub(crate) fn new(max: usize) -> Self {
-        Self {
-            max: max.max(1),
-            in_a_row: 0,
+    /// Takes an evaluation's score: whether it is the best so far.
+    pub(crate) fn observe(&mut self, score: f64) -> bool {
+        if self.best.is_none_or(|b| score > b) {
+            self.best = Some(score);
+            self.since_best = 0;
+            true
+        } else {
+            self.since_best += 1;
+            false
         }
     }
 
-    pub(crate) fn check(&mut self, loss: f32, grad_norm: f64) -> StepVerdict {
-        let what = if !loss.is_finite() {
-            format!("the loss is {loss}")
-        } else if !grad_norm.is_finite() {
-            format!("the gradient norm is {grad_norm}")
-        } else {
-            self.in_a_row = 0;
-            return StepVerdict::Apply;
-        };
-        self.in_a_row += 1;
-        if self.in_a_row >= self.max {
-            StepVerdict::Stop {
-                what,
-                in_a_row: self.in_a_row,
-            }
-        } else {
-            StepVerdict::Skip {
-                what,
-                in_a_row: self.in_a_row,
-            }
-        }
+    /// Whether patience has run out.
+    pub(crate) fn should_stop(&self) -> bool {
+        self.patience.is_some_and(|p| self.since_best >= p)
     }
 }
 
@@ -122,17 +74,13 @@ impl BadSteps {
 #[derive(Clone, Debug)]
 pub(crate) struct LoopPlan {
     pub(crate) first_step: u64,
-    pub(crate) total_steps: u64,
+    pub(crate) schedule: Schedule,
     pub(crate) loader_start: u64,
     pub(crate) tokens_seen: u64,
     pub(crate) wall_before: f64,
-    /// Also evaluate every this many steps (epoch ends), besides `eval.eval_steps`.
-    pub(crate) eval_every_epoch: Option<u64>,
-    /// Stop after this many evaluations without a better score.
-    pub(crate) patience: Option<usize>,
-    /// Best score so far and evaluations since (from the metrics when resuming).
-    pub(crate) best: Option<f64>,
-    pub(crate) since_best: usize,
+    /// Also evaluate where an epoch ends, besides every `eval.eval_steps`.
+    pub(crate) eval_at_epoch_ends: bool,
+    pub(crate) stopping: EarlyStopping,
     /// The peak FLOP/s MFU is counted against.
     pub(crate) peak_flops: Option<f64>,
     /// fp16's dynamic loss scaling (`None`: bf16 or f32, no scaling).
@@ -168,8 +116,7 @@ pub(crate) fn run_loop<T: Task>(
     observer: &mut dyn Observer,
 ) -> Result<(T::Model, LoopEnd), TrainError> {
     let started = Instant::now();
-    let t = &config.training;
-    let accum = t.gradient_accumulation_steps;
+    let total = plan.schedule.total_steps;
     let mut loader = Loader::new(
         task.source(),
         plan.loader_start,
@@ -177,9 +124,9 @@ pub(crate) fn run_loop<T: Task>(
         config.loader.prefetch_factor,
     );
     let mut memory = MemoryTracker::new();
-    let mut bad_steps = BadSteps::new(config.precision.max_bad_steps);
+    let mut state = StepState::new(config, plan.scaler);
     let mut step = plan.first_step;
-    while step <= plan.total_steps {
+    while step <= total {
         if options.interrupt.load(Ordering::Relaxed) {
             let path = save_checkpoint(
                 &model,
@@ -201,106 +148,57 @@ pub(crate) fn run_loop<T: Task>(
         }
         // Dropout draws from the device RNG: seeding it per step makes a
         // resumed run draw what the uninterrupted one would have.
-        device.seed(t.seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        device.seed(config.training.seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let step_started = Instant::now();
-        let mut waited = Duration::ZERO;
-        let mut work = Work::default();
-        let mut loss_sum: Option<Tensor<1>> = None;
-        let mut accumulator = GradientsAccumulator::<T::Model>::new();
-        let mut single: Option<GradientsParams> = None;
-        let loss_scale = plan.scaler.map_or(1.0, |s| s.scale);
-        for _ in 0..accum {
-            let loaded = loader.next_batch();
-            waited += loaded.wait;
-            let w = task.work(&loaded.batch);
-            work.samples += w.samples;
-            work.tokens += w.tokens;
-            work.flops += w.flops;
-            let loss = task.loss(&model, &loaded.batch, device);
-            loss_sum = Some(match loss_sum.take() {
-                Some(s) => s.add(loss.clone().detach()),
-                None => loss.clone().detach(),
-            });
-            // Dividing by the accumulation steps makes the summed gradients
-            // an average; fp16's loss scale multiplies them (and the update
-            // divides it out again).
-            let factor = loss_scale / accum as f64;
-            let loss = if factor == 1.0 {
-                loss
-            } else {
-                loss.mul_scalar(factor)
-            };
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            if accum > 1 {
-                accumulator.accumulate(&model, grads);
-            } else {
-                single = Some(grads);
-            }
-        }
-        let grads = single.unwrap_or_else(|| accumulator.grads());
-        let loss = loss_sum.map_or(f32::NAN, |l| l.into_scalar::<f32>()) / accum as f32;
-        let norm = global_grad_norm(&model, &grads) / loss_scale;
-        let lr = lr_at(
-            step,
-            t.learning_rate,
-            t.min_lr,
-            t.warmup_steps as u64,
-            plan.total_steps,
+        let lr = plan.schedule.lr_at(step);
+        let (stepped, report) = train_step(
+            task,
+            model,
+            optim,
+            &mut state,
+            &mut loader,
+            device,
+            lr,
+            &config.training,
+            &mut Untimed,
         );
-        let verdict = match plan.scaler.as_mut() {
-            Some(scaler) if loss.is_finite() && !norm.is_finite() && scaler.can_back_off() => {
-                scaler.update(false);
-                StepVerdict::Overflow {
-                    to: scaler.scale,
-                    overflows: scaler.overflows,
+        model = stepped;
+        plan.scaler = state.scaler;
+        let elapsed = step_started.elapsed().as_secs_f64();
+        match report.verdict {
+            StepVerdict::Apply => {
+                if let (Some(scale), Some(scaler)) = (report.scale_grown_to, state.scaler) {
+                    run.append(&Record::LossScale {
+                        step,
+                        scale,
+                        why: format!("{} clean steps in a row", scaler.growth_interval),
+                    })?;
                 }
             }
-            _ => bad_steps.check(loss, norm),
-        };
-        match verdict {
             StepVerdict::Overflow { to, overflows } => {
-                run.append_metric(&serde_json::json!({
-                    "kind": "skipped",
-                    "step": step,
-                    "why": "fp16 gradients overflowed",
-                    "loss_scale": to,
-                    "overflows": overflows,
+                run.append(&Record::Skipped(Skipped {
+                    step,
+                    why: "fp16 gradients overflowed".into(),
+                    loss_scale: Some(to),
+                    overflows: Some(overflows),
+                    in_a_row: None,
                 }))?;
                 observer.event(&Event::Note(format!(
                     "step {step}: fp16 gradients overflowed at loss scale {}: step skipped, scale halved to {to} ({overflows} overflows so far)",
                     to * 2.0
                 )));
             }
-            StepVerdict::Apply => {
-                let clip = if t.grad_clip > 0.0 && norm > t.grad_clip {
-                    t.grad_clip / (norm + 1e-6)
-                } else {
-                    1.0
-                };
-                model = optim.step(model, grads, lr, clip / loss_scale);
-                if let Some(scaler) = plan.scaler.as_mut()
-                    && scaler.update(true) == (ScaleVerdict::Apply { grown: true })
-                {
-                    run.append_metric(&serde_json::json!({
-                        "kind": "loss_scale",
-                        "step": step,
-                        "scale": scaler.scale,
-                        "why": format!("{} clean steps in a row", scaler.growth_interval),
-                    }))?;
-                }
-            }
             StepVerdict::Skip { what, in_a_row } => {
-                // No update: the weights and the optimizer state stay as
-                // they were, finite, and so does every checkpoint.
-                run.append_metric(&serde_json::json!({
-                    "kind": "skipped",
-                    "step": step,
-                    "why": what,
-                    "in_a_row": in_a_row,
+                run.append(&Record::Skipped(Skipped {
+                    step,
+                    why: what.clone(),
+                    loss_scale: None,
+                    overflows: None,
+                    in_a_row: Some(in_a_row),
                 }))?;
                 observer.event(&Event::Note(format!(
                     "step {step}: {what}: step skipped, no update ({in_a_row} in a row; precision.max_bad_steps = {})",
-                    bad_steps.max
+                    state.bad_steps.max
                 )));
             }
             StepVerdict::Stop { what, in_a_row } => {
@@ -311,10 +209,10 @@ pub(crate) fn run_loop<T: Task>(
                 });
             }
         }
+        let work = report.work;
         plan.tokens_seen += work.tokens as u64;
-        let elapsed = step_started.elapsed().as_secs_f64();
 
-        let last = step == plan.total_steps;
+        let last = step == total;
         if step.is_multiple_of(config.logging.logging_steps as u64)
             || last
             || step == plan.first_step
@@ -322,49 +220,39 @@ pub(crate) fn run_loop<T: Task>(
             let (current, peak_mem) = memory.sample();
             let metrics = StepMetrics {
                 step,
-                loss: f64::from(loss),
+                loss: f64::from(report.loss),
                 lr,
-                grad_norm: norm,
+                grad_norm: report.grad_norm,
                 ms_per_step: elapsed * 1e3,
                 tokens_per_s: work.tokens as f64 / elapsed,
                 samples_per_s: work.samples as f64 / elapsed,
                 mfu: plan.peak_flops.map(|p| work.flops / elapsed / p),
-                data_wait_pct: 100.0 * waited.as_secs_f64() / elapsed,
+                data_wait_pct: 100.0 * report.waited.as_secs_f64() / elapsed,
                 memory_bytes: current,
                 peak_memory_bytes: peak_mem,
                 tokens_seen: plan.tokens_seen,
             };
-            run.append_metric(&tagged("step", &metrics))?;
+            run.append(&Record::Step(metrics.clone()))?;
             observer.event(&Event::Step(metrics));
         }
-        let epoch_end = plan
-            .eval_every_epoch
-            .is_some_and(|e| step.is_multiple_of(e.max(1)));
+        let epoch_end = plan.eval_at_epoch_ends && plan.schedule.ends_epoch(step);
         let mut stop = false;
         if step.is_multiple_of(config.eval.eval_steps as u64) || epoch_end || last {
             let eval = task.evaluate(&model, step);
-            let mut record = eval.record.clone();
-            if let Some(map) = record.as_object_mut() {
-                map.insert("kind".into(), "eval".into());
-                map.insert("step".into(), step.into());
-                if let Some(score) = eval.score {
-                    map.insert("score".into(), score.into());
-                }
-            }
-            run.append_metric(&record)?;
+            run.append(&Record::Eval(EvalRecord {
+                step,
+                metrics: eval.metrics,
+                score: eval.score,
+            }))?;
             observer.event(&Event::Eval {
                 step,
                 line: eval.line,
             });
             if let Some(score) = eval.score {
-                if plan.best.is_none_or(|b| score > b) {
-                    plan.best = Some(score);
-                    plan.since_best = 0;
+                if plan.stopping.observe(score) {
                     save_model(&model, &run.file(BEST_MODEL))?;
-                } else {
-                    plan.since_best += 1;
-                    stop = plan.patience.is_some_and(|p| plan.since_best >= p);
                 }
+                stop = plan.stopping.should_stop();
             }
         }
         if step.is_multiple_of(config.checkpoint.every_steps as u64) || last || stop {
@@ -383,77 +271,13 @@ pub(crate) fn run_loop<T: Task>(
         if stop {
             observer.event(&Event::Note(format!(
                 "early stop at step {step}: no better score in {} evaluations",
-                plan.since_best
+                plan.stopping.since_best
             )));
             return Ok((model, LoopEnd::EarlyStopped));
         }
         step += 1;
     }
     Ok((model, LoopEnd::Finished))
-}
-
-/// The device a model trains on: `inner` with autodiff (and gradient
-/// checkpointing when the config asks), its RNG seeded with `seed`.
-pub(crate) fn train_device(config: &RunConfig, inner: &Device, seed: u64) -> Device {
-    let mut device = inner.clone().autodiff();
-    if config.model.gradient_checkpointing {
-        device = device.gradient_checkpointing();
-    }
-    device.seed(seed);
-    device
-}
-
-/// The kernels `optimization.kernels` asks the models to run.
-pub(crate) fn kernels(config: &RunConfig) -> kiln_model::Kernels {
-    match config.optimization.kernels {
-        kiln_config::KernelChoice::Fused => kiln_model::Kernels::Fused,
-        kiln_config::KernelChoice::Reference => kiln_model::Kernels::Reference,
-    }
-}
-
-/// Builds a model whose initial weights depend on `seed` alone, not on the
-/// device or on what draws from the device's RNG later. Burn initialises a
-/// parameter lazily, at its first use: left alone, the draw would happen in
-/// the first training step, after the loop has reseeded the RNG for that
-/// step, and a model drawn on the CPU and copied over would not match. So
-/// every parameter is materialised here; on a GPU the values are drawn on
-/// the CPU (`flex`, seeded as `device` is) and copied over, so a wgpu or
-/// CUDA run starts from the weights a flex run of the same seed starts from,
-/// and the two can be compared step by step.
-pub(crate) fn init_model<M: Module>(
-    config: &RunConfig,
-    device: &Device,
-    is_gpu: bool,
-    seed: u64,
-    init: impl Fn(&Device) -> M,
-) -> M {
-    #[cfg(feature = "flex")]
-    if is_gpu {
-        let cpu = train_device(config, &Device::flex(), seed);
-        let values = crate::params::param_values(&init(&cpu))
-            .into_iter()
-            .map(|(path, shape, v)| (path, (shape, v)))
-            .collect();
-        // Same model, same paths: loading cannot fail; if it did, the
-        // device's own draw is still a valid start.
-        if let Ok(model) = crate::params::load_values(init(device), values, device) {
-            return model;
-        }
-    }
-    let _ = (config, is_gpu, seed);
-    let model = init(device);
-    // Visiting reads every parameter, which materialises it now, in order.
-    let _ = param_entries(&model);
-    model
-}
-
-/// A JSON object of `value` with `"kind": kind` added.
-pub(crate) fn tagged<T: serde::Serialize>(kind: &str, value: &T) -> serde_json::Value {
-    let mut v = serde_json::to_value(value).unwrap_or_default();
-    if let Some(map) = v.as_object_mut() {
-        map.insert("kind".into(), kind.into());
-    }
-    v
 }
 
 #[allow(clippy::too_many_arguments, reason = "the parts of a checkpoint")]
@@ -585,82 +409,28 @@ impl LoopPlanStart {
     }
 }
 
-/// Best score and evaluations since it, from a run's metric lines (for resume).
-pub(crate) fn best_from_metrics(metrics: &[serde_json::Value]) -> (Option<f64>, usize) {
-    let mut best: Option<f64> = None;
-    let mut since = 0;
-    for m in metrics.iter().filter(|m| m["kind"] == "eval") {
-        if let Some(score) = m["score"].as_f64() {
-            if best.is_none_or(|b| score > b) {
-                best = Some(score);
-                since = 0;
-            } else {
-                since += 1;
-            }
-        }
-    }
-    (best, since)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn initial_weights_come_from_the_seed_not_the_first_step() {
-        let config = crate::diagnose::tests::config(&[]);
-        let gpt = kiln_model::GptConfig {
-            vocab_size: 11,
-            block_size: 8,
-            layers: 1,
-            heads: 2,
-            hidden: 8,
-            intermediate: 16,
-            dropout: 0.0,
-            gelu: kiln_model::GeluKind::Exact,
+    fn early_stopping_counts_evaluations_since_the_best() {
+        let mut s = EarlyStopping {
+            patience: Some(2),
+            ..EarlyStopping::default()
         };
-        let draw = |reseed: bool| {
-            let device = train_device(&config, &Device::flex(), 7);
-            let model = init_model(&config, &device, false, 7, |d| gpt.init(d));
-            if reseed {
-                // What the loop does before each step.
-                device.seed(12345);
-            }
-            param_values(&model)
-        };
-        assert_eq!(draw(false), draw(true));
-    }
-
-    #[test]
-    fn non_finite_steps_are_skipped_then_stop_the_run() {
-        let mut bad = BadSteps::new(3);
-        assert_eq!(bad.check(1.0, 0.5), StepVerdict::Apply);
-        assert!(matches!(
-            bad.check(f32::NAN, 0.5),
-            StepVerdict::Skip { in_a_row: 1, .. }
-        ));
-        assert!(matches!(
-            bad.check(1.0, f64::INFINITY),
-            StepVerdict::Skip { in_a_row: 2, ref what } if what.contains("gradient norm is inf")
-        ));
-        // A finite step resets the count.
-        assert_eq!(bad.check(2.0, 1.0), StepVerdict::Apply);
-        assert!(matches!(
-            bad.check(f32::INFINITY, 1.0),
-            StepVerdict::Skip { in_a_row: 1, .. }
-        ));
-        assert!(matches!(
-            bad.check(f32::NAN, 1.0),
-            StepVerdict::Skip { in_a_row: 2, .. }
-        ));
-        assert!(matches!(
-            bad.check(f32::NAN, f64::NAN),
-            StepVerdict::Stop { in_a_row: 3, ref what } if what.contains("loss is NaN")
-        ));
-        // max_bad_steps = 1 stops at the first.
-        assert!(matches!(
-            BadSteps::new(1).check(f32::NAN, 0.0),
-            StepVerdict::Stop { .. }
-        ));
+        assert!(s.observe(0.5));
+        assert!(!s.observe(0.4));
+        assert!(!s.should_stop());
+        assert!(!s.observe(0.5), "equal is not better");
+        assert!(s.should_stop());
+        assert!(s.observe(0.6));
+        assert!(!s.should_stop());
+        // Never without patience.
+        let mut never = EarlyStopping::default();
+        for _ in 0..10 {
+            never.observe(0.0);
+        }
+        assert!(!never.should_stop());
     }
 }

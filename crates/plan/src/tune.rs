@@ -25,7 +25,6 @@
 //!   more workers, then a deeper prefetch, each kept if it measured faster.
 
 use std::fmt::Write as _;
-use std::path::Path;
 
 use serde::Serialize;
 
@@ -152,6 +151,26 @@ impl TuneSpace {
             (false, _) => m.peak_memory_bytes,
         };
         used <= self.memory_limit
+    }
+}
+
+/// The memory a candidate may use, and what that is: the run's GPU
+/// memory, else the available RAM, each less a 10 % margin (the allocator's
+/// pools and fragmentation need room that no estimate counts).
+pub fn memory_limit(
+    config: &kiln_config::RunConfig,
+    hardware: &kiln_hwdetect::HardwareReport,
+    is_gpu: bool,
+) -> (u64, String) {
+    match crate::run_gpu(config, hardware).filter(|_| is_gpu) {
+        Some(g) => (
+            g.memory_total_bytes / 10 * 9,
+            format!("GPU {} memory less a 10 % margin", g.index),
+        ),
+        None => (
+            hardware.memory.available_bytes / 10 * 9,
+            "available RAM less a 10 % margin".to_string(),
+        ),
     }
 }
 
@@ -447,52 +466,6 @@ pub fn tuned_block(
     )
 }
 
-/// Writes `block` into the tuned-preset file at `path`, replacing the
-/// experiment's earlier block and keeping the others; atomically, so an
-/// interrupted write leaves the old file whole.
-pub fn write_tuned(path: &Path, experiment: &str, block: &str) -> std::io::Result<()> {
-    let old = match std::fs::read_to_string(path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-        Err(e) => return Err(e),
-    };
-    fn marker(line: &str) -> Option<&str> {
-        line.strip_prefix("# == ")?.strip_suffix(" ==")
-    }
-    let mut kept = String::new();
-    let mut skipping = false;
-    let mut preamble = true;
-    for line in old.lines() {
-        if let Some(name) = marker(line) {
-            preamble = false;
-            skipping = name == experiment;
-        }
-        if preamble && line.starts_with('#') {
-            continue; // the file header is written anew
-        }
-        if !skipping {
-            kept.push_str(line);
-            kept.push('\n');
-        }
-    }
-    let kept = kept.trim();
-    let mut text = String::from(
-        "# Written by `kiln tune`: this machine's measured settings, one block per\n\
-         # experiment, used with hardware=tuned (over the preset hardware=auto picks).\n\n",
-    );
-    if !kept.is_empty() {
-        text.push_str(kept);
-        text.push_str("\n\n");
-    }
-    text.push_str(block);
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
-    std::io::Write::write_all(&mut tmp, text.as_bytes())?;
-    tmp.persist(path).map_err(|e| e.error)?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -619,15 +592,15 @@ mod tests {
     }
 
     #[test]
-    fn writing_a_block_keeps_the_other_experiments() {
+    fn the_tuned_block_is_the_toml_hardware_tuned_reads() {
         let dir = tempfile::tempdir().expect("tmp");
         let path = dir.path().join("tuned/m.toml");
         let sp = space(4);
         let mut fake = machine(usize::MAX, 1000, 0.0);
         let r = tune(&sp, &mut fake).expect("tuned");
-        write_tuned(&path, "a", &tuned_block("a", "first", &sp, &r)).expect("write");
-        write_tuned(&path, "b", &tuned_block("b", "second", &sp, &r)).expect("write");
-        write_tuned(&path, "a", &tuned_block("a", "third", &sp, &r)).expect("write");
+        kiln_config::write_tuned(&path, "a", &tuned_block("a", "first", &sp, &r)).expect("write");
+        kiln_config::write_tuned(&path, "b", &tuned_block("b", "second", &sp, &r)).expect("write");
+        kiln_config::write_tuned(&path, "a", &tuned_block("a", "third", &sp, &r)).expect("write");
         let text = std::fs::read_to_string(&path).expect("read");
         assert!(!text.contains("first") && text.contains("second") && text.contains("third"));
         let parsed: toml::Table = toml::from_str(&text).expect("valid TOML");

@@ -1,9 +1,9 @@
 //! Sentence-pair classification (NLI) with grouped, stratified k-fold
-//! cross-validation, on the shared loop. Each fold has its own folder
-//! (`fold-<k>/`: tokenizer trained on that fold's training pairs only,
-//! metrics, checkpoints, the best model and `result.json`); the run folder
-//! holds the fold assignment, `cv_summary.json` and the plots. A stopped CV
-//! run resumes in the fold, at the step, where it stopped.
+//! cross-validation, on the shared step and loop. Each fold has its own
+//! folder (`fold-<k>/`: tokenizer trained on that fold's training pairs
+//! only, metrics, checkpoints, the best model and `result.json`); the run
+//! folder holds the fold assignment, `cv_summary.json` and the plots. A
+//! stopped CV run resumes in the fold, at the step, where it stopped.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -11,182 +11,186 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
-use kiln_config::{BadRowsMode, PairsFormat, Pooling, RunConfig};
+use kiln_config::RunConfig;
 use kiln_data::{
-    BadRows, EncodedPair, PairBatch, PairBatches, PairDataset, PairFormat, PairSchema, Tokenizer,
-    encode_dataset, grouped_stratified_folds, pad_batch, read_pairs,
+    EncodedPair, PairBatch, PairBatches, PairDataset, Tokenizer, encode_dataset,
+    grouped_stratified_folds, pad_batch, read_pairs,
 };
-use kiln_model::{EncoderClassifier, EncoderConfig, GeluKind, PoolingKind};
-use serde::{Deserialize, Serialize};
+use kiln_model::{EncoderClassifier, EncoderConfig};
+use kiln_plan::{ModelSize, Schedule};
 
 use crate::checkpoint;
-use crate::lm::{device_lines, mfu_peak, schedule_line};
 use crate::optim::AdamW;
+use crate::records::{CvSummary, EvalMetrics, FoldResult, Record, Scores, mean_std};
 use crate::report::{Event, Observer, median};
-use crate::trainer::{
-    BEST_MODEL, Evaluation, LoopEnd, LoopPlan, LoopPlanStart, Task, Work, best_from_metrics,
-    init_model, kernels, restore, run_loop, train_device,
+use crate::setup::{
+    device_lines, init_model, mfu_peak, run_precision, schedule_line, train_device,
 };
+use crate::task::{Evaluation, Task, Work};
+use crate::trainer::{
+    BEST_MODEL, EarlyStopping, LoopEnd, LoopPlan, LoopPlanStart, restore, run_loop,
+};
+use crate::translate::{encoder_config, kernels, schema};
 use crate::{DeviceChoice, Outcome, RunDir, TrainError, TrainOptions, open_device, select_device};
 
-/// Precision, recall and F1 of one class.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ClassMetrics {
-    pub label: String,
-    pub precision: f64,
-    pub recall: f64,
-    pub f1: f64,
-    pub support: usize,
+/// The pairs of an NLI run and their fold assignment, read once per run.
+pub(crate) struct Pairs {
+    pub(crate) data: PairDataset,
+    /// The fold (0-based) of each pair.
+    pub(crate) folds: Vec<usize>,
 }
 
-/// Classification quality of predictions against labels.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Scores {
-    pub accuracy: f64,
-    pub macro_f1: f64,
-    pub per_class: Vec<ClassMetrics>,
-    /// `confusion[true][predicted]`.
-    pub confusion: Vec<Vec<usize>>,
-}
-
-impl Scores {
-    pub fn new(labels: &[String], truth: &[usize], predicted: &[usize]) -> Self {
-        let n = labels.len();
-        let mut confusion = vec![vec![0usize; n]; n];
-        for (&t, &p) in truth.iter().zip(predicted) {
-            confusion[t][p] += 1;
-        }
-        let correct: usize = (0..n).map(|i| confusion[i][i]).sum();
-        let per_class: Vec<ClassMetrics> = (0..n)
-            .map(|c| {
-                let tp = confusion[c][c] as f64;
-                let predicted_c: usize = (0..n).map(|t| confusion[t][c]).sum();
-                let support: usize = confusion[c].iter().sum();
-                let precision = if predicted_c > 0 {
-                    tp / predicted_c as f64
-                } else {
-                    0.0
-                };
-                let recall = if support > 0 {
-                    tp / support as f64
-                } else {
-                    0.0
-                };
-                let f1 = if precision + recall > 0.0 {
-                    2.0 * precision * recall / (precision + recall)
-                } else {
-                    0.0
-                };
-                ClassMetrics {
-                    label: labels[c].clone(),
-                    precision,
-                    recall,
-                    f1,
-                    support,
-                }
-            })
-            .collect();
-        Self {
-            accuracy: correct as f64 / truth.len().max(1) as f64,
-            macro_f1: per_class.iter().map(|c| c.f1).sum::<f64>() / n.max(1) as f64,
-            per_class,
-            confusion,
-        }
+/// Reads `data.path` as the config says and assigns the folds: grouped by
+/// premise (no premise in two folds), stratified by label.
+pub(crate) fn read(config: &RunConfig) -> Result<Pairs, TrainError> {
+    let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
+    if !config.data.tokenizer_file.is_empty() {
+        Tokenizer::load(Path::new(&config.data.tokenizer_file))?;
     }
+    let premises: Vec<&str> = data.pairs.iter().map(|p| p.premise.as_str()).collect();
+    let labels: Vec<usize> = data.pairs.iter().map(|p| p.label.unwrap_or(0)).collect();
+    let folds = grouped_stratified_folds(
+        &premises,
+        &labels,
+        data.labels.len(),
+        config.cv.folds,
+        config.training.seed,
+    );
+    Ok(Pairs { data, folds })
 }
 
-/// One fold's outcome: the scores of its best evaluation.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct FoldResult {
-    pub fold: usize,
-    pub train_pairs: usize,
-    pub held_out_pairs: usize,
-    pub best_step: u64,
-    pub stopped_early: bool,
-    pub val_loss: f64,
-    pub scores: Scores,
+/// One fold's workload, prepared: what the fold's training, `kiln bench
+/// nli` and `kiln diagnose` (both on the first fold) start from.
+pub(crate) struct Prepared {
+    pub(crate) tokenizer: Tokenizer,
+    pub(crate) train_pairs: usize,
+    pub(crate) held_out_pairs: usize,
+    pub(crate) train: Arc<PairBatches>,
+    pub(crate) held_out: Vec<PairBatch>,
+    pub(crate) encoder: EncoderConfig,
+    pub(crate) schedule: Schedule,
+    /// The fold's seed: the run's, plus the fold.
+    pub(crate) seed: u64,
     /// Accuracy of always predicting the training part's most common label.
-    pub majority_baseline: f64,
-    pub median_samples_per_s: f64,
+    pub(crate) majority_baseline: f64,
+    /// Mean pair length in tokens over the training pairs.
+    pub(crate) mean_length: f64,
 }
 
-/// The cross-validation summary (`cv_summary.json`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct CvSummary {
-    pub folds: Vec<FoldResult>,
-    pub accuracy_mean: f64,
-    pub accuracy_std: f64,
-    pub macro_f1_mean: f64,
-    pub macro_f1_std: f64,
-    pub majority_baseline_mean: f64,
-    pub labels: Vec<String>,
-    pub pairs: usize,
-    pub skipped_rows: usize,
-    pub median_samples_per_s: f64,
-    pub wall_s: f64,
+/// Prepares fold `fold` (0-based) of `pairs`: the tokenizer learns from the
+/// fold's training pairs only (or is `data.tokenizer_file`); with
+/// `tokenizer_at`, a tokenizer saved there is used, and a new one saved.
+pub(crate) fn prepare(
+    config: &RunConfig,
+    pairs: &Pairs,
+    fold: usize,
+    tokenizer_at: Option<&Path>,
+) -> Result<Prepared, TrainError> {
+    let data = &pairs.data;
+    let t = &config.training;
+    let max_len = config.model.max_length;
+    let (train_idx, held_idx): (Vec<usize>, Vec<usize>) =
+        (0..data.pairs.len()).partition(|&i| pairs.folds[i] != fold);
+    let tokenizer = match tokenizer_at.filter(|p| p.is_file()) {
+        Some(path) => {
+            let mut t = Tokenizer::load(path)?;
+            t.set_pair_template(max_len)?;
+            t
+        }
+        None => {
+            let mut tokenizer = if config.data.tokenizer_file.is_empty() {
+                let texts = train_idx.iter().flat_map(|&i| {
+                    [
+                        data.pairs[i].premise.as_str(),
+                        data.pairs[i].hypothesis.as_str(),
+                    ]
+                });
+                Tokenizer::wordpiece(texts, config.data.vocab_size, max_len)?
+            } else {
+                Tokenizer::load(Path::new(&config.data.tokenizer_file))?
+            };
+            tokenizer.set_pair_template(max_len)?;
+            if let Some(path) = tokenizer_at {
+                tokenizer.save(path)?;
+            }
+            tokenizer
+        }
+    };
+    let encoded = encode_dataset(&tokenizer, data)?;
+    let train_set: Arc<[EncodedPair]> = train_idx.iter().map(|&i| encoded[i].clone()).collect();
+    let held: Vec<&EncodedPair> = held_idx.iter().map(|&i| &encoded[i]).collect();
+    let held_out: Vec<PairBatch> = held
+        .chunks(config.eval.batch_size)
+        .zip(0u64..)
+        .map(|(chunk, i)| pad_batch(i, chunk))
+        .collect();
+    let majority_baseline = {
+        let mut counts = vec![0usize; data.labels.len()];
+        for &i in &train_idx {
+            counts[encoded[i].label] += 1;
+        }
+        let top = (0..counts.len()).max_by_key(|&c| counts[c]).unwrap_or(0);
+        held.iter().filter(|p| p.label == top).count() as f64 / held.len().max(1) as f64
+    };
+    let mean_length =
+        train_set.iter().map(|p| p.ids.len()).sum::<usize>() as f64 / train_set.len().max(1) as f64;
+    let seed = t.seed.wrapping_add(fold as u64);
+    let train = Arc::new(PairBatches::new(
+        train_set,
+        t.batch_size,
+        seed,
+        config.loader.bucket_by_length,
+    ));
+    Ok(Prepared {
+        schedule: Schedule::new(t, train.batches_per_epoch()),
+        encoder: encoder_config(config, tokenizer.vocab_size()),
+        tokenizer,
+        train_pairs: train_idx.len(),
+        held_out_pairs: held_idx.len(),
+        train,
+        held_out,
+        seed,
+        majority_baseline,
+        mean_length,
+    })
 }
 
-fn mean_std(values: &[f64]) -> (f64, f64) {
-    let n = values.len().max(1) as f64;
-    let mean = values.iter().sum::<f64>() / n;
-    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
-    (mean, var.sqrt())
-}
-
-/// The pair schema of a configuration.
-pub(crate) fn schema(config: &RunConfig, require_label: bool) -> PairSchema {
-    let d = &config.data;
-    PairSchema {
-        premise: d.premise_field.clone(),
-        hypothesis: d.hypothesis_field.clone(),
-        label: d.label_field.clone(),
-        labels: d.labels.clone(),
-        bad_rows: match d.bad_rows {
-            BadRowsMode::Skip => BadRows::Skip,
-            BadRowsMode::Error => BadRows::Error,
-        },
-        format: match d.format {
-            PairsFormat::Auto => PairFormat::Auto,
-            PairsFormat::Jsonl => PairFormat::Jsonl,
-            PairsFormat::Tsv => PairFormat::Tsv,
-            PairsFormat::Csv => PairFormat::Csv,
-        },
-        require_label,
+impl Prepared {
+    pub(crate) fn model_size(&self, config: &RunConfig) -> ModelSize {
+        let parameters = self.encoder.num_params();
+        ModelSize {
+            parameters,
+            trainable: if config.model.freeze_encoder {
+                self.encoder.head_params()
+            } else {
+                parameters
+            },
+        }
     }
-}
 
-pub(crate) fn encoder_config(config: &RunConfig, vocab_size: usize) -> EncoderConfig {
-    let m = &config.model;
-    EncoderConfig {
-        vocab_size,
-        max_positions: m.max_length,
-        layers: m.layers,
-        heads: m.heads,
-        hidden: m.hidden,
-        intermediate: m.intermediate,
-        dropout: m.dropout,
-        classes: config.data.labels.len(),
-        pooling: match m.pooling {
-            Pooling::Cls => PoolingKind::Cls,
-            Pooling::Mean => PoolingKind::Mean,
-        },
-        gelu: match m.gelu {
-            kiln_config::Gelu::Exact => GeluKind::Exact,
-            kiln_config::Gelu::Tanh => GeluKind::Tanh,
-        },
+    /// The task the step and the loop run; `pad_to` pads every training
+    /// batch out to that many tokens (`kiln bench --pad-to-max-length`).
+    pub(crate) fn task(
+        &self,
+        config: &RunConfig,
+        labels: &[String],
+        inner: &Device,
+        pad_to: Option<usize>,
+    ) -> NliTask {
+        NliTask {
+            train: Arc::clone(&self.train),
+            held_out: self.held_out.clone(),
+            labels: labels.to_vec(),
+            encoder: self.encoder.clone(),
+            frozen: config.model.freeze_encoder,
+            inner: inner.clone(),
+            pad_to,
+        }
     }
 }
 
 /// Tensors of a pair batch on `device`.
-pub(crate) fn pair_tensors(
-    b: &PairBatch,
-    device: &Device,
-) -> (
-    Tensor<2, Int>,
-    Tensor<2, Int>,
-    Tensor<2, Bool>,
-    Tensor<1, Int>,
-) {
+pub(crate) fn pair_tensors(b: &PairBatch, device: &Device) -> PairTensors {
     let shape = [b.batch_size, b.seq_len];
     let int = |v: &[u32]| {
         Tensor::<2, Int>::from_data(
@@ -206,14 +210,23 @@ pub(crate) fn pair_tensors(
 }
 
 /// The NLI workload of one fold.
-struct NliTask {
+pub(crate) struct NliTask {
     train: Arc<PairBatches>,
     held_out: Vec<PairBatch>,
     labels: Vec<String>,
     encoder: EncoderConfig,
     frozen: bool,
     inner: Device,
+    pad_to: Option<usize>,
 }
+
+/// A pair batch as tensors: ids, segments, mask, labels.
+type PairTensors = (
+    Tensor<2, Int>,
+    Tensor<2, Int>,
+    Tensor<2, Bool>,
+    Tensor<1, Int>,
+);
 
 impl NliTask {
     /// Predicted class of every held-out pair, and the mean loss.
@@ -239,22 +252,30 @@ impl NliTask {
 impl Task for NliTask {
     type Model = EncoderClassifier;
     type Source = PairBatches;
+    type Inputs = PairTensors;
 
     fn source(&self) -> Arc<PairBatches> {
         Arc::clone(&self.train)
     }
 
-    fn loss(&self, model: &EncoderClassifier, batch: &PairBatch, device: &Device) -> Tensor<1> {
-        let (ids, seg, mask, labels) = pair_tensors(batch, device);
+    fn upload(&self, batch: &PairBatch, device: &Device) -> PairTensors {
+        match self.pad_to {
+            Some(len) => pair_tensors(&repad(batch, len), device),
+            None => pair_tensors(batch, device),
+        }
+    }
+
+    fn loss(&self, model: &EncoderClassifier, (ids, seg, mask, labels): PairTensors) -> Tensor<1> {
         model.loss(ids, seg, mask, labels)
     }
 
     fn work(&self, batch: &PairBatch) -> Work {
+        let len = self.pad_to.map_or(batch.seq_len, |l| l.max(batch.seq_len));
         Work {
             samples: batch.batch_size,
             tokens: batch.real_tokens,
-            flops: batch.batch_size as f64
-                * self.encoder.flops_per_sequence(batch.seq_len, self.frozen),
+            padded_tokens: batch.batch_size * len,
+            flops: batch.batch_size as f64 * self.encoder.flops_per_sequence(len, self.frozen),
         }
     }
 
@@ -268,24 +289,57 @@ impl Task for NliTask {
                 scores.macro_f1
             ),
             score: Some(scores.macro_f1),
-            record: serde_json::json!({ "val_loss": val_loss, "scores": scores }),
+            metrics: EvalMetrics::Nli { val_loss, scores },
         }
     }
 }
 
+/// Pads a batch out to `len` tokens.
+pub(crate) fn repad(b: &PairBatch, len: usize) -> PairBatch {
+    if b.seq_len >= len {
+        return b.clone();
+    }
+    let rows: Vec<EncodedPair> = (0..b.batch_size)
+        .map(|r| {
+            let row = r * b.seq_len..(r + 1) * b.seq_len;
+            let n = b.mask[row.clone()].iter().filter(|m| **m).count();
+            EncodedPair {
+                ids: b.ids[row.start..row.start + n].to_vec(),
+                segments: b.segments[row.start..row.start + n].to_vec(),
+                label: b.labels[r],
+            }
+        })
+        .collect();
+    let refs: Vec<&EncodedPair> = rows.iter().collect();
+    let mut out = pad_batch(b.index, &refs);
+    let extra = len - out.seq_len;
+    let widen = |v: &[u32]| -> Vec<u32> {
+        v.chunks(out.seq_len)
+            .flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0, extra)))
+            .collect()
+    };
+    let mask: Vec<bool> = out
+        .mask
+        .chunks(out.seq_len)
+        .flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(false, extra)))
+        .collect();
+    out.ids = widen(&out.ids);
+    out.segments = widen(&out.segments);
+    out.mask = mask;
+    out.seq_len = len;
+    out
+}
+
 /// Trains the NLI workload of `config` with k-fold cross-validation in a new run directory.
-pub fn train_cv(
+pub(crate) fn train_cv(
     config: &RunConfig,
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
     let device = open_device(config, !options.hardware.gpus().is_empty())?;
-    let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
-    if !config.data.tokenizer_file.is_empty() {
-        Tokenizer::load(Path::new(&config.data.tokenizer_file))?;
-    }
+    let pairs = read(config)?;
     let run = RunDir::start(config, options)?;
-    run_cv(config, &run, &device, data, options, observer)
+    run_cv(config, &run, &device, &pairs, options, observer)
 }
 
 /// Continues a CV run: finished folds are kept, the stopped one resumes from
@@ -296,34 +350,30 @@ pub(crate) fn resume_cv(
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
+    observer.event(&Event::Note(format!(
+        "resuming cross-validation run `{}`",
+        run.path.display()
+    )));
     let device = open_device(config, !options.hardware.gpus().is_empty())?;
-    let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
-    run_cv(config, run, &device, data, options, observer)
+    let pairs = read(config)?;
+    run_cv(config, run, &device, &pairs, options, observer)
 }
 
 fn run_cv(
     config: &RunConfig,
     run: &RunDir,
     device: &DeviceChoice,
-    data: PairDataset,
+    pairs: &Pairs,
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
     let started = Instant::now();
     let k = config.cv.folds;
-    let premises: Vec<&str> = data.pairs.iter().map(|p| p.premise.as_str()).collect();
-    let labels: Vec<usize> = data.pairs.iter().map(|p| p.label.unwrap_or(0)).collect();
-    let folds = grouped_stratified_folds(
-        &premises,
-        &labels,
-        data.labels.len(),
-        k,
-        config.training.seed,
-    );
+    let (data, folds) = (&pairs.data, &pairs.folds);
     let assignment: Vec<serde_json::Value> = data
         .pairs
         .iter()
-        .zip(&folds)
+        .zip(folds)
         .map(|(p, f)| serde_json::json!({ "line": p.line, "fold": f + 1 }))
         .collect();
     run.write(
@@ -370,7 +420,7 @@ fn run_cv(
             path: dir.path.clone(),
             source,
         })?;
-        match train_fold(config, &dir, device, &data, &folds, fold, options, observer)? {
+        match train_fold(config, &dir, device, pairs, fold, options, observer)? {
             FoldEnd::Done(result) => {
                 dir.write(
                     "result.json",
@@ -416,7 +466,23 @@ fn run_cv(
         "cv_summary.json",
         &serde_json::to_string_pretty(&summary).unwrap_or_default(),
     )?;
-    let _ = crate::report::write_cv_plots(&run.path, &summary);
+    let curves: Vec<Vec<(u64, f64)>> = summary
+        .folds
+        .iter()
+        .map(|f| {
+            let fold = RunDir {
+                path: run.path.join(format!("fold-{}", f.fold)),
+            };
+            fold.records()
+                .into_iter()
+                .filter_map(|r| match r {
+                    Record::Eval(e) => Some((e.step, e.score?)),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect();
+    let _ = crate::report::write_cv_plots(&run.path, &summary, &curves);
     observer.event(&Event::Report(summary_lines(&summary)));
     Ok(Outcome::CvFinished {
         run: run.path.clone(),
@@ -429,72 +495,21 @@ enum FoldEnd {
     Interrupted { step: u64, checkpoint: PathBuf },
 }
 
-#[allow(
-    clippy::too_many_arguments,
-    reason = "one fold's inputs, each distinct"
-)]
 fn train_fold(
     config: &RunConfig,
     dir: &RunDir,
     device: &DeviceChoice,
-    data: &PairDataset,
-    folds: &[usize],
+    pairs: &Pairs,
     fold: usize,
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<FoldEnd, TrainError> {
     let t = &config.training;
-    let max_len = config.model.max_length;
-    let (train_idx, held_idx): (Vec<usize>, Vec<usize>) =
-        (0..data.pairs.len()).partition(|&i| folds[i] != fold);
-    // The tokenizer learns from this fold's training pairs only.
-    let tok_path = dir.file("tokenizer.json");
-    let tokenizer = if tok_path.is_file() {
-        let mut t = Tokenizer::load(&tok_path)?;
-        t.set_pair_template(max_len)?;
-        t
-    } else {
-        let mut tokenizer = if config.data.tokenizer_file.is_empty() {
-            let texts = train_idx.iter().flat_map(|&i| {
-                [
-                    data.pairs[i].premise.as_str(),
-                    data.pairs[i].hypothesis.as_str(),
-                ]
-            });
-            Tokenizer::wordpiece(texts, config.data.vocab_size, max_len)?
-        } else {
-            Tokenizer::load(Path::new(&config.data.tokenizer_file))?
-        };
-        tokenizer.set_pair_template(max_len)?;
-        tokenizer.save(&tok_path)?;
-        tokenizer
-    };
-    let encoded = encode_dataset(&tokenizer, data)?;
-    let train_set: Arc<[EncodedPair]> = train_idx.iter().map(|&i| encoded[i].clone()).collect();
-    let held: Vec<&EncodedPair> = held_idx.iter().map(|&i| &encoded[i]).collect();
-    let held_out: Vec<PairBatch> = held
-        .chunks(config.eval.batch_size)
-        .zip(0u64..)
-        .map(|(chunk, i)| pad_batch(i, chunk))
-        .collect();
-    let seed = t.seed.wrapping_add(fold as u64);
-    let source = Arc::new(PairBatches::new(
-        train_set,
-        t.batch_size,
-        seed,
-        config.loader.bucket_by_length,
-    ));
-    let batches_per_epoch = source.batches_per_epoch();
-    let steps_per_epoch = (batches_per_epoch / t.gradient_accumulation_steps as u64).max(1);
-    let total_steps = if t.max_steps > 0 {
-        t.max_steps as u64
-    } else {
-        steps_per_epoch * t.epochs as u64
-    };
-    let encoder = encoder_config(config, tokenizer.vocab_size());
-    let train_device = train_device(config, &device.device, seed);
-    let precision = crate::lm::run_precision(config, device, &options.hardware);
-    let mut model = init_model(config, &train_device, device.is_gpu, seed, |d| {
+    let p = prepare(config, pairs, fold, Some(&dir.file("tokenizer.json")))?;
+    let encoder = &p.encoder;
+    let train_device = train_device(config, &device.device, p.seed);
+    let precision = run_precision(config, device, &options.hardware);
+    let mut model = init_model(config, &train_device, device.is_gpu, p.seed, |d| {
         encoder.init(d)
     });
     if config.model.freeze_encoder {
@@ -530,31 +545,24 @@ fn train_fold(
     let model = model
         .with_compute(precision.compute)
         .with_kernels(kernels(config));
-    let (best, since_best) = best_from_metrics(&dir.metrics());
-    let majority = {
-        let mut counts = vec![0usize; data.labels.len()];
-        for &i in &train_idx {
-            counts[encoded[i].label] += 1;
-        }
-        let top = (0..counts.len()).max_by_key(|&c| counts[c]).unwrap_or(0);
-        held.iter().filter(|p| p.label == top).count() as f64 / held.len().max(1) as f64
-    };
+    let patience = (config.cv.patience > 0).then_some(config.cv.patience);
+    let stopping = EarlyStopping::from_records(patience, &dir.records());
     let (peak, peak_name) = mfu_peak(device, &precision, &options.hardware);
     let mut lines = vec![
         format!(
             "fold {}/{}: {} training pairs, {} held out; WordPiece vocabulary {} (trained on this fold's training pairs)",
             fold + 1,
             config.cv.folds,
-            train_idx.len(),
-            held_idx.len(),
-            tokenizer.vocab_size()
+            p.train_pairs,
+            p.held_out_pairs,
+            p.tokenizer.vocab_size()
         ),
         format!(
             "model: encoder, {} layers × {} heads × {} wide, max length {}, {:.2} M parameters{}",
             encoder.layers,
             encoder.heads,
             encoder.hidden,
-            max_len,
+            config.model.max_length,
             encoder.num_params() as f64 / 1e6,
             if config.model.freeze_encoder {
                 ", encoder frozen (only the head trains)"
@@ -567,36 +575,28 @@ fn train_fold(
         config, device, &precision, options, &peak_name,
     ));
     lines.push(format!(
-        "batch: {} pairs padded per batch{}, accumulation {} → {} pairs per optimizer step; {steps_per_epoch} steps per epoch",
+        "batch: {} pairs padded per batch{}, accumulation {} → {} pairs per optimizer step; {} steps per epoch",
         t.batch_size,
         if config.loader.bucket_by_length { ", bucketed by length" } else { "" },
         t.gradient_accumulation_steps,
-        config.effective_batch()
+        config.effective_batch(),
+        steps_text(p.schedule.steps_per_epoch())
     ));
-    lines.push(schedule_line(config, total_steps));
+    lines.push(schedule_line(config, &p.schedule));
     observer.event(&Event::Start {
         lines,
         first_step: start.first_step,
-        total_steps,
+        total_steps: p.schedule.total_steps,
     });
-    let task = NliTask {
-        train: source,
-        held_out,
-        labels: data.labels.clone(),
-        encoder,
-        frozen: config.model.freeze_encoder,
-        inner: device.device.clone(),
-    };
+    let task = p.task(config, &pairs.data.labels, &device.device, None);
     let mut plan = LoopPlan {
         first_step: start.first_step,
-        total_steps,
+        schedule: p.schedule,
         loader_start: start.loader_start,
         tokens_seen: start.tokens_seen,
         wall_before: start.wall_before,
-        eval_every_epoch: Some(steps_per_epoch),
-        patience: (config.cv.patience > 0).then_some(config.cv.patience),
-        best,
-        since_best,
+        eval_at_epoch_ends: true,
+        stopping,
         peak_flops: peak,
         scaler: start.scaler(precision.loss_scaling(), config),
     };
@@ -618,13 +618,17 @@ fn train_fold(
         LoopEnd::EarlyStopped => true,
         LoopEnd::Finished => false,
     };
-    let metrics = dir.metrics();
-    let best_eval = metrics
+    let records = dir.records();
+    // The best evaluation: the highest score, the earliest of equals.
+    let best_eval = records
         .iter()
-        .filter(|m| m["kind"] == "eval")
-        .fold(None::<&serde_json::Value>, |best, m| match best {
-            Some(b) if b["score"].as_f64() >= m["score"].as_f64() => Some(b),
-            _ => Some(m),
+        .filter_map(|r| match r {
+            Record::Eval(e) => Some(e),
+            _ => None,
+        })
+        .fold(None::<&crate::records::EvalRecord>, |best, e| match best {
+            Some(b) if b.score >= e.score => Some(b),
+            _ => Some(e),
         })
         .ok_or_else(|| {
             TrainError::Unsupported(
@@ -632,27 +636,39 @@ fn train_fold(
                 "raise training.epochs".into(),
             )
         })?;
-    let mut speeds: Vec<f64> = metrics
-        .iter()
-        .filter(|m| m["kind"] == "step")
-        .filter_map(|m| m["samples_per_s"].as_f64())
-        .collect();
-    let scores: Scores =
-        serde_json::from_value(best_eval["scores"].clone()).map_err(|e| TrainError::NotARun {
+    let EvalMetrics::Nli { val_loss, scores } = &best_eval.metrics else {
+        return Err(TrainError::NotARun {
             path: dir.path.clone(),
-            why: format!("unreadable evaluation record: {e}"),
-        })?;
+            why: "its evaluation records are not a classifier's".into(),
+        });
+    };
+    let mut speeds: Vec<f64> = records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Step(s) => Some(s.samples_per_s),
+            _ => None,
+        })
+        .collect();
     Ok(FoldEnd::Done(Box::new(FoldResult {
         fold: fold + 1,
-        train_pairs: train_idx.len(),
-        held_out_pairs: held_idx.len(),
-        best_step: best_eval["step"].as_u64().unwrap_or(0),
+        train_pairs: p.train_pairs,
+        held_out_pairs: p.held_out_pairs,
+        best_step: best_eval.step,
         stopped_early,
-        val_loss: best_eval["val_loss"].as_f64().unwrap_or(f64::NAN),
-        scores,
-        majority_baseline: majority,
+        val_loss: *val_loss,
+        scores: scores.clone(),
+        majority_baseline: p.majority_baseline,
         median_samples_per_s: median(&mut speeds),
     })))
+}
+
+/// Steps per epoch: whole, or with one decimal.
+fn steps_text(steps: f64) -> String {
+    if steps.fract() == 0.0 {
+        format!("{steps:.0}")
+    } else {
+        format!("{steps:.1}")
+    }
 }
 
 fn fold_lines(r: &FoldResult) -> Vec<String> {
@@ -841,6 +857,28 @@ pub fn predict(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn repadding_keeps_the_rows_and_widens_with_padding() {
+        let pairs = [
+            EncodedPair {
+                ids: vec![2, 5, 3],
+                segments: vec![0, 0, 0],
+                label: 1,
+            },
+            EncodedPair {
+                ids: vec![2, 3],
+                segments: vec![0, 0],
+                label: 0,
+            },
+        ];
+        let b = pad_batch(0, &pairs.iter().collect::<Vec<_>>());
+        let wide = repad(&b, 6);
+        assert_eq!(wide.seq_len, 6);
+        assert_eq!(wide.ids, vec![2, 5, 3, 0, 0, 0, 2, 3, 0, 0, 0, 0]);
+        assert_eq!(wide.mask.iter().filter(|m| **m).count(), 5);
+        assert_eq!(wide.labels, vec![1, 0]);
+    }
 
     #[test]
     fn scores_by_hand() {

@@ -1,0 +1,403 @@
+//! `kiln diagnose`'s checks: a pure function of the config, the machine,
+//! the dataset's size and the memory estimate, so each can be tested
+//! without data, a model or a device.
+
+use kiln_config::{AmpDtype, Backend, RunConfig, Workload};
+use kiln_hwdetect::HardwareReport;
+use serde::Serialize;
+
+use crate::{MemoryEstimate, Schedule};
+
+/// How bad a finding is: an `Error` makes the run fail or waste itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    Note,
+    Warning,
+    Error,
+}
+
+/// One problem with the configuration on this machine and this data.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Finding {
+    pub severity: Severity,
+    /// The key to change.
+    pub key: String,
+    pub problem: String,
+    /// What to set instead, in kiln's terms.
+    pub fix: String,
+}
+
+/// The dataset measured against the config.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct DataSize {
+    /// "tokens" (language model) or "pairs" (sentence pairs).
+    pub unit: String,
+    /// Training tokens or pairs (for cross-validation: one fold's training part).
+    pub train: usize,
+    /// Validation tokens or pairs.
+    pub validation: usize,
+    /// Samples (windows or pairs) in one pass over the training part.
+    pub samples_per_epoch: usize,
+    /// Pairs only: the longest pair in tokens before truncation, and how
+    /// many pairs are longer than `model.max_length`.
+    pub longest: Option<usize>,
+    pub truncated: usize,
+    /// Pairs only: the 99th percentile of pair length in tokens.
+    pub p99_length: Option<usize>,
+}
+
+/// What a short measured burst of training steps showed.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Burst {
+    /// Optimizer steps timed (each of `gradient_accumulation_steps` micro-batches).
+    pub steps: usize,
+    /// Median milliseconds of one optimizer step.
+    pub ms_per_step: f64,
+    pub data_wait_pct: f64,
+    pub peak_memory_bytes: u64,
+    /// One pass over the training data at that speed.
+    pub seconds_per_epoch: f64,
+    /// The whole run as configured (training steps; evaluation not included).
+    pub seconds_total: f64,
+    pub loader_verdict: String,
+}
+
+impl Burst {
+    /// The time estimate and the loader's verdict from `steps` measured
+    /// optimizer steps, over the run's `schedule`.
+    pub fn new(
+        steps: usize,
+        ms_per_step: f64,
+        data_wait_pct: f64,
+        peak_memory_bytes: u64,
+        schedule: &Schedule,
+        workers: usize,
+        cores: usize,
+    ) -> Self {
+        let seconds_per_step = ms_per_step / 1e3;
+        Self {
+            steps,
+            ms_per_step,
+            data_wait_pct,
+            peak_memory_bytes,
+            seconds_per_epoch: seconds_per_step * schedule.steps_per_epoch(),
+            seconds_total: seconds_per_step * schedule.total_steps as f64,
+            loader_verdict: loader_verdict(data_wait_pct, workers, cores),
+        }
+    }
+}
+
+/// The loader's verdict from the measured share of the step spent waiting.
+pub fn loader_verdict(data_wait_pct: f64, workers: usize, cores: usize) -> String {
+    if data_wait_pct > 5.0 {
+        let more = (workers.max(1) * 2).min(cores.max(1));
+        if more > workers {
+            format!(
+                "data-bound: the step waited for data {data_wait_pct:.1} % of the time; raise loader.num_workers to {more}"
+            )
+        } else {
+            format!(
+                "data-bound: the step waited for data {data_wait_pct:.1} % of the time with a worker per core; raise loader.prefetch_factor or make batches cheaper (loader.bucket_by_length)"
+            )
+        }
+    } else {
+        format!(
+            "not data-bound: the step waited for data {data_wait_pct:.2} % of the time with {workers} loader worker(s)"
+        )
+    }
+}
+
+/// What the checks look at.
+#[derive(Debug)]
+pub struct CheckInput<'a> {
+    pub config: &'a RunConfig,
+    pub hardware: &'a HardwareReport,
+    /// Whether the run will be on a GPU.
+    pub is_gpu: bool,
+    pub data: &'a DataSize,
+    pub memory: &'a MemoryEstimate,
+    pub total_steps: usize,
+}
+
+/// The config problems kiln knows, each with its fix.
+pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
+    let CheckInput {
+        config: c,
+        hardware,
+        is_gpu,
+        data,
+        memory,
+        total_steps,
+    } = *input;
+    let mut out = Vec::new();
+    let mut add = |severity, key: &str, problem: String, fix: String| {
+        out.push(Finding {
+            severity,
+            key: key.to_string(),
+            problem,
+            fix,
+        });
+    };
+    let t = &c.training;
+    let block = c.model.max_length;
+
+    // The GPU preset on a machine without its GPU.
+    if let Err(msg) = kiln_config::check_preset_fits(&c.hardware, hardware) {
+        add(
+            Severity::Error,
+            "hardware",
+            msg,
+            "hardware=auto (or --force to run this preset here anyway)".into(),
+        );
+    }
+
+    // The batch against the dataset.
+    let samples = match c.workload {
+        Workload::Lm => data.train / block.max(1),
+        Workload::Nli => data.train,
+    };
+    if t.batch_size > samples {
+        add(
+            Severity::Error,
+            "training.batch_size",
+            format!(
+                "batch {} is larger than the training data: {} {} make {samples} samples",
+                t.batch_size, data.train, data.unit
+            ),
+            format!("training.batch_size={}", samples.max(1)),
+        );
+    }
+
+    // Sequence length against the data.
+    match c.workload {
+        Workload::Lm => {
+            if data.validation < block + 1 {
+                add(
+                    Severity::Error,
+                    "model.max_length",
+                    format!(
+                        "block {block} needs {} tokens per window, but the validation split has {}",
+                        block + 1,
+                        data.validation
+                    ),
+                    format!(
+                        "model.max_length={} or a larger data.val_fraction",
+                        data.validation.saturating_sub(1).max(1)
+                    ),
+                );
+            }
+        }
+        Workload::Nli => {
+            if data.truncated > 0 && data.truncated * 100 >= data.train + data.validation {
+                add(
+                    Severity::Warning,
+                    "model.max_length",
+                    format!(
+                        "{} pairs ({:.1} %) are longer than model.max_length={block} (the longest: {} tokens) and lose their end",
+                        data.truncated,
+                        100.0 * data.truncated as f64
+                            / (data.train + data.validation).max(1) as f64,
+                        data.longest.unwrap_or(0)
+                    ),
+                    format!(
+                        "model.max_length={} (99 % of pairs fit)",
+                        data.p99_length.unwrap_or(block)
+                    ),
+                );
+            }
+        }
+    }
+
+    // Step budget against evaluation, logging, checkpoints and warm-up:
+    // (value, key, severity, what follows, the fix as a fraction of the run).
+    let cadences = [
+        (
+            c.eval.eval_steps,
+            "eval.eval_steps",
+            Severity::Warning,
+            "no evaluation before the end",
+            4,
+        ),
+        (
+            c.logging.logging_steps,
+            "logging.logging_steps",
+            Severity::Warning,
+            "nothing is logged",
+            20,
+        ),
+        (
+            c.checkpoint.every_steps,
+            "checkpoint.every_steps",
+            Severity::Note,
+            "only the final checkpoint is written, so a crash loses the run",
+            4,
+        ),
+    ];
+    for (value, key, severity, consequence, part) in cadences {
+        if value > total_steps {
+            add(
+                severity,
+                key,
+                format!("{key}={value} is beyond the run's {total_steps} steps: {consequence}"),
+                format!("{key}={}", (total_steps / part).max(1)),
+            );
+        }
+    }
+    if t.warmup_steps >= total_steps {
+        add(
+            Severity::Warning,
+            "training.warmup_steps",
+            format!(
+                "training.warmup_steps={} is not below the run's {total_steps} steps: the learning rate never reaches training.learning_rate",
+                t.warmup_steps
+            ),
+            format!("training.warmup_steps={}", total_steps / 10),
+        );
+    }
+
+    // Loader workers against cores.
+    let cores = hardware.cpu.logical_cores.max(1);
+    if c.loader.num_workers > cores {
+        add(
+            Severity::Warning,
+            "loader.num_workers",
+            format!(
+                "{} loader workers on {cores} cores: they compete with training for the CPU",
+                c.loader.num_workers
+            ),
+            format!(
+                "loader.num_workers={}",
+                if is_gpu {
+                    cores.saturating_sub(1).max(1)
+                } else {
+                    1
+                }
+            ),
+        );
+    }
+
+    // Precision and compile on the device. The GPU's own limits apply to
+    // what a GPU build does on it, even where this build runs on the CPU.
+    let gpu = crate::run_gpu(c, hardware);
+    if let Some(g) = gpu {
+        let caps = g.capabilities;
+        if c.precision.amp && c.precision.amp_dtype == AmpDtype::Bf16 && !caps.bf16 {
+            add(
+                Severity::Warning,
+                "precision.amp_dtype",
+                format!(
+                    "bf16 asked for, but the {} (compute capability {}.{}) has no bf16: kiln falls back to fp16 with loss scaling",
+                    g.name, g.compute_capability.0, g.compute_capability.1
+                ),
+                "precision.amp_dtype=fp16".into(),
+            );
+        }
+        if c.precision.tf32 && !caps.tf32 {
+            add(
+                Severity::Note,
+                "precision.tf32",
+                format!(
+                    "the {} has no TF32 (Ampere and newer): f32 matmuls stay f32",
+                    g.name
+                ),
+                "precision.tf32=false".into(),
+            );
+        }
+        if !is_gpu && c.device.backend == Backend::Auto {
+            add(
+                Severity::Warning,
+                "device.backend",
+                format!(
+                    "the {} is present, but this build of kiln has no GPU backend: the run uses the CPU",
+                    g.name
+                ),
+                "rebuild with the GPU backend: cargo build --release -p kiln-cli --features wgpu"
+                    .into(),
+            );
+        }
+    } else if c.precision.tf32 {
+        add(
+            Severity::Note,
+            "precision.tf32",
+            "TF32 is an NVIDIA Ampere+ feature: nothing changes on the CPU".into(),
+            "precision.tf32=false".into(),
+        );
+    }
+    if !is_gpu {
+        if c.precision.amp {
+            add(
+                Severity::Warning,
+                "precision.amp",
+                format!(
+                    "mixed precision ({}) asked for on the CPU, which has no fast bf16/fp16 path: flex converts the products to f32, so the run is slower than in f32",
+                    c.precision.amp_dtype.name()
+                ),
+                "precision.amp=false".into(),
+            );
+        }
+        if c.optimization.compile {
+            add(
+                Severity::Warning,
+                "optimization.compile",
+                "compile (fusion and autotuning) is a GPU (CubeCL) feature: not applicable on the CPU backend".into(),
+                "optimization.compile=false".into(),
+            );
+        }
+    }
+    if matches!(c.device.backend, Backend::Cuda | Backend::Wgpu) && !is_gpu {
+        add(
+            Severity::Error,
+            "device.backend",
+            "a GPU backend is asked for, but no GPU will be used".into(),
+            "device.backend=auto".into(),
+        );
+    }
+
+    // Memory.
+    if memory.available > 0 && memory.total as f64 > 0.9 * memory.available as f64 {
+        let per_sample = (memory.total - memory.weights - memory.gradients - memory.optimizer)
+            / t.batch_size.max(1) as u64;
+        let room = (0.9 * memory.available as f64) as u64;
+        let fixed = memory.weights + memory.gradients + memory.optimizer;
+        let fits = (room.saturating_sub(fixed) / per_sample.max(1)) as usize;
+        // The largest divisor of the effective batch that fits keeps it exactly.
+        let effective = t.batch_size * t.gradient_accumulation_steps.max(1);
+        let micro = crate::divisors(effective)
+            .into_iter()
+            .rev()
+            .find(|d| *d <= fits)
+            .unwrap_or(1);
+        let mut fix = format!(
+            "training.batch_size={micro} with training.gradient_accumulation_steps={} keeps the effective batch of {effective}",
+            effective / micro
+        );
+        if fits == 0 {
+            fix = "lower model.max_length, or model.gradient_checkpointing=true".into();
+        } else if !c.model.gradient_checkpointing {
+            fix.push_str("; or model.gradient_checkpointing=true");
+        }
+        add(
+            Severity::Error,
+            "training.batch_size",
+            format!(
+                "the step needs about {} (estimate) but {} is {}",
+                gib(memory.total),
+                memory.available_what,
+                gib(memory.available)
+            ),
+            fix,
+        );
+    }
+    out
+}
+
+/// Bytes in GiB (or MiB below one GiB), for messages.
+pub fn gib(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= f64::from(1u32 << 30) {
+        format!("{:.1} GiB", b / f64::from(1u32 << 30))
+    } else {
+        format!("{:.0} MiB", b / f64::from(1u32 << 20))
+    }
+}

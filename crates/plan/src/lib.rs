@@ -1,0 +1,69 @@
+//! kiln-plan: what kiln decides before a device exists, without an ML
+//! framework. kiln-train measures; this crate decides.
+//!
+//! - [`Schedule`]: optimizer steps per run and per epoch, where epochs end,
+//!   the learning rate at each step — for the run, `kiln diagnose` and its
+//!   time estimate alike.
+//! - [`check_config`]: `kiln diagnose`'s checks, each problem with its fix;
+//!   [`estimate_memory`]: what a step needs, from the shapes.
+//! - [`tune`] and [`sweep`]: the tuner's search over a [`Probe`] (a child
+//!   `kiln bench` in the CLI, a fake machine in tests), and the block it
+//!   writes ([`tuned_block`]; kiln-config writes and reads the file).
+//! - [`run_gpu`]: the GPU of the machine a run uses.
+
+mod checks;
+mod memory;
+mod schedule;
+mod tune;
+
+use kiln_config::RunConfig;
+use kiln_hwdetect::{GpuInfo, HardwareReport};
+
+pub use checks::{
+    Burst, CheckInput, DataSize, Finding, Severity, check_config, gib, loader_verdict,
+};
+pub use memory::{MemoryEstimate, ModelSize, estimate_memory};
+pub use schedule::{Schedule, lr_at};
+pub use tune::{
+    Candidate, Measurement, NothingRan, Probe, ProbeResult, Trial, TuneResult, TuneSpace, divisors,
+    memory_limit, sweep, tune, tuned_block,
+};
+
+/// The GPU of `hardware` a run of `config` uses: the one at `device.index`
+/// (which `hardware=auto` sets to the GPU it chose the preset for), else
+/// the first. `None` on a machine without an NVIDIA GPU.
+pub fn run_gpu<'a>(config: &RunConfig, hardware: &'a HardwareReport) -> Option<&'a GpuInfo> {
+    let gpus = hardware.gpus();
+    gpus.iter()
+        .find(|g| g.index as usize == config.device.index)
+        .or(gpus.first())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use kiln_config::{RunConfig, TrainingSection};
+
+    /// The configuration the shipped presets resolve to on a machine
+    /// without a GPU, with `overrides`.
+    pub(crate) fn config(overrides: &[&str]) -> RunConfig {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../presets");
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        let report = kiln_hwdetect::detect_with(&kiln_hwdetect::FixedProbe(
+            kiln_hwdetect::GpuStatus::None { why: String::new() },
+            kiln_hwdetect::DriverInfo::default(),
+        ));
+        kiln_config::resolve(&kiln_config::LoadOptions {
+            presets_dir: &dir,
+            config_file: None,
+            overrides: &overrides,
+            env: &[],
+            hardware: &report,
+        })
+        .expect("resolves")
+        .config
+    }
+
+    pub(crate) fn training() -> TrainingSection {
+        config(&[]).training
+    }
+}

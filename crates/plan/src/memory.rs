@@ -1,0 +1,130 @@
+//! Memory a training step needs, estimated from the shapes.
+
+use kiln_config::{RunConfig, Workload};
+use serde::Serialize;
+
+/// A model's parameter counts, as kiln-model counts them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ModelSize {
+    pub parameters: usize,
+    /// Parameters that train (all, or the head alone of a frozen encoder).
+    pub trainable: usize,
+}
+
+/// Memory a training step needs, in bytes (f32 everywhere).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct MemoryEstimate {
+    pub parameters: usize,
+    pub weights: u64,
+    pub gradients: u64,
+    /// AdamW's two moments.
+    pub optimizer: u64,
+    /// Activations kept for backward, without gradient checkpointing...
+    pub activations: u64,
+    /// ...of which attention's scores and probabilities (the T² term).
+    pub attention: u64,
+    /// Activations with gradient checkpointing (layer inputs, one layer recomputed).
+    pub activations_checkpointed: u64,
+    /// Weights + gradients + optimizer + activations as configured.
+    pub total: u64,
+    /// What the device has: free GPU memory, or available RAM.
+    pub available: u64,
+    pub available_what: String,
+}
+
+/// Bytes of f32.
+const F32: u64 = 4;
+
+/// Memory of a training step at the configured micro-batch. Activations are
+/// counted as Burn's autodiff keeps them for these models, per token and
+/// layer: about 16·hidden + 4·intermediate floats (inputs of the linear
+/// layers, LayerNorm and GELU intermediates, the residual stream) plus
+/// 3·heads·T for attention (scores, mask, probabilities); and per token at
+/// the output, 2·vocab for the language model's logits and their softmax.
+/// With gradient checkpointing a layer keeps only its input and one layer's
+/// activations exist at a time. The parameter counts come from the model
+/// (kiln-model counts them), so this crate needs no model code.
+pub fn estimate_memory(config: &RunConfig, vocab: usize, size: ModelSize) -> MemoryEstimate {
+    let m = &config.model;
+    let (b, s) = (config.training.batch_size as u64, m.max_length as u64);
+    let (h, i, a, l) = (
+        m.hidden as u64,
+        m.intermediate as u64,
+        m.heads as u64,
+        m.layers as u64,
+    );
+    let parameters = size.parameters;
+    let p = parameters as u64;
+    let tokens = b * s;
+    let attention_layer = 3 * a * s * tokens * F32;
+    let layer = (16 * h + 4 * i) * tokens * F32 + attention_layer;
+    let output = match config.workload {
+        Workload::Lm => 2 * vocab as u64 * tokens * F32,
+        Workload::Nli => 2 * h * b * F32,
+    };
+    let embed = 3 * h * tokens * F32;
+    let activations = l * layer + output + embed;
+    let checkpointed = l * h * tokens * F32 + layer + output + embed;
+    let trainable = size.trainable as u64;
+    let weights = p * F32;
+    let gradients = trainable * F32;
+    let optimizer = 2 * trainable * F32;
+    let kept = if m.gradient_checkpointing {
+        checkpointed
+    } else {
+        activations
+    };
+    MemoryEstimate {
+        parameters,
+        weights,
+        gradients,
+        optimizer,
+        activations,
+        attention: l * attention_layer,
+        activations_checkpointed: checkpointed,
+        total: weights + gradients + optimizer + kept,
+        available: 0,
+        available_what: String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tests::config;
+
+    const SIZE: ModelSize = ModelSize {
+        parameters: 100_000,
+        trainable: 100_000,
+    };
+
+    #[test]
+    fn memory_estimate_grows_as_the_shapes_say() {
+        let base = estimate_memory(&config(&[]), 65, SIZE);
+        let twice_batch = estimate_memory(&config(&["training.batch_size=24"]), 65, SIZE);
+        let twice_len = estimate_memory(&config(&["model.max_length=128"]), 65, SIZE);
+        // Activations are linear in the batch; attention is quadratic in T.
+        assert_eq!(twice_batch.activations, 2 * base.activations);
+        assert_eq!(twice_len.attention, 4 * base.attention);
+        assert_eq!(twice_batch.weights, base.weights);
+        // Weights, gradients and AdamW: 4 + 4 + 8 bytes per parameter.
+        assert_eq!(base.weights, 4 * base.parameters as u64);
+        assert_eq!(base.optimizer, 2 * base.gradients);
+        assert!(base.activations_checkpointed < base.activations);
+        let ckpt = estimate_memory(&config(&["model.gradient_checkpointing=true"]), 65, SIZE);
+        assert_eq!(
+            ckpt.total,
+            base.total - base.activations + base.activations_checkpointed
+        );
+        // A frozen encoder keeps gradients and moments for the head only.
+        let nli = config(&["experiment=nli_snli"]);
+        let frozen = ModelSize {
+            trainable: 500,
+            ..SIZE
+        };
+        let all = estimate_memory(&nli, 8000, SIZE);
+        let head = estimate_memory(&nli, 8000, frozen);
+        assert_eq!(head.gradients * 200, all.gradients);
+        assert_eq!(head.weights, all.weights);
+    }
+}

@@ -1,0 +1,133 @@
+//! How many optimizer steps a run makes, where its epochs end, and its
+//! learning rate at each step: counted once, here, for the run, `kiln
+//! diagnose` and the time estimate alike.
+
+use std::f64::consts::PI;
+
+use kiln_config::TrainingSection;
+
+/// A run's step schedule. The loader is one stream of micro-batches (epoch
+/// after epoch, reshuffled); an optimizer step takes
+/// `gradient_accumulation_steps` of them. A run by epochs takes every full
+/// group of `epochs` passes (`⌊batches_per_epoch · epochs / accumulation⌋`
+/// steps, at least one); a run by `max_steps` takes that many.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Schedule {
+    /// Micro-batches in one pass over the training data.
+    pub batches_per_epoch: u64,
+    /// Micro-batches per optimizer step.
+    pub accumulation: u64,
+    /// Optimizer steps the run makes.
+    pub total_steps: u64,
+    pub warmup_steps: u64,
+    pub learning_rate: f64,
+    pub min_lr: f64,
+}
+
+impl Schedule {
+    /// The schedule of `training` over data of `batches_per_epoch` micro-batches.
+    pub fn new(training: &TrainingSection, batches_per_epoch: u64) -> Self {
+        let batches_per_epoch = batches_per_epoch.max(1);
+        let accumulation = (training.gradient_accumulation_steps as u64).max(1);
+        let total_steps = if training.max_steps > 0 {
+            training.max_steps as u64
+        } else {
+            (batches_per_epoch * training.epochs as u64 / accumulation).max(1)
+        };
+        Self {
+            batches_per_epoch,
+            accumulation,
+            total_steps,
+            warmup_steps: training.warmup_steps as u64,
+            learning_rate: training.learning_rate,
+            min_lr: training.min_lr,
+        }
+    }
+
+    /// Optimizer steps per pass over the data (a fraction where the
+    /// accumulation does not divide the batches).
+    pub fn steps_per_epoch(&self) -> f64 {
+        self.batches_per_epoch as f64 / self.accumulation as f64
+    }
+
+    /// Passes over the training data the run makes.
+    pub fn epochs(&self) -> f64 {
+        (self.total_steps * self.accumulation) as f64 / self.batches_per_epoch as f64
+    }
+
+    /// Whether optimizer step `step` (1-based) takes the last micro-batch of
+    /// an epoch: where a run by epochs evaluates.
+    pub fn ends_epoch(&self, step: u64) -> bool {
+        let epoch_of = |micro_batches: u64| micro_batches / self.batches_per_epoch;
+        step > 0 && epoch_of(step * self.accumulation) > epoch_of((step - 1) * self.accumulation)
+    }
+
+    /// The learning rate at `step` (1-based): see [`lr_at`].
+    pub fn lr_at(&self, step: u64) -> f64 {
+        lr_at(
+            step,
+            self.learning_rate,
+            self.min_lr,
+            self.warmup_steps,
+            self.total_steps,
+        )
+    }
+}
+
+/// The learning rate at optimizer step `step` (1-based): linear warm-up to
+/// `max_lr` over `warmup` steps, then cosine decay to `min_lr` at `total`.
+pub fn lr_at(step: u64, max_lr: f64, min_lr: f64, warmup: u64, total: u64) -> f64 {
+    if warmup > 0 && step <= warmup {
+        return max_lr * step as f64 / warmup as f64;
+    }
+    if step >= total {
+        return min_lr;
+    }
+    let progress = (step - warmup) as f64 / (total - warmup).max(1) as f64;
+    min_lr + 0.5 * (1.0 + (PI * progress).cos()) * (max_lr - min_lr)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn training(accumulation: usize, epochs: usize, max_steps: usize) -> TrainingSection {
+        TrainingSection {
+            gradient_accumulation_steps: accumulation,
+            epochs,
+            max_steps,
+            ..crate::tests::training()
+        }
+    }
+
+    #[test]
+    fn epochs_take_every_full_accumulation_group() {
+        // 10 batches an epoch, 3 epochs, accumulation 4: 30 micro-batches,
+        // 7 whole steps (the loader streams on across epoch ends).
+        let s = Schedule::new(&training(4, 3, 0), 10);
+        assert_eq!(s.total_steps, 7);
+        assert!((s.steps_per_epoch() - 2.5).abs() < 1e-12);
+        // Epochs end in steps 3 (micro-batch 10 of 9..12), 5 (20) and — the
+        // third epoch's last two micro-batches are left over — none after.
+        let ends: Vec<u64> = (1..=s.total_steps).filter(|&k| s.ends_epoch(k)).collect();
+        assert_eq!(ends, vec![3, 5]);
+        // Without accumulation every batch is a step.
+        let plain = Schedule::new(&training(1, 3, 0), 10);
+        assert_eq!(plain.total_steps, 30);
+        let ends: Vec<u64> = (1..=30).filter(|&k| plain.ends_epoch(k)).collect();
+        assert_eq!(ends, vec![10, 20, 30]);
+        // max_steps wins; a tiny data set still makes one step.
+        assert_eq!(Schedule::new(&training(4, 3, 100), 10).total_steps, 100);
+        assert_eq!(Schedule::new(&training(8, 1, 0), 3).total_steps, 1);
+    }
+
+    #[test]
+    fn schedule_warms_up_then_decays_to_min() {
+        let lr = |s| lr_at(s, 1e-3, 1e-4, 10, 110);
+        assert!((lr(1) - 1e-4).abs() < 1e-12);
+        assert!((lr(10) - 1e-3).abs() < 1e-12);
+        assert!((lr(60) - 5.5e-4).abs() < 1e-9, "{}", lr(60));
+        assert!((lr(110) - 1e-4).abs() < 1e-12);
+        assert!((lr(500) - 1e-4).abs() < 1e-12);
+    }
+}

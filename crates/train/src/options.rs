@@ -1,0 +1,41 @@
+//! What a run is given besides its configuration, and how it ended.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use kiln_hwdetect::HardwareReport;
+
+use crate::records::CvSummary;
+use crate::report::Summary;
+
+/// What the caller provides besides the configuration.
+#[derive(Clone, Debug)]
+pub struct TrainOptions {
+    /// Set (by Ctrl-C) to stop after the current step with a checkpoint.
+    pub interrupt: Arc<AtomicBool>,
+    /// The machine, for the MFU denominator and the saved report.
+    pub hardware: HardwareReport,
+    /// `kiln config --explain` lines, saved as `config-sources.txt`.
+    pub sources: Vec<String>,
+}
+
+/// How a run ended.
+#[derive(Clone, Debug)]
+pub enum Outcome {
+    Finished {
+        run: PathBuf,
+        summary: Summary,
+    },
+    /// A cross-validation run finished all its folds.
+    CvFinished {
+        run: PathBuf,
+        summary: CvSummary,
+    },
+    /// Stopped by the interrupt flag, after writing this checkpoint.
+    Interrupted {
+        run: PathBuf,
+        step: u64,
+        checkpoint: PathBuf,
+    },
+}

@@ -1,0 +1,241 @@
+//! The records of `metrics.jsonl`, one JSON object a line tagged by
+//! `kind`, written and read back through the same types; and the results of
+//! a cross-validation run (`fold-<k>/result.json`, `cv_summary.json`).
+
+use serde::{Deserialize, Serialize};
+
+/// One line of `metrics.jsonl`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Record {
+    /// A logged optimizer step.
+    Step(StepMetrics),
+    /// An evaluation.
+    Eval(EvalRecord),
+    /// A step whose update was skipped.
+    Skipped(Skipped),
+    /// fp16's loss scale grew.
+    LossScale { step: u64, scale: f64, why: String },
+}
+
+impl Record {
+    /// The optimizer step the record belongs to.
+    pub fn step(&self) -> u64 {
+        match self {
+            Self::Step(s) => s.step,
+            Self::Eval(e) => e.step,
+            Self::Skipped(s) => s.step,
+            Self::LossScale { step, .. } => *step,
+        }
+    }
+}
+
+/// One logged optimizer step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    /// Wall time of the step, loader wait included.
+    pub ms_per_step: f64,
+    /// Tokens that carry data (padding not counted) per second.
+    pub tokens_per_s: f64,
+    pub samples_per_s: f64,
+    /// Model FLOPs/s over the device peak (`None`: peak unknown).
+    pub mfu: Option<f64>,
+    /// Share of the step spent waiting for the loader, in percent.
+    pub data_wait_pct: f64,
+    pub memory_bytes: u64,
+    pub peak_memory_bytes: u64,
+    pub tokens_seen: u64,
+}
+
+/// An evaluation: the workload's metrics and, where the workload ranks its
+/// evaluations (NLI: macro-F1), the score that keeps the best model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EvalRecord {
+    pub step: u64,
+    #[serde(flatten)]
+    pub metrics: EvalMetrics,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score: Option<f64>,
+}
+
+/// What an evaluation measured, per workload.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum EvalMetrics {
+    /// The language model: mean loss over `eval_iters` batches of each split.
+    Lm { train_loss: f64, val_loss: f64 },
+    /// The pair classifier: loss and scores on the held-out fold.
+    Nli { val_loss: f64, scores: Scores },
+}
+
+impl EvalMetrics {
+    pub fn val_loss(&self) -> f64 {
+        match self {
+            Self::Lm { val_loss, .. } | Self::Nli { val_loss, .. } => *val_loss,
+        }
+    }
+}
+
+/// Why a step made no update.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Skipped {
+    pub step: u64,
+    pub why: String,
+    /// fp16 overflow: the loss scale after halving, and overflows so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overflows: Option<u64>,
+    /// Non-finite: how many such steps in a row.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_a_row: Option<usize>,
+}
+
+/// Precision, recall and F1 of one class.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClassMetrics {
+    pub label: String,
+    pub precision: f64,
+    pub recall: f64,
+    pub f1: f64,
+    pub support: usize,
+}
+
+/// Classification quality of predictions against labels.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Scores {
+    pub accuracy: f64,
+    pub macro_f1: f64,
+    pub per_class: Vec<ClassMetrics>,
+    /// `confusion[true][predicted]`.
+    pub confusion: Vec<Vec<usize>>,
+}
+
+impl Scores {
+    pub fn new(labels: &[String], truth: &[usize], predicted: &[usize]) -> Self {
+        let n = labels.len();
+        let mut confusion = vec![vec![0usize; n]; n];
+        for (&t, &p) in truth.iter().zip(predicted) {
+            confusion[t][p] += 1;
+        }
+        let correct: usize = (0..n).map(|i| confusion[i][i]).sum();
+        let per_class: Vec<ClassMetrics> = (0..n)
+            .map(|c| {
+                let tp = confusion[c][c] as f64;
+                let predicted_c: usize = (0..n).map(|t| confusion[t][c]).sum();
+                let support: usize = confusion[c].iter().sum();
+                let precision = if predicted_c > 0 {
+                    tp / predicted_c as f64
+                } else {
+                    0.0
+                };
+                let recall = if support > 0 {
+                    tp / support as f64
+                } else {
+                    0.0
+                };
+                let f1 = if precision + recall > 0.0 {
+                    2.0 * precision * recall / (precision + recall)
+                } else {
+                    0.0
+                };
+                ClassMetrics {
+                    label: labels[c].clone(),
+                    precision,
+                    recall,
+                    f1,
+                    support,
+                }
+            })
+            .collect();
+        Self {
+            accuracy: correct as f64 / truth.len().max(1) as f64,
+            macro_f1: per_class.iter().map(|c| c.f1).sum::<f64>() / n.max(1) as f64,
+            per_class,
+            confusion,
+        }
+    }
+}
+
+/// One fold's outcome: the scores of its best evaluation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FoldResult {
+    pub fold: usize,
+    pub train_pairs: usize,
+    pub held_out_pairs: usize,
+    pub best_step: u64,
+    pub stopped_early: bool,
+    pub val_loss: f64,
+    pub scores: Scores,
+    /// Accuracy of always predicting the training part's most common label.
+    pub majority_baseline: f64,
+    pub median_samples_per_s: f64,
+}
+
+/// The cross-validation summary (`cv_summary.json`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CvSummary {
+    pub folds: Vec<FoldResult>,
+    pub accuracy_mean: f64,
+    pub accuracy_std: f64,
+    pub macro_f1_mean: f64,
+    pub macro_f1_std: f64,
+    pub majority_baseline_mean: f64,
+    pub labels: Vec<String>,
+    pub pairs: usize,
+    pub skipped_rows: usize,
+    pub median_samples_per_s: f64,
+    pub wall_s: f64,
+}
+
+pub(crate) fn mean_std(values: &[f64]) -> (f64, f64) {
+    let n = values.len().max(1) as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+    (mean, var.sqrt())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_keep_the_metrics_jsonl_format() {
+        let eval = Record::Eval(EvalRecord {
+            step: 4,
+            metrics: EvalMetrics::Lm {
+                train_loss: 2.5,
+                val_loss: 2.75,
+            },
+            score: None,
+        });
+        let v = serde_json::to_value(&eval).expect("serialises");
+        assert_eq!(
+            v,
+            serde_json::json!({"kind": "eval", "step": 4, "train_loss": 2.5, "val_loss": 2.75})
+        );
+        // Lines written before the typed records read back the same.
+        let line = r#"{"kind":"skipped","step":7,"why":"fp16 gradients overflowed","loss_scale":32768.0,"overflows":1}"#;
+        let r: Record = serde_json::from_str(line).expect("parses");
+        assert_eq!(r.step(), 7);
+        assert!(matches!(
+            r,
+            Record::Skipped(Skipped {
+                overflows: Some(1),
+                ..
+            })
+        ));
+        let nli = r#"{"val_loss":0.9,"scores":{"accuracy":0.5,"macro_f1":0.4,"per_class":[],"confusion":[]},"kind":"eval","step":3,"score":0.4}"#;
+        match serde_json::from_str::<Record>(nli).expect("parses") {
+            Record::Eval(e) => {
+                assert_eq!(e.score, Some(0.4));
+                assert!(matches!(e.metrics, EvalMetrics::Nli { .. }));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

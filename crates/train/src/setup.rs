@@ -1,0 +1,265 @@
+//! What every workload sets up the same way before its first step: the
+//! training device and the model's first weights, the precision, the peak
+//! MFU counts against, and the start-of-run lines about them.
+
+use burn::module::Module;
+use burn::tensor::Device;
+use kiln_config::RunConfig;
+use kiln_hwdetect::HardwareReport;
+use kiln_model::ComputeDtype;
+use kiln_plan::run_gpu;
+
+use crate::params::param_entries;
+use crate::precision::{LossScaler, PrecisionChoice};
+use crate::{DeviceChoice, TrainError, TrainOptions};
+
+/// The device a model trains on: `inner` with autodiff (and gradient
+/// checkpointing when the config asks), its RNG seeded with `seed`.
+pub(crate) fn train_device(config: &RunConfig, inner: &Device, seed: u64) -> Device {
+    let mut device = inner.clone().autodiff();
+    if config.model.gradient_checkpointing {
+        device = device.gradient_checkpointing();
+    }
+    device.seed(seed);
+    device
+}
+
+/// Builds a model whose initial weights depend on `seed` alone, not on the
+/// device or on what draws from the device's RNG later. Burn initialises a
+/// parameter lazily, at its first use: left alone, the draw would happen in
+/// the first training step, after the loop has reseeded the RNG for that
+/// step, and a model drawn on the CPU and copied over would not match. So
+/// every parameter is materialised here; on a GPU the values are drawn on
+/// the CPU (`flex`, seeded as `device` is) and copied over, so a wgpu or
+/// CUDA run starts from the weights a flex run of the same seed starts from,
+/// and the two can be compared step by step.
+pub(crate) fn init_model<M: Module>(
+    config: &RunConfig,
+    device: &Device,
+    is_gpu: bool,
+    seed: u64,
+    init: impl Fn(&Device) -> M,
+) -> M {
+    #[cfg(feature = "flex")]
+    if is_gpu {
+        let cpu = train_device(config, &Device::flex(), seed);
+        let values = crate::params::param_values(&init(&cpu))
+            .into_iter()
+            .map(|(path, shape, v)| (path, (shape, v)))
+            .collect();
+        // Same model, same paths: loading cannot fail; if it did, the
+        // device's own draw is still a valid start.
+        if let Ok(model) = crate::params::load_values(init(device), values, device) {
+            return model;
+        }
+    }
+    let _ = (config, is_gpu, seed);
+    let model = init(device);
+    // Visiting reads every parameter, which materialises it now, in order.
+    let _ = param_entries(&model);
+    model
+}
+
+/// The peak FLOP/s MFU is counted against on this device for the dtype the
+/// products compute in, and where it came from: on a CubeCL GPU measured by
+/// Burn's `performance_stats` (cached by CubeCL), else kiln-hwdetect's table
+/// for the GPU and dtype; on the CPU the estimated fp32 peak (flex converts
+/// bf16/fp16 products to f32, so that is their ceiling too). Mixed
+/// precision counts against the bf16/fp16 peak, as the guides count MFU.
+pub(crate) fn mfu_peak(
+    device: &DeviceChoice,
+    precision: &PrecisionChoice,
+    hardware: &HardwareReport,
+) -> (Option<f64>, String) {
+    let dtype = precision.compute.name();
+    if device.is_gpu {
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        if let Some(p) = crate::precision::measured_peak(&device.device, precision.compute) {
+            return (
+                Some(p),
+                format!(
+                    "{} {dtype} of {}, measured by Burn's performance_stats (cached by CubeCL)",
+                    flops_rate(p),
+                    device.name
+                ),
+            );
+        }
+        let Some(gpu) = hardware.gpus().first() else {
+            return (
+                None,
+                format!(
+                    "no peak: {} reported none and it is not an NVIDIA GPU kiln knows",
+                    device.name
+                ),
+            );
+        };
+        let (Some(peak), Some(source)) = (&gpu.peak, &gpu.peak_source) else {
+            return (
+                None,
+                format!("no peak: the {} is not in kiln's table", gpu.name),
+            );
+        };
+        let value = match precision.compute {
+            ComputeDtype::F32 => Some(peak.fp32),
+            ComputeDtype::Bf16 => peak.bf16,
+            ComputeDtype::F16 => peak.fp16,
+        };
+        return match value {
+            Some(p) => (
+                Some(p),
+                format!(
+                    "{} {dtype} of the {} ({source}; not measured on this device)",
+                    flops_rate(p),
+                    gpu.name
+                ),
+            ),
+            None => (
+                None,
+                format!(
+                    "no peak: kiln's table has no {dtype} figure for the {}",
+                    gpu.name
+                ),
+            ),
+        };
+    }
+    match hardware.cpu.peak.fp32_flops {
+        Some(p) => (
+            Some(p),
+            format!(
+                "{:.1} GFLOP/s fp32, the CPU {}{}",
+                p / 1e9,
+                hardware.cpu.peak.how,
+                if precision.compute.is_reduced() {
+                    " (flex computes bf16/fp16 products in f32, so this is their ceiling too)"
+                } else {
+                    ""
+                }
+            ),
+        ),
+        None => (None, format!("unknown ({})", hardware.cpu.peak.how)),
+    }
+}
+
+/// A peak in TFLOP/s, or GFLOP/s below one TFLOP/s (software devices).
+fn flops_rate(flops: f64) -> String {
+    if flops >= 1e12 {
+        format!("{:.1} TFLOP/s", flops / 1e12)
+    } else {
+        format!("{:.1} GFLOP/s", flops / 1e9)
+    }
+}
+
+/// The precision a run computes in on its device, and why.
+pub(crate) fn run_precision(
+    c: &RunConfig,
+    device: &DeviceChoice,
+    hardware: &HardwareReport,
+) -> PrecisionChoice {
+    crate::precision::choose_precision(&c.precision, device, run_gpu(c, hardware))
+}
+
+/// Start lines about the device, precision, compile, loader and MFU.
+pub(crate) fn device_lines(
+    c: &RunConfig,
+    device: &DeviceChoice,
+    precision: &PrecisionChoice,
+    options: &TrainOptions,
+    peak_name: &str,
+) -> Vec<String> {
+    let tf32 = match (device.is_gpu, run_gpu(c, &options.hardware)) {
+        (true, Some(gpu)) if gpu.capabilities.tf32 => format!(
+            "; TF32: the {} has it, and CubeCL's matmul autotuner may pick TF32 tensor-core kernels for f32 products whatever precision.tf32 says",
+            gpu.name
+        ),
+        (true, _) => "; TF32: not on this device".to_string(),
+        (false, _) => String::new(),
+    };
+    let mut lines = vec![
+        format!("backend: {} — {}", device.name, device.why),
+        format!("precision: {} — {}{tf32}", precision.label, precision.why),
+        device.compile.clone(),
+        format!(
+            "loader: {} worker thread{}, {} batches ahead each",
+            c.loader.num_workers,
+            if c.loader.num_workers == 1 { "" } else { "s" },
+            c.loader.prefetch_factor
+        ),
+        format!("MFU is measured against {peak_name}"),
+        match (device.is_gpu, options.hardware.gpus().first()) {
+            (true, Some(gpu)) => format!("device: {}", gpu.name),
+            _ => format!(
+                "threads: {} cores for compute",
+                options.hardware.cpu.logical_cores
+            ),
+        },
+    ];
+    if precision.loss_scaling() {
+        lines.push(format!(
+            "loss scaling: dynamic, from {} (×2 after {} clean steps, ×0.5 and the step skipped on overflow)",
+            LossScaler::INITIAL,
+            LossScaler::GROWTH_INTERVAL
+        ));
+    }
+    if c.model.gradient_checkpointing {
+        lines.push("gradient checkpointing: on (activations recomputed in backward)".into());
+    }
+    lines
+}
+
+/// The schedule, in one line.
+pub(crate) fn schedule_line(c: &RunConfig, schedule: &kiln_plan::Schedule) -> String {
+    let t = &c.training;
+    format!(
+        "schedule: {} steps, AdamW lr {} (warm-up {}, cosine to {}), β {}/{}, weight decay {} on matrices, clip {}",
+        schedule.total_steps,
+        t.learning_rate,
+        t.warmup_steps,
+        t.min_lr,
+        t.beta1,
+        t.beta2,
+        t.weight_decay,
+        t.grad_clip
+    )
+}
+
+/// The device a run trains on: [`select_device`] for `config.device`, with
+/// `optimization.compile` applied to CubeCL first (its configuration must be
+/// in place before the device's first kernel).
+pub fn open_device(
+    config: &kiln_config::RunConfig,
+    has_gpu: bool,
+) -> Result<DeviceChoice, TrainError> {
+    let probe = crate::device::select_device(&config.device, has_gpu)?;
+    let compile = crate::compile::apply_compile(&config.optimization, &probe);
+    Ok(DeviceChoice { compile, ..probe })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn initial_weights_come_from_the_seed_not_the_first_step() {
+        let config = crate::tests::config(&[]);
+        let gpt = kiln_model::GptConfig {
+            vocab_size: 11,
+            block_size: 8,
+            layers: 1,
+            heads: 2,
+            hidden: 8,
+            intermediate: 16,
+            dropout: 0.0,
+            gelu: kiln_model::GeluKind::Exact,
+        };
+        let draw = |reseed: bool| {
+            let device = train_device(&config, &Device::flex(), 7);
+            let model = init_model(&config, &device, false, 7, |d| gpt.init(d));
+            if reseed {
+                // What the loop does before each step.
+                device.seed(12345);
+            }
+            crate::params::param_values(&model)
+        };
+        assert_eq!(draw(false), draw(true));
+    }
+}

@@ -1,0 +1,56 @@
+//! What a workload gives the step and the loop: its batches, how a batch
+//! reaches the device, its loss, the work a batch represents and its
+//! evaluation.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::tensor::{Device, Tensor};
+use kiln_data::BatchSource;
+
+/// The work one batch represents.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Work {
+    pub(crate) samples: usize,
+    /// Tokens that carry data (no padding).
+    pub(crate) tokens: usize,
+    /// Tokens computed on, padding included.
+    pub(crate) padded_tokens: usize,
+    /// Model FLOPs of one training step (forward and backward) on the batch.
+    pub(crate) flops: f64,
+}
+
+impl std::ops::AddAssign for Work {
+    fn add_assign(&mut self, w: Self) {
+        self.samples += w.samples;
+        self.tokens += w.tokens;
+        self.padded_tokens += w.padded_tokens;
+        self.flops += w.flops;
+    }
+}
+
+/// One evaluation: its metrics for `metrics.jsonl`, a line to print, and a
+/// score (higher is better) for keeping the best model and early stopping.
+#[derive(Clone, Debug)]
+pub(crate) struct Evaluation {
+    pub(crate) metrics: crate::records::EvalMetrics,
+    pub(crate) line: String,
+    pub(crate) score: Option<f64>,
+}
+
+/// A workload: its model, its batches, its loss and its evaluation.
+pub(crate) trait Task {
+    type Model: Module;
+    type Source: BatchSource;
+    /// A batch as tensors on the device.
+    type Inputs;
+
+    fn source(&self) -> Arc<Self::Source>;
+    /// The host-to-device copy of a batch.
+    fn upload(&self, batch: &<Self::Source as BatchSource>::Batch, device: &Device)
+    -> Self::Inputs;
+    /// The forward pass to the mean loss of the batch.
+    fn loss(&self, model: &Self::Model, inputs: Self::Inputs) -> Tensor<1>;
+    fn work(&self, batch: &<Self::Source as BatchSource>::Batch) -> Work;
+    fn evaluate(&self, model: &Self::Model, step: u64) -> Evaluation;
+}

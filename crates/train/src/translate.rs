@@ -1,0 +1,80 @@
+//! The one translation from the run configuration to the library types:
+//! kiln-config's enums and sections become kiln-model's and kiln-data's.
+//! (Which GPU a run uses is `kiln_plan::run_gpu`; `hardware=auto` writes
+//! it into `device.index`.)
+
+use kiln_config::{BadRowsMode, Gelu, PairsFormat, Pooling, RunConfig};
+use kiln_data::{BadRows, PairFormat, PairSchema};
+use kiln_model::{EncoderConfig, GeluKind, GptConfig, PoolingKind};
+
+fn gelu(g: Gelu) -> GeluKind {
+    match g {
+        Gelu::Exact => GeluKind::Exact,
+        Gelu::Tanh => GeluKind::Tanh,
+    }
+}
+
+/// The model shape of a configuration, for a vocabulary.
+pub(crate) fn gpt_config(config: &RunConfig, vocab_size: usize) -> GptConfig {
+    let m = &config.model;
+    GptConfig {
+        vocab_size,
+        block_size: m.max_length,
+        layers: m.layers,
+        heads: m.heads,
+        hidden: m.hidden,
+        intermediate: m.intermediate,
+        dropout: m.dropout,
+        gelu: gelu(m.gelu),
+    }
+}
+
+/// The pair schema of a configuration.
+pub(crate) fn schema(config: &RunConfig, require_label: bool) -> PairSchema {
+    let d = &config.data;
+    PairSchema {
+        premise: d.premise_field.clone(),
+        hypothesis: d.hypothesis_field.clone(),
+        label: d.label_field.clone(),
+        labels: d.labels.clone(),
+        bad_rows: match d.bad_rows {
+            BadRowsMode::Skip => BadRows::Skip,
+            BadRowsMode::Error => BadRows::Error,
+        },
+        format: match d.format {
+            PairsFormat::Auto => PairFormat::Auto,
+            PairsFormat::Jsonl => PairFormat::Jsonl,
+            PairsFormat::Tsv => PairFormat::Tsv,
+            PairsFormat::Csv => PairFormat::Csv,
+        },
+        require_label,
+    }
+}
+
+/// The encoder shape of a configuration, for a vocabulary.
+pub(crate) fn encoder_config(config: &RunConfig, vocab_size: usize) -> EncoderConfig {
+    let m = &config.model;
+    EncoderConfig {
+        vocab_size,
+        max_positions: m.max_length,
+        layers: m.layers,
+        heads: m.heads,
+        hidden: m.hidden,
+        intermediate: m.intermediate,
+        dropout: m.dropout,
+        classes: config.data.labels.len(),
+        pooling: match m.pooling {
+            Pooling::Cls => PoolingKind::Cls,
+            Pooling::Mean => PoolingKind::Mean,
+        },
+        gelu: gelu(m.gelu),
+    }
+}
+
+/// The kernels `optimization.kernels` asks the models to run.
+pub(crate) fn kernels(config: &RunConfig) -> kiln_model::Kernels {
+    match config.optimization.kernels {
+        kiln_config::KernelChoice::Fused => kiln_model::Kernels::Fused,
+        kiln_config::KernelChoice::Reference => kiln_model::Kernels::Reference,
+    }
+}

@@ -1,0 +1,554 @@
+//! The GPT language model: its preparation (corpus, tokenizer, token
+//! windows, model shape, schedule), its task for the shared step and loop,
+//! and its run (samples and summary at the end).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use kiln_config::{RunConfig, TokenizerKind as ConfigTokenizer};
+use kiln_data::{
+    BatchSource, Corpus, LmWindows, Split, TokenBatch, Tokenizer, TokenizerKind, encode_cached,
+    read_corpus,
+};
+use kiln_hwdetect::HardwareReport;
+use kiln_model::{Gpt, GptConfig};
+use kiln_plan::{DataSize, ModelSize, Schedule};
+use rand::SeedableRng;
+
+use crate::checkpoint::{self, CheckpointState};
+use crate::optim::AdamW;
+use crate::records::{EvalMetrics, Record, StepMetrics};
+use crate::report::{Event, LmEval, Observer, Summary, held_back_by, median, write_plots};
+use crate::setup::{
+    device_lines, init_model, mfu_peak, run_precision, schedule_line, train_device,
+};
+use crate::task::{Evaluation, Task, Work};
+use crate::trainer::{EarlyStopping, LoopEnd, LoopPlan, LoopPlanStart, restore, run_loop};
+use crate::translate::{gpt_config, kernels};
+use crate::{DeviceChoice, Outcome, RunDir, TrainError, TrainOptions, open_device};
+
+/// Where a run's tokenizer comes from.
+#[derive(Debug)]
+pub(crate) enum TokenizerFrom<'a> {
+    /// Made as the config says: trained, character-level, or `data.tokenizer_file`.
+    Config,
+    /// The one a run saved (resume).
+    File(&'a Path),
+}
+
+/// The language model's workload, prepared from a config: what the run,
+/// `kiln bench` and `kiln diagnose` all start from.
+pub(crate) struct Prepared {
+    pub(crate) corpus: Corpus,
+    pub(crate) tokenizer: Tokenizer,
+    /// From the token cache rather than encoded now.
+    pub(crate) cached: bool,
+    pub(crate) train_tokens: Arc<[u32]>,
+    pub(crate) val_tokens: Arc<[u32]>,
+    pub(crate) gpt: GptConfig,
+    pub(crate) schedule: Schedule,
+}
+
+/// Reads the corpus, makes the tokenizer, encodes (through the cache) and
+/// splits the tokens, and counts the schedule. The splits are not checked
+/// against the block here (`kiln diagnose` reports a short one as a
+/// finding); [`Prepared::task`] checks them.
+pub(crate) fn prepare(config: &RunConfig, from: TokenizerFrom<'_>) -> Result<Prepared, TrainError> {
+    let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
+    let tokenizer = match from {
+        TokenizerFrom::Config => make_tokenizer(config, &corpus.text)?,
+        TokenizerFrom::File(path) => Tokenizer::load(path)?,
+    };
+    let (ids, cached) = encode_cached(&tokenizer, &corpus, Path::new(&config.data.cache_dir))?;
+    let n_train = ((ids.len() as f64) * (1.0 - config.data.val_fraction)) as usize;
+    let (train, val) = ids.split_at(n_train);
+    let t = &config.training;
+    let batches_per_epoch =
+        (train.len() / (t.batch_size * config.model.max_length).max(1)).max(1) as u64;
+    Ok(Prepared {
+        gpt: gpt_config(config, tokenizer.vocab_size()),
+        schedule: Schedule::new(t, batches_per_epoch),
+        train_tokens: train.into(),
+        val_tokens: val.into(),
+        cached: cached.hit,
+        tokenizer,
+        corpus,
+    })
+}
+
+impl Prepared {
+    /// The data measured against the config, for `kiln diagnose`.
+    pub(crate) fn data_size(&self, config: &RunConfig) -> DataSize {
+        DataSize {
+            unit: "tokens".into(),
+            train: self.train_tokens.len(),
+            validation: self.val_tokens.len(),
+            samples_per_epoch: self.train_tokens.len() / config.model.max_length.max(1),
+            ..DataSize::default()
+        }
+    }
+
+    pub(crate) fn model_size(&self) -> ModelSize {
+        let parameters = self.gpt.num_params();
+        ModelSize {
+            parameters,
+            trainable: parameters,
+        }
+    }
+
+    /// The task the step and the loop run: training windows and the fixed
+    /// evaluation batches of each split, on `inner` (the device without
+    /// autodiff). Errors where a split is shorter than one window.
+    pub(crate) fn task(&self, config: &RunConfig, inner: &Device) -> Result<LmTask, TrainError> {
+        let block = config.model.max_length;
+        for (split, part) in [
+            ("train", &self.train_tokens),
+            ("validation", &self.val_tokens),
+        ] {
+            if part.len() < block + 1 {
+                return Err(kiln_data::DataError::TooShort {
+                    path: self.corpus.path.clone(),
+                    split,
+                    tokens: part.len(),
+                    need: block + 1,
+                }
+                .into());
+            }
+        }
+        let t = &config.training;
+        let eval_seed = t.seed ^ 0xE7A1_0000_0000_0000;
+        let windows = |tokens: &Arc<[u32]>, batch, seed, split| {
+            LmWindows::new(Arc::clone(tokens), batch, block, seed, split)
+        };
+        let eval_batch = config.eval.batch_size;
+        Ok(LmTask {
+            train: Arc::new(windows(
+                &self.train_tokens,
+                t.batch_size,
+                t.seed,
+                Split::Train,
+            )),
+            eval_train: windows(&self.train_tokens, eval_batch, eval_seed, Split::Train),
+            eval_val: windows(&self.val_tokens, eval_batch, eval_seed, Split::Val),
+            eval_iters: config.eval.eval_iters as u64,
+            inner: inner.clone(),
+            flops_per_token: self.gpt.flops_per_token(),
+        })
+    }
+}
+
+/// Trains the language model of `config` in a new run directory.
+pub(crate) fn train(
+    config: &RunConfig,
+    options: &TrainOptions,
+    observer: &mut dyn Observer,
+) -> Result<Outcome, TrainError> {
+    // Everything that can fail on bad input fails before the run directory exists.
+    let device = open_device(config, !options.hardware.gpus().is_empty())?;
+    let prepared = prepare(config, TokenizerFrom::Config)?;
+    let (session, model) = Session::new(config, device, &options.hardware, prepared, None)?;
+    let run = RunDir::start(config, options)?;
+    session
+        .prepared
+        .tokenizer
+        .save(&run.file("tokenizer.json"))?;
+    session.run(model, &run, options, observer)
+}
+
+/// Continues the language-model run in `run` from its newest good checkpoint.
+pub(crate) fn resume(
+    config: &RunConfig,
+    run: &RunDir,
+    options: &TrainOptions,
+    observer: &mut dyn Observer,
+) -> Result<Outcome, TrainError> {
+    let (info, state, notes) = checkpoint::latest_good(&run.checkpoints())?;
+    for note in notes {
+        observer.event(&Event::Note(note));
+    }
+    observer.event(&Event::Note(format!(
+        "resuming `{}` from step {} ({})",
+        run.path.display(),
+        info.step,
+        info.path.display()
+    )));
+    let device = open_device(config, !options.hardware.gpus().is_empty())?;
+    let tokenizer = run.file("tokenizer.json");
+    let prepared = prepare(config, TokenizerFrom::File(&tokenizer))?;
+    run.truncate_metrics_after(info.step)?;
+    let (session, model) = Session::new(
+        config,
+        device,
+        &options.hardware,
+        prepared,
+        Some((info.path, state)),
+    )?;
+    session.run(model, run, options, observer)
+}
+
+pub(crate) fn make_tokenizer(config: &RunConfig, text: &str) -> Result<Tokenizer, TrainError> {
+    if !config.data.tokenizer_file.is_empty() {
+        return Ok(Tokenizer::load(Path::new(&config.data.tokenizer_file))?);
+    }
+    let kind = match config.data.tokenizer {
+        // Characters come from the whole corpus, as nanoGPT does: a character
+        // seen only in validation text would otherwise be unencodable.
+        ConfigTokenizer::Char => return Ok(Tokenizer::char_level(text)?),
+        ConfigTokenizer::Bpe => TokenizerKind::Bpe {
+            vocab_size: config.data.vocab_size,
+        },
+        ConfigTokenizer::Wordpiece => {
+            return Err(TrainError::Unsupported(
+                "data.tokenizer = wordpiece",
+                "WordPiece comes with the nli workload; use char or bpe for a language model"
+                    .into(),
+            ));
+        }
+    };
+    // Learned tokenizers see the training part of the text only.
+    let cut = text
+        .char_indices()
+        .nth(((text.chars().count() as f64) * (1.0 - config.data.val_fraction)) as usize)
+        .map_or(text.len(), |(i, _)| i);
+    Ok(Tokenizer::train(kind, &text[..cut])?)
+}
+
+/// The language-model workload for the shared step and loop.
+pub(crate) struct LmTask {
+    train: Arc<LmWindows>,
+    eval_train: LmWindows,
+    eval_val: LmWindows,
+    eval_iters: u64,
+    /// The device evaluation runs on (no autodiff).
+    inner: Device,
+    flops_per_token: f64,
+}
+
+impl Task for LmTask {
+    type Model = Gpt;
+    type Source = LmWindows;
+    type Inputs = (Tensor<2, Int>, Tensor<2, Int>);
+
+    fn source(&self) -> Arc<LmWindows> {
+        Arc::clone(&self.train)
+    }
+
+    fn upload(&self, batch: &TokenBatch, device: &Device) -> Self::Inputs {
+        batch_tensors(batch, device)
+    }
+
+    fn loss(&self, model: &Gpt, (x, y): Self::Inputs) -> Tensor<1> {
+        model.loss(x, y)
+    }
+
+    fn work(&self, batch: &TokenBatch) -> Work {
+        let tokens = batch.batch_size * batch.block;
+        Work {
+            samples: batch.batch_size,
+            tokens,
+            padded_tokens: tokens,
+            flops: self.flops_per_token * tokens as f64,
+        }
+    }
+
+    /// Mean loss over `eval_iters` fixed batches of each split, without autodiff.
+    fn evaluate(&self, model: &Gpt, _step: u64) -> Evaluation {
+        let model = model.valid();
+        let mean = |windows: &LmWindows| {
+            let total: f64 = (0..self.eval_iters)
+                .map(|j| {
+                    let (x, y) = batch_tensors(&windows.batch(j), &self.inner);
+                    f64::from(model.loss(x, y).into_scalar::<f32>())
+                })
+                .sum();
+            total / self.eval_iters as f64
+        };
+        let (train_loss, val_loss) = (mean(&self.eval_train), mean(&self.eval_val));
+        Evaluation {
+            metrics: EvalMetrics::Lm {
+                train_loss,
+                val_loss,
+            },
+            line: format!("train loss {train_loss:.4}, val loss {val_loss:.4}"),
+            score: None,
+        }
+    }
+}
+
+/// A prepared run: the task, the model shape, and where it starts.
+struct Session {
+    config: RunConfig,
+    device: DeviceChoice,
+    train_device: Device,
+    prepared: Prepared,
+    optim: AdamW,
+    task: LmTask,
+    start: LoopPlanStart,
+    precision: crate::precision::PrecisionChoice,
+}
+
+impl Session {
+    fn new(
+        config: &RunConfig,
+        device: DeviceChoice,
+        hardware: &HardwareReport,
+        prepared: Prepared,
+        resume_from: Option<(PathBuf, CheckpointState)>,
+    ) -> Result<(Self, Gpt), TrainError> {
+        let task = prepared.task(config, &device.device)?;
+        let seed = config.training.seed;
+        let gpt = &prepared.gpt;
+        let train_device = train_device(config, &device.device, seed);
+        let precision = run_precision(config, &device, hardware);
+        let mut model = init_model(config, &train_device, device.is_gpu, seed, |d| gpt.init(d));
+        let mut optim = AdamW::for_training(&config.training);
+        let mut start = LoopPlanStart {
+            first_step: 1,
+            ..LoopPlanStart::default()
+        };
+        if let Some((path, state)) = resume_from {
+            (model, start) = restore(
+                model,
+                &mut optim,
+                state,
+                &path,
+                &train_device,
+                &device.device,
+            )?;
+        }
+        let model = model
+            .with_compute(precision.compute)
+            .with_kernels(kernels(config));
+        let session = Self {
+            config: config.clone(),
+            device,
+            precision,
+            train_device,
+            prepared,
+            optim,
+            task,
+            start,
+        };
+        Ok((session, model))
+    }
+
+    fn start_lines(&self, options: &TrainOptions, peak_name: &str) -> Vec<String> {
+        let c = &self.config;
+        let t = &c.training;
+        let p = &self.prepared;
+        let gpt = &p.gpt;
+        let mut lines = vec![
+            format!(
+                "data: {} — {} tokens ({}), vocabulary {}",
+                p.corpus.path.display(),
+                p.train_tokens.len() + p.val_tokens.len(),
+                if p.cached {
+                    "from the token cache"
+                } else {
+                    "encoded and cached"
+                },
+                p.tokenizer.vocab_size()
+            ),
+            format!(
+                "model: GPT, {} layers × {} heads × {} wide, block {}, {:.2} M parameters, {:.2} M FLOPs per token",
+                gpt.layers,
+                gpt.heads,
+                gpt.hidden,
+                gpt.block_size,
+                gpt.num_params() as f64 / 1e6,
+                gpt.flops_per_token() / 1e6
+            ),
+        ];
+        lines.extend(device_lines(
+            c,
+            &self.device,
+            &self.precision,
+            options,
+            peak_name,
+        ));
+        lines.push(format!(
+            "batch: {} × {} tokens, accumulation {} → {} sequences ({} tokens) per optimizer step",
+            t.batch_size,
+            c.model.max_length,
+            t.gradient_accumulation_steps,
+            c.effective_batch(),
+            c.effective_batch() * c.model.max_length
+        ));
+        lines.push(schedule_line(c, &p.schedule));
+        lines
+    }
+
+    fn run(
+        mut self,
+        model: Gpt,
+        run: &RunDir,
+        options: &TrainOptions,
+        observer: &mut dyn Observer,
+    ) -> Result<Outcome, TrainError> {
+        let started = Instant::now();
+        let (peak, peak_name) = mfu_peak(&self.device, &self.precision, &options.hardware);
+        let schedule = self.prepared.schedule;
+        observer.event(&Event::Start {
+            lines: self.start_lines(options, &peak_name),
+            first_step: self.start.first_step,
+            total_steps: schedule.total_steps,
+        });
+        let mut plan = LoopPlan {
+            first_step: self.start.first_step,
+            schedule,
+            loader_start: self.start.loader_start,
+            tokens_seen: self.start.tokens_seen,
+            wall_before: self.start.wall_before,
+            eval_at_epoch_ends: false,
+            stopping: EarlyStopping::default(),
+            peak_flops: peak,
+            scaler: self
+                .start
+                .scaler(self.precision.loss_scaling(), &self.config),
+        };
+        let (model, end) = run_loop(
+            &self.task,
+            model,
+            &mut self.optim,
+            &self.train_device,
+            &self.config,
+            &mut plan,
+            run,
+            options,
+            observer,
+        )?;
+        if let LoopEnd::Interrupted { step, checkpoint } = end {
+            return Ok(Outcome::Interrupted {
+                run: run.path.clone(),
+                step,
+                checkpoint,
+            });
+        }
+        self.write_samples(&model, run)?;
+        let summary = self.summarise(
+            run,
+            &peak_name,
+            &options.hardware,
+            plan.tokens_seen,
+            self.start.wall_before + started.elapsed().as_secs_f64(),
+        );
+        run.write(
+            "summary.json",
+            &serde_json::to_string_pretty(&summary).unwrap_or_default(),
+        )?;
+        observer.event(&Event::Done(summary.clone()));
+        Ok(Outcome::Finished {
+            run: run.path.clone(),
+            summary,
+        })
+    }
+
+    fn write_samples(&self, model: &Gpt, run: &RunDir) -> Result<(), TrainError> {
+        let s = &self.config.sample;
+        let model = model.valid();
+        let prompt = self.prepared.tokenizer.encode("\n").unwrap_or_default();
+        let prompt = if prompt.is_empty() { vec![0] } else { prompt };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(self.config.training.seed);
+        let mut text = String::new();
+        for i in 0..s.count {
+            let ids = model.generate(
+                &prompt,
+                s.tokens,
+                s.temperature,
+                s.top_k,
+                &mut rng,
+                &self.device.device,
+            );
+            let sample = self.prepared.tokenizer.decode(&ids[prompt.len()..])?;
+            text.push_str(&format!(
+                "--- sample {} (temperature {}, top-k {})\n{sample}\n",
+                i + 1,
+                s.temperature,
+                s.top_k
+            ));
+        }
+        run.write("samples.txt", &text)
+    }
+
+    fn summarise(
+        &self,
+        run: &RunDir,
+        peak_name: &str,
+        hardware: &HardwareReport,
+        tokens_seen: u64,
+        wall_s: f64,
+    ) -> Summary {
+        let mut steps: Vec<StepMetrics> = Vec::new();
+        let mut evals: Vec<LmEval> = Vec::new();
+        for record in run.records() {
+            match record {
+                Record::Step(s) => steps.push(s),
+                Record::Eval(e) => {
+                    if let EvalMetrics::Lm {
+                        train_loss,
+                        val_loss,
+                    } = e.metrics
+                    {
+                        evals.push(LmEval {
+                            step: e.step,
+                            train_loss,
+                            val_loss,
+                        });
+                    }
+                }
+                _ => {}
+            }
+        }
+        let _ = write_plots(&run.path, &steps, &evals);
+        // The first logged steps include start-up costs: leave them out of the medians.
+        let steady: Vec<&StepMetrics> = steps.iter().filter(|s| s.step > 3).collect();
+        let steady = if steady.is_empty() {
+            steps.iter().collect()
+        } else {
+            steady
+        };
+        let mut tps: Vec<f64> = steady.iter().map(|s| s.tokens_per_s).collect();
+        let mut ms: Vec<f64> = steady.iter().map(|s| s.ms_per_step).collect();
+        let mut mfu: Vec<f64> = steady.iter().filter_map(|s| s.mfu).collect();
+        let mut wait: Vec<f64> = steady.iter().map(|s| s.data_wait_pct).collect();
+        let median_mfu = (!mfu.is_empty()).then(|| median(&mut mfu));
+        let data_wait_pct = median(&mut wait);
+        let peak_memory = steps.iter().map(|s| s.peak_memory_bytes).max().unwrap_or(0);
+        Summary {
+            steps: steps.last().map_or(0, |s| s.step),
+            tokens_seen,
+            final_train_loss: evals.last().map(|e| e.train_loss),
+            final_val_loss: evals.last().map(|e| e.val_loss),
+            best_val_loss: evals.iter().map(|e| e.val_loss).min_by(f64::total_cmp),
+            median_tokens_per_s: median(&mut tps),
+            median_ms_per_step: median(&mut ms),
+            median_mfu,
+            mfu_peak: peak_name.to_string(),
+            data_wait_pct,
+            peak_memory_bytes: peak_memory,
+            wall_s,
+            held_back_by: held_back_by(
+                data_wait_pct,
+                peak_memory,
+                hardware.memory.total_bytes,
+                median_mfu,
+            ),
+        }
+    }
+}
+
+/// Input and target tensors of a batch on `device` (the host-to-device copy).
+pub(crate) fn batch_tensors(
+    batch: &TokenBatch,
+    device: &Device,
+) -> (Tensor<2, Int>, Tensor<2, Int>) {
+    let shape = [batch.batch_size, batch.block];
+    let to = |ids: &[u32]| {
+        let data: Vec<i64> = ids.iter().map(|&i| i64::from(i)).collect();
+        Tensor::<2, Int>::from_data(TensorData::new(data, shape), device)
+    };
+    (to(&batch.inputs), to(&batch.targets))
+}
