@@ -230,29 +230,32 @@ class Check:
             bert = [*bert, *shrink, "model.max_length=48"]
         f32 = ["precision.amp=false"]
         bf16 = ["precision.amp=true", "precision.amp_dtype=bf16"]
+        # (workload, overrides, extra flags, warm-up, timed steps, time limit s):
+        # small shapes take more, shorter steps; --tiny takes a few of each.
+        small, large = (5, 20, 120), (3, 10, 180)
         return {
-            "bench lm tiny f32": ("lm", [*gpu, *lm_tiny, *f32], []),
-            "bench lm tiny bf16": ("lm", [*gpu, *lm_tiny, *bf16], []),
-            "bench lm gpt2-small bf16": ("lm", [*gpu, *gpt2, *bf16], []),
-            "bench lm gpt2-small f32": ("lm", [*gpu, *gpt2, *f32], []),
-            "bench nli bert-base bf16": ("nli", [*gpu, *bert, *bf16], ["--pad-to-max-length"]),
+            "bench lm tiny f32": ("lm", [*gpu, *lm_tiny, *f32], [], *small),
+            "bench lm tiny bf16": ("lm", [*gpu, *lm_tiny, *bf16], [], *small),
+            "bench lm gpt2-small bf16": ("lm", [*gpu, *gpt2, *bf16], [], *large),
+            "bench lm gpt2-small f32": ("lm", [*gpu, *gpt2, *f32], [], *large),
+            "bench nli bert-base bf16": (
+                "nli",
+                [*gpu, *bert, *bf16],
+                ["--pad-to-max-length"],
+                *large,
+            ),
         }
 
     def bench_named(self, name, fused=False):
         """One of `shapes()`; `fused`: on the build with Burn's fusion."""
         if fused and self.kiln_fusion is None:
             return None
-        workload, overrides, extra = self.shapes()[name]
-        small = "tiny" in name
+        workload, overrides, extra, warmup, steps, limit = self.shapes()[name]
         if self.args.tiny:
             warmup, steps = 1, 2
-        elif small:
-            warmup, steps = 5, 20
-        else:
-            warmup, steps = 3, 10
         label = f"{name} (fusion)" if fused else name
         binary = self.kiln_fusion if fused else None
-        return self.bench(label, workload, overrides, warmup, steps, 120 if small else 180, extra, binary)
+        return self.bench(label, workload, overrides, warmup, steps, limit, extra, binary)
 
     def pytorch(self, variants):
         """bench/pytorch_gpt.py at the shapes kiln benchmarked, for a ratio:

@@ -213,12 +213,20 @@ fn kiln(base: &[&str], rest: Vec<String>, build: Build) -> Result<ExitCode, Stri
     run(cmd)
 }
 
+/// A CUDA build of `kiln`: the binary, and the features asked for besides
+/// `cuda` (e.g. `fusion`).
+#[derive(Debug)]
+struct CudaBuild {
+    bin: PathBuf,
+    extra_features: Vec<String>,
+}
+
 /// `cargo xtask build-cuda [--profile P] [--features F]`: builds `kiln` with
 /// the CUDA backend (and `F`, e.g. `fusion`), installing the static LLVM it
-/// links first; returns the binary's path.
-fn build_cuda(args: &[String]) -> Result<PathBuf, String> {
+/// links first.
+fn build_cuda(args: &[String]) -> Result<CudaBuild, String> {
     let mut profile = "release".to_string();
-    let mut features = vec!["cuda".to_string()];
+    let mut extra_features: Vec<String> = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| {
@@ -228,11 +236,20 @@ fn build_cuda(args: &[String]) -> Result<PathBuf, String> {
         };
         match a.as_str() {
             "--profile" => profile = value("--profile")?,
-            "--features" => features.push(value("--features")?),
+            "--features" => extra_features.extend(
+                value("--features")?
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|f| !f.is_empty())
+                    .map(String::from),
+            ),
             other => return Err(format!("build-cuda: unknown argument `{other}`")),
         }
     }
-    let features = features.join(",");
+    let features = std::iter::once("cuda".to_string())
+        .chain(extra_features.iter().cloned())
+        .collect::<Vec<_>>()
+        .join(",");
     let mut cmd = cargo();
     cmd.args([
         "build",
@@ -254,7 +271,10 @@ fn build_cuda(args: &[String]) -> Result<PathBuf, String> {
         .unwrap_or_else(|| root().join("target"));
     let bin = target.join(dir).join("kiln");
     eprintln!("xtask: built {}", bin.display());
-    Ok(bin)
+    Ok(CudaBuild {
+        bin,
+        extra_features,
+    })
 }
 
 /// `cargo xtask gpu-pack [--features F]`: the CUDA `kiln` (release, with
@@ -263,18 +283,14 @@ fn build_cuda(args: &[String]) -> Result<PathBuf, String> {
 /// no network (the repository's tracked files carry the presets, data and
 /// scripts).
 fn gpu_pack(args: &[String]) -> Result<ExitCode, String> {
-    let bin = build_cuda(args)?;
-    let extra: Vec<&str> = args
-        .windows(2)
-        .filter(|w| w[0] == "--features")
-        .flat_map(|w| w[1].split(','))
-        .map(str::trim)
-        .filter(|f| !f.is_empty())
-        .collect();
-    let name = if extra.is_empty() {
+    let CudaBuild {
+        bin,
+        extra_features,
+    } = build_cuda(args)?;
+    let name = if extra_features.is_empty() {
         "kiln".to_string()
     } else {
-        format!("kiln-{}", extra.join("-"))
+        format!("kiln-{}", extra_features.join("-"))
     };
     let dir = root().join("gpu-pack");
     std::fs::create_dir_all(&dir)
@@ -394,33 +410,18 @@ fn bench_tune(rest: Vec<String>) -> Result<ExitCode, String> {
 }
 
 /// The steps of `.ci/run` (without its system packages): formatting, lints
-/// (also with the wgpu backend and its tests, and type-checking CUDA), the
-/// tests, the GPU suite on whatever Vulkan device there is, and the CUDA
-/// build linked for real.
+/// (also of both GPU backends and the GPU suite), the tests, the CUDA build
+/// with wgpu linked for real, and on it the GPU suite on whatever Vulkan
+/// device there is.
 fn ci() -> Result<ExitCode, String> {
     let clippy = ["clippy", "--workspace", "--all-targets"];
     let deny = ["--", "-D", "warnings"];
+    let gpu_features = ["--features", "kiln-cli/wgpu,kiln-cli/cuda,kiln-tests/wgpu"];
     let steps: Vec<(Vec<&str>, bool)> = vec![
         (vec!["fmt", "--all", "--check"], false),
         ([&clippy[..], &deny[..]].concat(), false),
-        (
-            [
-                &clippy[..],
-                &["--features", "kiln-cli/wgpu,kiln-tests/wgpu"][..],
-                &deny[..],
-            ]
-            .concat(),
-            false,
-        ),
+        ([&clippy[..], &gpu_features[..], &deny[..]].concat(), true),
         (vec!["test", "--workspace"], false),
-        (
-            vec!["test", "-p", "kiln-tests", "--features", "wgpu", "gpu::"],
-            false,
-        ),
-        (
-            [&clippy[..], &["--features", "kiln-cli/cuda"][..], &deny[..]].concat(),
-            true,
-        ),
     ];
     for (step, docs_rs) in steps {
         eprintln!(
@@ -440,8 +441,20 @@ fn ci() -> Result<ExitCode, String> {
             return Ok(code);
         }
     }
-    build_cuda(&["--profile".to_string(), "dev".to_string()])?;
-    Ok(ExitCode::SUCCESS)
+    let build = build_cuda(&[
+        "--profile".to_string(),
+        "dev".to_string(),
+        "--features".to_string(),
+        "wgpu".to_string(),
+    ])?;
+    eprintln!(
+        "$ KILN_BIN={} cargo test -p kiln-tests --features wgpu gpu::",
+        build.bin.display()
+    );
+    let mut cmd = cargo();
+    cmd.args(["test", "-p", "kiln-tests", "--features", "wgpu", "gpu::"])
+        .env("KILN_BIN", &build.bin);
+    run(cmd)
 }
 
 fn run(mut cmd: Command) -> Result<ExitCode, String> {

@@ -4,7 +4,9 @@
 use std::io::IsTerminal;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use kiln_train::{Event, Observer, StepMetrics, Summary};
+use kiln_train::{
+    CvSummary, EvalMetrics, EvalRecord, Event, FoldResult, Observer, StepMetrics, Summary,
+};
 
 /// Prints events; the bar exists only when stderr is a terminal.
 pub(crate) struct Printer {
@@ -17,6 +19,16 @@ impl Printer {
         Self {
             bar: None,
             total: 0,
+        }
+    }
+
+    /// Result lines, printed to stdout as they are, after the bar.
+    fn report(&mut self, lines: &[String]) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+        for l in lines {
+            println!("{l}");
         }
     }
 
@@ -81,6 +93,79 @@ pub(crate) fn summary_lines(s: &Summary) -> Vec<String> {
     ]
 }
 
+/// An evaluation in one line.
+fn eval_text(e: &EvalRecord) -> String {
+    match &e.metrics {
+        EvalMetrics::Lm {
+            train_loss,
+            val_loss,
+        } => format!("train loss {train_loss:.4}, val loss {val_loss:.4}"),
+        EvalMetrics::Nli { val_loss, scores } => format!(
+            "val loss {val_loss:.4}, accuracy {:.1}%, macro-F1 {:.3}",
+            100.0 * scores.accuracy,
+            scores.macro_f1
+        ),
+    }
+}
+
+fn fold_lines(r: &FoldResult) -> Vec<String> {
+    let mut lines = vec![format!(
+        "fold {} result (best at step {}{}): accuracy {:.1}%, macro-F1 {:.3}, val loss {:.4}; majority baseline {:.1}%",
+        r.fold,
+        r.best_step,
+        if r.stopped_early {
+            ", stopped early"
+        } else {
+            ""
+        },
+        100.0 * r.scores.accuracy,
+        r.scores.macro_f1,
+        r.val_loss,
+        100.0 * r.majority_baseline
+    )];
+    for c in &r.scores.per_class {
+        lines.push(format!(
+            "  {:<14} precision {:.3}  recall {:.3}  F1 {:.3}  ({} pairs)",
+            c.label, c.precision, c.recall, c.f1, c.support
+        ));
+    }
+    lines
+}
+
+/// The per-fold table and the mean ± std.
+fn cv_summary_lines(s: &CvSummary) -> Vec<String> {
+    let mut lines = vec![
+        format!(
+            "cross-validation over {} pairs ({} rows skipped):",
+            s.pairs, s.skipped_rows
+        ),
+        "  fold | accuracy | macro-F1 | majority baseline | best step".to_string(),
+    ];
+    for f in &s.folds {
+        lines.push(format!(
+            "  {:>4} | {:>7.1}% | {:>8.3} | {:>16.1}% | {:>9}",
+            f.fold,
+            100.0 * f.scores.accuracy,
+            f.scores.macro_f1,
+            100.0 * f.majority_baseline,
+            f.best_step
+        ));
+    }
+    lines.push(format!(
+        "  mean | {:.1}% ± {:.1} | {:.3} ± {:.3} | {:.1}%",
+        100.0 * s.accuracy_mean,
+        100.0 * s.accuracy_std,
+        s.macro_f1_mean,
+        s.macro_f1_std,
+        100.0 * s.majority_baseline_mean
+    ));
+    lines.push(format!(
+        "throughput: median {:.1} pairs/s; wall time {:.0} s",
+        s.median_samples_per_s, s.wall_s
+    ));
+    lines
+}
+
 impl Observer for Printer {
     fn event(&mut self, event: &Event) {
         match event {
@@ -114,19 +199,35 @@ impl Observer for Printer {
                 }
                 self.line(&step_line(m, self.total));
             }
-            Event::Eval { step, line } => self.line(&format!("eval  {step:>5}: {line}")),
+            Event::Eval(e) => self.line(&format!("eval  {:>5}: {}", e.step, eval_text(e))),
+            Event::Skipped {
+                record: r,
+                max_bad_steps,
+            } => {
+                let text = match (r.loss_scale, r.overflows, r.in_a_row) {
+                    (Some(to), Some(overflows), _) => format!(
+                        "step {}: fp16 gradients overflowed at loss scale {}: step skipped, scale halved to {to} ({overflows} overflows so far)",
+                        r.step,
+                        to * 2.0
+                    ),
+                    (_, _, in_a_row) => format!(
+                        "step {}: {}: step skipped, no update ({} in a row; precision.max_bad_steps = {max_bad_steps})",
+                        r.step,
+                        r.why,
+                        in_a_row.unwrap_or(1)
+                    ),
+                };
+                self.line(&format!("kiln: {text}"));
+            }
+            Event::EarlyStopped { step, evaluations } => self.line(&format!(
+                "kiln: early stop at step {step}: no better score in {evaluations} evaluations"
+            )),
             Event::Checkpoint { step, path } => {
                 self.line(&format!("checkpoint {step}: {}", path.display()));
             }
             Event::Note(note) => self.line(&format!("kiln: {note}")),
-            Event::Report(lines) => {
-                if let Some(bar) = self.bar.take() {
-                    bar.finish_and_clear();
-                }
-                for l in lines {
-                    println!("{l}");
-                }
-            }
+            Event::FoldDone(result) => self.report(&fold_lines(result)),
+            Event::CvDone(summary) => self.report(&cv_summary_lines(summary)),
             Event::Done(summary) => {
                 if let Some(bar) = self.bar.take() {
                     bar.finish_and_clear();

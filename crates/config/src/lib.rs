@@ -28,8 +28,8 @@ pub use load::{
     resolve, tuned_path,
 };
 pub use preset::{
-    ANY_GPU_PRESETS, EffectivePrecision, PRESET_GPUS, PresetChoice, check_preset_fits,
-    choose_preset, effective_precision,
+    ANY_GPU_PRESETS, EffectivePrecision, PRESET_GPUS, PresetChoice, PresetMismatch,
+    check_preset_fits, choose_preset, effective_precision,
 };
 pub use schema::*;
 pub use tuned::write_tuned;

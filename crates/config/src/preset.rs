@@ -133,10 +133,21 @@ fn gpu_preset(gpu: &GpuInfo) -> (&'static str, Option<String>) {
     )
 }
 
-/// Whether a named hardware preset is meant for this machine: `Err` says
-/// what the preset needs and what the machine has. Presets kiln does not
-/// know (user-written, tuned) always fit.
-pub fn check_preset_fits(preset: &str, report: &HardwareReport) -> Result<(), String> {
+/// A hardware preset named for a machine that lacks its GPU.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("hardware preset `{preset}` is for {needs}, but {have}")]
+pub struct PresetMismatch {
+    pub preset: String,
+    /// The GPUs it is written for: "RTX 4090", "an NVIDIA GPU".
+    pub needs: String,
+    /// What the machine has: "this machine has no GPU (no NVIDIA driver)".
+    pub have: String,
+}
+
+/// Whether a named hardware preset is meant for this machine: the error
+/// says what the preset needs and what the machine has. Presets kiln does
+/// not know (user-written, tuned) always fit.
+pub fn check_preset_fits(preset: &str, report: &HardwareReport) -> Result<(), PresetMismatch> {
     let gpus = report.gpus();
     let have = if gpus.is_empty() {
         match &report.gpu {
@@ -158,16 +169,19 @@ pub fn check_preset_fits(preset: &str, report: &HardwareReport) -> Result<(), St
         return if fits {
             Ok(())
         } else {
-            Err(format!(
-                "hardware preset `{preset}` is for {}, but {have}",
-                models.join(" / ")
-            ))
+            Err(PresetMismatch {
+                preset: preset.to_string(),
+                needs: models.join(" / "),
+                have,
+            })
         };
     }
     if ANY_GPU_PRESETS.contains(&preset) && gpus.is_empty() {
-        return Err(format!(
-            "hardware preset `{preset}` is for an NVIDIA GPU, but {have}"
-        ));
+        return Err(PresetMismatch {
+            preset: preset.to_string(),
+            needs: "an NVIDIA GPU".to_string(),
+            have,
+        });
     }
     Ok(())
 }
@@ -430,10 +444,12 @@ mod tests {
     #[test]
     fn a_gpu_preset_does_not_fit_another_machine() {
         let err = check_preset_fits("gpu_4090", &machine(&[])).expect_err("no GPU");
+        assert_eq!(err.needs, "RTX 4090");
+        let err = err.to_string();
         assert!(err.contains("RTX 4090") && err.contains("no GPU"), "{err}");
         let t4 = machine(&[("Tesla T4", 15, (7, 5))]);
         let err = check_preset_fits("a100", &t4).expect_err("T4 is no A100");
-        assert!(err.contains("Tesla T4"), "{err}");
+        assert!(err.have.contains("Tesla T4"), "{err}");
         assert!(check_preset_fits("low_mem", &machine(&[])).is_err());
         assert_eq!(check_preset_fits("low_mem", &t4), Ok(()));
         assert_eq!(check_preset_fits("cpu", &t4), Ok(()));

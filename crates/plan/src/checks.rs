@@ -143,11 +143,11 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
     let block = c.model.max_length;
 
     // The GPU preset on a machine without its GPU.
-    if let Err(msg) = kiln_config::check_preset_fits(&c.hardware, hardware) {
+    if let Err(mismatch) = kiln_config::check_preset_fits(&c.hardware, hardware) {
         add(
             Severity::Error,
             "hardware",
-            msg,
+            mismatch.to_string(),
             "hardware=auto (or --force to run this preset here anyway)".into(),
         );
     }

@@ -67,6 +67,8 @@ pub const BACKENDS_BUILT_IN: &[&str] = &[
 /// NVML), else a wgpu GPU where it has the `wgpu` feature, else the CPU; a
 /// backend this build lacks is an error naming the feature it needs.
 pub fn select_device(device: &DeviceSection, has_gpu: bool) -> Result<DeviceChoice, TrainError> {
+    // (A build with both GPU backends lacks none.)
+    #[cfg(not(all(feature = "wgpu", feature = "cuda")))]
     let missing = |name: &str| TrainError::Backend {
         backend: name.to_string(),
         why: format!(

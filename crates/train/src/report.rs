@@ -8,7 +8,7 @@ use plotters::coord::types::{RangedCoordf64, RangedCoordu64};
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::records::{CvSummary, StepMetrics};
+use crate::records::{CvSummary, EvalRecord, FoldResult, Skipped, StepMetrics};
 
 /// A language-model evaluation, for the loss plot.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -49,10 +49,18 @@ pub enum Event {
         total_steps: u64,
     },
     Step(StepMetrics),
-    /// An evaluation, as one line.
-    Eval {
+    /// An evaluation.
+    Eval(EvalRecord),
+    /// A step whose update was skipped (fp16 overflow, or not finite).
+    Skipped {
+        record: Skipped,
+        /// `precision.max_bad_steps`: the run stops at that many in a row.
+        max_bad_steps: usize,
+    },
+    /// The run stopped early: no better score in `evaluations` evaluations.
+    EarlyStopped {
         step: u64,
-        line: String,
+        evaluations: usize,
     },
     Checkpoint {
         step: u64,
@@ -60,8 +68,10 @@ pub enum Event {
     },
     /// Something the user should know (a damaged checkpoint skipped, ...).
     Note(String),
-    /// Result lines to print as they are (a fold's scores, the CV table).
-    Report(Vec<String>),
+    /// A cross-validation fold finished.
+    FoldDone(FoldResult),
+    /// A cross-validation run finished all its folds.
+    CvDone(CvSummary),
     Done(Summary),
 }
 

@@ -29,12 +29,11 @@ impl std::ops::AddAssign for Work {
     }
 }
 
-/// One evaluation: its metrics for `metrics.jsonl`, a line to print, and a
-/// score (higher is better) for keeping the best model and early stopping.
+/// One evaluation: its metrics, and a score (higher is better) for keeping
+/// the best model and early stopping.
 #[derive(Clone, Debug)]
 pub(crate) struct Evaluation {
     pub(crate) metrics: crate::records::EvalMetrics,
-    pub(crate) line: String,
     pub(crate) score: Option<f64>,
 }
 

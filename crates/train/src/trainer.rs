@@ -176,30 +176,32 @@ pub(crate) fn run_loop<T: Task>(
                 }
             }
             StepVerdict::Overflow { to, overflows } => {
-                run.append(&Record::Skipped(Skipped {
+                let record = Skipped {
                     step,
                     why: "fp16 gradients overflowed".into(),
                     loss_scale: Some(to),
                     overflows: Some(overflows),
                     in_a_row: None,
-                }))?;
-                observer.event(&Event::Note(format!(
-                    "step {step}: fp16 gradients overflowed at loss scale {}: step skipped, scale halved to {to} ({overflows} overflows so far)",
-                    to * 2.0
-                )));
+                };
+                run.append(&Record::Skipped(record.clone()))?;
+                observer.event(&Event::Skipped {
+                    record,
+                    max_bad_steps: state.bad_steps.max,
+                });
             }
             StepVerdict::Skip { what, in_a_row } => {
-                run.append(&Record::Skipped(Skipped {
+                let record = Skipped {
                     step,
-                    why: what.clone(),
+                    why: what,
                     loss_scale: None,
                     overflows: None,
                     in_a_row: Some(in_a_row),
-                }))?;
-                observer.event(&Event::Note(format!(
-                    "step {step}: {what}: step skipped, no update ({in_a_row} in a row; precision.max_bad_steps = {})",
-                    state.bad_steps.max
-                )));
+                };
+                run.append(&Record::Skipped(record.clone()))?;
+                observer.event(&Event::Skipped {
+                    record,
+                    max_bad_steps: state.bad_steps.max,
+                });
             }
             StepVerdict::Stop { what, in_a_row } => {
                 return Err(TrainError::NonFinite {
@@ -239,15 +241,13 @@ pub(crate) fn run_loop<T: Task>(
         let mut stop = false;
         if step.is_multiple_of(config.eval.eval_steps as u64) || epoch_end || last {
             let eval = task.evaluate(&model, step);
-            run.append(&Record::Eval(EvalRecord {
+            let record = EvalRecord {
                 step,
                 metrics: eval.metrics,
                 score: eval.score,
-            }))?;
-            observer.event(&Event::Eval {
-                step,
-                line: eval.line,
-            });
+            };
+            run.append(&Record::Eval(record.clone()))?;
+            observer.event(&Event::Eval(record));
             if let Some(score) = eval.score {
                 if plan.stopping.observe(score) {
                     save_model(&model, &run.file(BEST_MODEL))?;
@@ -269,10 +269,10 @@ pub(crate) fn run_loop<T: Task>(
             observer.event(&Event::Checkpoint { step, path });
         }
         if stop {
-            observer.event(&Event::Note(format!(
-                "early stop at step {step}: no better score in {} evaluations",
-                plan.stopping.since_best
-            )));
+            observer.event(&Event::EarlyStopped {
+                step,
+                evaluations: plan.stopping.since_best,
+            });
             return Ok((model, LoopEnd::EarlyStopped));
         }
         step += 1;

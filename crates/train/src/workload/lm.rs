@@ -272,7 +272,6 @@ impl Task for LmTask {
                 train_loss,
                 val_loss,
             },
-            line: format!("train loss {train_loss:.4}, val loss {val_loss:.4}"),
             score: None,
         }
     }

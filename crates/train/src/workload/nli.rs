@@ -283,11 +283,6 @@ impl Task for NliTask {
         let (truth, predicted, val_loss) = self.predict(model);
         let scores = Scores::new(&self.labels, &truth, &predicted);
         Evaluation {
-            line: format!(
-                "val loss {val_loss:.4}, accuracy {:.1}%, macro-F1 {:.3}",
-                100.0 * scores.accuracy,
-                scores.macro_f1
-            ),
             score: Some(scores.macro_f1),
             metrics: EvalMetrics::Nli { val_loss, scores },
         }
@@ -426,7 +421,7 @@ fn run_cv(
                     "result.json",
                     &serde_json::to_string_pretty(&result).unwrap_or_default(),
                 )?;
-                observer.event(&Event::Report(fold_lines(&result)));
+                observer.event(&Event::FoldDone((*result).clone()));
                 results.push(*result);
             }
             FoldEnd::Interrupted { step, checkpoint } => {
@@ -483,7 +478,7 @@ fn run_cv(
         })
         .collect();
     let _ = crate::report::write_cv_plots(&run.path, &summary, &curves);
-    observer.event(&Event::Report(summary_lines(&summary)));
+    observer.event(&Event::CvDone(summary.clone()));
     Ok(Outcome::CvFinished {
         run: run.path.clone(),
         summary,
@@ -669,64 +664,6 @@ fn steps_text(steps: f64) -> String {
     } else {
         format!("{steps:.1}")
     }
-}
-
-fn fold_lines(r: &FoldResult) -> Vec<String> {
-    let mut lines = vec![format!(
-        "fold {} result (best at step {}{}): accuracy {:.1}%, macro-F1 {:.3}, val loss {:.4}; majority baseline {:.1}%",
-        r.fold,
-        r.best_step,
-        if r.stopped_early {
-            ", stopped early"
-        } else {
-            ""
-        },
-        100.0 * r.scores.accuracy,
-        r.scores.macro_f1,
-        r.val_loss,
-        100.0 * r.majority_baseline
-    )];
-    for c in &r.scores.per_class {
-        lines.push(format!(
-            "  {:<14} precision {:.3}  recall {:.3}  F1 {:.3}  ({} pairs)",
-            c.label, c.precision, c.recall, c.f1, c.support
-        ));
-    }
-    lines
-}
-
-/// The per-fold table and the mean ± std.
-pub(crate) fn summary_lines(s: &CvSummary) -> Vec<String> {
-    let mut lines = vec![
-        format!(
-            "cross-validation over {} pairs ({} rows skipped):",
-            s.pairs, s.skipped_rows
-        ),
-        "  fold | accuracy | macro-F1 | majority baseline | best step".to_string(),
-    ];
-    for f in &s.folds {
-        lines.push(format!(
-            "  {:>4} | {:>7.1}% | {:>8.3} | {:>16.1}% | {:>9}",
-            f.fold,
-            100.0 * f.scores.accuracy,
-            f.scores.macro_f1,
-            100.0 * f.majority_baseline,
-            f.best_step
-        ));
-    }
-    lines.push(format!(
-        "  mean | {:.1}% ± {:.1} | {:.3} ± {:.3} | {:.1}%",
-        100.0 * s.accuracy_mean,
-        100.0 * s.accuracy_std,
-        s.macro_f1_mean,
-        s.macro_f1_std,
-        100.0 * s.majority_baseline_mean
-    ));
-    lines.push(format!(
-        "throughput: median {:.1} pairs/s; wall time {:.0} s",
-        s.median_samples_per_s, s.wall_s
-    ));
-    lines
 }
 
 /// What `predict` wrote and, where the file has labels, how good it was.

@@ -1,28 +1,233 @@
-//! `kiln diagnose` and `kiln tune` as the CLI prints them, and the tuner's
-//! probe: each candidate runs as a child `kiln bench` process, so that a
-//! probe that runs out of memory (a panic in Burn, which can leave a GPU
-//! unusable) or is killed by the kernel costs only that probe.
+//! `kiln tune`: the tuner's search (kiln-plan) over child-process probes —
+//! each candidate runs as a child `kiln bench --json`, so that a probe that
+//! runs out of memory (a panic in Burn, which can leave a GPU unusable) or
+//! is killed by the kernel costs only that probe — then the tuned preset
+//! written; or the sweep, or the two compared.
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use kiln_config::ResolvedConfig;
+use kiln_hwdetect::HardwareReport;
 use kiln_plan::{Candidate, Measurement, Probe, ProbeResult, TuneResult, TuneSpace, gib};
-use kiln_train::Diagnosis;
+
+use super::{Context, Layers, train_error};
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    /// Steps not timed in each probe
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Steps timed in each probe, at least...
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// ...and at least this many seconds of them
+    #[arg(long, default_value_t = 1.0)]
+    min_seconds: f64,
+    /// Measure the whole grid (micro-batch × workers × prefetch) instead
+    /// of searching it; writes nothing (a benchmark for the tuner)
+    #[arg(long)]
+    sweep: bool,
+    /// Measure and print, but do not write the tuned preset
+    #[arg(long)]
+    dry_run: bool,
+    /// Judge the tuner: run it and the sweep, then measure both choices
+    /// again head to head (interleaved rounds); writes nothing
+    #[arg(long, conflicts_with = "sweep")]
+    compare_sweep: bool,
+    /// Machine-readable output
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    layers: Layers,
+}
+
+pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
+    let resolved = ctx.resolve(&args.layers)?;
+    tune_command(
+        &ctx.prefix(),
+        &resolved,
+        &ctx.report,
+        &args.layers,
+        TuneArgs {
+            warmup: args.warmup,
+            steps: args.steps,
+            min_seconds: args.min_seconds,
+            sweep: args.sweep,
+            compare: args.compare_sweep,
+            write: !args.dry_run && !args.sweep && !args.compare_sweep,
+            json: args.json,
+        },
+    )
+}
+
+#[derive(Clone, Copy, Debug)]
+struct TuneArgs {
+    warmup: usize,
+    steps: usize,
+    min_seconds: f64,
+    sweep: bool,
+    compare: bool,
+    write: bool,
+    json: bool,
+}
+
+/// `kiln tune`: search (or sweep) with child-process probes, then write the
+/// tuned preset.
+fn tune_command(
+    prefix: &[String],
+    resolved: &ResolvedConfig,
+    report: &HardwareReport,
+    layers: &Layers,
+    args: TuneArgs,
+) -> anyhow::Result<ExitCode> {
+    let config = &resolved.config;
+    let t = &config.training;
+    let effective = t.batch_size * t.gradient_accumulation_steps.max(1);
+    let device = kiln_train::select_device(&config.device, !report.gpus().is_empty())
+        .map_err(train_error)?;
+    let (limit, what) = kiln_plan::memory_limit(config, report, device.is_gpu);
+    let gpu = kiln_plan::run_gpu(config, report).filter(|_| device.is_gpu);
+    let space = kiln_plan::TuneSpace::new(
+        effective,
+        config.loader.num_workers,
+        config.loader.prefetch_factor,
+        report.cpu.logical_cores,
+        limit,
+        what,
+        device.is_gpu,
+    );
+    let workload = match config.workload {
+        kiln_config::Workload::Lm => "lm",
+        kiln_config::Workload::Nli => "nli",
+    };
+    let mut child_layers = Vec::new();
+    if let Some(file) = &layers.config {
+        child_layers.push(format!("--config={}", file.display()));
+    }
+    child_layers.push(format!("experiment={}", config.experiment));
+    child_layers.extend(layers.overrides.iter().cloned());
+    let mut probe = ChildProbe {
+        exe: std::env::current_exe()?,
+        prefix: prefix
+            .iter()
+            .cloned()
+            .chain(["bench".to_string(), workload.to_string()])
+            .collect(),
+        layers: child_layers,
+        warmup: args.warmup,
+        steps: args.steps,
+        min_seconds: args.min_seconds,
+        timeout: std::time::Duration::from_secs(600),
+    };
+    let mode = match (args.sweep, args.compare) {
+        (true, _) => "sweep",
+        (_, true) => "compare-sweep",
+        _ => "tune",
+    };
+    if !args.json {
+        eprintln!(
+            "kiln {mode}: experiment `{}` on {} ({}), each probe a child `kiln bench {workload}` of {} warm-up + at least {} timed steps and {} s",
+            config.experiment,
+            device.name,
+            report.machine_id(),
+            args.warmup,
+            args.steps,
+            args.min_seconds
+        );
+    }
+    if args.compare {
+        let c = compare_with_sweep(&space, &mut probe, 3)?;
+        let mut out = std::io::stdout().lock();
+        if args.json {
+            let value = serde_json::json!({
+                "schema": "kiln.tune-compare/1",
+                "experiment": config.experiment,
+                "machine": report.machine_id(),
+                "space": space,
+                "comparison": c,
+            });
+            writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+        } else {
+            write!(out, "{}", comparison_text(&space, &c))?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let result = if args.sweep {
+        kiln_plan::sweep(&space, &mut probe)
+    } else {
+        kiln_plan::tune(&space, &mut probe)
+    }?;
+    let mut written = None;
+    if args.write {
+        let dir = kiln_config::find_presets_dir(
+            prefix
+                .iter()
+                .find_map(|a| a.strip_prefix("--presets="))
+                .map(Path::new),
+        )?;
+        let path = kiln_config::tuned_path(&dir, report);
+        let header = format!(
+            "kiln tune, {} UTC, on {}: {} ({} cores){}; {}; {} probes of {} warm-up + at least {} timed steps and {} s, {:.0} s in all",
+            kiln_train::utc_stamp(std::time::SystemTime::now()),
+            report.machine_id(),
+            report.cpu.model,
+            report.cpu.logical_cores,
+            gpu.map(|g| format!(", {}", g.name)).unwrap_or_default(),
+            device.name,
+            result.trials.len(),
+            args.warmup,
+            args.steps,
+            args.min_seconds,
+            result.seconds
+        );
+        let block = kiln_plan::tuned_block(&config.experiment, &header, &space, &result);
+        kiln_config::write_tuned(&path, &config.experiment, &block)
+            .map_err(|e| anyhow::anyhow!("failed to write `{}`: {e}", path.display()))?;
+        written = Some(path);
+    }
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        let value = serde_json::json!({
+            "schema": "kiln.tune/1",
+            "mode": mode,
+            "experiment": config.experiment,
+            "machine": report.machine_id(),
+            "space": space,
+            "result": result,
+            "written": written,
+        });
+        writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+    } else {
+        write!(out, "{}", tune_text(&space, &result, mode))?;
+        if let Some(path) = written {
+            writeln!(
+                out,
+                "wrote {}
+use it with: kiln train hardware=tuned experiment={}",
+                path.display(),
+                config.experiment
+            )?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
 
 /// Runs a candidate as `kiln [global flags] bench <workload> --json ...`.
 #[derive(Clone, Debug)]
-pub(crate) struct ChildProbe {
-    pub(crate) exe: PathBuf,
+struct ChildProbe {
+    exe: PathBuf,
     /// `--presets`/`--hardware-report` and the workload: `bench lm`.
-    pub(crate) prefix: Vec<String>,
+    prefix: Vec<String>,
     /// `--config FILE` and the user's overrides.
-    pub(crate) layers: Vec<String>,
-    pub(crate) warmup: usize,
-    pub(crate) steps: usize,
-    pub(crate) min_seconds: f64,
-    pub(crate) timeout: Duration,
+    layers: Vec<String>,
+    warmup: usize,
+    steps: usize,
+    min_seconds: f64,
+    timeout: Duration,
 }
 
 impl Probe for ChildProbe {
@@ -134,7 +339,7 @@ fn measurement(json: &str, c: &Candidate, seconds: f64) -> Option<Measurement> {
 
 /// The tuner judged against the exhaustive sweep.
 #[derive(Debug, serde::Serialize)]
-pub(crate) struct Comparison {
+struct Comparison {
     pub(crate) tune: TuneResult,
     pub(crate) sweep: TuneResult,
     /// The tuner's probing time as a share of the sweep's.
@@ -152,7 +357,7 @@ pub(crate) struct Comparison {
 }
 
 /// Runs the tuner and the sweep, then both choices again head to head.
-pub(crate) fn compare_with_sweep(
+fn compare_with_sweep(
     space: &TuneSpace,
     probe: &mut ChildProbe,
     rounds: usize,
@@ -188,7 +393,7 @@ pub(crate) fn compare_with_sweep(
 }
 
 /// [`Comparison`] for people.
-pub(crate) fn comparison_text(space: &TuneSpace, c: &Comparison) -> String {
+fn comparison_text(space: &TuneSpace, c: &Comparison) -> String {
     let show = |c: &Candidate| {
         format!(
             "batch {} × accumulation {}, {} worker(s), prefetch {}",
@@ -230,7 +435,7 @@ pub(crate) fn comparison_text(space: &TuneSpace, c: &Comparison) -> String {
 }
 
 /// The tuner's trials and choice, for people.
-pub(crate) fn tune_text(space: &TuneSpace, r: &TuneResult, what: &str) -> String {
+fn tune_text(space: &TuneSpace, r: &TuneResult, what: &str) -> String {
     let mut s = format!(
         "{what}: effective batch {} kept; memory limit {} ({})\n\
          {:>5} {:>5} {:>7} {:>8} {:>10} {:>9} {:>9} {:>9}\n",
@@ -291,100 +496,6 @@ pub(crate) fn tune_text(space: &TuneSpace, r: &TuneResult, what: &str) -> String
     s
 }
 
-/// `kiln diagnose` for people.
-pub(crate) fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
-    let mut s = format!("{header}\n");
-    let _ = writeln!(s, "device:    {} ({})", d.device, d.device_why);
-    let _ = writeln!(s, "precision: {} ({})", d.precision, d.precision_why);
-    let data = &d.data;
-    let _ = write!(
-        s,
-        "data:      {} training {}, {} validation; {} samples per epoch",
-        data.train, data.unit, data.validation, data.samples_per_epoch
-    );
-    if let Some(longest) = data.longest {
-        let _ = write!(
-            s,
-            "; pairs up to {longest} tokens, 99 % within {}; {} longer than model.max_length",
-            data.p99_length.unwrap_or(0),
-            data.truncated
-        );
-    }
-    s.push('\n');
-    let _ = writeln!(
-        s,
-        "budget:    {} optimizer steps, {} per epoch: {:.2} epochs",
-        d.total_steps,
-        (d.steps_per_epoch * 10.0).round() / 10.0,
-        d.epochs
-    );
-    let m = &d.memory;
-    let _ = writeln!(
-        s,
-        "memory:    estimate {} = weights {} + gradients {} + AdamW {} + activations {} \
-         (attention's T² part {}; {} with gradient checkpointing), of {} {}; {:.2} M parameters",
-        gib(m.total),
-        gib(m.weights),
-        gib(m.gradients),
-        gib(m.optimizer),
-        gib(m.activations),
-        gib(m.attention),
-        gib(m.activations_checkpointed),
-        gib(m.available),
-        m.available_what,
-        m.parameters as f64 / 1e6
-    );
-    match &d.burst {
-        Some(b) => {
-            let _ = writeln!(
-                s,
-                "measured:  {} steps, {:.1} ms per optimizer step, peak RAM {}: {} per epoch, {} for the run's {} steps (evaluation not included)\n\
-                 loader:    {}",
-                b.steps,
-                b.ms_per_step,
-                gib(b.peak_memory_bytes),
-                duration(b.seconds_per_epoch),
-                duration(b.seconds_total),
-                d.total_steps,
-                b.loader_verdict
-            );
-        }
-        None => {
-            s.push_str("measured:  no burst (--burst 0, or an error above makes it pointless)\n")
-        }
-    }
-    if d.findings.is_empty() {
-        s.push_str("problems:  none found\n");
-    } else {
-        s.push_str("problems:\n");
-        for f in &d.findings {
-            let level = match f.severity {
-                kiln_plan::Severity::Error => "error",
-                kiln_plan::Severity::Warning => "warning",
-                kiln_plan::Severity::Note => "note",
-            };
-            let _ = writeln!(
-                s,
-                "  {level:<7} {}: {}\n          fix: {}",
-                f.key, f.problem, f.fix
-            );
-        }
-    }
-    s
-}
-
-/// Seconds as "1 h 02 min", "3 min 05 s" or "12.3 s".
-pub(crate) fn duration(seconds: f64) -> String {
-    let s = seconds.round() as u64;
-    if s >= 3600 {
-        format!("{} h {:02} min", s / 3600, (s % 3600) / 60)
-    } else if s >= 60 {
-        format!("{} min {:02} s", s / 60, s % 60)
-    } else {
-        format!("{seconds:.1} s")
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -407,12 +518,5 @@ mod tests {
         assert!((m.ms_per_micro_step - 10.0).abs() < 1e-9, "{m:?}");
         assert_eq!(m.peak_memory_bytes, 1024);
         assert!(measurement("not json", &c, 1.0).is_none());
-    }
-
-    #[test]
-    fn durations_read_naturally() {
-        assert_eq!(duration(12.34), "12.3 s");
-        assert_eq!(duration(185.0), "3 min 05 s");
-        assert_eq!(duration(3720.0), "1 h 02 min");
     }
 }

@@ -1,10 +1,51 @@
-//! Printing the hardware report, the preset chosen and the recommendation.
+//! `kiln check-hardware` and `kiln check-gpu`: the hardware report, the
+//! preset chosen and the recommendation; also the derived lines of `kiln
+//! config --explain`.
 
 use std::fmt::Write;
+use std::process::ExitCode;
 
 use kiln_config::ResolvedConfig;
 use kiln_hwdetect::{GpuInfo, GpuStatus, HardwareReport, PeakFlops};
 use serde_json::json;
+
+use super::{Context, Layers};
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    /// Machine-readable output
+    #[arg(long)]
+    json: bool,
+}
+
+/// `kiln check-hardware [--json]`.
+pub(crate) fn check_hardware(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
+    let resolved = ctx.resolve(&Layers::none())?;
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        let value = json(&ctx.report, &resolved);
+        std::io::Write::write_all(
+            &mut out,
+            format!("{}\n", serde_json::to_string_pretty(&value)?).as_bytes(),
+        )?;
+    } else {
+        std::io::Write::write_all(&mut out, human(&ctx.report, &resolved).as_bytes())?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kiln check-gpu`: exit 0 where there is an NVIDIA GPU, 1 where not.
+pub(crate) fn check_gpu(ctx: &Context) -> anyhow::Result<ExitCode> {
+    std::io::Write::write_all(
+        &mut std::io::stdout().lock(),
+        gpu_lines(&ctx.report).as_bytes(),
+    )?;
+    Ok(if ctx.report.gpus().is_empty() {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -19,7 +60,7 @@ fn chosen_gpu<'a>(report: &'a HardwareReport, resolved: &ResolvedConfig) -> Opti
 }
 
 /// The readable report of `kiln check-hardware`.
-pub(crate) fn human(report: &HardwareReport, resolved: &ResolvedConfig) -> String {
+fn human(report: &HardwareReport, resolved: &ResolvedConfig) -> String {
     let mut s = String::new();
     let cpu = &report.cpu;
     let family = cpu
@@ -128,7 +169,7 @@ fn on_off(b: bool) -> &'static str {
 }
 
 /// One block per GPU, or the reason there is none.
-pub(crate) fn gpu_lines(report: &HardwareReport) -> String {
+fn gpu_lines(report: &HardwareReport) -> String {
     let mut s = String::new();
     match &report.gpu {
         GpuStatus::None { why } => {
@@ -210,7 +251,7 @@ fn backend_line(report: &HardwareReport, resolved: &ResolvedConfig) -> String {
 }
 
 /// `kiln check-hardware --json`: the report, the preset and the recommendation.
-pub(crate) fn json(report: &HardwareReport, resolved: &ResolvedConfig) -> serde_json::Value {
+fn json(report: &HardwareReport, resolved: &ResolvedConfig) -> serde_json::Value {
     let c = &resolved.config;
     let kiln_config::EffectivePrecision {
         label: precision,

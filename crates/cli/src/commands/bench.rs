@@ -1,0 +1,228 @@
+//! `kiln bench lm | nli | loader`: the training step timed (tokens/s,
+//! ms/step, MFU, data-wait, peak memory, its phases), or the loader alone;
+//! text for people, `--json` by the schema in docs/PERFORMANCE.md.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use kiln_hwdetect::HardwareReport;
+
+use super::{Context, Layers, train_error};
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    /// What to time
+    #[arg(value_enum)]
+    workload: Workload,
+    /// Steps not timed (start-up, caches)
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Steps timed
+    #[arg(long, default_value_t = 30)]
+    steps: usize,
+    /// Keep timing past --steps until the timed steps add up to this many
+    /// seconds (short steps are noisy), up to 50 × --steps
+    #[arg(long, default_value_t = 0.0)]
+    min_seconds: f64,
+    /// Batches each loader setting delivers (`bench loader`)
+    #[arg(long, default_value_t = 500)]
+    batches: usize,
+    /// Machine-readable output
+    #[arg(long)]
+    json: bool,
+    /// Pad every pair batch to model.max_length (as the PyTorch reference does)
+    #[arg(long)]
+    pad_to_max_length: bool,
+    #[command(flatten)]
+    layers: Layers,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Workload {
+    /// The GPT language model
+    Lm,
+    /// The sentence-pair encoder (`experiment=nli_snli` unless one is given)
+    Nli,
+    /// The configured experiment's loader alone, with 0, 1, 2 and 4 workers
+    Loader,
+}
+
+pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
+    let Args {
+        workload,
+        warmup,
+        steps,
+        min_seconds,
+        batches,
+        json,
+        pad_to_max_length,
+        layers,
+    } = args;
+    let report = &ctx.report;
+    let resolved = if workload == Workload::Nli {
+        ctx.resolve_nli(layers)?
+    } else {
+        ctx.resolve(&layers)?
+    };
+    let mut out = std::io::stdout().lock();
+    let config = &resolved.config;
+    if workload == Workload::Loader {
+        let result = kiln_train::bench_loader(config, batches).map_err(train_error)?;
+        if json {
+            let value = serde_json::to_value(&result)?;
+            write_json(&mut out, LOADER_SCHEMA, "loader", value, report, config)?;
+        } else {
+            write!(out, "{}", loader_text(&result))?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let options = kiln_train::BenchOptions {
+        warmup,
+        steps,
+        min_seconds,
+        pad_to_max_length,
+    };
+    let result = match workload {
+        Workload::Nli => kiln_train::bench_nli(config, report, options),
+        _ => kiln_train::bench_lm(config, report, options),
+    }
+    .map_err(train_error)?;
+    if json {
+        let value = serde_json::to_value(&result)?;
+        write_json(&mut out, BENCH_SCHEMA, "bench", value, report, config)?;
+    } else {
+        write!(out, "{}", bench_text(&result))?;
+        let m = &config.model;
+        writeln!(
+            out,
+            "machine: {} ({}, {} cores{}); experiment `{}`: {} layers × {} wide, {} heads, max_length {}, batch {} (hardware preset `{}`)",
+            report.machine_id(),
+            report.cpu.model,
+            report.cpu.logical_cores,
+            report
+                .gpus()
+                .iter()
+                .map(|g| format!(", {}", g.name))
+                .collect::<String>(),
+            config.experiment,
+            m.layers,
+            m.hidden,
+            m.heads,
+            m.max_length,
+            config.training.batch_size,
+            config.hardware
+        )?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The version of `kiln bench --json`'s layout (docs/PERFORMANCE.md).
+const BENCH_SCHEMA: &str = "kiln.bench/1";
+const LOADER_SCHEMA: &str = "kiln.bench-loader/1";
+
+/// A benchmark's JSON: its schema, the result under `name`, the machine and
+/// the resolved configuration.
+fn write_json(
+    out: &mut impl Write,
+    schema: &str,
+    name: &str,
+    result: serde_json::Value,
+    report: &HardwareReport,
+    config: &kiln_config::RunConfig,
+) -> anyhow::Result<()> {
+    let mut value = serde_json::json!({
+        "schema": schema,
+        "hardware": hardware_summary(report),
+        "config": config,
+    });
+    value[name] = result;
+    writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+    Ok(())
+}
+
+/// The machine in a benchmark's output.
+fn hardware_summary(report: &HardwareReport) -> serde_json::Value {
+    serde_json::json!({
+        "machine": report.machine_id(),
+        "cpu": report.cpu.model,
+        "cores": report.cpu.logical_cores,
+        "peak_fp32_flops": report.cpu.peak.fp32_flops,
+        "memory_total_bytes": report.memory.total_bytes,
+        "gpus": report.gpus().iter().map(|g| g.name.clone()).collect::<Vec<_>>(),
+    })
+}
+
+fn loader_text(r: &kiln_train::LoaderBenchResult) -> String {
+    let mut s = format!(
+        "bench loader ({}): {} batches of {} per setting, nothing else running
+{:>7} {:>8} {:>10} {:>10} {:>12}
+",
+        r.workload,
+        r.batches,
+        r.batch_size,
+        "workers",
+        "prefetch",
+        "batches/s",
+        "samples/s",
+        "mean wait ms"
+    );
+    for row in &r.rows {
+        s.push_str(&format!(
+            "{:>7} {:>8} {:>10.1} {:>10.1} {:>12.3}{}
+",
+            row.num_workers,
+            row.prefetch_factor,
+            row.batches_per_s,
+            row.samples_per_s,
+            row.mean_wait_ms,
+            if row.configured { "  (configured)" } else { "" }
+        ));
+    }
+    s.push_str("compare samples/s with `kiln bench`'s: a loader slower than the step makes the run data-bound
+");
+    s
+}
+
+fn bench_text(r: &kiln_train::BenchResult) -> String {
+    let p = &r.phases;
+    format!(
+        "bench {} on {}: {} timed steps after {} warm-up, batch {}\n\
+         samples/s: median {:.1}; tokens/s (no padding): median {:.0} (p10 {:.0}, p90 {:.0}; min {:.0}, max {:.0}); with padding {:.0}; {:.1} ms/step\n\
+         FLOPs per sample: {:.3} G as computed (padded), {:.3} G on real tokens only\n\
+         MFU: {} against {}\n\
+         data-wait: {:.2}% of step time; peak memory {:.0} MiB{}; CPU {} during the timed steps\n\
+         phases (median ms): data wait {:.2}, host-to-device {:.2}, forward {:.1}, backward {:.1}, optimizer {:.1}\n",
+        r.workload,
+        r.backend,
+        r.timed_steps,
+        r.warmup_steps,
+        r.batch_size,
+        r.samples_per_s_median,
+        r.tokens_per_s_median,
+        r.tokens_per_s_p10,
+        r.tokens_per_s_p90,
+        r.tokens_per_s_min,
+        r.tokens_per_s_max,
+        r.padded_tokens_per_s_median,
+        r.ms_per_step_median,
+        r.flops_per_sample_padded / 1e9,
+        r.flops_per_sample_real / 1e9,
+        r.mfu
+            .map_or("n/a".to_string(), |m| format!("{:.1}%", m * 100.0)),
+        r.mfu_peak,
+        r.data_wait_pct,
+        r.peak_memory_bytes as f64 / f64::from(1u32 << 20),
+        if r.gradient_checkpointing {
+            " (gradient checkpointing on)"
+        } else {
+            ""
+        },
+        r.cpu_util_pct
+            .map_or("n/a".to_string(), |c| format!("{c:.0}% of one core")),
+        p.data_wait_ms,
+        p.host_to_device_ms,
+        p.forward_ms,
+        p.backward_ms,
+        p.optimizer_ms,
+    )
+}

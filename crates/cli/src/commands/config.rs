@@ -1,0 +1,53 @@
+//! `kiln config [--explain]`: the resolved configuration, or each key with
+//! its value and the layer that set it.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use kiln_config::ResolvedConfig;
+
+use super::{Context, Layers, hardware};
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    /// Each key with its value and the layer that set it
+    #[arg(long)]
+    explain: bool,
+    #[command(flatten)]
+    layers: Layers,
+}
+
+pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
+    let resolved = ctx.resolve(&args.layers)?;
+    let mut out = std::io::stdout().lock();
+    if args.explain {
+        write!(out, "{}", explain_text(&resolved))?;
+        write!(out, "{}", hardware::derived_text(&ctx.report, &resolved))?;
+    } else {
+        write!(out, "{}", header(&resolved))?;
+        write!(out, "{}", resolved.to_toml())?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn header(resolved: &ResolvedConfig) -> String {
+    match &resolved.hardware_choice {
+        Some(choice) => format!("# hardware = \"{}\": auto, {}\n", choice.name, choice.why),
+        None => String::new(),
+    }
+}
+
+pub(crate) fn explain_text(resolved: &ResolvedConfig) -> String {
+    let rows = resolved.explain();
+    let width = rows
+        .iter()
+        .map(|r| r.key.len() + r.value.len() + 3)
+        .max()
+        .unwrap_or(0);
+    let mut text = String::new();
+    for row in rows {
+        let lhs = format!("{} = {}", row.key, row.value);
+        text.push_str(&format!("{lhs:<width$}  # {}\n", row.source));
+    }
+    text
+}

@@ -1,0 +1,158 @@
+//! `kiln diagnose`: the pre-flight check as kiln-train measures it, for
+//! people or as JSON; exit 2 when a problem would make the run fail.
+
+use std::fmt::Write as _;
+use std::io::Write;
+use std::process::ExitCode;
+
+use kiln_plan::gib;
+use kiln_train::Diagnosis;
+
+use super::{Context, Layers, train_error};
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    /// Training steps to time for the time estimate and the loader's
+    /// verdict (0: none)
+    #[arg(long, default_value_t = 10)]
+    burst: usize,
+    /// Machine-readable output
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    layers: Layers,
+}
+
+pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
+    let resolved = ctx.resolve(&args.layers)?;
+    let d = kiln_train::diagnose(&resolved.config, &ctx.report, args.burst).map_err(train_error)?;
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        let value = serde_json::json!({
+            "schema": "kiln.diagnose/1",
+            "experiment": resolved.config.experiment,
+            "hardware_preset": resolved.config.hardware,
+            "diagnosis": d,
+        });
+        writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+    } else {
+        let mut head = format!(
+            "kiln diagnose: experiment `{}` ({:?}), hardware preset `{}`",
+            resolved.config.experiment, resolved.config.workload, resolved.config.hardware
+        );
+        if let Some(choice) = &resolved.hardware_choice {
+            head.push_str(&format!(" ({})", choice.why));
+        }
+        write!(out, "{}", diagnosis_text(&d, &head))?;
+    }
+    if d.has_errors() {
+        return Ok(ExitCode::from(2));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kiln diagnose` for people.
+fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
+    let mut s = format!("{header}\n");
+    let _ = writeln!(s, "device:    {} ({})", d.device, d.device_why);
+    let _ = writeln!(s, "precision: {} ({})", d.precision, d.precision_why);
+    let data = &d.data;
+    let _ = write!(
+        s,
+        "data:      {} training {}, {} validation; {} samples per epoch",
+        data.train, data.unit, data.validation, data.samples_per_epoch
+    );
+    if let Some(longest) = data.longest {
+        let _ = write!(
+            s,
+            "; pairs up to {longest} tokens, 99 % within {}; {} longer than model.max_length",
+            data.p99_length.unwrap_or(0),
+            data.truncated
+        );
+    }
+    s.push('\n');
+    let _ = writeln!(
+        s,
+        "budget:    {} optimizer steps, {} per epoch: {:.2} epochs",
+        d.total_steps,
+        (d.steps_per_epoch * 10.0).round() / 10.0,
+        d.epochs
+    );
+    let m = &d.memory;
+    let _ = writeln!(
+        s,
+        "memory:    estimate {} = weights {} + gradients {} + AdamW {} + activations {} \
+         (attention's T² part {}; {} with gradient checkpointing), of {} {}; {:.2} M parameters",
+        gib(m.total),
+        gib(m.weights),
+        gib(m.gradients),
+        gib(m.optimizer),
+        gib(m.activations),
+        gib(m.attention),
+        gib(m.activations_checkpointed),
+        gib(m.available),
+        m.available_what,
+        m.parameters as f64 / 1e6
+    );
+    match &d.burst {
+        Some(b) => {
+            let _ = writeln!(
+                s,
+                "measured:  {} steps, {:.1} ms per optimizer step, peak RAM {}: {} per epoch, {} for the run's {} steps (evaluation not included)\n\
+                 loader:    {}",
+                b.steps,
+                b.ms_per_step,
+                gib(b.peak_memory_bytes),
+                duration(b.seconds_per_epoch),
+                duration(b.seconds_total),
+                d.total_steps,
+                b.loader_verdict
+            );
+        }
+        None => {
+            s.push_str("measured:  no burst (--burst 0, or an error above makes it pointless)\n")
+        }
+    }
+    if d.findings.is_empty() {
+        s.push_str("problems:  none found\n");
+    } else {
+        s.push_str("problems:\n");
+        for f in &d.findings {
+            let level = match f.severity {
+                kiln_plan::Severity::Error => "error",
+                kiln_plan::Severity::Warning => "warning",
+                kiln_plan::Severity::Note => "note",
+            };
+            let _ = writeln!(
+                s,
+                "  {level:<7} {}: {}\n          fix: {}",
+                f.key, f.problem, f.fix
+            );
+        }
+    }
+    s
+}
+
+/// Seconds as "1 h 02 min", "3 min 05 s" or "12.3 s".
+fn duration(seconds: f64) -> String {
+    let s = seconds.round() as u64;
+    if s >= 3600 {
+        format!("{} h {:02} min", s / 3600, (s % 3600) / 60)
+    } else if s >= 60 {
+        format!("{} min {:02} s", s / 60, s % 60)
+    } else {
+        format!("{seconds:.1} s")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_naturally() {
+        assert_eq!(duration(12.34), "12.3 s");
+        assert_eq!(duration(185.0), "3 min 05 s");
+        assert_eq!(duration(3720.0), "1 h 02 min");
+    }
+}

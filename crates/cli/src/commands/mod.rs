@@ -1,0 +1,145 @@
+//! The commands of `kiln`, one module each, and what they share: the
+//! machine and the presets (`Context`), the configuration layers a command
+//! takes, and how an error becomes exit code 2.
+
+pub(crate) mod bench;
+pub(crate) mod config;
+pub(crate) mod diagnose;
+pub(crate) mod hardware;
+pub(crate) mod train;
+pub(crate) mod tune;
+
+use std::path::{Path, PathBuf};
+
+use kiln_config::{LoadOptions, ResolvedConfig};
+use kiln_hwdetect::HardwareReport;
+
+/// What every command runs with: the machine (detected, or a saved report)
+/// and the global flags.
+#[derive(Debug)]
+pub(crate) struct Context {
+    pub(crate) report: HardwareReport,
+    pub(crate) presets: Option<PathBuf>,
+    pub(crate) hardware_report: Option<PathBuf>,
+}
+
+impl Context {
+    pub(crate) fn new(
+        presets: Option<PathBuf>,
+        hardware_report: Option<PathBuf>,
+    ) -> anyhow::Result<Self> {
+        let report = match &hardware_report {
+            Some(path) => read_report(path)?,
+            None => kiln_hwdetect::detect(),
+        };
+        Ok(Self {
+            report,
+            presets,
+            hardware_report,
+        })
+    }
+
+    /// The global flags a child `kiln` needs to see the same presets and machine.
+    pub(crate) fn prefix(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        if let Some(p) = &self.presets {
+            args.push(format!("--presets={}", p.display()));
+        }
+        if let Some(r) = &self.hardware_report {
+            args.push(format!("--hardware-report={}", r.display()));
+        }
+        args
+    }
+
+    /// The configuration `layers` resolve to on this machine.
+    pub(crate) fn resolve(&self, layers: &Layers) -> anyhow::Result<ResolvedConfig> {
+        let dir = kiln_config::find_presets_dir(self.presets.as_deref())?;
+        let env: Vec<_> = std::env::vars_os().collect();
+        Ok(kiln_config::resolve(&LoadOptions {
+            presets_dir: &dir,
+            config_file: layers.config.as_deref(),
+            overrides: &layers.overrides,
+            env: &env,
+            hardware: &self.report,
+        })?)
+    }
+
+    /// Resolves for a sentence-pair command (`cv`, `bench nli`): the
+    /// experiment any layer chose, or `nli_snli` where none did (the
+    /// defaults' experiment is the language model's).
+    pub(crate) fn resolve_nli(&self, mut layers: Layers) -> anyhow::Result<ResolvedConfig> {
+        let resolved = self.resolve(&layers)?;
+        let chosen = resolved
+            .sources
+            .get("experiment")
+            .is_some_and(|s| s.layer != kiln_config::LayerKind::Defaults);
+        if chosen || resolved.config.workload == kiln_config::Workload::Nli {
+            return Ok(resolved);
+        }
+        layers
+            .overrides
+            .insert(0, "experiment=nli_snli".to_string());
+        self.resolve(&layers)
+    }
+}
+
+/// The configuration layers a command takes.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Layers {
+    /// A TOML file layered above the presets and below the environment
+    #[arg(long, value_name = "FILE")]
+    pub(crate) config: Option<PathBuf>,
+    /// Overrides in Hydra's syntax: `hardware=t4 experiment=nli_snli training.batch_size=20`
+    #[arg(value_name = "KEY=VALUE")]
+    pub(crate) overrides: Vec<String>,
+}
+
+impl Layers {
+    pub(crate) fn none() -> Self {
+        Self {
+            config: None,
+            overrides: Vec::new(),
+        }
+    }
+}
+
+/// An error caused by what the user gave (exit code 2).
+#[derive(Debug)]
+pub(crate) struct BadInput(pub(crate) String);
+
+impl std::fmt::Display for BadInput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for BadInput {}
+
+fn read_report(path: &Path) -> anyhow::Result<HardwareReport> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        BadInput(format!(
+            "failed to read hardware report `{}`: {e}",
+            path.display()
+        ))
+    })?;
+    // `check-hardware --json` wraps the report; a bare report is accepted too.
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+        BadInput(format!(
+            "hardware report `{}` line {}: {e}",
+            path.display(),
+            e.line()
+        ))
+    })?;
+    let inner = value.get("hardware").cloned().unwrap_or(value);
+    serde_json::from_value(inner)
+        .map_err(|e| BadInput(format!("hardware report `{}`: {e}", path.display())).into())
+}
+
+/// Training errors the user can fix are bad input (exit 2).
+pub(crate) fn train_error(e: kiln_train::TrainError) -> anyhow::Error {
+    if e.is_bad_input() {
+        anyhow::Error::new(BadInput(format!("{e:#}")))
+    } else {
+        anyhow::Error::new(e)
+    }
+}

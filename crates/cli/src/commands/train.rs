@@ -1,0 +1,177 @@
+//! `kiln train`, `kiln cv`, `kiln resume` and `kiln predict`: runs, with
+//! Ctrl-C writing a checkpoint and the progress printed as it goes.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use kiln_config::ResolvedConfig;
+use kiln_hwdetect::HardwareReport;
+
+use super::{BadInput, Context, Layers, train_error};
+use crate::progress;
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct TrainArgs {
+    /// Run a GPU preset on a machine without that GPU
+    #[arg(long)]
+    force: bool,
+    #[command(flatten)]
+    layers: Layers,
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct PredictArgs {
+    /// The run directory
+    run: PathBuf,
+    /// Pairs to label (JSONL, TSV or CSV, read as the run's config says)
+    #[arg(long, value_name = "FILE")]
+    data: PathBuf,
+    /// Where to write one JSON line per pair [default: RUN/predictions-<name>.jsonl]
+    #[arg(long, value_name = "FILE")]
+    out: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct ResumeArgs {
+    /// The run directory (`runs/<time>-<experiment>`)
+    run: PathBuf,
+}
+
+/// `kiln train`.
+pub(crate) fn train(args: TrainArgs, ctx: Context) -> anyhow::Result<ExitCode> {
+    let resolved = ctx.resolve(&args.layers)?;
+    train_command(resolved, args.force, ctx.report)
+}
+
+/// `kiln cv`: the nli workload only.
+pub(crate) fn cv(args: TrainArgs, ctx: Context) -> anyhow::Result<ExitCode> {
+    let resolved = ctx.resolve_nli(args.layers)?;
+    if resolved.config.workload != kiln_config::Workload::Nli {
+        return Err(BadInput(format!(
+            "`kiln cv` cross-validates the nli workload, but experiment `{}` is `{:?}`; use `kiln train`",
+            resolved.config.experiment, resolved.config.workload
+        ))
+        .into());
+    }
+    train_command(resolved, args.force, ctx.report)
+}
+
+/// `kiln resume RUN`.
+pub(crate) fn resume(args: ResumeArgs, ctx: Context) -> anyhow::Result<ExitCode> {
+    let options = train_options(ctx.report, Vec::new())?;
+    let outcome = kiln_train::resume(&args.run, &options, &mut progress::Printer::new())
+        .map_err(train_error)?;
+    Ok(finish(outcome))
+}
+
+/// `kiln predict RUN --data FILE`.
+pub(crate) fn predict(args: PredictArgs, ctx: &Context) -> anyhow::Result<ExitCode> {
+    let p = kiln_train::predict(&args.run, &args.data, args.out.as_deref(), &ctx.report)
+        .map_err(train_error)?;
+    if let Some(skipped) = &p.skipped {
+        eprintln!("kiln: {skipped}");
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "predicted {} pairs with fold {}'s model: {}",
+        p.rows,
+        p.fold,
+        p.output.display()
+    )?;
+    if let Some(s) = &p.scores {
+        writeln!(
+            out,
+            "against the file's labels: accuracy {:.1}%, macro-F1 {:.3}",
+            100.0 * s.accuracy,
+            s.macro_f1
+        )?;
+        for c in &s.per_class {
+            writeln!(
+                out,
+                "  {:<14} precision {:.3}  recall {:.3}  F1 {:.3}  ({} pairs)",
+                c.label, c.precision, c.recall, c.f1, c.support
+            )?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kiln train` and `kiln cv`: checks that a named GPU preset fits, then trains.
+fn train_command(
+    resolved: ResolvedConfig,
+    force: bool,
+    report: HardwareReport,
+) -> anyhow::Result<ExitCode> {
+    let fit = match resolved.hardware_choice {
+        Some(_) => Ok(()),
+        None => kiln_config::check_preset_fits(&resolved.config.hardware, &report),
+    };
+    if let Err(msg) = fit {
+        if !force {
+            return Err(BadInput(format!(
+                "{msg}; pass --force to run it on this machine anyway, or use hardware=auto"
+            ))
+            .into());
+        }
+        eprintln!("warning: {msg}; running anyway (--force)");
+    }
+    if let Some(choice) = &resolved.hardware_choice {
+        println!("kiln: hardware = {}: {}", choice.name, choice.why);
+    }
+    let sources = super::config::explain_text(&resolved)
+        .lines()
+        .map(String::from)
+        .collect();
+    let options = train_options(report, sources)?;
+    let outcome = kiln_train::train(&resolved.config, &options, &mut progress::Printer::new())
+        .map_err(train_error)?;
+    Ok(finish(outcome))
+}
+
+/// Options for a training run: Ctrl-C stops it after the current step with a
+/// checkpoint; a second Ctrl-C ends the process at once.
+fn train_options(
+    hardware: HardwareReport,
+    sources: Vec<String>,
+) -> anyhow::Result<kiln_train::TrainOptions> {
+    let interrupt = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&interrupt);
+    ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        eprintln!(
+            "\nkiln: stopping after this step with a checkpoint (Ctrl-C again to quit at once)"
+        );
+    })?;
+    Ok(kiln_train::TrainOptions {
+        interrupt,
+        hardware,
+        sources,
+    })
+}
+
+fn finish(outcome: kiln_train::Outcome) -> ExitCode {
+    match outcome {
+        kiln_train::Outcome::Finished { run, .. } | kiln_train::Outcome::CvFinished { run, .. } => {
+            println!("run directory: {}", run.display());
+            ExitCode::SUCCESS
+        }
+        kiln_train::Outcome::Interrupted {
+            run,
+            step,
+            checkpoint,
+        } => {
+            println!(
+                "interrupted after step {step}; checkpoint {}\nresume with: kiln resume {}",
+                checkpoint.display(),
+                run.display()
+            );
+            ExitCode::from(130)
+        }
+    }
+}
