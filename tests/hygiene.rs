@@ -155,24 +155,16 @@ fn config_doc_lists_every_key_with_its_default() {
 /// The preset table of docs/PRESETS.md, made from the preset files.
 fn presets_table() -> String {
     let dir = root().join("presets");
-    let report = kiln_hwdetect::detect_with(&kiln_hwdetect::FixedProbe(
-        kiln_hwdetect::GpuStatus::None { why: String::new() },
-        kiln_hwdetect::DriverInfo::default(),
-    ));
+    let report = kiln_hwdetect::detect_cpu_only();
     let resolve = |hardware: &str, experiment: &str| {
         let overrides = [
             format!("hardware={hardware}"),
             format!("experiment={experiment}"),
         ];
-        kiln_config::resolve(&kiln_config::LoadOptions {
-            presets_dir: &dir,
-            config_file: None,
-            overrides: &overrides,
-            env: &[],
-            hardware: &report,
-        })
-        .unwrap_or_else(|e| panic!("{hardware}: {e}"))
-        .config
+        let overrides: Vec<&str> = overrides.iter().map(String::as_str).collect();
+        kiln_config::resolve_overrides(&dir, &overrides, &report)
+            .unwrap_or_else(|e| panic!("{hardware}: {e}"))
+            .config
     };
     let mut out = String::from(
         "| preset | for | batch × accum (lm) | batch × accum (nli) | max_length (lm) | precision | tf32 | compile | grad. checkpointing | freeze encoder | workers |\n|---|---|---|---|---|---|---|---|---|---|---|\n",

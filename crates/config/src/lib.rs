@@ -25,7 +25,7 @@ pub use error::ConfigError;
 pub use layer::{LayerKind, Source};
 pub use load::{
     ExplainRow, LoadOptions, ResolvedConfig, available_presets, find_presets_dir, read_run_config,
-    resolve, tuned_path,
+    resolve, resolve_overrides, tuned_path,
 };
 pub use preset::{
     ANY_GPU_PRESETS, EffectivePrecision, PRESET_GPUS, PresetChoice, PresetMismatch,

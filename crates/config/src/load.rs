@@ -149,6 +149,24 @@ pub fn available_presets(presets_dir: &Path, group: &str) -> Vec<String> {
     names
 }
 
+/// Resolves the presets in `presets_dir` with command-line `overrides` alone
+/// (no config file, no environment) for `hardware`: [`resolve`] for a
+/// program or a test that builds its configuration in code.
+pub fn resolve_overrides(
+    presets_dir: &Path,
+    overrides: &[&str],
+    hardware: &HardwareReport,
+) -> Result<ResolvedConfig, ConfigError> {
+    let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    resolve(&LoadOptions {
+        presets_dir,
+        config_file: None,
+        overrides: &overrides,
+        env: &[],
+        hardware,
+    })
+}
+
 /// Resolves the configuration:
 /// `defaults.toml` < `hardware/<name>.toml` (with its `[lm]`/`[nli]` section
 /// for the workload) < `experiment/<name>.toml` < `--config FILE` <

@@ -83,6 +83,17 @@ pub fn detect_gpus() -> Vec<GpuInfo> {
     }
 }
 
+/// This machine's CPU and memory with no GPU, whatever NVML would say: to
+/// plan a CPU run, and for tests that must not depend on the machine's GPUs.
+pub fn detect_cpu_only() -> HardwareReport {
+    detect_with(&FixedProbe(
+        GpuStatus::None {
+            why: "a CPU-only report".into(),
+        },
+        DriverInfo::default(),
+    ))
+}
+
 /// Reads this machine's CPU and memory, and asks `probe` for GPUs.
 pub fn detect_with(probe: &dyn GpuProbe) -> HardwareReport {
     let (gpu, driver) = probe.probe();

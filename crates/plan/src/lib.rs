@@ -47,20 +47,9 @@ pub(crate) mod tests {
     /// without a GPU, with `overrides`.
     pub(crate) fn config(overrides: &[&str]) -> RunConfig {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../presets");
-        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
-        let report = kiln_hwdetect::detect_with(&kiln_hwdetect::FixedProbe(
-            kiln_hwdetect::GpuStatus::None { why: String::new() },
-            kiln_hwdetect::DriverInfo::default(),
-        ));
-        kiln_config::resolve(&kiln_config::LoadOptions {
-            presets_dir: &dir,
-            config_file: None,
-            overrides: &overrides,
-            env: &[],
-            hardware: &report,
-        })
-        .expect("resolves")
-        .config
+        kiln_config::resolve_overrides(&dir, overrides, &kiln_hwdetect::detect_cpu_only())
+            .expect("resolves")
+            .config
     }
 
     pub(crate) fn training() -> TrainingSection {

@@ -274,7 +274,7 @@ fn result(
     let waited: f64 = t.phases[0].iter().sum::<f64>() / 1e3;
     let samples: usize = t.work.iter().map(|w| w.samples).sum();
     let flops_padded = t.work.iter().map(|w| w.flops).sum::<f64>() / samples.max(1) as f64;
-    let (peak, mfu_peak) = mfu_peak(device, precision, hardware);
+    let (peak, mfu_peak) = mfu_peak(config, device, precision, hardware);
     let tokens_per_s_median = median(&mut tps);
     let percentile = |v: &[f64], q: f64| -> f64 {
         // `median` sorted `tps`; nearest rank.
@@ -544,10 +544,7 @@ mod tests {
                 "precision.amp_dtype=fp16",
             ],
         );
-        let hardware = kiln_hwdetect::detect_with(&kiln_hwdetect::FixedProbe(
-            kiln_hwdetect::GpuStatus::None { why: String::new() },
-            kiln_hwdetect::DriverInfo::default(),
-        ));
+        let hardware = kiln_hwdetect::detect_cpu_only();
         let options = BenchOptions {
             warmup: 1,
             steps: 3,

@@ -67,6 +67,7 @@ pub(crate) fn init_model<M: Module>(
 /// bf16/fp16 products to f32, so that is their ceiling too). Mixed
 /// precision counts against the bf16/fp16 peak, as the guides count MFU.
 pub(crate) fn mfu_peak(
+    config: &RunConfig,
     device: &DeviceChoice,
     precision: &PrecisionChoice,
     hardware: &HardwareReport,
@@ -84,7 +85,7 @@ pub(crate) fn mfu_peak(
                 ),
             );
         }
-        let Some(gpu) = hardware.gpus().first() else {
+        let Some(gpu) = run_gpu(config, hardware) else {
             return (
                 None,
                 format!(
@@ -185,7 +186,7 @@ pub(crate) fn device_lines(
             c.loader.prefetch_factor
         ),
         format!("MFU is measured against {peak_name}"),
-        match (device.is_gpu, options.hardware.gpus().first()) {
+        match (device.is_gpu, run_gpu(c, &options.hardware)) {
             (true, Some(gpu)) => format!("device: {}", gpu.name),
             _ => format!(
                 "threads: {} cores for compute",

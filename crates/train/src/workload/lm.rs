@@ -388,7 +388,12 @@ impl Session {
         observer: &mut dyn Observer,
     ) -> Result<Outcome, TrainError> {
         let started = Instant::now();
-        let (peak, peak_name) = mfu_peak(&self.device, &self.precision, &options.hardware);
+        let (peak, peak_name) = mfu_peak(
+            &self.config,
+            &self.device,
+            &self.precision,
+            &options.hardware,
+        );
         let schedule = self.prepared.schedule;
         observer.event(&Event::Start {
             lines: self.start_lines(options, &peak_name),

@@ -542,7 +542,7 @@ fn train_fold(
         .with_kernels(kernels(config));
     let patience = (config.cv.patience > 0).then_some(config.cv.patience);
     let stopping = EarlyStopping::from_records(patience, &dir.records());
-    let (peak, peak_name) = mfu_peak(device, &precision, &options.hardware);
+    let (peak, peak_name) = mfu_peak(config, device, &precision, &options.hardware);
     let mut lines = vec![
         format!(
             "fold {}/{}: {} training pairs, {} held out; WordPiece vocabulary {} (trained on this fold's training pairs)",
