@@ -174,23 +174,8 @@ fn a_killed_run_resumes_to_the_same_weights() {
 #[test]
 fn ctrl_c_checkpoints_and_prints_the_resume_command() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let args = tiny(tmp.path(), "int", 100_000);
-    let child = Command::new(kiln_bin())
-        .args(&args)
-        .current_dir(root())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kiln");
     let dir = tmp.path().join("int");
-    let started = Instant::now();
-    while !dir.join("metrics.jsonl").exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "the run did not start"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let child = start_run(&tiny(tmp.path(), "int", 100_000), &dir);
     let status = Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status()
@@ -431,4 +416,288 @@ fn diagnose_predicts_the_steps_the_run_makes_with_accumulation_and_epochs() {
     let done = last_step(&tmp.path().join("epochs/metrics.jsonl"));
     assert_eq!(predicted, done);
     assert_eq!(done, 93);
+}
+
+/// The step of each `step` record in a run's `metrics.jsonl`, in file order.
+fn logged_steps(run: &Path) -> Vec<u64> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .expect("metrics.jsonl")
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["kind"] == "step")
+        .filter_map(|m| m["step"].as_u64())
+        .collect()
+}
+
+#[test]
+fn a_run_killed_before_its_first_checkpoint_resumes_from_step_0() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let steps = 300;
+    run_kiln(&tiny(tmp.path(), "whole", steps)).expect_code(0);
+    // Killed (SIGKILL) once it has logged its first step, long before its
+    // first checkpoint (step 100).
+    let killed = tmp.path().join("killed");
+    kill_when(
+        &tiny(tmp.path(), "killed", steps),
+        &killed.join("metrics.jsonl"),
+        &ckpt(&killed, 100),
+    );
+    assert!(!ckpt(&killed, 100).exists());
+    let resumed = kiln(&["resume", killed.to_str().expect("utf-8")])
+        .run()
+        .expect_code(0);
+    resumed.stdout_has(&["no usable checkpoint", "starting the run again from step 0"]);
+    assert_eq!(
+        checkpoint_digest(&ckpt(&killed, steps)),
+        checkpoint_digest(&ckpt(&tmp.path().join("whole"), steps))
+    );
+    // The lost steps' metrics were replaced, not duplicated.
+    assert_eq!(
+        logged_steps(&killed),
+        logged_steps(&tmp.path().join("whole"))
+    );
+}
+
+#[test]
+fn a_run_whose_every_checkpoint_is_damaged_starts_again() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let steps = 200;
+    let run = tmp.path().join("run");
+    run_kiln(&tiny(tmp.path(), "run", steps)).expect_code(0);
+    let want = checkpoint_digest(&ckpt(&run, steps));
+    for entry in std::fs::read_dir(run.join("checkpoints")).expect("checkpoints") {
+        let path = entry.expect("entry").path();
+        let bytes = std::fs::read(&path).expect("read");
+        std::fs::write(&path, &bytes[..bytes.len() / 2]).expect("truncate");
+    }
+    let resumed = kiln(&["resume", run.to_str().expect("utf-8")])
+        .run()
+        .expect_code(0);
+    resumed.stdout_has(&["is unusable", "starting the run again from step 0"]);
+    assert_eq!(checkpoint_digest(&ckpt(&run, steps)), want);
+    let logged = logged_steps(&run);
+    let mut once = logged.clone();
+    once.dedup();
+    assert_eq!(once, logged, "duplicated metric lines");
+}
+
+#[test]
+fn a_second_process_cannot_write_a_running_run() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().join("busy");
+    let mut child = start_run(&tiny(tmp.path(), "busy", 100_000), &dir);
+    let second = kiln(&["resume", dir.to_str().expect("utf-8")]).run();
+    child.kill().expect("kill");
+    child.wait().expect("reap");
+    second.expect_code(2).stderr_has(&[
+        "is in use by another kiln process",
+        &format!("(pid {})", child.id()),
+    ]);
+    // Its lock went with the killed process: a new resume takes it (it
+    // writes its pid into run.lock), and is stopped there.
+    let mut third = Command::new(kiln_bin())
+        .args(["resume", dir.to_str().expect("utf-8")])
+        .current_dir(root())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kiln resume");
+    let pid = third.id().to_string();
+    let started = Instant::now();
+    while std::fs::read_to_string(dir.join("run.lock")).unwrap_or_default() != pid {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the resume did not take the lock"
+        );
+        assert!(
+            third.try_wait().expect("poll").is_none(),
+            "the resume ended without taking the lock"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    third.kill().expect("kill");
+    third.wait().expect("reap");
+}
+
+#[test]
+fn twenty_kills_from_the_start_end_where_an_uninterrupted_run_ends() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let steps = 1500;
+    let extra = ["checkpoint.every_steps=20".to_string()];
+    let mut whole_args = tiny(tmp.path(), "whole", steps);
+    whole_args.extend(extra.iter().cloned());
+    run_kiln(&whole_args).expect_code(0);
+    let run = tmp.path().join("killed");
+    let mut train_args = tiny(tmp.path(), "killed", steps);
+    train_args.extend(extra.iter().cloned());
+    let resume_args = vec!["resume".to_string(), run.display().to_string()];
+    // A fixed xorshift: the kill times vary over the run's start-up, its
+    // steps and its checkpoint writes, the same each time the test runs.
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next_delay = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        Duration::from_millis(5 + state % 200)
+    };
+    let mut kills = 0;
+    while kills < 20 {
+        // Until the run has its config, it is not a run yet: start it again.
+        let args = if run.join("config.toml").is_file() {
+            &resume_args
+        } else {
+            &train_args
+        };
+        let mut child = Command::new(kiln_bin())
+            .args(args)
+            .current_dir(root())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn kiln");
+        std::thread::sleep(next_delay());
+        if child.try_wait().expect("poll").is_some() {
+            // It finished (or failed) before the kill: a finished run is
+            // resumed once more below; anything else is an error there.
+            break;
+        }
+        child.kill().expect("kill");
+        child.wait().expect("reap");
+        kills += 1;
+    }
+    let done = kiln(&["resume", run.to_str().expect("utf-8")]).run();
+    assert!(
+        done.code == 0,
+        "the last resume failed ({} kills):\n{}\n{}",
+        kills,
+        done.stdout,
+        done.stderr
+    );
+    assert_eq!(
+        checkpoint_digest(&ckpt(&run, steps)),
+        checkpoint_digest(&ckpt(&tmp.path().join("whole"), steps))
+    );
+    // Each step once, in order; a resumed process also logs its first step.
+    let logged = logged_steps(&run);
+    assert!(logged.windows(2).all(|w| w[0] < w[1]), "{logged:?}");
+    let whole = logged_steps(&tmp.path().join("whole"));
+    assert!(whole.iter().all(|s| logged.contains(s)), "{logged:?}");
+    assert_eq!(
+        kills, 20,
+        "the run ended after {kills} kills: make it longer"
+    );
+    // No write debris is left behind.
+    for dir in [run.clone(), run.join("checkpoints")] {
+        for entry in std::fs::read_dir(&dir).expect("read_dir").flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            assert!(!name.contains(".tmp"), "{name} left in {}", dir.display());
+        }
+    }
+}
+
+/// Starts `kiln args` and waits until its run has logged a step.
+fn start_run(args: &[String], dir: &Path) -> std::process::Child {
+    let child = Command::new(kiln_bin())
+        .args(args)
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kiln");
+    let started = Instant::now();
+    while !dir.join("metrics.jsonl").exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the run did not start"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child
+}
+
+#[test]
+fn a_run_directory_removed_mid_run_ends_in_a_named_error_not_a_panic() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().join("gone");
+    let child = start_run(&tiny(tmp.path(), "gone", 100_000), &dir);
+    std::fs::remove_dir_all(&dir).expect("remove the run directory");
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("error: failed to write"), "{stderr}");
+    assert!(stderr.contains("gone"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn a_corpus_removed_under_a_running_run_does_not_stop_it() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().join("run");
+    let args = tiny(tmp.path(), "run", 1500);
+    let child = start_run(&args, &dir);
+    // The language model's corpus is read, encoded and split before the
+    // first step: the loader works from memory.
+    std::fs::remove_file(tmp.path().join("corpus.txt")).expect("remove the corpus");
+    let out = child.wait_with_output().expect("wait");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(ckpt(&dir, 1500).is_file());
+}
+
+#[test]
+fn a_checkpoint_that_cannot_be_written_leaves_no_debris_and_the_earlier_ones_intact() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let steps = 300;
+    run_kiln(&tiny(tmp.path(), "whole", steps)).expect_code(0);
+    // The run as far as its first checkpoint (step 100).
+    let run = tmp.path().join("full");
+    kill_when(
+        &tiny(tmp.path(), "full", steps),
+        &ckpt(&run, 100),
+        &ckpt(&run, steps),
+    );
+    let first = checkpoint_digest(&ckpt(&run, 100));
+    // Resumed where no file may grow past 64 KiB: the next checkpoint
+    // (about 0.3 MiB) fails part-written, as on a full disk. (RLIMIT_FSIZE,
+    // with SIGXFSZ ignored so that the write fails with EFBIG instead of
+    // killing the process: a write that fails after N bytes, without a
+    // small file system to mount, which needs root.)
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg("trap '' XFSZ; ulimit -f 128; exec \"$0\" resume \"$1\"")
+        .arg(kiln_bin())
+        .arg(&run)
+        .current_dir(root())
+        .output()
+        .expect("run kiln under a file-size limit");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("failed to write checkpoint") && stderr.contains("MiB needed"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let left: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+        .expect("checkpoints")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        left,
+        vec!["ckpt-00000100.safetensors".to_string()],
+        "{left:?}"
+    );
+    assert_eq!(checkpoint_digest(&ckpt(&run, 100)), first);
+    // With room again, the run ends where the uninterrupted one ended.
+    kiln(&["resume", run.to_str().expect("utf-8")])
+        .run()
+        .expect_code(0);
+    assert_eq!(
+        checkpoint_digest(&ckpt(&run, steps)),
+        checkpoint_digest(&ckpt(&tmp.path().join("whole"), steps))
+    );
 }

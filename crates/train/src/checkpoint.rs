@@ -65,6 +65,8 @@ pub(crate) fn save(
         path: dir.to_path_buf(),
         source,
     })?;
+    // The run's lock is ours: a temporary file here is a killed write's.
+    crate::rundir::remove_debris(dir);
     let path = path_for(dir, state.step);
     save_file(&path, state)?;
     for old in list(dir).into_iter().rev().skip(keep.max(1)) {
@@ -76,10 +78,6 @@ pub(crate) fn save(
 /// Writes `state` to `path` atomically: a temporary file beside it, synced,
 /// then renamed into place.
 pub(crate) fn save_file(path: &Path, state: &CheckpointState) -> Result<(), TrainError> {
-    let write_err = |p: &Path| {
-        let p = p.to_path_buf();
-        move |source| TrainError::Write { path: p, source }
-    };
     let mut named: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for (p, shape, values) in &state.params {
         named.push((format!("model/{p}"), shape.clone(), f32_bytes(values)));
@@ -131,12 +129,19 @@ pub(crate) fn save_file(path: &Path, state: &CheckpointState) -> Result<(), Trai
         .file_name()
         .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
     let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
-    {
-        let mut file = std::fs::File::create(&tmp).map_err(write_err(&tmp))?;
-        file.write_all(&bytes).map_err(write_err(&tmp))?;
-        file.sync_all().map_err(write_err(&tmp))?;
+    let written = std::fs::File::create(&tmp).and_then(|mut file| {
+        file.write_all(&bytes)?;
+        file.sync_all()
+    });
+    if let Err(source) = written.and_then(|()| std::fs::rename(&tmp, path)) {
+        // A full disk must not stay full with the debris of this write.
+        let _ = std::fs::remove_file(&tmp);
+        return Err(TrainError::CheckpointWrite {
+            path: path.to_path_buf(),
+            bytes: bytes.len() as u64,
+            source,
+        });
     }
-    std::fs::rename(&tmp, path).map_err(write_err(path))?;
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
     }

@@ -27,6 +27,25 @@ pub enum TrainError {
     #[error("`{}` is not a kiln run directory: {why}", path.display())]
     NotARun { path: PathBuf, why: String },
 
+    #[error(
+        "run `{}` is in use by another kiln process{}: one process writes a run at a time; wait for it to end, or stop it",
+        path.display(),
+        pid.map(|p| format!(" (pid {p})")).unwrap_or_default()
+    )]
+    RunInUse { path: PathBuf, pid: Option<u32> },
+
+    #[error(
+        "failed to write checkpoint `{}` ({} needed); the earlier checkpoints are intact",
+        path.display(),
+        size(*bytes)
+    )]
+    CheckpointWrite {
+        path: PathBuf,
+        bytes: u64,
+        #[source]
+        source: std::io::Error,
+    },
+
     #[error("no usable checkpoint in `{}`: {why}", dir.display())]
     NoCheckpoint { dir: PathBuf, why: String },
 
@@ -49,6 +68,16 @@ pub enum TrainError {
     Unsupported(&'static str, String),
 }
 
+/// Bytes in MiB (or GiB from one GiB), for messages.
+fn size(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= f64::from(1u32 << 30) {
+        format!("{:.1} GiB", b / f64::from(1u32 << 30))
+    } else {
+        format!("{:.1} MiB", b / f64::from(1u32 << 20))
+    }
+}
+
 impl TrainError {
     /// Whether the error is caused by what the user gave (exit code 2).
     pub fn is_bad_input(&self) -> bool {
@@ -57,6 +86,7 @@ impl TrainError {
             Self::Data(_)
                 | Self::Config(_)
                 | Self::NotARun { .. }
+                | Self::RunInUse { .. }
                 | Self::NoCheckpoint { .. }
                 | Self::CheckpointMismatch { .. }
                 | Self::Backend { .. }

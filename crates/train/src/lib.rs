@@ -65,7 +65,7 @@ pub use records::{
 };
 pub use report::{Event, Observer, Summary, median};
 pub use run::{resume, train, train_cv};
-pub use rundir::{RunDir, utc_stamp};
+pub use rundir::{RunDir, RunLock, utc_stamp};
 pub use setup::open_device;
 pub use workload::nli::{Prediction, predict};
 

@@ -40,6 +40,8 @@ pub fn resume(
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
     let run = RunDir::open(run_dir)?;
+    // One writer at a time: a second `kiln resume` of this run stops here.
+    let _lock = run.lock()?;
     let config = kiln_config::read_run_config(&run.file("config.toml"))?;
     match config.workload {
         Workload::Lm => lm::resume(&config, &run, options, observer),

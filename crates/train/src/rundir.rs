@@ -6,6 +6,12 @@ use std::path::{Path, PathBuf};
 
 use crate::TrainError;
 
+/// A run directory's lock, held while it lives (see [`RunDir::lock`]).
+#[derive(Debug)]
+pub struct RunLock {
+    _file: std::fs::File,
+}
+
 /// A run's folder and the files in it.
 #[derive(Clone, Debug)]
 pub struct RunDir {
@@ -77,6 +83,48 @@ impl RunDir {
         })
     }
 
+    /// Takes the run's lock (`run.lock`, an OS file lock that the kernel
+    /// releases when the process ends, however it ends): one process writes
+    /// a run at a time. A second gets [`TrainError::RunInUse`] with the
+    /// holder's pid. The lock lasts as long as the returned guard.
+    pub fn lock(&self) -> Result<RunLock, TrainError> {
+        let path = self.file("run.lock");
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|source| TrainError::Write {
+                path: path.clone(),
+                source,
+            })?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let pid = std::fs::read_to_string(&path)
+                    .ok()
+                    .and_then(|t| t.trim().parse().ok());
+                return Err(TrainError::RunInUse {
+                    path: self.path.clone(),
+                    pid,
+                });
+            }
+            Err(std::fs::TryLockError::Error(source)) => {
+                return Err(TrainError::Write { path, source });
+            }
+        }
+        // What a killed writer left behind is this process's to clear.
+        remove_debris(&self.path);
+        // Who holds it, for the message the next one gets.
+        let pid = std::process::id().to_string();
+        let _ = file
+            .set_len(0)
+            .and_then(|()| file.write_all(pid.as_bytes()))
+            .and_then(|()| file.flush());
+        Ok(RunLock { _file: file })
+    }
+
     pub fn file(&self, name: &str) -> PathBuf {
         self.path.join(name)
     }
@@ -85,10 +133,9 @@ impl RunDir {
         self.path.join("checkpoints")
     }
 
-    /// Writes a whole file.
+    /// Writes a whole file, atomically (see [`write_atomic`]).
     pub fn write(&self, name: &str, contents: &str) -> Result<(), TrainError> {
-        let path = self.file(name);
-        std::fs::write(&path, contents).map_err(|source| TrainError::Write { path, source })
+        write_atomic(&self.file(name), contents.as_bytes())
     }
 
     /// Appends one JSON line to `metrics.jsonl`.
@@ -141,6 +188,37 @@ impl RunDir {
             text.push('\n');
         }
         self.write("metrics.jsonl", &text)
+    }
+}
+
+/// Writes `contents` to `path` atomically: a temporary file beside it,
+/// then renamed into place, so that a process killed mid-write leaves the
+/// old file whole (or none); the temporary file is removed when the write
+/// fails (a full disk stays no fuller).
+pub(crate) fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), TrainError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
+    let written = std::fs::write(&tmp, contents).and_then(|()| std::fs::rename(&tmp, path));
+    written.map_err(|source| {
+        let _ = std::fs::remove_file(&tmp);
+        TrainError::Write {
+            path: path.to_path_buf(),
+            source,
+        }
+    })
+}
+
+/// Removes what writes killed midway left behind in `dir` (`.<name>.tmp<pid>`
+/// files): called by the one process that holds the run's lock.
+pub(crate) fn remove_debris(dir: &Path) {
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') && name.contains(".tmp") {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 

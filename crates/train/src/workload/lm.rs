@@ -151,41 +151,58 @@ pub(crate) fn train(
     let prepared = prepare(config, TokenizerFrom::Config)?;
     let (session, model) = Session::new(config, device, &options.hardware, prepared, None)?;
     let run = RunDir::start(config, options)?;
-    session
-        .prepared
-        .tokenizer
-        .save(&run.file("tokenizer.json"))?;
+    let _lock = run.lock()?;
+    run.write("tokenizer.json", &session.prepared.tokenizer.to_json()?)?;
     session.run(model, &run, options, observer)
 }
 
-/// Continues the language-model run in `run` from its newest good checkpoint.
+/// Continues the language-model run in `run` from its newest good
+/// checkpoint; a run killed before its first checkpoint (or whose every
+/// checkpoint is damaged) starts again from step 0 in the same directory.
 pub(crate) fn resume(
     config: &RunConfig,
     run: &RunDir,
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
-    let (info, state, notes) = checkpoint::latest_good(&run.checkpoints())?;
-    for note in notes {
-        observer.event(&Event::Note(note));
-    }
-    observer.event(&Event::Note(format!(
-        "resuming `{}` from step {} ({})",
-        run.path.display(),
-        info.step,
-        info.path.display()
-    )));
+    let from = match checkpoint::latest_good(&run.checkpoints()) {
+        Ok((info, state, notes)) => {
+            for note in notes {
+                observer.event(&Event::Note(note));
+            }
+            observer.event(&Event::Note(format!(
+                "resuming `{}` from step {} ({})",
+                run.path.display(),
+                info.step,
+                info.path.display()
+            )));
+            Some((info, state))
+        }
+        Err(TrainError::NoCheckpoint { why, .. }) => {
+            observer.event(&Event::Note(format!(
+                "no usable checkpoint in `{}` ({why}): starting the run again from step 0 in the same directory",
+                run.path.display()
+            )));
+            None
+        }
+        Err(e) => return Err(e),
+    };
     let device = open_device(config, !options.hardware.gpus().is_empty())?;
     let tokenizer = run.file("tokenizer.json");
-    let prepared = prepare(config, TokenizerFrom::File(&tokenizer))?;
-    run.truncate_metrics_after(info.step)?;
-    let (session, model) = Session::new(
-        config,
-        device,
-        &options.hardware,
-        prepared,
-        Some((info.path, state)),
-    )?;
+    // Killed before it saved its tokenizer, a run makes it again (the same
+    // config makes the same tokenizer).
+    let saved = tokenizer.is_file();
+    let prepared = if saved {
+        prepare(config, TokenizerFrom::File(&tokenizer))?
+    } else {
+        prepare(config, TokenizerFrom::Config)?
+    };
+    if !saved {
+        run.write("tokenizer.json", &prepared.tokenizer.to_json()?)?;
+    }
+    run.truncate_metrics_after(from.as_ref().map_or(0, |(info, _)| info.step))?;
+    let resume_from = from.map(|(info, state)| (info.path, state));
+    let (session, model) = Session::new(config, device, &options.hardware, prepared, resume_from)?;
     session.run(model, run, options, observer)
 }
 

@@ -111,7 +111,7 @@ pub(crate) fn prepare(
             };
             tokenizer.set_pair_template(max_len)?;
             if let Some(path) = tokenizer_at {
-                tokenizer.save(path)?;
+                crate::rundir::write_atomic(path, tokenizer.to_json()?.as_bytes())?;
             }
             tokenizer
         }
@@ -334,6 +334,7 @@ pub(crate) fn train_cv(
     let device = open_device(config, !options.hardware.gpus().is_empty())?;
     let pairs = read(config)?;
     let run = RunDir::start(config, options)?;
+    let _lock = run.lock()?;
     run_cv(config, &run, &device, &pairs, options, observer)
 }
 
