@@ -14,15 +14,16 @@ pub(crate) fn root() -> PathBuf {
 /// The `kiln` binary of this build profile, brought up to date once per
 /// test run (`cargo test -p kiln-tests` alone would not rebuild it); with
 /// this crate's `wgpu` feature, built with the wgpu backend, and with its
-/// `fusion` feature, with Burn's operation fusion too. `KILN_BIN=path`
+/// `fusion` feature, with Burn's operation fusion too. `TEST_KILN_BIN=path`
 /// tests that binary as it is instead (CI builds one `kiln` with both GPU
-/// backends and runs the GPU suite on it).
+/// backends and runs the GPU suite on it). Not `KILN_…`: every `KILN_`
+/// variable is a configuration layer to the `kiln` it would reach.
 pub(crate) fn kiln_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        if let Some(bin) = std::env::var_os("KILN_BIN") {
+        if let Some(bin) = std::env::var_os("TEST_KILN_BIN") {
             let bin = PathBuf::from(bin);
-            assert!(bin.is_file(), "KILN_BIN={} is no file", bin.display());
+            assert!(bin.is_file(), "TEST_KILN_BIN={} is no file", bin.display());
             return bin;
         }
         let exe = std::env::current_exe().expect("test binary path");

@@ -448,12 +448,12 @@ fn ci() -> Result<ExitCode, String> {
         "wgpu".to_string(),
     ])?;
     eprintln!(
-        "$ KILN_BIN={} cargo test -p kiln-tests --features wgpu gpu::",
+        "$ TEST_KILN_BIN={} cargo test -p kiln-tests --features wgpu gpu::",
         build.bin.display()
     );
     let mut cmd = cargo();
     cmd.args(["test", "-p", "kiln-tests", "--features", "wgpu", "gpu::"])
-        .env("KILN_BIN", &build.bin);
+        .env("TEST_KILN_BIN", &build.bin);
     run(cmd)
 }
 
