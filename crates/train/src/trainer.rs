@@ -83,7 +83,8 @@ pub(crate) struct LoopPlan {
     pub(crate) stopping: EarlyStopping,
     /// The peak FLOP/s MFU is counted against.
     pub(crate) peak_flops: Option<f64>,
-    /// fp16's dynamic loss scaling (`None`: bf16 or f32, no scaling).
+    /// fp16's loss scaler the loop starts from (`None`: bf16 or f32, no
+    /// scaling); the step carries it on from there.
     pub(crate) scaler: Option<LossScaler>,
 }
 
@@ -135,6 +136,7 @@ pub(crate) fn run_loop<T: Task>(
                 step - 1,
                 loader.position(),
                 plan,
+                state.scaler,
                 started,
                 config,
             )?;
@@ -163,7 +165,6 @@ pub(crate) fn run_loop<T: Task>(
             &mut Untimed,
         );
         model = stepped;
-        plan.scaler = state.scaler;
         let elapsed = step_started.elapsed().as_secs_f64();
         match report.verdict {
             StepVerdict::Apply => {
@@ -263,6 +264,7 @@ pub(crate) fn run_loop<T: Task>(
                 step,
                 loader.position(),
                 plan,
+                state.scaler,
                 started,
                 config,
             )?;
@@ -288,6 +290,7 @@ fn save_checkpoint<M: Module>(
     step: u64,
     loader_position: u64,
     plan: &LoopPlan,
+    scaler: Option<LossScaler>,
     started: Instant,
     config: &RunConfig,
 ) -> Result<PathBuf, TrainError> {
@@ -307,7 +310,7 @@ fn save_checkpoint<M: Module>(
         adam_steps: optim.steps,
         tokens_seen: plan.tokens_seen,
         wall_s: plan.wall_before + started.elapsed().as_secs_f64(),
-        loss_scale: plan.scaler.map(|s| (s.scale, s.clean)),
+        loss_scale: scaler.map(|s| (s.scale, s.clean)),
         params: param_values(model),
         moments,
     };
