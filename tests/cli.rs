@@ -153,7 +153,7 @@ fn config_explain_shows_each_source() {
         "training.batch_size = 10",
         "# command line (training.batch_size=10)",
         "precision.amp_dtype = \"fp16\"",
-        "# hardware preset `t4` (presets/hardware/t4.toml:18)",
+        "# hardware preset `t4` (built-in hardware/t4.toml:18)",
     ]);
     kiln(&["config", "--explain"])
         .env("KILN_TRAINING__BATCH_SIZE", "7")
@@ -284,7 +284,7 @@ fn bad_input_exits_2_with_key_value_and_layer() {
         ),
         (
             &["--presets", "/nonexistent", "config"],
-            &["no presets directory"],
+            &["presets directory `/nonexistent` does not exist"],
         ),
     ];
     for (args, wants) in cases {
@@ -303,7 +303,7 @@ fn a_broken_preset_names_file_and_line() {
     for group in ["hardware", "experiment"] {
         std::fs::create_dir_all(presets.join(group)).expect("mkdir");
     }
-    let src = crate::support::root().join("presets");
+    let src = crate::support::root().join("crates/config/presets");
     std::fs::copy(src.join("defaults.toml"), presets.join("defaults.toml")).expect("copy");
     std::fs::copy(
         src.join("experiment/shakespeare_char.toml"),
@@ -444,4 +444,55 @@ fn a_machine_with_two_different_gpus_trains_on_the_one_its_preset_was_chosen_for
     .run()
     .expect_code(0)
     .stdout_has(&["device.index = 0", "# command line (device.index=0)"]);
+}
+
+/// kiln as `cargo install` leaves it: a binary run from an empty directory,
+/// with no presets and no data beside it. The presets are built in, the
+/// default corpus is written on first use with its attribution, and the run
+/// goes under the working directory.
+#[test]
+fn kiln_runs_from_an_empty_directory() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let here = tmp.path();
+    let hw = kiln(&["check-hardware"]).cwd(here).run().expect_code(0);
+    hw.stdout_has(&["Recommended (hardware="]);
+    let explain = kiln(&["config", "--explain", "hardware=cpu"])
+        .cwd(here)
+        .run()
+        .expect_code(0);
+    explain.stdout_has(&[
+        "(built-in defaults.toml:",
+        "(built-in hardware/cpu.toml:",
+        "(built-in experiment/shakespeare_char.toml:",
+    ]);
+    let train = kiln(&[
+        "train",
+        "hardware=cpu",
+        "model.layers=1",
+        "model.heads=2",
+        "model.hidden=32",
+        "model.intermediate=64",
+        "model.max_length=32",
+        "training.batch_size=4",
+        "training.max_steps=20",
+        "training.warmup_steps=5",
+        "eval.eval_iters=1",
+        "sample.count=1",
+        "sample.tokens=10",
+    ])
+    .cwd(here)
+    .run()
+    .expect_code(0);
+    train.stderr_has(&["wrote kiln's built-in `data/tinyshakespeare.txt`"]);
+    let corpus = std::fs::metadata(here.join("data/tinyshakespeare.txt")).expect("corpus");
+    assert_eq!(corpus.len(), 1_115_394);
+    assert!(here.join("data/README.md").is_file());
+    assert!(!here.join("presets").exists());
+    let runs: Vec<_> = std::fs::read_dir(here.join("runs"))
+        .expect("runs/ under the working directory")
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().ends_with("-shakespeare_char"))
+        .collect();
+    assert_eq!(runs.len(), 1, "one run directory");
+    assert!(runs[0].path().join("summary.json").is_file());
 }

@@ -50,7 +50,7 @@ fn every_preset_value_says_why() {
     // Each key line needs a comment above it, directly or heading its group of
     // consecutive keys, in the same table.
     let mut files = Vec::new();
-    files_with_extension(&root().join("presets"), "toml", &mut files);
+    files_with_extension(&root().join("crates/config/presets"), "toml", &mut files);
     assert!(files.len() >= 15, "{files:?}");
     for file in files {
         let mut explained = false;
@@ -73,7 +73,7 @@ fn every_preset_value_says_why() {
 
 /// Every dotted key of the configuration, from `kiln config` on the defaults.
 fn config_keys() -> BTreeSet<String> {
-    leaf_keys(&root().join("presets/defaults.toml"))
+    leaf_keys(&root().join("crates/config/presets/defaults.toml"))
 }
 
 /// The dotted leaf keys a TOML file sets.
@@ -122,7 +122,7 @@ fn defaults_name_every_key_of_run_config() {
 fn config_doc_lists_every_key_with_its_default() {
     let doc = read(&root().join("docs/CONFIG.md"));
     let defaults: toml::Table =
-        toml::from_str(&read(&root().join("presets/defaults.toml"))).expect("parses");
+        toml::from_str(&read(&root().join("crates/config/presets/defaults.toml"))).expect("parses");
     let mut documented = BTreeSet::new();
     for line in doc.lines() {
         // | `training.batch_size` | `12` | meaning |
@@ -154,7 +154,7 @@ fn config_doc_lists_every_key_with_its_default() {
 
 /// The preset table of docs/PRESETS.md, made from the preset files.
 fn presets_table() -> String {
-    let dir = root().join("presets");
+    let presets = kiln_config::Presets::built_in();
     let report = kiln_hwdetect::detect_cpu_only();
     let resolve = |hardware: &str, experiment: &str| {
         let overrides = [
@@ -162,14 +162,14 @@ fn presets_table() -> String {
             format!("experiment={experiment}"),
         ];
         let overrides: Vec<&str> = overrides.iter().map(String::as_str).collect();
-        kiln_config::resolve_overrides(&dir, &overrides, &report)
+        kiln_config::resolve_overrides(&presets, &overrides, &report)
             .unwrap_or_else(|e| panic!("{hardware}: {e}"))
             .config
     };
     let mut out = String::from(
         "| preset | for | batch × accum (lm) | batch × accum (nli) | max_length (lm) | precision | tf32 | compile | grad. checkpointing | freeze encoder | workers |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
-    for name in kiln_config::available_presets(&dir, "hardware") {
+    for name in presets.names("hardware") {
         let lm = resolve(&name, "shakespeare_char");
         let nli = resolve(&name, "nli_snli");
         let gpus = kiln_config::PRESET_GPUS
@@ -255,7 +255,7 @@ fn tuning_guide_explains_every_preset_knob() {
         );
     }
     let mut files = Vec::new();
-    files_with_extension(&root().join("presets/hardware"), "toml", &mut files);
+    files_with_extension(&root().join("crates/config/presets/hardware"), "toml", &mut files);
     let set: BTreeSet<String> = files.iter().flat_map(|f| leaf_keys(f)).collect();
     let set: BTreeSet<String> = set
         .into_iter()

@@ -476,7 +476,7 @@ mod tests {
     fn every_gpu_target_names_a_preset_file() {
         for (suffix, preset) in GPU_TARGETS {
             let path = root()
-                .join("presets/hardware")
+                .join("crates/config/presets/hardware")
                 .join(format!("{preset}.toml"));
             assert!(path.is_file(), "train-{suffix}: {} missing", path.display());
         }

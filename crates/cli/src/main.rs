@@ -7,6 +7,7 @@
 #![allow(clippy::print_stderr, reason = "the CLI prints its errors")]
 
 mod commands;
+mod data;
 mod progress;
 
 use std::path::PathBuf;
@@ -52,8 +53,10 @@ extern "C" fn keep_freed_memory() {
 #[derive(Debug, Parser)]
 #[command(name = "kiln", version, about)]
 struct Cli {
-    /// Folder with defaults.toml, hardware/ and experiment/ [default: the
-    /// nearest `presets/` from the working directory up]
+    /// A folder of presets over the built-in ones: its hardware/<name>.toml
+    /// and experiment/<name>.toml add or replace presets, its defaults.toml
+    /// overrides single defaults [default: `presets/` in the working
+    /// directory, if there is one]
     #[arg(long, global = true, value_name = "DIR")]
     presets: Option<PathBuf>,
     /// Use a saved hardware report (`kiln check-hardware --json`) instead of

@@ -7,6 +7,7 @@ use crate::layer::Source;
 /// Why a configuration could not be resolved. Every variant is bad input
 /// (the CLI exits 2) except `Io` on a file that exists but cannot be read.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     #[error("failed to read `{}`", path.display())]
     Io {
@@ -41,11 +42,12 @@ pub enum ConfigError {
     #[error("missing key `{key}`: {}", hint)]
     MissingKey { key: String, hint: String },
 
-    #[error("unknown {group} preset `{name}` set by {set_by}; available in `{}`: {}{}", dir.display(), available.join(", "), suggestion(.did_you_mean))]
+    #[error("unknown {group} preset `{name}` set by {set_by}; available ({looked}): {}{}", available.join(", "), suggestion(.did_you_mean))]
     UnknownPreset {
         group: &'static str,
         name: String,
-        dir: PathBuf,
+        /// Where presets were looked up: "built in", "built in and in `dir`".
+        looked: String,
         available: Vec<String>,
         did_you_mean: Option<String>,
         set_by: Box<Source>,
@@ -62,8 +64,8 @@ pub enum ConfigError {
     #[error("environment variable `{var}` is not valid UTF-8")]
     NonUtf8Env { var: String },
 
-    #[error("no presets directory: looked for {}", looked.iter().map(|p| format!("`{}`", p.display())).collect::<Vec<_>>().join(", "))]
-    NoPresets { looked: Vec<PathBuf> },
+    #[error("presets directory `{}` does not exist (kiln's presets are built in; a directory only adds or replaces presets)", path.display())]
+    NoPresetsDir { path: PathBuf },
 
     #[error(
         "hardware=tuned: no tuning {what} (`{}`); run `kiln tune{}` on this machine first, or use hardware=auto", path.display(), tune_args

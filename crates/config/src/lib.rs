@@ -1,35 +1,59 @@
 //! kiln-config: the typed, validated run configuration and where each value
 //! came from.
 //!
-//! Layers, later wins: `presets/defaults.toml` < `presets/hardware/<name>.toml`
-//! < `presets/experiment/<name>.toml` < `--config FILE` < `KILN_*`
-//! environment variables (`KILN_TRAINING__BATCH_SIZE=7`) < command-line
-//! overrides in Hydra's syntax (`hardware=t4 training.batch_size=20`).
-//! Unknown keys, wrong types and out-of-range values are errors that name the
-//! key, the value and the layer (with file and line) that set them.
+//! Layers, later wins: `defaults.toml` < `hardware/<name>.toml` <
+//! `experiment/<name>.toml` < `--config FILE` < `KILN_*` environment
+//! variables (`KILN_TRAINING__BATCH_SIZE=7`) < command-line overrides in
+//! Hydra's syntax (`hardware=t4 training.batch_size=20`). Unknown keys, wrong
+//! types and out-of-range values are errors that name the key, the value and
+//! the layer (with file and line) that set them.
 //!
+//! kiln's presets are built into this crate ([`Presets::built_in`]); a
+//! directory of presets can go over them ([`Presets::with_dir`]).
 //! `hardware=auto` asks [`choose_preset`], a pure function of a
-//! [`kiln_hwdetect::HardwareReport`].
+//! [`kiln_hwdetect::HardwareReport`] (re-exported as [`hwdetect`]).
+//!
+//! ```
+//! use kiln_config::{Presets, resolve_overrides};
+//!
+//! let machine = kiln_config::hwdetect::detect_cpu_only();
+//! let resolved = resolve_overrides(
+//!     &Presets::built_in(),
+//!     &["hardware=t4", "training.batch_size=20"],
+//!     &machine,
+//! )?;
+//! assert_eq!(resolved.config.training.batch_size, 20);
+//! // Every value knows the layer (and file and line) that set it.
+//! let source = resolved.source("precision.amp_dtype").unwrap();
+//! assert_eq!(source.to_string(), "hardware preset `t4` (built-in hardware/t4.toml:18)");
+//! # Ok::<(), kiln_config::ConfigError>(())
+//! ```
 //!
 //! This crate is the only one in kiln that reads preset files or environment
 //! variables; it depends on no ML framework.
+
+/// kiln-hwdetect, whose [`HardwareReport`](kiln_hwdetect::HardwareReport)
+/// [`LoadOptions`] and [`choose_preset`] take.
+pub use kiln_hwdetect as hwdetect;
 
 mod error;
 mod layer;
 mod load;
 mod preset;
+mod presets;
 mod schema;
 mod tuned;
 
 pub use error::ConfigError;
 pub use layer::{LayerKind, Source};
 pub use load::{
-    ExplainRow, LoadOptions, ResolvedConfig, available_presets, find_presets_dir, read_run_config,
-    resolve, resolve_overrides, tuned_path,
+    ExplainRow, LoadOptions, ResolvedConfig, read_run_config, resolve, resolve_overrides,
+    tuned_path,
 };
 pub use preset::{
     ANY_GPU_PRESETS, EffectivePrecision, PRESET_GPUS, PresetChoice, PresetMismatch,
     check_preset_fits, choose_preset, effective_precision,
 };
+pub use presets::Presets;
 pub use schema::*;
 pub use tuned::write_tuned;

@@ -14,14 +14,15 @@ use kiln_hwdetect::HardwareReport;
 use crate::error::{ConfigError, did_you_mean};
 use crate::layer::{Layer, LayerKind, Source, leaf_keys};
 use crate::preset::{PresetChoice, choose_preset};
+use crate::presets::Presets;
 use crate::schema::{RunConfig, Workload};
 
 /// Everything `resolve` reads. Nothing is read from the process environment
 /// directly: the caller passes it, so that tests can too.
 #[derive(Debug)]
 pub struct LoadOptions<'a> {
-    /// The folder with `defaults.toml`, `hardware/` and `experiment/`.
-    pub presets_dir: &'a Path,
+    /// The presets: built in, and a directory over them if any.
+    pub presets: &'a Presets,
     /// `--config FILE`.
     pub config_file: Option<&'a Path>,
     /// Command-line overrides, `key=value`, in order.
@@ -96,70 +97,26 @@ fn flatten(value: &toml::Value, prefix: &str, f: &mut dyn FnMut(&str, &toml::Val
     }
 }
 
-/// Where the presets are: `explicit` if given; else the nearest `presets/`
-/// with a `defaults.toml` from the working directory upwards; else the one
-/// this binary was built from.
-pub fn find_presets_dir(explicit: Option<&Path>) -> Result<PathBuf, ConfigError> {
-    if let Some(dir) = explicit {
-        return if dir.join("defaults.toml").is_file() {
-            Ok(dir.to_path_buf())
-        } else {
-            Err(ConfigError::NoPresets {
-                looked: vec![dir.join("defaults.toml")],
-            })
-        };
-    }
-    let mut looked = Vec::new();
-    if Path::new("presets/defaults.toml").is_file() {
-        return Ok(PathBuf::from("presets"));
-    }
-    looked.push(PathBuf::from("presets/defaults.toml"));
-    if let Ok(cwd) = std::env::current_dir() {
-        for dir in cwd.ancestors().skip(1) {
-            let candidate = dir.join("presets");
-            if candidate.join("defaults.toml").is_file() {
-                return Ok(candidate);
-            }
-        }
-    }
-    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../presets");
-    if built.join("defaults.toml").is_file() {
-        return Ok(built);
-    }
-    looked.push(built.join("defaults.toml"));
-    Err(ConfigError::NoPresets { looked })
-}
-
-/// The preset names of a group (`hardware` or `experiment`), sorted.
-pub fn available_presets(presets_dir: &Path, group: &str) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(presets_dir.join(group))
-        .map(|entries| {
-            entries
-                .filter_map(Result::ok)
-                .filter_map(|e| {
-                    let path = e.path();
-                    (path.extension().is_some_and(|x| x == "toml"))
-                        .then(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()))
-                        .flatten()
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    names.sort();
-    names
-}
-
-/// Resolves the presets in `presets_dir` with command-line `overrides` alone
-/// (no config file, no environment) for `hardware`: [`resolve`] for a
-/// program or a test that builds its configuration in code.
+/// Resolves `presets` with command-line `overrides` alone (no config file,
+/// no environment) for `hardware`: [`resolve`] for a program or a test that
+/// builds its configuration in code.
+///
+/// ```
+/// let presets = kiln_config::Presets::built_in();
+/// let machine = kiln_hwdetect::detect_cpu_only();
+/// let resolved = kiln_config::resolve_overrides(&presets, &["training.batch_size=8"], &machine)?;
+/// assert_eq!(resolved.config.training.batch_size, 8);
+/// assert_eq!(resolved.config.experiment, "shakespeare_char");
+/// # Ok::<(), kiln_config::ConfigError>(())
+/// ```
 pub fn resolve_overrides(
-    presets_dir: &Path,
+    presets: &Presets,
     overrides: &[&str],
     hardware: &HardwareReport,
 ) -> Result<ResolvedConfig, ConfigError> {
     let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
     resolve(&LoadOptions {
-        presets_dir,
+        presets,
         config_file: None,
         overrides: &overrides,
         env: &[],
@@ -172,8 +129,8 @@ pub fn resolve_overrides(
 /// for the workload) < `experiment/<name>.toml` < `--config FILE` <
 /// `KILN_*` environment < command-line overrides.
 pub fn resolve(opts: &LoadOptions<'_>) -> Result<ResolvedConfig, ConfigError> {
-    let defaults = Layer::from_file(LayerKind::Defaults, &opts.presets_dir.join("defaults.toml"))?;
-    let known_keys = leaf_keys(&defaults.dict);
+    let (defaults, built_in_defaults) = opts.presets.defaults()?;
+    let known_keys = leaf_keys(&built_in_defaults.dict);
     let file = opts
         .config_file
         .map(|p| Layer::from_file(LayerKind::ConfigFile, p))
@@ -198,14 +155,14 @@ pub fn resolve(opts: &LoadOptions<'_>) -> Result<ResolvedConfig, ConfigError> {
         .as_ref()
         .map_or(hardware_asked.clone(), |c| c.name.clone());
     let mut hw_layer = preset_layer(
-        opts.presets_dir,
+        opts.presets,
         "hardware",
         &hardware,
         hardware_source,
         LayerKind::Hardware(hardware.clone()),
     )?;
     let exp_layer = preset_layer(
-        opts.presets_dir,
+        opts.presets,
         "experiment",
         &experiment,
         experiment_source,
@@ -258,7 +215,7 @@ pub fn resolve(opts: &LoadOptions<'_>) -> Result<ResolvedConfig, ConfigError> {
             choice.why = format!(
                 "`{}` as measured by `kiln tune` ({}), over `{}`: {}",
                 opts.hardware.machine_id(),
-                tuned_path(opts.presets_dir, opts.hardware).display(),
+                tuned_path(opts.presets, opts.hardware).display(),
                 choice.name,
                 choice.why
             );
@@ -299,17 +256,17 @@ pub fn resolve(opts: &LoadOptions<'_>) -> Result<ResolvedConfig, ConfigError> {
 }
 
 /// Where `kiln tune` keeps the measured settings of `hardware`'s machine:
-/// `<presets>/tuned/<machine id>.toml`.
-pub fn tuned_path(presets_dir: &Path, hardware: &HardwareReport) -> PathBuf {
-    presets_dir
-        .join("tuned")
+/// `<presets>/tuned/<machine id>.toml` (see [`Presets::tuned_dir`]).
+pub fn tuned_path(presets: &Presets, hardware: &HardwareReport) -> PathBuf {
+    presets
+        .tuned_dir()
         .join(format!("{}.toml", hardware.machine_id()))
 }
 
 /// `presets/tuned/<machine>.toml`'s section for `experiment`, as a layer
 /// above the experiment: the tuner measured these values for it.
 fn tuned_layer(opts: &LoadOptions<'_>, experiment: &str) -> Result<Layer, ConfigError> {
-    let path = tuned_path(opts.presets_dir, opts.hardware);
+    let path = tuned_path(opts.presets, opts.hardware);
     let machine = opts.hardware.machine_id();
     if !path.is_file() {
         return Err(ConfigError::NotTuned {
@@ -355,33 +312,37 @@ pub fn read_run_config(path: &Path) -> Result<RunConfig, ConfigError> {
 }
 
 fn preset_layer(
-    dir: &Path,
+    presets: &Presets,
     group: &'static str,
     name: &str,
     asked_by: Source,
     kind: LayerKind,
 ) -> Result<Layer, ConfigError> {
-    let path = dir.join(group).join(format!("{name}.toml"));
     let valid_name = !name.is_empty()
         && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-    if !valid_name || !path.is_file() {
-        let mut available = available_presets(dir, group);
+    let layer = if valid_name {
+        presets.layer(kind, &format!("{group}/{name}"))?
+    } else {
+        None
+    };
+    layer.ok_or_else(|| {
+        let mut available = presets.names(group);
         if group == "hardware" {
             available.insert(0, "auto".to_string());
+            available.insert(1, "tuned".to_string());
         }
         let did_you_mean = did_you_mean(name, available.iter().map(String::as_str));
-        return Err(ConfigError::UnknownPreset {
+        ConfigError::UnknownPreset {
             group,
             name: name.to_string(),
-            dir: dir.join(group),
+            looked: presets.describe(),
             available,
             did_you_mean,
             set_by: Box::new(asked_by),
-        });
-    }
-    Layer::from_file(kind, &path)
+        }
+    })
 }
 
 fn env_layer(env: &[(OsString, OsString)]) -> Result<Layer, ConfigError> {
@@ -574,10 +535,12 @@ impl<'a> Resolver<'a> {
                 }
             }
             Kind::MissingField(field) => {
-                path.push(field.to_string());
+                if path.last().map(String::as_str) != Some(&*field) {
+                    path.push(field.to_string());
+                }
                 ConfigError::MissingKey {
                     key: path.join("."),
-                    hint: "presets/defaults.toml gives every key a default; is it complete?"
+                    hint: "a run's saved configuration sets every key; was it written by this kiln?"
                         .to_string(),
                 }
             }

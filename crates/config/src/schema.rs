@@ -1,5 +1,6 @@
 //! The typed run configuration: every key kiln reads, its type and its valid
-//! range. Defaults live in `presets/defaults.toml`, which names every key.
+//! range. Defaults live in the built-in `defaults.toml` (`presets/` of this
+//! crate), which names every key; [`RunConfig::default`] reads it.
 
 use serde::{Deserialize, Serialize};
 
@@ -7,9 +8,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunConfig {
-    /// Hardware preset (`presets/hardware/<name>.toml`), or `auto` to detect.
+    /// Hardware preset (`hardware/<name>.toml`), or `auto` to detect.
     pub hardware: String,
-    /// Experiment preset (`presets/experiment/<name>.toml`).
+    /// Experiment preset (`experiment/<name>.toml`).
     pub experiment: String,
     /// What is trained: a language model or a sentence-pair classifier.
     pub workload: Workload,

@@ -2,14 +2,10 @@
 //! errors, each checked through one helper.
 
 use std::ffi::OsString;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use kiln_config::{ConfigError, LayerKind, LoadOptions, ResolvedConfig, resolve};
+use kiln_config::{ConfigError, LayerKind, LoadOptions, Presets, ResolvedConfig, resolve};
 use kiln_hwdetect::{DriverInfo, FixedProbe, GpuInfo, GpuStatus, HardwareReport, detect_with};
-
-fn repo_presets() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../presets")
-}
 
 fn no_gpu() -> HardwareReport {
     detect_with(&FixedProbe(
@@ -29,7 +25,8 @@ fn one_gpu(name: &str, gib: u64, cc: (u32, u32)) -> HardwareReport {
 }
 
 struct Case<'a> {
-    presets: &'a Path,
+    /// A directory over the built-in presets.
+    presets: Option<&'a Path>,
     file: Option<&'a Path>,
     env: &'a [(&'a str, &'a str)],
     args: &'a [&'a str],
@@ -39,7 +36,7 @@ struct Case<'a> {
 impl<'a> Case<'a> {
     fn new(args: &'a [&'a str]) -> Self {
         Self {
-            presets: Path::new(""),
+            presets: None,
             file: None,
             env: &[],
             args,
@@ -47,17 +44,16 @@ impl<'a> Case<'a> {
         }
     }
 
-    fn run(&self, presets: &Path) -> Result<ResolvedConfig, ConfigError> {
+    fn run(&self) -> Result<ResolvedConfig, ConfigError> {
         let overrides: Vec<String> = self.args.iter().map(|s| s.to_string()).collect();
         let env: Vec<(OsString, OsString)> =
             self.env.iter().map(|(k, v)| (k.into(), v.into())).collect();
-        let presets = if self.presets.as_os_str().is_empty() {
-            presets
-        } else {
-            self.presets
+        let presets = match self.presets {
+            Some(dir) => Presets::with_dir(dir)?,
+            None => Presets::built_in(),
         };
         resolve(&LoadOptions {
-            presets_dir: presets,
+            presets: &presets,
             config_file: self.file,
             overrides: &overrides,
             env: &env,
@@ -66,12 +62,12 @@ impl<'a> Case<'a> {
     }
 
     fn ok(&self) -> ResolvedConfig {
-        self.run(&repo_presets())
+        self.run()
             .unwrap_or_else(|e| panic!("{:?}: {e}", self.args))
     }
 
     fn err(&self) -> String {
-        match self.run(&repo_presets()) {
+        match self.run() {
             Ok(_) => panic!("{:?} resolved, expected an error", self.args),
             Err(e) => e.to_string(),
         }
@@ -92,9 +88,9 @@ fn check(r: &ResolvedConfig, key: &str, value: &str, source: &str) {
 
 #[test]
 fn every_hardware_preset_resolves_with_every_experiment() {
-    let dir = repo_presets();
-    let hardware = kiln_config::available_presets(&dir, "hardware");
-    let experiments = kiln_config::available_presets(&dir, "experiment");
+    let presets = Presets::built_in();
+    let hardware = presets.names("hardware");
+    let experiments = presets.names("experiment");
     assert!(hardware.len() >= 13, "{hardware:?}");
     for hw in &hardware {
         for exp in &experiments {
@@ -125,7 +121,7 @@ fn the_t4_example_of_the_issue() {
         &r,
         "precision.amp_dtype",
         "\"fp16\"",
-        "presets/hardware/t4.toml:18",
+        "built-in hardware/t4.toml:18",
     );
     check(&r, "workload", "\"nli\"", "experiment `nli_snli`");
 }
@@ -283,8 +279,8 @@ fn bad_values_name_key_value_and_layer() {
             &[],
             &[
                 "unknown hardware preset `t5`",
-                "available in",
-                "auto, a100",
+                "available (built in)",
+                "auto, tuned, a100",
                 "t4",
                 "did you mean `t4`?",
             ],
@@ -324,23 +320,10 @@ fn bad_values_name_key_value_and_layer() {
     }
 }
 
-/// A copy of the real presets to break.
+/// A presets directory over the built-in ones, to add broken presets to.
 fn presets_copy() -> tempfile::TempDir {
     let tmp = tempfile::tempdir().expect("tempdir");
-    for group in ["", "hardware", "experiment"] {
-        let from = repo_presets().join(group);
-        std::fs::create_dir_all(tmp.path().join(group)).expect("mkdir");
-        for entry in std::fs::read_dir(&from).expect("read presets") {
-            let path = entry.expect("entry").path();
-            if path.is_file() {
-                std::fs::copy(
-                    &path,
-                    tmp.path().join(group).join(path.file_name().expect("name")),
-                )
-                .expect("copy");
-            }
-        }
-    }
+    std::fs::create_dir_all(tmp.path().join("hardware")).expect("mkdir");
     tmp
 }
 
@@ -350,22 +333,22 @@ fn broken_presets_name_file_and_line() {
     let t4 = tmp.path().join("hardware/t4.toml");
     std::fs::write(&t4, "[training]\nbatch_size = 16\nbad line\n").expect("write");
     let mut case = Case::new(&["hardware=t4"]);
-    case.presets = tmp.path();
-    let err = case.run(tmp.path()).expect_err("broken").to_string();
+    case.presets = Some(tmp.path());
+    let err = case.run().expect_err("broken").to_string();
     assert!(
         err.contains("t4.toml` line 3") && err.contains("invalid TOML"),
         "{err}"
     );
 
     std::fs::write(&t4, "[training]\n\nbatch_sise = 16\n").expect("write");
-    let err = case.run(tmp.path()).expect_err("unknown key").to_string();
+    let err = case.run().expect_err("unknown key").to_string();
     assert!(
         err.contains("t4.toml:3") && err.contains("batch_size"),
         "{err}"
     );
 
     std::fs::write(&t4, "hardware = \"a100\"\n").expect("write");
-    let err = case.run(tmp.path()).expect_err("reserved").to_string();
+    let err = case.run().expect_err("reserved").to_string();
     assert!(
         err.contains("sets `hardware`") && err.contains("t4.toml:1"),
         "{err}"
@@ -376,11 +359,11 @@ fn broken_presets_name_file_and_line() {
 fn hardware_tuned_layers_this_machines_measured_values_over_its_preset() {
     let tmp = presets_copy();
     let mut case = Case::new(&["hardware=tuned"]);
-    case.presets = tmp.path();
+    case.presets = Some(tmp.path());
     let machine = case.report.machine_id();
 
     // Not tuned yet: the error says what to run.
-    let err = case.run(tmp.path()).expect_err("untuned").to_string();
+    let err = case.run().expect_err("untuned").to_string();
     assert!(
         err.contains(&machine) && err.contains("kiln tune experiment=shakespeare_char"),
         "{err}"
@@ -394,7 +377,7 @@ fn hardware_tuned_layers_this_machines_measured_values_over_its_preset() {
          [shakespeare_char.loader]\nnum_workers = 2\n",
     )
     .expect("write");
-    let r = case.run(tmp.path()).expect("tuned");
+    let r = case.run().expect("tuned");
     assert_eq!(r.config.hardware, "tuned");
     assert_eq!(r.config.training.batch_size, 6);
     assert_eq!(r.config.training.gradient_accumulation_steps, 2);
@@ -412,21 +395,69 @@ fn hardware_tuned_layers_this_machines_measured_values_over_its_preset() {
     );
     // The command line still wins.
     let mut over = Case::new(&["hardware=tuned", "training.batch_size=4"]);
-    over.presets = tmp.path();
+    over.presets = Some(tmp.path());
     assert_eq!(
-        over.run(tmp.path()).expect("ok").config.training.batch_size,
+        over.run().expect("ok").config.training.batch_size,
         4
     );
 
     // Another experiment was not tuned; a misspelt key is named with its line.
     let mut nli = Case::new(&["hardware=tuned", "experiment=nli_snli"]);
-    nli.presets = tmp.path();
-    let err = nli.run(tmp.path()).expect_err("nli untuned").to_string();
+    nli.presets = Some(tmp.path());
+    let err = nli.run().expect_err("nli untuned").to_string();
     assert!(err.contains("experiment `nli_snli`"), "{err}");
     std::fs::write(&path, "[shakespeare_char.training]\nbatch_sise = 6\n").expect("write");
-    let err = case.run(tmp.path()).expect_err("typo").to_string();
+    let err = case.run().expect_err("typo").to_string();
     assert!(
         err.contains("batch_sise") && err.contains("did you mean") && err.contains(":2"),
         "{err}"
     );
+}
+
+#[test]
+fn a_presets_directory_overrides_single_defaults_and_adds_presets() {
+    let tmp = presets_copy();
+    // A partial defaults.toml changes only what it names; the rest stays.
+    std::fs::write(tmp.path().join("defaults.toml"), "[training]\nseed = 7\n").expect("write");
+    std::fs::write(
+        tmp.path().join("hardware/my_box.toml"),
+        "[training]\nbatch_size = 3\n",
+    )
+    .expect("write");
+    let mut case = Case::new(&["hardware=my_box"]);
+    case.presets = Some(tmp.path());
+    let r = case.run().expect("resolves");
+    assert_eq!(r.config.training.seed, 7);
+    assert_eq!(r.config.training.batch_size, 3);
+    check(&r, "training.seed", "7", "defaults.toml:2");
+    check(&r, "data.premise_field", "\"premise\"", "built-in defaults.toml:");
+    check(&r, "training.batch_size", "3", "my_box.toml:2");
+
+    // An unknown key in the directory's defaults is named with its line.
+    std::fs::write(tmp.path().join("defaults.toml"), "[training]\nsed = 7\n").expect("write");
+    let err = case.run().expect_err("typo").to_string();
+    assert!(
+        err.contains("training.sed") && err.contains("defaults.toml:2") && err.contains("seed"),
+        "{err}"
+    );
+
+    // An unknown preset lists both sources.
+    let err = Case {
+        presets: Some(tmp.path()),
+        ..Case::new(&["hardware=my_bx"])
+    }
+    .run()
+    .expect_err("unknown")
+    .to_string();
+    assert!(
+        err.contains("built in and in") && err.contains("did you mean `my_box`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_built_in_defaults_are_a_run_config() {
+    let config = kiln_config::RunConfig::default();
+    assert_eq!(config.experiment, "shakespeare_char");
+    assert!(config.validate().is_empty());
 }

@@ -46,8 +46,8 @@ pub(crate) mod tests {
     /// The configuration the shipped presets resolve to on a machine
     /// without a GPU, with `overrides`.
     pub(crate) fn config(overrides: &[&str]) -> RunConfig {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../presets");
-        kiln_config::resolve_overrides(&dir, overrides, &kiln_hwdetect::detect_cpu_only())
+        let presets = kiln_config::Presets::built_in();
+        kiln_config::resolve_overrides(&presets, overrides, &kiln_hwdetect::detect_cpu_only())
             .expect("resolves")
             .config
     }

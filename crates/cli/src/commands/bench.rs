@@ -64,6 +64,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     } else {
         ctx.resolve(&layers)?
     };
+    crate::data::provide_for(&resolved.config)?;
     let mut out = std::io::stdout().lock();
     let config = &resolved.config;
     if workload == Workload::Loader {

@@ -25,6 +25,7 @@ pub(crate) struct Args {
 
 pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     let resolved = ctx.resolve(&args.layers)?;
+    crate::data::provide_for(&resolved.config)?;
     let d = kiln_train::diagnose(&resolved.config, &ctx.report, args.burst).map_err(train_error)?;
     let mut out = std::io::stdout().lock();
     if args.json {

@@ -53,10 +53,10 @@ impl Context {
 
     /// The configuration `layers` resolve to on this machine.
     pub(crate) fn resolve(&self, layers: &Layers) -> anyhow::Result<ResolvedConfig> {
-        let dir = kiln_config::find_presets_dir(self.presets.as_deref())?;
+        let presets = kiln_config::Presets::discover(self.presets.as_deref())?;
         let env: Vec<_> = std::env::vars_os().collect();
         Ok(kiln_config::resolve(&LoadOptions {
-            presets_dir: &dir,
+            presets: &presets,
             config_file: layers.config.as_deref(),
             overrides: &layers.overrides,
             env: &env,

@@ -106,6 +106,7 @@ fn train_command(
     force: bool,
     report: HardwareReport,
 ) -> anyhow::Result<ExitCode> {
+    crate::data::provide_for(&resolved.config)?;
     let fit = match resolved.hardware_choice {
         Some(_) => Ok(()),
         None => kiln_config::check_preset_fits(&resolved.config.hardware, &report),

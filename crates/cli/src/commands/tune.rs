@@ -47,6 +47,7 @@ pub(crate) struct Args {
 
 pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     let resolved = ctx.resolve(&args.layers)?;
+    crate::data::provide_for(&resolved.config)?;
     tune_command(
         &ctx.prefix(),
         &resolved,
@@ -163,13 +164,13 @@ fn tune_command(
     }?;
     let mut written = None;
     if args.write {
-        let dir = kiln_config::find_presets_dir(
+        let presets = kiln_config::Presets::discover(
             prefix
                 .iter()
                 .find_map(|a| a.strip_prefix("--presets="))
                 .map(Path::new),
         )?;
-        let path = kiln_config::tuned_path(&dir, report);
+        let path = kiln_config::tuned_path(&presets, report);
         let header = format!(
             "kiln tune, {} UTC, on {}: {} ({} cores){}; {}; {} probes of {} warm-up + at least {} timed steps and {} s, {:.0} s in all",
             kiln_train::utc_stamp(std::time::SystemTime::now()),
