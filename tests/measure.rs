@@ -179,9 +179,12 @@ fn diagnose_measures_a_burst_and_passes_a_clean_config() {
         "training tokens",
         "memory:    estimate",
         "measured:  3 steps",
-        "not data-bound",
+        "loader:    ",
         "problems:  none found",
     ]);
+    // The verdict itself depends on how busy the machine is (other tests
+    // run beside this one); kiln-plan's `loader_verdict` tests its rule.
+    assert!(out.stdout.contains("data-bound"), "{}", out.stdout);
     // --json carries the same.
     args.push("--json".into());
     let out = run(&args).expect_code(0);

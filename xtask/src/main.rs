@@ -183,12 +183,15 @@ fn features_for(
 }
 
 /// `cargo run` of the `kiln` binary in release mode, from the repository
-/// root, with the backend features `build` needs.
+/// root, with the backend features `build` needs. Not `--quiet`: the first
+/// build compiles Burn for many minutes, and cargo's progress shows it.
 fn kiln_command(build: Build) -> Result<Command, String> {
     let mut cmd = cargo();
+    eprintln!(
+        "xtask: cargo builds kiln (release) if needed, then runs it; a first build compiles Burn (about 20 minutes on 2 cores)"
+    );
     cmd.args([
         "run",
-        "--quiet",
         "--release",
         "--package",
         "kiln-cli",

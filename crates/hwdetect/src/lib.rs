@@ -13,6 +13,7 @@
 //! ```
 
 mod cpu;
+mod summary;
 mod gpu;
 pub mod specs;
 

@@ -9,10 +9,12 @@
 //! - [`tune`] and [`sweep`]: the tuner's search over a [`Probe`] (a child
 //!   `kiln bench` in the CLI, a fake machine in tests), and the block it
 //!   writes ([`tuned_block`]; kiln-config writes and reads the file).
-//! - [`run_gpu`]: the GPU of the machine a run uses.
+//! - [`run_gpu`]: the GPU of the machine a run uses; [`Recommendation`]:
+//!   what the chosen preset comes to on it (`kiln check-hardware`).
 
 mod checks;
 mod memory;
+mod recommend;
 mod schedule;
 mod tune;
 
@@ -23,6 +25,7 @@ pub use checks::{
     Burst, CheckInput, DataSize, Finding, Severity, check_config, gib, loader_verdict,
 };
 pub use memory::{MemoryEstimate, ModelSize, estimate_memory};
+pub use recommend::Recommendation;
 pub use schedule::{Schedule, lr_at};
 pub use tune::{
     Candidate, Measurement, NothingRan, Probe, ProbeResult, Trial, TuneResult, TuneSpace, divisors,
