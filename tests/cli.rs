@@ -491,7 +491,11 @@ fn kiln_runs_from_an_empty_directory() {
     let runs: Vec<_> = std::fs::read_dir(here.join("runs"))
         .expect("runs/ under the working directory")
         .filter_map(Result::ok)
-        .filter(|e| e.file_name().to_string_lossy().ends_with("-shakespeare_char"))
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .ends_with("-shakespeare_char")
+        })
         .collect();
     assert_eq!(runs.len(), 1, "one run directory");
     assert!(runs[0].path().join("summary.json").is_file());

@@ -255,7 +255,11 @@ fn tuning_guide_explains_every_preset_knob() {
         );
     }
     let mut files = Vec::new();
-    files_with_extension(&root().join("crates/config/presets/hardware"), "toml", &mut files);
+    files_with_extension(
+        &root().join("crates/config/presets/hardware"),
+        "toml",
+        &mut files,
+    );
     let set: BTreeSet<String> = files.iter().flat_map(|f| leaf_keys(f)).collect();
     let set: BTreeSet<String> = set
         .into_iter()

@@ -701,3 +701,89 @@ fn a_checkpoint_that_cannot_be_written_leaves_no_debris_and_the_earlier_ones_int
         checkpoint_digest(&ckpt(&tmp.path().join("whole"), steps))
     );
 }
+
+/// `kiln export`: the tensors of a trained tiny GPT under GPT-2's names and
+/// shapes, as `transformers` makes them (a fixture it wrote for this shape),
+/// with the config and tokenizer beside them; nothing is overwritten. The
+/// logits are compared with `transformers` by scripts/check_hf_export.py.
+#[test]
+fn export_writes_a_gpt2_folder_with_transformers_names_and_shapes() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    train_tiny(tmp.path(), "run", 10, &[]).expect_code(0);
+    let run = tmp.path().join("run");
+    let out = tmp.path().join("hf");
+    let args = [
+        "export",
+        run.to_str().expect("utf-8"),
+        "--out",
+        out.to_str().expect("utf-8"),
+    ];
+    kiln(&args)
+        .run()
+        .expect_code(0)
+        .stdout_has(&["exported step 10", "GPT2LMHeadModel"]);
+
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).expect("config"))
+            .expect("json");
+    assert_eq!(config["model_type"], "gpt2");
+    assert_eq!(config["n_layer"], 2);
+    assert_eq!(config["activation_function"], "gelu", "kiln's exact GELU");
+    let vocab = config["vocab_size"].as_u64().expect("vocab") as usize;
+
+    let fixture: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("tests/data/gpt2-tiny-state-dict.json"))
+            .expect("fixture"),
+    )
+    .expect("json");
+    let mut want: Vec<(String, Vec<usize>)> = fixture["tensors"]
+        .as_object()
+        .expect("tensors")
+        .iter()
+        .filter(|(name, _)| fixture["tied"].get(name.as_str()).is_none())
+        .map(|(name, shape)| {
+            let mut shape: Vec<usize> = serde_json::from_value(shape.clone()).expect("shape");
+            if name == "transformer.wte.weight" {
+                shape[0] = vocab; // the fixture's vocabulary is 65 characters
+            }
+            (name.clone(), shape)
+        })
+        .collect();
+    want.sort();
+    let bytes = std::fs::read(out.join("model.safetensors")).expect("model.safetensors");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let mut got: Vec<(String, Vec<usize>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| (name, view.shape().to_vec()))
+        .collect();
+    got.sort();
+    assert_eq!(got, want);
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).expect("header");
+    assert_eq!(
+        meta.metadata()
+            .as_ref()
+            .and_then(|m| m.get("format"))
+            .map(String::as_str),
+        Some("pt"),
+        "transformers reads safetensors marked as PyTorch's"
+    );
+    for file in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "kiln_reference.json",
+    ] {
+        assert!(out.join(file).is_file(), "{file}");
+    }
+
+    // An existing folder is left alone; a folder that is no run is named.
+    kiln(&args)
+        .run()
+        .expect_code(2)
+        .stderr_has(&["exists already", "overwrites nothing"]);
+    let not_a_run = tmp.path().join("cache");
+    kiln(&["export", not_a_run.to_str().expect("utf-8")])
+        .run()
+        .expect_code(2)
+        .stderr_has(&["is not a kiln run directory"]);
+}

@@ -5,6 +5,7 @@
 #![allow(clippy::print_stderr, reason = "xtask prints what it runs")]
 
 mod cuda;
+mod outside;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -44,6 +45,8 @@ cargo xtask <target> [args...]
   bench                     the standard benchmarks → bench/results.json
   bench-tune                `kiln tune` judged against the exhaustive sweep, for
                             both experiments → bench/tune-results.json
+  outside [DIR]             each library crate's README example built and run
+                            from a scratch crate outside the workspace
   ci                        what .ci/run checks: fmt, clippy (also wgpu, cuda),
                             the tests, the GPU suite on Vulkan, the CUDA build
 
@@ -78,6 +81,7 @@ fn main() -> ExitCode {
         "gpu-pack" => gpu_pack(&rest),
         "bench" => bench(rest),
         "bench-tune" => bench_tune(rest),
+        "outside" => outside::outside(&rest),
         other => match train_target(other) {
             Some((preset, nli)) => {
                 let hw = format!("hardware={preset}");
@@ -190,14 +194,7 @@ fn kiln_command(build: Build) -> Result<Command, String> {
     eprintln!(
         "xtask: cargo builds kiln (release) if needed, then runs it; a first build compiles Burn (about 20 minutes on 2 cores)"
     );
-    cmd.args([
-        "run",
-        "--release",
-        "--package",
-        "kiln-cli",
-        "--bin",
-        "kiln",
-    ]);
+    cmd.args(["run", "--release", "--package", "kiln-cli", "--bin", "kiln"]);
     if let Some(f) = features(build) {
         eprintln!("xtask: building kiln with --features {f}");
         cmd.args(["--features", &f]);

@@ -80,7 +80,11 @@ mod tests {
         let path = tmp.path().join("data/tinyshakespeare.txt");
         // Only the presets' own relative paths are built in.
         assert!(provide(tmp.path(), &path).expect("provide").is_none());
-        assert!(provide(tmp.path(), Path::new("data/other.txt")).expect("provide").is_none());
+        assert!(
+            provide(tmp.path(), Path::new("data/other.txt"))
+                .expect("provide")
+                .is_none()
+        );
         assert!(!path.exists());
 
         let name = Path::new("data/tinyshakespeare.txt");

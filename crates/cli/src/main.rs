@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use commands::{Context, bench, config, diagnose, hardware, train, tune};
+use commands::{Context, bench, config, diagnose, export, hardware, train, tune};
 use kiln_config::ConfigError;
 
 /// mimalloc keeps freed memory for reuse: with the system allocator every
@@ -83,6 +83,9 @@ enum Command {
     Predict(train::PredictArgs),
     /// Continue a run from its newest good checkpoint
     Resume(train::ResumeArgs),
+    /// Write a trained GPT as a Hugging Face `transformers` GPT-2 folder
+    /// (config.json, model.safetensors, tokenizer)
+    Export(export::Args),
     /// Time training steps: tokens/s, ms/step, MFU, data-wait, peak memory,
     /// the step's phases; or the loader alone
     Bench(bench::Args),
@@ -143,6 +146,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Cv(args) => train::cv(args, ctx),
         Command::Predict(args) => train::predict(args, &ctx),
         Command::Resume(args) => train::resume(args, ctx),
+        Command::Export(args) => export::run(args),
         Command::Bench(args) => bench::run(args, &ctx),
         Command::Diagnose(args) => diagnose::run(args, &ctx),
         Command::Tune(args) => tune::run(args, &ctx),

@@ -1,3 +1,7 @@
+#![doc = include_str!("../README.md")]
+//!
+//! ## In this crate
+//!
 //! kiln-config: the typed, validated run configuration and where each value
 //! came from.
 //!
@@ -11,30 +15,14 @@
 //! kiln's presets are built into this crate ([`Presets::built_in`]); a
 //! directory of presets can go over them ([`Presets::with_dir`]).
 //! `hardware=auto` asks [`choose_preset`], a pure function of a
-//! [`kiln_hwdetect::HardwareReport`] (re-exported as [`hwdetect`]).
-//!
-//! ```
-//! use kiln_config::{Presets, resolve_overrides};
-//!
-//! let machine = kiln_config::hwdetect::detect_cpu_only();
-//! let resolved = resolve_overrides(
-//!     &Presets::built_in(),
-//!     &["hardware=t4", "training.batch_size=20"],
-//!     &machine,
-//! )?;
-//! assert_eq!(resolved.config.training.batch_size, 20);
-//! // Every value knows the layer (and file and line) that set it.
-//! let source = resolved.source("precision.amp_dtype").unwrap();
-//! assert_eq!(source.to_string(), "hardware preset `t4` (built-in hardware/t4.toml:18)");
-//! # Ok::<(), kiln_config::ConfigError>(())
-//! ```
+//! [`kiln_hwdetect::HardwareReport`] (re-exported).
 //!
 //! This crate is the only one in kiln that reads preset files or environment
 //! variables; it depends on no ML framework.
 
 /// kiln-hwdetect, whose [`HardwareReport`](kiln_hwdetect::HardwareReport)
 /// [`LoadOptions`] and [`choose_preset`] take.
-pub use kiln_hwdetect as hwdetect;
+pub use kiln_hwdetect;
 
 mod error;
 mod layer;

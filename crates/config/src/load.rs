@@ -540,8 +540,9 @@ impl<'a> Resolver<'a> {
                 }
                 ConfigError::MissingKey {
                     key: path.join("."),
-                    hint: "a run's saved configuration sets every key; was it written by this kiln?"
-                        .to_string(),
+                    hint:
+                        "a run's saved configuration sets every key; was it written by this kiln?"
+                            .to_string(),
                 }
             }
             other => {

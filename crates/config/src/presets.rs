@@ -27,7 +27,10 @@ const BUILT_IN: &[(&str, &str)] = &[
         "experiment/shakespeare_char",
         include_str!("../presets/experiment/shakespeare_char.toml"),
     ),
-    ("hardware/a100", include_str!("../presets/hardware/a100.toml")),
+    (
+        "hardware/a100",
+        include_str!("../presets/hardware/a100.toml"),
+    ),
     (
         "hardware/a100_80gb",
         include_str!("../presets/hardware/a100_80gb.toml"),
@@ -51,13 +54,19 @@ const BUILT_IN: &[(&str, &str)] = &[
         "hardware/gpu_4090",
         include_str!("../presets/hardware/gpu_4090.toml"),
     ),
-    ("hardware/h100", include_str!("../presets/hardware/h100.toml")),
+    (
+        "hardware/h100",
+        include_str!("../presets/hardware/h100.toml"),
+    ),
     (
         "hardware/low_mem",
         include_str!("../presets/hardware/low_mem.toml"),
     ),
     ("hardware/t4", include_str!("../presets/hardware/t4.toml")),
-    ("hardware/v100", include_str!("../presets/hardware/v100.toml")),
+    (
+        "hardware/v100",
+        include_str!("../presets/hardware/v100.toml"),
+    ),
 ];
 
 /// The built-in `defaults.toml`: every key kiln reads, with its default.
@@ -249,12 +258,18 @@ mod tests {
             .layer(LayerKind::Hardware("t4".into()), "hardware/t4")
             .expect("read")
             .expect("t4");
-        assert!(t4.dict.is_empty(), "the directory's t4 replaces the built-in one");
+        assert!(
+            t4.dict.is_empty(),
+            "the directory's t4 replaces the built-in one"
+        );
         let a100 = Presets::built_in()
             .layer(LayerKind::Hardware("a100".into()), "hardware/a100")
             .expect("read")
             .expect("a100");
-        assert!(a100.location_of("training.batch_size").starts_with("built-in hardware/a100.toml:"));
+        assert!(
+            a100.location_of("training.batch_size")
+                .starts_with("built-in hardware/a100.toml:")
+        );
         assert!(Presets::with_dir(tmp.path().join("nope")).is_err());
     }
 }

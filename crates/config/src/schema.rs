@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 /// The whole configuration of one run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct RunConfig {
     /// Hardware preset (`hardware/<name>.toml`), or `auto` to detect.
     pub hardware: String,
@@ -40,6 +41,7 @@ pub enum Workload {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct RunSection {
     /// Run directory; `{time}` and `{experiment}` are filled in at start.
     pub dir: String,
@@ -47,6 +49,7 @@ pub struct RunSection {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct ModelSection {
     pub layers: usize,
     pub heads: usize,
@@ -80,6 +83,7 @@ pub enum Gelu {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct DataSection {
     /// The corpus (lm) or the pairs file (nli).
     pub path: String,
@@ -132,6 +136,7 @@ pub enum TokenizerKind {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct TrainingSection {
     /// Micro-batch per optimizer step and accumulation step.
     pub batch_size: usize,
@@ -153,6 +158,7 @@ pub struct TrainingSection {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct EvalSection {
     /// Evaluate every N optimizer steps (never at step 0).
     pub eval_steps: usize,
@@ -163,12 +169,14 @@ pub struct EvalSection {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct LoggingSection {
     pub logging_steps: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct CheckpointSection {
     /// Write a checkpoint every N optimizer steps (and always at the end).
     pub every_steps: usize,
@@ -178,6 +186,7 @@ pub struct CheckpointSection {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct PrecisionSection {
     /// Mixed precision: compute in `amp_dtype`, master weights in f32.
     pub amp: bool,
@@ -212,6 +221,7 @@ impl AmpDtype {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct OptimizationSection {
     /// Kernel fusion and autotuning on backends that have them.
     pub compile: bool,
@@ -238,6 +248,7 @@ pub enum CompileMode {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct LoaderSection {
     /// Worker threads preparing batches; 0 prepares them on the training thread.
     pub num_workers: usize,
@@ -249,6 +260,7 @@ pub struct LoaderSection {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct DeviceSection {
     pub backend: Backend,
     /// Which GPU of several.
@@ -266,6 +278,7 @@ pub enum Backend {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct CvSection {
     /// Cross-validation folds (nli).
     pub folds: usize,
@@ -275,6 +288,7 @@ pub struct CvSection {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct SampleSection {
     /// Texts generated at the end of a language-model run.
     pub count: usize,

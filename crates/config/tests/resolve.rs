@@ -396,10 +396,7 @@ fn hardware_tuned_layers_this_machines_measured_values_over_its_preset() {
     // The command line still wins.
     let mut over = Case::new(&["hardware=tuned", "training.batch_size=4"]);
     over.presets = Some(tmp.path());
-    assert_eq!(
-        over.run().expect("ok").config.training.batch_size,
-        4
-    );
+    assert_eq!(over.run().expect("ok").config.training.batch_size, 4);
 
     // Another experiment was not tuned; a misspelt key is named with its line.
     let mut nli = Case::new(&["hardware=tuned", "experiment=nli_snli"]);
@@ -430,7 +427,12 @@ fn a_presets_directory_overrides_single_defaults_and_adds_presets() {
     assert_eq!(r.config.training.seed, 7);
     assert_eq!(r.config.training.batch_size, 3);
     check(&r, "training.seed", "7", "defaults.toml:2");
-    check(&r, "data.premise_field", "\"premise\"", "built-in defaults.toml:");
+    check(
+        &r,
+        "data.premise_field",
+        "\"premise\"",
+        "built-in defaults.toml:",
+    );
     check(&r, "training.batch_size", "3", "my_box.toml:2");
 
     // An unknown key in the directory's defaults is named with its line.

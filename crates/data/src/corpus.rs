@@ -11,8 +11,9 @@ pub struct Corpus {
     pub text: String,
 }
 
-/// Reads a UTF-8 text file, keeping at most `max_chars` characters (0: all).
-pub fn read_corpus(path: &Path, max_chars: usize) -> Result<Corpus, DataError> {
+/// Reads a UTF-8 text file, keeping at most `max_chars` characters (`None`:
+/// all of it).
+pub fn read_corpus(path: &Path, max_chars: Option<usize>) -> Result<Corpus, DataError> {
     let bytes = std::fs::read(path).map_err(|source| DataError::Io {
         path: path.to_path_buf(),
         source,
@@ -36,7 +37,7 @@ pub fn read_corpus(path: &Path, max_chars: usize) -> Result<Corpus, DataError> {
             });
         }
     };
-    if max_chars > 0
+    if let Some(max_chars) = max_chars
         && let Some((cut, _)) = text.char_indices().nth(max_chars)
     {
         text.truncate(cut);
@@ -67,25 +68,27 @@ mod tests {
     fn bad_corpora_are_named_errors() {
         let (_d, empty) = file(b"");
         assert!(matches!(
-            read_corpus(&empty, 0),
+            read_corpus(&empty, None),
             Err(DataError::Empty { .. })
         ));
         let (_d, blank) = file(b"  \n\n");
         assert!(matches!(
-            read_corpus(&blank, 0),
+            read_corpus(&blank, None),
             Err(DataError::Empty { .. })
         ));
         let (_d, latin1) = file(b"ok\nline two\ncaf\xe9\n");
-        let err = read_corpus(&latin1, 0).expect_err("not utf-8").to_string();
+        let err = read_corpus(&latin1, None)
+            .expect_err("not utf-8")
+            .to_string();
         assert!(err.contains("byte 0xe9 at byte 15 (line 3)"), "{err}");
-        let err = read_corpus(Path::new("/no/such/file.txt"), 0).expect_err("missing");
+        let err = read_corpus(Path::new("/no/such/file.txt"), None).expect_err("missing");
         assert!(err.to_string().contains("/no/such/file.txt"));
     }
 
     #[test]
     fn max_chars_cuts_on_a_character_boundary() {
         let (_d, path) = file("héllo wörld".as_bytes());
-        assert_eq!(read_corpus(&path, 4).expect("reads").text, "héll");
-        assert_eq!(read_corpus(&path, 0).expect("reads").text, "héllo wörld");
+        assert_eq!(read_corpus(&path, Some(4)).expect("reads").text, "héll");
+        assert_eq!(read_corpus(&path, None).expect("reads").text, "héllo wörld");
     }
 }

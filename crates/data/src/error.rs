@@ -2,7 +2,12 @@
 
 use std::path::PathBuf;
 
+use crate::windows::Split;
+
+/// Why data could not be read, encoded or batched. New variants may come
+/// (`#[non_exhaustive]`).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DataError {
     #[error("failed to read `{}`", path.display())]
     Io {
@@ -29,13 +34,15 @@ pub enum DataError {
         byte: u8,
     },
 
-    #[error("`{}` is too short: {tokens} tokens in the {split} split, but one batch window needs {need} (model.max_length + 1); use a longer corpus, a smaller model.max_length or data.val_fraction", path.display())]
+    #[error("{tokens} tokens in the {split} split, but one window of {block} tokens needs {} (its inputs and the next token)", block + 1)]
     TooShort {
-        path: PathBuf,
-        split: &'static str,
+        split: Split,
         tokens: usize,
-        need: usize,
+        block: usize,
     },
+
+    #[error("invalid {what}: {why}")]
+    InvalidArgument { what: &'static str, why: String },
 
     #[error("invalid tokenizer `{}`: {message}", path.display())]
     BadTokenizer { path: PathBuf, message: String },

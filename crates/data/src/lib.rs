@@ -1,3 +1,7 @@
+#![doc = include_str!("../README.md")]
+//!
+//! ## In this crate
+//!
 //! kiln-data: tokenizers, token caches and a parallel batch loader, with no
 //! ML framework. It yields host batches (token ids) and measures how long the
 //! consumer waited for each.

@@ -176,7 +176,7 @@ mod tests {
 
     fn source() -> Arc<LmWindows> {
         let tokens: Arc<[u32]> = (0..5000u32).map(|i| i % 97).collect();
-        Arc::new(LmWindows::new(tokens, 3, 16, 42, Split::Train))
+        Arc::new(LmWindows::new(tokens, 3, 16, 42, Split::Train).expect("long enough"))
     }
 
     fn first(workers: usize, start: u64, n: usize) -> Vec<TokenBatch> {

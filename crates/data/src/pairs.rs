@@ -48,6 +48,25 @@ pub struct PairSchema {
     pub require_label: bool,
 }
 
+impl Default for PairSchema {
+    /// SNLI's and MultiNLI's JSONL: `premise`, `hypothesis`, `label` with
+    /// entailment / neutral / contradiction; rows without a gold label
+    /// skipped; the format from the file's extension.
+    fn default() -> Self {
+        Self {
+            premise: "premise".into(),
+            hypothesis: "hypothesis".into(),
+            label: "label".into(),
+            labels: ["entailment", "neutral", "contradiction"]
+                .map(String::from)
+                .to_vec(),
+            bad_rows: BadRows::Skip,
+            format: PairFormat::Auto,
+            require_label: true,
+        }
+    }
+}
+
 /// The pairs read, and the rows skipped (line, reason).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PairDataset {

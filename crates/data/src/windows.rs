@@ -27,6 +27,15 @@ pub enum Split {
     Val,
 }
 
+impl std::fmt::Display for Split {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Train => "training",
+            Self::Val => "validation",
+        })
+    }
+}
+
 /// Random windows over one split of a token sequence.
 #[derive(Clone, Debug)]
 pub struct LmWindows {
@@ -38,22 +47,36 @@ pub struct LmWindows {
 }
 
 impl LmWindows {
-    /// `tokens` must hold at least `block + 1` ids (checked by the caller,
-    /// which can name the file).
+    /// Windows of `block` tokens (and the next one), `batch_size` per batch,
+    /// over `tokens`. Errors unless `tokens` holds at least `block + 1` ids
+    /// and the sizes are at least 1.
     pub fn new(
         tokens: Arc<[u32]>,
         batch_size: usize,
         block: usize,
         seed: u64,
         split: Split,
-    ) -> Self {
-        Self {
+    ) -> Result<Self, crate::DataError> {
+        if batch_size == 0 || block == 0 {
+            return Err(crate::DataError::InvalidArgument {
+                what: "window sizes",
+                why: format!("batch_size {batch_size} and block {block} must be at least 1"),
+            });
+        }
+        if tokens.len() < block + 1 {
+            return Err(crate::DataError::TooShort {
+                split,
+                tokens: tokens.len(),
+                block,
+            });
+        }
+        Ok(Self {
             tokens,
             batch_size,
             block,
             seed,
             split,
-        }
+        })
     }
 
     pub fn tokens(&self) -> usize {
@@ -112,7 +135,7 @@ mod tests {
 
     fn windows(seed: u64, split: Split) -> LmWindows {
         let tokens: Arc<[u32]> = (0..1000u32).collect();
-        LmWindows::new(tokens, 4, 8, seed, split)
+        LmWindows::new(tokens, 4, 8, seed, split).expect("long enough")
     }
 
     #[test]
@@ -141,7 +164,7 @@ mod tests {
     #[test]
     fn windows_reach_the_last_token() {
         let tokens: Arc<[u32]> = (0..10u32).collect();
-        let w = LmWindows::new(tokens, 64, 9, 3, Split::Train);
+        let w = LmWindows::new(tokens, 64, 9, 3, Split::Train).expect("long enough");
         let b = w.batch(0);
         assert!(b.targets.contains(&9));
         assert!(b.inputs.contains(&0));

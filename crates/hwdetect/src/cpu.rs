@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 /// What kiln knows about the host CPU.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct CpuInfo {
     /// Brand string as the CPU reports it ("AMD EPYC", "Intel(R) Xeon(R) ...").
     pub model: String,

@@ -7,6 +7,7 @@ use crate::specs::{self, PeakFlops};
 
 /// One NVIDIA GPU as NVML reports it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct GpuInfo {
     /// NVML's index (the CUDA ordinal on most systems).
     pub index: u32,

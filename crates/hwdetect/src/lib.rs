@@ -1,3 +1,7 @@
+#![doc = include_str!("../README.md")]
+//!
+//! ## In this crate
+//!
 //! What machine is this? kiln-hwdetect reads the CPU (model, cores, ISA
 //! features, frequency and an fp32 peak estimate), the memory, and the NVIDIA
 //! GPUs through NVML loaded at run time (name, memory, compute capability,
@@ -6,16 +10,11 @@
 //!
 //! It depends on no ML framework and never panics: with no driver, no NVML
 //! library or no GPU the report says which and why.
-//!
-//! ```no_run
-//! let report = kiln_hwdetect::detect();
-//! println!("{} logical cores, {} GPUs", report.cpu.logical_cores, report.gpu.gpus().len());
-//! ```
 
 mod cpu;
-mod summary;
 mod gpu;
 pub mod specs;
+mod summary;
 
 pub use cpu::{CpuInfo, CpuPeak, IsaFeatures, detect_cpu, estimate_peak, flops_per_cycle};
 pub use gpu::{DriverInfo, FixedProbe, GpuCapabilities, GpuInfo, GpuProbe, GpuStatus, NvmlProbe};
@@ -25,6 +24,7 @@ use serde::{Deserialize, Serialize};
 
 /// Everything kiln knows about the machine, as one serialisable value.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct HardwareReport {
     pub cpu: CpuInfo,
     pub memory: MemoryInfo,
@@ -65,6 +65,7 @@ impl HardwareReport {
 
 /// Host memory, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct MemoryInfo {
     pub total_bytes: u64,
     pub available_bytes: u64,

@@ -19,7 +19,11 @@ impl fmt::Display for HardwareReport {
             .family
             .map(|x| format!(", family {x:#x}"))
             .unwrap_or_default();
-        writeln!(f, "CPU      {} ({}{family}), {}", cpu.model, cpu.vendor, cpu.arch)?;
+        writeln!(
+            f,
+            "CPU      {} ({}{family}), {}",
+            cpu.model, cpu.vendor, cpu.arch
+        )?;
         let physical = cpu
             .physical_cores
             .map_or("? physical".to_string(), |p| format!("{p} physical"));
@@ -133,11 +137,18 @@ mod tests {
         assert!(text.starts_with("CPU      "), "{text}");
         assert!(text.contains("Memory   ") && text.contains("logical cores"));
         assert!(
-            text.contains("GPU 0    NVIDIA A100-SXM4-80GB, 80.0 GiB (79.0 GiB free), compute capability 8.0"),
+            text.contains(
+                "GPU 0    NVIDIA A100-SXM4-80GB, 80.0 GiB (79.0 GiB free), compute capability 8.0"
+            ),
             "{text}"
         );
-        assert!(text.contains("bf16 yes") && text.contains("dense peak: fp32 19.5"), "{text}");
-        let none = GpuStatus::None { why: "no NVIDIA driver".into() };
+        assert!(
+            text.contains("bf16 yes") && text.contains("dense peak: fp32 19.5"),
+            "{text}"
+        );
+        let none = GpuStatus::None {
+            why: "no NVIDIA driver".into(),
+        };
         assert_eq!(none.to_string(), "GPU      none: no NVIDIA driver\n");
     }
 }

@@ -1,3 +1,7 @@
+#![doc = include_str!("../README.md")]
+//!
+//! ## In this crate
+//!
 //! kiln-model: Burn models and their FLOP counts. No I/O.
 //!
 //! - [`Gpt`]: a GPT decoder (token and position embeddings, pre-LayerNorm
@@ -12,6 +16,9 @@
 //!   parameters, products in a [`ComputeDtype`], everything else f32.
 //! - [`kernels`]: fused CPU kernels (Burn backend extensions with their own
 //!   backward) for the element-wise hot spots, chosen by [`Kernels`].
+
+/// Burn, whose tensors and devices the models take (`burn::tensor::Device`).
+pub use burn;
 
 mod encoder;
 mod gpt;

@@ -1,3 +1,7 @@
+#![doc = include_str!("../README.md")]
+//!
+//! ## In this crate
+//!
 //! kiln-plan: what kiln decides before a device exists, without an ML
 //! framework. kiln-train measures; this crate decides.
 //!
@@ -11,6 +15,9 @@
 //!   writes ([`tuned_block`]; kiln-config writes and reads the file).
 //! - [`run_gpu`]: the GPU of the machine a run uses; [`Recommendation`]:
 //!   what the chosen preset comes to on it (`kiln check-hardware`).
+
+/// The crates whose types this crate's API takes.
+pub use {kiln_config, kiln_hwdetect};
 
 mod checks;
 mod memory;

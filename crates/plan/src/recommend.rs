@@ -128,9 +128,8 @@ mod tests {
             GpuStatus::Found { gpus: vec![gpu] },
             DriverInfo::default(),
         ));
-        let resolved =
-            kiln_config::resolve_overrides(&kiln_config::Presets::built_in(), &[], &t4)
-                .expect("resolves");
+        let resolved = kiln_config::resolve_overrides(&kiln_config::Presets::built_in(), &[], &t4)
+            .expect("resolves");
         let r = Recommendation::new(&resolved, &t4);
         assert_eq!(r.preset, "t4");
         assert_eq!(r.gpu_index, Some(0));

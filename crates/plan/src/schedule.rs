@@ -92,12 +92,11 @@ mod tests {
     use super::*;
 
     fn training(accumulation: usize, epochs: usize, max_steps: usize) -> TrainingSection {
-        TrainingSection {
-            gradient_accumulation_steps: accumulation,
-            epochs,
-            max_steps,
-            ..crate::tests::training()
-        }
+        let mut t = crate::tests::training();
+        t.gradient_accumulation_steps = accumulation;
+        t.epochs = epochs;
+        t.max_steps = max_steps;
+        t
     }
 
     #[test]

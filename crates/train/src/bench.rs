@@ -49,6 +49,7 @@ pub struct PhaseTimes {
 
 /// What a benchmark measured.
 #[derive(Clone, Debug, Serialize)]
+#[non_exhaustive]
 pub struct BenchResult {
     pub workload: &'static str,
     pub backend: String,

@@ -110,10 +110,11 @@ mod tests {
 
     #[test]
     fn compile_modes_map_to_autotune_levels() {
-        let o = |compile, compile_mode| OptimizationSection {
-            compile,
-            compile_mode,
-            kernels: kiln_config::KernelChoice::Fused,
+        let o = |compile, compile_mode| {
+            let mut o = kiln_config::RunConfig::default().optimization;
+            o.compile = compile;
+            o.compile_mode = compile_mode;
+            o
         };
         assert_eq!(
             autotune_level(&o(false, CompileMode::MaxAutotune)),
@@ -131,10 +132,11 @@ mod tests {
     fn on_flex_compile_is_not_applicable() {
         let flex = crate::device::flex("device.backend = flex");
         let line = apply_compile(
-            &OptimizationSection {
-                compile: true,
-                compile_mode: CompileMode::MaxAutotune,
-                kernels: kiln_config::KernelChoice::Fused,
+            &{
+                let mut o = kiln_config::RunConfig::default().optimization;
+                o.compile = true;
+                o.compile_mode = CompileMode::MaxAutotune;
+                o
             },
             &flex,
         );

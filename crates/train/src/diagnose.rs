@@ -20,6 +20,7 @@ use crate::{TrainError, select_device};
 
 /// Everything `kiln diagnose` found.
 #[derive(Clone, Debug, Serialize)]
+#[non_exhaustive]
 pub struct Diagnosis {
     pub device: String,
     pub device_why: String,

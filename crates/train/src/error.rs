@@ -2,13 +2,19 @@
 
 use std::path::PathBuf;
 
+/// Why training, resuming, benchmarking or predicting failed. New variants
+/// may come (`#[non_exhaustive]`).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TrainError {
     #[error(transparent)]
     Data(#[from] kiln_data::DataError),
 
     #[error(transparent)]
     Config(#[from] kiln_config::ConfigError),
+
+    #[error("`{}` is too short: {why}; use a longer corpus, a smaller model.max_length or data.val_fraction", path.display())]
+    CorpusTooShort { path: PathBuf, why: String },
 
     #[error("failed to write `{}`", path.display())]
     Write {
@@ -64,6 +70,9 @@ pub enum TrainError {
         in_a_row: usize,
     },
 
+    #[error("`{}` exists already; kiln export writes a new folder and overwrites nothing (remove it, or choose another --out)", path.display())]
+    ExportExists { path: PathBuf },
+
     #[error("{0} is not supported yet: {1}")]
     Unsupported(&'static str, String),
 }
@@ -85,11 +94,13 @@ impl TrainError {
             self,
             Self::Data(_)
                 | Self::Config(_)
+                | Self::CorpusTooShort { .. }
                 | Self::NotARun { .. }
                 | Self::RunInUse { .. }
                 | Self::NoCheckpoint { .. }
                 | Self::CheckpointMismatch { .. }
                 | Self::Backend { .. }
+                | Self::ExportExists { .. }
                 | Self::Unsupported(..)
         )
     }

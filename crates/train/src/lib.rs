@@ -1,3 +1,7 @@
+#![doc = include_str!("../README.md")]
+//!
+//! ## In this crate
+//!
 //! kiln-train: the only crate that owns a training loop, a device and a
 //! checkpoint.
 //!
@@ -22,12 +26,17 @@
 //!
 //! [`RunConfig`]: kiln_config::RunConfig
 
+/// The crates whose types this crate's API takes and returns: the
+/// configuration, the machine, the data and the models.
+pub use {kiln_config, kiln_data, kiln_hwdetect, kiln_model, kiln_plan};
+
 mod bench;
 mod checkpoint;
 mod compile;
 mod device;
 mod diagnose;
 mod error;
+mod export;
 mod memory;
 mod optim;
 mod options;
@@ -53,6 +62,7 @@ pub use compile::{FUSION_BUILT_IN, apply_compile, autotune_level};
 pub use device::{BACKENDS_BUILT_IN, DeviceChoice, select_device};
 pub use diagnose::{Diagnosis, diagnose};
 pub use error::TrainError;
+pub use export::{Exported, export_hf, hf_name};
 pub use memory::MemoryTracker;
 pub use optim::AdamW;
 pub use options::{Outcome, TrainOptions};

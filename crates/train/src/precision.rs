@@ -227,14 +227,14 @@ mod tests {
     use super::*;
 
     fn section(amp: bool, dtype: AmpDtype) -> PrecisionSection {
-        PrecisionSection {
-            amp,
-            amp_dtype: dtype,
-            tf32: false,
-            max_bad_steps: 5,
-            loss_scale_init: LossScaler::INITIAL,
-            loss_scale_growth_interval: LossScaler::GROWTH_INTERVAL,
-        }
+        let mut p = kiln_config::RunConfig::default().precision;
+        p.amp = amp;
+        p.amp_dtype = dtype;
+        p.tf32 = false;
+        p.max_bad_steps = 5;
+        p.loss_scale_init = LossScaler::INITIAL;
+        p.loss_scale_growth_interval = LossScaler::GROWTH_INTERVAL;
+        p
     }
 
     fn gpu_device() -> DeviceChoice {

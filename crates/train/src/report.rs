@@ -20,6 +20,7 @@ pub(crate) struct LmEval {
 
 /// The end of a run, also written as `summary.json`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Summary {
     pub steps: u64,
     pub tokens_seen: u64,

@@ -57,7 +57,9 @@ pub(crate) struct Prepared {
 /// against the block here (`kiln diagnose` reports a short one as a
 /// finding); [`Prepared::task`] checks them.
 pub(crate) fn prepare(config: &RunConfig, from: TokenizerFrom<'_>) -> Result<Prepared, TrainError> {
-    let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
+    // `data.max_chars = 0` is the config's "no limit" (TOML has no null).
+    let max_chars = (config.data.max_chars > 0).then_some(config.data.max_chars);
+    let corpus = read_corpus(Path::new(&config.data.path), max_chars)?;
     let tokenizer = match from {
         TokenizerFrom::Config => make_tokenizer(config, &corpus.text)?,
         TokenizerFrom::File(path) => Tokenizer::load(path)?,
@@ -104,24 +106,15 @@ impl Prepared {
     /// autodiff). Errors where a split is shorter than one window.
     pub(crate) fn task(&self, config: &RunConfig, inner: &Device) -> Result<LmTask, TrainError> {
         let block = config.model.max_length;
-        for (split, part) in [
-            ("train", &self.train_tokens),
-            ("validation", &self.val_tokens),
-        ] {
-            if part.len() < block + 1 {
-                return Err(kiln_data::DataError::TooShort {
-                    path: self.corpus.path.clone(),
-                    split,
-                    tokens: part.len(),
-                    need: block + 1,
-                }
-                .into());
-            }
-        }
         let t = &config.training;
         let eval_seed = t.seed ^ 0xE7A1_0000_0000_0000;
         let windows = |tokens: &Arc<[u32]>, batch, seed, split| {
-            LmWindows::new(Arc::clone(tokens), batch, block, seed, split)
+            LmWindows::new(Arc::clone(tokens), batch, block, seed, split).map_err(|e| {
+                TrainError::CorpusTooShort {
+                    path: self.corpus.path.clone(),
+                    why: e.to_string(),
+                }
+            })
         };
         let eval_batch = config.eval.batch_size;
         Ok(LmTask {
@@ -130,9 +123,9 @@ impl Prepared {
                 t.batch_size,
                 t.seed,
                 Split::Train,
-            )),
-            eval_train: windows(&self.train_tokens, eval_batch, eval_seed, Split::Train),
-            eval_val: windows(&self.val_tokens, eval_batch, eval_seed, Split::Val),
+            )?),
+            eval_train: windows(&self.train_tokens, eval_batch, eval_seed, Split::Train)?,
+            eval_val: windows(&self.val_tokens, eval_batch, eval_seed, Split::Val)?,
             eval_iters: config.eval.eval_iters as u64,
             inner: inner.clone(),
             flops_per_token: self.gpt.flops_per_token(),

@@ -1,0 +1,315 @@
+//! `kiln export`: a trained GPT as a folder that Hugging Face `transformers`
+//! loads as `GPT2LMHeadModel` — `config.json`, `model.safetensors` with
+//! GPT-2's parameter names and layouts, the tokenizer — and, so that whoever
+//! loads it can check the load, `kiln_reference.json`: fixed token ids with
+//! the logits kiln computes for them.
+//!
+//! kiln's GPT is GPT-2's architecture, so the mapping is one to one: the
+//! fused `qkv` linear is GPT-2's `c_attn` (query, key and value in thirds of
+//! its output), Burn's `Linear` keeps its weight `[in, out]` as GPT-2's
+//! `Conv1D` does, LayerNorm's `gamma`/`beta` are `weight`/`bias`, and the
+//! output projection is tied to the token embedding in both. kiln's exact
+//! erf GELU is `activation_function = "gelu"`, its tanh approximation
+//! GPT-2's own `"gelu_new"`. The sentence-pair encoder is not exported.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use kiln_config::{Gelu, RunConfig, Workload};
+use kiln_data::Tokenizer;
+use safetensors::tensor::{Dtype, TensorView};
+use serde::Serialize;
+
+use crate::checkpoint;
+use crate::error::TrainError;
+use crate::rundir::{RunDir, write_atomic};
+
+/// What [`export_hf`] wrote.
+#[derive(Clone, Debug, Serialize)]
+#[non_exhaustive]
+pub struct Exported {
+    /// The folder written.
+    pub out: PathBuf,
+    /// The checkpoint exported, and its step.
+    pub checkpoint: PathBuf,
+    pub step: u64,
+    /// Tensors written to `model.safetensors` (the tied output projection is
+    /// GPT-2's too, so it is not written twice).
+    pub tensors: usize,
+    pub parameters: usize,
+    /// Notes on damaged checkpoints skipped on the way.
+    pub notes: Vec<String>,
+}
+
+/// kiln's parameter path → GPT-2's name in `GPT2LMHeadModel`'s state dict.
+pub fn hf_name(path: &str) -> Option<String> {
+    let top = match path {
+        "wte.weight" => Some("transformer.wte.weight"),
+        "wpe.weight" => Some("transformer.wpe.weight"),
+        "ln_f.gamma" => Some("transformer.ln_f.weight"),
+        "ln_f.beta" => Some("transformer.ln_f.bias"),
+        _ => None,
+    };
+    if let Some(name) = top {
+        return Some(name.to_string());
+    }
+    let rest = path.strip_prefix("blocks.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (module, param) = rest.split_once('.')?;
+    let module = match module {
+        "ln1" => "ln_1",
+        "ln2" => "ln_2",
+        "qkv" => "attn.c_attn",
+        "attn_proj" => "attn.c_proj",
+        "fc" => "mlp.c_fc",
+        "mlp_proj" => "mlp.c_proj",
+        _ => return None,
+    };
+    let param = match (module, param) {
+        ("ln_1" | "ln_2", "gamma") => "weight",
+        ("ln_1" | "ln_2", "beta") => "bias",
+        (_, "weight") => "weight",
+        (_, "bias") => "bias",
+        _ => return None,
+    };
+    Some(format!("transformer.h.{layer}.{module}.{param}"))
+}
+
+/// `transformers`' `config.json` for a GPT-2 of the run's shape.
+fn config_json(config: &RunConfig, vocab_size: usize) -> serde_json::Value {
+    let m = &config.model;
+    serde_json::json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab_size,
+        "n_positions": m.max_length,
+        "n_ctx": m.max_length,
+        "n_embd": m.hidden,
+        "n_layer": m.layers,
+        "n_head": m.heads,
+        "n_inner": m.intermediate,
+        "activation_function": match m.gelu {
+            Gelu::Exact => "gelu",
+            Gelu::Tanh => "gelu_new",
+        },
+        "layer_norm_epsilon": kiln_model::kernels::LAYER_NORM_EPSILON,
+        "resid_pdrop": m.dropout,
+        "embd_pdrop": m.dropout,
+        "attn_pdrop": m.dropout,
+        "initializer_range": 0.02,
+        "scale_attn_weights": true,
+        "tie_word_embeddings": true,
+        // kiln's tokenizers have no beginning or end-of-text token.
+        "bos_token_id": null,
+        "eos_token_id": null,
+        "torch_dtype": "float32",
+        "kiln": {
+            "experiment": config.experiment,
+            "tokenizer": format!("{:?}", config.data.tokenizer).to_lowercase(),
+        },
+    })
+}
+
+/// Writes the newest good checkpoint of the language-model run `run` as a
+/// `transformers` GPT-2 folder at `out`, which must not exist yet (nothing
+/// is overwritten; the folder appears whole or not at all).
+pub fn export_hf(run: &Path, out: &Path) -> Result<Exported, TrainError> {
+    let dir = RunDir::open(run)?;
+    let config = kiln_config::read_run_config(&dir.file("config.toml"))?;
+    if config.workload != Workload::Lm {
+        return Err(TrainError::Unsupported(
+            "exporting a sentence-pair classifier",
+            format!(
+                "`{}` is a cross-validation run of the nli encoder; `kiln export` writes GPT language models (lm runs) as GPT-2",
+                run.display()
+            ),
+        ));
+    }
+    if out.exists() {
+        return Err(TrainError::ExportExists {
+            path: out.to_path_buf(),
+        });
+    }
+    let tokenizer_path = dir.file("tokenizer.json");
+    let tokenizer = Tokenizer::load(&tokenizer_path)?;
+    let (info, state, notes) = checkpoint::latest_good(&dir.checkpoints())?;
+    let vocab_size = tokenizer.vocab_size();
+
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut parameters = 0;
+    for (path, shape, values) in &state.params {
+        let name = hf_name(path).ok_or_else(|| TrainError::CheckpointMismatch {
+            path: info.path.clone(),
+            why: format!("parameter `{path}` has no GPT-2 counterpart"),
+        })?;
+        parameters += values.len();
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        tensors.push((name, shape.clone(), bytes));
+    }
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let wte = tensors
+        .iter()
+        .find(|t| t.0 == "transformer.wte.weight")
+        .map(|t| t.1.clone());
+    if wte.as_deref() != Some(&[vocab_size, config.model.hidden][..]) {
+        return Err(TrainError::CheckpointMismatch {
+            path: info.path.clone(),
+            why: format!(
+                "the token embedding is {wte:?}, but the run's tokenizer has {vocab_size} tokens and model.hidden is {}",
+                config.model.hidden
+            ),
+        });
+    }
+    let views = tensors
+        .iter()
+        .map(|(name, shape, bytes)| {
+            TensorView::new(Dtype::F32, shape.clone(), bytes).map(|v| (name.clone(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| write_error(out, e.to_string()))?;
+    let metadata: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    let model = safetensors::serialize(views, Some(metadata))
+        .map_err(|e| write_error(out, e.to_string()))?;
+
+    // Everything is written into a sibling folder that is renamed into place.
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|source| TrainError::Write {
+        path: parent.to_path_buf(),
+        source,
+    })?;
+    let staging = tempfile::Builder::new()
+        .prefix(".kiln-export")
+        .tempdir_in(parent)
+        .map_err(|source| TrainError::Write {
+            path: parent.to_path_buf(),
+            source,
+        })?;
+    let put = |name: &str, bytes: &[u8]| write_atomic(&staging.path().join(name), bytes);
+    put("model.safetensors", &model)?;
+    let json = |v: &serde_json::Value| serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
+    put(
+        "config.json",
+        json(&config_json(&config, vocab_size)).as_bytes(),
+    )?;
+    put("tokenizer.json", tokenizer.to_json()?.as_bytes())?;
+    let tokenizer_config = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": config.model.max_length,
+        "clean_up_tokenization_spaces": false,
+    });
+    put("tokenizer_config.json", json(&tokenizer_config).as_bytes())?;
+    if let Some(reference) = reference(&config, &tokenizer, &state.params, &dir)? {
+        put("kiln_reference.json", json(&reference).as_bytes())?;
+    }
+    let staged = staging.keep();
+    std::fs::rename(&staged, out).map_err(|source| {
+        let _ = std::fs::remove_dir_all(&staged);
+        TrainError::Write {
+            path: out.to_path_buf(),
+            source,
+        }
+    })?;
+    Ok(Exported {
+        out: out.to_path_buf(),
+        checkpoint: info.path,
+        step: info.step,
+        tensors: tensors.len(),
+        parameters,
+        notes,
+    })
+}
+
+fn write_error(path: &Path, why: String) -> TrainError {
+    TrainError::Write {
+        path: path.to_path_buf(),
+        source: std::io::Error::other(why),
+    }
+}
+
+/// Fixed token ids, kiln's logits for them (f32 forward on the CPU, the
+/// first 512 entries of each position's vocabulary), and a line of text with
+/// its ids, for a loader to check itself against.
+#[cfg(feature = "flex")]
+fn reference(
+    config: &RunConfig,
+    tokenizer: &Tokenizer,
+    params: &[(String, Vec<usize>, Vec<f32>)],
+    dir: &RunDir,
+) -> Result<Option<serde_json::Value>, TrainError> {
+    use burn::tensor::{Device, Int, Tensor, TensorData};
+
+    let device = Device::flex();
+    let vocab = tokenizer.vocab_size();
+    let gpt = crate::translate::gpt_config(config, vocab);
+    let values = params
+        .iter()
+        .map(|(p, s, v)| (p.clone(), (s.clone(), v.clone())))
+        .collect();
+    let model = crate::params::load_values(gpt.init(&device), values, &device)
+        .map_err(|why| TrainError::CheckpointMismatch {
+            path: dir.checkpoints(),
+            why,
+        })?
+        .with_kernels(crate::translate::kernels(config));
+    let n = config.model.max_length.min(16);
+    let ids: Vec<u32> = (0..n).map(|i| ((i * 7919 + 11) % vocab) as u32).collect();
+    let input = ids.iter().map(|&i| i64::from(i)).collect::<Vec<_>>();
+    let input = Tensor::<2, Int>::from_data(TensorData::new(input, [1, n]), &device);
+    let logits: Vec<f32> = model.forward(input).into_data().iter::<f32>().collect();
+    let kept = vocab.min(512);
+    let rows: Vec<&[f32]> = logits.chunks(vocab).map(|row| &row[..kept]).collect();
+    // A line the model wrote (its sample), else the ids' text.
+    let sample = std::fs::read_to_string(dir.file("samples.txt")).unwrap_or_default();
+    let line = sample
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.starts_with('#') && !l.starts_with("---"))
+        .map(str::to_string);
+    let text = match line {
+        Some(l) => l,
+        None => tokenizer.decode(&ids)?,
+    };
+    let text_ids = tokenizer.encode(&text)?;
+    Ok(Some(serde_json::json!({
+        "input_ids": ids,
+        "logits_first_vocab_entries": kept,
+        "logits": rows,
+        "text": text,
+        "text_ids": text_ids,
+    })))
+}
+
+#[cfg(not(feature = "flex"))]
+fn reference(
+    _: &RunConfig,
+    _: &Tokenizer,
+    _: &[(String, Vec<usize>, Vec<f32>)],
+    _: &RunDir,
+) -> Result<Option<serde_json::Value>, TrainError> {
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_gpt_parameter_has_its_gpt2_name() {
+        let config = crate::tests::config(&["model.layers=2"]);
+        let gpt = crate::translate::gpt_config(&config, 65);
+        let model = gpt.init(&burn::tensor::Device::flex());
+        let names: Vec<String> = crate::params::param_entries(&model)
+            .iter()
+            .map(|e| hf_name(&e.path).unwrap_or_else(|| panic!("{} unmapped", e.path)))
+            .collect();
+        assert_eq!(names.len(), 4 + 2 * 12);
+        assert!(names.contains(&"transformer.h.1.attn.c_attn.weight".to_string()));
+        assert!(names.contains(&"transformer.h.0.ln_2.bias".to_string()));
+        assert_eq!(hf_name("blocks.0.dropout.x"), None);
+        assert_eq!(hf_name("blocks.x.fc.weight"), None);
+    }
+}
