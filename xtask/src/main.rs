@@ -47,8 +47,9 @@ cargo xtask <target> [args...]
                             both experiments → bench/tune-results.json
   outside [DIR]             each library crate's README example built and run
                             from a scratch crate outside the workspace
-  ci                        what .ci/run checks: fmt, clippy (also wgpu, cuda),
-                            the tests, the GPU suite on Vulkan, the CUDA build
+  ci                        .ci/run: fmt, clippy, the tests, the README examples
+                            outside the workspace, packaging, the CUDA build
+                            (linted), the GPU suite on Vulkan
 
 Extra arguments go to `kiln` (overrides like training.batch_size=8).
 A GPU preset on a machine without that GPU exits 2 unless --force.
@@ -409,51 +410,14 @@ fn bench_tune(rest: Vec<String>) -> Result<ExitCode, String> {
     collect("tune-results.json", &entries, &rest)
 }
 
-/// The steps of `.ci/run` (without its system packages): formatting, lints
-/// (also of both GPU backends and the GPU suite), the tests, the CUDA build
-/// with wgpu linked for real, and on it the GPU suite on whatever Vulkan
-/// device there is.
+/// `.ci/run` itself, so that the two cannot drift apart: formatting, lints,
+/// the tests, the README examples from outside the workspace, packaging,
+/// the CUDA build with wgpu linked for real (linted by clippy as it builds),
+/// and on it the GPU suite on whatever Vulkan device there is. It installs
+/// Mesa's Vulkan driver and pip only where they are missing.
 fn ci() -> Result<ExitCode, String> {
-    let clippy = ["clippy", "--workspace", "--all-targets"];
-    let deny = ["--", "-D", "warnings"];
-    let gpu_features = ["--features", "kiln-cli/wgpu,kiln-cli/cuda,kiln-tests/wgpu"];
-    let steps: Vec<(Vec<&str>, bool)> = vec![
-        (vec!["fmt", "--all", "--check"], false),
-        ([&clippy[..], &deny[..]].concat(), false),
-        ([&clippy[..], &gpu_features[..], &deny[..]].concat(), true),
-        (vec!["test", "--workspace"], false),
-    ];
-    for (step, docs_rs) in steps {
-        eprintln!(
-            "$ {}cargo {}",
-            if docs_rs { "DOCS_RS=1 " } else { "" },
-            step.join(" ")
-        );
-        let mut cmd = cargo();
-        cmd.args(&step);
-        if docs_rs {
-            // Skips cubecl-llvm's native build: lints the CUDA path quickly;
-            // the build below links it for real.
-            cmd.env("DOCS_RS", "1");
-        }
-        let code = run(cmd)?;
-        if code != ExitCode::SUCCESS {
-            return Ok(code);
-        }
-    }
-    let build = build_cuda(&[
-        "--profile".to_string(),
-        "dev".to_string(),
-        "--features".to_string(),
-        "wgpu".to_string(),
-    ])?;
-    eprintln!(
-        "$ TEST_KILN_BIN={} cargo test -p kiln-tests --features wgpu gpu::",
-        build.bin.display()
-    );
-    let mut cmd = cargo();
-    cmd.args(["test", "-p", "kiln-tests", "--features", "wgpu", "gpu::"])
-        .env("TEST_KILN_BIN", &build.bin);
+    let mut cmd = Command::new("bash");
+    cmd.arg(root().join(".ci/run"));
     run(cmd)
 }
 

@@ -9,74 +9,130 @@ use crate::layer::Source;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
+    /// A file that exists could not be read.
     #[error("failed to read `{}`", path.display())]
     Io {
+        /// The file.
         path: PathBuf,
+        /// Why.
         #[source]
         source: std::io::Error,
     },
 
+    /// A TOML file does not parse.
     #[error("`{}` line {line}, column {column}: invalid TOML: {message}", path.display())]
     Syntax {
+        /// The file (`built-in <name>.toml` for a built-in preset).
         path: PathBuf,
+        /// 1-based line of the error.
         line: usize,
+        /// 1-based column of the error.
         column: usize,
+        /// The parser's message.
         message: String,
     },
 
+    /// A key no section has.
     #[error("unknown key `{key}` set by {set_by}{}", suggestion(.did_you_mean))]
     UnknownKey {
+        /// The key, dotted.
         key: String,
+        /// The closest valid key, if one is close.
         did_you_mean: Option<String>,
+        /// The layer that set it, and where.
         set_by: Box<Source>,
     },
 
+    /// A value of the wrong type or out of range.
     #[error("invalid value {value} for `{key}` set by {set_by}: {problem}")]
     InvalidValue {
+        /// The key, dotted.
         key: String,
+        /// The value, as TOML.
         value: String,
+        /// What is wrong with it.
         problem: String,
+        /// The layer that set it, and where.
         set_by: Box<Source>,
     },
 
+    /// A key no layer set (only in a saved run configuration: the built-in
+    /// defaults set every key).
     #[error("missing key `{key}`: {}", hint)]
-    MissingKey { key: String, hint: String },
+    MissingKey {
+        /// The key, dotted.
+        key: String,
+        /// What to check.
+        hint: String,
+    },
 
+    /// `hardware=` or `experiment=` names no preset.
     #[error("unknown {group} preset `{name}` set by {set_by}; available ({looked}): {}{}", available.join(", "), suggestion(.did_you_mean))]
     UnknownPreset {
+        /// `hardware` or `experiment`.
         group: &'static str,
+        /// The name asked for.
         name: String,
         /// Where presets were looked up: "built in", "built in and in `dir`".
         looked: String,
+        /// The names there are.
         available: Vec<String>,
+        /// The closest name, if one is close.
         did_you_mean: Option<String>,
+        /// The layer that asked for it, and where.
         set_by: Box<Source>,
     },
 
+    /// A preset sets a key only the layers above the presets may set
+    /// (`hardware`, `experiment`, `workload`).
     #[error(
         "{set_by} sets `{key}`, which only the defaults, a config file, the environment or the command line may set"
     )]
-    KeyNotAllowedHere { key: String, set_by: Box<Source> },
+    KeyNotAllowedHere {
+        /// The key.
+        key: String,
+        /// The preset that set it, and where.
+        set_by: Box<Source>,
+    },
 
+    /// A command-line override that is not `key=value`.
     #[error("bad override `{arg}`: {reason}")]
-    BadOverride { arg: String, reason: String },
+    BadOverride {
+        /// The argument as given.
+        arg: String,
+        /// What is wrong with it.
+        reason: String,
+    },
 
+    /// A `KILN_*` variable whose value is not UTF-8.
     #[error("environment variable `{var}` is not valid UTF-8")]
-    NonUtf8Env { var: String },
+    NonUtf8Env {
+        /// The variable's name.
+        var: String,
+    },
 
+    /// `--presets DIR` (or [`crate::Presets::with_dir`]) names no directory.
     #[error("presets directory `{}` does not exist (kiln's presets are built in; a directory only adds or replaces presets)", path.display())]
-    NoPresetsDir { path: PathBuf },
+    NoPresetsDir {
+        /// The path given.
+        path: PathBuf,
+    },
 
+    /// `hardware=tuned` on a machine (or for an experiment) `kiln tune` has
+    /// not measured.
     #[error(
         "hardware=tuned: no tuning {what} (`{}`); run `kiln tune{}` on this machine first, or use hardware=auto", path.display(), tune_args
     )]
     NotTuned {
+        /// The tuned-preset file looked for.
         path: PathBuf,
         /// "for this machine" or "of experiment `x` in it".
         what: String,
+        /// The arguments of the `kiln tune` to run.
         tune_args: String,
     },
 
+    /// Several of the above, one per line.
     #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
     Many(Vec<ConfigError>),
 }

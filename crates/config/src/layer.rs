@@ -14,13 +14,19 @@ use crate::error::ConfigError;
 /// Which layer a value came from, lowest first.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum LayerKind {
+    /// The built-in `defaults.toml`, with a presets directory's over it.
     Defaults,
+    /// The hardware preset of this name.
     Hardware(String),
+    /// The experiment preset of this name.
     Experiment(String),
     /// `presets/tuned/<machine>.toml`, written by `kiln tune`.
     Tuned(String),
+    /// `--config FILE`.
     ConfigFile,
+    /// `KILN_*` environment variables.
     Environment,
+    /// `key=value` arguments.
     CommandLine,
     /// `hardware=auto` resolved from the detected machine.
     HardwareDetection,
@@ -44,6 +50,7 @@ impl fmt::Display for LayerKind {
 /// Where a resolved value was set.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Source {
+    /// Which layer.
     pub layer: LayerKind,
     /// `presets/hardware/t4.toml:12`, `KILN_TRAINING__BATCH_SIZE`,
     /// `training.batch_size=10`, or the reason for an automatic choice.

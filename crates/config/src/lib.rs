@@ -20,6 +20,8 @@
 //! This crate is the only one in kiln that reads preset files or environment
 //! variables; it depends on no ML framework.
 
+#![warn(missing_docs)]
+
 /// kiln-hwdetect, whose [`HardwareReport`](kiln_hwdetect::HardwareReport)
 /// [`LoadOptions`] and [`choose_preset`] take.
 pub use kiln_hwdetect;

@@ -36,6 +36,7 @@ pub struct LoadOptions<'a> {
 /// A resolved configuration: the typed values and where each came from.
 #[derive(Clone, Debug)]
 pub struct ResolvedConfig {
+    /// The typed, validated values.
     pub config: RunConfig,
     /// Dotted key → source, for every leaf key.
     pub sources: BTreeMap<String, Source>,
@@ -46,8 +47,11 @@ pub struct ResolvedConfig {
 /// One line of `kiln config --explain`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExplainRow {
+    /// The key, dotted.
     pub key: String,
+    /// Its value, as TOML.
     pub value: String,
+    /// Where it was set.
     pub source: Source,
 }
 
@@ -76,6 +80,7 @@ impl ResolvedConfig {
         rows
     }
 
+    /// Where `key` (dotted) was set, if it is a key.
     pub fn source(&self, key: &str) -> Option<&Source> {
         self.sources.get(key)
     }

@@ -8,7 +8,9 @@ use crate::schema::{AmpDtype, PrecisionSection};
 /// The preset chosen for a machine, and why, in one line.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PresetChoice {
+    /// The preset's name.
     pub name: String,
+    /// Why, in a sentence: the GPU (or its absence) and what decided.
     pub why: String,
     /// The GPU the preset was chosen for (`None` on the CPU).
     pub gpu_index: Option<u32>,
@@ -137,6 +139,7 @@ fn gpu_preset(gpu: &GpuInfo) -> (&'static str, Option<String>) {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("hardware preset `{preset}` is for {needs}, but {have}")]
 pub struct PresetMismatch {
+    /// The preset.
     pub preset: String,
     /// The GPUs it is written for: "RTX 4090", "an NVIDIA GPU".
     pub needs: String,
@@ -193,6 +196,7 @@ pub struct EffectivePrecision {
     pub compute: Option<AmpDtype>,
     /// "bf16 compute, f32 master weights", "f32, TF32 matmuls", ...
     pub label: String,
+    /// Why, in a sentence: the setting and what the GPU supports.
     pub why: String,
 }
 

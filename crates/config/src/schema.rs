@@ -15,21 +15,35 @@ pub struct RunConfig {
     pub experiment: String,
     /// What is trained: a language model or a sentence-pair classifier.
     pub workload: Workload,
+    /// `[run]`: where runs go.
     pub run: RunSection,
+    /// `[model]`: the model's shape and options.
     pub model: ModelSection,
+    /// `[data]`: the corpus or pairs and the tokenizer.
     pub data: DataSection,
+    /// `[training]`: batch, steps, optimizer and schedule.
     pub training: TrainingSection,
+    /// `[eval]`: how often and on how much to evaluate.
     pub eval: EvalSection,
+    /// `[logging]`: how often to log.
     pub logging: LoggingSection,
+    /// `[checkpoint]`: how often to checkpoint and how many to keep.
     pub checkpoint: CheckpointSection,
+    /// `[precision]`: mixed precision and loss scaling.
     pub precision: PrecisionSection,
+    /// `[optimization]`: compile and kernels.
     pub optimization: OptimizationSection,
+    /// `[loader]`: loader workers and prefetch.
     pub loader: LoaderSection,
+    /// `[device]`: which backend and device.
     pub device: DeviceSection,
+    /// `[cv]`: cross-validation.
     pub cv: CvSection,
+    /// `[sample]`: text sampled after training.
     pub sample: SampleSection,
 }
 
+/// What a run trains.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Workload {
@@ -39,6 +53,7 @@ pub enum Workload {
     Nli,
 }
 
+/// `[run]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
@@ -47,46 +62,61 @@ pub struct RunSection {
     pub dir: String,
 }
 
+/// `[model]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct ModelSection {
+    /// Transformer blocks.
     pub layers: usize,
+    /// Attention heads; must divide `model.hidden`.
     pub heads: usize,
     /// Width of the residual stream (d_model).
     pub hidden: usize,
     /// Width of the MLP's inner layer.
     pub intermediate: usize,
+    /// Dropout probability, in [0, 1).
     pub dropout: f64,
     /// Tokens per sequence (the LM's block size, the encoder's maximum).
     pub max_length: usize,
+    /// Recompute activations in the backward pass: less memory, about 20–30 % more time.
     pub gradient_checkpointing: bool,
     /// Train only the classification head (encoder workloads).
     pub freeze_encoder: bool,
+    /// Encoder workloads: `cls` (the [CLS] token) or `mean` (mean over real tokens).
     pub pooling: Pooling,
+    /// `exact` (erf) or `tanh` (the approximation); never switched silently.
     pub gelu: Gelu,
 }
 
+/// How the encoder pools a sequence for the classifier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Pooling {
+    /// The `[CLS]` token's state, as BERT does.
     Cls,
+    /// The mean over the real (unpadded) tokens.
     Mean,
 }
 
+/// Which GELU the MLPs use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Gelu {
+    /// The exact erf form, as GPT-2 and BERT were trained.
     Exact,
+    /// The tanh approximation.
     Tanh,
 }
 
+/// `[data]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct DataSection {
     /// The corpus (lm) or the pairs file (nli).
     pub path: String,
+    /// `char` (vocabulary from the corpus), `bpe` or `wordpiece` (trained on the training text).
     pub tokenizer: TokenizerKind,
     /// Vocabulary size for trained BPE / WordPiece tokenizers (char: ignored).
     pub vocab_size: usize,
@@ -100,7 +130,9 @@ pub struct DataSection {
     pub cache_dir: String,
     /// Sentence pairs: the fields (JSONL) or columns (TSV/CSV) to read.
     pub premise_field: String,
+    /// The field or column of the second sentence.
     pub hypothesis_field: String,
+    /// The field or column of the label (a name, or in JSON an index into `data.labels`).
     pub label_field: String,
     /// The label names, in class order.
     pub labels: Vec<String>,
@@ -110,52 +142,76 @@ pub struct DataSection {
     pub format: PairsFormat,
 }
 
+/// What reading pairs does with a bad row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BadRowsMode {
+    /// Skip it, count it and name its line.
     Skip,
+    /// Stop with an error naming its line.
     Error,
 }
 
+/// The layout of a pairs file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PairsFormat {
+    /// From the file's extension.
     Auto,
+    /// JSON lines.
     Jsonl,
+    /// Tab-separated, with a header.
     Tsv,
+    /// Comma-separated, with a header.
     Csv,
 }
 
+/// Which tokenizer a run trains (or loads).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TokenizerKind {
+    /// One token per character of the corpus.
     Char,
+    /// Byte-level BPE, as GPT-2.
     Bpe,
+    /// WordPiece, as BERT.
     Wordpiece,
 }
 
+/// `[training]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct TrainingSection {
     /// Micro-batch per optimizer step and accumulation step.
     pub batch_size: usize,
+    /// Micro-batches per optimizer step; gradients are averaged.
     pub gradient_accumulation_steps: usize,
     /// Optimizer steps; 0 trains for `epochs` instead.
     pub max_steps: usize,
+    /// Passes over the training data when `max_steps` is 0.
     pub epochs: usize,
+    /// Seeds initialisation, sampling and the loader: same seed, same run.
     pub seed: u64,
+    /// Peak learning rate, reached after warm-up.
     pub learning_rate: f64,
+    /// Where the cosine decay ends; between 0 and `learning_rate`.
     pub min_lr: f64,
+    /// Linear warm-up steps.
     pub warmup_steps: usize,
+    /// AdamW weight decay, applied to weight matrices only.
     pub weight_decay: f64,
+    /// AdamW β1.
     pub beta1: f64,
+    /// AdamW β2 (PyTorch's default is 0.999; 0.95 is the GPT choice).
     pub beta2: f64,
+    /// AdamW ε.
     pub eps: f64,
     /// Global gradient-norm clip; 0 disables clipping.
     pub grad_clip: f64,
 }
 
+/// `[eval]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
@@ -164,16 +220,20 @@ pub struct EvalSection {
     pub eval_steps: usize,
     /// Batches per evaluation.
     pub eval_iters: usize,
+    /// Batch size of evaluation (no activations kept for backward, so it can be larger).
     pub batch_size: usize,
 }
 
+/// `[logging]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct LoggingSection {
+    /// Log every N optimizer steps.
     pub logging_steps: usize,
 }
 
+/// `[checkpoint]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
@@ -184,12 +244,14 @@ pub struct CheckpointSection {
     pub keep: usize,
 }
 
+/// `[precision]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct PrecisionSection {
     /// Mixed precision: compute in `amp_dtype`, master weights in f32.
     pub amp: bool,
+    /// `bf16` (Ampere and newer) or `fp16` (with loss scaling).
     pub amp_dtype: AmpDtype,
     /// Allow TF32 matmuls where the device has them.
     pub tf32: bool,
@@ -202,10 +264,13 @@ pub struct PrecisionSection {
     pub loss_scale_growth_interval: u64,
 }
 
+/// The dtype products compute in under `precision.amp`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AmpDtype {
+    /// bfloat16 (Ampere or later).
     Bf16,
+    /// float16, with loss scaling.
     Fp16,
 }
 
@@ -219,33 +284,43 @@ impl AmpDtype {
     }
 }
 
+/// `[optimization]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct OptimizationSection {
     /// Kernel fusion and autotuning on backends that have them.
     pub compile: bool,
+    /// `default` and `reduce-overhead` → CubeCL autotune level `balanced`, `max-autotune` → `full`; results cached across runs.
     pub compile_mode: CompileMode,
     /// kiln's fused CPU kernels (linear, GELU, attention, LayerNorm) or Burn's plain
     /// composition of the same math.
     pub kernels: KernelChoice,
 }
 
+/// Which CPU kernels the models use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KernelChoice {
+    /// kiln's fused kernels.
     Fused,
+    /// Burn's own operations (the reference the kernels are tested against).
     Reference,
 }
 
+/// `optimization.compile_mode`, as `torch.compile` names them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum CompileMode {
+    /// Balanced autotuning.
     Default,
+    /// Balanced autotuning (CubeCL has no graph capture to reduce overhead with).
     ReduceOverhead,
+    /// Full autotuning.
     MaxAutotune,
 }
 
+/// `[loader]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
@@ -258,24 +333,32 @@ pub struct LoaderSection {
     pub bucket_by_length: bool,
 }
 
+/// `[device]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct DeviceSection {
+    /// `auto` (when NVML finds an NVIDIA GPU: CUDA if kiln is built with the `cuda` feature, else wgpu if built with `wgpu`; otherwise the CPU), `cuda`, `wgpu` (force that device; exit 2 if the build lacks its feature) or `flex` (the CPU).
     pub backend: Backend,
     /// Which GPU of several.
     pub index: usize,
 }
 
+/// Which Burn backend a run uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Backend {
+    /// A GPU when one is found and built in, else the CPU.
     Auto,
+    /// NVIDIA GPUs through CUDA.
     Cuda,
+    /// GPUs through wgpu (Vulkan, Metal, DX12).
     Wgpu,
+    /// The CPU.
     Flex,
 }
 
+/// `[cv]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
@@ -286,6 +369,7 @@ pub struct CvSection {
     pub patience: usize,
 }
 
+/// `[sample]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
@@ -294,6 +378,7 @@ pub struct SampleSection {
     pub count: usize,
     /// Tokens per text.
     pub tokens: usize,
+    /// Sampling temperature: lower is more conservative.
     pub temperature: f64,
     /// Sample among the k most likely tokens; 0 samples among all.
     pub top_k: usize,
@@ -302,7 +387,9 @@ pub struct SampleSection {
 /// A value outside its valid range: the key and what is wrong with it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RangeProblem {
+    /// The key, dotted.
     pub key: &'static str,
+    /// What is wrong with its value.
     pub problem: String,
 }
 

@@ -19,23 +19,33 @@ pub struct CpuInfo {
     pub physical_cores: Option<usize>,
     /// Logical CPUs this process may run on.
     pub logical_cores: usize,
+    /// The instruction-set extensions kiln's kernels and estimates care about.
     pub features: IsaFeatures,
     /// Clock used for the peak estimate, in MHz (the maximum where the OS
     /// exposes it, else the current reading).
     pub frequency_mhz: Option<u64>,
+    /// The fp32 peak estimate and how it was reached.
     pub peak: CpuPeak,
 }
 
 /// Instruction-set features that matter for training kernels.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IsaFeatures {
+    /// AVX (256-bit float vectors).
     pub avx: bool,
+    /// AVX2 (256-bit integer vectors).
     pub avx2: bool,
+    /// FMA3 (fused multiply-add: two FLOPs per lane per instruction).
     pub fma: bool,
+    /// F16C (half-precision conversions).
     pub f16c: bool,
+    /// AVX-512 Foundation (512-bit vectors).
     pub avx512f: bool,
+    /// AVX-512 BF16 (bfloat16 dot products).
     pub avx512_bf16: bool,
+    /// Intel AMX tiles (read from `/proc/cpuinfo`).
     pub amx: bool,
+    /// Arm NEON (128-bit vectors).
     pub neon: bool,
 }
 

@@ -11,11 +11,15 @@ use crate::specs::{self, PeakFlops};
 pub struct GpuInfo {
     /// NVML's index (the CUDA ordinal on most systems).
     pub index: u32,
+    /// The name NVML reports ("NVIDIA A100-SXM4-80GB").
     pub name: String,
+    /// Device memory in bytes.
     pub memory_total_bytes: u64,
+    /// Device memory free when detected, in bytes.
     pub memory_free_bytes: u64,
     /// CUDA compute capability, `(major, minor)`.
     pub compute_capability: (u32, u32),
+    /// What the compute capability supports (fp16, bf16, tf32, fp8, tensor cores).
     pub capabilities: GpuCapabilities,
     /// kiln's table row for this GPU, if it has one.
     pub table_model: Option<String>,
@@ -49,6 +53,7 @@ impl GpuInfo {
         }
     }
 
+    /// Device memory in GiB.
     pub fn memory_total_gib(&self) -> f64 {
         self.memory_total_bytes as f64 / f64::from(1u32 << 30)
     }
@@ -57,10 +62,15 @@ impl GpuInfo {
 /// What the GPU's architecture supports in hardware.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuCapabilities {
+    /// Fast fp16 arithmetic (compute capability 5.3 or later).
     pub fp16: bool,
+    /// bf16 arithmetic (8.0, Ampere, or later).
     pub bf16: bool,
+    /// TF32 tensor-core matmuls (8.0 or later).
     pub tf32: bool,
+    /// fp8 tensor cores (8.9, Ada and Hopper, or later).
     pub fp8: bool,
+    /// Tensor cores (7.0, Volta, or later).
     pub tensor_cores: bool,
 }
 
@@ -85,12 +95,21 @@ impl GpuCapabilities {
 #[serde(tag = "status", rename_all = "snake_case")]
 pub enum GpuStatus {
     /// NVML answered with at least one device.
-    Found { gpus: Vec<GpuInfo> },
+    /// NVML found these GPUs.
+    Found {
+        /// One per device, in NVML's order.
+        gpus: Vec<GpuInfo>,
+    },
     /// No GPU to use; `why` is a sentence for the user.
-    None { why: String },
+    /// No GPU to use, and why, in a sentence for the user.
+    None {
+        /// Why, for the user ("no NVIDIA driver: …").
+        why: String,
+    },
 }
 
 impl GpuStatus {
+    /// The GPUs found (empty when none).
     pub fn gpus(&self) -> &[GpuInfo] {
         match self {
             Self::Found { gpus } => gpus,
@@ -102,6 +121,7 @@ impl GpuStatus {
 /// Driver and CUDA versions NVML reports.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DriverInfo {
+    /// The driver version ("580.159.04").
     pub driver_version: Option<String>,
     /// The highest CUDA version the driver supports ("12.4").
     pub cuda_version: Option<String>,
@@ -110,6 +130,7 @@ pub struct DriverInfo {
 /// The seam between kiln and the GPU driver: the real one asks NVML, tests
 /// give fixed answers.
 pub trait GpuProbe {
+    /// The GPUs and the driver, or why there are none; never panics.
     fn probe(&self) -> (GpuStatus, DriverInfo);
 }
 

@@ -10,6 +10,7 @@
 //!
 //! It depends on no ML framework and never panics: with no driver, no NVML
 //! library or no GPU the report says which and why.
+#![warn(missing_docs)]
 
 mod cpu;
 mod gpu;
@@ -26,9 +27,13 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct HardwareReport {
+    /// The CPU: model, cores, ISA features and the fp32 peak estimate.
     pub cpu: CpuInfo,
+    /// Host memory.
     pub memory: MemoryInfo,
+    /// The NVIDIA GPUs, or why there are none.
     pub gpu: GpuStatus,
+    /// The NVIDIA driver and CUDA versions, where there is a driver.
     pub driver: DriverInfo,
     /// Operating system, as sysinfo names it ("Debian GNU/Linux 12").
     pub os: String,
@@ -67,7 +72,9 @@ impl HardwareReport {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct MemoryInfo {
+    /// Installed RAM in bytes.
     pub total_bytes: u64,
+    /// RAM available to a new process, in bytes.
     pub available_bytes: u64,
 }
 

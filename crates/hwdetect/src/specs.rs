@@ -10,10 +10,15 @@ use serde::{Deserialize, Serialize};
 /// Peak dense throughput of one GPU, in FLOP/s.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PeakFlops {
+    /// Dense fp32 FLOP/s (CUDA cores).
     pub fp32: f64,
+    /// Dense TF32 tensor-core FLOP/s, where the GPU has them.
     pub tf32: Option<f64>,
+    /// Dense fp16 tensor-core FLOP/s (fp32 accumulate), where the GPU has them.
     pub fp16: Option<f64>,
+    /// Dense bf16 tensor-core FLOP/s, where the GPU has them.
     pub bf16: Option<f64>,
+    /// Dense fp8 tensor-core FLOP/s, where the GPU has them.
     pub fp8: Option<f64>,
 }
 
@@ -27,6 +32,7 @@ pub struct GpuSpec {
     pub tokens: &'static [&'static str],
     /// Memory in GiB, for telling 40 GB from 80 GB parts (0: any).
     pub min_memory_gib: u32,
+    /// The data sheet's dense peaks of this model.
     pub peak: PeakFlops,
     /// Where the figures come from.
     pub source: &'static str,

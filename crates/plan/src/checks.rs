@@ -12,17 +12,22 @@ use crate::{MemoryEstimate, Schedule};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Severity {
+    /// Worth knowing; nothing to change.
     Note,
+    /// The run works, but slower or worse than it could.
     Warning,
+    /// The run would fail: `kiln diagnose` exits 2.
     Error,
 }
 
 /// One problem with the configuration on this machine and this data.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Finding {
+    /// How bad it is.
     pub severity: Severity,
     /// The key to change.
     pub key: String,
+    /// What is wrong, naming the keys involved.
     pub problem: String,
     /// What to set instead, in kiln's terms.
     pub fix: String,
@@ -42,6 +47,7 @@ pub struct DataSize {
     /// Pairs only: the longest pair in tokens before truncation, and how
     /// many pairs are longer than `model.max_length`.
     pub longest: Option<usize>,
+    /// Pairs longer than `model.max_length` (truncated when encoded).
     pub truncated: usize,
     /// Pairs only: the 99th percentile of pair length in tokens.
     pub p99_length: Option<usize>,
@@ -54,12 +60,15 @@ pub struct Burst {
     pub steps: usize,
     /// Median milliseconds of one optimizer step.
     pub ms_per_step: f64,
+    /// Share of the step time spent waiting for the loader, in percent.
     pub data_wait_pct: f64,
+    /// Peak memory during the burst, in bytes (device or process).
     pub peak_memory_bytes: u64,
     /// One pass over the training data at that speed.
     pub seconds_per_epoch: f64,
     /// The whole run as configured (training steps; evaluation not included).
     pub seconds_total: f64,
+    /// Whether the loader kept up, in a sentence (`loader_verdict`).
     pub loader_verdict: String,
 }
 
@@ -111,12 +120,17 @@ pub fn loader_verdict(data_wait_pct: f64, workers: usize, cores: usize) -> Strin
 /// What the checks look at.
 #[derive(Debug)]
 pub struct CheckInput<'a> {
+    /// The resolved configuration checked.
     pub config: &'a RunConfig,
+    /// The machine it would run on.
     pub hardware: &'a HardwareReport,
     /// Whether the run will be on a GPU.
     pub is_gpu: bool,
+    /// What the data comes to at this configuration.
     pub data: &'a DataSize,
+    /// The memory estimate of one step.
     pub memory: &'a MemoryEstimate,
+    /// Optimizer steps the run would make.
     pub total_steps: usize,
 }
 

@@ -15,6 +15,7 @@
 //!   writes ([`tuned_block`]; kiln-config writes and reads the file).
 //! - [`run_gpu`]: the GPU of the machine a run uses; [`Recommendation`]:
 //!   what the chosen preset comes to on it (`kiln check-hardware`).
+#![warn(missing_docs)]
 
 /// The crates whose types this crate's API takes.
 pub use {kiln_config, kiln_hwdetect};

@@ -6,6 +6,7 @@ use serde::Serialize;
 /// A model's parameter counts, as kiln-model counts them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ModelSize {
+    /// All parameters of the model.
     pub parameters: usize,
     /// Parameters that train (all, or the head alone of a frozen encoder).
     pub trainable: usize,
@@ -14,8 +15,11 @@ pub struct ModelSize {
 /// Memory a training step needs, in bytes (f32 everywhere).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct MemoryEstimate {
+    /// Parameters of the model.
     pub parameters: usize,
+    /// The f32 weights, in bytes.
     pub weights: u64,
+    /// The gradients of the trainable parameters, in bytes.
     pub gradients: u64,
     /// AdamW's two moments.
     pub optimizer: u64,
@@ -29,6 +33,7 @@ pub struct MemoryEstimate {
     pub total: u64,
     /// What the device has: free GPU memory, or available RAM.
     pub available: u64,
+    /// What `available` is ("free GPU memory", "available RAM").
     pub available_what: String,
 }
 

@@ -17,20 +17,31 @@ pub struct Recommendation {
     /// The hardware preset, and why it was chosen ("set explicitly" when a
     /// layer named it).
     pub preset: String,
+    /// Why that preset.
     pub preset_why: String,
     /// The GPU the preset was chosen for, if any.
     pub gpu_index: Option<u32>,
+    /// The experiment the recommendation is for.
     pub experiment: String,
+    /// Micro-batch size (`training.batch_size`).
     pub batch_size: usize,
+    /// Micro-batches per optimizer step.
     pub gradient_accumulation_steps: usize,
+    /// Samples per optimizer step: batch × accumulation.
     pub effective_batch: usize,
     /// The precision as the run's GPU decides it, and why.
     pub precision: String,
+    /// Why that precision.
     pub precision_why: String,
+    /// Loader worker threads.
     pub num_workers: usize,
+    /// Batches each worker keeps ready.
     pub prefetch_factor: usize,
+    /// `optimization.compile`: CubeCL's autotune on GPU backends.
     pub compile: bool,
+    /// Whether activations are recomputed in backward.
     pub gradient_checkpointing: bool,
+    /// Block size of the LM, longest pair of the encoder.
     pub max_length: usize,
 }
 

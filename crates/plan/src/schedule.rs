@@ -19,8 +19,11 @@ pub struct Schedule {
     pub accumulation: u64,
     /// Optimizer steps the run makes.
     pub total_steps: u64,
+    /// Linear warm-up steps before the cosine decay.
     pub warmup_steps: u64,
+    /// The peak learning rate.
     pub learning_rate: f64,
+    /// Where the cosine decay ends.
     pub min_lr: f64,
 }
 

@@ -31,9 +31,13 @@ use serde::Serialize;
 /// One setting to measure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Candidate {
+    /// Samples per micro-batch.
     pub micro_batch: usize,
+    /// Micro-batches per optimizer step (the effective batch kept).
     pub accumulation: usize,
+    /// Loader worker threads.
     pub num_workers: usize,
+    /// Batches each worker keeps ready.
     pub prefetch_factor: usize,
 }
 
@@ -43,7 +47,9 @@ pub struct Measurement {
     /// Samples per second of whole optimizer steps: `accumulation`
     /// micro-steps (data, forward, backward) and one optimizer step.
     pub samples_per_s: f64,
+    /// Median milliseconds of one micro-batch's forward and backward.
     pub ms_per_micro_step: f64,
+    /// Share of the time spent waiting for data, in percent.
     pub data_wait_pct: f64,
     /// Peak resident memory of the probe's process.
     pub peak_memory_bytes: u64,
@@ -57,11 +63,14 @@ pub struct Measurement {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "outcome", rename_all = "lowercase")]
 pub enum ProbeResult {
+    /// The probe ran: what it measured.
     Ran(Measurement),
     /// The probe did not finish (out of memory, a crash): why, and the wall
     /// time it cost.
     Failed {
+        /// What went wrong.
         why: String,
+        /// Wall time the probe cost.
         seconds: f64,
     },
 }
@@ -77,6 +86,7 @@ impl ProbeResult {
 
 /// Runs one candidate.
 pub trait Probe {
+    /// Runs `candidate` and reports what it measured, or why it failed.
     fn probe(&mut self, candidate: &Candidate) -> ProbeResult;
 }
 
@@ -89,9 +99,11 @@ pub struct TuneSpace {
     pub micro_batches: Vec<usize>,
     /// Loader settings: the configured one first.
     pub workers: Vec<usize>,
+    /// Prefetch depths to try with them.
     pub prefetch: Vec<usize>,
     /// Memory a candidate may use, in bytes: the device's less a margin.
     pub memory_limit: u64,
+    /// How `memory_limit` was reached, in words.
     pub memory_limit_what: String,
     /// Whether the run is on a GPU (memory is then the device's).
     pub is_gpu: bool,
@@ -184,18 +196,24 @@ pub fn divisors(n: usize) -> Vec<usize> {
 /// One probe and what the search made of it.
 #[derive(Clone, Debug, Serialize)]
 pub struct Trial {
+    /// The settings probed.
     pub candidate: Candidate,
+    /// What the probe measured, or why it failed.
     pub result: ProbeResult,
     /// Ran and stayed within the memory limit.
     pub usable: bool,
+    /// What the search made of it, in words.
     pub note: String,
 }
 
 /// The outcome of a search.
 #[derive(Clone, Debug, Serialize)]
 pub struct TuneResult {
+    /// The settings chosen.
     pub chosen: Candidate,
+    /// What they measured.
     pub measurement: Measurement,
+    /// Every probe, in the order run.
     pub trials: Vec<Trial>,
     /// Wall time of all probes.
     pub seconds: f64,
@@ -207,8 +225,11 @@ pub struct TuneResult {
 #[derive(Debug, thiserror::Error)]
 #[error("no micro-batch of the effective batch {effective_batch} ran within {limit}: {tried}")]
 pub struct NothingRan {
+    /// The effective batch every candidate kept.
     pub effective_batch: usize,
+    /// The memory limit, in words.
     pub limit: String,
+    /// What was tried, and how each ended.
     pub tried: String,
 }
 

@@ -231,8 +231,8 @@ fn write_error(path: &Path, why: String) -> TrainError {
 }
 
 /// Fixed token ids, kiln's logits for them (f32 forward on the CPU, the
-/// first 512 entries of each position's vocabulary), and a line of text with
-/// its ids, for a loader to check itself against.
+/// first 512 entries of each position's vocabulary), and a text the model
+/// wrote with its ids, for a loader to check itself against.
 #[cfg(feature = "flex")]
 fn reference(
     config: &RunConfig,
@@ -262,16 +262,23 @@ fn reference(
     let logits: Vec<f32> = model.forward(input).into_data().iter::<f32>().collect();
     let kept = vocab.min(512);
     let rows: Vec<&[f32]> = logits.chunks(vocab).map(|row| &row[..kept]).collect();
-    // A line the model wrote (its sample), else the ids' text.
-    let sample = std::fs::read_to_string(dir.file("samples.txt")).unwrap_or_default();
-    let line = sample
+    // The first sample the model wrote (up to 400 characters), else the
+    // ids' text.
+    let samples = std::fs::read_to_string(dir.file("samples.txt")).unwrap_or_default();
+    let first: String = samples
         .lines()
-        .map(str::trim)
-        .find(|l| !l.is_empty() && !l.starts_with('#') && !l.starts_with("---"))
-        .map(str::to_string);
-    let text = match line {
-        Some(l) => l,
-        None => tokenizer.decode(&ids)?,
+        .skip_while(|l| l.starts_with("---"))
+        .take_while(|l| !l.starts_with("---"))
+        .collect::<Vec<_>>()
+        .join("\n")
+        .trim()
+        .chars()
+        .take(400)
+        .collect();
+    let text = if first.is_empty() {
+        tokenizer.decode(&ids)?
+    } else {
+        first
     };
     let text_ids = tokenizer.encode(&text)?;
     Ok(Some(serde_json::json!({
