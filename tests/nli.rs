@@ -253,7 +253,7 @@ fn bad_pair_files_are_named_with_their_line_and_exit_2() {
     let cases = [
         (write("malformed.jsonl", format!("{good_row}{good_row}{{\"premise\": \n").as_bytes()), vec!["malformed.jsonl` line 3", "malformed JSON"], vec![]),
         (write("columns.tsv", b"sentence1\tsentence2\tlabel\na\tb\tneutral\n"), vec!["no column `premise`"], vec![]),
-        (write("unknown.jsonl", format!("{good_row}{{\"premise\": \"a\", \"hypothesis\": \"b\", \"label\": \"maybe\"}}\n").as_bytes()), vec!["unknown.jsonl` line 2", "unknown label \"maybe\""], vec!["data.bad_rows=error"]),
+        (write("unknown.jsonl", format!("{good_row}{{\"premise\": \"a\", \"hypothesis\": \"b\", \"label\": \"maybe\"}}\n").as_bytes()), vec!["unknown.jsonl` line 2", "unknown label \"maybe\"", "set data.bad_rows = \"skip\""], vec!["data.bad_rows=error"]),
         (write("latin1.jsonl", b"{\"premise\": \"caf\xe9\"}\n"), vec!["invalid byte 0xe9", "line 1"], vec![]),
     ];
     for (path, wants, extra) in cases {

@@ -184,7 +184,7 @@ pub fn read_pairs(path: &Path, schema: &PairSchema) -> Result<PairDataset, DataE
                 return Err(DataError::BadRow {
                     path: path.to_path_buf(),
                     line: row.line,
-                    why: format!("{why}; set data.bad_rows = \"skip\" to skip such rows"),
+                    why: format!("{why} (bad rows are errors: `BadRows::Error`)"),
                 });
             }
             Some(why) => skipped.push((row.line, why)),
@@ -240,9 +240,7 @@ fn jsonl(path: &Path, text: &str, schema: &PairSchema) -> Result<Vec<Row>, DataE
                 None => Err(DataError::BadRow {
                     path: path.to_path_buf(),
                     line,
-                    why: format!(
-                        "no field `{name}` (set data.premise_field / data.hypothesis_field)"
-                    ),
+                    why: format!("no field `{name}` (the schema's premise or hypothesis field)"),
                 }),
             }
         };

@@ -78,3 +78,30 @@ pub(crate) fn kernels(config: &RunConfig) -> kiln_model::Kernels {
         kiln_config::KernelChoice::Reference => kiln_model::Kernels::Reference,
     }
 }
+
+/// kiln-data's error about a pairs file, with the configuration keys that
+/// change what it complains about: `data.bad_rows` for a bad row read with
+/// `bad_rows = "error"`, `data.premise_field` / `data.hypothesis_field` for
+/// a missing field.
+pub(crate) fn with_config_keys(
+    e: kiln_data::DataError,
+    config: &RunConfig,
+) -> kiln_data::DataError {
+    match e {
+        kiln_data::DataError::BadRow { path, line, why } => {
+            let hint = if why.starts_with("no field") {
+                "; set data.premise_field / data.hypothesis_field to the file's names"
+            } else if config.data.bad_rows == kiln_config::BadRowsMode::Error {
+                "; set data.bad_rows = \"skip\" to skip such rows"
+            } else {
+                ""
+            };
+            kiln_data::DataError::BadRow {
+                path,
+                line,
+                why: format!("{why}{hint}"),
+            }
+        }
+        other => other,
+    }
+}

@@ -43,7 +43,8 @@ pub(crate) struct Pairs {
 /// Reads `data.path` as the config says and assigns the folds: grouped by
 /// premise (no premise in two folds), stratified by label.
 pub(crate) fn read(config: &RunConfig) -> Result<Pairs, TrainError> {
-    let data = read_pairs(Path::new(&config.data.path), &schema(config, true))?;
+    let data = read_pairs(Path::new(&config.data.path), &schema(config, true))
+        .map_err(|e| crate::translate::with_config_keys(e, config))?;
     if !config.data.tokenizer_file.is_empty() {
         Tokenizer::load(Path::new(&config.data.tokenizer_file))?;
     }
@@ -706,7 +707,8 @@ pub fn predict(
     let fold_dir = run.path.join(format!("fold-{}", best.fold));
     let mut tokenizer = Tokenizer::load(&fold_dir.join("tokenizer.json"))?;
     tokenizer.set_pair_template(config.model.max_length)?;
-    let data = read_pairs(data_path, &schema(&config, false))?;
+    let data = read_pairs(data_path, &schema(&config, false))
+        .map_err(|e| crate::translate::with_config_keys(e, &config))?;
     let device = select_device(&config.device, !hardware.gpus().is_empty())?;
     let encoder = encoder_config(&config, tokenizer.vocab_size());
     let model_path = fold_dir.join(BEST_MODEL);
