@@ -47,9 +47,8 @@ cargo xtask <target> [args...]
                             both experiments → bench/tune-results.json
   outside [DIR]             each library crate's README example built and run
                             from a scratch crate outside the workspace
-  ci                        .ci/run: fmt, clippy, the tests, the README examples
-                            outside the workspace, packaging, the CUDA build
-                            (linted), the GPU suite on Vulkan
+  ci                        .ci/run: fmt, clippy, the tests, packaging, the CUDA
+                            build (linted), the GPU suite on Vulkan
 
 Extra arguments go to `kiln` (overrides like training.batch_size=8).
 A GPU preset on a machine without that GPU exits 2 unless --force.
@@ -411,7 +410,7 @@ fn bench_tune(rest: Vec<String>) -> Result<ExitCode, String> {
 }
 
 /// `.ci/run` itself, so that the two cannot drift apart: formatting, lints,
-/// the tests, the README examples from outside the workspace, packaging,
+/// the tests (the crates' README examples among them), packaging,
 /// the CUDA build with wgpu linked for real (linted by clippy as it builds),
 /// and on it the GPU suite on whatever Vulkan device there is. It installs
 /// Mesa's Vulkan driver and pip only where they are missing.
