@@ -54,6 +54,19 @@ fn every_rust_file_starts_with_a_module_doc() {
 }
 
 #[test]
+fn every_library_crate_documents_its_public_items() {
+    // With clippy's `-D warnings` in CI, an undocumented public item fails it.
+    for lib in ["hwdetect", "config", "plan", "data", "model", "train"] {
+        let path = root().join("crates").join(lib).join("src/lib.rs");
+        assert!(
+            read(&path).contains("\n#![warn(missing_docs)]\n"),
+            "{} lacks `#![warn(missing_docs)]`",
+            path.display()
+        );
+    }
+}
+
+#[test]
 fn every_preset_value_says_why() {
     // Each key line needs a comment above it, directly or heading its group of
     // consecutive keys, in the same table.

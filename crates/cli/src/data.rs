@@ -36,29 +36,18 @@ pub(crate) fn provide(base: &Path, path: &Path) -> anyhow::Result<Option<String>
     }
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).with_context(|| format!("creating `{}`", dir.display()))?;
-    write_new(&path, bytes)?;
+    // Atomically, so that an interrupted write leaves no half corpus behind.
+    kiln_train::write_atomic(&path, bytes)?;
     let readme = dir.join("README.md");
     if !readme.exists() {
-        write_new(&readme, ATTRIBUTION.as_bytes())?;
+        kiln_train::write_atomic(&readme, ATTRIBUTION.as_bytes())?;
     }
+    let shown = Path::new(name).with_file_name("README.md");
     Ok(Some(format!(
         "wrote kiln's built-in `{name}` ({:.1} MB; source and license: `{}`)",
         bytes.len() as f64 / 1e6,
-        readme.display()
+        shown.display()
     )))
-}
-
-/// Writes `bytes` to `path` through a temporary file, so that an interrupted
-/// write leaves no half corpus behind.
-fn write_new(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir)
-        .with_context(|| format!("writing `{}`", path.display()))?;
-    std::io::Write::write_all(&mut tmp, bytes)
-        .with_context(|| format!("writing `{}`", path.display()))?;
-    tmp.persist(path)
-        .with_context(|| format!("writing `{}`", path.display()))?;
-    Ok(())
 }
 
 /// [`provide`] for a command about to read the configuration's corpus; says

@@ -122,10 +122,14 @@ pub struct DataSection {
     pub vocab_size: usize,
     /// Fraction held out for validation (lm: the tail of the corpus).
     pub val_fraction: f64,
-    /// Use only the first N characters of the corpus; 0 uses all of it.
-    pub max_chars: usize,
-    /// A `tokenizer.json` to use instead of training one; empty trains one.
-    pub tokenizer_file: String,
+    /// Use only the first N characters of the corpus; `None` (`"none"` in
+    /// TOML) reads all of it.
+    #[serde(with = "none::count")]
+    pub max_chars: Option<usize>,
+    /// A `tokenizer.json` to use instead of training one; `None` (`"none"`
+    /// in TOML) trains one.
+    #[serde(with = "none::text")]
+    pub tokenizer_file: Option<String>,
     /// Where encoded corpora are cached, keyed by corpus and tokenizer.
     pub cache_dir: String,
     /// Sentence pairs: the fields (JSONL) or columns (TSV/CSV) to read.
@@ -537,5 +541,92 @@ impl RunConfig {
     /// Sequences per optimizer step: micro-batch × accumulation.
     pub fn effective_batch(&self) -> usize {
         self.training.batch_size * self.training.gradient_accumulation_steps
+    }
+}
+
+/// `Option` keys in TOML, which has no null: `None` is written `"none"`.
+/// Reading also takes the spellings of kiln 0.1's saved runs, `0` and `""`,
+/// as none, so that their configurations resume.
+mod none {
+    use std::fmt;
+
+    use serde::de::{self, Deserializer, Unexpected, Visitor};
+    use serde::ser::Serializer;
+
+    /// The word for none.
+    const NONE: &str = "none";
+
+    /// `Option<usize>`: a positive count, or `"none"`.
+    pub(super) mod count {
+        use super::*;
+
+        pub(crate) fn serialize<S: Serializer>(v: &Option<usize>, s: S) -> Result<S::Ok, S::Error> {
+            match v {
+                Some(n) => s.serialize_u64(*n as u64),
+                None => s.serialize_str(NONE),
+            }
+        }
+
+        pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
+            d: D,
+        ) -> Result<Option<usize>, D::Error> {
+            struct CountOrNone;
+            impl Visitor<'_> for CountOrNone {
+                type Value = Option<usize>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a positive whole number, or \"none\"")
+                }
+                fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                    match v {
+                        0 => Ok(None),
+                        n => usize::try_from(n)
+                            .map(Some)
+                            .map_err(|_| E::invalid_value(Unexpected::Unsigned(n), &self)),
+                    }
+                }
+                fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+                    match u64::try_from(v) {
+                        Ok(n) => self.visit_u64(n),
+                        Err(_) => Err(E::invalid_value(Unexpected::Signed(v), &self)),
+                    }
+                }
+                fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                    if v == NONE {
+                        Ok(None)
+                    } else {
+                        Err(E::invalid_value(Unexpected::Str(v), &self))
+                    }
+                }
+            }
+            d.deserialize_any(CountOrNone)
+        }
+    }
+
+    /// `Option<String>`: a text, or `"none"`.
+    pub(super) mod text {
+        use super::*;
+
+        pub(crate) fn serialize<S: Serializer>(
+            v: &Option<String>,
+            s: S,
+        ) -> Result<S::Ok, S::Error> {
+            s.serialize_str(v.as_deref().unwrap_or(NONE))
+        }
+
+        pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
+            d: D,
+        ) -> Result<Option<String>, D::Error> {
+            struct TextOrNone;
+            impl Visitor<'_> for TextOrNone {
+                type Value = Option<String>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a path, or \"none\"")
+                }
+                fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                    Ok((!v.is_empty() && v != NONE).then(|| v.to_string()))
+                }
+            }
+            d.deserialize_any(TextOrNone)
+        }
     }
 }

@@ -270,6 +270,19 @@ fn bad_values_name_key_value_and_layer() {
             &["expected one of `bf16`, `fp16`", "did you mean `bf16`?"],
         ),
         (
+            &["data.max_chars=-3"],
+            &[],
+            &[
+                "invalid value -3 for `data.max_chars`",
+                "expected a positive whole number, or \"none\"",
+            ],
+        ),
+        (
+            &["data.max_chars=all"],
+            &[],
+            &["invalid value \"all\" for `data.max_chars`", "or \"none\""],
+        ),
+        (
             &["model.dropout=1.5"],
             &[],
             &["model.dropout", "must be in [0, 1)"],
@@ -462,4 +475,33 @@ fn the_built_in_defaults_are_a_run_config() {
     let config = kiln_config::RunConfig::default();
     assert_eq!(config.experiment, "shakespeare_char");
     assert!(config.validate().is_empty());
+}
+
+#[test]
+fn none_is_spelt_none_and_old_runs_spellings_still_read() {
+    let defaults = Case::new(&[]).ok();
+    assert_eq!(defaults.config.data.max_chars, None);
+    assert_eq!(defaults.config.data.tokenizer_file, None);
+    check(&defaults, "data.max_chars", "\"none\"", "defaults");
+    check(&defaults, "data.tokenizer_file", "\"none\"", "defaults");
+
+    let set = Case::new(&["data.max_chars=5000", "data.tokenizer_file=tok.json"]).ok();
+    assert_eq!(set.config.data.max_chars, Some(5000));
+    assert_eq!(set.config.data.tokenizer_file.as_deref(), Some("tok.json"));
+    check(&set, "data.max_chars", "5000", "command line");
+
+    // kiln 0.1 wrote none as 0 and "": a saved run's configuration resumes.
+    let old = Case::new(&["data.max_chars=0", "data.tokenizer_file="]).ok();
+    assert_eq!(old.config.data.max_chars, None);
+    assert_eq!(old.config.data.tokenizer_file, None);
+
+    // A run's saved configuration round-trips through its TOML.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, set.to_toml()).expect("write");
+    let back = kiln_config::read_run_config(&path).expect("read back");
+    assert_eq!(back, set.config);
+    std::fs::write(&path, defaults.to_toml()).expect("write");
+    let back = kiln_config::read_run_config(&path).expect("read back");
+    assert_eq!(back, defaults.config);
 }

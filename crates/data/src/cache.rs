@@ -12,7 +12,9 @@ const MAGIC: &[u8; 8] = b"KILNTOK1";
 /// Whether the ids came from the cache, and where it is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CacheOutcome {
+    /// Whether the ids were read from the cache (else encoded and written).
     pub hit: bool,
+    /// The cache file.
     pub path: PathBuf,
 }
 

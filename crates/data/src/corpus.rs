@@ -7,7 +7,9 @@ use crate::DataError;
 /// A corpus read into memory.
 #[derive(Clone, Debug)]
 pub struct Corpus {
+    /// The file it was read from.
     pub path: PathBuf,
+    /// The text (cut to `max_chars` characters when asked).
     pub text: String,
 }
 

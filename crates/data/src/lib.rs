@@ -19,6 +19,7 @@
 //! - [`read_pairs`]: sentence pairs from JSONL, TSV or CSV, with bad rows
 //!   skipped and counted or rejected, and [`grouped_stratified_folds`] to
 //!   split them for cross-validation without a premise in two folds.
+#![warn(missing_docs)]
 
 mod cache;
 mod corpus;

@@ -17,15 +17,20 @@ use crossbeam_channel::{Receiver, bounded};
 
 /// Something that makes batch `index` on demand, from any thread.
 pub trait BatchSource: Send + Sync + 'static {
+    /// The batch it makes.
     type Batch: Send + 'static;
+    /// Batch `index`: the same batch for the same index, whichever thread asks.
     fn batch(&self, index: u64) -> Self::Batch;
 }
 
 /// A batch and how long the consumer waited for it.
 #[derive(Debug)]
 pub struct Loaded<B> {
+    /// The batch.
     pub batch: B,
+    /// Its index in the sequence of batches.
     pub index: u64,
+    /// How long the consumer waited for it (0 when it was ready).
     pub wait: Duration,
 }
 
@@ -103,6 +108,7 @@ impl<S: BatchSource> Loader<S> {
         self.next
     }
 
+    /// Worker threads (0: batches are made on the caller's thread).
     pub fn num_workers(&self) -> usize {
         self.workers.len()
     }
@@ -142,6 +148,7 @@ impl<S: BatchSource> Drop for Loader<S> {
 /// What [`benchmark_loader`] measured.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LoaderBenchmark {
+    /// Batches taken.
     pub batches: usize,
     /// Mean time the consumer waited per batch.
     pub mean_wait: Duration,

@@ -15,8 +15,11 @@ use crate::{DataError, PairDataset, Tokenizer};
 /// One encoded pair and its label.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EncodedPair {
+    /// `[CLS] premise [SEP] hypothesis [SEP]` as token ids.
     pub ids: Vec<u32>,
+    /// Segment ids: 0 for `[CLS]`, the premise and its `[SEP]`, 1 after.
     pub segments: Vec<u32>,
+    /// Index into the label names.
     pub label: usize,
 }
 
@@ -24,12 +27,19 @@ pub struct EncodedPair {
 /// `mask` false.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PairBatch {
+    /// Position in the batch sequence (what a resumed run starts from).
     pub index: u64,
+    /// Rows (the last batch of an epoch may be smaller).
     pub batch_size: usize,
+    /// Columns: the longest pair of the batch.
     pub seq_len: usize,
+    /// Token ids, `[batch_size, seq_len]`, padding 0.
     pub ids: Vec<u32>,
+    /// Segment ids, `[batch_size, seq_len]`.
     pub segments: Vec<u32>,
+    /// True where a token is not padding.
     pub mask: Vec<bool>,
+    /// One label index per row.
     pub labels: Vec<usize>,
     /// Tokens that are not padding.
     pub real_tokens: usize,
@@ -108,6 +118,8 @@ struct EpochPlan {
 }
 
 impl PairBatches {
+    /// Batches of `batch_size` over `pairs`, shuffled each epoch from `seed`;
+    /// with `bucket`, rows of similar length batched together (less padding).
     pub fn new(pairs: Arc<[EncodedPair]>, batch_size: usize, seed: u64, bucket: bool) -> Self {
         Self {
             pairs,

@@ -10,7 +10,9 @@ use crate::DataError;
 /// One labelled pair.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Pair {
+    /// The first sentence.
     pub premise: String,
+    /// The second sentence.
     pub hypothesis: String,
     /// Index into the label names (`None`: unlabelled, where allowed).
     pub label: Option<usize>,
@@ -21,7 +23,9 @@ pub struct Pair {
 /// What to do with a row whose label is missing or unknown, or whose text is empty.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BadRows {
+    /// Skip it, and record its line and why.
     Skip,
+    /// Fail on it, naming its line.
     Error,
 }
 
@@ -30,19 +34,28 @@ pub enum BadRows {
 pub enum PairFormat {
     /// From the extension: `.jsonl`/`.json` → JSON lines, `.tsv`, `.csv`.
     Auto,
+    /// One JSON object a line.
     Jsonl,
+    /// Tab-separated columns with a header row.
     Tsv,
+    /// Comma-separated columns with a header row (RFC 4180 quoting).
     Csv,
 }
 
 /// How to read a pairs file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PairSchema {
+    /// The field (JSONL) or column (TSV/CSV) of the first sentence.
     pub premise: String,
+    /// The field or column of the second sentence.
     pub hypothesis: String,
+    /// The field or column of the label: a name, or in JSON an index into `labels`.
     pub label: String,
+    /// The label names, in class order.
     pub labels: Vec<String>,
+    /// What a bad row does.
     pub bad_rows: BadRows,
+    /// The file's layout.
     pub format: PairFormat,
     /// Whether a row without a label is bad (training) or kept unlabelled (prediction).
     pub require_label: bool,
@@ -70,9 +83,13 @@ impl Default for PairSchema {
 /// The pairs read, and the rows skipped (line, reason).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PairDataset {
+    /// The file read.
     pub path: PathBuf,
+    /// The pairs kept, in file order.
     pub pairs: Vec<Pair>,
+    /// The rows skipped: line (from 1) and why.
     pub skipped: Vec<(usize, String)>,
+    /// The label names, in class order.
     pub labels: Vec<String>,
 }
 

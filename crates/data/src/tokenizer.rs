@@ -20,7 +20,10 @@ pub enum TokenizerKind {
     /// One token per character; the vocabulary is the corpus' characters.
     Char,
     /// Byte-level BPE (GPT-2 style) trained to `vocab_size` tokens.
-    Bpe { vocab_size: usize },
+    Bpe {
+        /// The vocabulary size to train to.
+        vocab_size: usize,
+    },
 }
 
 /// Token ids and segment ids of one encoded pair.
@@ -255,6 +258,7 @@ impl Tokenizer {
         })
     }
 
+    /// Tokens in the vocabulary, special tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

@@ -14,16 +14,22 @@ use crate::loader::BatchSource;
 pub struct TokenBatch {
     /// Position in the batch sequence (what a resumed run starts from).
     pub index: u64,
+    /// Rows.
     pub batch_size: usize,
+    /// Tokens per row (the context length).
     pub block: usize,
+    /// Input ids, `[batch_size, block]`.
     pub inputs: Vec<u32>,
+    /// Target ids: each input's next token.
     pub targets: Vec<u32>,
 }
 
 /// Which part of the corpus a sampler draws from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Split {
+    /// The training part (the head of the corpus).
     Train,
+    /// The validation part (the tail).
     Val,
 }
 
@@ -79,6 +85,7 @@ impl LmWindows {
         })
     }
 
+    /// Tokens in this split.
     pub fn tokens(&self) -> usize {
         self.tokens.len()
     }

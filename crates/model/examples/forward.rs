@@ -9,16 +9,8 @@ use kiln_model::burn::tensor::{Device, Int, Tensor, TensorData};
 use kiln_model::{GeluKind, GptConfig};
 
 fn main() {
-    let config = GptConfig {
-        vocab_size: 10,
-        block_size: 16,
-        layers: 2,
-        heads: 2,
-        hidden: 32,
-        intermediate: 128,
-        dropout: 0.0,
-        gelu: GeluKind::Exact,
-    };
+    // 10 tokens, context 16, 2 blocks of 2 heads, 32 wide (MLP 4 × 32).
+    let config = GptConfig::new(10, 16, 2, 2, 32).with_gelu(GeluKind::Exact);
     let device = Device::flex().autodiff();
     device.seed(1);
     let mut model = config.init(&device);

@@ -23,22 +23,90 @@ pub enum PoolingKind {
     Mean,
 }
 
-/// The shape of an encoder classifier.
+/// The shape of an encoder classifier: [`EncoderConfig::new`], then
+/// `with_*` for the rest.
+///
+/// ```
+/// use kiln_model::{EncoderConfig, PoolingKind};
+/// let config = EncoderConfig::new(8000, 128, 4, 4, 256, 3).with_pooling(PoolingKind::Mean);
+/// assert_eq!(config.intermediate, 1024);
+/// ```
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct EncoderConfig {
+    /// Tokens in the vocabulary.
     pub vocab_size: usize,
+    /// The longest input (position embeddings).
     pub max_positions: usize,
+    /// Transformer blocks.
     pub layers: usize,
+    /// Attention heads per block; `hidden` is a multiple of it.
     pub heads: usize,
+    /// The model's width.
     pub hidden: usize,
+    /// The MLP's inner width.
     pub intermediate: usize,
+    /// Dropout on embeddings, attention weights, residual branches and before
+    /// the head, in training.
     pub dropout: f64,
+    /// Output classes.
     pub classes: usize,
+    /// How the sequence becomes one vector for the head.
     pub pooling: PoolingKind,
+    /// The MLP's GELU.
     pub gelu: GeluKind,
 }
 
 impl EncoderConfig {
+    /// An encoder of `layers` blocks of `heads` heads, `hidden` wide, for
+    /// `classes` classes, with BERT's MLP of `4·hidden`, no dropout, [CLS]
+    /// pooling and the exact GELU.
+    pub fn new(
+        vocab_size: usize,
+        max_positions: usize,
+        layers: usize,
+        heads: usize,
+        hidden: usize,
+        classes: usize,
+    ) -> Self {
+        Self {
+            vocab_size,
+            max_positions,
+            layers,
+            heads,
+            hidden,
+            intermediate: 4 * hidden,
+            dropout: 0.0,
+            classes,
+            pooling: PoolingKind::Cls,
+            gelu: GeluKind::Exact,
+        }
+    }
+
+    /// The MLP's inner width.
+    pub fn with_intermediate(mut self, intermediate: usize) -> Self {
+        self.intermediate = intermediate;
+        self
+    }
+
+    /// Dropout in training (0 for none).
+    pub fn with_dropout(mut self, dropout: f64) -> Self {
+        self.dropout = dropout;
+        self
+    }
+
+    /// How the sequence becomes one vector.
+    pub fn with_pooling(mut self, pooling: PoolingKind) -> Self {
+        self.pooling = pooling;
+        self
+    }
+
+    /// The MLP's GELU.
+    pub fn with_gelu(mut self, gelu: GeluKind) -> Self {
+        self.gelu = gelu;
+        self
+    }
+
     /// Parameters in the transformer blocks (no embeddings, no head).
     pub fn block_params(&self) -> usize {
         let (d, f) = (self.hidden, self.intermediate);
@@ -75,6 +143,8 @@ impl EncoderConfig {
         }
     }
 
+    /// Builds the model on `device`: embeddings and linear layers drawn
+    /// from N(0, 0.02), BERT's scale; LayerNorms start at one and zero.
     pub fn init(&self, device: &Device) -> EncoderClassifier {
         let normal = Initializer::Normal {
             mean: 0.0,

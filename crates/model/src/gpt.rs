@@ -16,24 +16,80 @@ use crate::precision::{self, ComputeDtype};
 /// GELU: exact (erf) or the tanh approximation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GeluKind {
+    /// `x·Φ(x)` with the error function, as GPT-2 and BERT were trained.
     Exact,
+    /// The tanh approximation (`gelu_new` in Hugging Face's names).
     Tanh,
 }
 
-/// The shape of a GPT.
+/// The shape of a GPT: [`GptConfig::new`], then `with_*` for the rest.
+///
+/// ```
+/// use kiln_model::{GeluKind, GptConfig};
+/// let config = GptConfig::new(65, 128, 4, 4, 128).with_dropout(0.1).with_gelu(GeluKind::Tanh);
+/// assert_eq!(config.intermediate, 512);
+/// ```
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct GptConfig {
+    /// Tokens in the vocabulary (the embedding's and the logits' size).
     pub vocab_size: usize,
+    /// The longest context: position embeddings and the causal mask.
     pub block_size: usize,
+    /// Transformer blocks.
     pub layers: usize,
+    /// Attention heads per block; `hidden` is a multiple of it.
     pub heads: usize,
+    /// The model's width (embedding size).
     pub hidden: usize,
+    /// The MLP's inner width.
     pub intermediate: usize,
+    /// Dropout on embeddings, attention weights and residual branches, in training.
     pub dropout: f64,
+    /// The MLP's GELU.
     pub gelu: GeluKind,
 }
 
 impl GptConfig {
+    /// A GPT of `layers` blocks of `heads` heads, `hidden` wide, with GPT-2's
+    /// MLP of `4·hidden`, no dropout and the exact GELU.
+    pub fn new(
+        vocab_size: usize,
+        block_size: usize,
+        layers: usize,
+        heads: usize,
+        hidden: usize,
+    ) -> Self {
+        Self {
+            vocab_size,
+            block_size,
+            layers,
+            heads,
+            hidden,
+            intermediate: 4 * hidden,
+            dropout: 0.0,
+            gelu: GeluKind::Exact,
+        }
+    }
+
+    /// The MLP's inner width.
+    pub fn with_intermediate(mut self, intermediate: usize) -> Self {
+        self.intermediate = intermediate;
+        self
+    }
+
+    /// Dropout in training (0 for none).
+    pub fn with_dropout(mut self, dropout: f64) -> Self {
+        self.dropout = dropout;
+        self
+    }
+
+    /// The MLP's GELU.
+    pub fn with_gelu(mut self, gelu: GeluKind) -> Self {
+        self.gelu = gelu;
+        self
+    }
+
     /// Parameters of the model (position embeddings included; tied weights once).
     pub fn num_params(&self) -> usize {
         let (d, f, l) = (self.hidden, self.intermediate, self.layers);
@@ -221,6 +277,7 @@ impl Gpt {
         cross_entropy(self.forward(inputs), targets)
     }
 
+    /// The longest context the model takes (its position embeddings).
     pub fn block_size(&self) -> usize {
         self.block_size
     }

@@ -16,6 +16,7 @@
 //!   parameters, products in a [`ComputeDtype`], everything else f32.
 //! - [`kernels`]: fused CPU kernels (Burn backend extensions with their own
 //!   backward) for the element-wise hot spots, chosen by [`Kernels`].
+#![warn(missing_docs)]
 
 /// Burn, whose tensors and devices the models take (`burn::tensor::Device`).
 pub use burn;

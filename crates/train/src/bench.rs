@@ -26,6 +26,7 @@ use crate::{MemoryTracker, TrainError, open_device};
 /// How many steps to run, and how to pad pairs.
 #[derive(Clone, Copy, Debug)]
 pub struct BenchOptions {
+    /// Untimed steps first (compilation, autotuning, caches).
     pub warmup: usize,
     /// Timed steps, at least...
     pub steps: usize,
@@ -40,10 +41,15 @@ pub struct BenchOptions {
 /// summed over its micro-batches).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct PhaseTimes {
+    /// Waiting for the loader.
     pub data_wait_ms: f64,
+    /// Moving the batch to the device.
     pub host_to_device_ms: f64,
+    /// The forward pass and the loss.
     pub forward_ms: f64,
+    /// The backward pass.
     pub backward_ms: f64,
+    /// Clipping and the optimizer's update.
     pub optimizer_ms: f64,
 }
 
@@ -51,46 +57,65 @@ pub struct PhaseTimes {
 #[derive(Clone, Debug, Serialize)]
 #[non_exhaustive]
 pub struct BenchResult {
+    /// `lm` or `nli`.
     pub workload: &'static str,
+    /// The device it ran on ("flex (CPU)", "cuda (GPU 0)").
     pub backend: String,
     /// What the products computed in: "f32", "bf16 compute, f32 master weights", ...
     pub precision: String,
     /// Optimizer steps: each of `gradient_accumulation_steps` micro-batches.
     pub warmup_steps: usize,
+    /// Timed optimizer steps.
     pub timed_steps: usize,
+    /// Samples per micro-batch.
     pub batch_size: usize,
+    /// Micro-batches per optimizer step.
     pub gradient_accumulation_steps: usize,
     /// fp16's loss scale at the end (`None`: no loss scaling).
     pub loss_scale: Option<f64>,
+    /// Samples (windows or pairs) per second, the median step.
     pub samples_per_s_median: f64,
     /// Tokens that carry data (no padding) per second.
     pub tokens_per_s_median: f64,
+    /// The slowest step's tokens per second.
     pub tokens_per_s_min: f64,
+    /// The fastest step's tokens per second.
     pub tokens_per_s_max: f64,
     /// The spread: 10th and 90th percentiles of the timed steps.
     pub tokens_per_s_p10: f64,
+    /// See `tokens_per_s_p10`.
     pub tokens_per_s_p90: f64,
     /// Tokens computed on, padding included, per second.
     pub padded_tokens_per_s_median: f64,
+    /// Milliseconds per optimizer step, the median.
     pub ms_per_step_median: f64,
+    /// Model FLOPs/s over the device peak (`None`: peak unknown).
     pub mfu: Option<f64>,
+    /// The peak the MFU is measured against, and where it comes from.
     pub mfu_peak: String,
     /// Model FLOPs per sample over the padded length, and over real tokens only.
     pub flops_per_sample_padded: f64,
+    /// See `flops_per_sample_padded`.
     pub flops_per_sample_real: f64,
+    /// The model's parameters.
     pub parameters: usize,
     /// The vocabulary the model was built with (a trained BPE or WordPiece
     /// can stop below `data.vocab_size` on a small corpus).
     pub vocab_size: usize,
+    /// Share of the step spent waiting for the loader, in percent.
     pub data_wait_pct: f64,
     /// Peak resident memory of the process (host RAM).
     pub peak_memory_bytes: u64,
     /// Memory in use on the GPU after the timed steps, as NVML reports it
     /// (the whole device; `None` on the CPU or without NVML).
     pub device_memory_used_bytes: Option<u64>,
+    /// The GPU's memory, as NVML reports it.
     pub device_memory_total_bytes: Option<u64>,
+    /// Whether blocks recompute their activations in backward.
     pub gradient_checkpointing: bool,
+    /// Where the median step's time goes.
     pub phases: PhaseTimes,
+    /// The loss of the last timed step.
     pub final_loss: f64,
     /// CPU time of the whole process (all threads, user and system) over
     /// the wall time of the timed steps, in percent of one core: 200 is two
@@ -346,9 +371,13 @@ fn result(
 /// One loader setting of [`bench_loader`].
 #[derive(Clone, Debug, Serialize)]
 pub struct LoaderRow {
+    /// Loader worker threads.
     pub num_workers: usize,
+    /// Batches each worker makes ahead.
     pub prefetch_factor: usize,
+    /// Batches per second.
     pub batches_per_s: f64,
+    /// Samples per second.
     pub samples_per_s: f64,
     /// Mean time the consumer waited for a batch.
     pub mean_wait_ms: f64,
@@ -359,9 +388,13 @@ pub struct LoaderRow {
 /// What `kiln bench loader` measured: the loader alone, as fast as it can go.
 #[derive(Clone, Debug, Serialize)]
 pub struct LoaderBenchResult {
+    /// `lm` or `nli`.
     pub workload: &'static str,
+    /// Samples per batch.
     pub batch_size: usize,
+    /// Batches pulled per setting.
     pub batches: usize,
+    /// One row per loader setting.
     pub rows: Vec<LoaderRow>,
 }
 

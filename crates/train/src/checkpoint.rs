@@ -17,7 +17,9 @@ const FORMAT: &str = "kiln-checkpoint-1";
 /// Where a checkpoint is and which step it holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CheckpointInfo {
+    /// The checkpoint file.
     pub path: PathBuf,
+    /// The optimizer steps taken when it was written.
     pub step: u64,
 }
 

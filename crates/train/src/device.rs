@@ -10,10 +10,13 @@ use crate::TrainError;
 /// The device a run uses, and why.
 #[derive(Clone, Debug)]
 pub struct DeviceChoice {
+    /// The device the run trains on.
     pub device: Device,
     /// "flex (CPU)", "wgpu (GPU)".
     pub name: String,
+    /// Why this device: the configuration, or what was detected.
     pub why: String,
+    /// Whether it is a GPU (CUDA or wgpu).
     pub is_gpu: bool,
     /// What `optimization.compile` does on it (set by [`open_device`]).
     pub compile: String,

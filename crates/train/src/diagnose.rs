@@ -22,10 +22,15 @@ use crate::{TrainError, select_device};
 #[derive(Clone, Debug, Serialize)]
 #[non_exhaustive]
 pub struct Diagnosis {
+    /// The device the run would train on ("cuda (GPU 0)", "flex (CPU)").
     pub device: String,
+    /// Why that device.
     pub device_why: String,
+    /// What the run would compute in ("bf16 compute, f32 master weights", "f32").
     pub precision: String,
+    /// Why that precision.
     pub precision_why: String,
+    /// The training data: rows or tokens, batches per epoch.
     pub data: DataSize,
     /// Optimizer steps per pass over the training data (a fraction where
     /// the accumulation does not divide the batches).
@@ -34,8 +39,11 @@ pub struct Diagnosis {
     pub total_steps: u64,
     /// Passes over the training data the step budget makes.
     pub epochs: f64,
+    /// The memory the run would need, by part, against what the device has.
     pub memory: MemoryEstimate,
+    /// What holds the run back, worst first.
     pub findings: Vec<Finding>,
+    /// A short measured burst of training steps, when asked for.
     pub burst: Option<Burst>,
 }
 

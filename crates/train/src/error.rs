@@ -7,72 +7,129 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TrainError {
+    /// Reading, tokenizing or batching the data failed.
     #[error(transparent)]
     Data(#[from] kiln_data::DataError),
 
+    /// The configuration is invalid.
     #[error(transparent)]
     Config(#[from] kiln_config::ConfigError),
 
+    /// The corpus is too short for one window of a split.
     #[error("`{}` is too short: {why}; use a longer corpus, a smaller model.max_length or data.val_fraction", path.display())]
-    CorpusTooShort { path: PathBuf, why: String },
+    CorpusTooShort {
+        /// The corpus.
+        path: PathBuf,
+        /// Which split is short, by how much.
+        why: String,
+    },
 
+    /// A file of the run could not be written.
     #[error("failed to write `{}`", path.display())]
     Write {
+        /// The file.
         path: PathBuf,
+        /// What the system said.
         #[source]
         source: std::io::Error,
     },
 
+    /// A file could not be read.
     #[error("failed to read `{}`", path.display())]
     Read {
+        /// The file.
         path: PathBuf,
+        /// What the system said.
         #[source]
         source: std::io::Error,
     },
 
+    /// The folder given as a run is not one.
     #[error("`{}` is not a kiln run directory: {why}", path.display())]
-    NotARun { path: PathBuf, why: String },
+    NotARun {
+        /// The folder.
+        path: PathBuf,
+        /// What it lacks.
+        why: String,
+    },
 
+    /// Another process holds the run's lock.
     #[error(
         "run `{}` is in use by another kiln process{}: one process writes a run at a time; wait for it to end, or stop it",
         path.display(),
         pid.map(|p| format!(" (pid {p})")).unwrap_or_default()
     )]
-    RunInUse { path: PathBuf, pid: Option<u32> },
+    RunInUse {
+        /// The run.
+        path: PathBuf,
+        /// The holder's process id, where it wrote one.
+        pid: Option<u32>,
+    },
 
+    /// A checkpoint could not be written; the earlier ones are intact.
     #[error(
         "failed to write checkpoint `{}` ({} needed); the earlier checkpoints are intact",
         path.display(),
         size(*bytes)
     )]
     CheckpointWrite {
+        /// The checkpoint file.
         path: PathBuf,
+        /// Its size.
         bytes: u64,
+        /// What the system said.
         #[source]
         source: std::io::Error,
     },
 
+    /// No checkpoint of a run can be read.
     #[error("no usable checkpoint in `{}`: {why}", dir.display())]
-    NoCheckpoint { dir: PathBuf, why: String },
+    NoCheckpoint {
+        /// The checkpoints' folder.
+        dir: PathBuf,
+        /// Why each was refused.
+        why: String,
+    },
 
+    /// A checkpoint holds another model's shapes.
     #[error("checkpoint `{}` does not fit this model: {why}", path.display())]
-    CheckpointMismatch { path: PathBuf, why: String },
+    CheckpointMismatch {
+        /// The checkpoint file.
+        path: PathBuf,
+        /// What does not fit.
+        why: String,
+    },
 
+    /// The backend asked for is not built in or has no device.
     #[error("backend `{backend}` is not available: {why}")]
-    Backend { backend: String, why: String },
+    Backend {
+        /// The backend (`cuda`, `wgpu`).
+        backend: String,
+        /// Why not, and what to do.
+        why: String,
+    },
 
+    /// Too many steps in a row had a non-finite loss or gradients.
     #[error(
         "{what} at step {step}, {in_a_row} step(s) in a row (precision.max_bad_steps): training diverged; the non-finite steps were skipped, so the last good checkpoint is intact; lower training.learning_rate or raise training.warmup_steps"
     )]
     NonFinite {
+        /// The last bad step.
         step: u64,
+        /// What was not finite (the loss, the gradient norm).
         what: String,
+        /// Bad steps in a row.
         in_a_row: usize,
     },
 
+    /// `kiln export`'s destination exists.
     #[error("`{}` exists already; kiln export writes a new folder and overwrites nothing (remove it, or choose another --out)", path.display())]
-    ExportExists { path: PathBuf },
+    ExportExists {
+        /// The destination.
+        path: PathBuf,
+    },
 
+    /// A combination kiln does not support yet: what, and why.
     #[error("{0} is not supported yet: {1}")]
     Unsupported(&'static str, String),
 }

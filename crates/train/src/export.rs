@@ -32,10 +32,12 @@ pub struct Exported {
     pub out: PathBuf,
     /// The checkpoint exported, and its step.
     pub checkpoint: PathBuf,
+    /// The optimizer steps the checkpoint holds.
     pub step: u64,
     /// Tensors written to `model.safetensors` (the tied output projection is
     /// GPT-2's too, so it is not written twice).
     pub tensors: usize,
+    /// The model's parameters (the tied embedding once).
     pub parameters: usize,
     /// Notes on damaged checkpoints skipped on the way.
     pub notes: Vec<String>,

@@ -25,6 +25,7 @@
 //! config types to library types.
 //!
 //! [`RunConfig`]: kiln_config::RunConfig
+#![warn(missing_docs)]
 
 /// The crates whose types this crate's API takes and returns: the
 /// configuration, the machine, the data and the models.
@@ -75,7 +76,7 @@ pub use records::{
 };
 pub use report::{Event, Observer, Summary, median};
 pub use run::{resume, train, train_cv};
-pub use rundir::{RunDir, RunLock, utc_stamp};
+pub use rundir::{RunDir, RunLock, utc_stamp, write_atomic};
 pub use setup::open_device;
 pub use workload::nli::{Prediction, predict};
 

@@ -19,6 +19,7 @@ impl Default for MemoryTracker {
 }
 
 impl MemoryTracker {
+    /// A tracker of this process.
     pub fn new() -> Self {
         Self {
             system: System::new().ok(),

@@ -21,6 +21,7 @@ pub struct AdamWConfig {
 /// The optimizer and its state.
 #[derive(Clone, Debug)]
 pub struct AdamW {
+    /// Learning rate, betas, epsilon and weight decay.
     pub config: AdamWConfig,
     /// Optimizer steps taken (for bias correction).
     pub steps: u64,
@@ -29,6 +30,7 @@ pub struct AdamW {
 }
 
 impl AdamW {
+    /// An optimizer with no steps taken and no moments yet.
     pub fn new(config: AdamWConfig) -> Self {
         Self {
             config,

@@ -23,19 +23,27 @@ pub struct TrainOptions {
 /// How a run ended.
 #[derive(Clone, Debug)]
 pub enum Outcome {
+    /// The run (or one fold's) finished its steps.
     Finished {
+        /// The run's folder.
         run: PathBuf,
+        /// Its summary (also in `summary.json`).
         summary: Summary,
     },
     /// A cross-validation run finished all its folds.
     CvFinished {
+        /// The run's folder.
         run: PathBuf,
+        /// The folds' results (also in `cv_summary.json`).
         summary: CvSummary,
     },
     /// Stopped by the interrupt flag, after writing this checkpoint.
     Interrupted {
+        /// The run's folder.
         run: PathBuf,
+        /// The optimizer steps taken.
         step: u64,
+        /// The checkpoint written: `kiln resume` continues from it.
         checkpoint: PathBuf,
     },
 }

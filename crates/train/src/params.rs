@@ -156,20 +156,12 @@ pub(crate) fn load_values<M: Module>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kiln_model::{GeluKind, GptConfig};
+    use kiln_model::GptConfig;
 
     fn model(device: &Device) -> kiln_model::Gpt {
-        GptConfig {
-            vocab_size: 10,
-            block_size: 4,
-            layers: 2,
-            heads: 2,
-            hidden: 8,
-            intermediate: 16,
-            dropout: 0.0,
-            gelu: GeluKind::Exact,
-        }
-        .init(device)
+        GptConfig::new(10, 4, 2, 2, 8)
+            .with_intermediate(16)
+            .init(device)
     }
 
     #[test]

@@ -16,9 +16,11 @@ use crate::DeviceChoice;
 /// What a run computes in, and why.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PrecisionChoice {
+    /// The dtype of the products; the weights stay f32.
     pub compute: ComputeDtype,
     /// "bf16 compute, f32 master weights", "f32", ...
     pub label: String,
+    /// Why: the configuration, or what the device supports.
     pub why: String,
 }
 
@@ -149,9 +151,11 @@ pub(crate) fn measured_peak(device: &burn::tensor::Device, compute: ComputeDtype
 /// halves the scale; 2000 clean steps in a row double it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LossScaler {
+    /// The factor the loss is multiplied by.
     pub scale: f64,
     /// Clean steps since the scale last changed.
     pub clean: u64,
+    /// Clean steps in a row that double the scale.
     pub growth_interval: u64,
     /// Overflowed (skipped) steps in this session.
     pub overflows: u64,
@@ -161,9 +165,15 @@ pub struct LossScaler {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ScaleVerdict {
     /// Finite gradients: apply the update.
-    Apply { grown: bool },
+    Apply {
+        /// Whether this step's clean run doubled the scale.
+        grown: bool,
+    },
     /// Overflow: skip the update; the scale was halved to `to`.
-    Overflow { to: f64 },
+    Overflow {
+        /// The new scale.
+        to: f64,
+    },
 }
 
 impl Default for LossScaler {
@@ -175,8 +185,10 @@ impl Default for LossScaler {
 impl LossScaler {
     /// 2^16, as PyTorch starts.
     pub const INITIAL: f64 = 65536.0;
+    /// Clean steps that double the scale, as PyTorch's `GradScaler`.
     pub const GROWTH_INTERVAL: u64 = 2000;
 
+    /// A scaler at `scale` with `clean` clean steps behind it (a resumed run's state).
     pub fn new(scale: f64, clean: u64) -> Self {
         Self {
             scale,

@@ -15,7 +15,14 @@ pub enum Record {
     /// A step whose update was skipped.
     Skipped(Skipped),
     /// fp16's loss scale grew.
-    LossScale { step: u64, scale: f64, why: String },
+    LossScale {
+        /// The step after which it grew.
+        step: u64,
+        /// The new scale.
+        scale: f64,
+        /// Why ("2000 clean steps in a row").
+        why: String,
+    },
 }
 
 impl Record {
@@ -33,21 +40,29 @@ impl Record {
 /// One logged optimizer step.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StepMetrics {
+    /// The optimizer step, from 1.
     pub step: u64,
+    /// The training loss, averaged over the step's micro-batches.
     pub loss: f64,
+    /// The learning rate the update used.
     pub lr: f64,
+    /// The global gradient norm, before clipping.
     pub grad_norm: f64,
     /// Wall time of the step, loader wait included.
     pub ms_per_step: f64,
     /// Tokens that carry data (padding not counted) per second.
     pub tokens_per_s: f64,
+    /// Samples (windows or pairs) per second.
     pub samples_per_s: f64,
     /// Model FLOPs/s over the device peak (`None`: peak unknown).
     pub mfu: Option<f64>,
     /// Share of the step spent waiting for the loader, in percent.
     pub data_wait_pct: f64,
+    /// Memory in use: the device's, or on the CPU the process's resident set.
     pub memory_bytes: u64,
+    /// The highest memory in use so far.
     pub peak_memory_bytes: u64,
+    /// Tokens trained on since the run began (padding not counted).
     pub tokens_seen: u64,
 }
 
@@ -55,9 +70,12 @@ pub struct StepMetrics {
 /// evaluations (NLI: macro-F1), the score that keeps the best model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EvalRecord {
+    /// The optimizer step evaluated after.
     pub step: u64,
+    /// What was measured.
     #[serde(flatten)]
     pub metrics: EvalMetrics,
+    /// The ranking score (higher is better), where the workload has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub score: Option<f64>,
 }
@@ -67,12 +85,23 @@ pub struct EvalRecord {
 #[serde(untagged)]
 pub enum EvalMetrics {
     /// The language model: mean loss over `eval_iters` batches of each split.
-    Lm { train_loss: f64, val_loss: f64 },
+    Lm {
+        /// Mean loss on training batches.
+        train_loss: f64,
+        /// Mean loss on validation batches.
+        val_loss: f64,
+    },
     /// The pair classifier: loss and scores on the held-out fold.
-    Nli { val_loss: f64, scores: Scores },
+    Nli {
+        /// Mean loss on the held-out fold.
+        val_loss: f64,
+        /// Accuracy, macro-F1 and per-class scores on it.
+        scores: Scores,
+    },
 }
 
 impl EvalMetrics {
+    /// The validation loss, whichever the workload.
     pub fn val_loss(&self) -> f64 {
         match self {
             Self::Lm { val_loss, .. } | Self::Nli { val_loss, .. } => *val_loss,
@@ -83,11 +112,14 @@ impl EvalMetrics {
 /// Why a step made no update.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Skipped {
+    /// The step whose update was skipped.
     pub step: u64,
+    /// What was not finite.
     pub why: String,
     /// fp16 overflow: the loss scale after halving, and overflows so far.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
+    /// fp16 overflow: overflowed steps so far in this session.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overflows: Option<u64>,
     /// Non-finite: how many such steps in a row.
@@ -98,24 +130,33 @@ pub struct Skipped {
 /// Precision, recall and F1 of one class.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ClassMetrics {
+    /// The class's name.
     pub label: String,
+    /// Of the rows predicted as this class, the share that are.
     pub precision: f64,
+    /// Of the rows of this class, the share predicted as it.
     pub recall: f64,
+    /// The harmonic mean of precision and recall.
     pub f1: f64,
+    /// Rows of this class.
     pub support: usize,
 }
 
 /// Classification quality of predictions against labels.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Scores {
+    /// The share of rows predicted right.
     pub accuracy: f64,
+    /// The unweighted mean of the classes' F1.
     pub macro_f1: f64,
+    /// Each class's scores, in label order.
     pub per_class: Vec<ClassMetrics>,
     /// `confusion[true][predicted]`.
     pub confusion: Vec<Vec<usize>>,
 }
 
 impl Scores {
+    /// The scores of `predicted` against `truth` (label indices into `labels`).
     pub fn new(labels: &[String], truth: &[usize], predicted: &[usize]) -> Self {
         let n = labels.len();
         let mut confusion = vec![vec![0usize; n]; n];
@@ -164,31 +205,50 @@ impl Scores {
 /// One fold's outcome: the scores of its best evaluation.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct FoldResult {
+    /// The fold, from 0.
     pub fold: usize,
+    /// Pairs trained on.
     pub train_pairs: usize,
+    /// Pairs held out (evaluated on).
     pub held_out_pairs: usize,
+    /// The step of the best evaluation (by macro-F1).
     pub best_step: u64,
+    /// Whether early stopping ended the fold.
     pub stopped_early: bool,
+    /// The held-out loss at the best step.
     pub val_loss: f64,
+    /// The held-out scores at the best step.
     pub scores: Scores,
     /// Accuracy of always predicting the training part's most common label.
     pub majority_baseline: f64,
+    /// Median training throughput of the fold.
     pub median_samples_per_s: f64,
 }
 
 /// The cross-validation summary (`cv_summary.json`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CvSummary {
+    /// Each fold's result, in fold order.
     pub folds: Vec<FoldResult>,
+    /// Mean held-out accuracy over the folds.
     pub accuracy_mean: f64,
+    /// Its sample standard deviation.
     pub accuracy_std: f64,
+    /// Mean held-out macro-F1 over the folds.
     pub macro_f1_mean: f64,
+    /// Its sample standard deviation.
     pub macro_f1_std: f64,
+    /// Mean accuracy of always predicting the majority label.
     pub majority_baseline_mean: f64,
+    /// The label names, in class order.
     pub labels: Vec<String>,
+    /// Pairs read.
     pub pairs: usize,
+    /// Rows skipped as bad (see `data.bad_rows`).
     pub skipped_rows: usize,
+    /// Median training throughput over the folds.
     pub median_samples_per_s: f64,
+    /// Wall time of the whole run, in seconds.
     pub wall_s: f64,
 }
 

@@ -22,17 +22,27 @@ pub(crate) struct LmEval {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct Summary {
+    /// Optimizer steps taken.
     pub steps: u64,
+    /// Tokens trained on (padding not counted).
     pub tokens_seen: u64,
+    /// The last evaluation's training loss (lm).
     pub final_train_loss: Option<f64>,
+    /// The last evaluation's validation loss.
     pub final_val_loss: Option<f64>,
+    /// The best validation loss of the run.
     pub best_val_loss: Option<f64>,
+    /// Median training throughput, tokens per second.
     pub median_tokens_per_s: f64,
+    /// Median milliseconds per optimizer step.
     pub median_ms_per_step: f64,
+    /// Median MFU (`None`: the device's peak is unknown).
     pub median_mfu: Option<f64>,
     /// What the MFU is measured against.
     pub mfu_peak: String,
+    /// Share of step time spent waiting for the loader, in percent.
     pub data_wait_pct: f64,
+    /// Peak memory: the device's, or on the CPU the process's resident set.
     pub peak_memory_bytes: u64,
     /// Seconds from start to end, evaluation and checkpoints included.
     pub wall_s: f64,
@@ -45,26 +55,36 @@ pub struct Summary {
 pub enum Event {
     /// Lines saying what is enabled and why, before the first step.
     Start {
+        /// Those lines.
         lines: Vec<String>,
+        /// The step the run starts from (0, or a resumed run's).
         first_step: u64,
+        /// The steps the run makes in all.
         total_steps: u64,
     },
+    /// A logged step.
     Step(StepMetrics),
     /// An evaluation.
     Eval(EvalRecord),
     /// A step whose update was skipped (fp16 overflow, or not finite).
     Skipped {
+        /// The record written to `metrics.jsonl`.
         record: Skipped,
         /// `precision.max_bad_steps`: the run stops at that many in a row.
         max_bad_steps: usize,
     },
     /// The run stopped early: no better score in `evaluations` evaluations.
     EarlyStopped {
+        /// The step it stopped at.
         step: u64,
+        /// Evaluations since the best one (`cv.patience` reached).
         evaluations: usize,
     },
+    /// A checkpoint was written.
     Checkpoint {
+        /// Its step.
         step: u64,
+        /// Its file.
         path: std::path::PathBuf,
     },
     /// Something the user should know (a damaged checkpoint skipped, ...).
@@ -73,11 +93,13 @@ pub enum Event {
     FoldDone(FoldResult),
     /// A cross-validation run finished all its folds.
     CvDone(CvSummary),
+    /// The run finished.
     Done(Summary),
 }
 
 /// Receives a run's events (the CLI prints them).
 pub trait Observer {
+    /// Called for each event, on the training thread.
     fn event(&mut self, event: &Event);
 }
 

@@ -15,6 +15,7 @@ pub struct RunLock {
 /// A run's folder and the files in it.
 #[derive(Clone, Debug)]
 pub struct RunDir {
+    /// The folder.
     pub path: PathBuf,
 }
 
@@ -125,10 +126,12 @@ impl RunDir {
         Ok(RunLock { _file: file })
     }
 
+    /// `name` inside the run's folder.
     pub fn file(&self, name: &str) -> PathBuf {
         self.path.join(name)
     }
 
+    /// The folder of the checkpoints (`ckpt-<step>.safetensors`).
     pub fn checkpoints(&self) -> PathBuf {
         self.path.join("checkpoints")
     }
@@ -195,7 +198,7 @@ impl RunDir {
 /// then renamed into place, so that a process killed mid-write leaves the
 /// old file whole (or none); the temporary file is removed when the write
 /// fails (a full disk stays no fuller).
-pub(crate) fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), TrainError> {
+pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), TrainError> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path
         .file_name()

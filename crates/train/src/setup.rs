@@ -242,16 +242,7 @@ mod tests {
     #[test]
     fn initial_weights_come_from_the_seed_not_the_first_step() {
         let config = crate::tests::config(&[]);
-        let gpt = kiln_model::GptConfig {
-            vocab_size: 11,
-            block_size: 8,
-            layers: 1,
-            heads: 2,
-            hidden: 8,
-            intermediate: 16,
-            dropout: 0.0,
-            gelu: kiln_model::GeluKind::Exact,
-        };
+        let gpt = kiln_model::GptConfig::new(11, 8, 1, 2, 8).with_intermediate(16);
         let draw = |reseed: bool| {
             let device = train_device(&config, &Device::flex(), 7);
             let model = init_model(&config, &device, false, 7, |d| gpt.init(d));

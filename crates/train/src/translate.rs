@@ -17,16 +17,10 @@ fn gelu(g: Gelu) -> GeluKind {
 /// The model shape of a configuration, for a vocabulary.
 pub(crate) fn gpt_config(config: &RunConfig, vocab_size: usize) -> GptConfig {
     let m = &config.model;
-    GptConfig {
-        vocab_size,
-        block_size: m.max_length,
-        layers: m.layers,
-        heads: m.heads,
-        hidden: m.hidden,
-        intermediate: m.intermediate,
-        dropout: m.dropout,
-        gelu: gelu(m.gelu),
-    }
+    GptConfig::new(vocab_size, m.max_length, m.layers, m.heads, m.hidden)
+        .with_intermediate(m.intermediate)
+        .with_dropout(m.dropout)
+        .with_gelu(gelu(m.gelu))
 }
 
 /// The pair schema of a configuration.
@@ -54,21 +48,21 @@ pub(crate) fn schema(config: &RunConfig, require_label: bool) -> PairSchema {
 /// The encoder shape of a configuration, for a vocabulary.
 pub(crate) fn encoder_config(config: &RunConfig, vocab_size: usize) -> EncoderConfig {
     let m = &config.model;
-    EncoderConfig {
+    EncoderConfig::new(
         vocab_size,
-        max_positions: m.max_length,
-        layers: m.layers,
-        heads: m.heads,
-        hidden: m.hidden,
-        intermediate: m.intermediate,
-        dropout: m.dropout,
-        classes: config.data.labels.len(),
-        pooling: match m.pooling {
-            Pooling::Cls => PoolingKind::Cls,
-            Pooling::Mean => PoolingKind::Mean,
-        },
-        gelu: gelu(m.gelu),
-    }
+        m.max_length,
+        m.layers,
+        m.heads,
+        m.hidden,
+        config.data.labels.len(),
+    )
+    .with_intermediate(m.intermediate)
+    .with_dropout(m.dropout)
+    .with_pooling(match m.pooling {
+        Pooling::Cls => PoolingKind::Cls,
+        Pooling::Mean => PoolingKind::Mean,
+    })
+    .with_gelu(gelu(m.gelu))
 }
 
 /// The kernels `optimization.kernels` asks the models to run.

@@ -57,9 +57,7 @@ pub(crate) struct Prepared {
 /// against the block here (`kiln diagnose` reports a short one as a
 /// finding); [`Prepared::task`] checks them.
 pub(crate) fn prepare(config: &RunConfig, from: TokenizerFrom<'_>) -> Result<Prepared, TrainError> {
-    // `data.max_chars = 0` is the config's "no limit" (TOML has no null).
-    let max_chars = (config.data.max_chars > 0).then_some(config.data.max_chars);
-    let corpus = read_corpus(Path::new(&config.data.path), max_chars)?;
+    let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
     let tokenizer = match from {
         TokenizerFrom::Config => make_tokenizer(config, &corpus.text)?,
         TokenizerFrom::File(path) => Tokenizer::load(path)?,
@@ -200,8 +198,8 @@ pub(crate) fn resume(
 }
 
 pub(crate) fn make_tokenizer(config: &RunConfig, text: &str) -> Result<Tokenizer, TrainError> {
-    if !config.data.tokenizer_file.is_empty() {
-        return Ok(Tokenizer::load(Path::new(&config.data.tokenizer_file))?);
+    if let Some(file) = &config.data.tokenizer_file {
+        return Ok(Tokenizer::load(Path::new(file))?);
     }
     let kind = match config.data.tokenizer {
         // Characters come from the whole corpus, as nanoGPT does: a character

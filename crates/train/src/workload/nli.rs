@@ -45,8 +45,8 @@ pub(crate) struct Pairs {
 pub(crate) fn read(config: &RunConfig) -> Result<Pairs, TrainError> {
     let data = read_pairs(Path::new(&config.data.path), &schema(config, true))
         .map_err(|e| crate::translate::with_config_keys(e, config))?;
-    if !config.data.tokenizer_file.is_empty() {
-        Tokenizer::load(Path::new(&config.data.tokenizer_file))?;
+    if let Some(file) = &config.data.tokenizer_file {
+        Tokenizer::load(Path::new(file))?;
     }
     let premises: Vec<&str> = data.pairs.iter().map(|p| p.premise.as_str()).collect();
     let labels: Vec<usize> = data.pairs.iter().map(|p| p.label.unwrap_or(0)).collect();
@@ -99,7 +99,9 @@ pub(crate) fn prepare(
             t
         }
         None => {
-            let mut tokenizer = if config.data.tokenizer_file.is_empty() {
+            let mut tokenizer = if let Some(file) = &config.data.tokenizer_file {
+                Tokenizer::load(Path::new(file))?
+            } else {
                 let texts = train_idx.iter().flat_map(|&i| {
                     [
                         data.pairs[i].premise.as_str(),
@@ -107,8 +109,6 @@ pub(crate) fn prepare(
                     ]
                 });
                 Tokenizer::wordpiece(texts, config.data.vocab_size, max_len)?
-            } else {
-                Tokenizer::load(Path::new(&config.data.tokenizer_file))?
             };
             tokenizer.set_pair_template(max_len)?;
             if let Some(path) = tokenizer_at {
@@ -671,10 +671,15 @@ fn steps_text(steps: f64) -> String {
 /// What `predict` wrote and, where the file has labels, how good it was.
 #[derive(Clone, Debug)]
 pub struct Prediction {
+    /// The predictions file written.
     pub output: PathBuf,
+    /// Rows predicted.
     pub rows: usize,
+    /// The fold whose model predicted (the best by validation).
     pub fold: usize,
+    /// Accuracy and per-class scores, where the file has labels.
     pub scores: Option<Scores>,
+    /// The rows skipped and why, if any.
     pub skipped: Option<String>,
 }
 
