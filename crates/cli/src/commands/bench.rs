@@ -192,7 +192,7 @@ fn bench_text(r: &kiln_train::BenchResult) -> String {
          FLOPs per sample: {:.3} G as computed (padded), {:.3} G on real tokens only\n\
          MFU: {} against {}\n\
          data-wait: {:.2}% of step time; peak memory {:.0} MiB{}; CPU {} during the timed steps\n\
-         phases (median ms): data wait {:.2}, host-to-device {:.2}, forward {:.1}, backward {:.1}, optimizer {:.1}\n",
+         phases (median ms): data wait {:.2}, host-to-device {:.2}, forward {:.1}, backward {:.1}, optimizer {:.1}\n{}",
         r.workload,
         r.backend,
         r.timed_steps,
@@ -225,5 +225,9 @@ fn bench_text(r: &kiln_train::BenchResult) -> String {
         p.forward_ms,
         p.backward_ms,
         p.optimizer_ms,
+        r.isa.as_ref().map_or(String::new(), |i| format!(
+            "instruction sets: gemm {}, kiln's loops {}\n",
+            i.gemm, i.kernels
+        )),
     )
 }
