@@ -79,9 +79,9 @@ fn writable(t: &mut FlexTensor) -> Option<&mut [f32]> {
 }
 
 #[multiversion(targets = "simd")]
-fn gelu_slice(x: &[f32], out: &mut [f32]) {
+fn gelu_slice(x: &[f32], out: &mut [MaybeUninit<f32>]) {
     for (o, &x) in out.iter_mut().zip(x) {
-        *o = math::gelu(x);
+        o.write(math::gelu(x));
     }
 }
 
@@ -101,7 +101,7 @@ pub(crate) fn gelu(x: FlexTensor) -> FlexTensor {
         buffer(input.len(), |room| {
             room.par_chunks_mut(CHUNK)
                 .zip(input.par_chunks(CHUNK))
-                .for_each(|(o, i)| gelu_slice(i, zeroed(o)))
+                .for_each(|(o, i)| gelu_slice(i, o))
         })
     };
     from_vec(out, shape(&x))
@@ -173,6 +173,12 @@ impl<'a> Heads<'a> {
             + h * self.strides[1]
             + t * self.strides[2]
             + d * self.strides[3]]
+    }
+
+    /// Row `t` of head `(b, h)` as a slice, where its columns are adjacent.
+    fn row(&self, b: usize, h: usize, t: usize) -> Option<&[f32]> {
+        let at = self.offset + b * self.strides[0] + h * self.strides[1] + t * self.strides[2];
+        (self.strides[3] == 1).then(|| &self.data[at..at + self.dims[3]])
     }
 
     fn row_stride(&self) -> isize {
@@ -583,10 +589,11 @@ pub(crate) fn attention_backward(
                 let lse = &lse[bh * t..(bh + 1) * t];
                 // Row i of `delta`: Σ_c dO[i, c] · O[i, c].
                 let delta: Vec<f32> = (0..t)
-                    .map(|i| {
-                        (0..hd)
+                    .map(|i| match (gh.row(bi, hi, i), oh.row(bi, hi, i)) {
+                        (Some(g), Some(o)) => dot2(g, o),
+                        _ => (0..hd)
                             .map(|c| gh.at(bi, hi, i, c) * oh.at(bi, hi, i, c))
-                            .sum()
+                            .sum(),
                     })
                     .collect();
                 // This head's columns of dq, dk and dv in the packed gradient.

@@ -18,7 +18,12 @@ pub(crate) fn exp(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0;
     let underflow = x < -87.3;
     let x = x.clamp(-87.3, 88.7);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    // `t` is 1.5·2^23 + n exactly (the ulp there is 1), so its bits are
+    // ROUND's plus n: 2^n is built from them with integer operations. (`n as
+    // i32` would be a saturating conversion, which LLVM does one lane at a
+    // time.)
+    let t = x * LOG2E + ROUND;
+    let n = t - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let p = 1.0 / 5040.0;
     let p = p * r + 1.0 / 720.0;
@@ -28,7 +33,12 @@ pub(crate) fn exp(x: f32) -> f32 {
     let p = p * r + 0.5;
     let p = p * r + 1.0;
     let p = p * r + 1.0;
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let scale = f32::from_bits(
+        t.to_bits()
+            .wrapping_sub(ROUND.to_bits())
+            .wrapping_add(127)
+            << 23,
+    );
     if underflow { 0.0 } else { p * scale }
 }
 
