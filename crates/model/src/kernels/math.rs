@@ -33,12 +33,7 @@ pub(crate) fn exp(x: f32) -> f32 {
     let p = p * r + 0.5;
     let p = p * r + 1.0;
     let p = p * r + 1.0;
-    let scale = f32::from_bits(
-        t.to_bits()
-            .wrapping_sub(ROUND.to_bits())
-            .wrapping_add(127)
-            << 23,
-    );
+    let scale = f32::from_bits(t.to_bits().wrapping_sub(ROUND.to_bits()).wrapping_add(127) << 23);
     if underflow { 0.0 } else { p * scale }
 }
 
