@@ -83,28 +83,15 @@ impl EncoderConfig {
         }
     }
 
-    /// The MLP's inner width.
-    pub fn with_intermediate(mut self, intermediate: usize) -> Self {
-        self.intermediate = intermediate;
-        self
-    }
-
-    /// Dropout in training (0 for none).
-    pub fn with_dropout(mut self, dropout: f64) -> Self {
-        self.dropout = dropout;
-        self
-    }
-
-    /// How the sequence becomes one vector.
-    pub fn with_pooling(mut self, pooling: PoolingKind) -> Self {
-        self.pooling = pooling;
-        self
-    }
-
-    /// The MLP's GELU.
-    pub fn with_gelu(mut self, gelu: GeluKind) -> Self {
-        self.gelu = gelu;
-        self
+    with_setters! {
+        /// The MLP's inner width.
+        with_intermediate: intermediate: usize;
+        /// Dropout in training (0 for none).
+        with_dropout: dropout: f64;
+        /// How the sequence becomes one vector.
+        with_pooling: pooling: PoolingKind;
+        /// The MLP's GELU.
+        with_gelu: gelu: GeluKind;
     }
 
     /// Parameters in the transformer blocks (no embeddings, no head).

@@ -72,22 +72,13 @@ impl GptConfig {
         }
     }
 
-    /// The MLP's inner width.
-    pub fn with_intermediate(mut self, intermediate: usize) -> Self {
-        self.intermediate = intermediate;
-        self
-    }
-
-    /// Dropout in training (0 for none).
-    pub fn with_dropout(mut self, dropout: f64) -> Self {
-        self.dropout = dropout;
-        self
-    }
-
-    /// The MLP's GELU.
-    pub fn with_gelu(mut self, gelu: GeluKind) -> Self {
-        self.gelu = gelu;
-        self
+    with_setters! {
+        /// The MLP's inner width.
+        with_intermediate: intermediate: usize;
+        /// Dropout in training (0 for none).
+        with_dropout: dropout: f64;
+        /// The MLP's GELU.
+        with_gelu: gelu: GeluKind;
     }
 
     /// Parameters of the model (position embeddings included; tied weights once).

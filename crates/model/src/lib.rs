@@ -21,6 +21,19 @@
 /// Burn, whose tensors and devices the models take (`burn::tensor::Device`).
 pub use burn;
 
+/// `with_<field>` setters of a config struct, each with its doc.
+macro_rules! with_setters {
+    ($($(#[$doc:meta])* $name:ident: $field:ident: $ty:ty;)*) => {
+        $(
+            $(#[$doc])*
+            pub fn $name(mut self, $field: $ty) -> Self {
+                self.$field = $field;
+                self
+            }
+        )*
+    };
+}
+
 mod encoder;
 mod gpt;
 pub mod kernels;

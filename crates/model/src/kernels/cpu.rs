@@ -621,25 +621,10 @@ pub(crate) fn attention_backward(
                 // key on (the same blocks, read as key blocks).
                 for (c0, c1, _) in row_blocks(t, causal) {
                     let (from, keys) = (if causal { c0 } else { 0 }, c1 - c0);
-                    let rows = t - from;
-                    matmul(
-                        keys,
-                        hd,
-                        rows,
-                        part(2).at(c0, 0),
-                        pm.at(from, c0).t(),
-                        gm.at(from, 0),
-                        1.0,
-                    );
-                    matmul(
-                        keys,
-                        hd,
-                        rows,
-                        part(1).at(c0, 0),
-                        dsm.at(from, c0).t(),
-                        qm.at(from, 0),
-                        1.0,
-                    );
+                    for (which, weights, by) in [(2, pm, gm), (1, dsm, qm)] {
+                        let (dst, lhs) = (part(which).at(c0, 0), weights.at(from, c0).t());
+                        matmul(keys, hd, t - from, dst, lhs, by.at(from, 0), 1.0);
+                    }
                 }
             })
         })

@@ -588,63 +588,43 @@ mod tests {
     fn fused_attention_matches_burn_attention_forward_and_backward() {
         let device = Device::flex().autodiff();
         device.seed(9);
-        let (b, t, h, hd) = (3, 19, 4, 8);
-        let qkv = Tensor::<3>::random([b, t, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device);
-        let upstream = Tensor::<3>::random([b, t, h * hd], Distribution::Normal(0.0, 1.0), &device);
-        // Batch 1 has its last 5 keys padded, batch 2 its last one.
-        let lengths = Tensor::<2, Int>::from_data([[19], [14], [18]], &device);
-        let pad = Tensor::<1, Int>::arange(0..t as i64, &device)
-            .reshape([1, t])
-            .expand([b, t])
-            .greater_equal(lengths.expand([b, t]));
-        // A strided input too: a projection seen through a transpose.
-        let strided =
-            Tensor::<3>::random([t, b, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device)
-                .swap_dims(0, 1);
-        let cases = [
-            (&qkv, None, true),
-            (&qkv, Some(pad.clone()), false),
-            (&qkv, Some(pad), true),
-            (&strided, None, true),
-        ];
-        for (input, key_pad, causal) in cases {
-            let label = format!("padded={} causal={causal}", key_pad.is_some());
-            let (y, dqkv) =
-                attention_run(input, &upstream, key_pad.clone(), causal, h, Kernels::Fused);
-            let (y_ref, dqkv_ref) =
-                attention_run(input, &upstream, key_pad, causal, h, Kernels::Reference);
-            let fwd = max_abs3(y, y_ref);
-            let bwd = max_abs3(dqkv, dqkv_ref);
-            assert!(fwd < 1e-5, "{label}: forward differs by {fwd}");
-            assert!(bwd < 1e-4, "{label}: backward differs by {bwd}");
-        }
-    }
-
-    #[test]
-    fn causal_attention_over_several_row_blocks_matches_burn() {
-        // 75 positions: blocks of 32, 32 and a ragged 11 (`cpu::CAUSAL_BLOCK`),
-        // so the products that skip the masked keys and the key-block
-        // gradients cross block edges.
-        let device = Device::flex().autodiff();
-        device.seed(12);
-        let (b, t, h, hd) = (2, 75, 2, 8);
-        let qkv = Tensor::<3>::random([b, t, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device);
-        let upstream = Tensor::<3>::random([b, t, h * hd], Distribution::Normal(0.0, 1.0), &device);
-        let lengths = Tensor::<2, Int>::from_data([[75], [40]], &device);
-        let pad = Tensor::<1, Int>::arange(0..t as i64, &device)
-            .reshape([1, t])
-            .expand([b, t])
-            .greater_equal(lengths.expand([b, t]));
-        for key_pad in [None, Some(pad)] {
-            let label = format!("padded={}", key_pad.is_some());
-            let (y, dqkv) =
-                attention_run(&qkv, &upstream, key_pad.clone(), true, h, Kernels::Fused);
-            let (y_ref, dqkv_ref) =
-                attention_run(&qkv, &upstream, key_pad, true, h, Kernels::Reference);
-            let fwd = max_abs3(y, y_ref);
-            let bwd = max_abs3(dqkv, dqkv_ref);
-            assert!(fwd < 1e-5, "{label}: forward differs by {fwd}");
-            assert!(bwd < 1e-4, "{label}: backward differs by {bwd}");
+        // (batch, time, heads, head width, each batch entry's real length).
+        // 19 positions fit one causal row block; 75 make blocks of 32, 32
+        // and a ragged 11 (`cpu::CAUSAL_BLOCK`), so the products that skip
+        // the masked keys and the key-block gradients cross block edges.
+        let shapes: [(usize, usize, usize, usize, &[i64]); 2] =
+            [(3, 19, 4, 8, &[19, 14, 18]), (2, 75, 2, 8, &[75, 40])];
+        for (b, t, h, hd, lengths) in shapes {
+            let qkv =
+                Tensor::<3>::random([b, t, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device);
+            let upstream =
+                Tensor::<3>::random([b, t, h * hd], Distribution::Normal(0.0, 1.0), &device);
+            let lengths = Tensor::<1, Int>::from_data(lengths, &device).reshape([b, 1]);
+            let pad = Tensor::<1, Int>::arange(0..t as i64, &device)
+                .reshape([1, t])
+                .expand([b, t])
+                .greater_equal(lengths.expand([b, t]));
+            // A strided input too: a projection seen through a transpose.
+            let strided =
+                Tensor::<3>::random([t, b, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device)
+                    .swap_dims(0, 1);
+            let cases = [
+                (&qkv, None, true),
+                (&qkv, Some(pad.clone()), false),
+                (&qkv, Some(pad), true),
+                (&strided, None, true),
+            ];
+            for (input, key_pad, causal) in cases {
+                let label = format!("t={t} padded={} causal={causal}", key_pad.is_some());
+                let (y, dqkv) =
+                    attention_run(input, &upstream, key_pad.clone(), causal, h, Kernels::Fused);
+                let (y_ref, dqkv_ref) =
+                    attention_run(input, &upstream, key_pad, causal, h, Kernels::Reference);
+                let fwd = max_abs3(y, y_ref);
+                let bwd = max_abs3(dqkv, dqkv_ref);
+                assert!(fwd < 1e-5, "{label}: forward differs by {fwd}");
+                assert!(bwd < 1e-4, "{label}: backward differs by {bwd}");
+            }
         }
     }
 
