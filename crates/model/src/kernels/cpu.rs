@@ -282,19 +282,21 @@ fn row_blocks(t: usize, causal: bool) -> impl Iterator<Item = (usize, usize, usi
 
 /// `alpha · lhs (t × k) · rhs (k × t)` in a new `t × t` buffer (one head's
 /// scores or their gradient). With `causal`, only the entries of
-/// [`row_blocks`] are computed: the rest of each row is left unwritten for
-/// the caller's row pass, which must write every entry it does not read.
+/// [`row_blocks`] are computed; the keys beyond a block's are 0.
 ///
 /// # Safety
 /// The operands as in [`matmul`].
 unsafe fn square(t: usize, k: usize, lhs: Mat, rhs: Mat, alpha: f32, causal: bool) -> Vec<f32> {
     // SAFETY: forwarded from the caller; each gemm writes its block without
-    // reading it.
+    // reading it, and the rest of each block's rows is zeroed here.
     unsafe {
         buffer(t * t, |room| {
-            let dst = Mat(room.as_mut_ptr().cast(), t as isize, 1);
             for (r0, r1, n) in row_blocks(t, causal) {
+                let dst = Mat(room.as_mut_ptr().cast(), t as isize, 1);
                 matmul(r1 - r0, n, k, dst.at(r0, 0), lhs.at(r0, 0), rhs, alpha);
+                for row in room[r0 * t..r1 * t].chunks_exact_mut(t) {
+                    row[n..].fill(MaybeUninit::new(0.0));
+                }
             }
         })
     }
@@ -445,7 +447,7 @@ fn probabilities(p: &mut [f32], lse: &[f32], t: usize, pad: Option<&[f32]>, caus
 }
 
 /// `dS = P ⊙ (dP − delta) · scale`, in place over `dp`; with `causal`, the
-/// keys a query does not see (where [`square`] left `dp` unwritten) are 0.
+/// keys a query does not see are 0.
 #[multiversion(targets = "simd")]
 fn score_grads(dp: &mut [f32], p: &[f32], delta: &[f32], t: usize, scale: f32, causal: bool) {
     for (i, (ds, p)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
