@@ -122,28 +122,7 @@ pub struct BenchResult {
     /// cores busy throughout. `None` where the platform does not report it.
     pub cpu_util_pct: Option<f64>,
     /// The instruction sets the CPU kernels ran with (`None` on a GPU).
-    pub isa: Option<IsaReport>,
-}
-
-/// Which instruction set each family of CPU kernels ran with.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-#[non_exhaustive]
-pub struct IsaReport {
-    /// The matrix products (the `gemm` crate's microkernels).
-    pub gemm: String,
-    /// kiln's own loops (GELU, softmax, LayerNorm, bias sums).
-    pub kernels: String,
-}
-
-impl IsaReport {
-    /// What this machine's CPU kernels run with.
-    pub fn detect() -> Self {
-        let isa = kiln_model::kernels::cpu_isa();
-        Self {
-            gemm: isa.gemm.to_string(),
-            kernels: isa.kernels.to_string(),
-        }
-    }
+    pub isa: Option<kiln_model::kernels::CpuIsa>,
 }
 
 /// Per-step measurements.
@@ -388,7 +367,7 @@ fn result(
         },
         final_loss: t.final_loss,
         cpu_util_pct: t.cpu_util_pct,
-        isa: (!device.is_gpu).then(IsaReport::detect),
+        isa: (!device.is_gpu).then(kiln_model::kernels::cpu_isa),
     }
 }
 

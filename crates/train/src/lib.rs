@@ -55,8 +55,8 @@ mod translate;
 mod workload;
 
 pub use bench::{
-    BenchOptions, BenchResult, IsaReport, LoaderBenchResult, LoaderRow, PhaseTimes, bench_lm,
-    bench_loader, bench_nli,
+    BenchOptions, BenchResult, LoaderBenchResult, LoaderRow, PhaseTimes, bench_lm, bench_loader,
+    bench_nli,
 };
 pub use checkpoint::{CheckpointInfo, latest_good_checkpoint};
 pub use compile::{FUSION_BUILT_IN, apply_compile, autotune_level};

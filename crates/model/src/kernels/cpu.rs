@@ -354,6 +354,17 @@ fn visible(i: usize, t: usize, causal: bool) -> usize {
     if causal { i + 1 } else { t }
 }
 
+/// The keys [`square`] computed for query `i` (the end of its row block);
+/// from there on the row is already 0.
+#[inline(always)]
+fn computed(i: usize, t: usize, causal: bool) -> usize {
+    if causal {
+        ((i / CAUSAL_BLOCK + 1) * CAUSAL_BLOCK).min(t)
+    } else {
+        t
+    }
+}
+
 /// Multi-head scaled dot-product attention of a packed projection `qkv`
 /// (`[batch, time, 3·d]`: queries, keys, values side by side, each `heads`
 /// heads of `d / heads`), one head per rayon task, the `time × time` scores
@@ -415,7 +426,7 @@ pub(crate) fn attention(
 fn softmax_rows(p: &mut [f32], lse: &mut [f32], t: usize, pad: Option<&[f32]>, causal: bool) {
     for (i, (row, lse)) in p.chunks_exact_mut(t).zip(lse.iter_mut()).enumerate() {
         let n = visible(i, t, causal);
-        mask_row(row, n, pad);
+        mask_row(&mut row[..computed(i, t, causal)], n, pad);
         let max = max_of(&row[..n]);
         if max == f32::NEG_INFINITY {
             row.fill(0.0);
@@ -439,7 +450,7 @@ fn softmax_rows(p: &mut [f32], lse: &mut [f32], t: usize, pad: Option<&[f32]>, c
 fn probabilities(p: &mut [f32], lse: &[f32], t: usize, pad: Option<&[f32]>, causal: bool) {
     for (i, row) in p.chunks_exact_mut(t).enumerate() {
         let n = visible(i, t, causal);
-        mask_row(row, n, pad);
+        mask_row(&mut row[..computed(i, t, causal)], n, pad);
         for x in row[..n].iter_mut() {
             *x = math::exp(*x - lse[i]);
         }
@@ -447,7 +458,7 @@ fn probabilities(p: &mut [f32], lse: &[f32], t: usize, pad: Option<&[f32]>, caus
 }
 
 /// `dS = P ⊙ (dP − delta) · scale`, in place over `dp`; with `causal`, the
-/// keys a query does not see are 0.
+/// keys a query does not see are 0 (beyond its row block [`square`] made them so).
 #[multiversion(targets = "simd")]
 fn score_grads(dp: &mut [f32], p: &[f32], delta: &[f32], t: usize, scale: f32, causal: bool) {
     for (i, (ds, p)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
@@ -455,7 +466,7 @@ fn score_grads(dp: &mut [f32], p: &[f32], delta: &[f32], t: usize, scale: f32, c
         for (ds, &p) in ds[..n].iter_mut().zip(&p[..n]) {
             *ds = p * (*ds - delta[i]) * scale;
         }
-        ds[n..].fill(0.0);
+        ds[n..computed(i, t, causal)].fill(0.0);
     }
 }
 

@@ -2,7 +2,8 @@
 //! machine: both choose at run time, so the build alone does not say.
 
 /// The instruction sets of the CPU kernels on this machine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
 pub struct CpuIsa {
     /// The matrix products (the `gemm` crate, which flex and kiln's linear
     /// and attention kernels call): its widest microkernels this CPU runs.
