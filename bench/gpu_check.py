@@ -5,9 +5,11 @@ It runs a `kiln` binary (a CUDA build packed by `cargo xtask gpu-pack`, or
 any build) through, in order of importance:
 
 1. the machine: `nvidia-smi`, `kiln check-hardware --json`;
-2. reference checks: training steps on the GPU against the same steps on
-   the CPU (flex), for the GPT and the encoder: the loss after 1 step within
-   1e-4 and after 20 steps within 1e-3 (the GPU suite's tolerances);
+2. reference checks: `kiln check-kernels` (kiln's GPU kernels, the fused
+   AdamW today, against the Burn operations they replace); training steps on
+   the GPU against the same steps on the CPU (flex), for the GPT and the
+   encoder: the loss after 1 step within 1e-4 and after 20 steps within
+   1e-3 (the GPU suite's tolerances);
 3. `kiln bench lm` on the tiny GPT (block 128, batch 32: the shape of the
    earlier wgpu figures) and on GPT-2 small, in f32 and bf16;
    `kiln bench nli` on the BERT-base encoder in bf16;
@@ -164,6 +166,14 @@ class Check:
                 parse_json=False,
             )
         self.run("check-hardware", [self.kiln, "check-hardware", "--json"], 60)
+
+    def kernels(self):
+        """kiln's GPU kernels against the Burn operations they replace."""
+        self.run(
+            "check-kernels",
+            [self.kiln, "check-kernels", "--json", f"device.backend={self.gpu}"],
+            120,
+        )
 
     def bench(self, name, workload, overrides, warmup, steps, timeout, extra=(), binary=None):
         cmd = self.kiln_cmd(
@@ -427,6 +437,7 @@ def main():
     try:
         # Most important first: a budget that runs out skips the last.
         check.machine()
+        check.kernels()
         check.bench_named("bench lm tiny f32")
         check.reference("lm", TINY_MODEL)
         check.bench_named("bench lm gpt2-small bf16")

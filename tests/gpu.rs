@@ -232,6 +232,7 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
     };
     for name in [
         "check-hardware",
+        "check-kernels",
         "bench lm tiny f32",
         "bench lm tiny bf16",
         "bench lm gpt2-small bf16",
@@ -269,4 +270,38 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
         "{reference}"
     );
     assert!(stdout.contains("passed, 0 failed"), "{stdout}");
+}
+
+/// `kiln check-kernels` on wgpu: kiln's CubeCL AdamW (one kernel per
+/// parameter) against Burn's composition of the same update, 100 steps.
+/// Under Burn's `fusion` the composition runs (fusion fuses it) and the
+/// check says so.
+#[test]
+fn fused_adamw_on_wgpu_agrees_with_the_composition() {
+    let run = kiln(&["check-kernels", "--json", "device.backend=wgpu"])
+        .run()
+        .expect_code(0);
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("json");
+    assert_eq!(v["schema"], "kiln.check-kernels/1");
+    assert!(
+        v["device"].as_str().is_some_and(|d| d.starts_with("wgpu")),
+        "{}",
+        run.stdout
+    );
+    let adamw = v["kernels"]
+        .as_array()
+        .and_then(|ks| {
+            ks.iter()
+                .find(|k| k["kernel"].as_str().is_some_and(|n| n.starts_with("adamw")))
+        })
+        .expect("an adamw check");
+    assert_eq!(adamw["fused"], !cfg!(feature = "fusion"), "{}", run.stdout);
+    assert_eq!(adamw["passed"], true, "{}", run.stdout);
+    assert!(
+        adamw["max_abs_difference"]
+            .as_f64()
+            .is_some_and(|d| d <= 1e-5),
+        "{}",
+        run.stdout
+    );
 }

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use commands::{Context, bench, config, diagnose, export, hardware, train, tune};
+use commands::{Context, bench, config, diagnose, export, hardware, kernels, train, tune};
 use kiln_config::ConfigError;
 
 /// mimalloc keeps freed memory for reuse: with the system allocator every
@@ -73,6 +73,9 @@ enum Command {
     CheckHardware(hardware::Args),
     /// Is there an NVIDIA GPU to train on? Exit 0 if so, 1 if not
     CheckGpu,
+    /// kiln's fused kernels against the Burn operations they replace, on the
+    /// configured device. Exit 1 if one disagrees
+    CheckKernels(kernels::Args),
     /// The resolved configuration as TOML
     Config(config::Args),
     /// Train with the resolved configuration, in a new run directory
@@ -141,6 +144,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::CheckHardware(args) => hardware::check_hardware(args, &ctx),
         Command::CheckGpu => hardware::check_gpu(&ctx),
+        Command::CheckKernels(args) => kernels::run(args, &ctx),
         Command::Config(args) => config::run(args, &ctx),
         Command::Train(args) => train::train(args, ctx),
         Command::Cv(args) => train::cv(args, ctx),

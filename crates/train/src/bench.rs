@@ -203,7 +203,7 @@ fn time_steps<T: Task>(
         config.loader.num_workers,
         config.loader.prefetch_factor,
     );
-    let mut optim = AdamW::for_training(&config.training);
+    let mut optim = AdamW::for_training(&config.training).with_kernels(kernels(config));
     let mut state = StepState::new(config, scaler);
     let mut timer = SyncTimer {
         device,

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
+use kiln_model::kernels::{AdamWStep, Kernels, adamw};
 
 /// AdamW's hyper-parameters, set explicitly (Burn's defaults differ from PyTorch's).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -27,6 +28,9 @@ pub struct AdamW {
     pub steps: u64,
     /// First and second moments per parameter, flattened.
     pub(crate) moments: HashMap<ParamId, (Tensor<1>, Tensor<1>)>,
+    /// The fused update where the device has it (flex; wgpu and CUDA
+    /// without Burn's `fusion`), or the composition of Burn operations.
+    pub kernels: Kernels,
 }
 
 impl AdamW {
@@ -36,6 +40,7 @@ impl AdamW {
             config,
             steps: 0,
             moments: HashMap::new(),
+            kernels: Kernels::Fused,
         }
     }
 
@@ -47,6 +52,13 @@ impl AdamW {
             eps: t.eps,
             weight_decay: t.weight_decay,
         })
+    }
+
+    /// The same optimizer with the fused update or the composition
+    /// (`optimization.kernels`).
+    pub fn with_kernels(mut self, kernels: Kernels) -> Self {
+        self.kernels = kernels;
+        self
     }
 
     /// One update of every parameter that has a gradient, with the gradients
@@ -83,40 +95,30 @@ impl ModuleMapper for Update<'_> {
             return Param::from_mapped_value(id, tensor, mapper);
         };
         let c = self.optim.config;
-        let t = self.optim.steps as i32;
         let require_grad = tensor.is_require_grad();
         // Gradient checkpointing is a property of the tensor: keep it.
         let checkpointing = tensor.gradient_checkpointing_strategy();
         let dims = tensor.dims();
         let n: usize = dims.iter().product();
         let w: Tensor<1> = tensor.inner().reshape([n]);
-        let mut g: Tensor<1> = grad.reshape([n]);
-        if self.grad_scale != 1.0 {
-            g = g.mul_scalar(self.grad_scale);
-        }
-        let (m, v) = match self.optim.moments.remove(&id) {
-            Some((m, v)) => (
-                m.mul_scalar(c.beta1)
-                    .add(g.clone().mul_scalar(1.0 - c.beta1)),
-                v.mul_scalar(c.beta2)
-                    .add(g.clone().powi_scalar(2).mul_scalar(1.0 - c.beta2)),
-            ),
-            None => (
-                g.clone().mul_scalar(1.0 - c.beta1),
-                g.powi_scalar(2).mul_scalar(1.0 - c.beta2),
-            ),
+        let g: Tensor<1> = grad.reshape([n]);
+        let (m, v) = self.optim.moments.remove(&id).unwrap_or_else(|| {
+            // Two buffers, so that the update can write over each.
+            let zeros = || Tensor::<1>::zeros([n], &w.device()).cast(w.dtype());
+            (zeros(), zeros())
+        });
+        let step = AdamWStep {
+            lr: self.lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            // Decoupled weight decay, on matrices (embeddings and weights) only.
+            weight_decay: if D >= 2 { c.weight_decay } else { 0.0 },
+            step: self.optim.steps,
+            grad_scale: self.grad_scale,
         };
-        let bias1 = 1.0 - c.beta1.powi(t);
-        let bias2 = 1.0 - c.beta2.powi(t);
-        let denom = v.clone().div_scalar(bias2).sqrt().add_scalar(c.eps);
-        let update = m.clone().div_scalar(bias1).div(denom).mul_scalar(self.lr);
-        // Decoupled weight decay, on matrices (embeddings and weights) only.
-        let w = if D >= 2 && c.weight_decay > 0.0 {
-            w.mul_scalar(1.0 - self.lr * c.weight_decay)
-        } else {
-            w
-        };
-        let updated: Tensor<D> = w.sub(update).reshape(dims);
+        let [w, m, v] = adamw(w, g, m, v, step, self.optim.kernels);
+        let updated: Tensor<D> = w.reshape(dims);
         self.optim.moments.insert(id, (m, v));
         let mut updated = Tensor::from_inner(updated);
         if let Some(strategy) = checkpointing {

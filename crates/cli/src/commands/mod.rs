@@ -7,6 +7,7 @@ pub(crate) mod config;
 pub(crate) mod diagnose;
 pub(crate) mod export;
 pub(crate) mod hardware;
+pub(crate) mod kernels;
 pub(crate) mod train;
 pub(crate) mod tune;
 

@@ -10,6 +10,7 @@ use multiversion::multiversion;
 use rayon::prelude::*;
 
 use super::math;
+use super::optim::{Factors, update};
 
 /// Elements per rayon task: big enough that scheduling is noise, small
 /// enough that both cores get work on a 128 × 512 activation.
@@ -939,4 +940,50 @@ fn column_sums(rows: &[f32], sums: &mut [f32]) {
             *s += v;
         }
     }
+}
+
+#[multiversion(targets = "simd")]
+fn adamw_slice(f: &Factors, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        (*w, *m, *v) = update(f, *w, g, *m, *v);
+    }
+}
+
+/// `t` as a dense f32 tensor that nothing else holds (copied when shared
+/// or strided), so a kernel can write over it.
+fn owned(t: FlexTensor) -> FlexTensor {
+    let mut t = contiguous(t);
+    if writable(&mut t).is_some() {
+        return t;
+    }
+    from_vec(slice(&t).to_vec(), shape(&t))
+}
+
+/// AdamW's update, written over the weight and the moments (copies of them
+/// where they are shared): the new weight, first and second moment.
+pub(crate) fn adamw(
+    weight: FlexTensor,
+    grad: FlexTensor,
+    m: FlexTensor,
+    v: FlexTensor,
+    f: Factors,
+) -> (FlexTensor, FlexTensor, FlexTensor) {
+    let grad = contiguous(grad);
+    let [mut weight, mut m, mut v] = [weight, m, v].map(owned);
+    let g = slice(&grad);
+    let (Some(ws), Some(ms), Some(vs)) =
+        (writable(&mut weight), writable(&mut m), writable(&mut v))
+    else {
+        unreachable!("`owned` returns writable tensors")
+    };
+    assert!(
+        ws.len() == g.len() && ms.len() == g.len() && vs.len() == g.len(),
+        "AdamW: the weight, gradient and moments differ in size"
+    );
+    ws.par_chunks_mut(CHUNK)
+        .zip(g.par_chunks(CHUNK))
+        .zip(ms.par_chunks_mut(CHUNK))
+        .zip(vs.par_chunks_mut(CHUNK))
+        .for_each(|(((w, g), m), v)| adamw_slice(&f, w, g, m, v));
+    (weight, m, v)
 }

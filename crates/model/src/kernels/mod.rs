@@ -25,8 +25,10 @@ mod cpu;
 mod isa;
 #[cfg(feature = "flex")]
 mod math;
+mod optim;
 
 pub use isa::{CpuIsa, cpu_isa};
+pub use optim::{ADAMW_TOLERANCE, AdamWStep, KernelCheck, adamw, check_adamw};
 
 use burn::nn::{LayerNorm, Linear};
 use burn::tensor::module::attention as burn_attention;

@@ -512,7 +512,7 @@ fn train_fold(
     if config.model.freeze_encoder {
         model = model.freeze_encoder();
     }
-    let mut optim = AdamW::for_training(t);
+    let mut optim = AdamW::for_training(t).with_kernels(kernels(config));
     let mut start = LoopPlanStart {
         first_step: 1,
         ..LoopPlanStart::default()
