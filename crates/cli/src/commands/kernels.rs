@@ -1,8 +1,8 @@
 //! `kiln check-kernels [KEY=VALUE…]`: kiln's fused kernels against the
 //! composition of Burn operations each replaces, on the configured device
 //! (`device.backend=…`). Exit 1 when a kernel disagrees; one that does not
-//! run on the device (the composition runs there) is said so; text for people, `--json` for scripts (CI on llvmpipe, the GPU
-//! check on CUDA).
+//! run on the device (the composition runs there) is said so. Text for
+//! people, `--json` for scripts (CI on llvmpipe, the GPU check on CUDA).
 
 use std::io::Write;
 use std::process::ExitCode;

@@ -79,6 +79,16 @@ fn writable(t: &mut FlexTensor) -> Option<&mut [f32]> {
     t.try_storage_mut::<f32>().filter(|s| s.len() == n)
 }
 
+/// `t` as a dense f32 tensor that nothing else holds (copied when shared
+/// or strided), so a kernel can write over it.
+fn owned(t: FlexTensor) -> FlexTensor {
+    let mut t = contiguous(t);
+    if writable(&mut t).is_some() {
+        return t;
+    }
+    from_vec(slice(&t).to_vec(), shape(&t))
+}
+
 #[multiversion(targets = "simd")]
 fn gelu_slice(x: &[f32], out: &mut [MaybeUninit<f32>]) {
     for (o, &x) in out.iter_mut().zip(x) {
@@ -112,19 +122,13 @@ pub(crate) fn gelu(x: FlexTensor) -> FlexTensor {
 /// not shared.
 pub(crate) fn gelu_backward(x: FlexTensor, grad: FlexTensor) -> FlexTensor {
     let x = contiguous(x);
-    let mut grad = contiguous(grad);
+    let mut grad = owned(grad);
     let xs = slice(&x);
-    if let Some(g) = writable(&mut grad) {
-        g.par_chunks_mut(CHUNK)
-            .zip(xs.par_chunks(CHUNK))
-            .for_each(|(g, x)| gelu_grad_slice(x, g));
-        return grad;
-    }
-    let mut out = slice(&grad).to_vec();
-    out.par_chunks_mut(CHUNK)
+    let g = writable(&mut grad).expect("`owned` returns a writable tensor");
+    g.par_chunks_mut(CHUNK)
         .zip(xs.par_chunks(CHUNK))
         .for_each(|(g, x)| gelu_grad_slice(x, g));
-    from_vec(out, shape(&grad))
+    grad
 }
 
 /// A `[batch, heads, time, head_dim]` f32 tensor's storage and strides, for
@@ -947,16 +951,6 @@ fn adamw_slice(f: &Factors, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f3
     for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
         (*w, *m, *v) = update(f, *w, g, *m, *v);
     }
-}
-
-/// `t` as a dense f32 tensor that nothing else holds (copied when shared
-/// or strided), so a kernel can write over it.
-fn owned(t: FlexTensor) -> FlexTensor {
-    let mut t = contiguous(t);
-    if writable(&mut t).is_some() {
-        return t;
-    }
-    from_vec(slice(&t).to_vec(), shape(&t))
 }
 
 /// AdamW's update, written over the weight and the moments (copies of them
