@@ -6,7 +6,8 @@ any build) through, in order of importance:
 
 1. the machine: `nvidia-smi`, `kiln check-hardware --json`;
 2. reference checks: `kiln check-kernels` (kiln's GPU kernels, the fused
-   AdamW today, against the Burn operations they replace); training steps on
+   AdamW and the memory-efficient attention forward and backward, against
+   the Burn operations they replace); training steps on
    the GPU against the same steps on the CPU (flex), for the GPT and the
    encoder: the loss after 1 step within 1e-4 and after 20 steps within
    1e-3 (the GPU suite's tolerances);
@@ -14,7 +15,9 @@ any build) through, in order of importance:
    earlier wgpu figures) and on GPT-2 small, in f32 and bf16;
    `kiln bench nli` on the BERT-base encoder in bf16;
 4. PyTorch at the same shapes (bench/pytorch_gpt.py), where `import torch`
-   works, for a ratio;
+   works, for a ratio; the `h100` preset as shipped (block 2048, batch 64,
+   bf16); GPT-2 small and the tiny GPT again with Burn's compositions
+   (`optimization.kernels=reference`), for what kiln's kernels gain;
 5. 300 steps of `kiln train hardware=auto` (the `train-auto` run).
 
 Each step has its own time limit and the whole check a budget; a step that
@@ -238,8 +241,17 @@ class Check:
             lm_tiny = [*TINY_MODEL]
             gpt2 = [*gpt2, *shrink]
             bert = [*bert, *shrink, "model.max_length=48"]
+        # The h100 preset as shipped (block 2048, batch 64, bf16): its
+        # attention needs the memory-efficient kernels (the t×t scores of
+        # Burn's attention are 4 GiB a buffer there).
+        h100 = ["hardware=h100"]
+        if self.args.tiny:
+            h100 = [*h100, *TINY_MODEL, "model.max_length=64", "training.batch_size=2"]
         f32 = ["precision.amp=false"]
         bf16 = ["precision.amp=true", "precision.amp_dtype=bf16"]
+        # Burn's compositions instead of kiln's kernels (attention, AdamW):
+        # what the kernels gain, in the same sitting.
+        composed = ["optimization.kernels=reference"]
         # (workload, overrides, extra flags, warm-up, timed steps, time limit s):
         # small shapes take more, shorter steps; --tiny takes a few of each.
         small, large = (5, 20, 120), (3, 10, 180)
@@ -248,6 +260,9 @@ class Check:
             "bench lm tiny bf16": ("lm", [*gpu, *lm_tiny, *bf16], [], *small),
             "bench lm gpt2-small bf16": ("lm", [*gpu, *gpt2, *bf16], [], *large),
             "bench lm gpt2-small f32": ("lm", [*gpu, *gpt2, *f32], [], *large),
+            "bench lm gpt2-small bf16 composed": ("lm", [*gpu, *gpt2, *bf16, *composed], [], *large),
+            "bench lm tiny f32 composed": ("lm", [*gpu, *lm_tiny, *f32, *composed], [], *small),
+            "bench lm h100 preset": ("lm", [*gpu, *h100], [], 2, 5, 300),
             "bench nli bert-base bf16": (
                 "nli",
                 [*gpu, *bert, *bf16],
@@ -443,6 +458,9 @@ def main():
         check.bench_named("bench lm gpt2-small bf16")
         check.bench_named("bench nli bert-base bf16")
         check.pytorch([gpt2_bf16])
+        check.bench_named("bench lm h100 preset")
+        check.bench_named("bench lm gpt2-small bf16 composed")
+        check.bench_named("bench lm tiny f32 composed")
         check.bench_named("bench lm tiny bf16")
         check.bench_named("bench lm tiny f32", fused=True)
         check.bench_named("bench lm gpt2-small bf16", fused=True)

@@ -238,6 +238,9 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
         "bench lm gpt2-small bf16",
         "bench lm gpt2-small f32",
         "bench nli bert-base bf16",
+        "bench lm h100 preset",
+        "bench lm gpt2-small bf16 composed",
+        "bench lm tiny f32 composed",
         "reference lm: wgpu vs flex after 20 step(s)",
         "reference nli: wgpu vs flex after 20 step(s)",
         "train-auto 300 steps",
@@ -272,12 +275,13 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
     assert!(stdout.contains("passed, 0 failed"), "{stdout}");
 }
 
-/// `kiln check-kernels` on wgpu: kiln's CubeCL AdamW (one kernel per
-/// parameter) against Burn's composition of the same update, 100 steps.
-/// Under Burn's `fusion` the composition runs (fusion fuses it) and the
-/// check says so.
+/// `kiln check-kernels` on wgpu: kiln's CubeCL kernels against Burn's
+/// composition of the same operations — the AdamW update (100 steps) and
+/// the memory-efficient attention, forward and backward, causal and padded.
+/// Under Burn's `fusion` the compositions run (fusion fuses them; Burn's
+/// attention) and the check says so.
 #[test]
-fn fused_adamw_on_wgpu_agrees_with_the_composition() {
+fn kiln_kernels_on_wgpu_agree_with_the_composition() {
     let run = kiln(&["check-kernels", "--json", "device.backend=wgpu"])
         .run()
         .expect_code(0);
@@ -288,20 +292,24 @@ fn fused_adamw_on_wgpu_agrees_with_the_composition() {
         "{}",
         run.stdout
     );
-    let adamw = v["kernels"]
-        .as_array()
-        .and_then(|ks| {
-            ks.iter()
-                .find(|k| k["kernel"].as_str().is_some_and(|n| n.starts_with("adamw")))
-        })
-        .expect("an adamw check");
-    assert_eq!(adamw["fused"], !cfg!(feature = "fusion"), "{}", run.stdout);
-    assert_eq!(adamw["passed"], true, "{}", run.stdout);
-    assert!(
-        adamw["max_abs_difference"]
-            .as_f64()
-            .is_some_and(|d| d <= 1e-5),
-        "{}",
-        run.stdout
-    );
+    let checks = v["kernels"].as_array().expect("kernels");
+    for (name, tolerance) in [
+        ("adamw", 1e-5),
+        ("attention, causal", 1e-4),
+        ("attention, padded", 1e-4),
+    ] {
+        let check = checks
+            .iter()
+            .find(|k| k["kernel"].as_str().is_some_and(|n| n.starts_with(name)))
+            .unwrap_or_else(|| panic!("no `{name}` check: {}", run.stdout));
+        assert_eq!(check["fused"], !cfg!(feature = "fusion"), "{}", run.stdout);
+        assert_eq!(check["passed"], true, "{}", run.stdout);
+        assert!(
+            check["max_abs_difference"]
+                .as_f64()
+                .is_some_and(|d| d <= tolerance),
+            "{}",
+            run.stdout
+        );
+    }
 }

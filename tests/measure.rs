@@ -107,7 +107,9 @@ fn diagnose_catches_each_config_problem_with_its_fix() {
             2,
         ),
         (
-            &["model.max_length=4096", "training.batch_size=64"],
+            // About 256 GiB of activations (kiln's attention keeps no T²
+            // scores on the CPU: the estimate is linear in the length).
+            &["model.max_length=4096", "training.batch_size=1024"],
             "training.batch_size",
             "(estimate)",
             "keeps the effective batch",

@@ -91,6 +91,17 @@ pub(crate) fn self_attention(
     if !dtype.is_reduced() {
         return kernels::self_attention(qkv, heads, key_pad, causal, kernels);
     }
+    if kernels::memory_efficient_attention_runs(&qkv, kernels) {
+        // The kernels read qkv in the compute dtype and accumulate in f32.
+        return kernels::self_attention(
+            qkv.cast(dtype.float_dtype()),
+            heads,
+            key_pad,
+            causal,
+            kernels,
+        )
+        .cast(FloatDType::F32);
+    }
     let [q, k, v] = kernels::split_heads(qkv, heads);
     let [b, h, t, d] = q.dims();
     let scale = 1.0 / (d as f64).sqrt();

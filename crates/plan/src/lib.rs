@@ -32,7 +32,9 @@ use kiln_hwdetect::{GpuInfo, HardwareReport};
 pub use checks::{
     Burst, CheckInput, DataSize, Finding, Severity, check_config, gib, loader_verdict,
 };
-pub use memory::{MemoryEstimate, ModelSize, estimate_memory};
+pub use memory::{
+    AttentionMemory, MemoryEstimate, ModelSize, estimate_memory, estimate_memory_with,
+};
 pub use recommend::Recommendation;
 pub use schedule::{Schedule, lr_at};
 pub use tune::{

@@ -12,6 +12,20 @@ pub struct ModelSize {
     pub trainable: usize,
 }
 
+/// What a step's attention keeps for its backward pass, per layer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttentionMemory {
+    /// The `heads × T × T` scores, mask and probabilities (Burn's attention,
+    /// and kiln's reduced-precision composition): quadratic in T.
+    #[default]
+    Scores,
+    /// One log-sum-exp per query and head, the scores rebuilt in the
+    /// backward pass (kiln's attention kernels: flex in f32, wgpu and CUDA
+    /// without `fusion`): linear in T.
+    LogSumExp,
+}
+
 /// Memory a training step needs, in bytes (f32 everywhere).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct MemoryEstimate {
@@ -25,8 +39,11 @@ pub struct MemoryEstimate {
     pub optimizer: u64,
     /// Activations kept for backward, without gradient checkpointing...
     pub activations: u64,
-    /// ...of which attention's scores and probabilities (the T² term).
+    /// ...of which attention's part: its scores and probabilities (the T²
+    /// term), or its log-sum-exp, as `attention_kept` says.
     pub attention: u64,
+    /// What attention keeps for the backward pass.
+    pub attention_kept: AttentionMemory,
     /// Activations with gradient checkpointing (layer inputs, one layer recomputed).
     pub activations_checkpointed: u64,
     /// Weights + gradients + optimizer + activations as configured.
@@ -48,8 +65,21 @@ const F32: u64 = 4;
 /// the output, 2·vocab for the language model's logits and their softmax.
 /// With gradient checkpointing a layer keeps only its input and one layer's
 /// activations exist at a time. The parameter counts come from the model
-/// (kiln-model counts them), so this crate needs no model code.
+/// (kiln-model counts them), so this crate needs no model code. Attention is
+/// counted as keeping its scores: [`estimate_memory_with`] says otherwise.
 pub fn estimate_memory(config: &RunConfig, vocab: usize, size: ModelSize) -> MemoryEstimate {
+    estimate_memory_with(config, vocab, size, AttentionMemory::Scores)
+}
+
+/// [`estimate_memory`] with attention keeping `attention`: with
+/// [`AttentionMemory::LogSumExp`] its `3·heads·T` floats per token become
+/// `heads`.
+pub fn estimate_memory_with(
+    config: &RunConfig,
+    vocab: usize,
+    size: ModelSize,
+    attention: AttentionMemory,
+) -> MemoryEstimate {
     let m = &config.model;
     let (b, s) = (config.training.batch_size as u64, m.max_length as u64);
     let (h, i, a, l) = (
@@ -61,7 +91,10 @@ pub fn estimate_memory(config: &RunConfig, vocab: usize, size: ModelSize) -> Mem
     let parameters = size.parameters;
     let p = parameters as u64;
     let tokens = b * s;
-    let attention_layer = 3 * a * s * tokens * F32;
+    let attention_layer = match attention {
+        AttentionMemory::Scores => 3 * a * s * tokens * F32,
+        AttentionMemory::LogSumExp => a * tokens * F32,
+    };
     let layer = (16 * h + 4 * i) * tokens * F32 + attention_layer;
     let output = match config.workload {
         Workload::Lm => 2 * vocab as u64 * tokens * F32,
@@ -86,6 +119,7 @@ pub fn estimate_memory(config: &RunConfig, vocab: usize, size: ModelSize) -> Mem
         optimizer,
         activations,
         attention: l * attention_layer,
+        attention_kept: attention,
         activations_checkpointed: checkpointed,
         total: weights + gradients + optimizer + kept,
         available: 0,
@@ -131,5 +165,22 @@ mod tests {
         let head = estimate_memory(&nli, 8000, frozen);
         assert_eq!(head.gradients * 200, all.gradients);
         assert_eq!(head.weights, all.weights);
+    }
+
+    #[test]
+    fn attention_without_scores_is_linear_in_the_length() {
+        let streamed = |overrides: &[&str]| {
+            estimate_memory_with(&config(overrides), 65, SIZE, AttentionMemory::LogSumExp)
+        };
+        let (base, twice_len) = (streamed(&[]), streamed(&["model.max_length=128"]));
+        assert_eq!(twice_len.attention, 2 * base.attention);
+        assert_eq!(base.attention_kept, AttentionMemory::LogSumExp);
+        // One f32 per token, head and layer: the defaults' 4 heads, 4
+        // layers, 12 × 64 tokens.
+        assert_eq!(base.attention, 4 * 4 * 12 * 64 * 4);
+        // The scores' 3·T floats per token and head are what it saves.
+        let scores = estimate_memory(&config(&[]), 65, SIZE);
+        assert_eq!(scores.attention, 3 * 64 * base.attention);
+        assert_eq!(scores.total - base.total, scores.attention - base.attention);
     }
 }

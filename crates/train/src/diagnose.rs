@@ -8,8 +8,8 @@ use kiln_config::{RunConfig, Workload};
 use kiln_data::{Tokenizer, encode_dataset};
 use kiln_hwdetect::HardwareReport;
 use kiln_plan::{
-    Burst, CheckInput, DataSize, Finding, MemoryEstimate, ModelSize, Schedule, Severity,
-    check_config, estimate_memory, run_gpu,
+    AttentionMemory, Burst, CheckInput, DataSize, Finding, MemoryEstimate, ModelSize, Schedule,
+    Severity, check_config, estimate_memory_with, run_gpu,
 };
 use serde::Serialize;
 
@@ -72,15 +72,26 @@ pub fn diagnose(
             Some(e.to_string()),
         ),
     };
-    let (precision, precision_why) = match &device {
+    let (precision, precision_why, attention) = match &device {
         Ok(d) => {
             let p = run_precision(config, d, hardware);
-            (p.label, p.why)
+            let kernels = crate::translate::kernels(config);
+            let attention =
+                if kiln_model::kernels::attention_keeps_scores(&d.device, p.compute, kernels) {
+                    AttentionMemory::Scores
+                } else {
+                    AttentionMemory::LogSumExp
+                };
+            (p.label, p.why, attention)
         }
-        Err(_) => ("f32".to_string(), "no device".to_string()),
+        Err(_) => (
+            "f32".to_string(),
+            "no device".to_string(),
+            AttentionMemory::Scores,
+        ),
     };
     let (data, schedule, vocab, size) = measure(config)?;
-    let mut memory = estimate_memory(config, vocab, size);
+    let mut memory = estimate_memory_with(config, vocab, size, attention);
     match gpu.filter(|_| is_gpu) {
         Some(g) => {
             memory.available = g.memory_free_bytes;

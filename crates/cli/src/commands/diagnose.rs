@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::io::Write;
 use std::process::ExitCode;
 
-use kiln_plan::gib;
+use kiln_plan::{AttentionMemory, gib};
 use kiln_train::Diagnosis;
 
 use super::{Context, Layers, train_error};
@@ -80,10 +80,14 @@ fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
         d.epochs
     );
     let m = &d.memory;
+    let attention = match m.attention_kept {
+        AttentionMemory::Scores => "attention's T² part",
+        AttentionMemory::LogSumExp => "attention keeps no T² scores, its log-sum-exp",
+    };
     let _ = writeln!(
         s,
         "memory:    estimate {} = weights {} + gradients {} + AdamW {} + activations {} \
-         (attention's T² part {}; {} with gradient checkpointing), of {} {}; {:.2} M parameters",
+         ({attention} {}; {} with gradient checkpointing), of {} {}; {:.2} M parameters",
         gib(m.total),
         gib(m.weights),
         gib(m.gradients),

@@ -7,7 +7,7 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use kiln_train::kiln_model::kernels::{KernelCheck, check_adamw};
+use kiln_train::kiln_model::kernels::{KernelCheck, check_adamw, check_attention};
 
 use super::{Context, Layers, train_error};
 
@@ -24,7 +24,8 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     let resolved = ctx.resolve(&args.layers)?;
     let choice = kiln_train::select_device(&resolved.config.device, !ctx.report.gpus().is_empty())
         .map_err(train_error)?;
-    let checks = [check_adamw(&choice.device)];
+    let mut checks = vec![check_adamw(&choice.device)];
+    checks.extend(check_attention(&choice.device));
     let passed = checks.iter().all(KernelCheck::passed);
     let mut out = std::io::stdout().lock();
     if args.json {
@@ -49,7 +50,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
             };
             writeln!(
                 out,
-                "  {:<22} max |fused − composition| {:.2e} (tolerance {:.0e}): {verdict}",
+                "  {:<28} max |fused − composition| {:.2e} (tolerance {:.0e}): {verdict}",
                 c.kernel, c.max_abs_difference, c.tolerance
             )?;
         }

@@ -20,6 +20,10 @@
 //! composition of the same math, which is also what the tests compare the
 //! kernels against, forward and backward.
 
+#[cfg(all(feature = "cube", not(feature = "fusion")))]
+mod attention_cube;
+#[cfg(any(feature = "flex", all(feature = "cube", not(feature = "fusion"))))]
+mod autodiff;
 #[cfg(feature = "flex")]
 mod cpu;
 mod isa;
@@ -78,7 +82,10 @@ pub fn self_attention(
     if kernels == Kernels::Fused && flex::runs_fused(&qkv) {
         return flex::self_attention(qkv, heads, key_pad, causal);
     }
-    let _ = kernels;
+    if memory_efficient_attention_runs(&qkv, kernels) {
+        #[cfg(all(feature = "cube", not(feature = "fusion")))]
+        return attention_cube::self_attention(qkv, heads, key_pad, causal);
+    }
     let [q, k, v] = split_heads(qkv, heads);
     let [b, h, t, hd] = q.dims();
     let mask = key_pad.map(|pad| pad.reshape([b, 1, 1, t]).expand([b, h, t, t]));
@@ -90,6 +97,113 @@ pub fn self_attention(
     burn_attention(q, k, v, mask, None, options)
         .swap_dims(1, 2)
         .reshape([b, t, h * hd])
+}
+
+/// Whether [`self_attention`] runs the memory-efficient CubeCL kernels for
+/// `qkv` (wgpu or CUDA without Burn's `fusion`, f32/bf16/f16, `Fused`):
+/// then a reduced compute dtype runs them in that dtype too.
+pub(crate) fn memory_efficient_attention_runs(qkv: &Tensor<3>, kernels: Kernels) -> bool {
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    return kernels == Kernels::Fused && attention_cube::runs(qkv);
+    #[cfg(not(all(feature = "cube", not(feature = "fusion"))))]
+    {
+        let _ = (qkv, kernels);
+        false
+    }
+}
+
+/// Whether the models' self-attention keeps the `heads × T × T` scores for
+/// the backward pass on `device` with compute dtype `dtype`: Burn's
+/// attention (`Reference`, a `fusion` build, other backends) and the
+/// reduced-precision composition on the CPU do; flex's kernel (f32) and the
+/// memory-efficient CubeCL kernels (wgpu, CUDA; any of the three dtypes)
+/// keep one log-sum-exp per query and head. What memory estimates count.
+pub fn attention_keeps_scores(
+    device: &burn::tensor::Device,
+    dtype: crate::ComputeDtype,
+    kernels: Kernels,
+) -> bool {
+    use burn::backend::DispatchDevice;
+    if kernels == Kernels::Reference {
+        return true;
+    }
+    match device.clone().inner().as_dispatch() {
+        #[cfg(feature = "flex")]
+        DispatchDevice::Flex(_) => dtype.is_reduced(),
+        #[cfg(all(feature = "cube", not(feature = "fusion")))]
+        DispatchDevice::Cube(_) => false,
+        #[allow(unreachable_patterns)]
+        _ => {
+            let _ = dtype;
+            true
+        }
+    }
+}
+
+/// The tolerance of [`check_attention`]: forward outputs and qkv gradients
+/// of the kernels and Burn's attention agree to within 1e-4 (unit-variance
+/// inputs; the sums run in another order).
+pub const ATTENTION_TOLERANCE: f64 = 1e-4;
+
+/// [`self_attention`] fused and composed (Burn's attention) on `device`,
+/// forward and backward: a causal case (the GPT's) and a padded one (the
+/// encoder's; one batch entry 40 of 75 positions long), 2 heads of 16, 75
+/// positions (ragged against any block size). Each check's difference is
+/// the largest of the output's and the qkv gradient's.
+pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
+    use burn::tensor::{Distribution, Int};
+    let device = device.clone().autodiff();
+    device.seed(12);
+    let (b, t, h, hd) = (2, 75, 2, 16);
+    let qkv = Tensor::<3>::random([b, t, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device);
+    let upstream = Tensor::<3>::random([b, t, h * hd], Distribution::Normal(0.0, 1.0), &device);
+    let lengths = Tensor::<1, Int>::from_data([t as i64, 40], &device).reshape([b, 1]);
+    let pad = Tensor::<1, Int>::arange(0..t as i64, &device)
+        .reshape([1, t])
+        .expand([b, t])
+        .greater_equal(lengths.expand([b, t]));
+    let fused = attention_fused_here(&qkv);
+    [("causal", None, true), ("padded", Some(pad), false)]
+        .into_iter()
+        .map(|(name, key_pad, causal)| {
+            let run = |kernels| attention_run(&qkv, &upstream, key_pad.clone(), causal, h, kernels);
+            let ((y, dqkv), (y_ref, dqkv_ref)) = (run(Kernels::Fused), run(Kernels::Reference));
+            let max_abs =
+                |a: Tensor<3>, b: Tensor<3>| f64::from((a - b).abs().max().into_scalar::<f32>());
+            KernelCheck {
+                kernel: format!("attention, {name} (t={t})"),
+                fused,
+                max_abs_difference: max_abs(y, y_ref).max(max_abs(dqkv, dqkv_ref)),
+                tolerance: ATTENTION_TOLERANCE,
+            }
+        })
+        .collect()
+}
+
+/// Self-attention's output and qkv gradient with `kernels`, for the
+/// upstream gradient `upstream`.
+fn attention_run(
+    qkv: &Tensor<3>,
+    upstream: &Tensor<3>,
+    key_pad: Option<Tensor<2, Bool>>,
+    causal: bool,
+    heads: usize,
+    kernels: Kernels,
+) -> (Tensor<3>, Tensor<3>) {
+    let qkv = qkv.clone().require_grad();
+    let y = self_attention(qkv.clone(), heads, key_pad, causal, kernels);
+    let grads = (y.clone() * upstream.clone()).sum().backward();
+    (y.detach(), qkv.grad(&grads).expect("qkv gradient"))
+}
+
+/// Whether [`self_attention`] runs a kiln kernel (flex's or CubeCL's) for
+/// `qkv`.
+fn attention_fused_here(qkv: &Tensor<3>) -> bool {
+    #[cfg(feature = "flex")]
+    if flex::runs_fused(qkv) {
+        return true;
+    }
+    memory_efficient_attention_runs(qkv, Kernels::Fused)
 }
 
 /// Queries, keys and values of a packed `[batch, time, 3·d]` projection as
@@ -148,16 +262,15 @@ mod flex {
     //! The extension trait, its flex and autodiff implementations, and the
     //! routing from `Tensor` to them.
 
-    use burn::backend::autodiff::checkpoint::base::Checkpointer;
     use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
-    use burn::backend::autodiff::grads::Gradients;
-    use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+    use burn::backend::autodiff::ops::{Backward, OpsKind};
     use burn::backend::tensor::FloatTensor;
     use burn::backend::{
         Autodiff, AutodiffBackend, Backend, Dispatch, DispatchDevice, Flex, backend_extension,
     };
     use burn::tensor::{Bool, DType, Tensor};
 
+    use super::autodiff::{self, KernelBackward};
     use super::cpu;
 
     /// kiln's fused operations as a Burn backend extension.
@@ -302,43 +415,14 @@ mod flex {
             heads: usize,
             causal: bool,
         ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-            /// What the backward pass needs: the input, the mask, the
-            /// output and the log-sum-exp.
-            #[derive(Clone, Debug)]
-            struct Saved<P> {
-                qkv: P,
-                key_pad: P,
-                heads: usize,
-                causal: bool,
-                out: P,
-                lse: P,
-            }
-
-            let backward = KernelBackward::<B, Saved<FloatTensor<B>>, 1>(|s, grad| {
-                [B::kiln_attention_backward(
-                    s.qkv, s.key_pad, s.heads, s.causal, s.out, s.lse, grad,
-                )]
-            });
-            let node = qkv.node();
-            let (qkv, key_pad) = (Self::inner(qkv), Self::inner(key_pad));
-            let (out, lse) = B::kiln_attention(qkv.clone(), key_pad.clone(), heads, causal);
-            let lse_out = Self::from_inner(lse.clone());
-            let out = match backward.prepare::<C>([node]).compute_bound().stateful() {
-                OpsKind::Tracked(prep) => {
-                    let out_saved = out.clone();
-                    let saved = Saved {
-                        qkv,
-                        key_pad,
-                        heads,
-                        causal,
-                        out: out_saved,
-                        lse,
-                    };
-                    prep.finish(saved, out)
-                }
-                OpsKind::UnTracked(prep) => prep.finish(out),
-            };
-            (out, lse_out)
+            autodiff::attention::<B, C>(
+                qkv,
+                key_pad,
+                heads,
+                causal,
+                B::kiln_attention,
+                B::kiln_attention_backward,
+            )
         }
 
         fn kiln_attention_backward(
@@ -350,10 +434,12 @@ mod flex {
             lse: FloatTensor<Self>,
             grad: FloatTensor<Self>,
         ) -> FloatTensor<Self> {
-            let [qkv, key_pad, out, lse, grad] = [qkv, key_pad, out, lse, grad].map(Self::inner);
-            Self::from_inner(B::kiln_attention_backward(
-                qkv, key_pad, heads, causal, out, lse, grad,
-            ))
+            autodiff::attention_backward::<B, C>(
+                [qkv, key_pad, out, lse, grad],
+                heads,
+                causal,
+                B::kiln_attention_backward,
+            )
         }
 
         fn kiln_linear(
@@ -420,36 +506,6 @@ mod flex {
         ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
             let [x, gamma, mean, rstd, grad] = [x, gamma, mean, rstd, grad].map(Self::inner);
             lift3::<B, C>(B::kiln_layer_norm_backward(x, gamma, mean, rstd, grad))
-        }
-    }
-
-    /// The backward step of a kernel with `N` tracked inputs: the function
-    /// turns the saved state `S` and the output's gradient into one gradient
-    /// per input, registered for the inputs that require one.
-    struct KernelBackward<B: Backend, S, const N: usize>(
-        fn(S, FloatTensor<B>) -> [FloatTensor<B>; N],
-    );
-
-    impl<B: Backend, S, const N: usize> std::fmt::Debug for KernelBackward<B, S, N> {
-        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("KernelBackward")
-        }
-    }
-
-    impl<B, S, const N: usize> Backward<B, N> for KernelBackward<B, S, N>
-    where
-        B: Backend,
-        S: Clone + Send + std::fmt::Debug + 'static,
-    {
-        type State = S;
-
-        fn backward(self, ops: Ops<S, N>, grads: &mut Gradients, _: &mut Checkpointer) {
-            let grad = grads.consume::<B>(&ops.node);
-            for (parent, value) in ops.parents.into_iter().zip((self.0)(ops.state, grad)) {
-                if let Some(parent) = parent {
-                    grads.register::<B>(parent.id, value);
-                }
-            }
         }
     }
 
@@ -571,21 +627,6 @@ mod tests {
         (a - b).abs().max().into_scalar()
     }
 
-    /// Self-attention's output and qkv gradient with `kernels`.
-    fn attention_run(
-        qkv: &Tensor<3>,
-        upstream: &Tensor<3>,
-        key_pad: Option<Tensor<2, Bool>>,
-        causal: bool,
-        heads: usize,
-        kernels: Kernels,
-    ) -> (Tensor<3>, Tensor<3>) {
-        let qkv = qkv.clone().require_grad();
-        let y = self_attention(qkv.clone(), heads, key_pad, causal, kernels);
-        let grads = (y.clone() * upstream.clone()).sum().backward();
-        (y.detach(), qkv.grad(&grads).expect("qkv gradient"))
-    }
-
     #[test]
     fn fused_attention_matches_burn_attention_forward_and_backward() {
         let device = Device::flex().autodiff();
@@ -628,6 +669,32 @@ mod tests {
                 assert!(bwd < 1e-4, "{label}: backward differs by {bwd}");
             }
         }
+    }
+
+    #[test]
+    fn only_burns_attention_and_the_reduced_composition_keep_scores() {
+        use crate::ComputeDtype;
+        let device = Device::flex();
+        assert!(!attention_keeps_scores(
+            &device,
+            ComputeDtype::F32,
+            Kernels::Fused
+        ));
+        assert!(attention_keeps_scores(
+            &device,
+            ComputeDtype::F32,
+            Kernels::Reference
+        ));
+        assert!(attention_keeps_scores(
+            &device,
+            ComputeDtype::Bf16,
+            Kernels::Fused
+        ));
+        assert!(!attention_keeps_scores(
+            &device.autodiff(),
+            ComputeDtype::F32,
+            Kernels::Fused
+        ));
     }
 
     #[test]

@@ -1,0 +1,539 @@
+//! Memory-efficient self-attention on the CubeCL backends (wgpu, CUDA):
+//! forward and backward without the `time × time` scores.
+//!
+//! Burn's attention under autodiff materialises the scores and their
+//! softmax for every head (`[batch, heads, time, time]`, twice, plus their
+//! gradients): at block 2048 and batch 64 one such buffer is 4 GiB per
+//! layer and head group, which wgpu refuses and which dominates the memory
+//! traffic of a GPT-2-length step. Here each query row is one unit of work
+//! that streams over the keys it sees with an online softmax (running
+//! maximum and sum, the output rescaled as the maximum grows) and keeps
+//! only its log-sum-exp; the backward pass rebuilds each probability from
+//! it (`exp(s − lse)`), as FlashAttention does:
+//!
+//! 1. `delta`: per query, `Σ dO · O` (the softmax gradient's row term);
+//! 2. `dq`: per query, over the keys it sees;
+//! 3. `dkdv`: per key, over the queries that see it.
+//!
+//! No atomics, nothing `time × time` in memory: the extra memory is two
+//! floats per query and head. The kernels read the heads where they lie in
+//! the packed `[batch, time, 3·d]` projection and write the merged heads
+//! (and the packed gradient) directly. Causal masking skips the keys after
+//! the query (and, per key, the queries before it); the key-padding mask
+//! (1 where a key is padding, per batch entry) skips padded keys. Inputs
+//! and outputs are f32, bf16 or f16; everything is accumulated in f32.
+//!
+//! Not under Burn's `fusion` (there the backend is `Fusion<CubeBackend>`):
+//! Burn's attention runs.
+//!
+//! Each unit runs scalar multiply-adds over the head's width (no tensor
+//! cores, no tiling across queries): what it buys is memory, and with it
+//! the long blocks the materialising path cannot run; whether it is also
+//! faster than the materialising path at a given length is for the GPU
+//! check's timings to say (`optimization.kernels=reference` runs Burn's).
+
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, Backend, Dispatch, DispatchDevice, backend_extension};
+use burn::tensor::{Bool, DType, FloatDType, Tensor};
+
+use super::autodiff;
+
+/// Memory-efficient attention as a Burn backend extension.
+#[backend_extension(Cube, Autodiff)]
+pub(crate) trait KilnAttention: Backend {
+    /// The merged heads' output (`[b, t, d]`, qkv's dtype) and each query's
+    /// log-sum-exp (`[b, heads, t]`, f32).
+    fn kiln_memory_efficient_attention(
+        qkv: FloatTensor<Self>,
+        key_pad: FloatTensor<Self>,
+        heads: usize,
+        causal: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+    /// The gradient of the packed qkv.
+    fn kiln_memory_efficient_attention_backward(
+        qkv: FloatTensor<Self>,
+        key_pad: FloatTensor<Self>,
+        heads: usize,
+        causal: bool,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+}
+
+impl KilnAttention for burn::backend::Cube {
+    fn kiln_memory_efficient_attention(
+        qkv: FloatTensor<Self>,
+        key_pad: FloatTensor<Self>,
+        heads: usize,
+        causal: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        cube::forward(qkv, key_pad, heads, causal)
+    }
+
+    fn kiln_memory_efficient_attention_backward(
+        qkv: FloatTensor<Self>,
+        key_pad: FloatTensor<Self>,
+        heads: usize,
+        causal: bool,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        cube::backward(qkv, key_pad, heads, causal, out, lse, grad)
+    }
+}
+
+impl<B: Backend + KilnAttention, C: CheckpointStrategy> KilnAttention for Autodiff<B, C> {
+    fn kiln_memory_efficient_attention(
+        qkv: FloatTensor<Self>,
+        key_pad: FloatTensor<Self>,
+        heads: usize,
+        causal: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        autodiff::attention::<B, C>(
+            qkv,
+            key_pad,
+            heads,
+            causal,
+            B::kiln_memory_efficient_attention,
+            B::kiln_memory_efficient_attention_backward,
+        )
+    }
+
+    fn kiln_memory_efficient_attention_backward(
+        qkv: FloatTensor<Self>,
+        key_pad: FloatTensor<Self>,
+        heads: usize,
+        causal: bool,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        autodiff::attention_backward::<B, C>(
+            [qkv, key_pad, out, lse, grad],
+            heads,
+            causal,
+            B::kiln_memory_efficient_attention_backward,
+        )
+    }
+}
+
+/// Whether `qkv` lives on a CubeCL device (with or without autodiff) in a
+/// dtype the kernels take.
+pub(crate) fn runs(qkv: &Tensor<3>) -> bool {
+    matches!(qkv.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && matches!(qkv.device().inner().as_dispatch(), DispatchDevice::Cube(_))
+}
+
+/// The kernels' self-attention of `qkv` (see `kernels::self_attention`);
+/// the result has qkv's dtype.
+pub(crate) fn self_attention(
+    qkv: Tensor<3>,
+    heads: usize,
+    key_pad: Option<Tensor<2, Bool>>,
+    causal: bool,
+) -> Tensor<3> {
+    // Always a mask, in f32 (the extension cannot route an optional
+    // tensor): zeros when nothing is padding.
+    let [b, t, _] = qkv.dims();
+    let key_pad = match key_pad {
+        Some(pad) => pad.float().cast(FloatDType::F32),
+        None => Tensor::zeros([b, t], &qkv.device().without_autodiff()),
+    }
+    .into_dispatch();
+    let (out, _lse) = <Dispatch as KilnAttention>::kiln_memory_efficient_attention(
+        qkv.into_dispatch(),
+        key_pad,
+        heads,
+        causal,
+    );
+    Tensor::from_dispatch(out)
+}
+
+mod cube {
+    //! The CubeCL kernels: one unit per (batch entry, head, query or key).
+
+    use burn::tensor::DType;
+    use burn_backend::cubecl::dtype_to_storage_type;
+    use burn_cubecl::kernel::into_contiguous;
+    use burn_cubecl::ops::numeric::empty_device_dtype;
+    use burn_cubecl::tensor::CubeTensor;
+    use cubecl::prelude::*;
+    use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+
+    /// Units per cube: consecutive queries of one head, so a cube's units
+    /// read the same key at the same time.
+    const CUBE_UNITS: usize = 128;
+
+    /// Below any score (a finite stand-in for −∞: WGSL has no infinity
+    /// literal): the running maximum before the first key.
+    const LOWEST: f32 = -3.0e38;
+
+    /// Where a row's head starts in the packed qkv: `part` 0 for the
+    /// query, 1 the key, 2 the value.
+    #[cube]
+    fn head_start(
+        b: usize,
+        row: usize,
+        h: usize,
+        seq: usize,
+        width: usize,
+        #[comptime] head_dim: usize,
+        #[comptime] part: usize,
+    ) -> usize {
+        (b * seq + row) * 3 * width + part * width + h * head_dim
+    }
+
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    fn forward_kernel<E: Float>(
+        qkv: &[E],
+        pad: &[f32],
+        out: &mut [E],
+        lse: &mut [f32],
+        seq: usize,
+        heads: usize,
+        scale: f32,
+        #[comptime] head_dim: usize,
+        #[comptime] causal: bool,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let unit = ABSOLUTE_POS;
+        if unit >= lse.len() {
+            terminate!();
+        }
+        let i = unit % seq;
+        let bh = unit / seq;
+        let (b, h) = (bh / heads, bh % heads);
+        let width = heads * head_dim;
+        let q0 = head_start(b, i, h, seq, width, head_dim, 0usize);
+        let mut q = Array::<f32>::new(head_dim);
+        let mut acc = Array::<f32>::new(head_dim);
+        for c in 0..head_dim {
+            q[c] = f32::cast_from(qkv[q0 + c]) * scale;
+            acc[c] = f32::new(0.0);
+        }
+        let mut running_max = f32::new(LOWEST);
+        let mut sum = f32::new(0.0);
+        let end = if causal { i + 1 } else { seq };
+        for j in 0..end {
+            if pad[b * seq + j] == f32::new(0.0) {
+                let k0 = head_start(b, j, h, seq, width, head_dim, 1usize);
+                let v0 = k0 + width;
+                let mut s = f32::new(0.0);
+                for c in 0..head_dim {
+                    s += q[c] * f32::cast_from(qkv[k0 + c]);
+                }
+                let new_max = max(running_max, s);
+                let rescale = (running_max - new_max).exp();
+                let p = (s - new_max).exp();
+                sum = sum * rescale + p;
+                for c in 0..head_dim {
+                    acc[c] = acc[c] * rescale + p * f32::cast_from(qkv[v0 + c]);
+                }
+                running_max = new_max;
+            }
+        }
+        let o0 = (b * seq + i) * width + h * head_dim;
+        for c in 0..head_dim {
+            out[o0 + c] = E::cast_from(acc[c] / sum);
+        }
+        lse[unit] = running_max + sum.ln();
+    }
+
+    #[cube(launch)]
+    fn delta_kernel<E: Float>(
+        out: &[E],
+        grad: &[E],
+        delta: &mut [f32],
+        seq: usize,
+        heads: usize,
+        #[comptime] head_dim: usize,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let unit = ABSOLUTE_POS;
+        if unit >= delta.len() {
+            terminate!();
+        }
+        let i = unit % seq;
+        let bh = unit / seq;
+        let (b, h) = (bh / heads, bh % heads);
+        let o0 = (b * seq + i) * heads * head_dim + h * head_dim;
+        let mut d = f32::new(0.0);
+        for c in 0..head_dim {
+            d += f32::cast_from(out[o0 + c]) * f32::cast_from(grad[o0 + c]);
+        }
+        delta[unit] = d;
+    }
+
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    fn dq_kernel<E: Float>(
+        qkv: &[E],
+        pad: &[f32],
+        grad: &[E],
+        lse: &[f32],
+        delta: &[f32],
+        dqkv: &mut [E],
+        seq: usize,
+        heads: usize,
+        scale: f32,
+        #[comptime] head_dim: usize,
+        #[comptime] causal: bool,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let unit = ABSOLUTE_POS;
+        if unit >= lse.len() {
+            terminate!();
+        }
+        let i = unit % seq;
+        let bh = unit / seq;
+        let (b, h) = (bh / heads, bh % heads);
+        let width = heads * head_dim;
+        let q0 = head_start(b, i, h, seq, width, head_dim, 0usize);
+        let g0 = (b * seq + i) * width + h * head_dim;
+        let mut q = Array::<f32>::new(head_dim);
+        let mut g = Array::<f32>::new(head_dim);
+        let mut dq = Array::<f32>::new(head_dim);
+        for c in 0..head_dim {
+            q[c] = f32::cast_from(qkv[q0 + c]);
+            g[c] = f32::cast_from(grad[g0 + c]);
+            dq[c] = f32::new(0.0);
+        }
+        let (lse_i, delta_i) = (lse[unit], delta[unit]);
+        let end = if causal { i + 1 } else { seq };
+        for j in 0..end {
+            if pad[b * seq + j] == f32::new(0.0) {
+                let k0 = head_start(b, j, h, seq, width, head_dim, 1usize);
+                let v0 = k0 + width;
+                let mut s = f32::new(0.0);
+                let mut dp = f32::new(0.0);
+                for c in 0..head_dim {
+                    s += q[c] * f32::cast_from(qkv[k0 + c]);
+                    dp += g[c] * f32::cast_from(qkv[v0 + c]);
+                }
+                let p = (s * scale - lse_i).exp();
+                let ds = p * (dp - delta_i);
+                for c in 0..head_dim {
+                    dq[c] += ds * f32::cast_from(qkv[k0 + c]);
+                }
+            }
+        }
+        for c in 0..head_dim {
+            dqkv[q0 + c] = E::cast_from(dq[c] * scale);
+        }
+    }
+
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    fn dkdv_kernel<E: Float>(
+        qkv: &[E],
+        pad: &[f32],
+        grad: &[E],
+        lse: &[f32],
+        delta: &[f32],
+        dqkv: &mut [E],
+        seq: usize,
+        heads: usize,
+        scale: f32,
+        #[comptime] head_dim: usize,
+        #[comptime] causal: bool,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let unit = ABSOLUTE_POS;
+        if unit >= lse.len() {
+            terminate!();
+        }
+        let j = unit % seq;
+        let bh = unit / seq;
+        let (b, h) = (bh / heads, bh % heads);
+        let width = heads * head_dim;
+        let k0 = head_start(b, j, h, seq, width, head_dim, 1usize);
+        let v0 = k0 + width;
+        let mut k = Array::<f32>::new(head_dim);
+        let mut v = Array::<f32>::new(head_dim);
+        let mut dk = Array::<f32>::new(head_dim);
+        let mut dv = Array::<f32>::new(head_dim);
+        for c in 0..head_dim {
+            k[c] = f32::cast_from(qkv[k0 + c]);
+            v[c] = f32::cast_from(qkv[v0 + c]);
+            dk[c] = f32::new(0.0);
+            dv[c] = f32::new(0.0);
+        }
+        // A padded key is seen by no query: its gradients stay zero.
+        let mut start = j;
+        if !causal {
+            start = 0;
+        }
+        let end = if pad[b * seq + j] == f32::new(0.0) {
+            seq
+        } else {
+            start
+        };
+        let row0 = bh * seq;
+        for i in start..end {
+            let q0 = head_start(b, i, h, seq, width, head_dim, 0usize);
+            let g0 = (b * seq + i) * width + h * head_dim;
+            let mut s = f32::new(0.0);
+            let mut dp = f32::new(0.0);
+            for c in 0..head_dim {
+                s += f32::cast_from(qkv[q0 + c]) * k[c];
+                dp += f32::cast_from(grad[g0 + c]) * v[c];
+            }
+            let p = (s * scale - lse[row0 + i]).exp();
+            let ds = p * (dp - delta[row0 + i]);
+            for c in 0..head_dim {
+                dv[c] += p * f32::cast_from(grad[g0 + c]);
+                dk[c] += ds * f32::cast_from(qkv[q0 + c]);
+            }
+        }
+        for c in 0..head_dim {
+            dqkv[k0 + c] = E::cast_from(dk[c] * scale);
+            dqkv[v0 + c] = E::cast_from(dv[c]);
+        }
+    }
+
+    /// The shape of the problem: batch, time, heads, head width, and the
+    /// launch over one unit per (batch entry, head, row).
+    struct Problem {
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+        rows: usize,
+        scale: f32,
+        cube_count: CubeCount,
+        cube_dim: CubeDim,
+    }
+
+    fn problem(qkv: &CubeTensor, heads: usize) -> Problem {
+        let [b, seq, three_width] = qkv.meta.shape().dims::<3>();
+        let (seq, width) = (seq, three_width / 3);
+        let head_dim = width / heads;
+        let rows = b * heads * seq;
+        let cube_dim = CubeDim::new_1d(CUBE_UNITS as u32);
+        let cube_count = calculate_cube_count_elemwise(&qkv.client, rows, cube_dim);
+        Problem {
+            seq,
+            heads,
+            head_dim,
+            rows,
+            scale: (1.0 / (head_dim as f64).sqrt()) as f32,
+            cube_count,
+            cube_dim,
+        }
+    }
+
+    /// A new tensor on `like`'s device.
+    fn empty(like: &CubeTensor, shape: Vec<usize>, dtype: DType) -> CubeTensor {
+        empty_device_dtype(
+            like.client.clone(),
+            like.device.clone(),
+            shape.into(),
+            dtype,
+        )
+    }
+
+    pub(super) fn forward(
+        qkv: CubeTensor,
+        key_pad: CubeTensor,
+        heads: usize,
+        causal: bool,
+    ) -> (CubeTensor, CubeTensor) {
+        let (qkv, pad) = (into_contiguous(qkv), into_contiguous(key_pad));
+        let p = problem(&qkv, heads);
+        let b = p.rows / (p.heads * p.seq);
+        let dtype = qkv.dtype;
+        let out = empty(&qkv, vec![b, p.seq, p.heads * p.head_dim], dtype);
+        let lse = empty(&qkv, vec![b, p.heads, p.seq], DType::F32);
+        forward_kernel::launch(
+            &qkv.client.clone(),
+            p.cube_count,
+            p.cube_dim,
+            qkv.into_buffer_arg(),
+            pad.into_buffer_arg(),
+            out.clone().into_buffer_arg(),
+            lse.clone().into_buffer_arg(),
+            p.seq,
+            p.heads,
+            p.scale,
+            p.head_dim,
+            causal,
+            dtype_to_storage_type(dtype),
+        );
+        (out, lse)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn backward(
+        qkv: CubeTensor,
+        key_pad: CubeTensor,
+        heads: usize,
+        causal: bool,
+        out: CubeTensor,
+        lse: CubeTensor,
+        grad: CubeTensor,
+    ) -> CubeTensor {
+        let [qkv, pad, out, lse, grad] = [qkv, key_pad, out, lse, grad].map(into_contiguous);
+        let p = problem(&qkv, heads);
+        let dtype = qkv.dtype;
+        let client = qkv.client.clone();
+        // The gradient in qkv's dtype (the casts at the layer's edge bring
+        // a reduced one back to f32).
+        let grad = if grad.dtype == dtype {
+            grad
+        } else {
+            burn_cubecl::kernel::cast(grad, dtype)
+        };
+        let delta = empty(&qkv, vec![p.rows], DType::F32);
+        delta_kernel::launch(
+            &client,
+            p.cube_count.clone(),
+            p.cube_dim,
+            out.into_buffer_arg(),
+            grad.clone().into_buffer_arg(),
+            delta.clone().into_buffer_arg(),
+            p.seq,
+            p.heads,
+            p.head_dim,
+            dtype_to_storage_type(dtype),
+        );
+        let dqkv = empty(&qkv, qkv.meta.shape().to_vec(), dtype);
+        dq_kernel::launch(
+            &client,
+            p.cube_count.clone(),
+            p.cube_dim,
+            qkv.clone().into_buffer_arg(),
+            pad.clone().into_buffer_arg(),
+            grad.clone().into_buffer_arg(),
+            lse.clone().into_buffer_arg(),
+            delta.clone().into_buffer_arg(),
+            dqkv.clone().into_buffer_arg(),
+            p.seq,
+            p.heads,
+            p.scale,
+            p.head_dim,
+            causal,
+            dtype_to_storage_type(dtype),
+        );
+        dkdv_kernel::launch(
+            &client,
+            p.cube_count,
+            p.cube_dim,
+            qkv.into_buffer_arg(),
+            pad.into_buffer_arg(),
+            grad.into_buffer_arg(),
+            lse.into_buffer_arg(),
+            delta.into_buffer_arg(),
+            dqkv.clone().into_buffer_arg(),
+            p.seq,
+            p.heads,
+            p.scale,
+            p.head_dim,
+            causal,
+            dtype_to_storage_type(dtype),
+        );
+        dqkv
+    }
+}

@@ -1,0 +1,128 @@
+//! What the `Autodiff` routes of kiln's backend extensions share: the
+//! backward step of a kernel with a hand-written gradient, and attention's
+//! route (the same for the flex kernel and the CubeCL one: each backend
+//! passes its own forward and backward).
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, AutodiffBackend, Backend};
+
+/// The backward step of a kernel with `N` tracked inputs: the function
+/// turns the saved state `S` and the output's gradient into one gradient
+/// per input, registered for the inputs that require one.
+pub(super) struct KernelBackward<B: Backend, S, const N: usize>(
+    pub(super) fn(S, FloatTensor<B>) -> [FloatTensor<B>; N],
+);
+
+impl<B: Backend, S, const N: usize> std::fmt::Debug for KernelBackward<B, S, N> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KernelBackward")
+    }
+}
+
+impl<B, S, const N: usize> Backward<B, N> for KernelBackward<B, S, N>
+where
+    B: Backend,
+    S: Clone + Send + std::fmt::Debug + 'static,
+{
+    type State = S;
+
+    fn backward(self, ops: Ops<S, N>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        for (parent, value) in ops.parents.into_iter().zip((self.0)(ops.state, grad)) {
+            if let Some(parent) = parent {
+                grads.register::<B>(parent.id, value);
+            }
+        }
+    }
+}
+
+/// An attention kernel's forward: the packed qkv and the key-padding mask
+/// (1 where a key is padding) in, the merged heads' output and each
+/// query's log-sum-exp out.
+pub(super) type AttentionForward<B> =
+    fn(FloatTensor<B>, FloatTensor<B>, usize, bool) -> (FloatTensor<B>, FloatTensor<B>);
+
+/// An attention kernel's backward: what the forward took and gave, and the
+/// output's gradient, in; the gradient of the packed qkv out.
+pub(super) type AttentionBackward<B> = fn(
+    FloatTensor<B>,
+    FloatTensor<B>,
+    usize,
+    bool,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+) -> FloatTensor<B>;
+
+/// What attention's backward pass needs: the input, the mask, the output,
+/// the log-sum-exp, and the backend's backward kernel.
+#[derive(Clone, Debug)]
+struct Saved<B: Backend> {
+    qkv: FloatTensor<B>,
+    key_pad: FloatTensor<B>,
+    heads: usize,
+    causal: bool,
+    out: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    backward: AttentionBackward<B>,
+}
+
+/// A float tensor of the autodiff backend over `B`.
+type Tracked<B, C> = FloatTensor<Autodiff<B, C>>;
+
+/// Attention under autodiff: runs `forward` on the inner backend and, when
+/// qkv is tracked, records `backward` with what it needs. Only qkv is
+/// differentiated (the mask is data).
+pub(super) fn attention<B: Backend, C: CheckpointStrategy>(
+    qkv: FloatTensor<Autodiff<B, C>>,
+    key_pad: FloatTensor<Autodiff<B, C>>,
+    heads: usize,
+    causal: bool,
+    forward: AttentionForward<B>,
+    backward: AttentionBackward<B>,
+) -> (Tracked<B, C>, Tracked<B, C>) {
+    let step = KernelBackward::<B, Saved<B>, 1>(|s, grad| {
+        [(s.backward)(
+            s.qkv, s.key_pad, s.heads, s.causal, s.out, s.lse, grad,
+        )]
+    });
+    let node = qkv.node();
+    let (qkv, key_pad) = (
+        Autodiff::<B, C>::inner(qkv),
+        Autodiff::<B, C>::inner(key_pad),
+    );
+    let (out, lse) = forward(qkv.clone(), key_pad.clone(), heads, causal);
+    let lse_out = Autodiff::<B, C>::from_inner(lse.clone());
+    let out = match step.prepare::<C>([node]).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => {
+            let saved = Saved {
+                qkv,
+                key_pad,
+                heads,
+                causal,
+                out: out.clone(),
+                lse,
+                backward,
+            };
+            prep.finish(saved, out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    };
+    (out, lse_out)
+}
+
+/// Attention's backward called on autodiff tensors: computed on the inner
+/// backend without tracking (nothing kiln trains needs second derivatives).
+pub(super) fn attention_backward<B: Backend, C: CheckpointStrategy>(
+    tensors: [Tracked<B, C>; 5],
+    heads: usize,
+    causal: bool,
+    backward: AttentionBackward<B>,
+) -> Tracked<B, C> {
+    let [qkv, key_pad, out, lse, grad] = tensors.map(Autodiff::<B, C>::inner);
+    Autodiff::<B, C>::from_inner(backward(qkv, key_pad, heads, causal, out, lse, grad))
+}
