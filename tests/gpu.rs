@@ -313,3 +313,44 @@ fn kiln_kernels_on_wgpu_agree_with_the_composition() {
         );
     }
 }
+
+/// Out of device memory is an error with its fix, not a backtrace: Burn's
+/// attention at block 2048 (score buffers of 8 × 16 × 2048 × 2048 f32,
+/// 2 GiB, over llvmpipe's largest buffer) fails to allocate; kiln says so on
+/// one line, names the keys to lower, and exits with 2. (The same shape
+/// with kiln's memory-efficient attention trains its step: a minute on
+/// llvmpipe, measured by hand in docs/PERFORMANCE.md.)
+#[test]
+fn out_of_device_memory_says_what_to_lower() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let run = kiln(&[
+        "bench",
+        "lm",
+        "--steps=1",
+        "--warmup=0",
+        "device.backend=wgpu",
+        "model.layers=1",
+        "model.heads=16",
+        "model.hidden=64",
+        "model.intermediate=64",
+        "model.max_length=2048",
+        "training.batch_size=8",
+        "optimization.kernels=reference",
+        &format!("data.cache_dir={}", tmp.path().join("cache").display()),
+    ])
+    .cwd(tmp.path())
+    .run()
+    .expect_code(2);
+    let last = run.stderr.lines().rev().find(|l| !l.trim().is_empty());
+    let last = last.unwrap_or_default();
+    assert!(
+        last.starts_with("error: out of device memory (can't allocate buffer"),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        last.contains("training.batch_size") && last.contains("model.max_length"),
+        "{last}"
+    );
+    assert!(!run.stderr.contains("stack backtrace"), "{}", run.stderr);
+}

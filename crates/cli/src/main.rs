@@ -8,6 +8,7 @@
 
 mod commands;
 mod data;
+mod oom;
 mod progress;
 
 use std::path::PathBuf;
@@ -103,6 +104,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    oom::install_hook();
     let cli = Cli::parse();
     match on_compute_pool(|| run(cli)) {
         Ok(code) => code,
