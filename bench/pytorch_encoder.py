@@ -16,8 +16,18 @@ Not used by tests or CI.
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
+
+# `--avx2`: PyTorch's CPU kernels at AVX2 at most, as on a CPU without
+# AVX-512 (ATen's dispatch, MKL's code path, oneDNN's ISA). Read by torch at
+# import, so set before it; `cpu_capability` in the output says what ATen ran.
+if "--avx2" in sys.argv:
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 import torch
 import torch.nn as nn
@@ -68,6 +78,8 @@ def main():
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--mean-len", type=int, default=28)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--avx2", action="store_true",
+                    help="CPU kernels at AVX2 at most (set before torch is imported, above)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
@@ -94,6 +106,7 @@ def main():
     print(json.dumps({
         "torch": torch.__version__,
         "threads": args.threads,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "batch": args.batch,
         "max_len": args.max_len,
         "samples_per_s_median": statistics.median(sps),

@@ -25,8 +25,18 @@ speed does not depend on the text). Prints one JSON object: tokens/s
 import argparse
 import json
 import math
+import os
 import statistics
+import sys
 import time
+
+# `--avx2`: PyTorch's CPU kernels at AVX2 at most, as on a CPU without
+# AVX-512 (ATen's dispatch, MKL's code path, oneDNN's ISA). Read by torch at
+# import, so set before it; `cpu_capability` in the output says what ATen ran.
+if "--avx2" in sys.argv:
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 import torch
 import torch.nn as nn
@@ -85,6 +95,8 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--avx2", action="store_true",
+                    help="CPU kernels at AVX2 at most (set before torch is imported, above)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=1337)
@@ -149,6 +161,7 @@ def main():
         "vocab": vocab,
         "parameters": sum(p.numel() for p in model.parameters()),
         "threads": args.threads,
+        "cpu_capability": None if cuda else torch.backends.cpu.get_cpu_capability(),
         "block": args.block,
         "batch": args.batch,
         "tokens_per_s_median": statistics.median(tps),

@@ -42,7 +42,9 @@ cargo xtask <target> [args...]
   gpu-pack [--features F]   build, strip and compress the CUDA kiln into
                             gpu-pack/kiln[-F].xz for bench/gpu_check.py on a
                             GPU machine without network
-  bench                     the standard benchmarks → bench/results.json
+  bench [--avx2]            the standard benchmarks → bench/results.json; with
+                            --avx2 on a build without AVX-512 kernels (what
+                            AVX2 CPUs run) → bench/results-avx2.json
   bench-tune                `kiln tune` judged against the exhaustive sweep, for
                             both experiments → bench/tune-results.json
   outside [DIR]             each library crate's README example built and run
@@ -145,6 +147,10 @@ enum Build {
     Gpu,
     /// `cuda` where this machine has an NVIDIA GPU, else the default build.
     Auto,
+    /// The CPU backend without the kernels' AVX-512 versions
+    /// (`--no-default-features --features flex`): what an AVX2 CPU runs, on
+    /// any x86-64 CPU (`KILN_FEATURES` does not apply).
+    Avx2,
 }
 
 /// Whether an NVIDIA driver reports a GPU (no ML crate linked: the driver's
@@ -175,7 +181,7 @@ fn features_for(
     chosen: Option<String>,
     nvidia_present: impl Fn() -> bool,
 ) -> Option<String> {
-    if let Some(f) = chosen {
+    if let Some(f) = chosen.filter(|_| build != Build::Avx2) {
         return (!f.trim().is_empty()).then_some(f);
     }
     match build {
@@ -183,6 +189,7 @@ fn features_for(
         Build::Gpu if nvidia_present() => Some("cuda".to_string()),
         Build::Gpu => Some("wgpu".to_string()),
         Build::Auto => nvidia_present().then(|| "cuda".to_string()),
+        Build::Avx2 => Some("flex".to_string()),
     }
 }
 
@@ -195,6 +202,10 @@ fn kiln_command(build: Build) -> Result<Command, String> {
         "xtask: cargo builds kiln (release) if needed, then runs it; a first build compiles Burn (about 20 minutes on 2 cores)"
     );
     cmd.args(["run", "--release", "--package", "kiln-cli", "--bin", "kiln"]);
+    if build == Build::Avx2 {
+        eprintln!("xtask: building kiln without its AVX-512 kernels (AVX2 + FMA at most)");
+        cmd.arg("--no-default-features");
+    }
     if let Some(f) = features(build) {
         eprintln!("xtask: building kiln with --features {f}");
         cmd.args(["--features", &f]);
@@ -349,11 +360,12 @@ fn collect(
     file: &str,
     entries: &[(String, Vec<String>)],
     rest: &[String],
+    build: Build,
 ) -> Result<ExitCode, String> {
     let mut results = Vec::new();
     for (name, args) in entries {
         eprintln!("xtask: {name}: kiln {}", args.join(" "));
-        let mut cmd = kiln_command(Build::Auto)?;
+        let mut cmd = kiln_command(build)?;
         cmd.args(args).arg("--json").args(rest);
         let out = cmd
             .output()
@@ -378,7 +390,12 @@ fn collect(
     Ok(ExitCode::SUCCESS)
 }
 
-fn bench(rest: Vec<String>) -> Result<ExitCode, String> {
+/// `cargo xtask bench [--avx2] [args…]`: the standard benchmarks →
+/// bench/results.json; with `--avx2`, on a build without the CPU kernels'
+/// AVX-512 versions → bench/results-avx2.json.
+fn bench(mut rest: Vec<String>) -> Result<ExitCode, String> {
+    let avx2 = rest.iter().any(|a| a == "--avx2");
+    rest.retain(|a| a != "--avx2");
     let entries: Vec<(String, Vec<String>)> = BENCHES
         .iter()
         .map(|(name, args)| {
@@ -387,7 +404,11 @@ fn bench(rest: Vec<String>) -> Result<ExitCode, String> {
             (name.to_string(), a)
         })
         .collect();
-    collect("results.json", &entries, &rest)
+    if avx2 {
+        collect("results-avx2.json", &entries, &rest, Build::Avx2)
+    } else {
+        collect("results.json", &entries, &rest, Build::Auto)
+    }
 }
 
 /// `kiln tune --compare-sweep` for both experiments: the tuner's time as a
@@ -406,7 +427,7 @@ fn bench_tune(rest: Vec<String>) -> Result<ExitCode, String> {
             )
         })
         .collect();
-    collect("tune-results.json", &entries, &rest)
+    collect("tune-results.json", &entries, &rest, Build::Auto)
 }
 
 /// `.ci/run` itself, so that the two cannot drift apart: formatting, lints,
@@ -461,6 +482,8 @@ mod tests {
             Some("wgpu,fusion")
         );
         assert_eq!(f(Build::Gpu, Some(" "), true), None);
+        // The AVX2 build is flex alone (kiln_command drops the defaults).
+        assert_eq!(f(Build::Avx2, Some("wgpu"), true).as_deref(), Some("flex"));
     }
 
     #[test]

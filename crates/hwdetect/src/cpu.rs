@@ -81,6 +81,20 @@ impl IsaFeatures {
     }
 }
 
+impl CpuInfo {
+    /// The peak of this CPU for kernels that use at most `features` (an
+    /// AVX-512 CPU running code built for AVX2 at most, for one).
+    pub fn peak_with(&self, features: &IsaFeatures) -> CpuPeak {
+        estimate_peak(
+            &self.vendor,
+            self.family,
+            features,
+            peak_cores(self.physical_cores, self.logical_cores),
+            self.frequency_mhz,
+        )
+    }
+}
+
 /// The fp32 peak estimate and how it was reached.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CpuPeak {
@@ -102,7 +116,7 @@ pub fn detect_cpu() -> CpuInfo {
         .unwrap_or(1);
     let physical_cores = sysinfo::System::physical_core_count().ok();
     let frequency_mhz = max_frequency_mhz().or(current_mhz);
-    let cores = physical_cores.unwrap_or(logical_cores).min(logical_cores);
+    let cores = peak_cores(physical_cores, logical_cores);
     let peak = estimate_peak(&vendor, family, &features, cores, frequency_mhz);
     CpuInfo {
         model,
@@ -115,6 +129,12 @@ pub fn detect_cpu() -> CpuInfo {
         frequency_mhz,
         peak,
     }
+}
+
+/// The cores the peak counts: the physical ones where the OS tells them, at
+/// most the logical CPUs this process may use.
+fn peak_cores(physical: Option<usize>, logical: usize) -> usize {
+    physical.unwrap_or(logical).min(logical)
 }
 
 /// fp32 FLOPs per cycle per core, and the reason, from the ISA.
@@ -293,6 +313,25 @@ mod tests {
         assert_eq!(flops_per_cycle("AuthenticAMD", Some(0x19), &f).0, 32);
         assert_eq!(flops_per_cycle("AuthenticAMD", Some(0x1A), &f).0, 64);
         assert_eq!(flops_per_cycle("GenuineIntel", Some(6), &f).0, 64);
+    }
+
+    #[test]
+    fn the_peak_with_fewer_features_counts_only_those() {
+        let mut cpu = detect_cpu();
+        cpu.vendor = "GenuineIntel".into();
+        cpu.family = Some(6);
+        cpu.frequency_mhz = Some(2000);
+        cpu.physical_cores = Some(4);
+        cpu.logical_cores = 8;
+        let all = IsaFeatures {
+            avx512f: true,
+            ..avx2()
+        };
+        let wide = cpu.peak_with(&all);
+        let narrow = cpu.peak_with(&avx2());
+        assert_eq!(wide.fp32_flops, Some(4.0 * 2e9 * 64.0));
+        assert_eq!(narrow.fp32_flops, Some(4.0 * 2e9 * 32.0));
+        assert!(narrow.how.contains("AVX2"), "{}", narrow.how);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use burn::module::Module;
 use burn::tensor::Device;
 use kiln_config::RunConfig;
-use kiln_hwdetect::HardwareReport;
+use kiln_hwdetect::{CpuInfo, CpuPeak, HardwareReport, IsaFeatures};
 use kiln_model::ComputeDtype;
 use kiln_plan::run_gpu;
 
@@ -123,13 +123,14 @@ pub(crate) fn mfu_peak(
             ),
         };
     }
-    match hardware.cpu.peak.fp32_flops {
+    let peak = cpu_peak_of_build(&hardware.cpu);
+    match peak.fp32_flops {
         Some(p) => (
             Some(p),
             format!(
                 "{:.1} GFLOP/s fp32, the CPU {}{}",
                 p / 1e9,
-                hardware.cpu.peak.how,
+                peak.how,
                 if precision.compute.is_reduced() {
                     " (flex computes bf16/fp16 products in f32, so this is their ceiling too)"
                 } else {
@@ -137,8 +138,25 @@ pub(crate) fn mfu_peak(
                 }
             ),
         ),
-        None => (None, format!("unknown ({})", hardware.cpu.peak.how)),
+        None => (None, format!("unknown ({})", peak.how)),
     }
+}
+
+/// The CPU's peak for the kernels this build has: on an AVX-512 CPU, a
+/// build without kiln-model's `avx512` feature runs AVX2 + FMA kernels, so
+/// its MFU counts against the AVX2 peak.
+fn cpu_peak_of_build(cpu: &CpuInfo) -> CpuPeak {
+    if !cpu.features.avx512f || kiln_model::kernels::AVX512_BUILT {
+        return cpu.peak.clone();
+    }
+    let mut peak = cpu.peak_with(&IsaFeatures {
+        avx512f: false,
+        avx512_bf16: false,
+        ..cpu.features
+    });
+    peak.how
+        .push_str(" (this build has no AVX-512 kernels: built without kiln's `avx512` feature)");
+    peak
 }
 
 /// A peak in TFLOP/s, or GFLOP/s below one TFLOP/s (software devices).
@@ -238,6 +256,34 @@ pub fn open_device(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_avx512_cpu_counts_the_peak_of_the_kernels_built() {
+        let mut cpu = kiln_hwdetect::detect_cpu();
+        cpu.vendor = "GenuineIntel".into();
+        cpu.family = Some(6);
+        cpu.frequency_mhz = Some(2000);
+        cpu.features = IsaFeatures {
+            avx: true,
+            avx2: true,
+            fma: true,
+            avx512f: true,
+            ..IsaFeatures::default()
+        };
+        cpu.peak = cpu.peak_with(&cpu.features);
+        let peak = cpu_peak_of_build(&cpu);
+        if kiln_model::kernels::AVX512_BUILT {
+            assert_eq!(peak, cpu.peak);
+        } else {
+            // AVX2's 32 FLOP/cycle against AVX-512's 64 on this Intel core.
+            assert_eq!(peak.fp32_flops, cpu.peak.fp32_flops.map(|p| p / 2.0));
+            assert!(peak.how.contains("no AVX-512 kernels"), "{}", peak.how);
+        }
+        // A CPU without AVX-512 keeps its own peak in either build.
+        cpu.features.avx512f = false;
+        cpu.peak = cpu.peak_with(&cpu.features);
+        assert_eq!(cpu_peak_of_build(&cpu), cpu.peak);
+    }
 
     #[test]
     fn initial_weights_come_from_the_seed_not_the_first_step() {

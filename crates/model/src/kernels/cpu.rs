@@ -16,9 +16,26 @@ use super::optim::{Factors, update};
 /// enough that both cores get work on a 128 × 512 activation.
 const CHUNK: usize = 1 << 13;
 
-// The slice loops below are `#[multiversion]` functions: compiled once per
-// instruction set (AVX-512, AVX2 + FMA, baseline) with the `math` helpers
-// inlined into each, and picked at run time from what the CPU has.
+/// Compiles the slice loop it wraps once per instruction-set level, the
+/// `math` helpers inlined into each, and picks the level at run time from
+/// what the CPU has (`#[multiversion]`). With kiln-model's `avx512` feature
+/// the levels are multiversion's `simd` set (on x86-64: AVX-512, AVX2 + FMA,
+/// SSE4.2, baseline); without it the same less AVX-512, so that an AVX-512
+/// CPU runs what an AVX2 one does (the `gemm` crate's kernels follow the
+/// same feature, through Burn's `x86-v4`).
+macro_rules! simd_levels {
+    ($(#[$attr:meta])* $vis:vis fn $($rest:tt)*) => {
+        #[cfg_attr(feature = "avx512", multiversion(targets = "simd"))]
+        #[cfg_attr(not(feature = "avx512"), multiversion(targets(
+            "x86_64+avx+avx2+bmi1+bmi2+cmpxchg16b+f16c+fma+lzcnt+movbe+popcnt+sse3+sse4.1+sse4.2+ssse3+xsave",
+            "x86_64+cmpxchg16b+popcnt+sse3+sse4.1+sse4.2+ssse3",
+            "aarch64+fp16+sve+sve2",
+            "aarch64+fp16+sve",
+        )))]
+        $(#[$attr])*
+        $vis fn $($rest)*
+    };
+}
 
 /// `t` as contiguous f32, copied only when it is a strided view.
 fn contiguous(t: FlexTensor) -> FlexTensor {
@@ -89,17 +106,19 @@ fn owned(t: FlexTensor) -> FlexTensor {
     from_vec(slice(&t).to_vec(), shape(&t))
 }
 
-#[multiversion(targets = "simd")]
-fn gelu_slice(x: &[f32], out: &mut [MaybeUninit<f32>]) {
-    for (o, &x) in out.iter_mut().zip(x) {
-        o.write(math::gelu(x));
+simd_levels! {
+    fn gelu_slice(x: &[f32], out: &mut [MaybeUninit<f32>]) {
+        for (o, &x) in out.iter_mut().zip(x) {
+            o.write(math::gelu(x));
+        }
     }
 }
 
-#[multiversion(targets = "simd")]
-fn gelu_grad_slice(x: &[f32], grad: &mut [f32]) {
-    for (g, &x) in grad.iter_mut().zip(x) {
-        *g = math::gelu_grad(x, *g);
+simd_levels! {
+    fn gelu_grad_slice(x: &[f32], grad: &mut [f32]) {
+        for (g, &x) in grad.iter_mut().zip(x) {
+            *g = math::gelu_grad(x, *g);
+        }
     }
 }
 
@@ -425,53 +444,56 @@ pub(crate) fn attention(
     )
 }
 
-/// Masked softmax of each row of `p` (`t × t` scores) in place, writing each
-/// row's log-sum-exp to `lse`. Masked keys get exactly 0.
-#[multiversion(targets = "simd")]
-fn softmax_rows(p: &mut [f32], lse: &mut [f32], t: usize, pad: Option<&[f32]>, causal: bool) {
-    for (i, (row, lse)) in p.chunks_exact_mut(t).zip(lse.iter_mut()).enumerate() {
-        let n = visible(i, t, causal);
-        mask_row(&mut row[..computed(i, t, causal)], n, pad);
-        let max = max_of(&row[..n]);
-        if max == f32::NEG_INFINITY {
-            row.fill(0.0);
-            *lse = 0.0;
-            continue;
-        }
-        for x in row[..n].iter_mut() {
-            *x = math::exp(*x - max);
-        }
-        let inv = 1.0 / sum_of(&row[..n]);
-        for x in row[..n].iter_mut() {
-            *x *= inv;
-        }
-        *lse = max - inv.ln();
-    }
-}
-
-/// Rebuilds the probabilities from the scores in `p` and each row's
-/// log-sum-exp, masked keys exactly 0.
-#[multiversion(targets = "simd")]
-fn probabilities(p: &mut [f32], lse: &[f32], t: usize, pad: Option<&[f32]>, causal: bool) {
-    for (i, row) in p.chunks_exact_mut(t).enumerate() {
-        let n = visible(i, t, causal);
-        mask_row(&mut row[..computed(i, t, causal)], n, pad);
-        for x in row[..n].iter_mut() {
-            *x = math::exp(*x - lse[i]);
+simd_levels! {
+    /// Masked softmax of each row of `p` (`t × t` scores) in place, writing each
+    /// row's log-sum-exp to `lse`. Masked keys get exactly 0.
+    fn softmax_rows(p: &mut [f32], lse: &mut [f32], t: usize, pad: Option<&[f32]>, causal: bool) {
+        for (i, (row, lse)) in p.chunks_exact_mut(t).zip(lse.iter_mut()).enumerate() {
+            let n = visible(i, t, causal);
+            mask_row(&mut row[..computed(i, t, causal)], n, pad);
+            let max = max_of(&row[..n]);
+            if max == f32::NEG_INFINITY {
+                row.fill(0.0);
+                *lse = 0.0;
+                continue;
+            }
+            for x in row[..n].iter_mut() {
+                *x = math::exp(*x - max);
+            }
+            let inv = 1.0 / sum_of(&row[..n]);
+            for x in row[..n].iter_mut() {
+                *x *= inv;
+            }
+            *lse = max - inv.ln();
         }
     }
 }
 
-/// `dS = P ⊙ (dP − delta) · scale`, in place over `dp`; with `causal`, the
-/// keys a query does not see are 0 (beyond its row block [`square`] made them so).
-#[multiversion(targets = "simd")]
-fn score_grads(dp: &mut [f32], p: &[f32], delta: &[f32], t: usize, scale: f32, causal: bool) {
-    for (i, (ds, p)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
-        let n = visible(i, t, causal);
-        for (ds, &p) in ds[..n].iter_mut().zip(&p[..n]) {
-            *ds = p * (*ds - delta[i]) * scale;
+simd_levels! {
+    /// Rebuilds the probabilities from the scores in `p` and each row's
+    /// log-sum-exp, masked keys exactly 0.
+    fn probabilities(p: &mut [f32], lse: &[f32], t: usize, pad: Option<&[f32]>, causal: bool) {
+        for (i, row) in p.chunks_exact_mut(t).enumerate() {
+            let n = visible(i, t, causal);
+            mask_row(&mut row[..computed(i, t, causal)], n, pad);
+            for x in row[..n].iter_mut() {
+                *x = math::exp(*x - lse[i]);
+            }
         }
-        ds[n..computed(i, t, causal)].fill(0.0);
+    }
+}
+
+simd_levels! {
+    /// `dS = P ⊙ (dP − delta) · scale`, in place over `dp`; with `causal`, the
+    /// keys a query does not see are 0 (beyond its row block [`square`] made them so).
+    fn score_grads(dp: &mut [f32], p: &[f32], delta: &[f32], t: usize, scale: f32, causal: bool) {
+        for (i, (ds, p)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
+            let n = visible(i, t, causal);
+            for (ds, &p) in ds[..n].iter_mut().zip(&p[..n]) {
+                *ds = p * (*ds - delta[i]) * scale;
+            }
+            ds[n..computed(i, t, causal)].fill(0.0);
+        }
     }
 }
 
@@ -689,43 +711,44 @@ pub(crate) fn layer_norm(
     (from_vec(y, shape(&x)), stats(mean), stats(rstd))
 }
 
-#[multiversion(targets = "simd")]
-fn layer_norm_rows(
-    x: &[f32],
-    gamma: &[f32],
-    beta: &[f32],
-    epsilon: f32,
-    y: &mut [f32],
-    mean: &mut [f32],
-    rstd: &mut [f32],
-) {
-    let d = gamma.len();
-    let inv_d = 1.0 / d as f32;
-    for (((x, y), mean), rstd) in x
-        .chunks_exact(d)
-        .zip(y.chunks_exact_mut(d))
-        .zip(mean.iter_mut())
-        .zip(rstd.iter_mut())
-    {
-        let mu = sum_of(x) * inv_d;
-        for (y, &x) in y.iter_mut().zip(x) {
-            *y = x - mu;
-        }
-        let mut sq = [0.0f32; LANES];
-        let chunks = y.chunks_exact(LANES);
-        let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
-        for c in chunks {
-            for (a, &v) in sq.iter_mut().zip(c) {
-                *a += v * v;
+simd_levels! {
+    fn layer_norm_rows(
+        x: &[f32],
+        gamma: &[f32],
+        beta: &[f32],
+        epsilon: f32,
+        y: &mut [f32],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+    ) {
+        let d = gamma.len();
+        let inv_d = 1.0 / d as f32;
+        for (((x, y), mean), rstd) in x
+            .chunks_exact(d)
+            .zip(y.chunks_exact_mut(d))
+            .zip(mean.iter_mut())
+            .zip(rstd.iter_mut())
+        {
+            let mu = sum_of(x) * inv_d;
+            for (y, &x) in y.iter_mut().zip(x) {
+                *y = x - mu;
             }
+            let mut sq = [0.0f32; LANES];
+            let chunks = y.chunks_exact(LANES);
+            let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+            for c in chunks {
+                for (a, &v) in sq.iter_mut().zip(c) {
+                    *a += v * v;
+                }
+            }
+            let var = (sq.iter().sum::<f32>() + tail) * inv_d;
+            let r = 1.0 / (var + epsilon).sqrt();
+            for ((y, &g), &b) in y.iter_mut().zip(gamma).zip(beta) {
+                *y = *y * r * g + b;
+            }
+            *mean = mu;
+            *rstd = r;
         }
-        let var = (sq.iter().sum::<f32>() + tail) * inv_d;
-        let r = 1.0 / (var + epsilon).sqrt();
-        for ((y, &g), &b) in y.iter_mut().zip(gamma).zip(beta) {
-            *y = *y * r * g + b;
-        }
-        *mean = mu;
-        *rstd = r;
     }
 }
 
@@ -780,44 +803,45 @@ pub(crate) fn layer_norm_backward(
     )
 }
 
-#[multiversion(targets = "simd")]
-#[allow(clippy::too_many_arguments)]
-fn layer_norm_grad_rows(
-    x: &[f32],
-    dy: &[f32],
-    gamma: &[f32],
-    mean: &[f32],
-    rstd: &[f32],
-    dx: &mut [f32],
-    dgamma: &mut [f32],
-    dbeta: &mut [f32],
-) {
-    let d = gamma.len();
-    let inv_d = 1.0 / d as f32;
-    for ((((x, dy), dx), &mu), &r) in x
-        .chunks_exact(d)
-        .zip(dy.chunks_exact(d))
-        .zip(dx.chunks_exact_mut(d))
-        .zip(mean)
-        .zip(rstd)
-    {
-        // dx holds x̂ first; dx̂ = dy · gamma, c1 = mean(dx̂ · x̂), c2 = mean(dx̂).
-        for ((((dx, &x), &dy), dg), db) in dx
-            .iter_mut()
-            .zip(x)
-            .zip(dy)
-            .zip(dgamma.iter_mut())
-            .zip(dbeta.iter_mut())
+simd_levels! {
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm_grad_rows(
+        x: &[f32],
+        dy: &[f32],
+        gamma: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+        dx: &mut [f32],
+        dgamma: &mut [f32],
+        dbeta: &mut [f32],
+    ) {
+        let d = gamma.len();
+        let inv_d = 1.0 / d as f32;
+        for ((((x, dy), dx), &mu), &r) in x
+            .chunks_exact(d)
+            .zip(dy.chunks_exact(d))
+            .zip(dx.chunks_exact_mut(d))
+            .zip(mean)
+            .zip(rstd)
         {
-            let xhat = (x - mu) * r;
-            *dx = xhat;
-            *dg += dy * xhat;
-            *db += dy;
-        }
-        let c1 = dot3(dy, gamma, dx) * inv_d;
-        let c2 = dot2(dy, gamma) * inv_d;
-        for ((dx, &dy), &g) in dx.iter_mut().zip(dy).zip(gamma) {
-            *dx = r * (dy * g - c2 - *dx * c1);
+            // dx holds x̂ first; dx̂ = dy · gamma, c1 = mean(dx̂ · x̂), c2 = mean(dx̂).
+            for ((((dx, &x), &dy), dg), db) in dx
+                .iter_mut()
+                .zip(x)
+                .zip(dy)
+                .zip(dgamma.iter_mut())
+                .zip(dbeta.iter_mut())
+            {
+                let xhat = (x - mu) * r;
+                *dx = xhat;
+                *dg += dy * xhat;
+                *db += dy;
+            }
+            let c1 = dot3(dy, gamma, dx) * inv_d;
+            let c2 = dot2(dy, gamma) * inv_d;
+            for ((dx, &dy), &g) in dx.iter_mut().zip(dy).zip(gamma) {
+                *dx = r * (dy * g - c2 - *dx * c1);
+            }
         }
     }
 }
@@ -937,19 +961,21 @@ pub(crate) fn linear_backward(
     )
 }
 
-#[multiversion(targets = "simd")]
-fn column_sums(rows: &[f32], sums: &mut [f32]) {
-    for row in rows.chunks_exact(sums.len()) {
-        for (s, &v) in sums.iter_mut().zip(row) {
-            *s += v;
+simd_levels! {
+    fn column_sums(rows: &[f32], sums: &mut [f32]) {
+        for row in rows.chunks_exact(sums.len()) {
+            for (s, &v) in sums.iter_mut().zip(row) {
+                *s += v;
+            }
         }
     }
 }
 
-#[multiversion(targets = "simd")]
-fn adamw_slice(f: &Factors, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
-    for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-        (*w, *m, *v) = update(f, *w, g, *m, *v);
+simd_levels! {
+    fn adamw_slice(f: &Factors, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+        for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            (*w, *m, *v) = update(f, *w, g, *m, *v);
+        }
     }
 }
 

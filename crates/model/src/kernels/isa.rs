@@ -13,6 +13,10 @@ pub struct CpuIsa {
     pub kernels: &'static str,
 }
 
+/// Whether this build has the CPU kernels' AVX-512 versions (kiln-model's
+/// `avx512` feature). Without them an AVX-512 CPU runs the AVX2 + FMA ones.
+pub const AVX512_BUILT: bool = cfg!(feature = "avx512");
+
 /// What [`CpuIsa`]'s families run with here.
 pub fn cpu_isa() -> CpuIsa {
     CpuIsa {
@@ -22,11 +26,12 @@ pub fn cpu_isa() -> CpuIsa {
 }
 
 /// gemm 0.19's dispatch (`gemm-common`'s `gemm_def!`): AVX-512F kernels when
-/// built with `x86-v4` (kiln's flex feature turns it on through Burn) and
-/// the CPU has AVX-512F; else FMA (its x86-64-v3 kernels); else scalar.
+/// built with `x86-v4` (kiln-model's `avx512` feature turns it on through
+/// Burn) and the CPU has AVX-512F; else FMA (its x86-64-v3 kernels); else
+/// scalar.
 #[cfg(target_arch = "x86_64")]
 fn gemm_isa() -> &'static str {
-    if cfg!(feature = "flex") && std::arch::is_x86_feature_detected!("avx512f") {
+    if cfg!(feature = "avx512") && std::arch::is_x86_feature_detected!("avx512f") {
         "avx512f"
     } else if std::arch::is_x86_feature_detected!("fma") {
         "avx2+fma"
@@ -51,7 +56,8 @@ fn gemm_isa() -> &'static str {
 
 /// multiversion 0.9's `targets = "simd"` on x86-64: its v4 level needs the
 /// Ice Lake set of AVX-512 extensions (it adds them unless built with
-/// `multiversion_allow_slow_avx512`), v3 AVX2 with FMA, v2 SSE4.2.
+/// `multiversion_allow_slow_avx512`), v3 AVX2 with FMA, v2 SSE4.2. Without
+/// kiln-model's `avx512` feature the loops have no v4 version.
 #[cfg(target_arch = "x86_64")]
 fn loops_isa() -> &'static str {
     macro_rules! all {
@@ -74,7 +80,8 @@ fn loops_isa() -> &'static str {
         "xsave",
         "cmpxchg16b"
     );
-    let v4 = v3
+    let v4 = cfg!(feature = "avx512")
+        && v3
         && all!(
             "avx512f",
             "avx512bw",
@@ -128,7 +135,7 @@ mod tests {
         };
         // On Linux, /proc/cpuinfo says what the CPU has.
         if let (Some(avx512f), Some(fma)) = (has("avx512f"), has("fma")) {
-            let want = if avx512f && cfg!(feature = "flex") {
+            let want = if avx512f && cfg!(feature = "avx512") {
                 "avx512f"
             } else if fma {
                 "avx2+fma"
@@ -136,7 +143,7 @@ mod tests {
                 "scalar"
             };
             assert_eq!(isa.gemm, want);
-            if !avx512f {
+            if !avx512f || !cfg!(feature = "avx512") {
                 assert!(!isa.kernels.contains("v4"), "{isa:?}");
             }
             if fma && has("avx2") == Some(true) && has("bmi2") == Some(true) {

@@ -31,7 +31,7 @@ mod isa;
 mod math;
 mod optim;
 
-pub use isa::{CpuIsa, cpu_isa};
+pub use isa::{AVX512_BUILT, CpuIsa, cpu_isa};
 pub use optim::{ADAMW_TOLERANCE, AdamWStep, KernelCheck, adamw, check_adamw};
 
 use burn::nn::{LayerNorm, Linear};
