@@ -31,7 +31,7 @@ pub fn cpu_isa() -> CpuIsa {
 /// scalar.
 #[cfg(target_arch = "x86_64")]
 fn gemm_isa() -> &'static str {
-    if cfg!(feature = "avx512") && std::arch::is_x86_feature_detected!("avx512f") {
+    if AVX512_BUILT && std::arch::is_x86_feature_detected!("avx512f") {
         "avx512f"
     } else if std::arch::is_x86_feature_detected!("fma") {
         "avx2+fma"
@@ -80,7 +80,7 @@ fn loops_isa() -> &'static str {
         "xsave",
         "cmpxchg16b"
     );
-    let v4 = cfg!(feature = "avx512")
+    let v4 = AVX512_BUILT
         && v3
         && all!(
             "avx512f",
@@ -135,7 +135,7 @@ mod tests {
         };
         // On Linux, /proc/cpuinfo says what the CPU has.
         if let (Some(avx512f), Some(fma)) = (has("avx512f"), has("fma")) {
-            let want = if avx512f && cfg!(feature = "avx512") {
+            let want = if avx512f && AVX512_BUILT {
                 "avx512f"
             } else if fma {
                 "avx2+fma"
@@ -143,7 +143,7 @@ mod tests {
                 "scalar"
             };
             assert_eq!(isa.gemm, want);
-            if !avx512f || !cfg!(feature = "avx512") {
+            if !avx512f || !AVX512_BUILT {
                 assert!(!isa.kernels.contains("v4"), "{isa:?}");
             }
             if fma && has("avx2") == Some(true) && has("bmi2") == Some(true) {
