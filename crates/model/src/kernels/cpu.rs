@@ -7,6 +7,7 @@ use std::mem::MaybeUninit;
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{DType, Shape, TensorData};
 use multiversion::multiversion;
+use multiversion::target::target_cfg_f;
 use rayon::prelude::*;
 
 use super::math;
@@ -34,6 +35,15 @@ macro_rules! simd_levels {
         )))]
         $(#[$attr])*
         $vis fn $($rest)*
+    };
+}
+
+/// Inside a [`simd_levels!`] function: whether the level it is compiled for
+/// has fused multiply-add (x86-64's FMA, which AVX2 CPUs have; every AArch64
+/// level), the `FMA` of the [`math`] functions.
+macro_rules! has_fma {
+    () => {
+        target_cfg_f!(any(target_feature = "fma", target_arch = "aarch64"))
     };
 }
 
@@ -108,16 +118,18 @@ fn owned(t: FlexTensor) -> FlexTensor {
 
 simd_levels! {
     fn gelu_slice(x: &[f32], out: &mut [MaybeUninit<f32>]) {
+        const FMA: bool = has_fma!();
         for (o, &x) in out.iter_mut().zip(x) {
-            o.write(math::gelu(x));
+            o.write(math::gelu::<FMA>(x));
         }
     }
 }
 
 simd_levels! {
     fn gelu_grad_slice(x: &[f32], grad: &mut [f32]) {
+        const FMA: bool = has_fma!();
         for (g, &x) in grad.iter_mut().zip(x) {
-            *g = math::gelu_grad(x, *g);
+            *g = math::gelu_grad::<FMA>(x, *g);
         }
     }
 }
@@ -448,6 +460,7 @@ simd_levels! {
     /// Masked softmax of each row of `p` (`t × t` scores) in place, writing each
     /// row's log-sum-exp to `lse`. Masked keys get exactly 0.
     fn softmax_rows(p: &mut [f32], lse: &mut [f32], t: usize, pad: Option<&[f32]>, causal: bool) {
+        const FMA: bool = has_fma!();
         for (i, (row, lse)) in p.chunks_exact_mut(t).zip(lse.iter_mut()).enumerate() {
             let n = visible(i, t, causal);
             mask_row(&mut row[..computed(i, t, causal)], n, pad);
@@ -458,7 +471,7 @@ simd_levels! {
                 continue;
             }
             for x in row[..n].iter_mut() {
-                *x = math::exp(*x - max);
+                *x = math::exp::<FMA>(*x - max);
             }
             let inv = 1.0 / sum_of(&row[..n]);
             for x in row[..n].iter_mut() {
@@ -473,11 +486,12 @@ simd_levels! {
     /// Rebuilds the probabilities from the scores in `p` and each row's
     /// log-sum-exp, masked keys exactly 0.
     fn probabilities(p: &mut [f32], lse: &[f32], t: usize, pad: Option<&[f32]>, causal: bool) {
+        const FMA: bool = has_fma!();
         for (i, row) in p.chunks_exact_mut(t).enumerate() {
             let n = visible(i, t, causal);
             mask_row(&mut row[..computed(i, t, causal)], n, pad);
             for x in row[..n].iter_mut() {
-                *x = math::exp(*x - lse[i]);
+                *x = math::exp::<FMA>(*x - lse[i]);
             }
         }
     }
