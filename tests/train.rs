@@ -254,6 +254,16 @@ fn bad_training_input_is_named_with_exit_2_and_no_run_directory() {
                 "`cuda` feature".into(),
             ],
         ),
+        (
+            vec![
+                format!("data.path={}", good.display()),
+                "device.backend=cubecl-cpu".into(),
+            ],
+            vec![
+                "backend `cubecl-cpu` is not available".into(),
+                "`cubecl-cpu` feature".into(),
+            ],
+        ),
     ];
     for (extra, wants) in cases {
         let mut args = vec![

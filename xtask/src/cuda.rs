@@ -121,7 +121,7 @@ pub(crate) fn ensure_llvm(home: &Path) -> Result<PathBuf, String> {
     Ok(dir)
 }
 
-/// Sets what a cargo command building the `cuda` feature needs: the LLVM
+/// Sets what a cargo command building the `cuda` or `cubecl-cpu` feature needs: the LLVM
 /// (installed first if missing) as `XDG_DATA_HOME`, and the CUDA version.
 pub(crate) fn prepare_build(cmd: &mut Command) -> Result<(), String> {
     let home = llvm_home()?;
@@ -133,12 +133,13 @@ pub(crate) fn prepare_build(cmd: &mut Command) -> Result<(), String> {
     Ok(())
 }
 
-/// Whether a comma-separated feature list asks for the CUDA backend.
-pub(crate) fn wants_cuda(features: &str) -> bool {
-    features
-        .split(',')
-        .map(str::trim)
-        .any(|f| f == "cuda" || f.ends_with("/cuda"))
+/// Whether a comma-separated feature list asks for a backend that links
+/// CubeCL's LLVM: CUDA, or Burn's CubeCL CPU backend (`cubecl-cpu`).
+pub(crate) fn wants_llvm(features: &str) -> bool {
+    features.split(',').map(str::trim).any(|f| {
+        let f = f.rsplit('/').next().unwrap_or(f);
+        f == "cuda" || f == "cubecl-cpu"
+    })
 }
 
 /// The `.whl` files in `dir`.
@@ -193,12 +194,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn cuda_is_found_in_feature_lists() {
-        assert!(wants_cuda("cuda"));
-        assert!(wants_cuda("cuda,fusion"));
-        assert!(wants_cuda("fusion, kiln-cli/cuda"));
-        assert!(!wants_cuda("wgpu,fusion"));
-        assert!(!wants_cuda("cudnn"));
+    fn llvm_backends_are_found_in_feature_lists() {
+        assert!(wants_llvm("cuda"));
+        assert!(wants_llvm("cubecl-cpu"));
+        assert!(wants_llvm("wgpu, kiln-cli/cubecl-cpu"));
+        assert!(!wants_llvm("cpu"));
+        assert!(wants_llvm("cuda,fusion"));
+        assert!(wants_llvm("fusion, kiln-cli/cuda"));
+        assert!(!wants_llvm("wgpu,fusion"));
+        assert!(!wants_llvm("cudnn"));
     }
 
     #[test]

@@ -209,7 +209,7 @@ fn kiln_command(build: Build) -> Result<Command, String> {
     if let Some(f) = features(build) {
         eprintln!("xtask: building kiln with --features {f}");
         cmd.args(["--features", &f]);
-        if cuda::wants_cuda(&f) {
+        if cuda::wants_llvm(&f) {
             cuda::prepare_build(&mut cmd)?;
         }
     }

@@ -342,7 +342,7 @@ pub struct LoaderSection {
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct DeviceSection {
-    /// `auto` (when NVML finds an NVIDIA GPU: CUDA if kiln is built with the `cuda` feature, else wgpu if built with `wgpu`; otherwise the CPU), `cuda`, `wgpu` (force that device; exit 2 if the build lacks its feature) or `flex` (the CPU).
+    /// `auto` (when NVML finds an NVIDIA GPU: CUDA if kiln is built with the `cuda` feature, else wgpu if built with `wgpu`; otherwise the CPU), `cuda`, `wgpu` (force that device; exit 2 if the build lacks its feature), `flex` (the CPU) or `cubecl-cpu` (the CPU through Burn's CubeCL backend; built with the `cubecl-cpu` feature).
     pub backend: Backend,
     /// Which GPU of several.
     pub index: usize,
@@ -358,8 +358,12 @@ pub enum Backend {
     Cuda,
     /// GPUs through wgpu (Vulkan, Metal, DX12).
     Wgpu,
-    /// The CPU.
+    /// The CPU, with kiln's fused kernels.
     Flex,
+    /// The CPU through Burn's CubeCL backend (kernels compiled by LLVM):
+    /// opt-in, for comparison (docs/PERFORMANCE.md).
+    #[serde(rename = "cubecl-cpu")]
+    CubeclCpu,
 }
 
 /// `[cv]`.

@@ -121,7 +121,8 @@ pub struct BenchResult {
     /// the wall time of the timed steps, in percent of one core: 200 is two
     /// cores busy throughout. `None` where the platform does not report it.
     pub cpu_util_pct: Option<f64>,
-    /// The instruction sets the CPU kernels ran with (`None` on a GPU).
+    /// The instruction sets kiln's CPU kernels ran with (`None` on a GPU and
+    /// on cubecl-cpu, where none of them run).
     pub isa: Option<kiln_model::kernels::CpuIsa>,
 }
 
@@ -367,7 +368,7 @@ fn result(
         },
         final_loss: t.final_loss,
         cpu_util_pct: t.cpu_util_pct,
-        isa: (!device.is_gpu).then(kiln_model::kernels::cpu_isa),
+        isa: device.is_flex().then(kiln_model::kernels::cpu_isa),
     }
 }
 
@@ -486,7 +487,7 @@ pub fn bench_lm(
     let task = prepared.task(config, &choice.device)?;
     let gpt = &prepared.gpt;
     let seed = config.training.seed;
-    let model = init_model(config, &device, choice.is_gpu, seed, |d| gpt.init(d))
+    let model = init_model(config, &device, !choice.is_flex(), seed, |d| gpt.init(d))
         .with_compute(precision.compute)
         .with_kernels(kernels(config));
     let scaler = precision
@@ -517,7 +518,7 @@ pub fn bench_nli(
     let pairs = nli::read(config)?;
     let prepared = nli::prepare(config, &pairs, 0, None)?;
     let encoder = &prepared.encoder;
-    let mut model = init_model(config, &device, choice.is_gpu, prepared.seed, |d| {
+    let mut model = init_model(config, &device, !choice.is_flex(), prepared.seed, |d| {
         encoder.init(d)
     })
     .with_compute(precision.compute)

@@ -1,4 +1,5 @@
-//! Choosing the device: `device.backend = auto | cuda | wgpu | flex`.
+//! Choosing the device: `device.backend = auto | cuda | wgpu | flex |
+//! cubecl-cpu`.
 //! The `cuda` feature needs a build that can download CubeCL's LLVM bundle
 //! from GitHub; `wgpu` reaches NVIDIA GPUs through Vulkan without it.
 
@@ -20,6 +21,20 @@ pub struct DeviceChoice {
     pub is_gpu: bool,
     /// What `optimization.compile` does on it (set by [`open_device`]).
     pub compile: String,
+}
+
+impl DeviceChoice {
+    /// Whether this is flex, the CPU device kiln's fused CPU kernels run on
+    /// (not Burn's CubeCL CPU backend, nor a GPU).
+    pub fn is_flex(&self) -> bool {
+        #[cfg(feature = "flex")]
+        return matches!(
+            self.device.clone().inner().as_dispatch(),
+            burn::backend::DispatchDevice::Flex(_)
+        );
+        #[cfg(not(feature = "flex"))]
+        false
+    }
 }
 
 /// The CPU device, with `why` as its reason.
@@ -55,14 +70,30 @@ fn cuda(index: usize, why: &str) -> DeviceChoice {
     }
 }
 
+/// The CPU through Burn's CubeCL backend: Burn's own operations, none of
+/// kiln's kernels; `auto` never picks it.
+#[cfg(feature = "cubecl-cpu")]
+fn cubecl_cpu(why: &str) -> DeviceChoice {
+    DeviceChoice {
+        device: Device::cpu(),
+        name: "cubecl-cpu (CPU)".to_string(),
+        why: why.to_string(),
+        is_gpu: false,
+        compile: String::new(),
+    }
+}
+
 /// The backends this build of kiln has, in the order `auto` prefers them
-/// (the CPU last): `["cuda", "wgpu", "flex"]` at most.
+/// (the CPU last; `auto` never picks `cubecl-cpu`): `["cuda", "wgpu",
+/// "flex", "cubecl-cpu"]` at most.
 pub const BACKENDS_BUILT_IN: &[&str] = &[
     #[cfg(feature = "cuda")]
     "cuda",
     #[cfg(feature = "wgpu")]
     "wgpu",
     "flex",
+    #[cfg(feature = "cubecl-cpu")]
+    "cubecl-cpu",
 ];
 
 /// The device for `device.backend`. `auto` takes CUDA where this build has
@@ -70,8 +101,8 @@ pub const BACKENDS_BUILT_IN: &[&str] = &[
 /// NVML), else a wgpu GPU where it has the `wgpu` feature, else the CPU; a
 /// backend this build lacks is an error naming the feature it needs.
 pub fn select_device(device: &DeviceSection, has_gpu: bool) -> Result<DeviceChoice, TrainError> {
-    // (A build with both GPU backends lacks none.)
-    #[cfg(not(all(feature = "wgpu", feature = "cuda")))]
+    // (A build with every backend lacks none.)
+    #[cfg(not(all(feature = "wgpu", feature = "cuda", feature = "cubecl-cpu")))]
     let missing = |name: &str| TrainError::Backend {
         backend: name.to_string(),
         why: format!(
@@ -103,5 +134,9 @@ pub fn select_device(device: &DeviceSection, has_gpu: bool) -> Result<DeviceChoi
         Backend::Cuda => Ok(cuda(index, "device.backend = cuda")),
         #[cfg(not(feature = "cuda"))]
         Backend::Cuda => Err(missing("cuda")),
+        #[cfg(feature = "cubecl-cpu")]
+        Backend::CubeclCpu => Ok(cubecl_cpu("device.backend = cubecl-cpu")),
+        #[cfg(not(feature = "cubecl-cpu"))]
+        Backend::CubeclCpu => Err(missing("cubecl-cpu")),
     }
 }

@@ -29,19 +29,20 @@ pub(crate) fn train_device(config: &RunConfig, inner: &Device, seed: u64) -> Dev
 /// parameter lazily, at its first use: left alone, the draw would happen in
 /// the first training step, after the loop has reseeded the RNG for that
 /// step, and a model drawn on the CPU and copied over would not match. So
-/// every parameter is materialised here; on a GPU the values are drawn on
-/// the CPU (`flex`, seeded as `device` is) and copied over, so a wgpu or
-/// CUDA run starts from the weights a flex run of the same seed starts from,
-/// and the two can be compared step by step.
+/// every parameter is materialised here; on any other device than flex
+/// (`draw_on_flex`: a GPU, Burn's CubeCL CPU) the values are drawn on flex,
+/// seeded as `device` is, and copied over, so a wgpu, CUDA or cubecl-cpu
+/// run starts from the weights a flex run of the same seed starts from, and
+/// the two can be compared step by step.
 pub(crate) fn init_model<M: Module>(
     config: &RunConfig,
     device: &Device,
-    is_gpu: bool,
+    draw_on_flex: bool,
     seed: u64,
     init: impl Fn(&Device) -> M,
 ) -> M {
     #[cfg(feature = "flex")]
-    if is_gpu {
+    if draw_on_flex {
         let cpu = train_device(config, &Device::flex(), seed);
         let values = crate::params::param_values(&init(&cpu))
             .into_iter()
@@ -53,7 +54,7 @@ pub(crate) fn init_model<M: Module>(
             return model;
         }
     }
-    let _ = (config, is_gpu, seed);
+    let _ = (config, draw_on_flex, seed);
     let model = init(device);
     // Visiting reads every parameter, which materialises it now, in order.
     let _ = param_entries(&model);

@@ -120,11 +120,11 @@ impl<B: Backend + KilnAttention, C: CheckpointStrategy> KilnAttention for Autodi
     }
 }
 
-/// Whether `qkv` lives on a CubeCL device (with or without autodiff) in a
+/// Whether `qkv` lives on a CubeCL GPU (with or without autodiff) in a
 /// dtype the kernels take.
 pub(crate) fn runs(qkv: &Tensor<3>) -> bool {
     matches!(qkv.dtype(), DType::F32 | DType::BF16 | DType::F16)
-        && matches!(qkv.device().inner().as_dispatch(), DispatchDevice::Cube(_))
+        && matches!(qkv.device().inner().as_dispatch(), DispatchDevice::Cube(d) if super::cube_gpu(d))
 }
 
 /// The kernels' self-attention of `qkv` (see `kernels::self_attention`);
@@ -236,11 +236,22 @@ mod cube {
                 running_max = new_max;
             }
         }
+        // A query that sees no key (all of them padding) gets zeros and a
+        // log-sum-exp of 0, as on flex, not 0/0; no key's gradient reads it.
+        let seen = sum > f32::new(0.0);
         let o0 = (b * seq + i) * width + h * head_dim;
         for c in 0..head_dim {
-            out[o0 + c] = E::cast_from(acc[c] / sum);
+            let mut o = f32::new(0.0);
+            if seen {
+                o = acc[c] / sum;
+            }
+            out[o0 + c] = E::cast_from(o);
         }
-        lse[unit] = running_max + sum.ln();
+        let mut l = f32::new(0.0);
+        if seen {
+            l = running_max + sum.ln();
+        }
+        lse[unit] = l;
     }
 
     #[cube(launch)]

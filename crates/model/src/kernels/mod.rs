@@ -131,7 +131,7 @@ pub fn attention_keeps_scores(
         #[cfg(feature = "flex")]
         DispatchDevice::Flex(_) => dtype.is_reduced(),
         #[cfg(all(feature = "cube", not(feature = "fusion")))]
-        DispatchDevice::Cube(_) => false,
+        DispatchDevice::Cube(d) if cube_gpu(d) => false,
         #[allow(unreachable_patterns)]
         _ => {
             let _ = dtype;
@@ -149,7 +149,9 @@ pub const ATTENTION_TOLERANCE: f64 = 1e-4;
 /// forward and backward: a causal case (the GPT's) and a padded one (the
 /// encoder's; one batch entry 40 of 75 positions long), 2 heads of 16, 75
 /// positions (ragged against any block size). Each check's difference is
-/// the largest of the output's and the qkv gradient's.
+/// the largest of the output's and the qkv gradient's. A third check gives
+/// some queries no key to see (causal, left padding), where a kiln kernel
+/// runs: their output must be zeros and nothing may be NaN.
 pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
     use burn::tensor::{Distribution, Int};
     let device = device.clone().autodiff();
@@ -163,13 +165,12 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
         .expand([b, t])
         .greater_equal(lengths.expand([b, t]));
     let fused = attention_fused_here(&qkv);
-    [("causal", None, true), ("padded", Some(pad), false)]
+    let max_abs = |a: Tensor<3>, b: Tensor<3>| f64::from((a - b).abs().max().into_scalar::<f32>());
+    let mut checks: Vec<KernelCheck> = [("causal", None, true), ("padded", Some(pad), false)]
         .into_iter()
         .map(|(name, key_pad, causal)| {
             let run = |kernels| attention_run(&qkv, &upstream, key_pad.clone(), causal, h, kernels);
             let ((y, dqkv), (y_ref, dqkv_ref)) = (run(Kernels::Fused), run(Kernels::Reference));
-            let max_abs =
-                |a: Tensor<3>, b: Tensor<3>| f64::from((a - b).abs().max().into_scalar::<f32>());
             KernelCheck {
                 kernel: format!("attention, {name} (t={t})"),
                 fused,
@@ -177,7 +178,48 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
                 tolerance: ATTENTION_TOLERANCE,
             }
         })
-        .collect()
+        .collect();
+    // Queries that see no key: causal, the first `unseen` keys of entry 0
+    // padding, so its first `unseen` queries see none. Their output must be
+    // zeros (as flex gives, not 0/0), the other rows must match Burn's
+    // composition, and nothing may be NaN or infinite. The composition gives
+    // such a query an average of the padded values instead, so its output
+    // there and the gradients are not compared.
+    // Without a kiln kernel here (Burn's attention both ways) there is
+    // nothing to check.
+    if !fused {
+        return checks;
+    }
+    let unseen = 4;
+    let starts = Tensor::<1, Int>::from_data([unseen as i64, 0], &device).reshape([b, 1]);
+    let left_pad = Tensor::<1, Int>::arange(0..t as i64, &device)
+        .reshape([1, t])
+        .expand([b, t])
+        .lower(starts.expand([b, t]));
+    let run = |kernels| attention_run(&qkv, &upstream, Some(left_pad.clone()), true, h, kernels);
+    let ((y, dqkv), (y_ref, _)) = (run(Kernels::Fused), run(Kernels::Reference));
+    let not_finite = |x: &Tensor<3>| {
+        x.clone().is_nan().any().into_scalar::<bool>()
+            || x.clone().is_inf().any().into_scalar::<bool>()
+    };
+    let seen = |x: Tensor<3>| [x.clone().slice([0..1, unseen..t]), x.slice([1..b])];
+    let [y_rows, y_other] = seen(y.clone());
+    let [ref_rows, ref_other] = seen(y_ref);
+    let difference = if not_finite(&y) || not_finite(&dqkv) {
+        f64::INFINITY
+    } else {
+        let zeros = f64::from(y.slice([0..1, 0..unseen]).abs().max().into_scalar::<f32>());
+        zeros
+            .max(max_abs(y_rows, ref_rows))
+            .max(max_abs(y_other, ref_other))
+    };
+    checks.push(KernelCheck {
+        kernel: format!("attention, queries that see no key (t={t})"),
+        fused,
+        max_abs_difference: difference,
+        tolerance: ATTENTION_TOLERANCE,
+    });
+    checks
 }
 
 /// Self-attention's output and qkv gradient with `kernels`, for the
@@ -255,6 +297,14 @@ pub fn layer_norm<const D: usize>(ln: &LayerNorm, x: Tensor<D>, kernels: Kernels
     }
     let _ = kernels;
     ln.forward(x)
+}
+
+/// Whether a CubeCL device is a GPU, where kiln's CubeCL kernels run; not
+/// Burn's CubeCL CPU backend (the `cubecl-cpu` feature), which runs Burn's
+/// own operations.
+#[cfg(feature = "cube")]
+pub(crate) fn cube_gpu(device: &cubecl::Device) -> bool {
+    !matches!(device, cubecl::Device::Cpu(_))
 }
 
 #[cfg(feature = "flex")]
@@ -599,6 +649,23 @@ mod tests {
             let dx = x.grad(&grads).expect("input gradient");
             (y.detach(), dx)
         })
+    }
+
+    #[test]
+    fn the_attention_check_passes_on_flex_with_queries_that_see_no_key() {
+        let checks = check_attention(&Device::flex());
+        let names: Vec<&str> = checks.iter().map(|c| c.kernel.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "attention, causal (t=75)",
+                "attention, padded (t=75)",
+                "attention, queries that see no key (t=75)"
+            ]
+        );
+        for check in &checks {
+            assert!(check.fused && check.passed(), "{check:?}");
+        }
     }
 
     #[test]

@@ -197,7 +197,7 @@ mod fused {
             #[cfg(feature = "flex")]
             DispatchDevice::Flex(_) => true,
             #[cfg(all(feature = "cube", not(feature = "fusion")))]
-            DispatchDevice::Cube(_) => true,
+            DispatchDevice::Cube(d) => super::super::cube_gpu(d),
             #[allow(unreachable_patterns)]
             _ => false,
         }
