@@ -202,7 +202,7 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
         x.clone().is_nan().any().into_scalar::<bool>()
             || x.clone().is_inf().any().into_scalar::<bool>()
     };
-    let seen = |x: Tensor<3>| [x.clone().slice([0..1, unseen..t]), x.slice([1..b])];
+    let seen = |x: Tensor<3>| [x.clone().slice([0..1, unseen..t]), x.slice([1..b, 0..t])];
     let [y_rows, y_other] = seen(y.clone());
     let [ref_rows, ref_other] = seen(y_ref);
     let difference = if not_finite(&y) || not_finite(&dqkv) {
