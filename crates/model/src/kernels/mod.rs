@@ -182,11 +182,11 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
     // Queries that see no key: causal, the first `unseen` keys of entry 0
     // padding, so its first `unseen` queries see none. Their output must be
     // zeros (as flex gives, not 0/0), the other rows must match Burn's
-    // composition, and nothing may be NaN or infinite. The composition gives
-    // such a query an average of the padded values instead, so its output
-    // there and the gradients are not compared.
-    // Without a kiln kernel here (Burn's attention both ways) there is
-    // nothing to check.
+    // composition, and nothing may be NaN or infinite. Burn's composition
+    // does not make such a query's output zeros, so it is not the reference
+    // there, and the gradients (which its output there feeds) are not
+    // compared. Without a kiln kernel here (Burn's attention both ways)
+    // there is nothing to check.
     if !fused {
         return checks;
     }
