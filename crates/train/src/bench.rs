@@ -487,7 +487,7 @@ pub fn bench_lm(
     let task = prepared.task(config, &choice.device)?;
     let gpt = &prepared.gpt;
     let seed = config.training.seed;
-    let model = init_model(config, &device, !choice.is_flex(), seed, |d| gpt.init(d))
+    let model = init_model(config, &device, seed, |d| gpt.init(d))
         .with_compute(precision.compute)
         .with_kernels(kernels(config));
     let scaler = precision
@@ -518,11 +518,9 @@ pub fn bench_nli(
     let pairs = nli::read(config)?;
     let prepared = nli::prepare(config, &pairs, 0, None)?;
     let encoder = &prepared.encoder;
-    let mut model = init_model(config, &device, !choice.is_flex(), prepared.seed, |d| {
-        encoder.init(d)
-    })
-    .with_compute(precision.compute)
-    .with_kernels(kernels(config));
+    let mut model = init_model(config, &device, prepared.seed, |d| encoder.init(d))
+        .with_compute(precision.compute)
+        .with_kernels(kernels(config));
     let frozen = config.model.freeze_encoder;
     if frozen {
         model = model.freeze_encoder();

@@ -27,12 +27,20 @@ impl DeviceChoice {
     /// Whether this is flex, the CPU device kiln's fused CPU kernels run on
     /// (not Burn's CubeCL CPU backend, nor a GPU).
     pub fn is_flex(&self) -> bool {
-        #[cfg(feature = "flex")]
-        return matches!(
-            self.device.clone().inner().as_dispatch(),
-            burn::backend::DispatchDevice::Flex(_)
-        );
-        #[cfg(not(feature = "flex"))]
+        is_flex(&self.device)
+    }
+}
+
+/// Whether `device` (with or without autodiff) is flex.
+pub(crate) fn is_flex(device: &Device) -> bool {
+    #[cfg(feature = "flex")]
+    return matches!(
+        device.clone().inner().as_dispatch(),
+        burn::backend::DispatchDevice::Flex(_)
+    );
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = device;
         false
     }
 }

@@ -30,19 +30,18 @@ pub(crate) fn train_device(config: &RunConfig, inner: &Device, seed: u64) -> Dev
 /// the first training step, after the loop has reseeded the RNG for that
 /// step, and a model drawn on the CPU and copied over would not match. So
 /// every parameter is materialised here; on any other device than flex
-/// (`draw_on_flex`: a GPU, Burn's CubeCL CPU) the values are drawn on flex,
+/// (a GPU, Burn's CubeCL CPU) the values are drawn on flex,
 /// seeded as `device` is, and copied over, so a wgpu, CUDA or cubecl-cpu
 /// run starts from the weights a flex run of the same seed starts from, and
 /// the two can be compared step by step.
 pub(crate) fn init_model<M: Module>(
     config: &RunConfig,
     device: &Device,
-    draw_on_flex: bool,
     seed: u64,
     init: impl Fn(&Device) -> M,
 ) -> M {
     #[cfg(feature = "flex")]
-    if draw_on_flex {
+    if !crate::device::is_flex(device) {
         let cpu = train_device(config, &Device::flex(), seed);
         let values = crate::params::param_values(&init(&cpu))
             .into_iter()
@@ -54,7 +53,7 @@ pub(crate) fn init_model<M: Module>(
             return model;
         }
     }
-    let _ = (config, draw_on_flex, seed);
+    let _ = (config, seed);
     let model = init(device);
     // Visiting reads every parameter, which materialises it now, in order.
     let _ = param_entries(&model);
@@ -292,7 +291,7 @@ mod tests {
         let gpt = kiln_model::GptConfig::new(11, 8, 1, 2, 8).with_intermediate(16);
         let draw = |reseed: bool| {
             let device = train_device(&config, &Device::flex(), 7);
-            let model = init_model(&config, &device, false, 7, |d| gpt.init(d));
+            let model = init_model(&config, &device, 7, |d| gpt.init(d));
             if reseed {
                 // What the loop does before each step.
                 device.seed(12345);

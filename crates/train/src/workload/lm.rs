@@ -310,9 +310,7 @@ impl Session {
         let gpt = &prepared.gpt;
         let train_device = train_device(config, &device.device, seed);
         let precision = run_precision(config, &device, hardware);
-        let mut model = init_model(config, &train_device, !device.is_flex(), seed, |d| {
-            gpt.init(d)
-        });
+        let mut model = init_model(config, &train_device, seed, |d| gpt.init(d));
         let mut optim = AdamW::for_training(&config.training).with_kernels(kernels(config));
         let mut start = LoopPlanStart {
             first_step: 1,
