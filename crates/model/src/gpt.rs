@@ -392,7 +392,13 @@ mod tests {
         let y = Tensor::<2, Int>::from_data(TensorData::new(next, [2, 16]), &device);
         let loss: f32 = model.loss(x, y).into_scalar();
         // ln(65) = 4.17: small initial weights give nearly uniform predictions.
-        assert!((loss - 65f32.ln()).abs() < 0.15, "{loss}");
+        // The draw is not fixed by the seed above: flex's RNG is one for the
+        // process, and the tests that run beside this one seed and draw from
+        // it too. Over 300 seeds the loss was ln(65) - 0.06 to + 0.16 (one in
+        // a hundred over + 0.135), so the bound holds for any draw; weights
+        // drawn at a standard deviation of 0.1 instead of 0.02 gave
+        // ln(65) + 0.71, and at 1 gave 25.4.
+        assert!((loss - 65f32.ln()).abs() < 0.3, "{loss}");
     }
 
     #[test]
