@@ -171,6 +171,29 @@ mod cube {
     /// literal): the running maximum before the first key.
     const LOWEST: f32 = -3.0e38;
 
+    /// A unit's batch entry, head and row (query or key): units go row by
+    /// row within a head and head by head within a batch entry, the layout
+    /// of `lse` and `delta` (`[b, heads, t]`).
+    #[cube]
+    fn unit_row(unit: usize, seq: usize, heads: usize) -> (usize, usize, usize) {
+        let bh = unit / seq;
+        (bh / heads, bh % heads, unit % seq)
+    }
+
+    /// Where a row's head starts in the merged heads (`[b, t, heads · d]`:
+    /// the output and its gradient).
+    #[cube]
+    fn merged_start(
+        b: usize,
+        row: usize,
+        h: usize,
+        seq: usize,
+        width: usize,
+        #[comptime] head_dim: usize,
+    ) -> usize {
+        (b * seq + row) * width + h * head_dim
+    }
+
     /// Where a row's head starts in the packed qkv: `part` 0 for the
     /// query, 1 the key, 2 the value.
     #[cube]
@@ -204,9 +227,7 @@ mod cube {
         if unit >= lse.len() {
             terminate!();
         }
-        let i = unit % seq;
-        let bh = unit / seq;
-        let (b, h) = (bh / heads, bh % heads);
+        let (b, h, i) = unit_row(unit, seq, heads);
         let width = heads * head_dim;
         let q0 = head_start(b, i, h, seq, width, head_dim, 0usize);
         let mut q = Array::<f32>::new(head_dim);
@@ -239,7 +260,7 @@ mod cube {
         // A query that sees no key (all of them padding) gets zeros and a
         // log-sum-exp of 0, as on flex, not 0/0; no key's gradient reads it.
         let seen = sum > f32::new(0.0);
-        let o0 = (b * seq + i) * width + h * head_dim;
+        let o0 = merged_start(b, i, h, seq, width, head_dim);
         for c in 0..head_dim {
             let mut o = f32::new(0.0);
             if seen {
@@ -268,10 +289,8 @@ mod cube {
         if unit >= delta.len() {
             terminate!();
         }
-        let i = unit % seq;
-        let bh = unit / seq;
-        let (b, h) = (bh / heads, bh % heads);
-        let o0 = (b * seq + i) * heads * head_dim + h * head_dim;
+        let (b, h, i) = unit_row(unit, seq, heads);
+        let o0 = merged_start(b, i, h, seq, heads * head_dim, head_dim);
         let mut d = f32::new(0.0);
         for c in 0..head_dim {
             d += f32::cast_from(out[o0 + c]) * f32::cast_from(grad[o0 + c]);
@@ -299,12 +318,10 @@ mod cube {
         if unit >= lse.len() {
             terminate!();
         }
-        let i = unit % seq;
-        let bh = unit / seq;
-        let (b, h) = (bh / heads, bh % heads);
+        let (b, h, i) = unit_row(unit, seq, heads);
         let width = heads * head_dim;
         let q0 = head_start(b, i, h, seq, width, head_dim, 0usize);
-        let g0 = (b * seq + i) * width + h * head_dim;
+        let g0 = merged_start(b, i, h, seq, width, head_dim);
         let mut q = Array::<f32>::new(head_dim);
         let mut g = Array::<f32>::new(head_dim);
         let mut dq = Array::<f32>::new(head_dim);
@@ -357,9 +374,7 @@ mod cube {
         if unit >= lse.len() {
             terminate!();
         }
-        let j = unit % seq;
-        let bh = unit / seq;
-        let (b, h) = (bh / heads, bh % heads);
+        let (b, h, j) = unit_row(unit, seq, heads);
         let width = heads * head_dim;
         let k0 = head_start(b, j, h, seq, width, head_dim, 1usize);
         let v0 = k0 + width;
@@ -383,10 +398,11 @@ mod cube {
         } else {
             start
         };
-        let row0 = bh * seq;
+        // This head's first row in `lse` and `delta`.
+        let row0 = unit - j;
         for i in start..end {
             let q0 = head_start(b, i, h, seq, width, head_dim, 0usize);
-            let g0 = (b * seq + i) * width + h * head_dim;
+            let g0 = merged_start(b, i, h, seq, width, head_dim);
             let mut s = f32::new(0.0);
             let mut dp = f32::new(0.0);
             for c in 0..head_dim {
@@ -409,30 +425,35 @@ mod cube {
     /// The shape of the problem: batch, time, heads, head width, and the
     /// launch over one unit per (batch entry, head, row).
     struct Problem {
+        batch: usize,
         seq: usize,
         heads: usize,
         head_dim: usize,
-        rows: usize,
         scale: f32,
         cube_count: CubeCount,
         cube_dim: CubeDim,
     }
 
     fn problem(qkv: &CubeTensor, heads: usize) -> Problem {
-        let [b, seq, three_width] = qkv.meta.shape().dims::<3>();
-        let (seq, width) = (seq, three_width / 3);
-        let head_dim = width / heads;
-        let rows = b * heads * seq;
+        let [batch, seq, three_width] = qkv.meta.shape().dims::<3>();
+        let head_dim = three_width / 3 / heads;
         let cube_dim = CubeDim::new_1d(CUBE_UNITS as u32);
-        let cube_count = calculate_cube_count_elemwise(&qkv.client, rows, cube_dim);
+        let cube_count = calculate_cube_count_elemwise(&qkv.client, batch * heads * seq, cube_dim);
         Problem {
+            batch,
             seq,
             heads,
             head_dim,
-            rows,
             scale: (1.0 / (head_dim as f64).sqrt()) as f32,
             cube_count,
             cube_dim,
+        }
+    }
+
+    impl Problem {
+        /// The shape of what the kernels keep per unit (`lse`, `delta`).
+        fn per_row(&self) -> Vec<usize> {
+            vec![self.batch, self.heads, self.seq]
         }
     }
 
@@ -454,10 +475,9 @@ mod cube {
     ) -> (CubeTensor, CubeTensor) {
         let (qkv, pad) = (into_contiguous(qkv), into_contiguous(key_pad));
         let p = problem(&qkv, heads);
-        let b = p.rows / (p.heads * p.seq);
         let dtype = qkv.dtype;
-        let out = empty(&qkv, vec![b, p.seq, p.heads * p.head_dim], dtype);
-        let lse = empty(&qkv, vec![b, p.heads, p.seq], DType::F32);
+        let out = empty(&qkv, vec![p.batch, p.seq, p.heads * p.head_dim], dtype);
+        let lse = empty(&qkv, p.per_row(), DType::F32);
         forward_kernel::launch(
             &qkv.client.clone(),
             p.cube_count,
@@ -497,7 +517,7 @@ mod cube {
         } else {
             burn_cubecl::kernel::cast(grad, dtype)
         };
-        let delta = empty(&qkv, vec![p.rows], DType::F32);
+        let delta = empty(&qkv, p.per_row(), DType::F32);
         delta_kernel::launch(
             &client,
             p.cube_count.clone(),
