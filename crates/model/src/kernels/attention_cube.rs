@@ -180,33 +180,21 @@ mod cube {
         (bh / heads, bh % heads, unit % seq)
     }
 
-    /// Where a row's head starts in the merged heads (`[b, t, heads · d]`:
-    /// the output and its gradient).
-    #[cube]
-    fn merged_start(
-        b: usize,
-        row: usize,
-        h: usize,
-        seq: usize,
-        width: usize,
-        #[comptime] head_dim: usize,
-    ) -> usize {
-        (b * seq + row) * width + h * head_dim
-    }
-
-    /// Where a row's head starts in the packed qkv: `part` 0 for the
-    /// query, 1 the key, 2 the value.
+    /// Where a row's head starts in a `[b, t, stride]` buffer whose rows
+    /// hold the heads side by side: the merged heads (the output and its
+    /// gradient, `stride` = heads · d) or the packed qkv (`stride` =
+    /// 3 · heads · d: the query there, the key `heads · d` further, the
+    /// value `2 · heads · d`).
     #[cube]
     fn head_start(
         b: usize,
         row: usize,
         h: usize,
         seq: usize,
-        width: usize,
+        stride: usize,
         #[comptime] head_dim: usize,
-        #[comptime] part: usize,
     ) -> usize {
-        (b * seq + row) * 3 * width + part * width + h * head_dim
+        (b * seq + row) * stride + h * head_dim
     }
 
     #[cube(launch)]
@@ -229,7 +217,7 @@ mod cube {
         }
         let (b, h, i) = unit_row(unit, seq, heads);
         let width = heads * head_dim;
-        let q0 = head_start(b, i, h, seq, width, head_dim, 0usize);
+        let q0 = head_start(b, i, h, seq, 3 * width, head_dim);
         let mut q = Array::<f32>::new(head_dim);
         let mut acc = Array::<f32>::new(head_dim);
         for c in 0..head_dim {
@@ -241,7 +229,7 @@ mod cube {
         let end = if causal { i + 1 } else { seq };
         for j in 0..end {
             if pad[b * seq + j] == f32::new(0.0) {
-                let k0 = head_start(b, j, h, seq, width, head_dim, 1usize);
+                let k0 = head_start(b, j, h, seq, 3 * width, head_dim) + width;
                 let v0 = k0 + width;
                 let mut s = f32::new(0.0);
                 for c in 0..head_dim {
@@ -260,7 +248,7 @@ mod cube {
         // A query that sees no key (all of them padding) gets zeros and a
         // log-sum-exp of 0, as on flex, not 0/0; no key's gradient reads it.
         let seen = sum > f32::new(0.0);
-        let o0 = merged_start(b, i, h, seq, width, head_dim);
+        let o0 = head_start(b, i, h, seq, width, head_dim);
         for c in 0..head_dim {
             let mut o = f32::new(0.0);
             if seen {
@@ -290,7 +278,7 @@ mod cube {
             terminate!();
         }
         let (b, h, i) = unit_row(unit, seq, heads);
-        let o0 = merged_start(b, i, h, seq, heads * head_dim, head_dim);
+        let o0 = head_start(b, i, h, seq, heads * head_dim, head_dim);
         let mut d = f32::new(0.0);
         for c in 0..head_dim {
             d += f32::cast_from(out[o0 + c]) * f32::cast_from(grad[o0 + c]);
@@ -320,8 +308,8 @@ mod cube {
         }
         let (b, h, i) = unit_row(unit, seq, heads);
         let width = heads * head_dim;
-        let q0 = head_start(b, i, h, seq, width, head_dim, 0usize);
-        let g0 = merged_start(b, i, h, seq, width, head_dim);
+        let q0 = head_start(b, i, h, seq, 3 * width, head_dim);
+        let g0 = head_start(b, i, h, seq, width, head_dim);
         let mut q = Array::<f32>::new(head_dim);
         let mut g = Array::<f32>::new(head_dim);
         let mut dq = Array::<f32>::new(head_dim);
@@ -334,7 +322,7 @@ mod cube {
         let end = if causal { i + 1 } else { seq };
         for j in 0..end {
             if pad[b * seq + j] == f32::new(0.0) {
-                let k0 = head_start(b, j, h, seq, width, head_dim, 1usize);
+                let k0 = head_start(b, j, h, seq, 3 * width, head_dim) + width;
                 let v0 = k0 + width;
                 let mut s = f32::new(0.0);
                 let mut dp = f32::new(0.0);
@@ -376,7 +364,7 @@ mod cube {
         }
         let (b, h, j) = unit_row(unit, seq, heads);
         let width = heads * head_dim;
-        let k0 = head_start(b, j, h, seq, width, head_dim, 1usize);
+        let k0 = head_start(b, j, h, seq, 3 * width, head_dim) + width;
         let v0 = k0 + width;
         let mut k = Array::<f32>::new(head_dim);
         let mut v = Array::<f32>::new(head_dim);
@@ -401,8 +389,8 @@ mod cube {
         // This head's first row in `lse` and `delta`.
         let row0 = unit - j;
         for i in start..end {
-            let q0 = head_start(b, i, h, seq, width, head_dim, 0usize);
-            let g0 = merged_start(b, i, h, seq, width, head_dim);
+            let q0 = head_start(b, i, h, seq, 3 * width, head_dim);
+            let g0 = head_start(b, i, h, seq, width, head_dim);
             let mut s = f32::new(0.0);
             let mut dp = f32::new(0.0);
             for c in 0..head_dim {
