@@ -831,15 +831,16 @@ mod tests {
 
         let device = Device::flex().autodiff();
         device.seed(12);
-        // 3 × 50 rows (two tasks of 64 and a ragged one for the bias sums),
-        // 40 → 24.
+        // 4 × 130 rows (eight tasks of 64 and a ragged one for the bias
+        // sums; the weight gradient split over the rows in two on two or
+        // more threads, `cpu::dw_parts`), 40 → 24.
         let layer = LinearConfig::new(40, 24).init(&device);
         let mut layer = layer;
         layer.bias = layer
             .bias
             .map(|b| b.map(|b| b.random_like(Distribution::Normal(0.0, 1.0)).require_grad()));
-        let x = Tensor::<3>::random([3, 50, 40], Distribution::Normal(0.0, 1.0), &device);
-        let upstream = Tensor::<3>::random([3, 50, 24], Distribution::Normal(0.0, 1.0), &device);
+        let x = Tensor::<3>::random([4, 130, 40], Distribution::Normal(0.0, 1.0), &device);
+        let upstream = Tensor::<3>::random([4, 130, 24], Distribution::Normal(0.0, 1.0), &device);
         let diffs = fused_vs_reference(
             &x,
             &upstream,
@@ -852,8 +853,12 @@ mod tests {
         let [forward, dx, dweight, dbias] = diffs;
         assert!(forward < 1e-5, "forward: {forward}");
         assert!(dx < 1e-5, "x gradient: {dx}");
-        assert!(dweight < 1e-4, "weight gradient: {dweight}");
-        assert!(dbias < 1e-4, "bias gradient: {dbias}");
+        // Each entry sums 520 products of unit normals (size about 23), in
+        // another order than the reference's: over 150 seeds the largest
+        // difference was 5.3e-5 (weight) and 4.2e-5 (bias). A row left out
+        // or counted twice is off by about 1.
+        assert!(dweight < 2e-4, "weight gradient: {dweight}");
+        assert!(dbias < 2e-4, "bias gradient: {dbias}");
     }
 
     /// The largest differences between the fused kernel and the reference
