@@ -984,8 +984,9 @@ fn dw_parts(rows: usize, d_in: usize, d_out: usize) -> usize {
 /// The weight gradient `xᵀ · g` (`d_in × d_out`) of `rows` rows of `x`
 /// (`rows × d_in`) and `g` (`rows × d_out`), both contiguous. Its output is
 /// small and its reduction long (the batch's every token), which gemm does
-/// not split: at the GPT's shapes on two threads it ran at 37–100 GFLOP/s
-/// against 100–140 for the same product with the rows split. So with
+/// not split: at the GPT's shapes on two threads the product with the rows
+/// split ran 1.03–2.25× as fast as gemm's own split (docs/PERFORMANCE.md,
+/// the 65-wide head the most). So with
 /// `parts > 1` each part reduces a contiguous share of the rows into its own
 /// buffer (one gemm each, on its own threads), and the parts are summed in
 /// order: the result depends on `parts`, which [`dw_parts`] takes from the
