@@ -803,8 +803,8 @@ pub(crate) fn layer_norm_backward(
     let mut dgamma = vec![0.0f32; d];
     let mut dbeta = vec![0.0f32; d];
     for (pg, pb) in &partials {
-        add_slice(&mut dgamma, pg);
-        add_slice(&mut dbeta, pb);
+        column_sums(pg, &mut dgamma);
+        column_sums(pb, &mut dbeta);
     }
     (
         from_vec(dx, shape(&x)),
@@ -956,7 +956,7 @@ pub(crate) fn linear_backward(
         .collect();
     let mut db = vec![0.0f32; d_out];
     for part in &partials {
-        add_slice(&mut db, part);
+        column_sums(part, &mut db);
     }
     (
         from_vec(dx, shape(&x)),
@@ -1032,21 +1032,16 @@ fn weight_grad(xs: &[f32], gs: &[f32], d_in: usize, d_out: usize, parts: usize) 
     let mut dw = partials.remove(0);
     dw.par_chunks_mut(CHUNK).enumerate().for_each(|(c, sums)| {
         for other in &partials {
-            add_slice(sums, &other[c * CHUNK..][..sums.len()]);
+            column_sums(&other[c * CHUNK..][..sums.len()], sums);
         }
     });
     dw
 }
 
 simd_levels! {
-    fn add_slice(sums: &mut [f32], values: &[f32]) {
-        for (s, &v) in sums.iter_mut().zip(values) {
-            *s += v;
-        }
-    }
-}
-
-simd_levels! {
+    /// Adds each row of `rows` (rows of `sums.len()`) into `sums`: the
+    /// column sums, or with one row an element-wise add (the partial sums
+    /// of the kernels' parallel reductions).
     fn column_sums(rows: &[f32], sums: &mut [f32]) {
         for row in rows.chunks_exact(sums.len()) {
             for (s, &v) in sums.iter_mut().zip(row) {
