@@ -874,10 +874,79 @@ fn weight_dims(weight: &FlexTensor) -> [usize; 2] {
         .expect("linear: weight is [in, out]")
 }
 
+/// Output rows each task of [`linear_rows`] computes at most. Measured on
+/// a Zen 3 (AVX2, 2 threads) against the bias written into the whole output
+/// first and one gemm over all rows split by gemm itself: 1.03–1.20× as
+/// fast at the GPT's width of 128, 1.11–1.13× at 384 and 768; 128 or 512
+/// rows were no better (docs/PERFORMANCE.md).
+const LINEAR_CHUNK_ROWS: usize = 256;
+
+/// Rows per task of [`linear_rows`]: [`LINEAR_CHUNK_ROWS`], or fewer (a
+/// multiple of 16) so that every thread gets a chunk of a small product.
+fn linear_chunk_rows(rows: usize) -> usize {
+    let share = rows
+        .div_ceil(rayon::current_num_threads())
+        .next_multiple_of(16);
+    LINEAR_CHUNK_ROWS.min(share).max(1)
+}
+
+/// `room (rows × n) = lhs (rows × k) · weight (k × n) + bias`: the rows in
+/// chunks of [`linear_chunk_rows`], each on a rayon task that writes its
+/// chunk's bias and then adds one single-threaded gemm's product onto it,
+/// while the chunk is still in cache (the bias written into the whole
+/// output first, as before, cost up to 10 % of the product at the GPT's
+/// width). The chunks depend on the row and thread counts only, so a run
+/// is bitwise repeatable with the same thread count.
+///
+/// # Safety
+/// `lhs` must hold `rows × k` values, `bias` `n`, and `weight` must be a
+/// `k × n` f32 tensor with non-negative strides; `linear_rows` writes all
+/// of `room`.
+unsafe fn linear_rows(
+    room: &mut [MaybeUninit<f32>],
+    lhs: &[f32],
+    weight: &FlexTensor,
+    bias: &[f32],
+) {
+    let n = bias.len();
+    if n == 0 {
+        return;
+    }
+    let rows = room.len() / n;
+    let k = lhs.len() / rows.max(1);
+    let chunk = linear_chunk_rows(rows);
+    room.par_chunks_mut(chunk * n)
+        .enumerate()
+        .for_each(|(c, out)| {
+            for row in out.chunks_exact_mut(n) {
+                for (y, &b) in row.iter_mut().zip(bias) {
+                    y.write(b);
+                }
+            }
+            let lhs = Mat(lhs[c * chunk * k..].as_ptr(), k as isize, 1);
+            let dst = Mat(out.as_mut_ptr().cast(), n as isize, 1);
+            // SAFETY: the chunk's rows of lhs and of room (the caller's
+            // shapes); every element of the chunk holds its bias.
+            unsafe {
+                gemm_call(
+                    out.len() / n,
+                    n,
+                    k,
+                    dst,
+                    lhs,
+                    matrix(weight),
+                    1.0,
+                    true,
+                    gemm::Parallelism::None,
+                )
+            }
+        });
+}
+
 /// A linear layer, `x · weight + bias` over the last dimension of `x`
-/// (`weight` is `[in, out]`, Burn's layout): one gemm over all rows at once
-/// (the weight packed once, not once per batch entry), the bias written
-/// into the output first and accumulated onto.
+/// (`weight` is `[in, out]`, Burn's layout): all rows at once whatever the
+/// batch shape, in chunks of rows over the threads ([`linear_rows`]), each
+/// chunk's bias written first and the product added onto it.
 pub(crate) fn linear(x: FlexTensor, weight: FlexTensor, bias: FlexTensor) -> FlexTensor {
     let (x, weight, bias) = (contiguous(x), positive(weight), contiguous(bias));
     let [d_in, d_out] = weight_dims(&weight);
@@ -893,31 +962,10 @@ pub(crate) fn linear(x: FlexTensor, weight: FlexTensor, bias: FlexTensor) -> Fle
         "linear: input width is not the weight's inputs"
     );
     let rows = xs.len() / d_in;
-    // SAFETY: every row of y is written with the bias first; x is
-    // `rows × d_in` contiguous, weight `d_in × d_out` with its strides, y
-    // `rows × d_out` and separate from both.
-    let y = unsafe {
-        buffer(rows * d_out, |room| {
-            room.par_chunks_mut(ROWS * d_out).for_each(|y| {
-                for row in y.chunks_exact_mut(d_out) {
-                    for (y, &b) in row.iter_mut().zip(b) {
-                        y.write(b);
-                    }
-                }
-            });
-            gemm_call(
-                rows,
-                d_out,
-                d_in,
-                Mat(room.as_mut_ptr().cast(), d_out as isize, 1),
-                Mat(xs.as_ptr(), d_in as isize, 1),
-                matrix(&weight),
-                1.0,
-                true,
-                ALL_THREADS,
-            );
-        })
-    };
+    // SAFETY: `linear_rows` writes every row of y (the bias, then the
+    // product added); x is `rows × d_in` contiguous, the weight
+    // `d_in × d_out`, the bias `d_out` (checked above).
+    let y = unsafe { buffer(rows * d_out, |room| linear_rows(room, xs, &weight, b)) };
     let mut dims = shape(&x).as_slice().to_vec();
     *dims.last_mut().expect("linear: input has a last dimension") = d_out;
     from_vec(y, Shape::from(dims))
@@ -938,7 +986,8 @@ pub(crate) fn linear_backward(
     let w = matrix(&weight);
     let g = Mat(gs.as_ptr(), d_out as isize, 1);
     // SAFETY: the shapes above; the destination is a fresh buffer that the
-    // gemm writes in full without reading it.
+    // gemm writes in full without reading it. (In chunks of rows, as the
+    // forward product, it was no faster in the step: docs/PERFORMANCE.md.)
     let dx = unsafe {
         buffer(rows * d_in, |room| {
             let dx = Mat(room.as_mut_ptr().cast(), d_in as isize, 1);
@@ -1141,5 +1190,52 @@ mod tests {
         assert_eq!(dw_parts(4096, 128, 128), threads.min(4096 / DW_PART_ROWS));
         // A weight so large that one partial buffer is the memory allowed.
         assert_eq!(dw_parts(1 << 20, 1 << 12, 1 << 12), threads.min(2));
+    }
+
+    #[test]
+    fn the_row_chunked_linear_writes_every_row_with_its_bias() {
+        // Row counts below one chunk, at a chunk's edge and over several
+        // chunks with a ragged last one. The room starts as NaN, so a row
+        // no chunk wrote shows.
+        let value = |i: usize, scale: f32| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * scale;
+        let (k, n) = (37, 70);
+        let ws: Vec<f32> = (0..k * n).map(|i| value(i + 11, 1.0)).collect();
+        let weight = from_vec(ws.clone(), Shape::new([k, n]));
+        let bias: Vec<f32> = (0..n).map(|i| value(i + 5, 4.0)).collect();
+        for rows in [1, 15, 16, 17, 256, 300, 600] {
+            let lhs: Vec<f32> = (0..rows * k).map(|i| value(i, 2.0)).collect();
+            let mut room = vec![MaybeUninit::new(f32::NAN); rows * n];
+            // SAFETY: lhs is rows × k, the weight k × n, the bias n, the
+            // room rows × n.
+            unsafe { linear_rows(&mut room, &lhs, &weight, &bias) };
+            for r in 0..rows {
+                for j in 0..n {
+                    let product: f64 = (0..k)
+                        .map(|i| f64::from(lhs[r * k + i]) * f64::from(ws[i * n + j]))
+                        .sum();
+                    let expected = product + f64::from(bias[j]);
+                    // SAFETY: written with a value or left NaN.
+                    let got = unsafe { room[r * n + j].assume_init() };
+                    assert!(
+                        (f64::from(got) - expected).abs() < 1e-4,
+                        "{rows} rows: row {r} column {j} is {got}, not {expected}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_thread_gets_a_chunk_of_a_small_product() {
+        let threads = rayon::current_num_threads();
+        assert_eq!(linear_chunk_rows(1 << 20), LINEAR_CHUNK_ROWS);
+        for rows in [1, 16, 100, 2 * LINEAR_CHUNK_ROWS] {
+            let chunk = linear_chunk_rows(rows);
+            assert!(chunk.is_multiple_of(16) && chunk <= LINEAR_CHUNK_ROWS);
+            assert!(
+                rows.div_ceil(chunk) >= threads.min(rows.div_ceil(16)),
+                "{rows} rows in chunks of {chunk} leave threads idle"
+            );
+        }
     }
 }
