@@ -831,9 +831,10 @@ mod tests {
 
         let device = Device::flex().autodiff();
         device.seed(12);
-        // 4 × 130 rows (eight tasks of 64 and a ragged one for the bias
-        // sums; the weight gradient split over the rows in two on two or
-        // more threads, `cpu::dw_parts`), 40 → 24.
+        // 4 × 130 rows (the forward in chunks of 256, 256 and 8 rows,
+        // `cpu::linear_rows`; eight tasks of 64 and a ragged one for the
+        // bias sums; the weight gradient split over the rows in two on two
+        // or more threads, `cpu::dw_parts`), 40 → 24.
         let layer = LinearConfig::new(40, 24).init(&device);
         let mut layer = layer;
         layer.bias = layer
