@@ -3,12 +3,16 @@
 ../shared/PEERS.md's BERT shape: 4 layers, hidden 256, 4 heads, intermediate
 1024, post-LayerNorm blocks, exact GELU, [CLS] pooling, 3 classes, sequences
 padded to 128 with a key-padding mask, vocabulary 8000, AdamW (lr 3e-4),
-global-norm clip 1.0, no dropout (run kiln with `model.dropout=0.0`: the NLI
-experiment's default is BERT's 0.1), eager fp32 on 2 threads. Inputs are random token ids
-with real lengths drawn around the SNLI mean: padding is computed on anyway,
-so only the shapes matter for speed.
+global-norm clip 1.0, no dropout, an optimizer step every batch, eager fp32
+on 2 threads. Inputs are random token ids with real lengths drawn around the
+SNLI mean: padding is computed on anyway, so only the shapes matter for
+speed. Run kiln without dropout (the NLI experiment's default is BERT's 0.1)
+and without accumulation (the `cpu` preset's encoder accumulates 8 batches
+an optimizer step):
 
     python bench/pytorch_encoder.py --batch 32 --steps 10 --warmup 3
+    kiln bench nli --pad-to-max-length training.batch_size=32 \
+        training.gradient_accumulation_steps=1 model.dropout=0.0
 
 Prints one JSON object: samples/s (median, min, max) and ms/step.
 Not used by tests or CI.

@@ -404,3 +404,27 @@ fn bench_json_follows_the_documented_schema() {
             .all(|r| r["batches_per_s"].as_f64().is_some_and(|b| b > 0.0))
     );
 }
+
+#[test]
+fn bench_text_says_when_a_timed_step_accumulates_micro_batches() {
+    // A reference that steps its optimizer every batch is only comparable
+    // batch for batch: the text names the accumulation in its header and
+    // in its machine line.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut args: Vec<String> = ["bench", "lm", "--warmup=0", "--steps=1"]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    args.extend(tiny_layers(tmp.path()));
+    args.push("training.batch_size=3".into());
+    args.push("training.gradient_accumulation_steps=2".into());
+    run(&args).expect_code(0).stdout_has(&[
+        "warm-up, batch 3 × 2 micro-batches an optimizer step\n",
+        "batch 3 × 2 micro-batches an optimizer step (hardware preset",
+    ]);
+    args.pop();
+    args.push("training.gradient_accumulation_steps=1".into());
+    run(&args)
+        .expect_code(0)
+        .stdout_has(&["warm-up, batch 3\n", "batch 3 (hardware preset"]);
+}

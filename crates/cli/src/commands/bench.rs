@@ -110,7 +110,10 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
             m.hidden,
             m.heads,
             m.max_length,
-            config.training.batch_size,
+            batch_text(
+                config.training.batch_size,
+                config.training.gradient_accumulation_steps
+            ),
             config.hardware
         )?;
     }
@@ -184,6 +187,17 @@ fn loader_text(r: &kiln_train::LoaderBenchResult) -> String {
     s
 }
 
+/// "32", or "32 × 8 micro-batches an optimizer step" when the step
+/// accumulates: a reader comparing against a reference that steps its
+/// optimizer every batch must see that a timed step is several batches.
+fn batch_text(batch_size: usize, accumulation: usize) -> String {
+    if accumulation > 1 {
+        format!("{batch_size} × {accumulation} micro-batches an optimizer step")
+    } else {
+        batch_size.to_string()
+    }
+}
+
 fn bench_text(r: &kiln_train::BenchResult) -> String {
     let p = &r.phases;
     format!(
@@ -197,7 +211,7 @@ fn bench_text(r: &kiln_train::BenchResult) -> String {
         r.backend,
         r.timed_steps,
         r.warmup_steps,
-        r.batch_size,
+        batch_text(r.batch_size, r.gradient_accumulation_steps),
         r.samples_per_s_median,
         r.tokens_per_s_median,
         r.tokens_per_s_p10,
