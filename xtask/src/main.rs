@@ -36,9 +36,10 @@ cargo xtask <target> [args...]
                             a100-80gb a30 a40 v100 t4 h100 low-mem cpu
   nli-train-auto            the NLI encoder with k-fold CV, preset from hardware
   nli-train-<gpu> [--force] the same with a GPU preset
-  build-cuda [--profile P] [--features F]
+  build-cuda [--profile P] [--features F] [--no-autotune-cache]
                             build kiln with the CUDA backend (installs the
-                            static LLVM it links from PyPI on first use)
+                            static LLVM it links from PyPI on first use);
+                            CI's build leaves out the on-disk autotune cache
   gpu-pack [--features F]   build, strip and compress the CUDA kiln into
                             gpu-pack/kiln[-F].xz for bench/gpu_check.py on a
                             GPU machine without network
@@ -232,12 +233,16 @@ struct CudaBuild {
     extra_features: Vec<String>,
 }
 
-/// `cargo xtask build-cuda [--profile P] [--features F]`: builds `kiln` with
-/// the CUDA backend (and `F`, e.g. `fusion`), installing the static LLVM it
-/// links first.
+/// `cargo xtask build-cuda [--profile P] [--features F]
+/// [--no-autotune-cache]`: builds `kiln` with the CUDA backend (and `F`,
+/// e.g. `fusion`), installing the static LLVM it links first. kiln-cli's
+/// `cuda` and `wgpu` features bring CubeCL's on-disk autotune cache
+/// (`autotune-cache`); `--no-autotune-cache` asks for the backends alone
+/// (kiln-train's features of those names), as CI's GPU build does.
 fn build_cuda(args: &[String]) -> Result<CudaBuild, String> {
     let mut profile = "release".to_string();
     let mut extra_features: Vec<String> = Vec::new();
+    let mut autotune_cache = true;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| {
@@ -254,13 +259,11 @@ fn build_cuda(args: &[String]) -> Result<CudaBuild, String> {
                     .filter(|f| !f.is_empty())
                     .map(String::from),
             ),
+            "--no-autotune-cache" => autotune_cache = false,
             other => return Err(format!("build-cuda: unknown argument `{other}`")),
         }
     }
-    let features = std::iter::once("cuda".to_string())
-        .chain(extra_features.iter().cloned())
-        .collect::<Vec<_>>()
-        .join(",");
+    let features = cuda_features(&extra_features, autotune_cache);
     let mut cmd = cargo();
     cmd.args([
         "build",
@@ -286,6 +289,20 @@ fn build_cuda(args: &[String]) -> Result<CudaBuild, String> {
         bin,
         extra_features,
     })
+}
+
+/// The feature list of a CUDA build: `cuda` and `extra`, with the GPU
+/// backends as kiln-train's features (no autotune cache) unless
+/// `autotune_cache`.
+fn cuda_features(extra: &[String], autotune_cache: bool) -> String {
+    std::iter::once("cuda")
+        .chain(extra.iter().map(String::as_str))
+        .map(|f| match f {
+            "cuda" | "wgpu" if !autotune_cache => format!("kiln-train/{f}"),
+            _ => f.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// `cargo xtask gpu-pack [--features F]`: the CUDA `kiln` (release, with
@@ -459,6 +476,17 @@ fn run(mut cmd: Command) -> Result<ExitCode, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cuda_build_without_the_autotune_cache_names_the_backends_of_kiln_train() {
+        let extra = ["wgpu".to_string(), "fusion".to_string()];
+        assert_eq!(cuda_features(&extra, true), "cuda,wgpu,fusion");
+        assert_eq!(
+            cuda_features(&extra, false),
+            "kiln-train/cuda,kiln-train/wgpu,fusion"
+        );
+        assert_eq!(cuda_features(&[], false), "kiln-train/cuda");
+    }
 
     #[test]
     fn every_gpu_target_names_a_preset_file() {

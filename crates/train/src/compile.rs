@@ -1,7 +1,9 @@
 //! `optimization.compile` on CubeCL backends (wgpu, CUDA): what PyTorch's
 //! `torch.compile` modes buy there is kernel autotuning, so the modes map
-//! onto CubeCL's autotune levels, and the tuned choices are kept in CubeCL's
-//! on-disk cache in the user cache directory, so a second run starts tuned.
+//! onto CubeCL's autotune levels, and (with the `autotune-cache` feature,
+//! which kiln-cli's `wgpu` and `cuda` turn on) the tuned choices are kept in
+//! CubeCL's on-disk cache in the user cache directory, so a second run
+//! starts tuned.
 //! Burn's operation fusion is a compile-time feature (`burn/fusion`), not a
 //! switch a run can flip; the line says whether this build has it. On the
 //! CPU backend (flex) none of this applies and the line says so.
@@ -51,16 +53,19 @@ pub fn apply_compile(optimization: &OptimizationSection, device: &DeviceChoice) 
         "fusion not in this build (`--features fusion`)"
     };
     match configure_cubecl(level) {
-        Ok(cache) => format!(
+        Ok(Some(cache)) => format!(
             "compile: {asked} — CubeCL autotune level {level}, tuned kernels cached in {}; {fusion}",
             cache.display()
+        ),
+        Ok(None) => format!(
+            "compile: {asked} — CubeCL autotune level {level}, tuned kernels not kept across runs (a build without `autotune-cache`); {fusion}"
         ),
         Err(why) => format!("compile: {asked} — {why}; {fusion}"),
     }
 }
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
-fn configure_cubecl(level: &str) -> Result<std::path::PathBuf, String> {
+fn configure_cubecl(level: &str) -> Result<Option<std::path::PathBuf>, String> {
     use cubecl_runtime::config::autotune::AutotuneLevel;
     use cubecl_runtime::config::cache::CacheConfig;
     use cubecl_runtime::config::{CubeClRuntimeConfig, RuntimeConfig};
@@ -88,7 +93,9 @@ fn configure_cubecl(level: &str) -> Result<std::path::PathBuf, String> {
         ));
     }
     if CubeClRuntimeConfig::try_set(config) {
-        Ok(root)
+        // Kept on disk only with the `autotune-cache` feature (Burn's
+        // `persistence`).
+        Ok(cfg!(feature = "autotune-cache").then_some(root))
     } else {
         let current = CubeClRuntimeConfig::get();
         Err(format!(
@@ -100,7 +107,7 @@ fn configure_cubecl(level: &str) -> Result<std::path::PathBuf, String> {
 }
 
 #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
-fn configure_cubecl(_level: &str) -> Result<std::path::PathBuf, String> {
+fn configure_cubecl(_level: &str) -> Result<Option<std::path::PathBuf>, String> {
     Err("this build has no CubeCL backend".to_string())
 }
 
