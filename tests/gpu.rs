@@ -194,6 +194,32 @@ fn reduced_precision_on_wgpu_ends_near_f32_or_says_why_not() {
     }
 }
 
+/// With CubeCL's cache turned off from the environment
+/// (`CUBECL_AUTOTUNE_CACHE=false`), kiln still applies the mode's autotune
+/// level, and the compile line says the tuned kernels are not kept.
+#[test]
+fn autotune_level_applies_with_the_cache_disabled() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut args = tiny(tmp.path(), "nocache", 1);
+    args.extend([
+        "device.backend=wgpu".to_string(),
+        "optimization.compile=true".into(),
+        "optimization.compile_mode=max-autotune".into(),
+    ]);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = kiln(&refs)
+        .env("CUBECL_AUTOTUNE_CACHE", "false")
+        .run()
+        .expect_code(0)
+        .stdout;
+    assert!(
+        out.contains(
+            "compile: on (max-autotune) — CubeCL autotune level full, tuned kernels not kept across runs (the cache disabled by cubecl.toml or CUBECL_AUTOTUNE_CACHE)"
+        ),
+        "{out}"
+    );
+}
+
 /// The prepared GPU check (`bench/gpu_check.py`, what a lent GPU machine
 /// runs on the CUDA build) end to end with tiny shapes on this wgpu build:
 /// every step it has runs and passes (the PyTorch steps are skipped where

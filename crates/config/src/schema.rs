@@ -295,7 +295,7 @@ impl AmpDtype {
 pub struct OptimizationSection {
     /// Kernel fusion and autotuning on backends that have them.
     pub compile: bool,
-    /// `default` and `reduce-overhead` → CubeCL autotune level `balanced`, `max-autotune` → `full`; results cached across runs.
+    /// `default` and `reduce-overhead` → CubeCL autotune level `balanced`, `max-autotune` → `full`; tuned kernels cached across runs in builds with `autotune-cache`.
     pub compile_mode: CompileMode,
     /// kiln's fused CPU kernels (linear, GELU, attention, LayerNorm) or Burn's plain
     /// composition of the same math.

@@ -52,26 +52,27 @@ pub fn apply_compile(optimization: &OptimizationSection, device: &DeviceChoice) 
     } else {
         "fusion not in this build (`--features fusion`)"
     };
-    match configure_cubecl(level) {
-        Ok(Some(cache)) => format!(
-            "compile: {asked} — CubeCL autotune level {level}, tuned kernels cached in {}; {fusion}",
-            cache.display()
-        ),
-        Ok(None) => format!(
-            "compile: {asked} — CubeCL autotune level {level}, tuned kernels not kept across runs (a build without `autotune-cache`); {fusion}"
-        ),
-        Err(why) => format!("compile: {asked} — {why}; {fusion}"),
-    }
+    format!("compile: {asked} — {}; {fusion}", configure_cubecl(level))
 }
 
+/// Sets CubeCL's runtime configuration (kiln's autotune level, the cache
+/// in the user cache directory) and says what is in effect: the level and
+/// whether tuned kernels are kept across runs.
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
-fn configure_cubecl(level: &str) -> Result<Option<std::path::PathBuf>, String> {
+fn configure_cubecl(level: &str) -> String {
     use cubecl_runtime::config::autotune::AutotuneLevel;
     use cubecl_runtime::config::cache::CacheConfig;
     use cubecl_runtime::config::{CubeClRuntimeConfig, RuntimeConfig};
 
-    // A cubecl.toml and the CUBECL_* variables still win, as CubeCL's own
-    // loading would have it; kiln sets only what they leave alone.
+    let name = |level: &AutotuneLevel| match level {
+        AutotuneLevel::Minimal => "minimal",
+        AutotuneLevel::Balanced => "balanced",
+        AutotuneLevel::Extensive => "extensive",
+        AutotuneLevel::Full => "full",
+    };
+    // The CUBECL_* variables still win, as CubeCL's own loading would have
+    // it (CUBECL_AUTOTUNE_LEVEL over kiln's level); a cubecl.toml gives the
+    // rest (its cache settings), kiln the level.
     let mut config = CubeClRuntimeConfig::from_current_dir();
     let env_level = std::env::var("CUBECL_AUTOTUNE_LEVEL").is_ok();
     config = config.override_from_env();
@@ -85,30 +86,34 @@ fn configure_cubecl(level: &str) -> Result<Option<std::path::PathBuf>, String> {
     if matches!(config.environment.path, CacheConfig::Target) {
         config.environment.path = CacheConfig::Global;
     }
-    let root = config.environment.path.root();
-    if config.autotune.disable_cache {
-        return Err(format!(
-            "CubeCL autotune level {:?}, its cache disabled by cubecl.toml or CUBECL_AUTOTUNE_CACHE",
-            config.autotune.level
-        ));
-    }
-    if CubeClRuntimeConfig::try_set(config) {
+    let kept = if config.autotune.disable_cache {
+        "tuned kernels not kept across runs (the cache disabled by cubecl.toml or CUBECL_AUTOTUNE_CACHE)".to_string()
+    } else if cfg!(feature = "autotune-cache") {
         // Kept on disk only with the `autotune-cache` feature (Burn's
         // `persistence`).
-        Ok(cfg!(feature = "autotune-cache").then_some(root))
+        format!(
+            "tuned kernels cached in {}",
+            config.environment.path.root().display()
+        )
+    } else {
+        "tuned kernels not kept across runs (a build without `autotune-cache`)".to_string()
+    };
+    let level = name(&config.autotune.level);
+    if CubeClRuntimeConfig::try_set(config) {
+        format!("CubeCL autotune level {level}, {kept}")
     } else {
         let current = CubeClRuntimeConfig::get();
-        Err(format!(
-            "CubeCL was configured earlier in this process (autotune level {:?}, cache in {})",
-            current.autotune.level,
+        format!(
+            "CubeCL was configured earlier in this process (autotune level {}, cache in {})",
+            name(&current.autotune.level),
             current.environment.path.root().display()
-        ))
+        )
     }
 }
 
 #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
-fn configure_cubecl(_level: &str) -> Result<Option<std::path::PathBuf>, String> {
-    Err("this build has no CubeCL backend".to_string())
+fn configure_cubecl(_level: &str) -> String {
+    "this build has no CubeCL backend".to_string()
 }
 
 #[cfg(test)]
