@@ -20,21 +20,49 @@ const CHUNK: usize = 1 << 13;
 /// Compiles the slice loop it wraps once per instruction-set level, the
 /// `math` helpers inlined into each, and picks the level at run time from
 /// what the CPU has (`#[multiversion]`). With kiln-model's `avx512` feature
-/// the levels are multiversion's `simd` set (on x86-64: AVX-512, AVX2 + FMA,
-/// SSE4.2, baseline); without it the same less AVX-512, so that an AVX-512
-/// CPU runs what an AVX2 one does (the `gemm` crate's kernels follow the
-/// same feature, through Burn's `x86-v4`).
+/// the levels are multiversion's `simd` set (on x86-64: AVX-512 with Ice
+/// Lake's extensions, AVX2 + FMA, SSE4.2, baseline) and one more, x86-64-v4
+/// proper (AVX-512 F/BW/CD/DQ/VL), for the AVX-512 CPUs without those
+/// extensions (Skylake-SP, Cascade Lake), which multiversion's set would
+/// send to AVX2 (`isa::loops_level` picks it); without the feature the
+/// same less AVX-512, so that an AVX-512 CPU runs what an AVX2 one does
+/// (the `gemm` crate's kernels follow the same feature, through Burn's
+/// `x86-v4`).
 macro_rules! simd_levels {
-    ($(#[$attr:meta])* $vis:vis fn $($rest:tt)*) => {
-        #[cfg_attr(feature = "avx512", multiversion(targets = "simd"))]
-        #[cfg_attr(not(feature = "avx512"), multiversion(targets(
-            "x86_64+avx+avx2+bmi1+bmi2+cmpxchg16b+f16c+fma+lzcnt+movbe+popcnt+sse3+sse4.1+sse4.2+ssse3+xsave",
-            "x86_64+cmpxchg16b+popcnt+sse3+sse4.1+sse4.2+ssse3",
-            "aarch64+fp16+sve+sve2",
-            "aarch64+fp16+sve",
-        )))]
+    ($(#[$attr:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
         $(#[$attr])*
-        $vis fn $($rest)*
+        $vis fn $name($($arg: $ty),*) {
+            #[cfg(all(feature = "avx512", target_arch = "x86_64"))]
+            {
+                $(#[$attr])*
+                #[target_feature(enable = "avx,avx2,avx512bw,avx512cd,avx512dq,avx512f,avx512vl,bmi1,bmi2,cmpxchg16b,f16c,fma,lzcnt,movbe,popcnt,sse3,sse4.1,sse4.2,ssse3,xsave")]
+                fn v4_without_extensions($($arg: $ty),*) {
+                    // This level has FMA (every AVX-512 CPU does).
+                    #[allow(unused_macros)]
+                    macro_rules! has_fma {
+                        () => {
+                            true
+                        };
+                    }
+                    $body
+                }
+                if super::isa::loops_level() == super::isa::LoopsLevel::V4WithoutExtensions {
+                    // SAFETY: loops_level found every feature enabled above
+                    // on this CPU.
+                    return unsafe { v4_without_extensions($($arg),*) };
+                }
+            }
+            #[cfg_attr(feature = "avx512", multiversion(targets = "simd"))]
+            #[cfg_attr(not(feature = "avx512"), multiversion(targets(
+                "x86_64+avx+avx2+bmi1+bmi2+cmpxchg16b+f16c+fma+lzcnt+movbe+popcnt+sse3+sse4.1+sse4.2+ssse3+xsave",
+                "x86_64+cmpxchg16b+popcnt+sse3+sse4.1+sse4.2+ssse3",
+                "aarch64+fp16+sve+sve2",
+                "aarch64+fp16+sve",
+            )))]
+            $(#[$attr])*
+            fn levels($($arg: $ty),*) $body
+            levels($($arg),*)
+        }
     };
 }
 

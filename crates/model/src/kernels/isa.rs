@@ -54,40 +54,57 @@ fn gemm_isa() -> &'static str {
     "scalar"
 }
 
-/// multiversion 0.9's `targets = "simd"` on x86-64: its v4 level needs the
-/// Ice Lake set of AVX-512 extensions (it adds them unless built with
-/// `multiversion_allow_slow_avx512`), v3 AVX2 with FMA, v2 SSE4.2. Without
-/// kiln-model's `avx512` feature the loops have no v4 version.
+/// The level kiln's loops run at on this x86-64 CPU.
 #[cfg(target_arch = "x86_64")]
-fn loops_isa() -> &'static str {
-    macro_rules! all {
-        ($($f:tt),*) => { true $(&& std::arch::is_x86_feature_detected!($f))* };
-    }
-    let v3 = all!(
-        "avx",
-        "avx2",
-        "bmi1",
-        "bmi2",
-        "f16c",
-        "fma",
-        "lzcnt",
-        "movbe",
-        "popcnt",
-        "sse3",
-        "sse4.1",
-        "sse4.2",
-        "ssse3",
-        "xsave",
-        "cmpxchg16b"
-    );
-    let v4 = AVX512_BUILT
-        && v3
-        && all!(
-            "avx512f",
-            "avx512bw",
-            "avx512cd",
-            "avx512dq",
-            "avx512vl",
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LoopsLevel {
+    /// multiversion's AVX-512 level: x86-64-v4 with Ice Lake's extensions.
+    V4,
+    /// x86-64-v4 proper (AVX-512 F/BW/CD/DQ/VL) without Ice Lake's
+    /// extensions (Skylake-SP, Cascade Lake): `simd_levels!`'s own version.
+    V4WithoutExtensions,
+    /// AVX2 with FMA.
+    V3,
+    /// SSE4.2.
+    V2,
+    /// x86-64's baseline (SSE2).
+    Baseline,
+}
+
+/// The level of kiln's loops on this CPU: multiversion 0.9's `targets =
+/// "simd"` on x86-64 (its v4 level needs the Ice Lake set of AVX-512
+/// extensions, which it adds unless built with
+/// `multiversion_allow_slow_avx512`; v3 AVX2 with FMA; v2 SSE4.2), with
+/// `simd_levels!`'s x86-64-v4 for AVX-512 CPUs without that set. Without
+/// kiln-model's `avx512` feature the loops have no v4 version. Detected
+/// once.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn loops_level() -> LoopsLevel {
+    static LEVEL: std::sync::OnceLock<LoopsLevel> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        macro_rules! all {
+            ($($f:tt),*) => { true $(&& std::arch::is_x86_feature_detected!($f))* };
+        }
+        let v3 = all!(
+            "avx",
+            "avx2",
+            "bmi1",
+            "bmi2",
+            "f16c",
+            "fma",
+            "lzcnt",
+            "movbe",
+            "popcnt",
+            "sse3",
+            "sse4.1",
+            "sse4.2",
+            "ssse3",
+            "xsave",
+            "cmpxchg16b"
+        );
+        let v4 =
+            AVX512_BUILT && v3 && all!("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl");
+        let extensions = all!(
             "avx512bitalg",
             "avx512ifma",
             "avx512vbmi",
@@ -98,15 +115,29 @@ fn loops_isa() -> &'static str {
             "vaes",
             "vpclmulqdq"
         );
-    let v2 = all!("popcnt", "sse3", "sse4.1", "sse4.2", "ssse3", "cmpxchg16b");
-    if v4 {
-        "x86-64-v4 (avx512)"
-    } else if v3 {
-        "x86-64-v3 (avx2+fma)"
-    } else if v2 {
-        "x86-64-v2 (sse4.2)"
-    } else {
-        "x86-64 (sse2)"
+        let v2 = all!("popcnt", "sse3", "sse4.1", "sse4.2", "ssse3", "cmpxchg16b");
+        if v4 && extensions {
+            LoopsLevel::V4
+        } else if v4 {
+            LoopsLevel::V4WithoutExtensions
+        } else if v3 {
+            LoopsLevel::V3
+        } else if v2 {
+            LoopsLevel::V2
+        } else {
+            LoopsLevel::Baseline
+        }
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn loops_isa() -> &'static str {
+    match loops_level() {
+        LoopsLevel::V4 => "x86-64-v4 (avx512)",
+        LoopsLevel::V4WithoutExtensions => "x86-64-v4 (avx512, without Ice Lake's extensions)",
+        LoopsLevel::V3 => "x86-64-v3 (avx2+fma)",
+        LoopsLevel::V2 => "x86-64-v2 (sse4.2)",
+        LoopsLevel::Baseline => "x86-64 (sse2)",
     }
 }
 
@@ -145,6 +176,33 @@ mod tests {
             assert_eq!(isa.gemm, want);
             if !avx512f || !AVX512_BUILT {
                 assert!(!isa.kernels.contains("v4"), "{isa:?}");
+            }
+            // Every AVX-512 CPU gets an AVX-512 version of the loops, with
+            // Ice Lake's extensions or without them.
+            let avx512 = ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]
+                .iter()
+                .all(|f| has(f) == Some(true));
+            if avx512 && AVX512_BUILT {
+                assert!(isa.kernels.contains("v4"), "{isa:?}");
+                // /proc/cpuinfo's names for the set multiversion adds.
+                let extensions = [
+                    "avx512_bitalg",
+                    "avx512ifma",
+                    "avx512vbmi",
+                    "avx512_vbmi2",
+                    "avx512_vnni",
+                    "avx512_vpopcntdq",
+                    "gfni",
+                    "vaes",
+                    "vpclmulqdq",
+                ]
+                .iter()
+                .all(|f| has(f) == Some(true));
+                assert_eq!(
+                    isa.kernels.contains("without Ice Lake's extensions"),
+                    !extensions,
+                    "{isa:?}"
+                );
             }
             if fma && has("avx2") == Some(true) && has("bmi2") == Some(true) {
                 assert!(
