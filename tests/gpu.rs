@@ -207,17 +207,13 @@ fn autotune_level_applies_with_the_cache_disabled() {
         "optimization.compile_mode=max-autotune".into(),
     ]);
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = kiln(&refs)
+    kiln(&refs)
         .env("CUBECL_AUTOTUNE_CACHE", "false")
         .run()
         .expect_code(0)
-        .stdout;
-    assert!(
-        out.contains(
-            "compile: on (max-autotune) — CubeCL autotune level full, tuned kernels not kept across runs (the cache disabled by cubecl.toml or CUBECL_AUTOTUNE_CACHE)"
-        ),
-        "{out}"
-    );
+        .stdout_has(&[
+            "compile: on (max-autotune) — CubeCL autotune level full, tuned kernels not kept across runs (the cache disabled by cubecl.toml or CUBECL_AUTOTUNE_CACHE)",
+        ]);
 }
 
 /// The prepared GPU check (`bench/gpu_check.py`, what a lent GPU machine
