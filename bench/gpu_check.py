@@ -32,6 +32,7 @@ that way, so that it works the first time on a real GPU.
 Usage:
 
     python3 bench/gpu_check.py --kiln gpu-pack/kiln.xz --out $OUT/gpu-check.json
+    python3 bench/gpu_check.py --kiln gpu-pack/kilns.tar.xz --kiln-fusion gpu-pack/kilns.tar.xz --out $OUT/gpu-check.json
     python3 bench/gpu_check.py --tiny --backend wgpu --kiln target/debug/kiln --out /tmp/c.json
 
 Python's standard library only (a `.xz` binary is unpacked with `lzma`).
@@ -45,6 +46,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 
@@ -91,10 +93,20 @@ class Check:
         self.cache = os.path.join(self.work, "cache")
 
     def unpack(self, path, name):
-        """The kiln binary to run: `path`, or `path` unpacked if it is `.xz`."""
+        """The kiln binary to run: `path`; `path` unpacked if it is `.xz`;
+        the member `name` (`kiln`, `kiln-fusion`) if it is the `.tar.xz`
+        of both that `cargo xtask gpu-pack` writes."""
         if not path.endswith(".xz"):
             return os.path.abspath(path)
         out = os.path.join(self.work, name)
+        if path.endswith(".tar.xz"):
+            with tarfile.open(path, "r:xz") as tar:
+                if name not in tar.getnames():
+                    sys.exit(f"{path} holds no file `{name}` (it holds {', '.join(tar.getnames())})")
+                with tar.extractfile(name) as src, open(out, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            os.chmod(out, 0o755)
+            return out
         with lzma.open(path) as src, open(out, "wb") as dst:
             shutil.copyfileobj(src, dst)
         os.chmod(out, 0o755)

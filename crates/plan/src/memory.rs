@@ -21,8 +21,8 @@ pub enum AttentionMemory {
     #[default]
     Scores,
     /// One log-sum-exp per query and head, the scores rebuilt in the
-    /// backward pass (kiln's attention kernels: flex in f32, wgpu and CUDA
-    /// without `fusion`): linear in T.
+    /// backward pass (kiln's attention kernels: flex in f32, wgpu and
+    /// CUDA): linear in T.
     LogSumExp,
 }
 

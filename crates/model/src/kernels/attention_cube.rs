@@ -23,8 +23,12 @@
 //! (1 where a key is padding, per batch entry) skips padded keys. Inputs
 //! and outputs are f32, bf16 or f16; everything is accumulated in f32.
 //!
-//! Not under Burn's `fusion` (there the backend is `Fusion<CubeBackend>`):
-//! Burn's attention runs.
+//! Under Burn's `fusion` (where the backend is `Fusion<CubeBackend>`) the
+//! two kernels are custom operations of the fusion stream: the extension's
+//! `Fusion` route describes their outputs (shape, dtype) when they are
+//! recorded and runs the same CubeCL kernels on the inner backend when the
+//! stream executes; the element-wise operations around them are fused as
+//! usual.
 //!
 //! Each unit runs scalar multiply-adds over the head's width (no tensor
 //! cores, no tiling across queries): what it buys is memory, and with it
@@ -39,11 +43,15 @@ use burn::tensor::{Bool, DType, FloatDType, Tensor};
 
 use super::autodiff;
 
-/// Memory-efficient attention as a Burn backend extension.
-#[backend_extension(Cube, Autodiff)]
+/// Memory-efficient attention as a Burn backend extension: the kernels are
+/// implemented for the CubeCL backend (`CubeBackend`), routed to through
+/// `Fusion` in a build with Burn's fusion and through `Autodiff` for
+/// training.
+#[backend_extension(Cube, Fusion: cfg(feature = "fusion"), Autodiff)]
 pub(crate) trait KilnAttention: Backend {
     /// The merged heads' output (`[b, t, d]`, qkv's dtype) and each query's
     /// log-sum-exp (`[b, heads, t]`, f32).
+    #[fusion(meta = forward_outputs)]
     fn kiln_memory_efficient_attention(
         qkv: FloatTensor<Self>,
         key_pad: FloatTensor<Self>,
@@ -51,6 +59,7 @@ pub(crate) trait KilnAttention: Backend {
         causal: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
     /// The gradient of the packed qkv.
+    #[fusion(dtype = qkv, shape = qkv)]
     fn kiln_memory_efficient_attention_backward(
         qkv: FloatTensor<Self>,
         key_pad: FloatTensor<Self>,
@@ -62,7 +71,28 @@ pub(crate) trait KilnAttention: Backend {
     ) -> FloatTensor<Self>;
 }
 
-impl KilnAttention for burn::backend::Cube {
+/// The forward kernel's outputs as `Fusion` records them before it runs:
+/// the merged heads (`[b, t, d]` from qkv's `[b, t, 3·d]`, qkv's dtype) and
+/// the log-sum-exp (`[b, heads, t]`, f32), what `cube::forward` allocates.
+#[cfg(feature = "fusion")]
+fn forward_outputs(
+    qkv: &burn::backend::fusion::custom::TensorSpec,
+    _key_pad: &burn::backend::fusion::custom::TensorSpec,
+    heads: &usize,
+    _causal: &bool,
+) -> (
+    burn::backend::fusion::custom::TensorSpec,
+    burn::backend::fusion::custom::TensorSpec,
+) {
+    use burn::backend::fusion::custom::TensorSpec;
+    let (b, t, width) = (qkv.shape[0], qkv.shape[1], qkv.shape[2]);
+    (
+        TensorSpec::new([b, t, width / 3].into(), qkv.dtype),
+        TensorSpec::new([b, *heads, t].into(), DType::F32),
+    )
+}
+
+impl KilnAttention for burn_cubecl::CubeBackend {
     fn kiln_memory_efficient_attention(
         qkv: FloatTensor<Self>,
         key_pad: FloatTensor<Self>,

@@ -20,9 +20,9 @@
 //! composition of the same math, which is also what the tests compare the
 //! kernels against, forward and backward.
 
-#[cfg(all(feature = "cube", not(feature = "fusion")))]
+#[cfg(feature = "cube")]
 mod attention_cube;
-#[cfg(any(feature = "flex", all(feature = "cube", not(feature = "fusion"))))]
+#[cfg(any(feature = "flex", feature = "cube"))]
 mod autodiff;
 #[cfg(feature = "flex")]
 mod cpu;
@@ -83,7 +83,7 @@ pub fn self_attention(
         return flex::self_attention(qkv, heads, key_pad, causal);
     }
     if memory_efficient_attention_runs(&qkv, kernels) {
-        #[cfg(all(feature = "cube", not(feature = "fusion")))]
+        #[cfg(feature = "cube")]
         return attention_cube::self_attention(qkv, heads, key_pad, causal);
     }
     let [q, k, v] = split_heads(qkv, heads);
@@ -100,12 +100,13 @@ pub fn self_attention(
 }
 
 /// Whether [`self_attention`] runs the memory-efficient CubeCL kernels for
-/// `qkv` (wgpu or CUDA without Burn's `fusion`, f32/bf16/f16, `Fused`):
+/// `qkv` (wgpu or CUDA, with or without Burn's `fusion`; f32/bf16/f16;
+/// `Fused`):
 /// then a reduced compute dtype runs them in that dtype too.
 pub(crate) fn memory_efficient_attention_runs(qkv: &Tensor<3>, kernels: Kernels) -> bool {
-    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    #[cfg(feature = "cube")]
     return kernels == Kernels::Fused && attention_cube::runs(qkv);
-    #[cfg(not(all(feature = "cube", not(feature = "fusion"))))]
+    #[cfg(not(feature = "cube"))]
     {
         let _ = (qkv, kernels);
         false
@@ -114,7 +115,7 @@ pub(crate) fn memory_efficient_attention_runs(qkv: &Tensor<3>, kernels: Kernels)
 
 /// Whether the models' self-attention keeps the `heads × T × T` scores for
 /// the backward pass on `device` with compute dtype `dtype`: Burn's
-/// attention (`Reference`, a `fusion` build, other backends) and the
+/// attention (`Reference`, other backends) and the
 /// reduced-precision composition on the CPU do; flex's kernel (f32) and the
 /// memory-efficient CubeCL kernels (wgpu, CUDA; any of the three dtypes)
 /// keep one log-sum-exp per query and head. What memory estimates count.
@@ -130,7 +131,7 @@ pub fn attention_keeps_scores(
     match device.clone().inner().as_dispatch() {
         #[cfg(feature = "flex")]
         DispatchDevice::Flex(_) => dtype.is_reduced(),
-        #[cfg(all(feature = "cube", not(feature = "fusion")))]
+        #[cfg(feature = "cube")]
         DispatchDevice::Cube(d) if cube_gpu(d) => false,
         #[allow(unreachable_patterns)]
         _ => {
