@@ -335,17 +335,11 @@ fn gpu_pack(args: &[String]) -> Result<ExitCode, String> {
     let _ = std::fs::remove_file(&packed);
     let mut xz = Command::new("xz");
     xz.args(["-6", "-T0", "--force"]).arg(&stripped);
-    if run(xz)? != ExitCode::SUCCESS {
-        return Err(format!("xz {} failed", stripped.display()));
-    }
-    let size = std::fs::metadata(&packed)
-        .map_err(|e| format!("failed to read {}: {e}", packed.display()))?
-        .len();
+    let mib = write_with(xz, &packed)?;
     println!(
-        "wrote {} ({:.1} MiB); on the GPU machine, from the repository root:
+        "wrote {} ({mib:.1} MiB); on the GPU machine, from the repository root:
            python3 bench/gpu_check.py --kiln gpu-pack/kiln.xz [--kiln-fusion gpu-pack/kiln-fusion.xz] --out gpu-check.json",
         packed.display(),
-        size as f64 / (1 << 20) as f64
     );
     if dir.join("kiln").is_file() && dir.join("kiln-fusion").is_file() {
         bundle(&dir)?;
@@ -378,19 +372,25 @@ fn bundle(dir: &Path) -> Result<(), String> {
         .arg("-C")
         .arg(dir)
         .args(["kiln", "kiln-fusion"]);
-    if run(tar)? != ExitCode::SUCCESS {
-        return Err(format!("tar {} failed", out.display()));
-    }
-    let size = std::fs::metadata(&out)
-        .map_err(|e| format!("failed to read {}: {e}", out.display()))?
-        .len();
+    let mib = write_with(tar, &out)?;
     println!(
-        "wrote {} ({:.1} MiB: both builds); on the GPU machine:
+        "wrote {} ({mib:.1} MiB: both builds); on the GPU machine:
            python3 bench/gpu_check.py --kiln gpu-pack/kilns.tar.xz --kiln-fusion gpu-pack/kilns.tar.xz --out gpu-check.json",
         out.display(),
-        size as f64 / (1 << 20) as f64
     );
     Ok(())
+}
+
+/// Runs `cmd`, which writes `out`; the size of `out` in MiB.
+fn write_with(cmd: Command, out: &Path) -> Result<f64, String> {
+    let program = cmd.get_program().to_string_lossy().into_owned();
+    if run(cmd)? != ExitCode::SUCCESS {
+        return Err(format!("{program} writing {} failed", out.display()));
+    }
+    let size = std::fs::metadata(out)
+        .map_err(|e| format!("failed to read {}: {e}", out.display()))?
+        .len();
+    Ok(size as f64 / f64::from(1 << 20))
 }
 
 /// The standard benchmark set: the default runs of both workloads, the
