@@ -40,6 +40,7 @@ Exit code 0 when every step passed, 1 otherwise.
 """
 
 import argparse
+import contextlib
 import json
 import lzma
 import os
@@ -99,16 +100,16 @@ class Check:
         if not path.endswith(".xz"):
             return os.path.abspath(path)
         out = os.path.join(self.work, name)
-        if path.endswith(".tar.xz"):
-            with tarfile.open(path, "r:xz") as tar:
+        with contextlib.ExitStack() as stack:
+            if path.endswith(".tar.xz"):
+                tar = stack.enter_context(tarfile.open(path, "r:xz"))
                 if name not in tar.getnames():
                     sys.exit(f"{path} holds no file `{name}` (it holds {', '.join(tar.getnames())})")
-                with tar.extractfile(name) as src, open(out, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-            os.chmod(out, 0o755)
-            return out
-        with lzma.open(path) as src, open(out, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+                src = stack.enter_context(tar.extractfile(name))
+            else:
+                src = stack.enter_context(lzma.open(path))
+            with open(out, "wb") as dst:
+                shutil.copyfileobj(src, dst)
         os.chmod(out, 0o755)
         return out
 
