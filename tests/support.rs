@@ -5,8 +5,13 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 /// The repository root.
+///
+/// The checkout's path as `cargo test` gives it to the test process, not
+/// as it was compiled in: with a target directory shared between checkouts,
+/// cargo may run a test binary built in another one.
 pub(crate) fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
         .parent()
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
 }

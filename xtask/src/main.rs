@@ -129,8 +129,21 @@ fn train_target(target: &str) -> Option<(&'static str, bool)> {
         .map(|(_, preset)| (*preset, nli))
 }
 
+/// The workspace root: the parent of xtask's manifest directory, as `cargo
+/// run` (the `cargo xtask` alias) gives it to the process. The compile-time
+/// path is only the fallback: with a target directory shared between
+/// checkouts (`CARGO_TARGET_DIR`), cargo may run an xtask binary compiled
+/// in another checkout, whose path would send every build there.
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    root_of(std::env::var_os("CARGO_MANIFEST_DIR"))
+}
+
+/// The workspace root from the manifest directory `cargo run` gave, or the
+/// one xtask was compiled in when it gave none.
+fn root_of(runtime_manifest_dir: Option<std::ffi::OsString>) -> PathBuf {
+    let manifest = runtime_manifest_dir
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
+    manifest
         .parent()
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
 }
@@ -311,7 +324,8 @@ fn cuda_features(extra: &[String], autotune_cache: bool) -> String {
 /// `F` too) stripped and compressed into `gpu-pack/kiln.xz` (with `F`:
 /// `gpu-pack/kiln-F.xz`), for `bench/gpu_check.py` on a GPU machine that has
 /// no network (the repository's tracked files carry the presets, data and
-/// scripts).
+/// scripts). The stripped binary stays beside its pack: once both builds
+/// are there, [`bundle`] puts them in one file.
 fn gpu_pack(args: &[String]) -> Result<ExitCode, String> {
     let CudaBuild {
         bin,
@@ -331,11 +345,7 @@ fn gpu_pack(args: &[String]) -> Result<ExitCode, String> {
     if run(strip)? != ExitCode::SUCCESS {
         return Err(format!("strip {} failed", bin.display()));
     }
-    let packed = dir.join(format!("{name}.xz"));
-    let _ = std::fs::remove_file(&packed);
-    let mut xz = Command::new("xz");
-    xz.args(["-6", "-T0", "--force"]).arg(&stripped);
-    let mib = write_with(xz, &packed)?;
+    let (packed, mib) = pack(&dir, &name)?;
     println!(
         "wrote {} ({mib:.1} MiB); on the GPU machine, from the repository root:
            python3 bench/gpu_check.py --kiln gpu-pack/kiln.xz [--kiln-fusion gpu-pack/kiln-fusion.xz] --out gpu-check.json",
@@ -347,10 +357,22 @@ fn gpu_pack(args: &[String]) -> Result<ExitCode, String> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Compresses `dir/name` to `dir/name.xz`, keeping `dir/name` for
+/// [`bundle`]; the pack's path and size in MiB.
+fn pack(dir: &Path, name: &str) -> Result<(PathBuf, f64), String> {
+    let packed = dir.join(format!("{name}.xz"));
+    let _ = std::fs::remove_file(&packed);
+    let mut xz = Command::new("xz");
+    xz.args(["-6", "-T0", "--force", "--keep"])
+        .arg(dir.join(name));
+    let mib = write_with(xz, &packed)?;
+    Ok((packed, mib))
+}
+
 /// With both builds stripped in `dir` (`kiln`, `kiln-fusion`), both in one
 /// `kilns.tar.xz` with a dictionary that spans the first binary, so that
 /// what the two share (most of it: Burn, CubeCL, LLVM) is stored once.
-/// Two `.xz` packs of about 33 MiB each are over what a lent GPU machine
+/// Two `.xz` packs of 34 and 35 MiB are over what a lent GPU machine
 /// takes from the working tree (64 MiB); the bundle is one file for
 /// `bench/gpu_check.py --kiln X --kiln-fusion X`.
 fn bundle(dir: &Path) -> Result<(), String> {
@@ -522,6 +544,19 @@ fn run(mut cmd: Command) -> Result<ExitCode, String> {
 mod tests {
     use super::*;
 
+    /// The checkout `cargo xtask` runs in wins over the one the binary was
+    /// compiled in (a target directory shared between checkouts).
+    #[test]
+    fn the_root_is_the_checkout_cargo_runs_xtask_in() {
+        assert_eq!(
+            root_of(Some("/elsewhere/kiln/xtask".into())),
+            Path::new("/elsewhere/kiln")
+        );
+        let compiled = root_of(None);
+        assert!(compiled.join("xtask").join("Cargo.toml").is_file());
+        assert_ne!(compiled, Path::new("/elsewhere/kiln"));
+    }
+
     #[test]
     fn a_cuda_build_without_the_autotune_cache_names_the_backends_of_kiln_train() {
         let extra = ["wgpu".to_string(), "fusion".to_string()];
@@ -531,6 +566,31 @@ mod tests {
             "kiln-train/cuda,kiln-train/wgpu,fusion"
         );
         assert_eq!(cuda_features(&[], false), "kiln-train/cuda");
+    }
+
+    /// Each pack leaves its stripped binary in place: the bundle is made
+    /// from the two binaries once both builds have been packed.
+    #[test]
+    fn a_pack_keeps_the_binary_the_bundle_is_made_from() {
+        let dir = std::env::temp_dir().join(format!("kiln-xtask-pack-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch folder");
+        let bytes: Vec<u8> = (0..200_000u32)
+            .flat_map(|i| (i % 251).to_le_bytes())
+            .collect();
+        std::fs::write(dir.join("kiln-fusion"), &bytes).expect("binary");
+        let (packed, mib) = pack(&dir, "kiln-fusion").expect("xz");
+        assert_eq!(packed, dir.join("kiln-fusion.xz"));
+        assert!(mib > 0.0 && mib < 0.5, "{mib} MiB");
+        assert_eq!(std::fs::read(dir.join("kiln-fusion")).expect("kept"), bytes);
+        let out = Command::new("xz")
+            .args(["-dc"])
+            .arg(&packed)
+            .output()
+            .expect("xz -dc");
+        assert!(out.status.success());
+        assert_eq!(out.stdout, bytes);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// The two builds come back byte for byte, and what they share is

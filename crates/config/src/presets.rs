@@ -211,7 +211,14 @@ mod tests {
 
     #[test]
     fn the_built_in_list_is_the_presets_folder() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("presets");
+        // The checkout `cargo test` runs in (a shared target directory may
+        // hold a test binary compiled in another one).
+        let root = std::env::var_os("CARGO_MANIFEST_DIR")
+            .map_or_else(
+                || env!("CARGO_MANIFEST_DIR").into(),
+                std::path::PathBuf::from,
+            )
+            .join("presets");
         let mut on_disk = Vec::new();
         for group in ["", "hardware", "experiment"] {
             for entry in std::fs::read_dir(root.join(group)).expect("presets folder") {

@@ -550,8 +550,13 @@ mod tests {
 
     /// A tiny model on a slice of the shipped corpus, with `extra` overrides.
     fn tiny(cache: &std::path::Path, extra: &[&str]) -> RunConfig {
-        let corpus =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/tinyshakespeare.txt");
+        // The checkout `cargo test` runs in, as in tests/support.rs.
+        let corpus = std::env::var_os("CARGO_MANIFEST_DIR")
+            .map_or_else(
+                || env!("CARGO_MANIFEST_DIR").into(),
+                std::path::PathBuf::from,
+            )
+            .join("../../data/tinyshakespeare.txt");
         let mut overrides = vec![
             format!("data.path={}", corpus.display()),
             format!("data.cache_dir={}", cache.display()),

@@ -240,8 +240,8 @@ fn bench_text(r: &kiln_train::BenchResult) -> String {
         p.backward_ms,
         p.optimizer_ms,
         r.isa.as_ref().map_or(String::new(), |i| format!(
-            "instruction sets: gemm {}, kiln's loops {}\n",
-            i.gemm, i.kernels
+            "instruction sets: gemm {}, kiln's loops {}, Burn's element-wise loops {}\n",
+            i.gemm, i.kernels, i.elementwise
         )),
     )
 }

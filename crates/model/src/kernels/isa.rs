@@ -11,6 +11,13 @@ pub struct CpuIsa {
     /// kiln's own loops (GELU, softmax, LayerNorm, bias sums), compiled per
     /// instruction-set level by `multiversion`: the level this CPU gets.
     pub kernels: &'static str,
+    /// Burn's own element-wise operations on flex (burn-flex's SIMD loops
+    /// through `macerator`: the residual sums, the gradients' sums, some
+    /// reductions), which choose their level at run time too. kiln-model's
+    /// `avx512` feature does not reach them: burn-flex always builds
+    /// macerator's AVX-512 level, so an AVX-512 CPU runs it even in the
+    /// AVX2-only build. `none` without the flex backend.
+    pub elementwise: &'static str,
 }
 
 /// Whether this build has the CPU kernels' AVX-512 versions (kiln-model's
@@ -22,7 +29,30 @@ pub fn cpu_isa() -> CpuIsa {
     CpuIsa {
         gemm: gemm_isa(),
         kernels: loops_isa(),
+        elementwise: flex_isa(),
     }
+}
+
+/// The level macerator 0.5 picks for burn-flex's loops (`Arch::detect`,
+/// the detection its `with_simd` dispatch runs), named as kiln's loops'
+/// levels are. Its `Arch` is `non_exhaustive` and its variants depend on
+/// macerator's own features, so the name is read off the variant's.
+#[cfg(feature = "flex")]
+fn flex_isa() -> &'static str {
+    match format!("{:?}", macerator::Arch::detect()).as_str() {
+        "V4FP16" => "x86-64-v4 (avx512 with fp16)",
+        "V4" => "x86-64-v4 (avx512)",
+        "V3" => "x86-64-v3 (avx2+fma)",
+        "V2" => "x86-64-v2 (sse4.2)",
+        "NeonFma" | "NeonF16" => "aarch64 (neon)",
+        "Scalar" => "scalar",
+        _ => "other",
+    }
+}
+
+#[cfg(not(feature = "flex"))]
+fn flex_isa() -> &'static str {
+    "none"
 }
 
 /// gemm 0.19's dispatch (`gemm-common`'s `gemm_def!`): AVX-512F kernels when
@@ -203,6 +233,15 @@ mod tests {
                     !extensions,
                     "{isa:?}"
                 );
+            }
+            // burn-flex's loops: AVX-512 wherever the CPU has it, whatever
+            // kiln's `avx512` feature says (macerator's V4 needs F, BW, CD,
+            // DQ and VL).
+            #[cfg(feature = "flex")]
+            if avx512 {
+                assert!(isa.elementwise.starts_with("x86-64-v4"), "{isa:?}");
+            } else if has("avx2") == Some(true) && fma {
+                assert_eq!(isa.elementwise, "x86-64-v3 (avx2+fma)", "{isa:?}");
             }
             if fma && has("avx2") == Some(true) && has("bmi2") == Some(true) {
                 assert!(
