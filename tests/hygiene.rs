@@ -31,7 +31,7 @@ fn read(path: &Path) -> String {
 #[test]
 fn every_rust_file_starts_with_a_module_doc() {
     let mut files = Vec::new();
-    for dir in ["crates", "xtask", "tests"] {
+    for dir in ["crates", "xtask", "tests", "bench"] {
         files_with_extension(&root().join(dir), "rs", &mut files);
     }
     assert!(files.len() > 10);

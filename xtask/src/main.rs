@@ -361,7 +361,7 @@ fn gpu_pack(args: &[String]) -> Result<ExitCode, String> {
 /// [`bundle`]; the pack's path and size in MiB.
 fn pack(dir: &Path, name: &str) -> Result<(PathBuf, f64), String> {
     let packed = dir.join(format!("{name}.xz"));
-    let _ = std::fs::remove_file(&packed);
+    // `--force` writes over an earlier pack.
     let mut xz = Command::new("xz");
     xz.args(["-6", "-T0", "--force", "--keep"])
         .arg(dir.join(name));
