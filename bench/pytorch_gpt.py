@@ -25,18 +25,12 @@ speed does not depend on the text). Prints one JSON object: tokens/s
 import argparse
 import json
 import math
-import os
 import statistics
-import sys
 import time
 
-# `--avx2`: PyTorch's CPU kernels at AVX2 at most, as on a CPU without
-# AVX-512 (ATen's dispatch, MKL's code path, oneDNN's ISA). Read by torch at
-# import, so set before it; `cpu_capability` in the output says what ATen ran.
-if "--avx2" in sys.argv:
-    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-    os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")
-    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+from cpu_isa import limit_to_avx2_if_asked
+
+limit_to_avx2_if_asked()  # `--avx2`: before torch is imported
 
 import torch
 import torch.nn as nn

@@ -6,20 +6,17 @@ products of a kiln GPT step's linear layers at the same shapes, as
     python bench/pytorch_linear.py [--avx2] [--rows 4096] [--width 128] \
         [--layers 4] [--vocab 65] [--reps 40]
 
-`--avx2` limits ATen, MKL and oneDNN to AVX2 as bench/pytorch_gpt.py does.
+`--avx2` limits ATen, MKL and oneDNN to AVX2 (bench/cpu_isa.py).
 Prints a table like kiln-gemm-shapes' (median ms and GFLOP/s of each
 product, and the sum over one step's linear layers). Not used by tests or CI.
 """
 
 import argparse
-import os
-import sys
 import time
 
-if "--avx2" in sys.argv:
-    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-    os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")
-    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+from cpu_isa import limit_to_avx2_if_asked
+
+limit_to_avx2_if_asked()  # `--avx2`: before torch is imported
 
 import torch
 

@@ -345,7 +345,7 @@ fn gpu_pack(args: &[String]) -> Result<ExitCode, String> {
     if run(strip)? != ExitCode::SUCCESS {
         return Err(format!("strip {} failed", bin.display()));
     }
-    let (packed, mib) = pack(&dir, &name)?;
+    let (packed, mib) = pack(&stripped)?;
     println!(
         "wrote {} ({mib:.1} MiB); on the GPU machine, from the repository root:
            python3 bench/gpu_check.py --kiln gpu-pack/kiln.xz [--kiln-fusion gpu-pack/kiln-fusion.xz] --out gpu-check.json",
@@ -357,14 +357,15 @@ fn gpu_pack(args: &[String]) -> Result<ExitCode, String> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Compresses `dir/name` to `dir/name.xz`, keeping `dir/name` for
+/// Compresses `binary` to `binary.xz` beside it, keeping `binary` for
 /// [`bundle`]; the pack's path and size in MiB.
-fn pack(dir: &Path, name: &str) -> Result<(PathBuf, f64), String> {
-    let packed = dir.join(format!("{name}.xz"));
+fn pack(binary: &Path) -> Result<(PathBuf, f64), String> {
+    let mut packed = binary.as_os_str().to_owned();
+    packed.push(".xz");
+    let packed = PathBuf::from(packed);
     // `--force` writes over an earlier pack.
     let mut xz = Command::new("xz");
-    xz.args(["-6", "-T0", "--force", "--keep"])
-        .arg(dir.join(name));
+    xz.args(["-6", "-T0", "--force", "--keep"]).arg(binary);
     let mib = write_with(xz, &packed)?;
     Ok((packed, mib))
 }
@@ -579,7 +580,7 @@ mod tests {
             .flat_map(|i| (i % 251).to_le_bytes())
             .collect();
         std::fs::write(dir.join("kiln-fusion"), &bytes).expect("binary");
-        let (packed, mib) = pack(&dir, "kiln-fusion").expect("xz");
+        let (packed, mib) = pack(&dir.join("kiln-fusion")).expect("xz");
         assert_eq!(packed, dir.join("kiln-fusion.xz"));
         assert!(mib > 0.0 && mib < 0.5, "{mib} MiB");
         assert_eq!(std::fs::read(dir.join("kiln-fusion")).expect("kept"), bytes);

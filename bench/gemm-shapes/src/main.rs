@@ -16,11 +16,7 @@
 //! tokens, 4 layers 128 wide, the character vocabulary). The attention's
 //! products (per head, inside kiln's fused attention) are not timed here.
 
-#![allow(
-    clippy::print_stdout,
-    clippy::print_stderr,
-    reason = "a bench prints its table, and its usage error"
-)]
+#![allow(clippy::print_stdout, reason = "a bench prints its table")]
 
 use rayon::prelude::*;
 use std::time::Instant;
@@ -201,35 +197,32 @@ fn kernels() -> &'static str {
     }
 }
 
-fn parse() -> Result<[usize; 5], String> {
-    let mut values = [4096, 128, 4, 65, 40];
-    let names = ["--rows", "--width", "--layers", "--vocab", "--reps"];
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let Some(slot) = names.iter().position(|n| *n == arg) else {
-            return Err(format!(
-                "unknown argument `{arg}` (expected {})",
-                names.join(", ")
-            ));
-        };
-        let value = args.next().ok_or(format!("{arg} needs a value"))?;
-        values[slot] = value
-            .parse()
-            .ok()
-            .filter(|v| *v > 0)
-            .ok_or(format!("{arg}: `{value}` is not a positive integer"))?;
-    }
-    Ok(values)
+/// The shape of the step whose linear products are timed: by default the
+/// PEERS shape of `kiln bench lm`.
+#[derive(clap::Parser, Debug)]
+#[command(about)]
+struct Args {
+    /// Tokens in the step (block × batch).
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    rows: u32,
+    /// The model's width; the MLP is four times as wide.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
+    width: u32,
+    /// Transformer blocks.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    layers: u32,
+    /// The head's outputs (the vocabulary).
+    #[arg(long, default_value_t = 65, value_parser = clap::value_parser!(u32).range(1..))]
+    vocab: u32,
+    /// Timed runs of each product (the median is printed).
+    #[arg(long, default_value_t = 40, value_parser = clap::value_parser!(u32).range(1..))]
+    reps: u32,
 }
 
 fn main() {
-    let [rows, width, layers, vocab, reps] = match parse() {
-        Ok(values) => values,
-        Err(message) => {
-            eprintln!("kiln-gemm-shapes: {message}");
-            std::process::exit(2);
-        }
-    };
+    let args = <Args as clap::Parser>::parse();
+    let [rows, width, layers, vocab, reps] =
+        [args.rows, args.width, args.layers, args.vocab, args.reps].map(|v| v as usize);
     let shapes = [
         ("qkv", width, 3 * width, layers),
         ("attn out", width, width, layers),
