@@ -13,7 +13,9 @@ any build) through, in order of importance:
    1e-3 (the GPU suite's tolerances);
 3. `kiln bench lm` on the tiny GPT (block 128, batch 32: the shape of the
    earlier wgpu figures) and on GPT-2 small, in f32 and bf16;
-   `kiln bench nli` on the BERT-base encoder in bf16;
+   `kiln bench nli` on the BERT-base encoder in bf16; most with
+   `--kernel-profile` (where the device time of a step goes, kernel by
+   kernel, and the device's busy share of the step);
 4. PyTorch at the same shapes (bench/pytorch_gpt.py), where `import torch`
    works, for a ratio; the `h100` preset as shipped (block 2048, batch 64,
    bf16); GPT-2 small and the tiny GPT again with Burn's compositions
@@ -265,21 +267,24 @@ class Check:
         # Burn's compositions instead of kiln's kernels (attention, AdamW):
         # what the kernels gain, in the same sitting.
         composed = ["optimization.kernels=reference"]
+        # Two more steps with each kernel launch timed on the device: where
+        # the step's device time goes, and how busy the device is.
+        profile = ["--kernel-profile"]
         # (workload, overrides, extra flags, warm-up, timed steps, time limit s):
         # small shapes take more, shorter steps; --tiny takes a few of each.
         small, large = (5, 20, 120), (3, 10, 180)
         return {
-            "bench lm tiny f32": ("lm", [*gpu, *lm_tiny, *f32], [], *small),
+            "bench lm tiny f32": ("lm", [*gpu, *lm_tiny, *f32], profile, *small),
             "bench lm tiny bf16": ("lm", [*gpu, *lm_tiny, *bf16], [], *small),
-            "bench lm gpt2-small bf16": ("lm", [*gpu, *gpt2, *bf16], [], *large),
-            "bench lm gpt2-small f32": ("lm", [*gpu, *gpt2, *f32], [], *large),
+            "bench lm gpt2-small bf16": ("lm", [*gpu, *gpt2, *bf16], profile, *large),
+            "bench lm gpt2-small f32": ("lm", [*gpu, *gpt2, *f32], profile, *large),
             "bench lm gpt2-small bf16 composed": ("lm", [*gpu, *gpt2, *bf16, *composed], [], *large),
             "bench lm tiny f32 composed": ("lm", [*gpu, *lm_tiny, *f32, *composed], [], *small),
             "bench lm h100 preset": ("lm", [*gpu, *h100], [], 2, 5, 300),
             "bench nli bert-base bf16": (
                 "nli",
                 [*gpu, *bert, *bf16],
-                ["--pad-to-max-length"],
+                ["--pad-to-max-length", *profile],
                 *large,
             ),
         }
@@ -429,8 +434,24 @@ class Check:
             elif "difference" in s:
                 row += f"  |Δloss| {s['difference']:.2e} (tolerance {s['tolerance']:.0e})"
             print(row)
+        self.kernel_table()
         failed = [s["name"] for s in self.steps if s.get("status") not in ("ok", "skipped")]
         print(f"\n{len(self.steps) - len(failed)} passed, {len(failed)} failed")
+
+    def kernel_table(self, top=6):
+        """The benches' kernel profiles: the device's busy share of the
+        median step, launches a step, and the kernels with most time."""
+        for s in self.steps:
+            b = s.get("result", {}).get("bench") if isinstance(s.get("result"), dict) else None
+            p = (b or {}).get("kernel_profile")
+            if not p:
+                continue
+            print(f"\n{s['name']}: device busy {p['device_busy_pct']:.0f}% of the median step "
+                  f"({p['device_ms_per_step']:.2f} ms of kernels a step, {p['launches_per_step']:.0f} "
+                  f"launches, {p['timing']} timing)")
+            for k in p["kernels"][:top]:
+                print(f"  {k['ms_per_step']:9.3f} ms {k['share_pct']:5.1f}% "
+                      f"{k['launches_per_step']:7.1f}x {k['name'][:100]}")
 
 
 def find_key(value, key):

@@ -225,6 +225,24 @@ fn config_prints_toml_that_reads_back_as_a_config_file() {
     .stdout_has(&["training.seed = 7", "# config file ("]);
 }
 
+/// `bench --kernel-profile` times CubeCL's kernel launches: on the CPU it
+/// is refused before any step, with the flag, the device and what to do
+/// named.
+#[test]
+fn a_kernel_profile_on_the_cpu_is_refused_with_what_to_do() {
+    kiln(&[
+        "bench",
+        "lm",
+        "--kernel-profile",
+        "device.backend=flex",
+        "--steps",
+        "1",
+    ])
+    .run()
+    .expect_code(2)
+    .stderr_has(&["--kernel-profile", "flex (CPU)", "GPU backend"]);
+}
+
 #[test]
 fn bad_input_exits_2_with_key_value_and_layer() {
     let cases: &[(&[&str], &[&str])] = &[

@@ -13,8 +13,15 @@ use std::path::Path;
 use crate::support::kiln;
 use crate::train::{final_val_loss, tiny, train_tiny};
 
-/// The loss `kiln bench <workload>` reaches after `steps` steps on a backend.
-fn final_loss(dir: &Path, workload: &str, backend: &str, steps: usize, extra: &[&str]) -> f64 {
+/// `kiln bench <workload> --json` on the tiny model for `steps` steps on a
+/// backend, `extra` (overrides, flags) last.
+fn bench_on(
+    dir: &Path,
+    workload: &str,
+    backend: &str,
+    steps: usize,
+    extra: &[&str],
+) -> crate::support::Run {
     let mut args: Vec<String> = vec![
         "bench".into(),
         workload.into(),
@@ -31,7 +38,12 @@ fn final_loss(dir: &Path, workload: &str, backend: &str, steps: usize, extra: &[
     args.push(format!("device.backend={backend}"));
     args.extend(extra.iter().map(|s| s.to_string()));
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    let run = kiln(&refs).run().expect_code(0);
+    kiln(&refs).run().expect_code(0)
+}
+
+/// The loss `kiln bench <workload>` reaches after `steps` steps on a backend.
+fn final_loss(dir: &Path, workload: &str, backend: &str, steps: usize, extra: &[&str]) -> f64 {
+    let run = bench_on(dir, workload, backend, steps, extra);
     let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("json");
     let want = if backend == "wgpu" { "wgpu" } else { "flex" };
     assert!(
@@ -42,6 +54,75 @@ fn final_loss(dir: &Path, workload: &str, backend: &str, steps: usize, extra: &[
         v["bench"]["backend"]
     );
     v["bench"]["final_loss"].as_f64().expect("final_loss")
+}
+
+/// `kiln bench --kernel-profile=1` on wgpu: one more step after the timed
+/// ones with each kernel timed, its table in the JSON (launches, device
+/// time, the kernels most first, shares adding up to 100 %, the matrix
+/// products among them), and the timed steps untouched by it.
+#[test]
+fn a_kernel_profile_lists_where_the_device_time_goes() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let plain = final_loss(tmp.path(), "lm", "wgpu", 2, &[]);
+    let run = bench_on(tmp.path(), "lm", "wgpu", 2, &["--kernel-profile=1"]);
+    crate::measure::check_schema("bench-schema", &run.stdout);
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("json");
+    let b = &v["bench"];
+    assert!(
+        b["final_loss"]
+            .as_f64()
+            .is_some_and(|l| (l - plain).abs() < 1e-5),
+        "the profiled step comes after the timed ones: {} against {plain}",
+        b["final_loss"]
+    );
+    let p = &b["kernel_profile"];
+    assert_eq!(p["profiled_steps"], 1, "{p}");
+    assert!(
+        p["launches_per_step"].as_f64().is_some_and(|n| n >= 10.0),
+        "{p}"
+    );
+    assert!(
+        p["device_ms_per_step"].as_f64().is_some_and(|t| t > 0.0),
+        "{p}"
+    );
+    assert!(
+        p["device_busy_pct"].as_f64().is_some_and(|t| t > 0.0),
+        "{p}"
+    );
+    assert!(
+        ["device", "system", "mixed"].contains(&p["timing"].as_str().unwrap_or("")),
+        "{p}"
+    );
+    let kernels = p["kernels"].as_array().expect("kernels");
+    let ms: Vec<f64> = kernels
+        .iter()
+        .map(|k| k["ms_per_step"].as_f64().expect("ms"))
+        .collect();
+    let listed = if kernels.len() > 15 {
+        &ms[..15]
+    } else {
+        &ms[..]
+    };
+    assert!(
+        listed.windows(2).all(|w| w[0] >= w[1]),
+        "most time first: {p}"
+    );
+    let shares: f64 = kernels
+        .iter()
+        .map(|k| k["share_pct"].as_f64().expect("share"))
+        .sum();
+    assert!((shares - 100.0).abs() < 1e-6, "{p}");
+    let launches: f64 = kernels
+        .iter()
+        .map(|k| k["launches_per_step"].as_f64().expect("launches"))
+        .sum();
+    assert_eq!(Some(launches), p["launches_per_step"].as_f64(), "{p}");
+    assert!(
+        kernels.iter().any(|k| k["name"]
+            .as_str()
+            .is_some_and(|n| n.to_lowercase().contains("matmul"))),
+        "the linear layers' products are kernels: {p}"
+    );
 }
 
 /// Tolerances: the first step's loss (same weights, same batch) within
@@ -289,6 +370,14 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
             .is_some_and(|v| (257..=300).contains(&v)),
         "{gpt2}"
     );
+    // The kernel profile of its steps (`--kernel-profile`).
+    assert!(
+        gpt2["kernel_profile"]["launches_per_step"]
+            .as_f64()
+            .is_some_and(|n| n > 0.0),
+        "{gpt2}"
+    );
+    assert!(stdout.contains("device busy"), "{stdout}");
     let reference = step("reference lm: wgpu vs flex after 1 step(s)");
     assert!(
         reference["difference"].as_f64().is_some_and(|d| d < 1e-4),

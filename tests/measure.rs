@@ -341,7 +341,9 @@ fn fields(value: &serde_json::Value, prefix: &str, out: &mut BTreeMap<String, St
     }
 }
 
-fn check_schema(marker: &str, json: &str) {
+/// Checks `json` against the layout documented between `marker`'s marks
+/// in docs/PERFORMANCE.md (also the GPU suite's, for `bench.kernel_profile`).
+pub(crate) fn check_schema(marker: &str, json: &str) {
     let doc = documented(marker);
     let v: serde_json::Value = serde_json::from_str(json).expect("json");
     let mut got = BTreeMap::new();

@@ -13,6 +13,7 @@ use kiln_data::{BatchSource, Loader, benchmark_loader};
 use kiln_hwdetect::HardwareReport;
 use serde::Serialize;
 
+use crate::kernel_profile::KernelProfile;
 use crate::optim::AdamW;
 use crate::precision::{LossScaler, PrecisionChoice};
 use crate::report::median;
@@ -35,6 +36,10 @@ pub struct BenchOptions {
     pub min_seconds: f64,
     /// Pad every pair batch to `model.max_length` (PyTorch comparisons pad so).
     pub pad_to_max_length: bool,
+    /// Steps run after the timed ones with every kernel launch timed on the
+    /// device ([`KernelProfile`]); 0: none. CubeCL backends only (wgpu,
+    /// CUDA): elsewhere a bench asking for it is refused.
+    pub kernel_profile_steps: usize,
 }
 
 /// Median milliseconds per phase of an optimizer step (the first four
@@ -124,6 +129,9 @@ pub struct BenchResult {
     /// The instruction sets kiln's CPU kernels ran with (`None` on a GPU and
     /// on cubecl-cpu, where none of them run).
     pub isa: Option<kiln_model::kernels::CpuIsa>,
+    /// Where the device time of a step went, kernel by kernel (when asked:
+    /// [`BenchOptions::kernel_profile_steps`]).
+    pub kernel_profile: Option<KernelProfile>,
 }
 
 /// Per-step measurements.
@@ -135,6 +143,7 @@ struct Timings {
     final_loss: f64,
     loss_scale: Option<f64>,
     cpu_util_pct: Option<f64>,
+    kernel_profile: Option<KernelProfile>,
 }
 
 /// The bench's phase timer: synchronises the device at the end of each
@@ -222,7 +231,21 @@ fn time_steps<T: Task>(
     let mut i = 0;
     // (CPU seconds, wall clock) when the first timed step starts.
     let mut timed_from = None;
-    while !enough(i, timed) {
+    // After the timed steps, the profiled ones (if asked).
+    let mut profiler = None;
+    let mut profiled = 0;
+    loop {
+        let measuring = !enough(i, timed);
+        if !measuring {
+            if profiled == options.kernel_profile_steps {
+                break;
+            }
+            if profiled == 0 {
+                let _ = device.sync();
+                profiler = start_profiler();
+            }
+            profiled += 1;
+        }
         i += 1;
         if i == options.warmup + 1 {
             timed_from = Some((process_cpu_seconds(), Instant::now()));
@@ -241,8 +264,10 @@ fn time_steps<T: Task>(
             &mut timer,
         );
         model = stepped;
-        out.final_loss = f64::from(report.loss);
-        if i > options.warmup {
+        if measuring {
+            out.final_loss = f64::from(report.loss);
+        }
+        if measuring && i > options.warmup {
             let seconds = start.elapsed().as_secs_f64();
             timed += seconds;
             out.step_s.push(seconds);
@@ -251,15 +276,87 @@ fn time_steps<T: Task>(
                 list.push(v * 1e3);
             }
         }
+        if measuring && enough(i, timed) {
+            record_cpu_use(&mut out, timed_from.take());
+        }
     }
+    let _ = device.sync();
+    out.kernel_profile = finish_profiler(profiler, profiled, &out.step_s);
     out.loss_scale = state.scaler.map(|s| s.scale);
-    if let Some((Some(cpu0), wall0)) = timed_from {
+    out
+}
+
+/// The process's CPU use from `from` (CPU seconds, wall clock) to now.
+fn record_cpu_use(out: &mut Timings, from: Option<(Option<f64>, Instant)>) {
+    if let Some((Some(cpu0), wall0)) = from {
         let wall = wall0.elapsed().as_secs_f64();
         out.cpu_util_pct = process_cpu_seconds()
             .filter(|_| wall > 0.0)
             .map(|cpu1| 100.0 * (cpu1 - cpu0) / wall);
     }
-    out
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+type Profiling = crate::kernel_profile::Profiler;
+/// Without a CubeCL GPU backend built in there is nothing to observe (and
+/// [`check_kernel_profile`] refused the bench).
+#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+type Profiling = ();
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn start_profiler() -> Option<Profiling> {
+    Some(crate::kernel_profile::Profiler::start())
+}
+
+#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+fn start_profiler() -> Option<Profiling> {
+    None
+}
+
+/// The profile of the `steps` profiled steps, against the timed steps'
+/// median.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn finish_profiler(
+    profiler: Option<Profiling>,
+    steps: usize,
+    step_s: &[f64],
+) -> Option<KernelProfile> {
+    let mut ms: Vec<f64> = step_s.iter().map(|s| s * 1e3).collect();
+    profiler.map(|p| p.finish(steps, median(&mut ms)))
+}
+
+#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+fn finish_profiler(
+    _profiler: Option<Profiling>,
+    _steps: usize,
+    _step_s: &[f64],
+) -> Option<KernelProfile> {
+    None
+}
+
+/// A kernel profile needs a device whose kernels CubeCL launches: a GPU
+/// backend (wgpu, CUDA) built in and chosen.
+fn check_kernel_profile(
+    options: BenchOptions,
+    device: &crate::DeviceChoice,
+) -> Result<(), TrainError> {
+    if options.kernel_profile_steps == 0 {
+        return Ok(());
+    }
+    let why = if !cfg!(any(feature = "wgpu", feature = "cuda")) {
+        "and this kiln has no GPU backend built in (build it with `--features wgpu` or `cuda`)"
+    } else if !device.is_gpu {
+        "choose one with device.backend=wgpu or cuda; on the CPU, profile with `perf record` (docs/PERFORMANCE.md)"
+    } else {
+        return Ok(());
+    };
+    Err(TrainError::Unsupported(
+        "--kernel-profile",
+        format!(
+            "it times the kernels CubeCL launches on a GPU backend, and this bench runs on {}: {why}",
+            device.name
+        ),
+    ))
 }
 
 #[allow(clippy::too_many_arguments, reason = "what a result is made of")]
@@ -369,6 +466,7 @@ fn result(
         final_loss: t.final_loss,
         cpu_util_pct: t.cpu_util_pct,
         isa: device.is_flex().then(kiln_model::kernels::cpu_isa),
+        kernel_profile: t.kernel_profile,
     }
 }
 
@@ -468,8 +566,10 @@ fn loader_rows<S: BatchSource>(
 fn bench_device(
     config: &RunConfig,
     hardware: &HardwareReport,
+    options: BenchOptions,
 ) -> Result<(crate::DeviceChoice, Device, PrecisionChoice), TrainError> {
     let choice = open_device(config, !hardware.gpus().is_empty())?;
+    check_kernel_profile(options, &choice)?;
     let device = train_device(config, &choice.device, config.training.seed);
     let precision = run_precision(config, &choice, hardware);
     Ok((choice, device, precision))
@@ -482,7 +582,7 @@ pub fn bench_lm(
     hardware: &HardwareReport,
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
-    let (choice, device, precision) = bench_device(config, hardware)?;
+    let (choice, device, precision) = bench_device(config, hardware, options)?;
     let prepared = lm::prepare(config, lm::TokenizerFrom::Config)?;
     let task = prepared.task(config, &choice.device)?;
     let gpt = &prepared.gpt;
@@ -514,7 +614,7 @@ pub fn bench_nli(
     hardware: &HardwareReport,
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
-    let (choice, device, precision) = bench_device(config, hardware)?;
+    let (choice, device, precision) = bench_device(config, hardware, options)?;
     let pairs = nli::read(config)?;
     let prepared = nli::prepare(config, &pairs, 0, None)?;
     let encoder = &prepared.encoder;
@@ -591,6 +691,7 @@ mod tests {
             steps: 3,
             min_seconds: 0.0,
             pad_to_max_length: false,
+            kernel_profile_steps: 0,
         };
         let before = crate::step::steps_run();
         let r = bench_lm(&config, &hardware, options).expect("bench runs");

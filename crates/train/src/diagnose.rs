@@ -161,6 +161,7 @@ fn measure_burst(
         steps,
         min_seconds: 0.0,
         pad_to_max_length: false,
+        kernel_profile_steps: 0,
     };
     let r = match config.workload {
         Workload::Lm => bench_lm(config, hardware, options)?,

@@ -33,6 +33,11 @@ pub(crate) struct Args {
     /// Pad every pair batch to model.max_length (as the PyTorch reference does)
     #[arg(long)]
     pad_to_max_length: bool,
+    /// After the timed steps, run this many more with every kernel launch
+    /// timed on the device, and list where the step's device time went
+    /// (wgpu and CUDA only; 2 steps unless given as --kernel-profile=N)
+    #[arg(long, value_name = "STEPS", num_args = 0..=1, require_equals = true, default_missing_value = "2", default_value_t = 0)]
+    kernel_profile: usize,
     #[command(flatten)]
     layers: Layers,
 }
@@ -56,6 +61,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         batches,
         json,
         pad_to_max_length,
+        kernel_profile,
         layers,
     } = args;
     let report = &ctx.report;
@@ -82,6 +88,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         steps,
         min_seconds,
         pad_to_max_length,
+        kernel_profile_steps: kernel_profile,
     };
     let result = match workload {
         Workload::Nli => kiln_train::bench_nli(config, report, options),
@@ -243,5 +250,44 @@ fn bench_text(r: &kiln_train::BenchResult) -> String {
             "instruction sets: gemm {}, kiln's loops {}, Burn's element-wise loops {}\n",
             i.gemm, i.kernels, i.elementwise
         )),
-    )
+    ) + &r
+        .kernel_profile
+        .as_ref()
+        .map_or(String::new(), kernel_profile_text)
+}
+
+/// `--kernel-profile`: the device's busy share and the largest kernels.
+fn kernel_profile_text(p: &kiln_train::KernelProfile) -> String {
+    let mut text = format!(
+        "kernels ({} profiled steps, {} timing): {:.0} launches and {:.2} ms of device time a step, {:.0}% of the median step{}\n",
+        p.profiled_steps,
+        p.timing,
+        p.launches_per_step,
+        p.device_ms_per_step,
+        p.device_busy_pct,
+        if p.untimed_launches > 0 {
+            format!("; {} launches untimed", p.untimed_launches)
+        } else {
+            String::new()
+        },
+    );
+    for k in &p.kernels {
+        text += &format!(
+            "  {:>9.3} ms {:>5.1}% {:>7.1}× {}\n",
+            k.ms_per_step,
+            k.share_pct,
+            k.launches_per_step,
+            truncate(&k.name, 110)
+        );
+    }
+    text
+}
+
+/// `name` cut to `max` characters, with an ellipsis when cut.
+fn truncate(name: &str, max: usize) -> String {
+    if name.chars().count() <= max {
+        name.to_string()
+    } else {
+        name.chars().take(max - 1).collect::<String>() + "…"
+    }
 }
