@@ -13,7 +13,7 @@ use kiln_data::{BatchSource, Loader, benchmark_loader};
 use kiln_hwdetect::HardwareReport;
 use serde::Serialize;
 
-use crate::kernel_profile::KernelProfile;
+use crate::kernel_profile::{KernelProfile, Profiler};
 use crate::optim::AdamW;
 use crate::precision::{LossScaler, PrecisionChoice};
 use crate::report::median;
@@ -241,8 +241,9 @@ fn time_steps<T: Task>(
                 break;
             }
             if profiled == 0 {
-                let _ = device.sync();
-                profiler = start_profiler();
+                // (The phase timer synchronised the device at the end of
+                // the last timed step.)
+                profiler = Profiler::start();
             }
             profiled += 1;
         }
@@ -280,8 +281,10 @@ fn time_steps<T: Task>(
             record_cpu_use(&mut out, timed_from.take());
         }
     }
-    let _ = device.sync();
-    out.kernel_profile = finish_profiler(profiler, profiled, &out.step_s);
+    out.kernel_profile = profiler.map(|p| {
+        let mut ms: Vec<f64> = out.step_s.iter().map(|s| s * 1e3).collect();
+        p.finish(profiled, median(&mut ms))
+    });
     out.loss_scale = state.scaler.map(|s| s.scale);
     out
 }
@@ -294,44 +297,6 @@ fn record_cpu_use(out: &mut Timings, from: Option<(Option<f64>, Instant)>) {
             .filter(|_| wall > 0.0)
             .map(|cpu1| 100.0 * (cpu1 - cpu0) / wall);
     }
-}
-
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-type Profiling = crate::kernel_profile::Profiler;
-/// Without a CubeCL GPU backend built in there is nothing to observe (and
-/// [`check_kernel_profile`] refused the bench).
-#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
-type Profiling = ();
-
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-fn start_profiler() -> Option<Profiling> {
-    Some(crate::kernel_profile::Profiler::start())
-}
-
-#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
-fn start_profiler() -> Option<Profiling> {
-    None
-}
-
-/// The profile of the `steps` profiled steps, against the timed steps'
-/// median.
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-fn finish_profiler(
-    profiler: Option<Profiling>,
-    steps: usize,
-    step_s: &[f64],
-) -> Option<KernelProfile> {
-    let mut ms: Vec<f64> = step_s.iter().map(|s| s * 1e3).collect();
-    profiler.map(|p| p.finish(steps, median(&mut ms)))
-}
-
-#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
-fn finish_profiler(
-    _profiler: Option<Profiling>,
-    _steps: usize,
-    _step_s: &[f64],
-) -> Option<KernelProfile> {
-    None
 }
 
 /// A kernel profile needs a device whose kernels CubeCL launches: a GPU

@@ -84,7 +84,7 @@ mod observe {
         pending: Mutex<Vec<(&'static str, ProfileDuration)>>,
         /// Durations the launch path read itself (when CubeCL's profiling logger
         /// is on too, it reads every measurement and hands over its length).
-        read: Mutex<Vec<(&'static str, Duration, TimingMethod)>>,
+        read: Mutex<Vec<Timed>>,
     }
 
     fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -102,7 +102,7 @@ mod observe {
             lock(&self.pending).push((kernel, profile));
         }
         fn timed(&self, kernel: &'static str, duration: Duration, method: TimingMethod) {
-            lock(&self.read).push((kernel, duration, method));
+            lock(&self.read).push((kernel, duration.as_secs_f64(), method_name(method)));
         }
     }
 
@@ -114,26 +114,24 @@ mod observe {
     }
 
     impl Profiler {
-        /// Starts observing (process-wide).
-        pub(crate) fn start() -> Self {
+        /// Starts observing (process-wide); `None` in a build without a
+        /// GPU backend.
+        pub(crate) fn start() -> Option<Self> {
             let recorder = Arc::new(Recorder::default());
             let observation = LaunchObservation::new(recorder.clone());
-            Self {
+            Some(Self {
                 recorder,
                 observation,
-            }
+            })
         }
 
-        /// Stops observing and reads the measurements (the device must have been
-        /// synchronised after the last step); `steps` were profiled, and the
-        /// timed steps' median was `median_step_ms`.
+        /// Stops observing and reads the measurements (each read waits for
+        /// its kernel); `steps` were profiled, and the timed steps' median
+        /// was `median_step_ms`.
         pub(crate) fn finish(self, steps: usize, median_step_ms: f64) -> KernelProfile {
             drop(self.observation);
             let recorder = self.recorder;
-            let mut read: Vec<Timed> = std::mem::take(&mut *lock(&recorder.read))
-                .into_iter()
-                .map(|(kernel, d, method)| (kernel, d.as_secs_f64(), method_name(method)))
-                .collect();
+            let mut read = std::mem::take(&mut *lock(&recorder.read));
             let pending = std::mem::take(&mut *lock(&recorder.pending));
             let mut untimed = 0;
             for (kernel, profile) in pending {
@@ -143,7 +141,7 @@ mod observe {
                     None => untimed += 1,
                 }
             }
-            let launches = lock(&recorder.launches).clone();
+            let launches = std::mem::take(&mut *lock(&recorder.launches));
             summarise(steps, median_step_ms, &launches, &read, untimed)
         }
     }
@@ -158,6 +156,22 @@ mod observe {
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub(crate) use observe::Profiler;
+
+/// Without a GPU backend built in there is nothing to observe (and the
+/// bench refuses `--kernel-profile` before any step): no profiler exists.
+#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+pub(crate) enum Profiler {}
+
+#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+impl Profiler {
+    pub(crate) fn start() -> Option<Self> {
+        None
+    }
+
+    pub(crate) fn finish(self, _steps: usize, _median_step_ms: f64) -> KernelProfile {
+        match self {}
+    }
+}
 
 /// A kernel's measured launch: its name, seconds, and how it was timed.
 #[cfg_attr(
