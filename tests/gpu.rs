@@ -123,6 +123,28 @@ fn a_kernel_profile_lists_where_the_device_time_goes() {
             .is_some_and(|n| n.to_lowercase().contains("matmul"))),
         "the linear layers' products are kernels: {p}"
     );
+    // kiln's kernels launch fewer: one per LayerNorm and one per
+    // parameter for the gradient norm, where Burn's compositions launch
+    // some 34 and 3 (without `fusion`; under it both sides are fused).
+    let reference = bench_on(
+        tmp.path(),
+        "lm",
+        "wgpu",
+        1,
+        &["--kernel-profile=1", "optimization.kernels=reference"],
+    );
+    let r: serde_json::Value = serde_json::from_str(&reference.stdout).expect("json");
+    let launches = |v: &serde_json::Value| {
+        v["kernel_profile"]["launches_per_step"]
+            .as_f64()
+            .expect("launches")
+    };
+    let (fused, composed) = (launches(b), launches(&r["bench"]));
+    let most = if cfg!(feature = "fusion") { 1.0 } else { 0.6 };
+    assert!(
+        fused <= most * composed,
+        "{fused} launches a step with kiln's kernels, {composed} with Burn's compositions"
+    );
 }
 
 /// Tolerances: the first step's loss (same weights, same batch) within
@@ -409,6 +431,8 @@ fn kiln_kernels_on_wgpu_agree_with_the_composition() {
     // (name, tolerance, whether kiln's kernel runs)
     let expected = [
         ("adamw", 1e-5, !cfg!(feature = "fusion")),
+        ("sum of squares", 1e-5, !cfg!(feature = "fusion")),
+        ("layer norm", 1e-4, !cfg!(feature = "fusion")),
         ("attention, causal", 1e-4, true),
         ("attention, padded", 1e-4, true),
         ("attention, queries that see no key", 1e-4, true),

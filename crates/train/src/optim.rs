@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
-use kiln_model::kernels::{AdamWStep, Kernels, adamw};
+use kiln_model::kernels::{AdamWStep, Kernels, adamw, sum_of_squares};
 
 /// AdamW's hyper-parameters, set explicitly (Burn's defaults differ from PyTorch's).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -131,27 +131,32 @@ impl ModuleMapper for Update<'_> {
     }
 }
 
-/// The global L2 norm of all gradients of `module`, as one number.
-pub(crate) fn global_grad_norm<M: Module>(module: &M, grads: &GradientsParams) -> f64 {
-    struct Norm<'a> {
+/// The global L2 norm of all gradients of `module`, as one number: the
+/// sum of their squares in one kernel launch per parameter where `kernels`
+/// has it (`kernels::sum_of_squares`), read back once.
+pub(crate) fn global_grad_norm<M: Module>(
+    module: &M,
+    grads: &GradientsParams,
+    kernels: Kernels,
+) -> f64 {
+    struct Flat<'a> {
         grads: &'a GradientsParams,
-        sum: Option<Tensor<1>>,
+        flat: Vec<Tensor<1>>,
     }
-    impl ModuleVisitor for Norm<'_> {
+    impl ModuleVisitor for Flat<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if let Some(g) = self.grads.get::<D>(param.id) {
-                let sq = g.powi_scalar(2).sum();
-                self.sum = Some(match self.sum.take() {
-                    Some(s) => s.add(sq),
-                    None => sq,
-                });
+                let n: usize = g.dims().iter().product();
+                self.flat.push(g.reshape([n]));
             }
         }
     }
-    let mut norm = Norm { grads, sum: None };
-    module.visit(&mut norm);
-    norm.sum
-        .map_or(0.0, |s| f64::from(s.into_scalar::<f32>()).sqrt())
+    let mut flat = Flat {
+        grads,
+        flat: Vec::new(),
+    };
+    module.visit(&mut flat);
+    sum_of_squares(flat.flat, kernels).map_or(0.0, |s| f64::from(s.into_scalar::<f32>()).sqrt())
 }
 
 #[cfg(test)]
@@ -213,7 +218,7 @@ mod tests {
         let x = Tensor::<2>::from_data(TensorData::new(vec![1.0f32, 2.0, 2.0], [1, 3]), &device);
         let grads = GradientsParams::from_grads(lin.forward(x).sum().backward(), &lin);
         // d/dw = x = (1, 2, 2), d/db = 1: norm sqrt(1 + 4 + 4 + 1).
-        let norm = global_grad_norm(&lin, &grads);
+        let norm = global_grad_norm(&lin, &grads, Kernels::Fused);
         assert!((norm - 10f64.sqrt()).abs() < 1e-5, "{norm}");
     }
 }

@@ -201,7 +201,7 @@ pub(crate) fn train_step<T: Task>(
     }
     let grads = single.unwrap_or_else(|| accumulator.grads());
     let loss = loss_sum.map_or(f32::NAN, |l| l.into_scalar::<f32>()) / accum as f32;
-    let grad_norm = global_grad_norm(&model, &grads) / loss_scale;
+    let grad_norm = global_grad_norm(&model, &grads, optim.kernels) / loss_scale;
     let verdict = match state.scaler.as_mut() {
         Some(scaler) if loss.is_finite() && !grad_norm.is_finite() && scaler.can_back_off() => {
             scaler.update(false);

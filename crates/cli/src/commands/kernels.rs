@@ -7,7 +7,9 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use kiln_train::kiln_model::kernels::{KernelCheck, check_adamw, check_attention};
+use kiln_train::kiln_model::kernels::{
+    KernelCheck, check_adamw, check_attention, check_layer_norm, check_sum_of_squares,
+};
 
 use super::{Context, Layers, train_error};
 
@@ -24,7 +26,11 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     let resolved = ctx.resolve(&args.layers)?;
     let choice = kiln_train::select_device(&resolved.config.device, !ctx.report.gpus().is_empty())
         .map_err(train_error)?;
-    let mut checks = vec![check_adamw(&choice.device)];
+    let mut checks = vec![
+        check_adamw(&choice.device),
+        check_sum_of_squares(&choice.device),
+    ];
+    checks.push(check_layer_norm(&choice.device));
     checks.extend(check_attention(&choice.device));
     let passed = checks.iter().all(KernelCheck::passed);
     let mut out = std::io::stdout().lock();

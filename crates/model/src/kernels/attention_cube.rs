@@ -229,7 +229,7 @@ mod cube {
 
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    fn forward_kernel<E: Float>(
+    fn attention_kernel<E: Float>(
         qkv: &[E],
         pad: &[f32],
         out: &mut [E],
@@ -496,7 +496,7 @@ mod cube {
         let dtype = qkv.dtype;
         let out = empty(&qkv, vec![p.batch, p.seq, p.heads * p.head_dim], dtype);
         let lse = empty(&qkv, p.per_row(), DType::F32);
-        forward_kernel::launch(
+        attention_kernel::launch(
             &qkv.client.clone(),
             p.cube_count,
             p.cube_dim,

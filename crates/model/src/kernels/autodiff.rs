@@ -126,3 +126,76 @@ pub(super) fn attention_backward<B: Backend, C: CheckpointStrategy>(
     let [qkv, key_pad, out, lse, grad] = tensors.map(Autodiff::<B, C>::inner);
     Autodiff::<B, C>::from_inner(backward(qkv, key_pad, heads, causal, out, lse, grad))
 }
+
+/// Three tensors of one backend.
+pub(super) type Three<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
+/// Three inner-backend tensors as untracked autodiff tensors.
+pub(super) fn lift3<B: Backend, C: CheckpointStrategy>(
+    (a, b, c): Three<B>,
+) -> Three<Autodiff<B, C>> {
+    let lift = Autodiff::<B, C>::from_inner;
+    (lift(a), lift(b), lift(c))
+}
+
+/// A LayerNorm kernel's forward: x, gamma, beta and epsilon in; the output
+/// and each row's mean and 1/σ out.
+pub(super) type LayerNormForward<B> =
+    fn(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, f64) -> Three<B>;
+
+/// A LayerNorm kernel's backward: x, gamma, the rows' mean and 1/σ, and the
+/// output's gradient in; the gradients of x, gamma and beta out.
+pub(super) type LayerNormBackward<B> =
+    fn(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) -> Three<B>;
+
+/// What LayerNorm's backward pass needs: x, gamma, the rows' statistics,
+/// and the backend's backward kernel.
+#[derive(Clone, Debug)]
+struct LayerNormSaved<B: Backend> {
+    tensors: [FloatTensor<B>; 4],
+    backward: LayerNormBackward<B>,
+}
+
+/// LayerNorm under autodiff (the flex kernel and the CubeCL one): runs
+/// `forward` on the inner backend and, when any input is tracked, records
+/// `backward` with x, gamma and the statistics.
+pub(super) fn layer_norm<B: Backend, C: CheckpointStrategy>(
+    [x, gamma, beta]: [Tracked<B, C>; 3],
+    epsilon: f64,
+    forward: LayerNormForward<B>,
+    backward: LayerNormBackward<B>,
+) -> Three<Autodiff<B, C>> {
+    let step = KernelBackward::<B, LayerNormSaved<B>, 3>(|s, grad| {
+        let [x, gamma, mean, rstd] = s.tensors;
+        let (dx, dgamma, dbeta) = (s.backward)(x, gamma, mean, rstd, grad);
+        [dx, dgamma, dbeta]
+    });
+    let nodes = [x.node(), gamma.node(), beta.node()];
+    let [x, gamma, beta] = [x, gamma, beta].map(Autodiff::<B, C>::inner);
+    let (y, mean, rstd) = forward(x.clone(), gamma.clone(), beta, epsilon);
+    let (mean_out, rstd_out) = (
+        Autodiff::<B, C>::from_inner(mean.clone()),
+        Autodiff::<B, C>::from_inner(rstd.clone()),
+    );
+    let y = match step.prepare::<C>(nodes).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(
+            LayerNormSaved {
+                tensors: [x, gamma, mean, rstd],
+                backward,
+            },
+            y,
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    };
+    (y, mean_out, rstd_out)
+}
+
+/// LayerNorm's backward called on autodiff tensors: computed on the inner
+/// backend without tracking.
+pub(super) fn layer_norm_backward<B: Backend, C: CheckpointStrategy>(
+    tensors: [Tracked<B, C>; 5],
+    backward: LayerNormBackward<B>,
+) -> Three<Autodiff<B, C>> {
+    let [x, gamma, mean, rstd, grad] = tensors.map(Autodiff::<B, C>::inner);
+    lift3::<B, C>(backward(x, gamma, mean, rstd, grad))
+}

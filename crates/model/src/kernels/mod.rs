@@ -19,6 +19,13 @@
 //! other device or dtype, or with `Reference`, they run the plain Burn
 //! composition of the same math, which is also what the tests compare the
 //! kernels against, forward and backward.
+//!
+//! On the CubeCL GPUs (wgpu, CUDA) kiln has its own kernels too, each its
+//! own extension trait: the memory-efficient self-attention
+//! (`attention_cube`), LayerNorm in f32 (`layer_norm_cube`), the gradient
+//! norm's sum of squares (`norm`) and AdamW's update (`optim`); the last
+//! three not under Burn's `fusion`, which fuses their compositions itself.
+//! `kiln check-kernels` compares each with its composition on a device.
 
 #[cfg(feature = "cube")]
 mod attention_cube;
@@ -27,11 +34,15 @@ mod autodiff;
 #[cfg(feature = "flex")]
 mod cpu;
 mod isa;
+#[cfg(all(feature = "cube", not(feature = "fusion")))]
+mod layer_norm_cube;
 #[cfg(feature = "flex")]
 mod math;
+mod norm;
 mod optim;
 
 pub use isa::{AVX512_BUILT, CpuIsa, cpu_isa};
+pub use norm::{SUM_OF_SQUARES_TOLERANCE, check_sum_of_squares, sum_of_squares};
 pub use optim::{ADAMW_TOLERANCE, AdamWStep, KernelCheck, adamw, check_adamw};
 
 use burn::nn::{LayerNorm, Linear};
@@ -223,6 +234,82 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
     checks
 }
 
+/// The tolerance of [`check_layer_norm`]: outputs and the three gradients
+/// of the kernel and Burn's `LayerNorm` agree to within 1e-4 (gamma's and
+/// beta's gradients are sums over 150 rows, in another order).
+pub const LAYER_NORM_TOLERANCE: f64 = 1e-4;
+
+/// [`layer_norm`] fused and composed (Burn's `LayerNorm`) on `device`,
+/// forward and backward: 2 × 75 rows of width 200 (ragged against a
+/// cube's 128 units and the CPU's SIMD lanes), inputs of mean 3 and
+/// spread 2, gamma and beta drawn (not ones and zeros). The difference is
+/// the largest of the output's and the gradients' of x, gamma and beta.
+pub fn check_layer_norm(device: &burn::tensor::Device) -> KernelCheck {
+    use burn::tensor::Distribution;
+    let device = device.clone().autodiff();
+    device.seed(14);
+    let (b, t, d) = (2, 75, 200);
+    let ln = drawn_layer_norm(d, &device);
+    let x = Tensor::<3>::random([b, t, d], Distribution::Normal(3.0, 2.0), &device);
+    let upstream = Tensor::<3>::random([b, t, d], Distribution::Normal(0.0, 1.0), &device);
+    let beta = ln.beta.as_ref().expect("beta");
+    let fused = layer_norm_fused_here(&x, &ln.gamma.val(), &beta.val());
+    let run = |kernels| {
+        let x = x.clone().require_grad();
+        let y = layer_norm(&ln, x.clone(), kernels);
+        let grads = (y.clone() * upstream.clone()).sum().backward();
+        let dx = x.grad(&grads).expect("x gradient");
+        let dgamma = ln.gamma.grad(&grads).expect("gamma gradient");
+        let dbeta = beta.grad(&grads).expect("beta gradient");
+        (y.detach(), dx, dgamma, dbeta)
+    };
+    let (y, dx, dgamma, dbeta) = run(Kernels::Fused);
+    let (y_ref, dx_ref, dgamma_ref, dbeta_ref) = run(Kernels::Reference);
+    let max_abs3 = |a: Tensor<3>, b: Tensor<3>| f64::from((a - b).abs().max().into_scalar::<f32>());
+    let max_abs1 = |a: Tensor<1>, b: Tensor<1>| f64::from((a - b).abs().max().into_scalar::<f32>());
+    KernelCheck {
+        kernel: format!("layer norm ({} × {d})", b * t),
+        fused,
+        max_abs_difference: max_abs3(y, y_ref)
+            .max(max_abs3(dx, dx_ref))
+            .max(max_abs1(dgamma, dgamma_ref))
+            .max(max_abs1(dbeta, dbeta_ref)),
+        tolerance: LAYER_NORM_TOLERANCE,
+    }
+}
+
+/// A LayerNorm of width `d` with [`LAYER_NORM_EPSILON`] whose gamma and
+/// beta are drawn (not the initial ones and zeros, so that they matter).
+fn drawn_layer_norm(d: usize, device: &burn::tensor::Device) -> LayerNorm {
+    use burn::nn::LayerNormConfig;
+    use burn::tensor::Distribution;
+    let mut ln = LayerNormConfig::new(d)
+        .with_epsilon(LAYER_NORM_EPSILON)
+        .init(device);
+    ln.gamma = ln
+        .gamma
+        .map(|g| g.random_like(Distribution::Normal(1.0, 0.5)).require_grad());
+    ln.beta = ln
+        .beta
+        .map(|b| b.map(|b| b.random_like(Distribution::Normal(0.0, 0.5)).require_grad()));
+    ln
+}
+
+/// Whether [`layer_norm`] runs a kiln kernel (flex's or CubeCL's) for `x`
+/// with these gamma and beta.
+fn layer_norm_fused_here(x: &Tensor<3>, gamma: &Tensor<1>, beta: &Tensor<1>) -> bool {
+    #[cfg(feature = "flex")]
+    if flex::runs_fused(x) {
+        return true;
+    }
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    if layer_norm_cube::runs(x, gamma, beta) {
+        return true;
+    }
+    let _ = (x, gamma, beta);
+    false
+}
+
 /// Self-attention's output and qkv gradient with `kernels`, for the
 /// upstream gradient `upstream`.
 fn attention_run(
@@ -296,6 +383,13 @@ pub fn layer_norm<const D: usize>(ln: &LayerNorm, x: Tensor<D>, kernels: Kernels
     {
         return flex::layer_norm(x, ln.gamma.val(), beta.val(), LAYER_NORM_EPSILON);
     }
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    if kernels == Kernels::Fused
+        && let Some(beta) = &ln.beta
+        && layer_norm_cube::runs(&x, &ln.gamma.val(), &beta.val())
+    {
+        return layer_norm_cube::layer_norm(x, ln.gamma.val(), beta.val(), LAYER_NORM_EPSILON);
+    }
     let _ = kernels;
     ln.forward(x)
 }
@@ -321,7 +415,7 @@ mod flex {
     };
     use burn::tensor::{Bool, DType, Tensor};
 
-    use super::autodiff::{self, KernelBackward};
+    use super::autodiff::{self, KernelBackward, Three, lift3};
     use super::cpu;
 
     /// kiln's fused operations as a Burn backend extension.
@@ -526,26 +620,13 @@ mod flex {
             gamma: FloatTensor<Self>,
             beta: FloatTensor<Self>,
             epsilon: f64,
-        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-            // x, gamma, and the rows' mean and 1/σ.
-            let backward =
-                KernelBackward::<B, [FloatTensor<B>; 4], 3>(|[x, gamma, mean, rstd], grad| {
-                    let (dx, dgamma, dbeta) =
-                        B::kiln_layer_norm_backward(x, gamma, mean, rstd, grad);
-                    [dx, dgamma, dbeta]
-                });
-            let nodes = [x.node(), gamma.node(), beta.node()];
-            let [x, gamma, beta] = [x, gamma, beta].map(Self::inner);
-            let (y, mean, rstd) = B::kiln_layer_norm(x.clone(), gamma.clone(), beta, epsilon);
-            let (mean_out, rstd_out) = (
-                Self::from_inner(mean.clone()),
-                Self::from_inner(rstd.clone()),
-            );
-            let y = match backward.prepare::<C>(nodes).compute_bound().stateful() {
-                OpsKind::Tracked(prep) => prep.finish([x, gamma, mean, rstd], y),
-                OpsKind::UnTracked(prep) => prep.finish(y),
-            };
-            (y, mean_out, rstd_out)
+        ) -> Three<Self> {
+            autodiff::layer_norm::<B, C>(
+                [x, gamma, beta],
+                epsilon,
+                B::kiln_layer_norm,
+                B::kiln_layer_norm_backward,
+            )
         }
 
         fn kiln_layer_norm_backward(
@@ -554,19 +635,12 @@ mod flex {
             mean: FloatTensor<Self>,
             rstd: FloatTensor<Self>,
             grad: FloatTensor<Self>,
-        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-            let [x, gamma, mean, rstd, grad] = [x, gamma, mean, rstd, grad].map(Self::inner);
-            lift3::<B, C>(B::kiln_layer_norm_backward(x, gamma, mean, rstd, grad))
+        ) -> Three<Self> {
+            autodiff::layer_norm_backward::<B, C>(
+                [x, gamma, mean, rstd, grad],
+                B::kiln_layer_norm_backward,
+            )
         }
-    }
-
-    /// Three tensors of one backend.
-    type Three<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
-
-    /// Three inner-backend tensors as untracked autodiff tensors.
-    fn lift3<B: Backend, C: CheckpointStrategy>((a, b, c): Three<B>) -> Three<Autodiff<B, C>> {
-        let lift = Autodiff::<B, C>::from_inner;
-        (lift(a), lift(b), lift(c))
     }
 
     /// Whether `x` lives on flex (with or without autodiff) in f32.
@@ -650,6 +724,32 @@ mod tests {
             let dx = x.grad(&grads).expect("input gradient");
             (y.detach(), dx)
         })
+    }
+
+    #[test]
+    fn the_layer_norm_check_compares_flex_kernel_with_burn() {
+        let check = check_layer_norm(&Device::flex());
+        assert_eq!(check.kernel, "layer norm (150 × 200)");
+        assert!(check.fused, "{check:?}");
+        // The kernel ran (the sums go in another order than Burn's), and
+        // agrees within the tolerance.
+        assert!(check.max_abs_difference > 0.0, "{check:?}");
+        assert!(check.passed(), "{check:?}");
+    }
+
+    #[test]
+    fn the_sum_of_squares_is_the_composition_on_flex() {
+        let check = check_sum_of_squares(&Device::flex());
+        // No kernel on flex: both sides are Burn's composition.
+        assert!(!check.fused, "{check:?}");
+        assert_eq!(check.max_abs_difference, 0.0, "{check:?}");
+        let device = Device::flex();
+        let t = |v: Vec<f32>| {
+            Tensor::<1>::from_data(burn::tensor::TensorData::new(v.clone(), [v.len()]), &device)
+        };
+        let sum = sum_of_squares([t(vec![1.0, 2.0]), t(vec![2.0])], Kernels::Fused).expect("sum");
+        assert_eq!(sum.into_scalar::<f32>(), 9.0);
+        assert!(sum_of_squares(Vec::<Tensor<1>>::new(), Kernels::Fused).is_none());
     }
 
     #[test]
@@ -791,23 +891,12 @@ mod tests {
 
     #[test]
     fn fused_layer_norm_matches_burn_layer_norm_forward_and_backward() {
-        use burn::nn::LayerNormConfig;
-
         let device = Device::flex().autodiff();
         device.seed(11);
         // 150 rows: two full tasks of 64 and a ragged one; width 72 is not a
         // multiple of the SIMD lanes.
         let d = 72;
-        // Not the initial ones and zeros, so that gamma and beta matter.
-        let mut ln = LayerNormConfig::new(d)
-            .with_epsilon(LAYER_NORM_EPSILON)
-            .init(&device);
-        ln.gamma = ln
-            .gamma
-            .map(|g| g.random_like(Distribution::Normal(1.0, 0.5)).require_grad());
-        ln.beta = ln
-            .beta
-            .map(|b| b.map(|b| b.random_like(Distribution::Normal(0.0, 0.5)).require_grad()));
+        let ln = drawn_layer_norm(d, &device);
         let x = Tensor::<2>::random([150, d], Distribution::Normal(3.0, 2.0), &device);
         let upstream = Tensor::<2>::random([150, d], Distribution::Normal(0.0, 1.0), &device);
         let diffs = fused_vs_reference(

@@ -1,0 +1,198 @@
+//! The sum of squares of many tensors (the square of the global gradient
+//! norm that clipping needs) in one kernel launch per tensor.
+//!
+//! Composed of Burn operations, the global norm is three operations per
+//! parameter (square, sum, add to the running total), and a sum is itself
+//! one or two reduction kernels: on a GPU about four launches per
+//! parameter, more than the fused AdamW update that follows it (one per
+//! parameter). Where a step is short the launches, not the bytes, are its
+//! cost (the tiny GPT on an H100: about 20 µs a launch). The kernel here
+//! reads one tensor and adds the squares of its elements into a fixed set
+//! of [`SLOTS`] partial sums (slot `u` takes the elements `u`, `u + SLOTS`,
+//! `u + 2·SLOTS`, …: neighbouring units read neighbouring elements), so
+//! `n` tensors cost `n` launches plus one to zero the slots and one sum at
+//! the end. The order of the additions is fixed by `SLOTS` alone, so the
+//! result is the same on every run; it differs from the composition's in
+//! the last bits (another order of the same additions).
+//!
+//! CubeCL GPUs (wgpu, CUDA) without Burn's `fusion` (which fuses the
+//! composition itself, as for AdamW); elsewhere, and with `Reference`, the
+//! composition runs.
+
+use burn::tensor::Tensor;
+
+use super::{KernelCheck, Kernels};
+
+/// The partial sums every tensor's kernel adds into: 64 cubes of 256 units.
+pub(crate) const SLOTS: usize = 16_384;
+
+/// The sum of the squares of every element of `tensors`, as a one-element
+/// tensor (f32 from the kernel; the tensors' dtype from the composition);
+/// `None` for no tensors. See the module's documentation for which runs.
+pub fn sum_of_squares(
+    tensors: impl IntoIterator<Item = Tensor<1>>,
+    kernels: Kernels,
+) -> Option<Tensor<1>> {
+    let mut tensors = tensors.into_iter().peekable();
+    let first = tensors.peek()?;
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    if kernels == Kernels::Fused && fused::runs(first) {
+        return Some(fused::sum_of_squares(tensors));
+    }
+    let _ = (kernels, first);
+    tensors
+        .map(|t| t.powi_scalar(2).sum())
+        .reduce(|total, sum| total.add(sum))
+}
+
+/// Whether [`sum_of_squares`] runs its kernel for tensors like `t`.
+pub(crate) fn fused_here(t: &Tensor<1>) -> bool {
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    return fused::runs(t);
+    #[cfg(not(all(feature = "cube", not(feature = "fusion"))))]
+    {
+        let _ = t;
+        false
+    }
+}
+
+/// The tolerance of [`check_sum_of_squares`], on the square root of the
+/// sums (a norm of about 1): f32 sums of 400,000 squares in two orders.
+pub const SUM_OF_SQUARES_TOLERANCE: f64 = 1e-5;
+
+/// [`sum_of_squares`] by the kernel and by the composition, on `device`,
+/// of tensors ragged against [`SLOTS`] (one element; 10,007; 16,385;
+/// 3 × 16,384 + 5; 300,001) whose norm is about 1: the difference of the
+/// two norms (square roots of the sums).
+pub fn check_sum_of_squares(device: &burn::tensor::Device) -> KernelCheck {
+    use burn::tensor::Distribution;
+    const SIZES: [usize; 5] = [1, 10_007, SLOTS + 1, 3 * SLOTS + 5, 300_001];
+    let total: usize = SIZES.iter().sum();
+    device.seed(13);
+    let std = 1.0 / (total as f64).sqrt();
+    let tensors: Vec<Tensor<1>> = SIZES
+        .iter()
+        .map(|&n| Tensor::random([n], Distribution::Normal(0.0, std), device))
+        .collect();
+    let fused = fused_here(&tensors[0]);
+    let norm = |kernels| {
+        let sum = sum_of_squares(tensors.iter().cloned(), kernels).expect("tensors");
+        f64::from(sum.into_scalar::<f32>()).sqrt()
+    };
+    KernelCheck {
+        kernel: format!("sum of squares ({} tensors)", SIZES.len()),
+        fused,
+        max_abs_difference: (norm(Kernels::Fused) - norm(Kernels::Reference)).abs(),
+        tolerance: SUM_OF_SQUARES_TOLERANCE,
+    }
+}
+
+#[cfg(all(feature = "cube", not(feature = "fusion")))]
+mod fused {
+    //! The extension trait, its CubeCL implementation, the routing from
+    //! `Tensor` to it, and the kernel.
+
+    use burn::backend::tensor::FloatTensor;
+    use burn::backend::{Backend, Dispatch, DispatchDevice, backend_extension};
+    use burn::tensor::{DType, FloatDType, Tensor};
+    use burn_backend::cubecl::dtype_to_storage_type;
+    use burn_cubecl::kernel::into_contiguous;
+    use burn_cubecl::ops::numeric::empty_device_dtype;
+    use burn_cubecl::tensor::CubeTensor;
+    use cubecl::prelude::*;
+    use cubecl::{CubeDim, calculate_cube_count_elemwise};
+
+    use super::SLOTS;
+
+    /// Units per cube.
+    const CUBE_UNITS: usize = 256;
+
+    /// One tensor's squares added into the partial sums. The gradients are
+    /// plain tensors (no autodiff), so there is no `Autodiff` route.
+    #[backend_extension(Cube)]
+    pub(crate) trait KilnNorm: Backend {
+        /// `partials` (f32, [`SLOTS`]) plus, in slot `u`, the squares of
+        /// `x`'s elements `u`, `u + SLOTS`, ….
+        fn kiln_add_squares(x: FloatTensor<Self>, partials: FloatTensor<Self>)
+        -> FloatTensor<Self>;
+    }
+
+    impl KilnNorm for burn::backend::Cube {
+        fn kiln_add_squares(
+            x: FloatTensor<Self>,
+            partials: FloatTensor<Self>,
+        ) -> FloatTensor<Self> {
+            add_squares(x, partials)
+        }
+    }
+
+    /// Whether `t` lives on a CubeCL GPU in a dtype the kernel reads.
+    pub(super) fn runs(t: &Tensor<1>) -> bool {
+        matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
+            && matches!(t.device().inner().as_dispatch(), DispatchDevice::Cube(d) if super::super::cube_gpu(d))
+    }
+
+    pub(super) fn sum_of_squares(tensors: impl Iterator<Item = Tensor<1>>) -> Tensor<1> {
+        let mut partials: Option<Tensor<1>> = None;
+        for t in tensors {
+            let start = partials
+                .take()
+                .unwrap_or_else(|| Tensor::<1>::zeros([SLOTS], &t.device()).cast(FloatDType::F32));
+            partials = Some(Tensor::from_dispatch(
+                <Dispatch as KilnNorm>::kiln_add_squares(t.into_dispatch(), start.into_dispatch()),
+            ));
+        }
+        partials.expect("at least one tensor").sum()
+    }
+
+    #[cube(launch)]
+    fn add_squares_kernel<E: Float>(
+        x: &[E],
+        partials: &[f32],
+        out: &mut [f32],
+        rounds: usize,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let unit = ABSOLUTE_POS;
+        let slots = out.len();
+        if unit >= slots {
+            terminate!();
+        }
+        let n = x.len();
+        let mut acc = f32::new(0.0);
+        for r in 0..rounds {
+            let i = unit + r * slots;
+            if i < n {
+                let v = f32::cast_from(x[i]);
+                acc += v * v;
+            }
+        }
+        out[unit] = partials[unit] + acc;
+    }
+
+    fn add_squares(x: CubeTensor, partials: CubeTensor) -> CubeTensor {
+        let [x, partials] = [x, partials].map(into_contiguous);
+        let client = x.client.clone();
+        let dtype = x.dtype;
+        let rounds = x.meta.shape.num_elements().div_ceil(SLOTS);
+        let out = empty_device_dtype(
+            client.clone(),
+            x.device.clone(),
+            partials.meta.shape.clone(),
+            DType::F32,
+        );
+        let cube_dim = CubeDim::new_1d(CUBE_UNITS as u32);
+        let cube_count = calculate_cube_count_elemwise(&client, SLOTS, cube_dim);
+        add_squares_kernel::launch(
+            &client,
+            cube_count,
+            cube_dim,
+            x.into_buffer_arg(),
+            partials.into_buffer_arg(),
+            out.clone().into_buffer_arg(),
+            rounds,
+            dtype_to_storage_type(dtype),
+        );
+        out
+    }
+}
