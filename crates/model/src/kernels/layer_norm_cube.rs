@@ -149,7 +149,7 @@ mod cube {
         let mut stride = units.runtime() / 2;
         while stride > 0 {
             if unit < stride {
-                shared[unit] = shared[unit] + shared[unit + stride];
+                shared[unit] += shared[unit + stride];
             }
             sync_cube();
             stride /= 2;
