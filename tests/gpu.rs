@@ -123,9 +123,9 @@ fn a_kernel_profile_lists_where_the_device_time_goes() {
             .is_some_and(|n| n.to_lowercase().contains("matmul"))),
         "the linear layers' products are kernels: {p}"
     );
-    // kiln's kernels launch fewer: one per LayerNorm and one per
-    // parameter for the gradient norm, where Burn's compositions launch
-    // some 34 and 3 (without `fusion`; under it both sides are fused).
+    // kiln's kernels launch fewer: one per LayerNorm, GELU and parameter
+    // (the gradient norm) and direction, where Burn's compositions launch
+    // some 34, 20 and 3 (without `fusion`; under it both sides are fused).
     let reference = bench_on(
         tmp.path(),
         "lm",
@@ -432,6 +432,7 @@ fn kiln_kernels_on_wgpu_agree_with_the_composition() {
     let expected = [
         ("adamw", 1e-5, !cfg!(feature = "fusion")),
         ("sum of squares", 1e-5, !cfg!(feature = "fusion")),
+        ("gelu", 1e-5, !cfg!(feature = "fusion")),
         ("layer norm", 1e-4, !cfg!(feature = "fusion")),
         ("attention, causal", 1e-4, true),
         ("attention, padded", 1e-4, true),

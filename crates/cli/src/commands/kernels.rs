@@ -8,7 +8,7 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use kiln_train::kiln_model::kernels::{
-    KernelCheck, check_adamw, check_attention, check_layer_norm, check_sum_of_squares,
+    KernelCheck, check_adamw, check_attention, check_gelu, check_layer_norm, check_sum_of_squares,
 };
 
 use super::{Context, Layers, train_error};
@@ -30,6 +30,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         check_adamw(&choice.device),
         check_sum_of_squares(&choice.device),
     ];
+    checks.push(check_gelu(&choice.device));
     checks.push(check_layer_norm(&choice.device));
     checks.extend(check_attention(&choice.device));
     let passed = checks.iter().all(KernelCheck::passed);

@@ -199,3 +199,52 @@ pub(super) fn layer_norm_backward<B: Backend, C: CheckpointStrategy>(
     let [x, gamma, mean, rstd, grad] = tensors.map(Autodiff::<B, C>::inner);
     lift3::<B, C>(backward(x, gamma, mean, rstd, grad))
 }
+
+/// An element-wise kernel's forward (x in, y out) and backward (x and the
+/// output's gradient in, x's gradient out).
+pub(super) type UnaryForward<B> = fn(FloatTensor<B>) -> FloatTensor<B>;
+pub(super) type UnaryBackward<B> = fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>;
+
+/// What an element-wise kernel's backward pass needs: its input and the
+/// backend's backward kernel.
+#[derive(Clone, Debug)]
+struct UnarySaved<B: Backend> {
+    x: FloatTensor<B>,
+    backward: UnaryBackward<B>,
+}
+
+/// An element-wise kernel under autodiff (GELU on flex and on CubeCL):
+/// runs `forward` on the inner backend and, when x is tracked, records
+/// `backward` with x.
+pub(super) fn unary<B: Backend, C: CheckpointStrategy>(
+    x: Tracked<B, C>,
+    forward: UnaryForward<B>,
+    backward: UnaryBackward<B>,
+) -> Tracked<B, C> {
+    let step =
+        KernelBackward::<B, UnarySaved<B>, 1>(|s: UnarySaved<B>, grad| [(s.backward)(s.x, grad)]);
+    let node = x.node();
+    let x = Autodiff::<B, C>::inner(x);
+    match step.prepare::<C>([node]).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(
+            UnarySaved {
+                x: x.clone(),
+                backward,
+            },
+            forward(x),
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(forward(x)),
+    }
+}
+
+/// An element-wise kernel's backward called on autodiff tensors: computed
+/// on the inner backend without tracking (nothing kiln trains needs second
+/// derivatives).
+pub(super) fn unary_backward<B: Backend, C: CheckpointStrategy>(
+    x: Tracked<B, C>,
+    grad: Tracked<B, C>,
+    backward: UnaryBackward<B>,
+) -> Tracked<B, C> {
+    let [x, grad] = [x, grad].map(Autodiff::<B, C>::inner);
+    Autodiff::<B, C>::from_inner(backward(x, grad))
+}
