@@ -38,8 +38,8 @@
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Autodiff, Backend, Dispatch, DispatchDevice, backend_extension};
-use burn::tensor::{Bool, DType, FloatDType, Tensor};
+use burn::backend::{Autodiff, Backend, Dispatch, backend_extension};
+use burn::tensor::{Bool, FloatDType, Tensor};
 
 use super::autodiff;
 
@@ -153,8 +153,7 @@ impl<B: Backend + KilnAttention, C: CheckpointStrategy> KilnAttention for Autodi
 /// Whether `qkv` lives on a CubeCL GPU (with or without autodiff) in a
 /// dtype the kernels take.
 pub(crate) fn runs(qkv: &Tensor<3>) -> bool {
-    matches!(qkv.dtype(), DType::F32 | DType::BF16 | DType::F16)
-        && matches!(qkv.device().inner().as_dispatch(), DispatchDevice::Cube(d) if super::cube_gpu(d))
+    super::cube_gpu_float(qkv)
 }
 
 /// The kernels' self-attention of `qkv` (see `kernels::self_attention`);
@@ -188,7 +187,6 @@ mod cube {
     use burn::tensor::DType;
     use burn_backend::cubecl::dtype_to_storage_type;
     use burn_cubecl::kernel::into_contiguous;
-    use burn_cubecl::ops::numeric::empty_device_dtype;
     use burn_cubecl::tensor::CubeTensor;
     use cubecl::prelude::*;
     use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
@@ -476,14 +474,7 @@ mod cube {
     }
 
     /// A new tensor on `like`'s device.
-    fn empty(like: &CubeTensor, shape: Vec<usize>, dtype: DType) -> CubeTensor {
-        empty_device_dtype(
-            like.client.clone(),
-            like.device.clone(),
-            shape.into(),
-            dtype,
-        )
-    }
+    use super::super::cube_empty as empty;
 
     pub(super) fn forward(
         qkv: CubeTensor,

@@ -15,8 +15,8 @@
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Autodiff, Backend, Dispatch, DispatchDevice, backend_extension};
-use burn::tensor::{DType, Tensor};
+use burn::backend::{Autodiff, Backend, Dispatch, backend_extension};
+use burn::tensor::Tensor;
 
 use super::autodiff;
 
@@ -53,8 +53,7 @@ impl<B: Backend + KilnCubeGelu, C: CheckpointStrategy> KilnCubeGelu for Autodiff
 /// Whether `x` lives on a CubeCL GPU (with or without autodiff) in a dtype
 /// the kernels take.
 pub(crate) fn runs<const D: usize>(x: &Tensor<D>) -> bool {
-    matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
-        && matches!(x.device().inner().as_dispatch(), DispatchDevice::Cube(d) if super::cube_gpu(d))
+    super::cube_gpu_float(x)
 }
 
 /// Exact GELU of `x` by the kernels.
@@ -69,7 +68,6 @@ mod cube {
 
     use burn_backend::cubecl::dtype_to_storage_type;
     use burn_cubecl::kernel::into_contiguous;
-    use burn_cubecl::ops::numeric::empty_device_dtype;
     use burn_cubecl::tensor::CubeTensor;
     use cubecl::prelude::*;
     use cubecl::{CubeDim, calculate_cube_count_elemwise};
@@ -112,12 +110,7 @@ mod cube {
 
     /// A tensor shaped and typed like `like`, on its device.
     fn empty_like(like: &CubeTensor) -> CubeTensor {
-        empty_device_dtype(
-            like.client.clone(),
-            like.device.clone(),
-            like.meta.shape.clone(),
-            like.dtype,
-        )
+        super::super::cube_empty(like, like.meta.shape().to_vec(), like.dtype)
     }
 
     fn launch_dims(t: &CubeTensor) -> (CubeCount, CubeDim) {

@@ -20,7 +20,7 @@
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Autodiff, Backend, Dispatch, DispatchDevice, backend_extension};
+use burn::backend::{Autodiff, Backend, Dispatch, backend_extension};
 use burn::tensor::{DType, Tensor};
 
 use super::autodiff::{self, Three};
@@ -106,8 +106,7 @@ impl<B: Backend + KilnCubeLayerNorm, C: CheckpointStrategy> KilnCubeLayerNorm fo
 /// Whether `x`, gamma and beta live on a CubeCL GPU (with or without
 /// autodiff), all in f32.
 pub(crate) fn runs<const D: usize>(x: &Tensor<D>, gamma: &Tensor<1>, beta: &Tensor<1>) -> bool {
-    [x.dtype(), gamma.dtype(), beta.dtype()] == [DType::F32; 3]
-        && matches!(x.device().inner().as_dispatch(), DispatchDevice::Cube(d) if super::cube_gpu(d))
+    [x.dtype(), gamma.dtype(), beta.dtype()] == [DType::F32; 3] && super::cube_gpu_float(x)
 }
 
 /// LayerNorm of `x` over its last dimension by the kernels.
@@ -132,7 +131,6 @@ mod cube {
     use burn::tensor::DType;
     use burn_backend::ops::FloatTensorOps;
     use burn_cubecl::kernel::into_contiguous;
-    use burn_cubecl::ops::numeric::empty_device_dtype;
     use burn_cubecl::tensor::CubeTensor;
     use cubecl::prelude::*;
     use cubecl::{CubeDim, calculate_cube_count_elemwise};
@@ -285,13 +283,9 @@ mod cube {
         }
     }
 
+    /// An f32 tensor of `shape` on `like`'s device.
     fn empty(like: &CubeTensor, shape: Vec<usize>) -> CubeTensor {
-        empty_device_dtype(
-            like.client.clone(),
-            like.device.clone(),
-            shape.into(),
-            DType::F32,
-        )
+        super::super::cube_empty(like, shape, DType::F32)
     }
 
     pub(super) fn forward(

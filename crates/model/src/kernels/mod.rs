@@ -469,6 +469,32 @@ pub(crate) fn cube_gpu(device: &cubecl::Device) -> bool {
     !matches!(device, cubecl::Device::Cpu(_))
 }
 
+/// Whether `t` lives on a CubeCL GPU (with or without autodiff) in a float
+/// dtype kiln's CubeCL kernels read (f32, bf16, f16).
+#[cfg(feature = "cube")]
+pub(crate) fn cube_gpu_float<const D: usize>(t: &Tensor<D>) -> bool {
+    use burn::backend::DispatchDevice;
+    use burn::tensor::DType;
+    matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && matches!(t.device().inner().as_dispatch(), DispatchDevice::Cube(d) if cube_gpu(d))
+}
+
+/// A new tensor of `shape` and `dtype` on `like`'s device, for a CubeCL
+/// kernel's output.
+#[cfg(feature = "cube")]
+pub(crate) fn cube_empty(
+    like: &burn_cubecl::tensor::CubeTensor,
+    shape: Vec<usize>,
+    dtype: burn::tensor::DType,
+) -> burn_cubecl::tensor::CubeTensor {
+    burn_cubecl::ops::numeric::empty_device_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        shape.into(),
+        dtype,
+    )
+}
+
 #[cfg(feature = "flex")]
 mod flex {
     //! The extension trait, its flex and autodiff implementations, and the

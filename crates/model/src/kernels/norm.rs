@@ -93,11 +93,10 @@ mod fused {
     //! `Tensor` to it, and the kernel.
 
     use burn::backend::tensor::FloatTensor;
-    use burn::backend::{Backend, Dispatch, DispatchDevice, backend_extension};
+    use burn::backend::{Backend, Dispatch, backend_extension};
     use burn::tensor::{DType, FloatDType, Tensor};
     use burn_backend::cubecl::dtype_to_storage_type;
     use burn_cubecl::kernel::into_contiguous;
-    use burn_cubecl::ops::numeric::empty_device_dtype;
     use burn_cubecl::tensor::CubeTensor;
     use cubecl::prelude::*;
     use cubecl::{CubeDim, calculate_cube_count_elemwise};
@@ -128,8 +127,7 @@ mod fused {
 
     /// Whether `t` lives on a CubeCL GPU in a dtype the kernel reads.
     pub(super) fn runs(t: &Tensor<1>) -> bool {
-        matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
-            && matches!(t.device().inner().as_dispatch(), DispatchDevice::Cube(d) if super::super::cube_gpu(d))
+        super::super::cube_gpu_float(t)
     }
 
     pub(super) fn sum_of_squares(tensors: impl Iterator<Item = Tensor<1>>) -> Tensor<1> {
@@ -175,12 +173,7 @@ mod fused {
         let client = x.client.clone();
         let dtype = x.dtype;
         let rounds = x.meta.shape.num_elements().div_ceil(SLOTS);
-        let out = empty_device_dtype(
-            client.clone(),
-            x.device.clone(),
-            partials.meta.shape.clone(),
-            DType::F32,
-        );
+        let out = super::super::cube_empty(&x, partials.meta.shape().to_vec(), DType::F32);
         let cube_dim = CubeDim::new_1d(CUBE_UNITS as u32);
         let cube_count = calculate_cube_count_elemwise(&client, SLOTS, cube_dim);
         add_squares_kernel::launch(
