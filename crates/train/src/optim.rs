@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
-use kiln_model::kernels::{AdamWStep, Kernels, adamw, sum_of_squares};
+use kiln_model::kernels::{AdamWParam, AdamWStep, Kernels, adamw_many, sum_of_squares};
 
 /// AdamW's hyper-parameters, set explicitly (Burn's defaults differ from PyTorch's).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -62,7 +62,9 @@ impl AdamW {
     }
 
     /// One update of every parameter that has a gradient, with the gradients
-    /// multiplied by `grad_scale` first (clipping).
+    /// multiplied by `grad_scale` first (clipping). All parameters' updates
+    /// go to the kernels at once (`kernels::adamw_many`: on a GPU, a few
+    /// launches for the whole model), then the module takes its new weights.
     pub fn step<M: Module>(
         &mut self,
         module: M,
@@ -71,56 +73,88 @@ impl AdamW {
         grad_scale: f64,
     ) -> M {
         self.steps += 1;
-        let mut mapper = Update {
+        let mut collect = Collect {
             optim: self,
             grads,
             lr,
             grad_scale,
+            ids: Vec::new(),
+            params: Vec::new(),
         };
-        module.map(&mut mapper)
+        module.visit(&mut collect);
+        let Collect { ids, params, .. } = collect;
+        let mut updated = HashMap::with_capacity(ids.len());
+        for (id, [w, m, v]) in ids.into_iter().zip(adamw_many(params, self.kernels)) {
+            self.moments.insert(id, (m, v));
+            updated.insert(id, w);
+        }
+        module.map(&mut Replace { updated })
     }
 }
 
-struct Update<'a> {
+/// Gathers each parameter that has a gradient, with its moments and
+/// hyper-parameters, for one [`adamw_many`].
+struct Collect<'a> {
     optim: &'a mut AdamW,
     grads: GradientsParams,
     lr: f64,
     grad_scale: f64,
+    ids: Vec<ParamId>,
+    params: Vec<AdamWParam>,
 }
 
-impl ModuleMapper for Update<'_> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let (id, tensor, mapper) = param.consume();
-        let Some(grad) = self.grads.remove::<D>(id) else {
-            return Param::from_mapped_value(id, tensor, mapper);
+impl ModuleVisitor for Collect<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let Some(grad) = self.grads.remove::<D>(param.id) else {
+            return;
         };
         let c = self.optim.config;
+        let tensor = param.val();
+        let n: usize = tensor.dims().iter().product();
+        let weight: Tensor<1> = tensor.inner().reshape([n]);
+        let (m, v) = self.optim.moments.remove(&param.id).unwrap_or_else(|| {
+            // Two buffers, so that the update can write over each.
+            let zeros = || Tensor::<1>::zeros([n], &weight.device()).cast(weight.dtype());
+            (zeros(), zeros())
+        });
+        self.ids.push(param.id);
+        self.params.push(AdamWParam {
+            weight,
+            grad: grad.reshape([n]),
+            m,
+            v,
+            step: AdamWStep {
+                lr: self.lr,
+                beta1: c.beta1,
+                beta2: c.beta2,
+                eps: c.eps,
+                // Decoupled weight decay, on matrices (embeddings and weights) only.
+                weight_decay: if D >= 2 { c.weight_decay } else { 0.0 },
+                step: self.optim.steps,
+                grad_scale: self.grad_scale,
+            },
+        });
+    }
+}
+
+/// Puts the updated weights into the module, keeping each parameter's
+/// `require_grad` and gradient-checkpointing strategy.
+struct Replace {
+    updated: HashMap<ParamId, Tensor<1>>,
+}
+
+impl ModuleMapper for Replace {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(w) = self.updated.remove(&id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
         let require_grad = tensor.is_require_grad();
         // Gradient checkpointing is a property of the tensor: keep it.
         let checkpointing = tensor.gradient_checkpointing_strategy();
         let dims = tensor.dims();
-        let n: usize = dims.iter().product();
-        let w: Tensor<1> = tensor.inner().reshape([n]);
-        let g: Tensor<1> = grad.reshape([n]);
-        let (m, v) = self.optim.moments.remove(&id).unwrap_or_else(|| {
-            // Two buffers, so that the update can write over each.
-            let zeros = || Tensor::<1>::zeros([n], &w.device()).cast(w.dtype());
-            (zeros(), zeros())
-        });
-        let step = AdamWStep {
-            lr: self.lr,
-            beta1: c.beta1,
-            beta2: c.beta2,
-            eps: c.eps,
-            // Decoupled weight decay, on matrices (embeddings and weights) only.
-            weight_decay: if D >= 2 { c.weight_decay } else { 0.0 },
-            step: self.optim.steps,
-            grad_scale: self.grad_scale,
-        };
-        let [w, m, v] = adamw(w, g, m, v, step, self.optim.kernels);
-        let updated: Tensor<D> = w.reshape(dims);
-        self.optim.moments.insert(id, (m, v));
-        let mut updated = Tensor::from_inner(updated);
+        drop(tensor);
+        let mut updated = Tensor::from_inner(w.reshape(dims));
         if let Some(strategy) = checkpointing {
             updated = updated.with_gradient_checkpointing_strategy(strategy);
         }

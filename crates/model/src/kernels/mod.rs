@@ -46,7 +46,9 @@ mod optim;
 
 pub use isa::{AVX512_BUILT, CpuIsa, cpu_isa};
 pub use norm::{SUM_OF_SQUARES_TOLERANCE, check_sum_of_squares, sum_of_squares};
-pub use optim::{ADAMW_TOLERANCE, AdamWStep, KernelCheck, adamw, check_adamw};
+pub use optim::{
+    ADAMW_TOLERANCE, AdamWParam, AdamWStep, KernelCheck, adamw, adamw_many, check_adamw,
+};
 
 use burn::nn::{LayerNorm, Linear};
 use burn::tensor::module::attention as burn_attention;
@@ -493,6 +495,32 @@ pub(crate) fn cube_empty(
         shape.into(),
         dtype,
     )
+}
+
+/// The CubeCL tensor inside `t`, a tensor without autodiff on a CubeCL
+/// device (else a panic: the caller checked the device). For the kernels
+/// that take a list of tensors, which Burn's `#[backend_extension]` does
+/// not route: it takes one tensor per argument.
+#[cfg(all(feature = "cube", not(feature = "fusion")))]
+pub(crate) fn into_cube(t: Tensor<1>) -> burn_cubecl::tensor::CubeTensor {
+    use burn::backend::DispatchTensorKind;
+    match t.into_dispatch().kind {
+        DispatchTensorKind::Cube(inner) => inner.float(),
+        _ => panic!("a kiln CubeCL kernel was given a tensor of another backend"),
+    }
+}
+
+/// [`into_cube`]'s inverse: a CubeCL kernel's result as a tensor without
+/// autodiff.
+#[cfg(all(feature = "cube", not(feature = "fusion")))]
+pub(crate) fn from_cube(t: burn_cubecl::tensor::CubeTensor) -> Tensor<1> {
+    use burn::backend::{
+        BackendTensor, DispatchAutodiffContext, DispatchTensor, DispatchTensorKind,
+    };
+    Tensor::from_dispatch(DispatchTensor {
+        kind: DispatchTensorKind::Cube(BackendTensor::Float(t)),
+        autodiff: DispatchAutodiffContext::Disabled,
+    })
 }
 
 #[cfg(feature = "flex")]

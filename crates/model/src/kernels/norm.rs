@@ -1,5 +1,5 @@
 //! The sum of squares of many tensors (the square of the global gradient
-//! norm that clipping needs) in one kernel launch per tensor.
+//! norm that clipping needs) in one kernel launch per group of tensors.
 //!
 //! Composed of Burn operations, the global norm is three operations per
 //! parameter (square, sum, add to the running total), and a sum is itself
@@ -7,13 +7,15 @@
 //! parameter, more than the fused AdamW update that follows it (one per
 //! parameter). Where a step is short the launches, not the bytes, are its
 //! cost (the tiny GPT on an H100: about 20 µs a launch). The kernel here
-//! reads one tensor and adds the squares of its elements into a fixed set
-//! of [`SLOTS`] partial sums (slot `u` takes the elements `u`, `u + SLOTS`,
-//! `u + 2·SLOTS`, …: neighbouring units read neighbouring elements), so
-//! `n` tensors cost `n` launches plus one to zero the slots and one sum at
-//! the end. The order of the additions is fixed by `SLOTS` alone, so the
-//! result is the same on every run; it differs from the composition's in
-//! the last bits (another order of the same additions).
+//! reads a group of tensors (up to 32, fewer where the device binds fewer
+//! buffers) and adds the squares of their elements into a fixed set of
+//! [`SLOTS`] partial sums (slot `u` takes each tensor's elements `u`,
+//! `u + SLOTS`, `u + 2·SLOTS`, …: neighbouring units read neighbouring
+//! elements), so `n` tensors cost `⌈n/32⌉` launches plus one to zero the
+//! slots and one sum at the end. The order of the additions is fixed by
+//! `SLOTS` alone (tensor after tensor in each slot), so the result is the
+//! same on every run, whatever the group size; it differs from the
+//! composition's in the last bits (another order of the same additions).
 //!
 //! CubeCL GPUs (wgpu, CUDA) without Burn's `fusion` (which fuses the
 //! composition itself, as for AdamW); elsewhere, and with `Reference`, the
@@ -61,16 +63,22 @@ pub(crate) fn fused_here(t: &Tensor<1>) -> bool {
 pub const SUM_OF_SQUARES_TOLERANCE: f64 = 1e-5;
 
 /// [`sum_of_squares`] by the kernel and by the composition, on `device`,
-/// of tensors ragged against [`SLOTS`] (one element; 10,007; 16,385;
-/// 3 × 16,384 + 5; 300,001) whose norm is about 1: the difference of the
-/// two norms (square roots of the sums).
+/// of 40 tensors (two launches of the grouped kernel) ragged against
+/// [`SLOTS`] (one element; 10,007; 16,385; 3 × 16,384 + 5; 300,001; and
+/// 35 of up to 5,000) whose norm is about 1: the difference of the two
+/// norms (square roots of the sums).
 pub fn check_sum_of_squares(device: &burn::tensor::Device) -> KernelCheck {
     use burn::tensor::Distribution;
-    const SIZES: [usize; 5] = [1, 10_007, SLOTS + 1, 3 * SLOTS + 5, 300_001];
-    let total: usize = SIZES.iter().sum();
+    const TENSORS: usize = 40;
+    let big = [1, 10_007, SLOTS + 1, 3 * SLOTS + 5, 300_001];
+    let sizes: Vec<usize> = big
+        .into_iter()
+        .chain((big.len()..TENSORS).map(|k| 1 + (k * 1_009) % 5_000))
+        .collect();
+    let total: usize = sizes.iter().sum();
     device.seed(13);
     let std = 1.0 / (total as f64).sqrt();
-    let tensors: Vec<Tensor<1>> = SIZES
+    let tensors: Vec<Tensor<1>> = sizes
         .iter()
         .map(|&n| Tensor::random([n], Distribution::Normal(0.0, std), device))
         .collect();
@@ -80,7 +88,7 @@ pub fn check_sum_of_squares(device: &burn::tensor::Device) -> KernelCheck {
         f64::from(sum.into_scalar::<f32>()).sqrt()
     };
     KernelCheck {
-        kernel: format!("sum of squares ({} tensors)", SIZES.len()),
+        kernel: format!("sum of squares ({TENSORS} tensors)"),
         fused,
         max_abs_difference: (norm(Kernels::Fused) - norm(Kernels::Reference)).abs(),
         tolerance: SUM_OF_SQUARES_TOLERANCE,
@@ -92,8 +100,6 @@ mod fused {
     //! The extension trait, its CubeCL implementation, the routing from
     //! `Tensor` to it, and the kernel.
 
-    use burn::backend::tensor::FloatTensor;
-    use burn::backend::{Backend, Dispatch, backend_extension};
     use burn::tensor::{DType, FloatDType, Tensor};
     use burn_backend::cubecl::dtype_to_storage_type;
     use burn_cubecl::kernel::into_contiguous;
@@ -101,54 +107,58 @@ mod fused {
     use cubecl::prelude::*;
     use cubecl::{CubeDim, calculate_cube_count_elemwise};
 
+    use super::super::{from_cube, into_cube};
     use super::SLOTS;
 
     /// Units per cube.
     const CUBE_UNITS: usize = 256;
 
-    /// One tensor's squares added into the partial sums. The gradients are
-    /// plain tensors (no autodiff), so there is no `Autodiff` route.
-    #[backend_extension(Cube)]
-    pub(crate) trait KilnNorm: Backend {
-        /// `partials` (f32, [`SLOTS`]) plus, in slot `u`, the squares of
-        /// `x`'s elements `u`, `u + SLOTS`, ….
-        fn kiln_add_squares(x: FloatTensor<Self>, partials: FloatTensor<Self>)
-        -> FloatTensor<Self>;
-    }
+    /// The most tensors one launch reads: the kernel's code holds one loop
+    /// per tensor, and each count is compiled once. Fewer where the device
+    /// binds fewer buffers (wgpu on Metal: 31).
+    const MAX_GROUP: usize = 32;
 
-    impl KilnNorm for burn::backend::Cube {
-        fn kiln_add_squares(
-            x: FloatTensor<Self>,
-            partials: FloatTensor<Self>,
-        ) -> FloatTensor<Self> {
-            add_squares(x, partials)
-        }
-    }
+    /// Bindings kept for the partial sums in and out, the launch's
+    /// metadata and scalars.
+    const RESERVED_BINDINGS: u32 = 6;
 
     /// Whether `t` lives on a CubeCL GPU in a dtype the kernel reads.
     pub(super) fn runs(t: &Tensor<1>) -> bool {
         super::super::cube_gpu_float(t)
     }
 
+    /// The squares of `tensors` added into [`SLOTS`] partial sums in as
+    /// few launches as the device's bindings allow (one dtype a launch),
+    /// then summed.
     pub(super) fn sum_of_squares(tensors: impl Iterator<Item = Tensor<1>>) -> Tensor<1> {
-        let mut partials: Option<Tensor<1>> = None;
-        for t in tensors {
-            let start = partials
-                .take()
-                .unwrap_or_else(|| Tensor::<1>::zeros([SLOTS], &t.device()).cast(FloatDType::F32));
-            partials = Some(Tensor::from_dispatch(
-                <Dispatch as KilnNorm>::kiln_add_squares(t.into_dispatch(), start.into_dispatch()),
-            ));
+        let mut tensors = tensors.peekable();
+        let device = tensors.peek().expect("at least one tensor").device();
+        let start = Tensor::<1>::zeros([SLOTS], &device).cast(FloatDType::F32);
+        let mut partials = into_cube(start);
+        let bindings = partials.client.properties().hardware.max_bindings;
+        let per_launch = (bindings.saturating_sub(RESERVED_BINDINGS) as usize).clamp(1, MAX_GROUP);
+        let mut group: Vec<CubeTensor> = Vec::new();
+        for x in tensors.map(into_cube) {
+            if group.len() == per_launch || group.first().is_some_and(|g| g.dtype != x.dtype) {
+                partials = add_squares(std::mem::take(&mut group), partials);
+            }
+            group.push(x);
         }
-        partials.expect("at least one tensor").sum()
+        if !group.is_empty() {
+            partials = add_squares(group, partials);
+        }
+        from_cube(partials).sum()
     }
 
+    /// Unit `u` adds, tensor after tensor, the squares of the tensor's
+    /// elements `u`, `u + slots`, … (in `rounds[k]` rounds) to its slot:
+    /// the same additions in the same order as one launch per tensor.
     #[cube(launch)]
     fn add_squares_kernel<E: Float>(
-        x: &[E],
+        xs: &Sequence<OwnedTensor<E>>,
         partials: &[f32],
         out: &mut [f32],
-        rounds: usize,
+        rounds: Sequence<usize>,
         #[define(E)] _dtype: ElemType,
     ) {
         let unit = ABSOLUTE_POS;
@@ -156,31 +166,43 @@ mod fused {
         if unit >= slots {
             terminate!();
         }
-        let n = x.len();
-        let mut acc = f32::new(0.0);
-        for r in 0..rounds {
-            let i = unit + r * slots;
-            if i < n {
-                let v = f32::cast_from(x[i]);
-                acc += v * v;
+        let mut total = partials[unit];
+        let count = comptime![xs.len()];
+        #[unroll]
+        for k in 0..count {
+            let x = &xs[k];
+            let n = x.len();
+            let mut acc = f32::new(0.0);
+            for r in 0..rounds[k] {
+                let i = unit + r * slots;
+                if i < n {
+                    let v = f32::cast_from(x[i]);
+                    acc += v * v;
+                }
             }
+            total += acc;
         }
-        out[unit] = partials[unit] + acc;
+        out[unit] = total;
     }
 
-    fn add_squares(x: CubeTensor, partials: CubeTensor) -> CubeTensor {
-        let [x, partials] = [x, partials].map(into_contiguous);
-        let client = x.client.clone();
-        let dtype = x.dtype;
-        let rounds = x.meta.shape.num_elements().div_ceil(SLOTS);
-        let out = super::super::cube_empty(&x, partials.meta.shape().to_vec(), DType::F32);
+    /// One launch: `xs` (one dtype) added into `partials`.
+    fn add_squares(xs: Vec<CubeTensor>, partials: CubeTensor) -> CubeTensor {
+        let partials = into_contiguous(partials);
+        let xs: Vec<CubeTensor> = xs.into_iter().map(into_contiguous).collect();
+        let client = partials.client.clone();
+        let dtype = xs[0].dtype;
+        let rounds: SequenceArg<usize> = xs
+            .iter()
+            .map(|x| x.meta.shape.num_elements().div_ceil(SLOTS))
+            .collect();
+        let out = super::super::cube_empty(&partials, partials.meta.shape().to_vec(), DType::F32);
         let cube_dim = CubeDim::new_1d(CUBE_UNITS as u32);
         let cube_count = calculate_cube_count_elemwise(&client, SLOTS, cube_dim);
         add_squares_kernel::launch(
             &client,
             cube_count,
             cube_dim,
-            x.into_buffer_arg(),
+            xs.into_iter().map(CubeTensor::into_tensor_arg).collect(),
             partials.into_buffer_arg(),
             out.clone().into_buffer_arg(),
             rounds,

@@ -1,4 +1,5 @@
-//! AdamW's update of one parameter as one kernel.
+//! AdamW's update as one kernel: one per parameter on flex, one per group
+//! of parameters on the GPU backends.
 //!
 //! Composed of Burn operations, AdamW is a dozen element-wise passes per
 //! parameter (scale the gradient, both moments, bias corrections, the square
@@ -8,8 +9,9 @@
 //! pass each. The fused update reads the weight, the gradient and both
 //! moments once and writes the new weight and moments once: a rayon loop on
 //! flex, a CubeCL kernel on the GPU backends (wgpu, CUDA; not under Burn's
-//! `fusion`, which fuses the composition itself). Both compute the
-//! composition's operations in its order, in f32.
+//! `fusion`, which fuses the composition itself) that updates up to 32
+//! parameters a launch, in place where it can ([`adamw_many`]). Both
+//! compute the composition's operations in its order, in f32.
 
 use burn::tensor::{DType, Tensor};
 
@@ -81,7 +83,8 @@ impl AdamWStep {
 /// `Fused` runs one kernel where the device has it (flex; wgpu and CUDA
 /// without Burn's `fusion`) and the tensors are f32; otherwise, and with
 /// `Reference`, the composition of Burn operations, which is also what the
-/// kernels are tested against.
+/// kernels are tested against. [`adamw_many`] updates many parameters in
+/// fewer kernel launches.
 pub fn adamw(
     weight: Tensor<1>,
     grad: Tensor<1>,
@@ -90,17 +93,91 @@ pub fn adamw(
     step: AdamWStep,
     kernels: Kernels,
 ) -> [Tensor<1>; 3] {
+    let param = AdamWParam {
+        weight,
+        grad,
+        m,
+        v,
+        step,
+    };
+    adamw_many(vec![param], kernels)
+        .pop()
+        .expect("one parameter in, one out")
+}
+
+/// One parameter's part of [`adamw_many`]: the flattened weight, its
+/// gradient, its moments (zeros before the first step) and the update's
+/// hyper-parameters.
+#[derive(Clone, Debug)]
+pub struct AdamWParam {
+    /// The flattened weight.
+    pub weight: Tensor<1>,
+    /// Its gradient, flattened.
+    pub grad: Tensor<1>,
+    /// The first moment.
+    pub m: Tensor<1>,
+    /// The second moment.
+    pub v: Tensor<1>,
+    /// The update's hyper-parameters (its weight decay may differ from the
+    /// other parameters').
+    pub step: AdamWStep,
+}
+
+/// AdamW's update of each of `params`: the new `[weight, m, v]` of each, in
+/// their order, each as [`adamw`] computes it.
+///
+/// On a CubeCL GPU (wgpu, CUDA; without Burn's `fusion`) with `Fused`, one
+/// kernel launch updates a group of parameters: consecutive f32 parameters
+/// whose steps differ at most in weight decay, as many as the device binds
+/// buffers for (up to 32 a launch). A step of a small model is mostly
+/// launches (about 20 µs each on an H100), and one launch per parameter was
+/// half of what was left of the optimizer's. Each group's inputs are
+/// dropped once its kernel is queued, so the moments and gradients of the
+/// parameters already updated are freed as the new ones are made, as one
+/// parameter at a time does. Elsewhere, one [`adamw`] per parameter.
+pub fn adamw_many(params: Vec<AdamWParam>, kernels: Kernels) -> Vec<[Tensor<1>; 3]> {
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    if kernels == Kernels::Fused
+        && let Some(first) = params.first()
+        && cube::runs(&first.weight)
+    {
+        return cube::adamw_many(params);
+    }
+    params.into_iter().map(|p| adamw_one(p, kernels)).collect()
+}
+
+/// One parameter's update: flex's loop, or the composition.
+fn adamw_one(p: AdamWParam, kernels: Kernels) -> [Tensor<1>; 3] {
+    let AdamWParam {
+        weight,
+        grad,
+        m,
+        v,
+        step,
+    } = p;
     let f = step.factors();
-    #[cfg(any(feature = "flex", feature = "cube"))]
+    #[cfg(feature = "flex")]
     if kernels == Kernels::Fused
         && [&weight, &grad, &m, &v]
             .iter()
             .all(|t| t.dtype() == DType::F32)
-        && fused::runs(&weight)
+        && flex::runs(&weight)
     {
-        return fused::adamw(weight, grad, m, v, f);
+        return flex::adamw(weight, grad, m, v, f);
     }
     let _ = (kernels, DType::F32);
+    composed(weight, grad, m, v, &f)
+}
+
+/// The composition of Burn operations: the reference, and what runs where
+/// no kernel does.
+fn composed(
+    weight: Tensor<1>,
+    grad: Tensor<1>,
+    m: Tensor<1>,
+    v: Tensor<1>,
+    f: &Factors,
+) -> [Tensor<1>; 3] {
     let grad = if f.grad_scale != 1.0 {
         grad.mul_scalar(f.grad_scale)
     } else {
@@ -135,10 +212,10 @@ pub(crate) fn update(f: &Factors, w: f32, g: f32, m: f32, v: f32) -> (f32, f32, 
     (w, m, v)
 }
 
-#[cfg(any(feature = "flex", feature = "cube"))]
-mod fused {
-    //! The extension trait, its flex and CubeCL implementations, and the
-    //! routing from `Tensor` to them.
+#[cfg(feature = "flex")]
+mod flex {
+    //! The extension trait, its flex implementation, and the routing from
+    //! `Tensor` to it.
 
     use burn::backend::tensor::FloatTensor;
     use burn::backend::{Backend, Dispatch, DispatchDevice, backend_extension};
@@ -149,10 +226,7 @@ mod fused {
     /// The fused optimizer update as a Burn backend extension. The
     /// optimizer works on tensors without autodiff, so there is no
     /// `Autodiff` route.
-    #[backend_extension(
-        Flex: cfg(feature = "flex"),
-        Cube: cfg(all(feature = "cube", not(feature = "fusion")))
-    )]
+    #[backend_extension(Flex)]
     pub(crate) trait KilnOptim: Backend {
         /// AdamW's new weight, first and second moment.
         fn kiln_adamw(
@@ -164,7 +238,6 @@ mod fused {
         ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
     }
 
-    #[cfg(feature = "flex")]
     impl KilnOptim for burn::backend::Flex {
         fn kiln_adamw(
             weight: FloatTensor<Self>,
@@ -177,30 +250,9 @@ mod fused {
         }
     }
 
-    #[cfg(all(feature = "cube", not(feature = "fusion")))]
-    impl KilnOptim for burn::backend::Cube {
-        fn kiln_adamw(
-            weight: FloatTensor<Self>,
-            grad: FloatTensor<Self>,
-            m: FloatTensor<Self>,
-            v: FloatTensor<Self>,
-            factors: Factors,
-        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-            super::cube::adamw(weight, grad, m, v, factors)
-        }
-    }
-
-    /// Whether `t`'s device has the fused update (the dtype is checked by
-    /// the caller).
+    /// Whether `t` is on flex (the dtype is checked by the caller).
     pub(super) fn runs(t: &Tensor<1>) -> bool {
-        match t.device().inner().as_dispatch() {
-            #[cfg(feature = "flex")]
-            DispatchDevice::Flex(_) => true,
-            #[cfg(all(feature = "cube", not(feature = "fusion")))]
-            DispatchDevice::Cube(d) => super::super::cube_gpu(d),
-            #[allow(unreachable_patterns)]
-            _ => false,
-        }
+        matches!(t.device().inner().as_dispatch(), DispatchDevice::Flex(_))
     }
 
     pub(super) fn adamw(
@@ -223,106 +275,262 @@ mod fused {
 
 #[cfg(all(feature = "cube", not(feature = "fusion")))]
 mod cube {
-    //! The CubeCL kernel: one unit per element.
+    //! The CubeCL kernel (one unit per element of a group of parameters)
+    //! and the grouping of parameters into launches.
+    //!
+    //! The update is written in place where it can be: the new moments
+    //! over the old ones, the new weight over the gradient (both consumed
+    //! by the step), wherever the buffer has no other owner; elsewhere into
+    //! a new buffer. An in-place output binds no buffer of its own, so
+    //! more parameters fit in one launch on a device that binds few (wgpu
+    //! on Metal or llvmpipe: about 31), and the step allocates nothing.
 
-    use burn::backend::tensor::FloatTensor;
-    use burn_cubecl::CubeBackend;
+    use burn::tensor::{DType, Tensor};
     use burn_cubecl::kernel::into_contiguous;
-    use burn_cubecl::ops::numeric::empty_device_dtype;
     use burn_cubecl::tensor::CubeTensor;
     use cubecl::prelude::*;
-    use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+    use cubecl::{CubeDim, calculate_cube_count_elemwise};
 
-    use super::Factors;
+    use super::{AdamWParam, AdamWStep, Factors};
 
     /// Units per cube.
     const CUBE_UNITS: usize = 256;
 
+    /// The most parameters one launch updates: the kernel's code holds one
+    /// branch per parameter, and each group size is compiled once. Fewer
+    /// where the device binds fewer buffers (wgpu on Metal: 31).
+    const MAX_GROUP: usize = 32;
+
+    /// Buffers a launch binds per parameter for its inputs: weight,
+    /// gradient and both moments (each result written elsewhere than in
+    /// place binds one more).
+    const INPUT_BINDINGS: u32 = 4;
+
+    /// Bindings kept free for the launch's metadata and scalars.
+    const RESERVED_BINDINGS: u32 = 4;
+
+    /// Whether `t` lives on a CubeCL GPU.
+    pub(super) fn runs(t: &Tensor<1>) -> bool {
+        super::super::cube_gpu_float(t)
+    }
+
+    /// Whether `a` and `b` can share a launch: the same factors but for
+    /// the weight decay.
+    fn same_but_decay(a: &AdamWStep, b: &AdamWStep) -> bool {
+        AdamWStep {
+            weight_decay: 0.0,
+            ..*a
+        } == AdamWStep {
+            weight_decay: 0.0,
+            ..*b
+        }
+    }
+
+    fn is_f32(p: &AdamWParam) -> bool {
+        [&p.weight, &p.grad, &p.m, &p.v]
+            .iter()
+            .all(|t| t.dtype() == DType::F32)
+    }
+
+    pub(super) fn adamw_many(params: Vec<AdamWParam>) -> Vec<[Tensor<1>; 3]> {
+        let mut out = Vec::with_capacity(params.len());
+        let mut group: Vec<AdamWParam> = Vec::new();
+        let flush = |group: &mut Vec<AdamWParam>, out: &mut Vec<[Tensor<1>; 3]>| {
+            if !group.is_empty() {
+                out.extend(update_group(std::mem::take(group)));
+            }
+        };
+        for p in params {
+            if !is_f32(&p) {
+                flush(&mut group, &mut out);
+                out.push(super::adamw_one(p, super::Kernels::Reference));
+                continue;
+            }
+            if group
+                .first()
+                .is_some_and(|g| !same_but_decay(&g.step, &p.step))
+            {
+                flush(&mut group, &mut out);
+            }
+            group.push(p);
+        }
+        flush(&mut group, &mut out);
+        out
+    }
+
+    /// One parameter's tensors on the CubeCL device, contiguous.
+    struct CubeParam {
+        weight: CubeTensor,
+        grad: CubeTensor,
+        m: CubeTensor,
+        v: CubeTensor,
+        decay: f32,
+    }
+
+    impl CubeParam {
+        fn new(p: AdamWParam) -> Self {
+            let cube = |t: Tensor<1>| into_contiguous(super::super::into_cube(t));
+            Self {
+                decay: p.step.factors().decay,
+                weight: cube(p.weight),
+                grad: cube(p.grad),
+                m: cube(p.m),
+                v: cube(p.v),
+            }
+        }
+
+        /// The buffers a launch binds for this parameter: its inputs, and
+        /// each result that cannot be written in place.
+        fn bindings(&self) -> u32 {
+            INPUT_BINDINGS
+                + [&self.grad, &self.m, &self.v]
+                    .iter()
+                    .map(|t| u32::from(!t.can_mut()))
+                    .sum::<u32>()
+        }
+    }
+
+    /// `group` (f32 parameters whose steps differ at most in weight decay)
+    /// in as few launches as the device's bindings allow: each launch's
+    /// inputs are dropped once it is queued.
+    fn update_group(group: Vec<AdamWParam>) -> Vec<[Tensor<1>; 3]> {
+        let Some(first) = group.first() else {
+            return Vec::new();
+        };
+        let f = first.step.factors();
+        let mut out = Vec::with_capacity(group.len());
+        let mut launch: Vec<CubeParam> = Vec::new();
+        let mut bound = RESERVED_BINDINGS;
+        for p in group.into_iter().map(CubeParam::new) {
+            let max_bindings = p.weight.client.properties().hardware.max_bindings;
+            let needs = p.bindings();
+            if !launch.is_empty() && (launch.len() == MAX_GROUP || bound + needs > max_bindings) {
+                out.extend(launch_group(std::mem::take(&mut launch), f));
+                bound = RESERVED_BINDINGS;
+            }
+            bound += needs;
+            launch.push(p);
+        }
+        if !launch.is_empty() {
+            out.extend(launch_group(launch, f));
+        }
+        out
+    }
+
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     fn adamw_kernel(
-        weight: &[f32],
-        grad: &[f32],
-        m: &[f32],
-        v: &[f32],
-        weight_out: &mut [f32],
-        m_out: &mut [f32],
-        v_out: &mut [f32],
+        weights: &Sequence<OwnedTensor<f32>>,
+        grads: &Sequence<OwnedTensor<f32>>,
+        ms: &Sequence<OwnedTensor<f32>>,
+        vs: &Sequence<OwnedTensor<f32>>,
+        weights_out: &mut Sequence<OwnedTensor<f32>>,
+        ms_out: &mut Sequence<OwnedTensor<f32>>,
+        vs_out: &mut Sequence<OwnedTensor<f32>>,
+        starts: Sequence<usize>,
+        decays: Sequence<f32>,
         lr: f32,
         beta1: f32,
         one_minus_beta1: f32,
         beta2: f32,
         one_minus_beta2: f32,
         eps: f32,
-        decay: f32,
         bias1: f32,
         bias2: f32,
         grad_scale: f32,
     ) {
         let i = ABSOLUTE_POS;
-        if i >= weight.len() {
-            terminate!();
+        let count = comptime![weights.len()];
+        #[unroll]
+        for k in 0..count {
+            let start = starts[k];
+            let end = starts[k + 1];
+            if i >= start && i < end {
+                let j = i - start;
+                let g = grads[k][j] * grad_scale;
+                let m_new = ms[k][j] * beta1 + g * one_minus_beta1;
+                let v_new = vs[k][j] * beta2 + (g * g) * one_minus_beta2;
+                let denom = (v_new / bias2).sqrt() + eps;
+                let w_new = weights[k][j] * decays[k] - m_new / bias1 / denom * lr;
+                let w_out = weights_out.index_mut(k);
+                w_out[j] = w_new;
+                let m_out = ms_out.index_mut(k);
+                m_out[j] = m_new;
+                let v_out = vs_out.index_mut(k);
+                v_out[j] = v_new;
+            }
         }
-        let g = grad[i] * grad_scale;
-        let m_new = m[i] * beta1 + g * one_minus_beta1;
-        let v_new = v[i] * beta2 + (g * g) * one_minus_beta2;
-        let denom = (v_new / bias2).sqrt() + eps;
-        weight_out[i] = weight[i] * decay - m_new / bias1 / denom * lr;
-        m_out[i] = m_new;
-        v_out[i] = v_new;
     }
 
-    type Out = (
-        FloatTensor<CubeBackend>,
-        FloatTensor<CubeBackend>,
-        FloatTensor<CubeBackend>,
-    );
-
-    pub(super) fn adamw(
-        weight: CubeTensor,
-        grad: CubeTensor,
-        m: CubeTensor,
-        v: CubeTensor,
-        f: Factors,
-    ) -> Out {
-        let [weight, grad, m, v] = [weight, grad, m, v].map(into_contiguous);
-        let shape = weight.meta.shape.clone();
-        let n = shape.num_elements();
-        let client = weight.client.clone();
-        let empty = || {
-            empty_device_dtype(
-                client.clone(),
-                weight.device.clone(),
-                shape.clone(),
-                weight.dtype,
-            )
-        };
-        let (weight_out, m_out, v_out) = (empty(), empty(), empty());
+    /// One launch updating `params`, which share `f` but for the decay.
+    fn launch_group(params: Vec<CubeParam>, f: Factors) -> Vec<[Tensor<1>; 3]> {
+        let n = params.len();
+        let client = params[0].weight.client.clone();
+        let mut decays = SequenceArg::<f32>::new();
+        let mut starts = SequenceArg::<usize>::new();
+        let mut total = 0;
+        starts.push(0);
+        // The inputs bind in this order (weights, gradients, first moments,
+        // second moments), so input `k` of the `i`-th list is binding
+        // `i·n + k`: what an in-place output names.
+        let mut inputs: [Vec<TensorArg>; 4] = Default::default();
+        let mut outputs: [Vec<TensorArg>; 3] = Default::default();
+        let mut results: [Vec<CubeTensor>; 3] = Default::default();
+        for (k, p) in params.into_iter().enumerate() {
+            decays.push(p.decay);
+            total += p.weight.meta.shape.num_elements();
+            starts.push(total);
+            // Result `i` (weight, m, v) goes over input `i + 1` (gradient,
+            // m, v) where that buffer has no other owner.
+            for (i, over) in [&p.grad, &p.m, &p.v].into_iter().enumerate() {
+                if over.can_mut() {
+                    outputs[i].push(over.as_tensor_alias((i + 1) * n + k));
+                    results[i].push(over.clone());
+                } else {
+                    let fresh =
+                        super::super::cube_empty(over, over.meta.shape().to_vec(), DType::F32);
+                    outputs[i].push(fresh.clone().into_tensor_arg());
+                    results[i].push(fresh);
+                }
+            }
+            for (i, t) in [p.weight, p.grad, p.m, p.v].into_iter().enumerate() {
+                inputs[i].push(t.into_tensor_arg());
+            }
+        }
+        let [weights, grads, ms, vs] = inputs.map(|args| args.into_iter().collect());
+        let [weights_out, ms_out, vs_out] = outputs.map(|args| args.into_iter().collect());
         let cube_dim = CubeDim::new_1d(CUBE_UNITS as u32);
-        let cube_count: CubeCount = calculate_cube_count_elemwise(&client, n, cube_dim);
+        let cube_count = calculate_cube_count_elemwise(&client, total, cube_dim);
         adamw_kernel::launch(
             &client,
             cube_count,
             cube_dim,
-            weight.into_buffer_arg(),
-            grad.into_buffer_arg(),
-            m.into_buffer_arg(),
-            v.into_buffer_arg(),
-            weight_out.clone().into_buffer_arg(),
-            m_out.clone().into_buffer_arg(),
-            v_out.clone().into_buffer_arg(),
+            weights,
+            grads,
+            ms,
+            vs,
+            weights_out,
+            ms_out,
+            vs_out,
+            starts,
+            decays,
             f.lr,
             f.beta1,
             f.one_minus_beta1,
             f.beta2,
             f.one_minus_beta2,
             f.eps,
-            f.decay,
             f.bias1,
             f.bias2,
             f.grad_scale,
         );
-        (weight_out, m_out, v_out)
+        let from = super::super::from_cube;
+        let [w, m, v] = results;
+        w.into_iter()
+            .zip(m)
+            .zip(v)
+            .map(|((w, m), v)| [from(w), from(m), from(v)])
+            .collect()
     }
 }
 
@@ -356,43 +564,83 @@ impl KernelCheck {
 /// operations in the same order).
 pub const ADAMW_TOLERANCE: f64 = 1e-5;
 
-/// [`adamw`] fused and composed, 100 updates of a 10,007-element parameter
-/// (ragged against any block size) with random gradients, decay, a
-/// gradient factor and a warmup of the learning rate, on `device`: the
-/// largest difference of the weights and moments at the end.
+/// [`adamw_many`] fused and composed, 100 updates of 40 parameters (one of
+/// 10,007 elements, the others 1 to 4,096, ragged against any block size;
+/// every other one decayed) with random gradients, a gradient factor and a
+/// warmup of the learning rate, on `device`: the largest difference of the
+/// weights and moments at the end. 40 parameters take two launches or more
+/// of the grouped GPU kernel (at most 32 a launch), which writes in place
+/// where it can (half the gradients here) and elsewhere where not.
 pub fn check_adamw(device: &burn::tensor::Device) -> KernelCheck {
     use burn::tensor::Distribution;
-    const N: usize = 10_007;
+    const PARAMS: usize = 40;
     const STEPS: u64 = 100;
     device.seed(11);
-    let w0 = Tensor::<1>::random([N], Distribution::Normal(0.0, 1.0), device);
-    let fused_runs = fused_here(&w0);
-    let zeros = Tensor::<1>::zeros([N], device);
-    let start = [w0, zeros.clone(), zeros];
+    let sizes: Vec<usize> = (0..PARAMS)
+        .map(|k| {
+            if k == 0 {
+                10_007
+            } else {
+                1 + (k * 997) % 4_096
+            }
+        })
+        .collect();
+    let start: Vec<[Tensor<1>; 3]> = sizes
+        .iter()
+        .map(|&n| {
+            let w = Tensor::<1>::random([n], Distribution::Normal(0.0, 1.0), device);
+            let zeros = Tensor::<1>::zeros([n], device);
+            [w, zeros.clone(), zeros]
+        })
+        .collect();
+    let fused_runs = fused_here(&start[0][0]);
     let (mut fused, mut reference) = (start.clone(), start);
     for t in 1..=STEPS {
-        let grad = Tensor::<1>::random([N], Distribution::Normal(0.0, 2.0), device);
-        let step = AdamWStep {
-            lr: 3e-3 * (t as f64 / 10.0).min(1.0),
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            step: t,
-            grad_scale: 0.5,
+        let grads: Vec<Tensor<1>> = sizes
+            .iter()
+            .map(|&n| Tensor::<1>::random([n], Distribution::Normal(0.0, 2.0), device))
+            .collect();
+        let update = |state: Vec<[Tensor<1>; 3]>, kernels| {
+            let params = state
+                .into_iter()
+                .zip(&grads)
+                .enumerate()
+                .map(|(k, ([weight, m, v], grad))| AdamWParam {
+                    weight,
+                    // Every other gradient is a buffer of its own, which the
+                    // GPU kernel writes the new weight over; the others are
+                    // shared (with the other side), and it writes elsewhere.
+                    grad: if k % 2 == 1 {
+                        grad.clone().mul_scalar(1.0)
+                    } else {
+                        grad.clone()
+                    },
+                    m,
+                    v,
+                    step: AdamWStep {
+                        lr: 3e-3 * (t as f64 / 10.0).min(1.0),
+                        beta1: 0.9,
+                        beta2: 0.95,
+                        eps: 1e-8,
+                        weight_decay: if k % 2 == 0 { 0.1 } else { 0.0 },
+                        step: t,
+                        grad_scale: 0.5,
+                    },
+                })
+                .collect();
+            adamw_many(params, kernels)
         };
-        let [w, m, v] = fused;
-        fused = adamw(w, grad.clone(), m, v, step, Kernels::Fused);
-        let [w, m, v] = reference;
-        reference = adamw(w, grad, m, v, step, Kernels::Reference);
+        fused = update(fused, Kernels::Fused);
+        reference = update(reference, Kernels::Reference);
     }
     let max_abs_difference = fused
         .into_iter()
-        .zip(reference)
+        .flatten()
+        .zip(reference.into_iter().flatten())
         .map(|(a, b)| f64::from((a - b).abs().max().into_scalar::<f32>()))
         .fold(0.0, f64::max);
     KernelCheck {
-        kernel: format!("adamw ({STEPS} steps)"),
+        kernel: format!("adamw ({PARAMS} tensors, {STEPS} steps)"),
         fused: fused_runs,
         max_abs_difference,
         tolerance: ADAMW_TOLERANCE,
@@ -401,13 +649,16 @@ pub fn check_adamw(device: &burn::tensor::Device) -> KernelCheck {
 
 /// Whether [`adamw`] runs its fused kernel for f32 tensors on `t`'s device.
 fn fused_here(t: &Tensor<1>) -> bool {
-    #[cfg(any(feature = "flex", feature = "cube"))]
-    return fused::runs(t);
-    #[cfg(not(any(feature = "flex", feature = "cube")))]
-    {
-        let _ = t;
-        false
+    #[cfg(feature = "flex")]
+    if flex::runs(t) {
+        return true;
     }
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    if cube::runs(t) {
+        return true;
+    }
+    let _ = t;
+    false
 }
 
 #[cfg(all(test, feature = "flex"))]
