@@ -31,7 +31,9 @@
 //! usual.
 //!
 //! Each unit runs scalar multiply-adds over the head's width (no tensor
-//! cores, no tiling across queries): what it buys is memory, and with it
+//! cores, no tiling across queries; the loops over the width unrolled up
+//! to 64 or 128 wide, so that the unit's vectors can stay in registers):
+//! what it buys is memory, and with it
 //! the long blocks the materialising path cannot run; whether it is also
 //! faster than the materialising path at a given length is for the GPU
 //! check's timings to say (`optimization.kernels=reference` runs Burn's).
@@ -199,6 +201,18 @@ mod cube {
     /// literal): the running maximum before the first key.
     const LOWEST: f32 = -3.0e38;
 
+    /// Up to this head width the loops over a head's elements are unrolled,
+    /// so that a unit's arrays (the query and the output's accumulator;
+    /// the query, output gradient and dQ) are indexed by constants and can
+    /// live in registers: a loop indexes them at run time, which puts them
+    /// in the GPU's (slower, cached) local memory. GPT-2's and BERT's heads
+    /// are 64 wide.
+    const UNROLL_WIDTH: usize = 128;
+
+    /// The same for the dK/dV kernel, whose unit holds four arrays (key,
+    /// value and their gradients): at 64, 256 floats.
+    const UNROLL_WIDTH_DKDV: usize = 64;
+
     /// A unit's batch entry, head and row (query or key): units go row by
     /// row within a head and head by head within a batch entry, the layout
     /// of `lse` and `delta` (`[b, heads, t]`).
@@ -240,6 +254,8 @@ mod cube {
         #[define(E)] _dtype: ElemType,
     ) {
         let unit = ABSOLUTE_POS;
+        // The per-unit arrays in registers: see `UNROLL_WIDTH`.
+        let unroll = head_dim <= UNROLL_WIDTH;
         if unit >= lse.len() {
             terminate!();
         }
@@ -248,6 +264,7 @@ mod cube {
         let q0 = head_start(b, i, h, seq, 3 * width, head_dim);
         let mut q = Array::<f32>::new(head_dim);
         let mut acc = Array::<f32>::new(head_dim);
+        #[unroll(unroll)]
         for c in 0..head_dim {
             q[c] = f32::cast_from(qkv[q0 + c]) * scale;
             acc[c] = f32::new(0.0);
@@ -260,6 +277,7 @@ mod cube {
                 let k0 = head_start(b, j, h, seq, 3 * width, head_dim) + width;
                 let v0 = k0 + width;
                 let mut s = f32::new(0.0);
+                #[unroll(unroll)]
                 for c in 0..head_dim {
                     s += q[c] * f32::cast_from(qkv[k0 + c]);
                 }
@@ -267,6 +285,7 @@ mod cube {
                 let rescale = (running_max - new_max).exp();
                 let p = (s - new_max).exp();
                 sum = sum * rescale + p;
+                #[unroll(unroll)]
                 for c in 0..head_dim {
                     acc[c] = acc[c] * rescale + p * f32::cast_from(qkv[v0 + c]);
                 }
@@ -277,6 +296,7 @@ mod cube {
         // log-sum-exp of 0, as on flex, not 0/0; no key's gradient reads it.
         let seen = sum > f32::new(0.0);
         let o0 = head_start(b, i, h, seq, width, head_dim);
+        #[unroll(unroll)]
         for c in 0..head_dim {
             let mut o = f32::new(0.0);
             if seen {
@@ -302,12 +322,15 @@ mod cube {
         #[define(E)] _dtype: ElemType,
     ) {
         let unit = ABSOLUTE_POS;
+        // Unrolled as the other kernels' loops (no arrays here).
+        let unroll = head_dim <= UNROLL_WIDTH;
         if unit >= delta.len() {
             terminate!();
         }
         let (b, h, i) = unit_row(unit, seq, heads);
         let o0 = head_start(b, i, h, seq, heads * head_dim, head_dim);
         let mut d = f32::new(0.0);
+        #[unroll(unroll)]
         for c in 0..head_dim {
             d += f32::cast_from(out[o0 + c]) * f32::cast_from(grad[o0 + c]);
         }
@@ -331,6 +354,8 @@ mod cube {
         #[define(E)] _dtype: ElemType,
     ) {
         let unit = ABSOLUTE_POS;
+        // The per-unit arrays in registers: see `UNROLL_WIDTH`.
+        let unroll = head_dim <= UNROLL_WIDTH;
         if unit >= lse.len() {
             terminate!();
         }
@@ -341,6 +366,7 @@ mod cube {
         let mut q = Array::<f32>::new(head_dim);
         let mut g = Array::<f32>::new(head_dim);
         let mut dq = Array::<f32>::new(head_dim);
+        #[unroll(unroll)]
         for c in 0..head_dim {
             q[c] = f32::cast_from(qkv[q0 + c]);
             g[c] = f32::cast_from(grad[g0 + c]);
@@ -354,17 +380,20 @@ mod cube {
                 let v0 = k0 + width;
                 let mut s = f32::new(0.0);
                 let mut dp = f32::new(0.0);
+                #[unroll(unroll)]
                 for c in 0..head_dim {
                     s += q[c] * f32::cast_from(qkv[k0 + c]);
                     dp += g[c] * f32::cast_from(qkv[v0 + c]);
                 }
                 let p = (s * scale - lse_i).exp();
                 let ds = p * (dp - delta_i);
+                #[unroll(unroll)]
                 for c in 0..head_dim {
                     dq[c] += ds * f32::cast_from(qkv[k0 + c]);
                 }
             }
         }
+        #[unroll(unroll)]
         for c in 0..head_dim {
             dqkv[q0 + c] = E::cast_from(dq[c] * scale);
         }
@@ -387,6 +416,8 @@ mod cube {
         #[define(E)] _dtype: ElemType,
     ) {
         let unit = ABSOLUTE_POS;
+        // The per-unit arrays in registers: see `UNROLL_WIDTH_DKDV`.
+        let unroll = head_dim <= UNROLL_WIDTH_DKDV;
         if unit >= lse.len() {
             terminate!();
         }
@@ -398,6 +429,7 @@ mod cube {
         let mut v = Array::<f32>::new(head_dim);
         let mut dk = Array::<f32>::new(head_dim);
         let mut dv = Array::<f32>::new(head_dim);
+        #[unroll(unroll)]
         for c in 0..head_dim {
             k[c] = f32::cast_from(qkv[k0 + c]);
             v[c] = f32::cast_from(qkv[v0 + c]);
@@ -421,17 +453,20 @@ mod cube {
             let g0 = head_start(b, i, h, seq, width, head_dim);
             let mut s = f32::new(0.0);
             let mut dp = f32::new(0.0);
+            #[unroll(unroll)]
             for c in 0..head_dim {
                 s += f32::cast_from(qkv[q0 + c]) * k[c];
                 dp += f32::cast_from(grad[g0 + c]) * v[c];
             }
             let p = (s * scale - lse[row0 + i]).exp();
             let ds = p * (dp - delta[row0 + i]);
+            #[unroll(unroll)]
             for c in 0..head_dim {
                 dv[c] += p * f32::cast_from(grad[g0 + c]);
                 dk[c] += ds * f32::cast_from(qkv[q0 + c]);
             }
         }
+        #[unroll(unroll)]
         for c in 0..head_dim {
             dqkv[k0 + c] = E::cast_from(dk[c] * scale);
             dqkv[v0 + c] = E::cast_from(dv[c]);

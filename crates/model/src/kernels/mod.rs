@@ -200,6 +200,27 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             }
         })
         .collect();
+    // Heads wider than the CubeCL kernels unroll their loops for (128, and
+    // 64 for dK/dV): the loop path, causal.
+    let (wide_h, wide_hd) = (1, 136);
+    let wide_qkv = Tensor::<3>::random(
+        [b, t, 3 * wide_h * wide_hd],
+        Distribution::Normal(0.0, 1.0),
+        &device,
+    );
+    let wide_upstream = Tensor::<3>::random(
+        [b, t, wide_h * wide_hd],
+        Distribution::Normal(0.0, 1.0),
+        &device,
+    );
+    let run = |kernels| attention_run(&wide_qkv, &wide_upstream, None, true, wide_h, kernels);
+    let ((y, dqkv), (y_ref, dqkv_ref)) = (run(Kernels::Fused), run(Kernels::Reference));
+    checks.push(KernelCheck {
+        kernel: format!("attention, causal, heads {wide_hd} wide (t={t})"),
+        fused,
+        max_abs_difference: max_abs(y, y_ref).max(max_abs(dqkv, dqkv_ref)),
+        tolerance: ATTENTION_TOLERANCE,
+    });
     // Queries that see no key: causal, the first `unseen` keys of entry 0
     // padding, so its first `unseen` queries see none. Their output must be
     // zeros (as flex gives, not 0/0), the other rows must match Burn's
@@ -881,6 +902,7 @@ mod tests {
             [
                 "attention, causal (t=75)",
                 "attention, padded (t=75)",
+                "attention, causal, heads 136 wide (t=75)",
                 "attention, queries that see no key (t=75)"
             ]
         );
