@@ -129,7 +129,10 @@ pub struct AdamWParam {
 /// On a CubeCL GPU (wgpu, CUDA; without Burn's `fusion`) with `Fused`, one
 /// kernel launch updates a group of parameters: consecutive f32 parameters
 /// whose steps differ at most in weight decay, as many as the device binds
-/// buffers for (up to 32 a launch). A step of a small model is mostly
+/// buffers for (up to 32 a launch), writing the new moments over the old
+/// ones and the new weight over the gradient wherever those buffers have
+/// no other owner (a returned tensor may then share the gradient's
+/// buffer). A step of a small model is mostly
 /// launches (about 20 µs each on an H100), and one launch per parameter was
 /// half of what was left of the optimizer's. Each group's inputs are
 /// dropped once its kernel is queued, so the moments and gradients of the
