@@ -312,6 +312,13 @@ mod cube {
     /// Bindings kept free for the launch's metadata and scalars.
     const RESERVED_BINDINGS: u32 = 4;
 
+    /// The most elements one launch covers: a unit's position in the group
+    /// is a 32-bit index (CubeCL's default address type), so a group of
+    /// large parameters (a 7B model's embeddings are 131 M elements each)
+    /// splits before its positions could overflow. One parameter over it
+    /// still goes alone, as the single-parameter kernel always did.
+    const MAX_ELEMENTS: usize = i32::MAX as usize;
+
     /// Whether `t` lives on a CubeCL GPU.
     pub(super) fn runs(t: &Tensor<1>) -> bool {
         super::super::cube_gpu_float(t)
@@ -403,15 +410,21 @@ mod cube {
         let f = first.step.factors();
         let mut out = Vec::with_capacity(group.len());
         let mut launch: Vec<CubeParam> = Vec::new();
-        let mut bound = RESERVED_BINDINGS;
+        let (mut bound, mut elements) = (RESERVED_BINDINGS, 0);
         for p in group.into_iter().map(CubeParam::new) {
             let max_bindings = p.weight.client.properties().hardware.max_bindings;
             let needs = p.bindings();
-            if !launch.is_empty() && (launch.len() == MAX_GROUP || bound + needs > max_bindings) {
+            let size = p.weight.meta.shape.num_elements();
+            if !launch.is_empty()
+                && (launch.len() == MAX_GROUP
+                    || bound + needs > max_bindings
+                    || elements + size > MAX_ELEMENTS)
+            {
                 out.extend(launch_group(std::mem::take(&mut launch), f));
-                bound = RESERVED_BINDINGS;
+                (bound, elements) = (RESERVED_BINDINGS, 0);
             }
             bound += needs;
+            elements += size;
             launch.push(p);
         }
         if !launch.is_empty() {
