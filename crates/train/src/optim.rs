@@ -153,7 +153,6 @@ impl ModuleMapper for Replace {
         // Gradient checkpointing is a property of the tensor: keep it.
         let checkpointing = tensor.gradient_checkpointing_strategy();
         let dims = tensor.dims();
-        drop(tensor);
         let mut updated = Tensor::from_inner(w.reshape(dims));
         if let Some(strategy) = checkpointing {
             updated = updated.with_gradient_checkpointing_strategy(strategy);

@@ -97,10 +97,9 @@ pub fn check_sum_of_squares(device: &burn::tensor::Device) -> KernelCheck {
 
 #[cfg(all(feature = "cube", not(feature = "fusion")))]
 mod fused {
-    //! The extension trait, its CubeCL implementation, the routing from
-    //! `Tensor` to it, and the kernel.
+    //! The kernel and the grouping of tensors into its launches.
 
-    use burn::tensor::{DType, FloatDType, Tensor};
+    use burn::tensor::{FloatDType, Tensor};
     use burn_backend::cubecl::dtype_to_storage_type;
     use burn_cubecl::kernel::into_contiguous;
     use burn_cubecl::tensor::CubeTensor;
@@ -118,8 +117,8 @@ mod fused {
     /// binds fewer buffers (wgpu on Metal: 31).
     const MAX_GROUP: usize = 32;
 
-    /// Bindings kept for the partial sums in and out, the launch's
-    /// metadata and scalars.
+    /// Bindings kept for the partial sums (written in place), the launch's
+    /// metadata and scalars, with room to spare.
     const RESERVED_BINDINGS: u32 = 6;
 
     /// Whether `t` lives on a CubeCL GPU in a dtype the kernel reads.
@@ -156,13 +155,12 @@ mod fused {
     #[cube(launch)]
     fn add_squares_kernel<E: Float>(
         xs: &Sequence<OwnedTensor<E>>,
-        partials: &[f32],
-        out: &mut [f32],
+        partials: &mut [f32],
         rounds: Sequence<usize>,
         #[define(E)] _dtype: ElemType,
     ) {
         let unit = ABSOLUTE_POS;
-        let slots = out.len();
+        let slots = partials.len();
         if unit >= slots {
             terminate!();
         }
@@ -182,10 +180,11 @@ mod fused {
             }
             total += acc;
         }
-        out[unit] = total;
+        partials[unit] = total;
     }
 
-    /// One launch: `xs` (one dtype) added into `partials`.
+    /// One launch: `xs` (one dtype) added into `partials`, in place (the
+    /// partial sums are [`sum_of_squares`]' own buffer, made for it).
     fn add_squares(xs: Vec<CubeTensor>, partials: CubeTensor) -> CubeTensor {
         let partials = into_contiguous(partials);
         let xs: Vec<CubeTensor> = xs.into_iter().map(into_contiguous).collect();
@@ -195,7 +194,6 @@ mod fused {
             .iter()
             .map(|x| x.meta.shape.num_elements().div_ceil(SLOTS))
             .collect();
-        let out = super::super::cube_empty(&partials, partials.meta.shape().to_vec(), DType::F32);
         let cube_dim = CubeDim::new_1d(CUBE_UNITS as u32);
         let cube_count = calculate_cube_count_elemwise(&client, SLOTS, cube_dim);
         add_squares_kernel::launch(
@@ -203,11 +201,10 @@ mod fused {
             cube_count,
             cube_dim,
             xs.into_iter().map(CubeTensor::into_tensor_arg).collect(),
-            partials.into_buffer_arg(),
-            out.clone().into_buffer_arg(),
+            partials.clone().into_buffer_arg(),
             rounds,
             dtype_to_storage_type(dtype),
         );
-        out
+        partials
     }
 }

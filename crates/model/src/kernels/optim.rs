@@ -294,7 +294,7 @@ mod cube {
     use cubecl::prelude::*;
     use cubecl::{CubeDim, calculate_cube_count_elemwise};
 
-    use super::{AdamWParam, AdamWStep, Factors};
+    use super::{AdamWParam, AdamWStep};
 
     /// Units per cube.
     const CUBE_UNITS: usize = 256;
@@ -342,50 +342,46 @@ mod cube {
             .all(|t| t.dtype() == DType::F32)
     }
 
+    /// The update of `params` in as few launches as [`Launch::fits`]
+    /// allows; a parameter that is not all f32 takes the composition.
     pub(super) fn adamw_many(params: Vec<AdamWParam>) -> Vec<[Tensor<1>; 3]> {
         let mut out = Vec::with_capacity(params.len());
-        let mut group: Vec<AdamWParam> = Vec::new();
-        let flush = |group: &mut Vec<AdamWParam>, out: &mut Vec<[Tensor<1>; 3]>| {
-            if !group.is_empty() {
-                out.extend(update_group(std::mem::take(group)));
-            }
-        };
+        let mut launch = Launch::default();
         for p in params {
             if !is_f32(&p) {
-                flush(&mut group, &mut out);
+                out.extend(launch.run());
                 out.push(super::adamw_one(p, super::Kernels::Reference));
                 continue;
             }
-            if group
-                .first()
-                .is_some_and(|g| !same_but_decay(&g.step, &p.step))
-            {
-                flush(&mut group, &mut out);
+            let p = CubeParam::new(p);
+            if !launch.fits(&p) {
+                out.extend(launch.run());
             }
-            group.push(p);
+            launch.push(p);
         }
-        flush(&mut group, &mut out);
+        out.extend(launch.run());
         out
     }
 
-    /// One parameter's tensors on the CubeCL device, contiguous.
+    /// One parameter's tensors on the CubeCL device, contiguous, and its
+    /// step.
     struct CubeParam {
         weight: CubeTensor,
         grad: CubeTensor,
         m: CubeTensor,
         v: CubeTensor,
-        decay: f32,
+        step: AdamWStep,
     }
 
     impl CubeParam {
         fn new(p: AdamWParam) -> Self {
             let cube = |t: Tensor<1>| into_contiguous(super::super::into_cube(t));
             Self {
-                decay: p.step.factors().decay,
                 weight: cube(p.weight),
                 grad: cube(p.grad),
                 m: cube(p.m),
                 v: cube(p.v),
+                step: p.step,
             }
         }
 
@@ -398,39 +394,52 @@ mod cube {
                     .map(|t| u32::from(!t.can_mut()))
                     .sum::<u32>()
         }
+
+        fn elements(&self) -> usize {
+            self.weight.meta.shape.num_elements()
+        }
     }
 
-    /// `group` (f32 parameters whose steps differ at most in weight decay)
-    /// in as few launches as the device's bindings allow: each launch's
-    /// inputs are dropped once it is queued.
-    fn update_group(group: Vec<AdamWParam>) -> Vec<[Tensor<1>; 3]> {
-        let Some(first) = group.first() else {
-            return Vec::new();
-        };
-        let f = first.step.factors();
-        let mut out = Vec::with_capacity(group.len());
-        let mut launch: Vec<CubeParam> = Vec::new();
-        let (mut bound, mut elements) = (RESERVED_BINDINGS, 0);
-        for p in group.into_iter().map(CubeParam::new) {
-            let max_bindings = p.weight.client.properties().hardware.max_bindings;
-            let needs = p.bindings();
-            let size = p.weight.meta.shape.num_elements();
-            if !launch.is_empty()
-                && (launch.len() == MAX_GROUP
-                    || bound + needs > max_bindings
-                    || elements + size > MAX_ELEMENTS)
-            {
-                out.extend(launch_group(std::mem::take(&mut launch), f));
-                (bound, elements) = (RESERVED_BINDINGS, 0);
+    /// The parameters gathered for one launch, with the buffers they bind
+    /// and the elements they cover.
+    #[derive(Default)]
+    struct Launch {
+        params: Vec<CubeParam>,
+        bindings: u32,
+        elements: usize,
+    }
+
+    impl Launch {
+        /// Whether `p` can join: a step that differs at most in weight
+        /// decay, and room left in the group, the device's bindings and
+        /// the index range. Anything joins an empty launch.
+        fn fits(&self, p: &CubeParam) -> bool {
+            let Some(first) = self.params.first() else {
+                return true;
+            };
+            let max_bindings = first.weight.client.properties().hardware.max_bindings;
+            same_but_decay(&first.step, &p.step)
+                && self.params.len() < MAX_GROUP
+                && RESERVED_BINDINGS + self.bindings + p.bindings() <= max_bindings
+                && self.elements + p.elements() <= MAX_ELEMENTS
+        }
+
+        fn push(&mut self, p: CubeParam) {
+            self.bindings += p.bindings();
+            self.elements += p.elements();
+            self.params.push(p);
+        }
+
+        /// The launch of what was gathered (nothing if nothing was), which
+        /// leaves this one empty; its inputs are dropped once it is queued.
+        fn run(&mut self) -> Vec<[Tensor<1>; 3]> {
+            let Launch { params, .. } = std::mem::take(self);
+            if params.is_empty() {
+                Vec::new()
+            } else {
+                launch_group(params)
             }
-            bound += needs;
-            elements += size;
-            launch.push(p);
         }
-        if !launch.is_empty() {
-            out.extend(launch_group(launch, f));
-        }
-        out
     }
 
     #[cube(launch)]
@@ -478,8 +487,9 @@ mod cube {
         }
     }
 
-    /// One launch updating `params`, which share `f` but for the decay.
-    fn launch_group(params: Vec<CubeParam>, f: Factors) -> Vec<[Tensor<1>; 3]> {
+    /// One launch updating `params`, whose steps differ at most in decay.
+    fn launch_group(params: Vec<CubeParam>) -> Vec<[Tensor<1>; 3]> {
+        let f = params[0].step.factors();
         let n = params.len();
         let client = params[0].weight.client.clone();
         let mut decays = SequenceArg::<f32>::new();
@@ -493,7 +503,7 @@ mod cube {
         let mut outputs: [Vec<TensorArg>; 3] = Default::default();
         let mut results: [Vec<CubeTensor>; 3] = Default::default();
         for (k, p) in params.into_iter().enumerate() {
-            decays.push(p.decay);
+            decays.push(p.step.factors().decay);
             total += p.weight.meta.shape.num_elements();
             starts.push(total);
             // Result `i` (weight, m, v) goes over input `i + 1` (gradient,
