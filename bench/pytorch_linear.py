@@ -5,6 +5,7 @@ products of a kiln GPT step's linear layers at the same shapes, as
 
     python bench/pytorch_linear.py [--avx2] [--rows 4096] [--width 128] \
         [--layers 4] [--vocab 65] [--reps 40]
+    python bench/pytorch_linear.py [--avx2] --square 512,1024,2048
 
 `--avx2` limits ATen, MKL and oneDNN to AVX2 (bench/cpu_isa.py).
 Prints a table like kiln-gemm-shapes' (median ms and GFLOP/s of each
@@ -42,8 +43,23 @@ def main():
     p.add_argument("--vocab", type=int, default=65)
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--square",
+        default="",
+        help="instead of the step: square products at these sizes (e.g. 512,1024,2048)",
+    )
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    if a.square:
+        print(
+            f"PyTorch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
+            f"{torch.get_num_threads()} threads, square products; median of {a.reps} runs"
+        )
+        for n in (int(v) for v in a.square.split(",")):
+            x, y = torch.rand(n, n) - 0.5, torch.rand(n, n) - 0.5
+            secs = median_secs(a.reps, lambda: x.mm(y))
+            print(f"{n:>5}: {secs * 1e3:.2f} ms, {2.0 * n**3 / secs / 1e9:.1f} GFLOP/s")
+        return
     w = a.width
     shapes = [
         ("qkv", w, 3 * w, a.layers),

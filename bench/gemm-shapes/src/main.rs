@@ -11,6 +11,7 @@
 //!     cargo run --release -p kiln-gemm-shapes -- [--rows 4096] [--width 128] \
 //!         [--layers 4] [--vocab 65] [--reps 40]
 //!     cargo run --release -p kiln-gemm-shapes --no-default-features   # gemm's AVX2 kernels
+//!     cargo run --release -p kiln-gemm-shapes -- --square 512,1024,2048  # the kernels' peak
 //!
 //! The defaults are the PEERS shape of `kiln bench lm` (block 128 × batch 32
 //! tokens, 4 layers 128 wide, the character vocabulary). The attention's
@@ -217,6 +218,28 @@ struct Args {
     /// Timed runs of each product (the median is printed).
     #[arg(long, default_value_t = 40, value_parser = clap::value_parser!(u32).range(1..))]
     reps: u32,
+    /// Instead of the step: square products `n × n · n × n` at these sizes
+    /// (e.g. `512,1024,2048`), one gemm over all threads each: the rate the
+    /// kernels reach where packing and thin shapes cost least.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..))]
+    square: Vec<u32>,
+}
+
+/// `c = a · b`, all `n × n`, one gemm over all threads.
+fn square(a: &[f32], b: &[f32], n: usize, c: &mut [f32]) {
+    // SAFETY: a, b and c hold n × n values each.
+    unsafe {
+        product(
+            n,
+            n,
+            n,
+            c.as_mut_ptr(),
+            View::rows(a, n),
+            View::rows(b, n),
+            false,
+            gemm::Parallelism::Rayon(0),
+        )
+    }
 }
 
 fn main() {
@@ -231,6 +254,23 @@ fn main() {
         ("head", width, vocab, 1),
     ];
     let isa = kernels();
+    if !args.square.is_empty() {
+        println!(
+            "gemm crate, {} threads, square products, kernels {isa}; median of {reps} runs",
+            rayon::current_num_threads()
+        );
+        for n in args.square.iter().map(|&n| n as usize) {
+            let (a, b, mut c) = (filled(n * n, 1), filled(n * n, 2), vec![0.0; n * n]);
+            let secs = median_secs(reps, || square(&a, &b, n, &mut c));
+            let flop = 2.0 * (n * n * n) as f64;
+            println!(
+                "{n:>5}: {:.2} ms, {:.1} GFLOP/s",
+                secs * 1e3,
+                flop / secs / 1e9
+            );
+        }
+        return;
+    }
     println!(
         "gemm crate, {} threads, {rows} rows, kernels {isa}; median of {reps} runs, ms (GFLOP/s)",
         rayon::current_num_threads()
@@ -306,7 +346,8 @@ mod tests {
     }
 
     /// The three timed products are the products: rows that leave a ragged
-    /// chunk and a ragged part, on two threads and on one.
+    /// chunk and a ragged part, on two threads and on one; and so is the
+    /// square one.
     #[test]
     fn the_timed_products_are_the_linear_layers_products() {
         let (rows, k, n) = (600, 24, 40);
@@ -336,6 +377,11 @@ mod tests {
 
                 let dw = weight_grad(&x, &g, k, n);
                 close(&dw, &naive(&transpose(&x, rows, k), &g, k, rows, n));
+
+                let (a, b) = (filled(70 * 70, 5), filled(70 * 70, 6));
+                let mut c = vec![0.0; 70 * 70];
+                square(&a, &b, 70, &mut c);
+                close(&c, &naive(&a, &b, 70, 70, 70));
             });
         }
     }
