@@ -49,7 +49,10 @@ impl ComputeDtype {
     }
 }
 
-/// `x · W + b` with the product in `dtype`; the result is f32.
+/// `x · W + b` with the product in `dtype`; the result is f32. The bias is
+/// added in f32, after the product's cast back: no cast of the bias
+/// forward nor of its gradient backward (two kernel launches a layer and
+/// micro-batch fewer on a GPU), and the sum is not rounded to `dtype`.
 pub(crate) fn linear<const D: usize>(
     layer: &Linear,
     x: Tensor<D>,
@@ -61,8 +64,11 @@ pub(crate) fn linear<const D: usize>(
     }
     let low = dtype.float_dtype();
     let weight = layer.weight.val().cast(low);
-    let bias = layer.bias.as_ref().map(|b| b.val().cast(low));
-    linear_op(x.cast(low), weight, bias).cast(FloatDType::F32)
+    let product = linear_op(x.cast(low), weight, None).cast(FloatDType::F32);
+    match &layer.bias {
+        Some(bias) => product + bias.val().unsqueeze(),
+        None => product,
+    }
 }
 
 /// `a · b` with the product in `dtype`; the result is f32.
@@ -162,6 +168,29 @@ mod tests {
                 // bf16 keeps 8 bits of mantissa (2^-8 = 0.004), fp16 11.
                 assert!(diff < 0.05, "{dtype:?} causal={causal}: {diff}");
             }
+        }
+    }
+
+    /// The reduced linear layer is the f32 one within the dtype's rounding
+    /// of the product, and its bias is added in f32: with a bias of 1000 a
+    /// sum rounded to bf16 would be off by up to 2 (bf16 keeps 8 bits).
+    #[test]
+    fn reduced_linear_matches_the_f32_layer_and_adds_the_bias_in_f32() {
+        let device = Device::flex();
+        device.seed(7);
+        let mut layer = burn::nn::LinearConfig::new(24, 40).init(&device);
+        layer.bias = Some(burn::module::Param::from_tensor(Tensor::<1>::full(
+            [40],
+            1000.0,
+            &device,
+        )));
+        let x = Tensor::<3>::random([2, 5, 24], Distribution::Normal(0.0, 1.0), &device);
+        let reference = linear(&layer, x.clone(), ComputeDtype::F32, Kernels::Reference);
+        for dtype in [ComputeDtype::Bf16, ComputeDtype::F16] {
+            let low = linear(&layer, x.clone(), dtype, Kernels::Fused);
+            assert_eq!(low.dtype(), DType::F32, "{dtype:?} returns f32");
+            let diff = max_diff(reference.clone(), low);
+            assert!(diff < 0.05, "{dtype:?}: {diff}");
         }
     }
 
