@@ -223,15 +223,17 @@ impl EncoderBlock {
         c: ComputeDtype,
         k: Kernels,
     ) -> Tensor<3> {
-        let qkv = precision::linear(&self.qkv, x.clone(), c, k);
-        let y = precision::self_attention(qkv, self.heads, Some(pad), false, c, k);
-        let x = kernels::layer_norm(
-            &self.ln1,
-            x + self
-                .dropout
-                .forward(precision::linear(&self.attn_out, y, c, k)),
+        let y = precision::attention(
+            &self.qkv,
+            &self.attn_out,
+            x.clone(),
+            self.heads,
+            Some(pad),
+            false,
+            c,
             k,
         );
+        let x = kernels::layer_norm(&self.ln1, x + self.dropout.forward(y), k);
         let hidden = precision::linear(&self.fc, x.clone(), c, k);
         let hidden = if self.tanh_gelu {
             activation::gelu_approximate(hidden)

@@ -198,16 +198,17 @@ struct Block {
 impl Block {
     /// One block, its products in `c`, its hot spots run by `k`.
     fn forward(&self, x: Tensor<3>, c: ComputeDtype, k: Kernels) -> Tensor<3> {
-        let qkv = precision::linear(
+        let y = precision::attention(
             &self.qkv,
+            &self.attn_proj,
             kernels::layer_norm(&self.ln1, x.clone(), k),
+            self.heads,
+            None,
+            true,
             c,
             k,
         );
-        let y = precision::self_attention(qkv, self.heads, None, true, c, k);
-        let x = x + self
-            .dropout
-            .forward(precision::linear(&self.attn_proj, y, c, k));
+        let x = x + self.dropout.forward(y);
         let hidden =
             precision::linear(&self.fc, kernels::layer_norm(&self.ln2, x.clone(), k), c, k);
         let hidden = if self.gelu {

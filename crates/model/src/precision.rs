@@ -71,6 +71,48 @@ pub(crate) fn linear<const D: usize>(
     }
 }
 
+/// `x · W + b` all in `dtype` (the bias cast to it and added there, as
+/// PyTorch's autocast adds it), for a consumer that takes `dtype` itself.
+fn linear_in<const D: usize>(layer: &Linear, x: Tensor<D>, dtype: ComputeDtype) -> Tensor<D> {
+    let low = dtype.float_dtype();
+    let weight = layer.weight.val().cast(low);
+    let bias = layer.bias.as_ref().map(|b| b.val().cast(low));
+    linear_op(x.cast(low), weight, bias)
+}
+
+/// Multi-head self-attention of `x` (`[b, t, d]`) between its projections:
+/// `proj(attention(qkv(x)))`, products in `dtype`, the result f32 (see
+/// [`self_attention`] for `key_pad` and `causal`). Where kiln's
+/// memory-efficient kernels run in a reduced dtype (wgpu, CUDA) they read
+/// and write that dtype, so the packed projection goes into them as its
+/// product made it and their result into the output projection as they
+/// wrote it: casting it to f32 and back in between lost nothing and cost a
+/// pass over the activations each way, forward and backward.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the two layers and the attention's own arguments"
+)]
+pub(crate) fn attention(
+    qkv: &Linear,
+    proj: &Linear,
+    x: Tensor<3>,
+    heads: usize,
+    key_pad: Option<Tensor<2, Bool>>,
+    causal: bool,
+    dtype: ComputeDtype,
+    kernels: Kernels,
+) -> Tensor<3> {
+    if dtype.is_reduced() && kernels::memory_efficient_attention_runs(&x, kernels) {
+        let packed = linear_in(qkv, x, dtype);
+        let y = kernels::self_attention(packed, heads, key_pad, causal, kernels);
+        // Already in `dtype`: `linear`'s cast of its input is no operation.
+        return linear(proj, y, dtype, kernels);
+    }
+    let packed = linear(qkv, x, dtype, kernels);
+    let y = self_attention(packed, heads, key_pad, causal, dtype, kernels);
+    linear(proj, y, dtype, kernels)
+}
+
 /// `a · b` with the product in `dtype`; the result is f32.
 pub(crate) fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>, dtype: ComputeDtype) -> Tensor<D> {
     if !dtype.is_reduced() {
@@ -191,6 +233,41 @@ mod tests {
             assert_eq!(low.dtype(), DType::F32, "{dtype:?} returns f32");
             let diff = max_diff(reference.clone(), low);
             assert!(diff < 0.05, "{dtype:?}: {diff}");
+        }
+    }
+
+    /// The attention between its projections is the three steps it
+    /// replaces in f32, and within the dtype's rounding of them in bf16 and
+    /// fp16. (On flex the kernels read f32: the path that hands the reduced
+    /// dtype through runs on wgpu and CUDA, where the GPU suite trains it.)
+    #[test]
+    fn attention_between_its_projections_is_the_three_steps() {
+        let device = Device::flex();
+        device.seed(8);
+        let qkv_layer = burn::nn::LinearConfig::new(24, 72).init(&device);
+        let proj = burn::nn::LinearConfig::new(24, 24).init(&device);
+        let x = Tensor::<3>::random([2, 6, 24], Distribution::Normal(0.0, 1.0), &device);
+        let steps = {
+            let f32 = ComputeDtype::F32;
+            let packed = linear(&qkv_layer, x.clone(), f32, Kernels::Fused);
+            let y = self_attention(packed, 3, None, true, f32, Kernels::Fused);
+            linear(&proj, y, f32, Kernels::Fused)
+        };
+        for dtype in [ComputeDtype::F32, ComputeDtype::Bf16, ComputeDtype::F16] {
+            let got = attention(
+                &qkv_layer,
+                &proj,
+                x.clone(),
+                3,
+                None,
+                true,
+                dtype,
+                Kernels::Fused,
+            );
+            assert_eq!(got.dtype(), DType::F32, "{dtype:?} returns f32");
+            let diff = max_diff(steps.clone(), got);
+            let tolerance = if dtype.is_reduced() { 0.05 } else { 0.0 };
+            assert!(diff <= tolerance, "{dtype:?}: {diff}");
         }
     }
 
