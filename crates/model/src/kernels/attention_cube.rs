@@ -90,7 +90,7 @@ fn forward_outputs(
     let (b, t, width) = (qkv.shape[0], qkv.shape[1], qkv.shape[2]);
     (
         TensorSpec::new([b, t, width / 3].into(), qkv.dtype),
-        TensorSpec::new([b, *heads, t].into(), DType::F32),
+        TensorSpec::new([b, *heads, t].into(), burn::tensor::DType::F32),
     )
 }
 
