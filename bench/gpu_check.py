@@ -22,6 +22,14 @@ any build) through, in order of importance:
    (`optimization.kernels=reference`), for what kiln's kernels gain;
 5. 300 steps of `kiln train hardware=auto` (the `train-auto` run).
 
+With `--kiln-cuda-cpp` (a build with kiln's `cuda-cpp` feature: CubeCL
+compiles the CUDA kernels to C++ for NVRTC instead of through LLVM, and so
+may use the TMA, asynchronous copies and matrix instructions its LLVM path
+does not lower), `check-kernels` and the GPT-2 small and tiny GPT benches
+run again on that build, right after their LLVM runs. NVRTC needs the CUDA
+headers and `libnvrtc`: `$CUDA_PATH`, `/usr/local/cuda`, or the CUDA of
+PyTorch's pip wheels (`nvidia/cu13` and the like), found in that order.
+
 Each step has its own time limit and the whole check a budget; a step that
 fails or runs out of time is recorded with the end of its output and the
 check goes on. The JSON (`--out`) holds every step: its command, exit code,
@@ -35,6 +43,8 @@ Usage:
 
     python3 bench/gpu_check.py --kiln gpu-pack/kiln.xz --out $OUT/gpu-check.json
     python3 bench/gpu_check.py --kiln gpu-pack/kilns.tar.xz --kiln-fusion gpu-pack/kilns.tar.xz --out $OUT/gpu-check.json
+    python3 bench/gpu_check.py --kiln gpu-pack/kilns.tar.xz --kiln-cuda-cpp gpu-pack/kilns.tar.xz \
+        --kiln-fusion gpu-pack/kilns.tar.xz --out $OUT/gpu-check.json
     python3 bench/gpu_check.py --tiny --backend wgpu --kiln target/debug/kiln --out /tmp/c.json
 
 Python's standard library only (a `.xz` binary is unpacked with `lzma`).
@@ -43,6 +53,7 @@ Exit code 0 when every step passed, 1 otherwise.
 
 import argparse
 import contextlib
+import glob
 import json
 import lzma
 import os
@@ -89,9 +100,11 @@ class Check:
         self.work = tempfile.mkdtemp(prefix="kiln-gpu-check-")
         self.kiln = self.unpack(args.kiln, "kiln")
         self.kiln_fusion = self.unpack(args.kiln_fusion, "kiln-fusion") if args.kiln_fusion else None
+        self.kiln_cpp = self.unpack(args.kiln_cuda_cpp, "kiln-cuda-cpp") if args.kiln_cuda_cpp else None
         self.gpu = args.backend
         self.torch = None
         self.env = dict(os.environ)
+        self.cpp_env, self.cpp_why = self.nvrtc_env()
         # Every run's cache and run directories live in the scratch folder.
         self.cache = os.path.join(self.work, "cache")
 
@@ -115,10 +128,41 @@ class Check:
         os.chmod(out, 0o755)
         return out
 
+    def nvrtc_env(self):
+        """The environment of the NVRTC build's runs, and why it cannot run
+        (None when it can): `CUDA_PATH` at a CUDA whose `include/` has the
+        headers CubeCL's C++ includes, its `lib` on `LD_LIBRARY_PATH` for
+        `libnvrtc`. On another backend than CUDA nothing is compiled by
+        NVRTC, and the runs take the environment as it is."""
+        if self.kiln_cpp is None:
+            return None, "no --kiln-cuda-cpp given"
+        env = dict(self.env)
+        if self.gpu != "cuda":
+            return env, None
+        roots = [os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+        probe = subprocess.run(
+            [sys.executable, "-c", "import nvidia; print('\\n'.join(nvidia.__path__))"],
+            capture_output=True,
+            text=True,
+        )
+        if probe.returncode == 0:
+            for path in probe.stdout.split():
+                roots += sorted(glob.glob(os.path.join(path, "cu[0-9]*")), reverse=True)
+        for root in filter(None, roots):
+            header = os.path.join(root, "include", "cuda_bf16.h")
+            libs = [d for d in ("lib64", "lib") if glob.glob(os.path.join(root, d, "libnvrtc.so*"))]
+            if os.path.isfile(header) and libs:
+                env["CUDA_PATH"] = root
+                paths = [os.path.join(root, libs[0]), env.get("LD_LIBRARY_PATH", "")]
+                env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, paths))
+                return env, None
+        tried = ", ".join(filter(None, roots))
+        return None, f"no CUDA with include/cuda_bf16.h and libnvrtc found (tried {tried})"
+
     def left(self):
         return self.args.budget - (time.monotonic() - self.start)
 
-    def run(self, name, cmd, timeout, parse_json=True, cwd=ROOT):
+    def run(self, name, cmd, timeout, parse_json=True, cwd=ROOT, env=None):
         """Runs one step within its limit and the budget left; records it.
         The limits are sized for a real GPU; with --tiny (a software GPU,
         which CI runs beside other tests on two cores) each is tripled, and
@@ -136,7 +180,7 @@ class Check:
         t0 = time.monotonic()
         try:
             p = subprocess.run(
-                cmd, cwd=cwd, env=self.env, capture_output=True, text=True, timeout=limit
+                cmd, cwd=cwd, env=env or self.env, capture_output=True, text=True, timeout=limit
             )
             step["exit_code"] = p.returncode
             step["seconds"] = round(time.monotonic() - t0, 1)
@@ -190,15 +234,30 @@ class Check:
             )
         self.run("check-hardware", [self.kiln, "check-hardware", "--json"], 60)
 
-    def kernels(self):
-        """kiln's GPU kernels against the Burn operations they replace."""
+    def kernels(self, cpp=False):
+        """kiln's GPU kernels against the Burn operations they replace;
+        `cpp`: on the NVRTC build."""
+        if cpp and not self.cpp_ready("check-kernels (NVRTC)"):
+            return
         self.run(
-            "check-kernels",
-            [self.kiln, "check-kernels", "--json", f"device.backend={self.gpu}"],
+            "check-kernels (NVRTC)" if cpp else "check-kernels",
+            [self.kiln_cpp if cpp else self.kiln, "check-kernels", "--json", f"device.backend={self.gpu}"],
             120,
+            env=self.cpp_env if cpp else None,
         )
 
-    def bench(self, name, workload, overrides, warmup, steps, timeout, extra=(), binary=None):
+    def cpp_ready(self, name):
+        """Whether the NVRTC build's steps can run; records `name` skipped
+        when a build was given and its CUDA is missing."""
+        if self.kiln_cpp is None:
+            return False
+        if self.cpp_why is not None:
+            self.steps.append({"name": name, "status": "skipped", "why": self.cpp_why})
+            print(f"-- {name}: skipped ({self.cpp_why})", flush=True)
+            return False
+        return True
+
+    def bench(self, name, workload, overrides, warmup, steps, timeout, extra=(), binary=None, env=None):
         cmd = self.kiln_cmd(
             "bench",
             workload,
@@ -209,7 +268,7 @@ class Check:
             *overrides,
             binary=binary,
         )
-        return self.run(name, cmd, timeout)
+        return self.run(name, cmd, timeout, env=env)
 
     def reference(self, workload, shape):
         """GPU steps against flex steps from the same weights and batches."""
@@ -294,16 +353,20 @@ class Check:
             ),
         }
 
-    def bench_named(self, name, fused=False):
-        """One of `shapes()`; `fused`: on the build with Burn's fusion."""
+    def bench_named(self, name, fused=False, cpp=False):
+        """One of `shapes()`; `fused`: on the build with Burn's fusion;
+        `cpp`: on the build whose CUDA kernels NVRTC compiles."""
         if fused and self.kiln_fusion is None:
             return None
         workload, overrides, extra, warmup, steps, limit = self.shapes()[name]
         if self.args.tiny:
             warmup, steps = 1, 2
-        label = f"{name} (fusion)" if fused else name
-        binary = self.kiln_fusion if fused else None
-        return self.bench(label, workload, overrides, warmup, steps, limit, extra, binary)
+        label = f"{name} (fusion)" if fused else f"{name} (NVRTC)" if cpp else name
+        if cpp and not self.cpp_ready(label):
+            return None
+        binary = self.kiln_fusion if fused else self.kiln_cpp if cpp else None
+        env = self.cpp_env if cpp else None
+        return self.bench(label, workload, overrides, warmup, steps, limit, extra, binary, env)
 
     def pytorch(self, variants):
         """bench/pytorch_gpt.py at the shapes kiln benchmarked, for a ratio:
@@ -477,6 +540,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kiln", required=True, help="the kiln binary, or its .xz")
     ap.add_argument("--kiln-fusion", help="a build with Burn's fusion too (or its .xz): a few benches again")
+    ap.add_argument("--kiln-cuda-cpp", help="a build with the `cuda-cpp` feature (or its .xz): "
+                    "the kernel check and a few benches again with NVRTC's kernels")
     ap.add_argument("--backend", default="cuda", choices=["cuda", "wgpu", "flex"],
                     help="the GPU backend (flex: a dry run of the check on the CPU)")
     ap.add_argument("--out", default="gpu-check.json")
@@ -495,6 +560,10 @@ def main():
         check.bench_named("bench lm tiny f32")
         check.reference("lm", TINY_MODEL)
         check.bench_named("bench lm gpt2-small bf16")
+        # The same kernels compiled by NVRTC instead of LLVM: checked, then
+        # timed at the step the issue's MFU is measured on.
+        check.kernels(cpp=True)
+        check.bench_named("bench lm gpt2-small bf16", cpp=True)
         check.bench_named("bench nli bert-base bf16")
         check.pytorch([gpt2_bf16])
         check.bench_named("bench lm h100 preset")
@@ -504,6 +573,7 @@ def main():
             check.bench_named("bench lm gpt2-small bf16 composed")
             check.bench_named("bench lm tiny f32 composed")
         check.bench_named("bench lm tiny bf16")
+        check.bench_named("bench lm tiny f32", cpp=True)
         check.bench_named("bench lm tiny f32", fused=True)
         check.bench_named("bench lm gpt2-small bf16", fused=True)
         check.bench_named("bench lm gpt2-small f32")

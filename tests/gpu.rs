@@ -323,7 +323,10 @@ fn autotune_level_applies_with_the_cache_disabled() {
 /// runs on the CUDA build) end to end with tiny shapes on this wgpu build:
 /// every step it has runs and passes (the PyTorch steps are skipped where
 /// no torch with CUDA is installed), and its JSON carries each benchmark's
-/// figures and the GPU-vs-flex reference verdicts. Once per CI run: not
+/// figures and the GPU-vs-flex reference verdicts. The same binary stands in
+/// for the NVRTC build (`--kiln-cuda-cpp`): on wgpu nothing is compiled by
+/// NVRTC, so what this covers is the check's handling of that build (its
+/// steps, their names and environment), not NVRTC. Once per CI run: not
 /// repeated in the fused suite.
 #[cfg(not(feature = "fusion"))]
 #[test]
@@ -333,6 +336,8 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
     let run = std::process::Command::new("python3")
         .arg(crate::support::root().join("bench/gpu_check.py"))
         .args(["--tiny", "--backend=wgpu", "--budget=1200", "--kiln"])
+        .arg(crate::support::kiln_bin())
+        .arg("--kiln-cuda-cpp")
         .arg(crate::support::kiln_bin())
         .arg("--out")
         .arg(&out)
@@ -369,6 +374,9 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
         "reference lm: wgpu vs flex after 20 step(s)",
         "reference nli: wgpu vs flex after 20 step(s)",
         "train-auto 300 steps",
+        "check-kernels (NVRTC)",
+        "bench lm gpt2-small bf16 (NVRTC)",
+        "bench lm tiny f32 (NVRTC)",
     ] {
         assert_eq!(step(name)["status"], "ok", "{name}: {stdout}");
     }
@@ -497,4 +505,41 @@ fn out_of_device_memory_says_what_to_lower() {
         "{last}"
     );
     assert!(!run.stderr.contains("stack backtrace"), "{}", run.stderr);
+}
+
+/// Asking for CUDA where there is no NVIDIA driver is a clear error with
+/// exit code 2, not a panic in the driver's loader: CI's GPU build has the
+/// CUDA backend (with `cuda-cpp`) and its machine has no driver. A `kiln`
+/// without the backend says which feature it lacks. On a machine with an
+/// NVIDIA driver there is nothing to refuse: the test says so and returns.
+#[test]
+fn cuda_without_an_nvidia_driver_is_a_clear_error() {
+    if Path::new("/proc/driver/nvidia").exists() {
+        eprintln!("an NVIDIA driver is loaded here: nothing to refuse");
+        return;
+    }
+    let hardware = kiln(&["check-hardware"]).run().expect_code(0);
+    let built_in = hardware
+        .stdout
+        .lines()
+        .find(|l| l.contains("backends built in"))
+        .unwrap_or_else(|| panic!("no `backends built in` line:\n{}", hardware.stdout))
+        .to_string();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let run_dir = tmp.path().join("run");
+    let run = kiln(&[
+        "train",
+        "device.backend=cuda",
+        "training.max_steps=1",
+        &format!("run.dir={}", run_dir.display()),
+    ])
+    .run()
+    .expect_code(2);
+    let why = if built_in.contains("cuda") {
+        "the NVIDIA driver's libcuda could not be loaded"
+    } else {
+        "kiln was built without the `cuda` feature"
+    };
+    run.stderr_has(&["backend `cuda` is not available", why]);
+    assert!(!run_dir.exists(), "a refused run leaves no run folder");
 }

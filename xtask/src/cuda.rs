@@ -138,7 +138,7 @@ pub(crate) fn prepare_build(cmd: &mut Command) -> Result<(), String> {
 pub(crate) fn wants_llvm(features: &str) -> bool {
     features.split(',').map(str::trim).any(|f| {
         let f = f.rsplit('/').next().unwrap_or(f);
-        f == "cuda" || f == "cubecl-cpu"
+        f == "cuda" || f == "cuda-cpp" || f == "cubecl-cpu"
     })
 }
 
@@ -200,6 +200,7 @@ mod tests {
         assert!(wants_llvm("wgpu, kiln-cli/cubecl-cpu"));
         assert!(!wants_llvm("cpu"));
         assert!(wants_llvm("cuda,fusion"));
+        assert!(wants_llvm("cuda-cpp"));
         assert!(wants_llvm("fusion, kiln-cli/cuda"));
         assert!(!wants_llvm("wgpu,fusion"));
         assert!(!wants_llvm("cudnn"));

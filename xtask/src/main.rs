@@ -42,9 +42,9 @@ cargo xtask <target> [args...]
                             CI's build leaves out the on-disk autotune cache
   gpu-pack [--features F]   build, strip and compress the CUDA kiln into
                             gpu-pack/kiln[-F].xz for bench/gpu_check.py on a
-                            GPU machine without network; with both the plain
-                            and the fusion build there, also
-                            gpu-pack/kilns.tar.xz holding the two
+                            GPU machine without network; with the plain build
+                            and another (F = fusion, cuda-cpp) there, also
+                            gpu-pack/kilns.tar.xz holding them all
   bench [--avx2]            the standard benchmarks → bench/results.json; with
                             --avx2 on a build without AVX-512 kernels (what
                             AVX2 CPUs run) → bench/results-avx2.json
@@ -313,7 +313,7 @@ fn cuda_features(extra: &[String], autotune_cache: bool) -> String {
     std::iter::once("cuda")
         .chain(extra.iter().map(String::as_str))
         .map(|f| match f {
-            "cuda" | "wgpu" if !autotune_cache => format!("kiln-train/{f}"),
+            "cuda" | "cuda-cpp" | "wgpu" if !autotune_cache => format!("kiln-train/{f}"),
             _ => f.to_string(),
         })
         .collect::<Vec<_>>()
@@ -351,9 +351,7 @@ fn gpu_pack(args: &[String]) -> Result<ExitCode, String> {
            python3 bench/gpu_check.py --kiln gpu-pack/kiln.xz [--kiln-fusion gpu-pack/kiln-fusion.xz] --out gpu-check.json",
         packed.display(),
     );
-    if dir.join("kiln").is_file() && dir.join("kiln-fusion").is_file() {
-        bundle(&dir)?;
-    }
+    bundle(&dir)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -370,16 +368,33 @@ fn pack(binary: &Path) -> Result<(PathBuf, f64), String> {
     Ok((packed, mib))
 }
 
-/// With both builds stripped in `dir` (`kiln`, `kiln-fusion`), both in one
-/// `kilns.tar.xz` with a dictionary that spans the first binary, so that
-/// what the two share (most of it: Burn, CubeCL, LLVM) is stored once.
-/// Two `.xz` packs of 34 and 35 MiB are over what a lent GPU machine
-/// takes from the working tree (64 MiB); the bundle is one file for
-/// `bench/gpu_check.py --kiln X --kiln-fusion X`.
+/// The builds [`bundle`] puts together, in the order they are stored (each
+/// next to the one it differs least from), and `bench/gpu_check.py`'s
+/// option for each: the plain CUDA build, its kernels compiled by NVRTC,
+/// Burn's fusion on.
+const BUNDLED: [(&str, &str); 3] = [
+    ("kiln", "--kiln"),
+    ("kiln-cuda-cpp", "--kiln-cuda-cpp"),
+    ("kiln-fusion", "--kiln-fusion"),
+];
+
+/// With the plain build and at least one other of [`BUNDLED`] stripped in
+/// `dir`, all of them in one `kilns.tar.xz` with a dictionary that spans a
+/// binary, so that what the builds share (most of it: Burn, CubeCL, LLVM)
+/// is stored once. Two `.xz` packs of 34 and 35 MiB are over what a lent
+/// GPU machine takes from the working tree (64 MiB); the bundle is one file
+/// for `bench/gpu_check.py --kiln X --kiln-fusion X --kiln-cuda-cpp X`.
 fn bundle(dir: &Path) -> Result<(), String> {
-    let largest = ["kiln", "kiln-fusion"]
+    let present: Vec<(&str, &str)> = BUNDLED
+        .into_iter()
+        .filter(|(name, _)| dir.join(name).is_file())
+        .collect();
+    if present.len() < 2 || present[0].0 != "kiln" {
+        return Ok(());
+    }
+    let largest = present
         .iter()
-        .map(|n| std::fs::metadata(dir.join(n)).map_or(0, |m| m.len()))
+        .map(|(n, _)| std::fs::metadata(dir.join(n)).map_or(0, |m| m.len()))
         .max()
         .unwrap_or(0);
     // The next power of two at or over the binary, at least 64 MiB; xz's
@@ -394,12 +409,18 @@ fn bundle(dir: &Path) -> Result<(), String> {
         .arg(&out)
         .arg("-C")
         .arg(dir)
-        .args(["kiln", "kiln-fusion"]);
+        .args(present.iter().map(|(n, _)| n));
     let mib = write_with(tar, &out)?;
+    let options: Vec<String> = present
+        .iter()
+        .map(|(_, option)| format!("{option} gpu-pack/kilns.tar.xz"))
+        .collect();
     println!(
-        "wrote {} ({mib:.1} MiB: both builds); on the GPU machine:
-           python3 bench/gpu_check.py --kiln gpu-pack/kilns.tar.xz --kiln-fusion gpu-pack/kilns.tar.xz --out gpu-check.json",
+        "wrote {} ({mib:.1} MiB: {} builds); on the GPU machine:
+           python3 bench/gpu_check.py {} --out gpu-check.json",
         out.display(),
+        present.len(),
+        options.join(" "),
     );
     Ok(())
 }
@@ -567,6 +588,12 @@ mod tests {
             "kiln-train/cuda,kiln-train/wgpu,fusion"
         );
         assert_eq!(cuda_features(&[], false), "kiln-train/cuda");
+        // kiln-cli's `cuda-cpp` turns on its `cuda`, and so the cache.
+        let cpp = ["wgpu".to_string(), "cuda-cpp".to_string()];
+        assert_eq!(
+            cuda_features(&cpp, false),
+            "kiln-train/cuda,kiln-train/wgpu,kiln-train/cuda-cpp"
+        );
     }
 
     /// Each pack leaves its stripped binary in place: the bundle is made
@@ -594,14 +621,15 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// The two builds come back byte for byte, and what they share is
-    /// stored once: two incompressible binaries that share all but their
-    /// last 64 KiB make a bundle not much larger than one of them.
+    /// The builds come back byte for byte, and what they share is stored
+    /// once: incompressible binaries that share all but their last 64 KiB
+    /// make a bundle not much larger than one of them. The plain build alone
+    /// makes none.
     #[test]
-    fn the_bundle_holds_both_builds_and_stores_what_they_share_once() {
+    fn the_bundle_holds_the_builds_and_stores_what_they_share_once() {
         let dir = std::env::temp_dir().join(format!("kiln-xtask-bundle-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(dir.join("out")).expect("scratch folder");
+        std::fs::create_dir_all(&dir).expect("scratch folder");
         let mut state = 0x9E37_79B9_7F4A_7C15_u64;
         let mut noise = |n: usize| -> Vec<u8> {
             (0..n)
@@ -614,30 +642,38 @@ mod tests {
                 .collect()
         };
         let shared = noise(1 << 20);
-        let plain = [shared.clone(), noise(1 << 16)].concat();
-        let fused = [shared, noise(1 << 16)].concat();
-        std::fs::write(dir.join("kiln"), &plain).expect("write kiln");
-        std::fs::write(dir.join("kiln-fusion"), &fused).expect("write kiln-fusion");
-
+        let builds = [
+            ("kiln", [shared.clone(), noise(1 << 16)].concat()),
+            ("kiln-fusion", [shared.clone(), noise(1 << 16)].concat()),
+            ("kiln-cuda-cpp", [shared, noise(1 << 16)].concat()),
+        ];
+        let bundled = dir.join("kilns.tar.xz");
+        std::fs::write(dir.join("kiln"), &builds[0].1).expect("write kiln");
         bundle(&dir).expect("bundle");
+        assert!(!bundled.exists(), "one build alone is not bundled");
 
-        let size = std::fs::metadata(dir.join("kilns.tar.xz"))
-            .expect("the bundle")
-            .len();
-        assert!(
-            size < (plain.len() as u64) * 5 / 4,
-            "bundle {size} bytes for two binaries of {} sharing 1 MiB",
-            plain.len()
-        );
-        let mut untar = Command::new("tar");
-        untar
-            .arg("-xJf")
-            .arg(dir.join("kilns.tar.xz"))
-            .arg("-C")
-            .arg(dir.join("out"));
-        assert_eq!(run(untar).expect("tar runs"), ExitCode::SUCCESS);
-        assert!(std::fs::read(dir.join("out/kiln")).expect("kiln") == plain);
-        assert!(std::fs::read(dir.join("out/kiln-fusion")).expect("kiln-fusion") == fused);
+        for count in [2, 3] {
+            let (name, bytes) = &builds[count - 1];
+            std::fs::write(dir.join(name), bytes).expect("write a build");
+            bundle(&dir).expect("bundle");
+            let size = std::fs::metadata(&bundled).expect("the bundle").len();
+            assert!(
+                size < (builds[0].1.len() as u64) * 5 / 4,
+                "bundle {size} bytes for {count} binaries of {} sharing 1 MiB",
+                builds[0].1.len()
+            );
+            let out = dir.join(format!("out{count}"));
+            std::fs::create_dir_all(&out).expect("scratch folder");
+            let mut untar = Command::new("tar");
+            untar.arg("-xJf").arg(&bundled).arg("-C").arg(&out);
+            assert_eq!(run(untar).expect("tar runs"), ExitCode::SUCCESS);
+            for (name, bytes) in &builds[..count] {
+                assert!(
+                    std::fs::read(out.join(name)).expect("a build") == *bytes,
+                    "{name}"
+                );
+            }
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 

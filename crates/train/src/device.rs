@@ -67,15 +67,65 @@ fn wgpu(why: &str) -> DeviceChoice {
     }
 }
 
+/// How this build's CUDA kernels are compiled, where it is not CubeCL's
+/// default (LLVM's NVPTX target): named in the device, so that every
+/// report of a run says it.
 #[cfg(feature = "cuda")]
-fn cuda(index: usize, why: &str) -> DeviceChoice {
-    DeviceChoice {
+const CUDA_COMPILER_NOTE: &str = if cfg!(feature = "cuda-cpp") {
+    ", kernels compiled by NVRTC"
+} else {
+    ""
+};
+
+#[cfg(feature = "cuda")]
+fn cuda(index: usize, why: &str) -> Result<DeviceChoice, TrainError> {
+    cuda_ready().map_err(|why| TrainError::Backend {
+        backend: "cuda".to_string(),
+        why,
+    })?;
+    Ok(DeviceChoice {
         device: Device::cuda(index),
-        name: format!("cuda (GPU {index})"),
+        name: format!("cuda (GPU {index}{})", CUDA_COMPILER_NOTE),
         why: why.to_string(),
         is_gpu: true,
         compile: String::new(),
+    })
+}
+
+/// What the CUDA device needs where kiln runs, checked before it opens
+/// (where CubeCL would panic instead): the NVIDIA driver's `libcuda`; in a
+/// `cuda-cpp` build also the CUDA headers where CubeCL looks for them
+/// (`CUDA_PATH`, else `/usr/local/cuda`, `/opt/cuda`, `/usr` with `nvcc`)
+/// and a `libnvrtc` the loader finds.
+#[cfg(feature = "cuda")]
+fn cuda_ready() -> Result<(), String> {
+    // SAFETY: tries to load the library by its usual names and reports
+    // whether one loaded; calls nothing in it.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("the NVIDIA driver's libcuda could not be loaded: this machine has no NVIDIA driver (or it is not on the library path); set device.backend=auto to train on what the machine has".to_string());
     }
+    #[cfg(feature = "cuda-cpp")]
+    nvrtc_ready()?;
+    Ok(())
+}
+
+/// The `cuda-cpp` half of [`cuda_ready`]: the headers and NVRTC.
+#[cfg(feature = "cuda-cpp")]
+fn nvrtc_ready() -> Result<(), String> {
+    const HOW: &str = "this kiln compiles its CUDA kernels with NVRTC (the `cuda-cpp` feature), which needs a CUDA toolkit or PyTorch's CUDA wheels: set CUDA_PATH to the folder with include/ (e.g. …/site-packages/nvidia/cu13) and put its lib/ on LD_LIBRARY_PATH, or use a build without `cuda-cpp`";
+    let root = cubecl::cuda::install::cuda_path().ok_or_else(|| {
+        format!("no CUDA found (CUDA_PATH is unset and /usr/local/cuda is missing); {HOW}")
+    })?;
+    let header = root.join("include").join("cuda_bf16.h");
+    if !header.is_file() {
+        return Err(format!("{} is missing; {HOW}", header.display()));
+    }
+    // SAFETY: tries to load the library by its usual names and reports
+    // whether one loaded; calls nothing in it.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(format!("libnvrtc could not be loaded; {HOW}"));
+    }
+    Ok(())
 }
 
 /// The CPU through Burn's CubeCL backend: Burn's own operations, none of
@@ -122,10 +172,10 @@ pub fn select_device(device: &DeviceSection, has_gpu: bool) -> Result<DeviceChoi
     match device.backend {
         Backend::Flex => Ok(flex("device.backend = flex")),
         #[cfg(feature = "cuda")]
-        Backend::Auto if has_gpu => Ok(cuda(
+        Backend::Auto if has_gpu => cuda(
             index,
             "auto: an NVIDIA GPU is present and this build has the `cuda` backend",
-        )),
+        ),
         #[cfg(all(feature = "wgpu", not(feature = "cuda")))]
         Backend::Auto if has_gpu => Ok(wgpu(
             "auto: an NVIDIA GPU is present and this build has the `wgpu` backend",
@@ -139,7 +189,7 @@ pub fn select_device(device: &DeviceSection, has_gpu: bool) -> Result<DeviceChoi
         #[cfg(not(feature = "wgpu"))]
         Backend::Wgpu => Err(missing("wgpu")),
         #[cfg(feature = "cuda")]
-        Backend::Cuda => Ok(cuda(index, "device.backend = cuda")),
+        Backend::Cuda => cuda(index, "device.backend = cuda"),
         #[cfg(not(feature = "cuda"))]
         Backend::Cuda => Err(missing("cuda")),
         #[cfg(feature = "cubecl-cpu")]
