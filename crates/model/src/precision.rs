@@ -123,12 +123,14 @@ pub(crate) fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>, dtype: ComputeD
 }
 
 /// Multi-head self-attention of a packed `[b, t, 3·d]` projection (see
-/// [`kernels::self_attention`]), heads merged in the `[b, t, d]` result. In
-/// f32 it is [`kernels::self_attention`] (kiln's fused kernel on flex,
-/// Burn's attention elsewhere or with `Kernels::Reference`); in a reduced
-/// dtype the two products run in that dtype and the scores are masked and
-/// soft-maxed in f32. `key_pad` (`[b, t]`) is true where a key is padding.
-pub(crate) fn self_attention(
+/// [`kernels::self_attention`]), heads merged in the `[b, t, d]` result, for
+/// [`attention`] where the memory-efficient kernels do not take a reduced
+/// dtype. In f32 it is [`kernels::self_attention`] (kiln's fused kernel on
+/// flex, the memory-efficient kernels on wgpu and CUDA, Burn's attention
+/// elsewhere or with `Kernels::Reference`); in a reduced dtype the two
+/// products run in that dtype and the scores are masked and soft-maxed in
+/// f32. `key_pad` (`[b, t]`) is true where a key is padding.
+fn self_attention(
     qkv: Tensor<3>,
     heads: usize,
     key_pad: Option<Tensor<2, Bool>>,
@@ -138,17 +140,6 @@ pub(crate) fn self_attention(
 ) -> Tensor<3> {
     if !dtype.is_reduced() {
         return kernels::self_attention(qkv, heads, key_pad, causal, kernels);
-    }
-    if kernels::memory_efficient_attention_runs(&qkv, kernels) {
-        // The kernels read qkv in the compute dtype and accumulate in f32.
-        return kernels::self_attention(
-            qkv.cast(dtype.float_dtype()),
-            heads,
-            key_pad,
-            causal,
-            kernels,
-        )
-        .cast(FloatDType::F32);
     }
     let [q, k, v] = kernels::split_heads(qkv, heads);
     let [b, h, t, d] = q.dims();
@@ -189,6 +180,13 @@ mod tests {
         (a - b).abs().max().into_scalar()
     }
 
+    /// `got` is f32 and within `tolerance` of `reference`; `what` names the case.
+    fn assert_near(reference: &Tensor<3>, got: Tensor<3>, tolerance: f32, what: &str) {
+        assert_eq!(got.dtype(), DType::F32, "{what} returns f32");
+        let diff = max_diff(reference.clone(), got);
+        assert!(diff <= tolerance, "{what}: {diff}");
+    }
+
     #[test]
     fn reduced_attention_matches_the_f32_attention() {
         let device = Device::flex();
@@ -205,10 +203,8 @@ mod tests {
             );
             for dtype in [ComputeDtype::Bf16, ComputeDtype::F16] {
                 let low = self_attention(qkv.clone(), 3, None, causal, dtype, Kernels::Fused);
-                assert_eq!(low.dtype(), DType::F32, "{dtype:?} returns f32");
-                let diff = max_diff(reference.clone(), low);
                 // bf16 keeps 8 bits of mantissa (2^-8 = 0.004), fp16 11.
-                assert!(diff < 0.05, "{dtype:?} causal={causal}: {diff}");
+                assert_near(&reference, low, 0.05, &format!("{dtype:?} causal={causal}"));
             }
         }
     }
@@ -230,9 +226,7 @@ mod tests {
         let reference = linear(&layer, x.clone(), ComputeDtype::F32, Kernels::Reference);
         for dtype in [ComputeDtype::Bf16, ComputeDtype::F16] {
             let low = linear(&layer, x.clone(), dtype, Kernels::Fused);
-            assert_eq!(low.dtype(), DType::F32, "{dtype:?} returns f32");
-            let diff = max_diff(reference.clone(), low);
-            assert!(diff < 0.05, "{dtype:?}: {diff}");
+            assert_near(&reference, low, 0.05, &format!("{dtype:?}"));
         }
     }
 
@@ -264,10 +258,8 @@ mod tests {
                 dtype,
                 Kernels::Fused,
             );
-            assert_eq!(got.dtype(), DType::F32, "{dtype:?} returns f32");
-            let diff = max_diff(steps.clone(), got);
             let tolerance = if dtype.is_reduced() { 0.05 } else { 0.0 };
-            assert!(diff <= tolerance, "{dtype:?}: {diff}");
+            assert_near(&steps, got, tolerance, &format!("{dtype:?}"));
         }
     }
 
@@ -288,7 +280,6 @@ mod tests {
             Kernels::Reference,
         );
         let low = self_attention(qkv, 3, Some(pad), false, ComputeDtype::Bf16, Kernels::Fused);
-        let diff = max_diff(reference, low);
-        assert!(diff < 0.05, "{diff}");
+        assert_near(&reference, low, 0.05, "bf16 padded");
     }
 }
