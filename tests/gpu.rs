@@ -511,11 +511,11 @@ fn out_of_device_memory_says_what_to_lower() {
 /// exit code 2, not a panic in the driver's loader: CI's GPU build has the
 /// CUDA backend (with `cuda-cpp`) and its machine has no driver. A `kiln`
 /// without the backend says which feature it lacks. On a machine with an
-/// NVIDIA driver there is nothing to refuse: the test says so and returns.
+/// NVIDIA driver there is nothing to refuse, and the test returns.
 #[test]
 fn cuda_without_an_nvidia_driver_is_a_clear_error() {
     if Path::new("/proc/driver/nvidia").exists() {
-        eprintln!("an NVIDIA driver is loaded here: nothing to refuse");
+        // An NVIDIA driver is loaded here: nothing to refuse.
         return;
     }
     let hardware = kiln(&["check-hardware"]).run().expect_code(0);
