@@ -104,7 +104,7 @@ class Check:
         self.gpu = args.backend
         self.torch = None
         self.env = dict(os.environ)
-        self.cpp_env, self.cpp_why = self.nvrtc_env()
+        self.cpp_env, self.cpp_why = self.nvrtc_env() if self.kiln_cpp else (None, None)
         # Every run's cache and run directories live in the scratch folder.
         self.cache = os.path.join(self.work, "cache")
 
@@ -134,8 +134,6 @@ class Check:
         headers CubeCL's C++ includes, its `lib` on `LD_LIBRARY_PATH` for
         `libnvrtc`. On another backend than CUDA nothing is compiled by
         NVRTC, and the runs take the environment as it is."""
-        if self.kiln_cpp is None:
-            return None, "no --kiln-cuda-cpp given"
         env = dict(self.env)
         if self.gpu != "cuda":
             return env, None
@@ -234,28 +232,31 @@ class Check:
             )
         self.run("check-hardware", [self.kiln, "check-hardware", "--json"], 60)
 
-    def kernels(self, cpp=False):
-        """kiln's GPU kernels against the Burn operations they replace;
-        `cpp`: on the NVRTC build."""
-        if cpp and not self.cpp_ready("check-kernels (NVRTC)"):
+    def kernels(self, build=None):
+        """kiln's GPU kernels against the Burn operations they replace, on
+        `build` (see `variant`)."""
+        found = self.variant("check-kernels", build)
+        if found is None:
             return
-        self.run(
-            "check-kernels (NVRTC)" if cpp else "check-kernels",
-            [self.kiln_cpp if cpp else self.kiln, "check-kernels", "--json", f"device.backend={self.gpu}"],
-            120,
-            env=self.cpp_env if cpp else None,
-        )
+        label, binary, env = found
+        self.run(label, [binary, "check-kernels", "--json", f"device.backend={self.gpu}"], 120, env=env)
 
-    def cpp_ready(self, name):
-        """Whether the NVRTC build's steps can run; records `name` skipped
-        when a build was given and its CUDA is missing."""
-        if self.kiln_cpp is None:
-            return False
-        if self.cpp_why is not None:
-            self.steps.append({"name": name, "status": "skipped", "why": self.cpp_why})
-            print(f"-- {name}: skipped ({self.cpp_why})", flush=True)
-            return False
-        return True
+    def variant(self, name, build):
+        """The step `name` on `build`: None (the plain build), "fusion" or
+        "NVRTC". Its label, binary and environment; None where that build
+        was not given, or (NVRTC) cannot run here, which is recorded as
+        skipped."""
+        if build is None:
+            return name, self.kiln, None
+        binary = {"fusion": self.kiln_fusion, "NVRTC": self.kiln_cpp}[build]
+        if binary is None:
+            return None
+        label = f"{name} ({build})"
+        if build == "NVRTC" and self.cpp_why is not None:
+            self.steps.append({"name": label, "status": "skipped", "why": self.cpp_why})
+            print(f"-- {label}: skipped ({self.cpp_why})", flush=True)
+            return None
+        return label, binary, self.cpp_env if build == "NVRTC" else None
 
     def bench(self, name, workload, overrides, warmup, steps, timeout, extra=(), binary=None, env=None):
         cmd = self.kiln_cmd(
@@ -353,19 +354,15 @@ class Check:
             ),
         }
 
-    def bench_named(self, name, fused=False, cpp=False):
-        """One of `shapes()`; `fused`: on the build with Burn's fusion;
-        `cpp`: on the build whose CUDA kernels NVRTC compiles."""
-        if fused and self.kiln_fusion is None:
+    def bench_named(self, name, build=None):
+        """One of `shapes()`, on `build` (see `variant`)."""
+        found = self.variant(name, build)
+        if found is None:
             return None
+        label, binary, env = found
         workload, overrides, extra, warmup, steps, limit = self.shapes()[name]
         if self.args.tiny:
             warmup, steps = 1, 2
-        label = f"{name} (fusion)" if fused else f"{name} (NVRTC)" if cpp else name
-        if cpp and not self.cpp_ready(label):
-            return None
-        binary = self.kiln_fusion if fused else self.kiln_cpp if cpp else None
-        env = self.cpp_env if cpp else None
         return self.bench(label, workload, overrides, warmup, steps, limit, extra, binary, env)
 
     def pytorch(self, variants):
@@ -562,8 +559,8 @@ def main():
         check.bench_named("bench lm gpt2-small bf16")
         # The same kernels compiled by NVRTC instead of LLVM: checked, then
         # timed at the step the issue's MFU is measured on.
-        check.kernels(cpp=True)
-        check.bench_named("bench lm gpt2-small bf16", cpp=True)
+        check.kernels("NVRTC")
+        check.bench_named("bench lm gpt2-small bf16", "NVRTC")
         check.bench_named("bench nli bert-base bf16")
         check.pytorch([gpt2_bf16])
         check.bench_named("bench lm h100 preset")
@@ -573,9 +570,9 @@ def main():
             check.bench_named("bench lm gpt2-small bf16 composed")
             check.bench_named("bench lm tiny f32 composed")
         check.bench_named("bench lm tiny bf16")
-        check.bench_named("bench lm tiny f32", cpp=True)
-        check.bench_named("bench lm tiny f32", fused=True)
-        check.bench_named("bench lm gpt2-small bf16", fused=True)
+        check.bench_named("bench lm tiny f32", "NVRTC")
+        check.bench_named("bench lm tiny f32", "fusion")
+        check.bench_named("bench lm gpt2-small bf16", "fusion")
         check.bench_named("bench lm gpt2-small f32")
         check.pytorch([tiny_f32])
         check.reference("nli", TINY_NLI)
