@@ -34,6 +34,17 @@ def median_secs(reps, run):
     return secs[len(secs) // 2]
 
 
+def sizes(text):
+    """`--square`'s value: positive sizes separated by commas."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of positive sizes like 512,1024")
+    return values
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--avx2", action="store_true")
@@ -45,7 +56,8 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--square",
-        default="",
+        type=sizes,
+        default=[],
         help="instead of the step: square products at these sizes (e.g. 512,1024,2048)",
     )
     a = p.parse_args()
@@ -55,7 +67,7 @@ def main():
             f"PyTorch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
             f"{torch.get_num_threads()} threads, square products; median of {a.reps} runs"
         )
-        for n in (int(v) for v in a.square.split(",")):
+        for n in a.square:
             x, y = torch.rand(n, n) - 0.5, torch.rand(n, n) - 0.5
             secs = median_secs(a.reps, lambda: x.mm(y))
             print(f"{n:>5}: {secs * 1e3:.2f} ms, {2.0 * n**3 / secs / 1e9:.1f} GFLOP/s")
