@@ -334,35 +334,116 @@ unsafe fn matmul(m: usize, n: usize, k: usize, dst: Mat, lhs: Mat, rhs: Mat, alp
 /// upper triangle (at t = 128, 62.5 % of the full products are computed).
 const CAUSAL_BLOCK: usize = 32;
 
-/// The query row blocks `[r0, r1)` and the keys `0..n` each may see: one
-/// block of all keys without the causal mask.
-fn row_blocks(t: usize, causal: bool) -> impl Iterator<Item = (usize, usize, usize)> {
-    let step = if causal { CAUSAL_BLOCK } else { t.max(1) };
-    (0..t).step_by(step).map(move |r0| {
-        let r1 = (r0 + step).min(t);
-        (r0, r1, if causal { r1 } else { t })
-    })
+/// The part of one batch entry's `t × t` scores that a head computes: every
+/// query, and the first `keys` keys — up to its last key that is not
+/// padding. Trailing padding keys (a padded batch's shorter sequences) are
+/// seen by no query, so their scores are never computed, as the causal
+/// mask's upper triangle is not; padding keys before the last real one are
+/// masked (−∞). A head's scores are `t × keys`, row stride `keys`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Span {
+    t: usize,
+    keys: usize,
+    causal: bool,
 }
 
-/// `alpha · lhs (t × k) · rhs (k × t)` in a new `t × t` buffer (one head's
-/// scores or their gradient). With `causal`, only the entries of
-/// [`row_blocks`] are computed; the keys beyond a block's are 0.
+impl Span {
+    /// The span of a batch entry whose key-padding mask is `pad` (`None`: no
+    /// padding).
+    fn new(t: usize, pad: Option<&[f32]>, causal: bool) -> Self {
+        let keys = pad.map_or(t, |pad| {
+            pad.iter()
+                .rposition(|&p| p <= 0.5)
+                .map_or(0, |last| last + 1)
+        });
+        Self { t, keys, causal }
+    }
+
+    /// How many leading keys query `i` may attend to (`j ≤ i` when causal;
+    /// padding among them is masked by [`mask_row`]).
+    #[inline(always)]
+    fn visible(self, i: usize) -> usize {
+        if self.causal {
+            (i + 1).min(self.keys)
+        } else {
+            self.keys
+        }
+    }
+
+    /// The keys [`square`] computed for query `i` (the end of its row
+    /// block); from there on the row is already 0.
+    #[inline(always)]
+    fn computed(self, i: usize) -> usize {
+        if self.causal {
+            ((i / CAUSAL_BLOCK + 1) * CAUSAL_BLOCK).min(self.keys)
+        } else {
+            self.keys
+        }
+    }
+
+    /// The query row blocks `[r0, r1)` and the keys `0..n` each may see:
+    /// one block of all queries without the causal mask.
+    fn row_blocks(self) -> impl Iterator<Item = (usize, usize, usize)> {
+        let step = if self.causal {
+            CAUSAL_BLOCK
+        } else {
+            self.t.max(1)
+        };
+        (0..self.t).step_by(step).map(move |r0| {
+            let r1 = (r0 + step).min(self.t);
+            (r0, r1, self.computed(r0))
+        })
+    }
+
+    /// The key blocks `[c0, c1)` of the keys computed and the first query
+    /// that sees each: with the causal mask the query of its first key,
+    /// else query 0 (one block of all keys).
+    fn key_blocks(self) -> impl Iterator<Item = (usize, usize, usize)> {
+        let step = if self.causal {
+            CAUSAL_BLOCK
+        } else {
+            self.keys.max(1)
+        };
+        (0..self.keys).step_by(step).map(move |c0| {
+            let c1 = (c0 + step).min(self.keys);
+            (c0, c1, if self.causal { c0 } else { 0 })
+        })
+    }
+}
+
+/// `alpha · lhs (t × k) · rhs (k × keys)` in a new `t × keys` buffer (one
+/// head's scores or their gradient, [`Span`]). With `causal`, only the
+/// entries of [`Span::row_blocks`] are computed; the keys beyond a block's
+/// are 0.
 ///
 /// # Safety
-/// The operands as in [`matmul`].
-unsafe fn square(t: usize, k: usize, lhs: Mat, rhs: Mat, alpha: f32, causal: bool) -> Vec<f32> {
+/// The operands as in [`matmul`]; `span.keys` > 0.
+unsafe fn square(span: Span, k: usize, lhs: Mat, rhs: Mat, alpha: f32) -> Vec<f32> {
+    let width = span.keys;
     // SAFETY: forwarded from the caller; each gemm writes its block without
     // reading it, and the rest of each block's rows is zeroed here.
     unsafe {
-        buffer(t * t, |room| {
-            for (r0, r1, n) in row_blocks(t, causal) {
-                let dst = Mat(room.as_mut_ptr().cast(), t as isize, 1);
+        buffer(span.t * width, |room| {
+            for (r0, r1, n) in span.row_blocks() {
+                let dst = Mat(room.as_mut_ptr().cast(), width as isize, 1);
                 matmul(r1 - r0, n, k, dst.at(r0, 0), lhs.at(r0, 0), rhs, alpha);
-                for row in room[r0 * t..r1 * t].chunks_exact_mut(t) {
+                for row in room[r0 * width..r1 * width].chunks_exact_mut(width) {
                     row[n..].fill(MaybeUninit::new(0.0));
                 }
             }
         })
+    }
+}
+
+/// Zeros into `rows` rows of `cols` f32s from `at`, `stride` apart: a
+/// head's columns of a result that no key reaches.
+///
+/// # Safety
+/// The rows must be valid for writes and belong to the caller's task.
+unsafe fn zero_rows(at: *mut f32, rows: usize, cols: usize, stride: usize) {
+    for r in 0..rows {
+        // SAFETY: forwarded from the caller.
+        unsafe { std::ptr::write_bytes(at.add(r * stride), 0, cols) };
     }
 }
 
@@ -411,29 +492,11 @@ unsafe fn gemm_call(
     }
 }
 
-/// Which keys query `i` may attend to: `j ≤ i` when causal, and not a
-/// padding key. Returns the number of leading keys to consider.
-#[inline(always)]
-fn visible(i: usize, t: usize, causal: bool) -> usize {
-    if causal { i + 1 } else { t }
-}
-
-/// The keys [`square`] computed for query `i` (the end of its row block);
-/// from there on the row is already 0.
-#[inline(always)]
-fn computed(i: usize, t: usize, causal: bool) -> usize {
-    if causal {
-        ((i / CAUSAL_BLOCK + 1) * CAUSAL_BLOCK).min(t)
-    } else {
-        t
-    }
-}
-
 /// Multi-head scaled dot-product attention of a packed projection `qkv`
 /// (`[batch, time, 3·d]`: queries, keys, values side by side, each `heads`
-/// heads of `d / heads`), one head per rayon task, the `time × time` scores
-/// of one head at a time in a task-local buffer (never the whole
-/// `[b, h, t, t]` tensor). `key_pad` (`[batch, time]`, 1.0 where a key is
+/// heads of `d / heads`), one head per rayon task, the scores of one head
+/// at a time in a task-local buffer (`time × keys`, [`Span`]; never the
+/// whole `[b, h, t, t]` tensor). `key_pad` (`[batch, time]`, 1.0 where a key is
 /// padding; all zeros for none) and `causal` mask keys. Returns the output
 /// with the heads merged (`[batch, time, d]`) and the log-sum-exp of each
 /// query's scores (`[batch, heads, time]`), which the backward pass uses to
@@ -454,25 +517,32 @@ pub(crate) fn attention(
 
     let mut lse = vec![0.0f32; b * h * t];
     // SAFETY: q/k/v heads are `t × hd` with their own strides inside their
-    // storage; `p` is `t × t`; the gemms write their destinations in full
-    // without reading them; this task's output columns `hi·hd ..
-    // (hi+1)·hd` of batch `bi` belong to no other task, and the tasks
-    // together cover the output.
+    // storage; `p` is `t × span.keys`; the gemms write their destinations
+    // in full without reading them (a head with no key writes zeros); this
+    // task's output columns `hi·hd .. (hi+1)·hd` of batch `bi` belong to no
+    // other task, and the tasks together cover the output.
     let out = unsafe {
         buffer(b * t * d, |room| {
             let out_ptr = SharedMut(room.as_mut_ptr().cast());
             lse.par_chunks_mut(t).enumerate().for_each(|(bh, lse)| {
                 let (bi, hi) = (bh / h, bh % h);
                 let pad = pad.map(|p| &p[bi * t..(bi + 1) * t]);
+                let span = Span::new(t, pad, causal);
+                let out_at = out_ptr.get().add(bi * t * d + hi * hd);
+                if span.keys == 0 {
+                    // Every key is padding: no query sees one (lse stays 0).
+                    zero_rows(out_at, t, hd, d);
+                    return;
+                }
                 let qm = Mat(qh.head(bi, hi), qh.row_stride(), qh.col_stride());
                 let km = Mat(kh.head(bi, hi), kh.row_stride(), kh.col_stride());
                 let vm = Mat(vh.head(bi, hi), vh.row_stride(), vh.col_stride());
-                let mut p = square(t, hd, qm, km.t(), scale, causal);
-                softmax_rows(&mut p, lse, t, pad, causal);
-                let om = Mat(out_ptr.get().add(bi * t * d + hi * hd), d as isize, 1);
-                let pm = Mat(p.as_ptr(), t as isize, 1);
+                let mut p = square(span, hd, qm, km.t(), scale);
+                softmax_rows(&mut p, lse, span, pad);
+                let om = Mat(out_at, d as isize, 1);
+                let pm = Mat(p.as_ptr(), span.keys as isize, 1);
                 // O = P V, each row block over the keys it sees.
-                for (r0, r1, n) in row_blocks(t, causal) {
+                for (r0, r1, n) in span.row_blocks() {
                     matmul(r1 - r0, hd, n, om.at(r0, 0), pm.at(r0, 0), vm, 1.0);
                 }
             })
@@ -485,13 +555,14 @@ pub(crate) fn attention(
 }
 
 simd_levels! {
-    /// Masked softmax of each row of `p` (`t × t` scores) in place, writing each
-    /// row's log-sum-exp to `lse`. Masked keys get exactly 0.
-    fn softmax_rows(p: &mut [f32], lse: &mut [f32], t: usize, pad: Option<&[f32]>, causal: bool) {
+    /// Masked softmax of each row of `p` (`t × keys` scores, [`Span`]) in
+    /// place, writing each row's log-sum-exp to `lse`. Masked keys get
+    /// exactly 0.
+    fn softmax_rows(p: &mut [f32], lse: &mut [f32], span: Span, pad: Option<&[f32]>) {
         const FMA: bool = has_fma!();
-        for (i, (row, lse)) in p.chunks_exact_mut(t).zip(lse.iter_mut()).enumerate() {
-            let n = visible(i, t, causal);
-            mask_row(&mut row[..computed(i, t, causal)], n, pad);
+        for (i, (row, lse)) in p.chunks_exact_mut(span.keys).zip(lse.iter_mut()).enumerate() {
+            let n = span.visible(i);
+            mask_row(&mut row[..span.computed(i)], n, pad);
             let max = max_of(&row[..n]);
             if max == f32::NEG_INFINITY {
                 row.fill(0.0);
@@ -513,11 +584,11 @@ simd_levels! {
 simd_levels! {
     /// Rebuilds the probabilities from the scores in `p` and each row's
     /// log-sum-exp, masked keys exactly 0.
-    fn probabilities(p: &mut [f32], lse: &[f32], t: usize, pad: Option<&[f32]>, causal: bool) {
+    fn probabilities(p: &mut [f32], lse: &[f32], span: Span, pad: Option<&[f32]>) {
         const FMA: bool = has_fma!();
-        for (i, row) in p.chunks_exact_mut(t).enumerate() {
-            let n = visible(i, t, causal);
-            mask_row(&mut row[..computed(i, t, causal)], n, pad);
+        for (i, row) in p.chunks_exact_mut(span.keys).enumerate() {
+            let n = span.visible(i);
+            mask_row(&mut row[..span.computed(i)], n, pad);
             for x in row[..n].iter_mut() {
                 *x = math::exp::<FMA>(*x - lse[i]);
             }
@@ -528,13 +599,14 @@ simd_levels! {
 simd_levels! {
     /// `dS = P ⊙ (dP − delta) · scale`, in place over `dp`; with `causal`, the
     /// keys a query does not see are 0 (beyond its row block [`square`] made them so).
-    fn score_grads(dp: &mut [f32], p: &[f32], delta: &[f32], t: usize, scale: f32, causal: bool) {
-        for (i, (ds, p)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
-            let n = visible(i, t, causal);
+    fn score_grads(dp: &mut [f32], p: &[f32], delta: &[f32], span: Span, scale: f32) {
+        let rows = dp.chunks_exact_mut(span.keys).zip(p.chunks_exact(span.keys));
+        for (i, (ds, p)) in rows.enumerate() {
+            let n = span.visible(i);
             for (ds, &p) in ds[..n].iter_mut().zip(&p[..n]) {
                 *ds = p * (*ds - delta[i]) * scale;
             }
-            ds[n..computed(i, t, causal)].fill(0.0);
+            ds[n..span.computed(i)].fill(0.0);
         }
     }
 }
@@ -658,16 +730,35 @@ pub(crate) fn attention_backward(
     let lse = slice(&lse);
     let scale = 1.0 / (hd as f32).sqrt();
 
-    let tt = t as isize;
     let row = (3 * d) as isize;
     // SAFETY: as in `attention`; each task writes only its own head's
-    // columns of dq, dk and dv, and the tasks together cover dqkv.
+    // columns of dq, dk and dv (zeros for the keys past its span), and the
+    // tasks together cover dqkv.
     let dqkv = unsafe {
         buffer(b * t * 3 * d, |room| {
             let dqkv_ptr = SharedMut(room.as_mut_ptr().cast());
             (0..b * h).into_par_iter().for_each(|bh| {
                 let (bi, hi) = (bh / h, bh % h);
                 let pad = pad.map(|p| &p[bi * t..(bi + 1) * t]);
+                let span = Span::new(t, pad, causal);
+                // This head's columns of dq, dk and dv in the packed gradient.
+                let part = |part: usize| {
+                    let at = bi * t * 3 * d + part * d + hi * hd;
+                    Mat(dqkv_ptr.get().add(at), row, 1)
+                };
+                // Keys no query sees (trailing padding; all of them when
+                // every key is padding) get no gradient, nor, with no key
+                // to see, do the queries.
+                if span.keys < t {
+                    for which in [1, 2] {
+                        let from = part(which).at(span.keys, 0).0.cast_mut();
+                        zero_rows(from, t - span.keys, hd, 3 * d);
+                    }
+                }
+                if span.keys == 0 {
+                    zero_rows(part(0).0.cast_mut(), t, hd, 3 * d);
+                    return;
+                }
                 let lse = &lse[bh * t..(bh + 1) * t];
                 // Row i of `delta`: Σ_c dO[i, c] · O[i, c].
                 let delta: Vec<f32> = (0..t)
@@ -678,31 +769,27 @@ pub(crate) fn attention_backward(
                             .sum(),
                     })
                     .collect();
-                // This head's columns of dq, dk and dv in the packed gradient.
-                let part = |part: usize| {
-                    let at = bi * t * 3 * d + part * d + hi * hd;
-                    Mat(dqkv_ptr.get().add(at), row, 1)
-                };
                 let qm = Mat(qh.head(bi, hi), qh.row_stride(), qh.col_stride());
                 let km = Mat(kh.head(bi, hi), kh.row_stride(), kh.col_stride());
                 let vm = Mat(vh.head(bi, hi), vh.row_stride(), vh.col_stride());
                 let gm = Mat(gh.head(bi, hi), gh.row_stride(), gh.col_stride());
-                let mut p = square(t, hd, qm, km.t(), scale, causal);
-                probabilities(&mut p, lse, t, pad, causal);
-                let pm = Mat(p.as_ptr(), tt, 1);
+                let mut p = square(span, hd, qm, km.t(), scale);
+                probabilities(&mut p, lse, span, pad);
+                let width = span.keys as isize;
+                let pm = Mat(p.as_ptr(), width, 1);
                 // dP = dO Vᵀ, then dS = P ⊙ (dP − delta) · scale, into dp.
-                let mut dp = square(t, hd, gm, vm.t(), 1.0, causal);
-                score_grads(&mut dp, &p, &delta, t, scale, causal);
-                let dsm = Mat(dp.as_ptr(), tt, 1);
+                let mut dp = square(span, hd, gm, vm.t(), 1.0);
+                score_grads(&mut dp, &p, &delta, span, scale);
+                let dsm = Mat(dp.as_ptr(), width, 1);
                 // dQ = dS K, each query block over the keys it sees.
-                for (r0, r1, n) in row_blocks(t, causal) {
+                for (r0, r1, n) in span.row_blocks() {
                     matmul(r1 - r0, hd, n, part(0).at(r0, 0), dsm.at(r0, 0), km, 1.0);
                 }
                 // dV = Pᵀ dO and dK = dSᵀ Q, each key block over the queries
                 // that see it: with the causal mask, queries from its first
-                // key on (the same blocks, read as key blocks).
-                for (c0, c1, _) in row_blocks(t, causal) {
-                    let (from, keys) = (if causal { c0 } else { 0 }, c1 - c0);
+                // key on.
+                for (c0, c1, from) in span.key_blocks() {
+                    let keys = c1 - c0;
                     for (which, weights, by) in [(2, pm, gm), (1, dsm, qm)] {
                         let (dst, lhs) = (part(which).at(c0, 0), weights.at(from, c0).t());
                         matmul(keys, hd, t - from, dst, lhs, by.at(from, 0), 1.0);

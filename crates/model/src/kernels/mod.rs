@@ -87,7 +87,9 @@ pub fn gelu<const D: usize>(x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
 /// (`[batch, time, d]`). `key_pad` (`[batch, time]`, true where a key is
 /// padding) and `causal` (query `i` sees keys `≤ i`) mask keys. The fused
 /// kernel reads the heads where they lie in `qkv`, keeps one head's
-/// `time × time` scores at a time, rebuilds them in the backward pass and
+/// `time × time` scores at a time (fewer: no key after a batch entry's last
+/// that is not padding, and with `causal` no row block's keys past its
+/// end, is computed at all), rebuilds them in the backward pass and
 /// writes the gradient of `qkv` in one piece; the reference splits the
 /// heads and runs Burn's `attention` with the mask expanded to
 /// `[batch, heads, time, time]`.
@@ -972,6 +974,78 @@ mod tests {
                 assert!(fwd < 1e-5, "{label}: forward differs by {fwd}");
                 assert!(bwd < 1e-4, "{label}: backward differs by {bwd}");
             }
+        }
+    }
+
+    /// A `[b, t]` key-padding mask, true in the `[start, end)` spans of
+    /// `padded` per batch entry.
+    fn padding_mask(t: usize, padded: &[&[(usize, usize)]], device: &Device) -> Tensor<2, Bool> {
+        let values: Vec<bool> = padded
+            .iter()
+            .flat_map(|spans| {
+                (0..t).map(move |i| spans.iter().any(|&(start, end)| (start..end).contains(&i)))
+            })
+            .collect();
+        let data = burn::tensor::TensorData::new(values, [padded.len(), t]);
+        Tensor::<2, Bool>::from_data(data, device)
+    }
+
+    #[test]
+    fn fused_attention_skips_trailing_padding_and_masks_the_padding_before_it() {
+        // The kernel computes each entry's scores only up to its last key
+        // that is not padding (`cpu::Span`); padding before that key is
+        // masked. Entries: padding inside and at the end (its last real key
+        // inside the second causal block), none, a single real key after
+        // padding inside, and padding at the end only, so the key spans are
+        // 60, 75, 34 and 1 of 75.
+        let device = Device::flex().autodiff();
+        device.seed(10);
+        let (b, t, h, hd) = (4, 75, 2, 8);
+        let pad = padding_mask(
+            t,
+            &[
+                &[(10, 20), (60, 75)],
+                &[],
+                &[(20, 33), (34, 75)],
+                &[(1, 75)],
+            ],
+            &device,
+        );
+        let qkv = Tensor::<3>::random([b, t, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device);
+        let upstream = Tensor::<3>::random([b, t, h * hd], Distribution::Normal(0.0, 1.0), &device);
+        for causal in [false, true] {
+            let run =
+                |kernels| attention_run(&qkv, &upstream, Some(pad.clone()), causal, h, kernels);
+            let ((y, dqkv), (y_ref, dqkv_ref)) = (run(Kernels::Fused), run(Kernels::Reference));
+            let fwd = max_abs3(y, y_ref);
+            let bwd = max_abs3(dqkv, dqkv_ref);
+            assert!(fwd < 1e-5, "causal={causal}: forward differs by {fwd}");
+            assert!(bwd < 1e-4, "causal={causal}: backward differs by {bwd}");
+        }
+    }
+
+    #[test]
+    fn a_batch_entry_of_padding_only_gets_zeros_and_leaves_the_others_alone() {
+        // No key of entry 0 is real, so no query there sees one: its output
+        // and its whole gradient are zeros (Burn's composition would give
+        // 0/0 there, so it is the reference for entry 1 only).
+        let device = Device::flex().autodiff();
+        device.seed(11);
+        let (b, t, h, hd) = (2, 40, 2, 8);
+        let pad = padding_mask(t, &[&[(0, 40)], &[(30, 40)]], &device);
+        let qkv = Tensor::<3>::random([b, t, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device);
+        let upstream = Tensor::<3>::random([b, t, h * hd], Distribution::Normal(0.0, 1.0), &device);
+        for causal in [false, true] {
+            let run =
+                |kernels| attention_run(&qkv, &upstream, Some(pad.clone()), causal, h, kernels);
+            let ((y, dqkv), (y_ref, dqkv_ref)) = (run(Kernels::Fused), run(Kernels::Reference));
+            let entry = |x: Tensor<3>, i: usize| x.narrow(0, i, 1);
+            assert_eq!(entry(y.clone(), 0).abs().max().into_scalar::<f32>(), 0.0);
+            assert_eq!(entry(dqkv.clone(), 0).abs().max().into_scalar::<f32>(), 0.0);
+            let fwd = max_abs3(entry(y, 1), entry(y_ref, 1));
+            let bwd = max_abs3(entry(dqkv, 1), entry(dqkv_ref, 1));
+            assert!(fwd < 1e-5, "causal={causal}: forward differs by {fwd}");
+            assert!(bwd < 1e-4, "causal={causal}: backward differs by {bwd}");
         }
     }
 
