@@ -381,33 +381,32 @@ impl Span {
         }
     }
 
-    /// The query row blocks `[r0, r1)` and the keys `0..n` each may see:
-    /// one block of all queries without the causal mask.
-    fn row_blocks(self) -> impl Iterator<Item = (usize, usize, usize)> {
+    /// `0..len` in blocks `[start, end)`: of [`CAUSAL_BLOCK`] with the
+    /// causal mask, else one block.
+    fn blocks(self, len: usize) -> impl Iterator<Item = (usize, usize)> {
         let step = if self.causal {
             CAUSAL_BLOCK
         } else {
-            self.t.max(1)
+            len.max(1)
         };
-        (0..self.t).step_by(step).map(move |r0| {
-            let r1 = (r0 + step).min(self.t);
-            (r0, r1, self.computed(r0))
-        })
+        (0..len)
+            .step_by(step)
+            .map(move |start| (start, (start + step).min(len)))
+    }
+
+    /// The query row blocks `[r0, r1)` and the keys `0..n` each may see:
+    /// one block of all queries without the causal mask.
+    fn row_blocks(self) -> impl Iterator<Item = (usize, usize, usize)> {
+        self.blocks(self.t)
+            .map(move |(r0, r1)| (r0, r1, self.computed(r0)))
     }
 
     /// The key blocks `[c0, c1)` of the keys computed and the first query
     /// that sees each: with the causal mask the query of its first key,
     /// else query 0 (one block of all keys).
     fn key_blocks(self) -> impl Iterator<Item = (usize, usize, usize)> {
-        let step = if self.causal {
-            CAUSAL_BLOCK
-        } else {
-            self.keys.max(1)
-        };
-        (0..self.keys).step_by(step).map(move |c0| {
-            let c1 = (c0 + step).min(self.keys);
-            (c0, c1, if self.causal { c0 } else { 0 })
-        })
+        self.blocks(self.keys)
+            .map(move |(c0, c1)| (c0, c1, if self.causal { c0 } else { 0 }))
     }
 }
 

@@ -990,6 +990,29 @@ mod tests {
         Tensor::<2, Bool>::from_data(data, device)
     }
 
+    /// Self-attention's output and qkv gradient, fused then composed, of
+    /// random `[b, t, 3·h·hd]` inputs with the key padding of
+    /// [`padding_mask`], without and with the causal mask.
+    fn padded_attention_runs(
+        seed: u64,
+        (b, t, h, hd): (usize, usize, usize, usize),
+        padded: &[&[(usize, usize)]],
+    ) -> Vec<(bool, [(Tensor<3>, Tensor<3>); 2])> {
+        let device = Device::flex().autodiff();
+        device.seed(seed);
+        let pad = padding_mask(t, padded, &device);
+        let qkv = Tensor::<3>::random([b, t, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device);
+        let upstream = Tensor::<3>::random([b, t, h * hd], Distribution::Normal(0.0, 1.0), &device);
+        [false, true]
+            .into_iter()
+            .map(|causal| {
+                let run =
+                    |kernels| attention_run(&qkv, &upstream, Some(pad.clone()), causal, h, kernels);
+                (causal, [run(Kernels::Fused), run(Kernels::Reference)])
+            })
+            .collect()
+    }
+
     #[test]
     fn fused_attention_skips_trailing_padding_and_masks_the_padding_before_it() {
         // The kernel computes each entry's scores only up to its last key
@@ -998,25 +1021,15 @@ mod tests {
         // inside the second causal block), none, a single real key after
         // padding inside, and padding at the end only, so the key spans are
         // 60, 75, 34 and 1 of 75.
-        let device = Device::flex().autodiff();
-        device.seed(10);
-        let (b, t, h, hd) = (4, 75, 2, 8);
-        let pad = padding_mask(
-            t,
-            &[
-                &[(10, 20), (60, 75)],
-                &[],
-                &[(20, 33), (34, 75)],
-                &[(1, 75)],
-            ],
-            &device,
-        );
-        let qkv = Tensor::<3>::random([b, t, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device);
-        let upstream = Tensor::<3>::random([b, t, h * hd], Distribution::Normal(0.0, 1.0), &device);
-        for causal in [false, true] {
-            let run =
-                |kernels| attention_run(&qkv, &upstream, Some(pad.clone()), causal, h, kernels);
-            let ((y, dqkv), (y_ref, dqkv_ref)) = (run(Kernels::Fused), run(Kernels::Reference));
+        let padded: [&[(usize, usize)]; 4] = [
+            &[(10, 20), (60, 75)],
+            &[],
+            &[(20, 33), (34, 75)],
+            &[(1, 75)],
+        ];
+        for (causal, [(y, dqkv), (y_ref, dqkv_ref)]) in
+            padded_attention_runs(10, (4, 75, 2, 8), &padded)
+        {
             let fwd = max_abs3(y, y_ref);
             let bwd = max_abs3(dqkv, dqkv_ref);
             assert!(fwd < 1e-5, "causal={causal}: forward differs by {fwd}");
@@ -1029,21 +1042,14 @@ mod tests {
         // No key of entry 0 is real, so no query there sees one: its output
         // and its whole gradient are zeros (Burn's composition would give
         // 0/0 there, so it is the reference for entry 1 only).
-        let device = Device::flex().autodiff();
-        device.seed(11);
-        let (b, t, h, hd) = (2, 40, 2, 8);
-        let pad = padding_mask(t, &[&[(0, 40)], &[(30, 40)]], &device);
-        let qkv = Tensor::<3>::random([b, t, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device);
-        let upstream = Tensor::<3>::random([b, t, h * hd], Distribution::Normal(0.0, 1.0), &device);
-        for causal in [false, true] {
-            let run =
-                |kernels| attention_run(&qkv, &upstream, Some(pad.clone()), causal, h, kernels);
-            let ((y, dqkv), (y_ref, dqkv_ref)) = (run(Kernels::Fused), run(Kernels::Reference));
-            let entry = |x: Tensor<3>, i: usize| x.narrow(0, i, 1);
-            assert_eq!(entry(y.clone(), 0).abs().max().into_scalar::<f32>(), 0.0);
-            assert_eq!(entry(dqkv.clone(), 0).abs().max().into_scalar::<f32>(), 0.0);
-            let fwd = max_abs3(entry(y, 1), entry(y_ref, 1));
-            let bwd = max_abs3(entry(dqkv, 1), entry(dqkv_ref, 1));
+        let entry = |x: &Tensor<3>, i: usize| x.clone().narrow(0, i, 1);
+        for (causal, [(y, dqkv), (y_ref, dqkv_ref)]) in
+            padded_attention_runs(11, (2, 40, 2, 8), &[&[(0, 40)], &[(30, 40)]])
+        {
+            assert_eq!(entry(&y, 0).abs().max().into_scalar::<f32>(), 0.0);
+            assert_eq!(entry(&dqkv, 0).abs().max().into_scalar::<f32>(), 0.0);
+            let fwd = max_abs3(entry(&y, 1), entry(&y_ref, 1));
+            let bwd = max_abs3(entry(&dqkv, 1), entry(&dqkv_ref, 1));
             assert!(fwd < 1e-5, "causal={causal}: forward differs by {fwd}");
             assert!(bwd < 1e-4, "causal={causal}: backward differs by {bwd}");
         }
