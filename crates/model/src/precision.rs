@@ -82,12 +82,14 @@ fn linear_in<const D: usize>(layer: &Linear, x: Tensor<D>, dtype: ComputeDtype) 
 
 /// Multi-head self-attention of `x` (`[b, t, d]`) between its projections:
 /// `proj(attention(qkv(x)))`, products in `dtype`, the result f32 (see
-/// [`self_attention`] for `key_pad` and `causal`). Where kiln's
-/// memory-efficient kernels run in a reduced dtype (wgpu, CUDA) they read
-/// and write that dtype, so the packed projection goes into them as its
-/// product made it and their result into the output projection as they
-/// wrote it: casting it to f32 and back in between lost nothing and cost a
-/// pass over the activations each way, forward and backward.
+/// [`kernels::self_attention`] for `key_pad` and `causal`). In f32 the
+/// attention is [`kernels::self_attention`], in a reduced dtype
+/// [`reduced_attention`] — except where kiln's memory-efficient kernels run
+/// (wgpu, CUDA): they read and write the reduced dtype, so the packed
+/// projection goes into them as its product made it and their result into
+/// the output projection as they wrote it (casting it to f32 and back in
+/// between lost nothing and cost a pass over the activations each way,
+/// forward and backward).
 #[allow(
     clippy::too_many_arguments,
     reason = "the two layers and the attention's own arguments"
@@ -102,14 +104,18 @@ pub(crate) fn attention(
     dtype: ComputeDtype,
     kernels: Kernels,
 ) -> Tensor<3> {
-    if dtype.is_reduced() && kernels::memory_efficient_attention_runs(&x, kernels) {
+    let y = if !dtype.is_reduced() {
+        let packed = linear(qkv, x, dtype, kernels);
+        kernels::self_attention(packed, heads, key_pad, causal, kernels)
+    } else if kernels::memory_efficient_attention_runs(&x, kernels) {
         let packed = linear_in(qkv, x, dtype);
-        let y = kernels::self_attention(packed, heads, key_pad, causal, kernels);
-        // Already in `dtype`: `linear`'s cast of its input is no operation.
-        return linear(proj, y, dtype, kernels);
-    }
-    let packed = linear(qkv, x, dtype, kernels);
-    let y = self_attention(packed, heads, key_pad, causal, dtype, kernels);
+        kernels::self_attention(packed, heads, key_pad, causal, kernels)
+    } else {
+        let packed = linear(qkv, x, dtype, kernels);
+        reduced_attention(packed, heads, key_pad, causal, dtype)
+    };
+    // In `dtype` where the kernels took it: `linear`'s cast of its input is
+    // then no operation.
     linear(proj, y, dtype, kernels)
 }
 
@@ -124,23 +130,16 @@ pub(crate) fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>, dtype: ComputeD
 
 /// Multi-head self-attention of a packed `[b, t, 3·d]` projection (see
 /// [`kernels::self_attention`]), heads merged in the `[b, t, d]` result, for
-/// [`attention`] where the memory-efficient kernels do not take a reduced
-/// dtype. In f32 it is [`kernels::self_attention`] (kiln's fused kernel on
-/// flex, the memory-efficient kernels on wgpu and CUDA, Burn's attention
-/// elsewhere or with `Kernels::Reference`); in a reduced dtype the two
-/// products run in that dtype and the scores are masked and soft-maxed in
-/// f32. `key_pad` (`[b, t]`) is true where a key is padding.
-fn self_attention(
+/// [`attention`] in a reduced dtype where the memory-efficient kernels do
+/// not take it: the two products run in `dtype`, the scores are masked and
+/// soft-maxed in f32. `key_pad` (`[b, t]`) is true where a key is padding.
+fn reduced_attention(
     qkv: Tensor<3>,
     heads: usize,
     key_pad: Option<Tensor<2, Bool>>,
     causal: bool,
     dtype: ComputeDtype,
-    kernels: Kernels,
 ) -> Tensor<3> {
-    if !dtype.is_reduced() {
-        return kernels::self_attention(qkv, heads, key_pad, causal, kernels);
-    }
     let [q, k, v] = kernels::split_heads(qkv, heads);
     let [b, h, t, d] = q.dims();
     let scale = 1.0 / (d as f64).sqrt();
@@ -193,16 +192,10 @@ mod tests {
         device.seed(5);
         let qkv = qkv(&device);
         for causal in [false, true] {
-            let reference = self_attention(
-                qkv.clone(),
-                3,
-                None,
-                causal,
-                ComputeDtype::F32,
-                Kernels::Reference,
-            );
+            let reference =
+                kernels::self_attention(qkv.clone(), 3, None, causal, Kernels::Reference);
             for dtype in [ComputeDtype::Bf16, ComputeDtype::F16] {
-                let low = self_attention(qkv.clone(), 3, None, causal, dtype, Kernels::Fused);
+                let low = reduced_attention(qkv.clone(), 3, None, causal, dtype);
                 // bf16 keeps 8 bits of mantissa (2^-8 = 0.004), fp16 11.
                 assert_near(&reference, low, 0.05, &format!("{dtype:?} causal={causal}"));
             }
@@ -244,7 +237,7 @@ mod tests {
         let steps = {
             let f32 = ComputeDtype::F32;
             let packed = linear(&qkv_layer, x.clone(), f32, Kernels::Fused);
-            let y = self_attention(packed, 3, None, true, f32, Kernels::Fused);
+            let y = kernels::self_attention(packed, 3, None, true, Kernels::Fused);
             linear(&proj, y, f32, Kernels::Fused)
         };
         for dtype in [ComputeDtype::F32, ComputeDtype::Bf16, ComputeDtype::F16] {
@@ -271,15 +264,9 @@ mod tests {
         // The last two keys are padding.
         let keep = Tensor::<1, burn::tensor::Int>::arange(0..6, &device).greater_equal_elem(4);
         let pad = keep.reshape([1, 6]).expand([2, 6]);
-        let reference = self_attention(
-            qkv.clone(),
-            3,
-            Some(pad.clone()),
-            false,
-            ComputeDtype::F32,
-            Kernels::Reference,
-        );
-        let low = self_attention(qkv, 3, Some(pad), false, ComputeDtype::Bf16, Kernels::Fused);
+        let reference =
+            kernels::self_attention(qkv.clone(), 3, Some(pad.clone()), false, Kernels::Reference);
+        let low = reduced_attention(qkv, 3, Some(pad), false, ComputeDtype::Bf16);
         assert_near(&reference, low, 0.05, "bf16 padded");
     }
 }
