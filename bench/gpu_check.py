@@ -46,6 +46,10 @@ Usage:
     python3 bench/gpu_check.py --kiln gpu-pack/kilns.tar.xz --kiln-cuda-cpp gpu-pack/kilns.tar.xz \
         --kiln-fusion gpu-pack/kilns.tar.xz --out $OUT/gpu-check.json
     python3 bench/gpu_check.py --tiny --backend wgpu --kiln target/debug/kiln --out /tmp/c.json
+    python3 bench/gpu_check.py --tiny --backend flex --skip-pytorch --kiln target/release/kiln --out /tmp/c.json
+
+The last is a dry run on the CPU (any build; the tests run it): every step
+but the kernel profiles, which time a GPU backend's launches.
 
 Python's standard library only (a `.xz` binary is unpacked with `lzma`).
 Exit code 0 when every step passed, 1 otherwise.
@@ -333,8 +337,9 @@ class Check:
         # what the kernels gain, in the same sitting.
         composed = ["optimization.kernels=reference"]
         # Two more steps with each kernel launch timed on the device: where
-        # the step's device time goes, and how busy the device is.
-        profile = ["--kernel-profile"]
+        # the step's device time goes, and how busy the device is. (None in
+        # a dry run on flex: it times CubeCL's launches, which flex has not.)
+        profile = [] if self.gpu == "flex" else ["--kernel-profile"]
         # (workload, overrides, extra flags, warm-up, timed steps, time limit s):
         # small shapes take more, shorter steps; --tiny takes a few of each.
         small, large = (5, 20, 120), (3, 10, 180)

@@ -430,3 +430,48 @@ fn bench_text_says_when_a_timed_step_accumulates_micro_batches() {
         .expect_code(0)
         .stdout_has(&["warm-up, batch 3\n", "batch 3 (hardware preset"]);
 }
+
+/// The GPU check (`bench/gpu_check.py`) as a dry run on flex, the CPU: what
+/// can be checked of it before a lent GPU's minutes are spent. Every step
+/// runs and passes, the benches without `--kernel-profile` (which times
+/// CubeCL's launches: a GPU backend's), and the reference steps compare flex
+/// with itself exactly.
+#[test]
+fn the_gpu_check_dry_runs_on_flex() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let out = tmp.path().join("gpu-check.json");
+    let run = std::process::Command::new("python3")
+        .arg(root().join("bench/gpu_check.py"))
+        .args(["--tiny", "--backend=flex", "--skip-pytorch", "--kiln"])
+        .arg(crate::support::kiln_bin())
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("python3 runs bench/gpu_check.py (python3 is needed for the GPU check)");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "gpu_check.py failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("gpu-check.json"))
+            .expect("json");
+    let steps = report["steps"].as_array().expect("steps");
+    let bench = steps
+        .iter()
+        .find(|s| s["name"] == "bench lm gpt2-small bf16")
+        .unwrap_or_else(|| panic!("no GPT-2 small bench in {stdout}"));
+    assert_eq!(bench["status"], "ok", "{bench}");
+    assert!(
+        steps.iter().all(|s| !s["command"]
+            .as_str()
+            .is_some_and(|c| c.contains("--kernel-profile"))),
+        "a step asked flex for a kernel profile: {stdout}"
+    );
+    let reference = steps
+        .iter()
+        .find(|s| s["name"] == "reference nli: flex vs flex after 20 step(s)")
+        .unwrap_or_else(|| panic!("no encoder reference in {stdout}"));
+    assert_eq!(reference["difference"], 0.0, "{reference}");
+}
