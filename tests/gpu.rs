@@ -331,29 +331,14 @@ fn autotune_level_applies_with_the_cache_disabled() {
 #[cfg(not(feature = "fusion"))]
 #[test]
 fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let out = tmp.path().join("gpu-check.json");
-    let run = std::process::Command::new("python3")
-        .arg(crate::support::root().join("bench/gpu_check.py"))
-        .args(["--tiny", "--backend=wgpu", "--budget=1200", "--kiln"])
-        .arg(crate::support::kiln_bin())
-        .arg("--kiln-cuda-cpp")
-        .arg(crate::support::kiln_bin())
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .expect("python3 runs bench/gpu_check.py (python3 is needed for the GPU check)");
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(
-        run.status.success(),
-        "gpu_check.py failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&out).expect("gpu-check.json"))
-            .expect("json");
-    assert_eq!(report["schema"], "kiln.gpu-check/1");
-    let steps = report["steps"].as_array().expect("steps");
+    let bin = crate::support::kiln_bin().to_str().expect("a UTF-8 path");
+    let (stdout, steps) = crate::support::gpu_check(&[
+        "--tiny",
+        "--backend=wgpu",
+        "--budget=1200",
+        "--kiln-cuda-cpp",
+        bin,
+    ]);
     let step = |name: &str| {
         steps
             .iter()

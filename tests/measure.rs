@@ -438,26 +438,8 @@ fn bench_text_says_when_a_timed_step_accumulates_micro_batches() {
 /// with itself exactly.
 #[test]
 fn the_gpu_check_dry_runs_on_flex() {
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let out = tmp.path().join("gpu-check.json");
-    let run = std::process::Command::new("python3")
-        .arg(root().join("bench/gpu_check.py"))
-        .args(["--tiny", "--backend=flex", "--skip-pytorch", "--kiln"])
-        .arg(crate::support::kiln_bin())
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .expect("python3 runs bench/gpu_check.py (python3 is needed for the GPU check)");
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(
-        run.status.success(),
-        "gpu_check.py failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&out).expect("gpu-check.json"))
-            .expect("json");
-    let steps = report["steps"].as_array().expect("steps");
+    let (stdout, steps) =
+        crate::support::gpu_check(&["--tiny", "--backend=flex", "--skip-pytorch"]);
     let bench = steps
         .iter()
         .find(|s| s["name"] == "bench lm gpt2-small bf16")

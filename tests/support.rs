@@ -203,3 +203,32 @@ pub(crate) fn kill_when(args: &[String], marker: &Path, done: &Path) {
         "the run finished before it was killed: make it longer"
     );
 }
+
+/// `bench/gpu_check.py` with `args` (its `--kiln` and `--out` added: this
+/// build's `kiln`, a file in a fresh directory), which must pass: what it
+/// printed and the steps of its JSON report.
+pub(crate) fn gpu_check(args: &[&str]) -> (String, Vec<serde_json::Value>) {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let out = tmp.path().join("gpu-check.json");
+    let run = Command::new("python3")
+        .arg(root().join("bench/gpu_check.py"))
+        .args(args)
+        .arg("--kiln")
+        .arg(kiln_bin())
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("python3 runs bench/gpu_check.py (python3 is needed for the GPU check)");
+    let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
+    assert!(
+        run.status.success(),
+        "gpu_check.py failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("gpu-check.json"))
+            .expect("json");
+    assert_eq!(report["schema"], "kiln.gpu-check/1");
+    let steps = report["steps"].as_array().expect("steps").clone();
+    (stdout, steps)
+}
