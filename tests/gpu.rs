@@ -331,14 +331,10 @@ fn autotune_level_applies_with_the_cache_disabled() {
 #[cfg(not(feature = "fusion"))]
 #[test]
 fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
-    let bin = crate::support::kiln_bin().to_str().expect("a UTF-8 path");
-    let (stdout, steps) = crate::support::gpu_check(&[
-        "--tiny",
-        "--backend=wgpu",
-        "--budget=1200",
-        "--kiln-cuda-cpp",
-        bin,
-    ]);
+    let (stdout, steps) = crate::support::gpu_check(
+        &["--tiny", "--backend=wgpu", "--budget=1200"],
+        &["--kiln-cuda-cpp"],
+    );
     let step = |name: &str| {
         steps
             .iter()

@@ -439,7 +439,7 @@ fn bench_text_says_when_a_timed_step_accumulates_micro_batches() {
 #[test]
 fn the_gpu_check_dry_runs_on_flex() {
     let (stdout, steps) =
-        crate::support::gpu_check(&["--tiny", "--backend=flex", "--skip-pytorch"]);
+        crate::support::gpu_check(&["--tiny", "--backend=flex", "--skip-pytorch"], &[]);
     let bench = steps
         .iter()
         .find(|s| s["name"] == "bench lm gpt2-small bf16")

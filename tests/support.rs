@@ -204,17 +204,19 @@ pub(crate) fn kill_when(args: &[String], marker: &Path, done: &Path) {
     );
 }
 
-/// `bench/gpu_check.py` with `args` (its `--kiln` and `--out` added: this
-/// build's `kiln`, a file in a fresh directory), which must pass: what it
-/// printed and the steps of its JSON report.
-pub(crate) fn gpu_check(args: &[&str]) -> (String, Vec<serde_json::Value>) {
+/// `bench/gpu_check.py` with `args`, which must pass: what it printed and
+/// the steps of its JSON report. This build's `kiln` goes to `--kiln` and to
+/// each flag of `also_as` (the check's other builds, `--kiln-cuda-cpp` and
+/// the like), the report to a file in a fresh directory.
+pub(crate) fn gpu_check(args: &[&str], also_as: &[&str]) -> (String, Vec<serde_json::Value>) {
     let tmp = tempfile::tempdir().expect("tempdir");
     let out = tmp.path().join("gpu-check.json");
-    let run = Command::new("python3")
-        .arg(root().join("bench/gpu_check.py"))
-        .args(args)
-        .arg("--kiln")
-        .arg(kiln_bin())
+    let mut command = Command::new("python3");
+    command.arg(root().join("bench/gpu_check.py")).args(args);
+    for flag in ["--kiln"].iter().chain(also_as) {
+        command.arg(flag).arg(kiln_bin());
+    }
+    let run = command
         .arg("--out")
         .arg(&out)
         .output()
@@ -225,10 +227,12 @@ pub(crate) fn gpu_check(args: &[&str]) -> (String, Vec<serde_json::Value>) {
         "gpu_check.py failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&run.stderr)
     );
-    let report: serde_json::Value =
+    let mut report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&out).expect("gpu-check.json"))
             .expect("json");
     assert_eq!(report["schema"], "kiln.gpu-check/1");
-    let steps = report["steps"].as_array().expect("steps").clone();
+    let serde_json::Value::Array(steps) = report["steps"].take() else {
+        panic!("no steps in the report: {report}");
+    };
     (stdout, steps)
 }
