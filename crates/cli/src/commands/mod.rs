@@ -137,11 +137,15 @@ fn read_report(path: &Path) -> anyhow::Result<HardwareReport> {
         .map_err(|e| BadInput(format!("hardware report `{}`: {e}", path.display())).into())
 }
 
-/// Training errors the user can fix are bad input (exit 2).
+/// Training errors the user can fix are bad input (exit 2). The message
+/// keeps the error's causes ("failed to read `x`: No such file or
+/// directory"): `{:#}` lists them for an `anyhow::Error`, not for a plain one.
 pub(crate) fn train_error(e: kiln_train::TrainError) -> anyhow::Error {
-    if e.is_bad_input() {
-        anyhow::Error::new(BadInput(format!("{e:#}")))
+    let bad_input = e.is_bad_input();
+    let err = anyhow::Error::new(e);
+    if bad_input {
+        anyhow::Error::new(BadInput(format!("{err:#}")))
     } else {
-        anyhow::Error::new(e)
+        err
     }
 }
