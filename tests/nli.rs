@@ -183,11 +183,24 @@ fn a_killed_cv_run_resumes_in_its_fold_and_ends_with_the_same_summary() {
         !killed.join("fold-2/result.json").exists(),
         "fold 2 finished before the kill"
     );
-    let resumed = kiln(&["resume", killed.to_str().expect("utf-8")])
+    let killed_arg = killed.to_str().expect("utf-8");
+    // The folds train alike: a resume may not change how.
+    kiln(&["resume", killed_arg, "training.learning_rate=1e-4"])
+        .run()
+        .expect_code(2)
+        .stderr_has(&["`training.learning_rate`", "folds"]);
+    // What it writes may change, and leaves the result as it was.
+    let resumed = kiln(&["resume", killed_arg, "logging.logging_steps=3"])
         .run()
         .expect_code(0);
-    resumed.stdout_has(&["fold 1/3: done before, kept", "fold 2: resuming from step"]);
+    resumed.stdout_has(&[
+        "resuming with changes: logging.logging_steps",
+        "fold 1/3: done before, kept",
+        "fold 2: resuming from step",
+    ]);
     assert_eq!(summary(&killed), summary(&tmp.path().join("whole")));
+    let config = std::fs::read_to_string(killed.join("config.toml")).expect("config.toml");
+    assert!(config.contains("logging_steps = 3"), "{config}");
 }
 
 #[test]

@@ -172,6 +172,137 @@ fn a_killed_run_resumes_to_the_same_weights() {
 }
 
 #[test]
+fn a_resume_takes_overrides_that_leave_the_model_and_data_as_they_are() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let steps = 300;
+    run_kiln(&tiny(tmp.path(), "whole", steps)).expect_code(0);
+    let run = tmp.path().join("run");
+    kill_when(
+        &tiny(tmp.path(), "run", steps),
+        &ckpt(&run, 100),
+        &ckpt(&run, steps),
+    );
+    let run_arg = run.to_str().expect("utf-8");
+    let config_before = std::fs::read(run.join("config.toml")).expect("config.toml");
+
+    // What would change the model, the data or their order is refused,
+    // each key named, and the run is left as it was.
+    kiln(&[
+        "resume",
+        run_arg,
+        "model.layers=3",
+        "data.path=other.txt",
+        "training.seed=7",
+    ])
+    .run()
+    .expect_code(2)
+    .stderr_has(&[
+        "`model.layers`",
+        "the run has 2",
+        "`data.path`",
+        "`training.seed`",
+        "start a new run",
+    ]);
+    // A run cannot end before the checkpoint it resumes from.
+    kiln(&["resume", run_arg, "training.max_steps=50"])
+        .run()
+        .expect_code(2)
+        .stderr_has(&["training.max_steps", "step 100"]);
+    kiln(&["resume", run_arg, "training.learning_rate=much"])
+        .run()
+        .expect_code(2)
+        .stderr_has(&["training.learning_rate", "much"]);
+    assert_eq!(
+        std::fs::read(run.join("config.toml")).expect("config.toml"),
+        config_before
+    );
+    assert!(!ckpt(&run, 200).exists());
+
+    // Logging and checkpoint cadence change what is written, not the
+    // training: the run ends bitwise where the uninterrupted one did.
+    kiln(&[
+        "resume",
+        run_arg,
+        "logging.logging_steps=25",
+        "checkpoint.every_steps=50",
+    ])
+    .run()
+    .expect_code(0)
+    .stdout_has(&[
+        "resuming with changes: logging.logging_steps 50 → 25, checkpoint.every_steps 100 → 50",
+    ]);
+    assert_eq!(
+        checkpoint_digest(&ckpt(&run, steps)),
+        checkpoint_digest(&ckpt(&tmp.path().join("whole"), steps))
+    );
+    assert!(ckpt(&run, 150).exists() && ckpt(&run, 250).exists());
+    let config = std::fs::read_to_string(run.join("config.toml")).expect("config.toml");
+    assert!(config.contains("logging_steps = 25"), "{config}");
+
+    // Train longer, at a lower rate, in micro-batches of half the size with
+    // the effective batch kept: the run goes on to the new end, and a
+    // later plain resume keeps the new values.
+    kiln(&[
+        "resume",
+        run_arg,
+        "training.max_steps=360",
+        "training.learning_rate=5e-4",
+        "training.batch_size=4",
+        "training.gradient_accumulation_steps=2",
+    ])
+    .run()
+    .expect_code(0)
+    .stdout_has(&[
+        "resuming `",
+        "from step 300",
+        "training.max_steps 300 → 360",
+    ]);
+    assert!(ckpt(&run, 360).exists());
+    assert_eq!(last_step(&run.join("metrics.jsonl")), 360);
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .expect("metrics.jsonl")
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|m: &serde_json::Value| m["kind"] == "step")
+        .collect();
+    // 8 sequences of 32 tokens a step, before the change and after it.
+    let seen = |step: u64| {
+        records
+            .iter()
+            .find(|m| m["step"] == step)
+            .and_then(|m| m["tokens_seen"].as_u64())
+            .expect("a logged step")
+    };
+    assert_eq!(seen(300) - seen(275), 25 * 8 * 32);
+    assert_eq!(seen(350) - seen(325), 25 * 8 * 32);
+    // The rate is the cosine of the new peak and length (warm-up 20 steps,
+    // the experiment's floor 1e-4); the old peak would give 1.23e-4 here.
+    let lr = records
+        .iter()
+        .find(|m| m["step"] == 325)
+        .and_then(|m| m["lr"].as_f64())
+        .expect("lr");
+    let progress = (325.0 - 20.0) / (360.0 - 20.0);
+    let want = 1e-4 + 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()) * (5e-4 - 1e-4);
+    assert!((lr - want).abs() < 1e-12, "lr {lr}, want {want}");
+    let sources = std::fs::read_to_string(run.join("config-sources.txt")).expect("sources");
+    assert!(
+        sources.contains(
+            "command line (training.max_steps=360), on `kiln resume` after step 300 (was 300)"
+        ),
+        "{sources}"
+    );
+    let config = std::fs::read_to_string(run.join("config.toml")).expect("config.toml");
+    for line in [
+        "max_steps = 360",
+        "batch_size = 4",
+        "learning_rate = 0.0005",
+    ] {
+        assert!(config.contains(line), "{line} not in {config}");
+    }
+}
+
+#[test]
 fn ctrl_c_checkpoints_and_prints_the_resume_command() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path().join("int");
@@ -220,7 +351,12 @@ fn bad_training_input_is_named_with_exit_2_and_no_run_directory() {
                 "data.path={}",
                 tmp.path().join("missing.txt").display()
             )],
-            vec!["missing.txt".into(), "failed to read".into()],
+            vec![
+                "missing.txt".into(),
+                "failed to read".into(),
+                // The cause, not only the file.
+                "No such file or directory".into(),
+            ],
         ),
         (
             vec![format!("data.path={}", empty.display())],

@@ -307,13 +307,140 @@ fn tuned_layer(opts: &LoadOptions<'_>, experiment: &str) -> Result<Layer, Config
 /// Reads a configuration a run saved (its `config.toml`): one file that sets
 /// every key, checked as strictly as a resolved one.
 pub fn read_run_config(path: &Path) -> Result<RunConfig, ConfigError> {
-    let layer = Layer::from_file(LayerKind::ConfigFile, path)?;
-    let known_keys = leaf_keys(&layer.dict);
-    let layers = [layer];
+    Ok(resume_run_config(path, &[])?.config)
+}
+
+/// A saved run configuration under the overrides of `kiln resume RUN
+/// key=value ...`: what the run continues with, and what changed.
+#[derive(Clone, Debug)]
+pub struct ResumedConfig {
+    /// The configuration the run continues with.
+    pub config: RunConfig,
+    /// The configuration the run saved, before the overrides.
+    pub saved: RunConfig,
+    /// The keys whose value the overrides changed, in `RunConfig` order.
+    pub changes: Vec<ResumeChange>,
+}
+
+/// One key a resumed run changes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResumeChange {
+    /// The key, dotted.
+    pub key: String,
+    /// The saved value, as TOML.
+    pub from: String,
+    /// The new value, as TOML.
+    pub to: String,
+    /// The override that set it.
+    pub source: Source,
+}
+
+/// Reads the configuration a run saved (`config.toml`) under command-line
+/// `overrides` for `kiln resume`. The checkpoint fixes the model, the data
+/// and the order the data is drawn in, so only keys that leave them as they
+/// are may change ([`fixed_when_resuming`]): for a language model the
+/// length of the run, the optimizer's hyperparameters, the micro-batch and
+/// evaluation; for both workloads precision, device, loader, logging and
+/// checkpoints. Any other key is refused, naming it and why.
+pub fn resume_run_config(path: &Path, overrides: &[String]) -> Result<ResumedConfig, ConfigError> {
+    let saved_layer = Layer::from_file(LayerKind::ConfigFile, path)?;
+    let known_keys = leaf_keys(&saved_layer.dict);
+    let saved_only = [saved_layer.clone()];
+    let saved_resolver = Resolver::new(&saved_only, &known_keys);
+    let saved: RunConfig = saved_resolver.extract_all()?;
+    saved_resolver.check_ranges(&saved)?;
+    let layers = [saved_layer, cli_layer(overrides)?];
     let resolver = Resolver::new(&layers, &known_keys);
     let config: RunConfig = resolver.extract_all()?;
+    let (before, after) = match (
+        toml::Value::try_from(&saved),
+        toml::Value::try_from(&config),
+    ) {
+        (Ok(before), Ok(after)) => (before, after),
+        (Err(e), _) | (_, Err(e)) => {
+            return Err(ConfigError::BadOverride {
+                arg: overrides.join(" "),
+                reason: format!("the saved configuration could not be compared with it: {e}"),
+            });
+        }
+    };
+    let mut old = BTreeMap::new();
+    flatten(&before, "", &mut |key, v| {
+        old.insert(key.to_string(), v.to_string());
+    });
+    let mut changes = Vec::new();
+    let mut refused = Vec::new();
+    flatten(&after, "", &mut |key, v| {
+        let to = v.to_string();
+        let from = old.get(key).cloned().unwrap_or_default();
+        if from == to {
+            return;
+        }
+        let source = resolver.source_of(key);
+        match fixed_when_resuming(key, saved.workload) {
+            Some(why) => refused.push(ConfigError::InvalidValue {
+                key: key.to_string(),
+                value: to,
+                problem: format!(
+                    "the run has {from}, and a resumed run keeps its {why}; start a new run to change it"
+                ),
+                set_by: Box::new(source),
+            }),
+            None => changes.push(ResumeChange {
+                key: key.to_string(),
+                from,
+                to,
+                source,
+            }),
+        }
+    });
+    if !refused.is_empty() {
+        return Err(many(refused));
+    }
     resolver.check_ranges(&config)?;
-    Ok(config)
+    Ok(ResumedConfig {
+        config,
+        saved,
+        changes,
+    })
+}
+
+/// What a resumed run of `workload` keeps that `key` would change, or
+/// `None` where `key` may change on resume.
+///
+/// Fixed: what the run is (`hardware`, `experiment`, `workload`,
+/// `run.dir`); the model the checkpoint holds (`model.*`, except
+/// `model.gradient_checkpointing`, which trades memory for time); the data
+/// and tokenizer (`data.*`, except `data.cache_dir`); the order the data is
+/// drawn in (`training.seed`). For cross-validation also the folds and how
+/// each is trained and evaluated (`cv.*`, `training.*`, `eval.*`): the
+/// folds are compared with each other, so a fold trains as the ones before
+/// it did. What runs it (`device`, `precision`, `optimization`, `loader`)
+/// and what it writes (`logging`, `checkpoint`, `sample`) may change.
+///
+/// ```
+/// use kiln_config::{Workload, fixed_when_resuming};
+/// assert!(fixed_when_resuming("model.layers", Workload::Lm).is_some());
+/// assert!(fixed_when_resuming("training.learning_rate", Workload::Lm).is_none());
+/// assert!(fixed_when_resuming("training.batch_size", Workload::Lm).is_none());
+/// assert!(fixed_when_resuming("training.batch_size", Workload::Nli).is_some());
+/// ```
+pub fn fixed_when_resuming(key: &str, workload: Workload) -> Option<&'static str> {
+    let (section, _) = key.split_once('.').unwrap_or((key, ""));
+    match (section, key, workload) {
+        (_, "model.gradient_checkpointing" | "data.cache_dir", _) => None,
+        ("hardware" | "experiment" | "workload", ..) => {
+            Some("preset and workload (set the keys a preset sets instead)")
+        }
+        (_, "run.dir", _) => Some("directory"),
+        ("model", ..) => Some("model, whose weights the checkpoint holds"),
+        ("data", ..) => Some("data and tokenizer"),
+        (_, "training.seed", _) => Some("seed, which orders its data"),
+        ("training" | "eval" | "cv", _, Workload::Nli) => Some(
+            "folds and how each is trained and evaluated, as the folds before were (their results are compared)",
+        ),
+        _ => None,
+    }
 }
 
 fn preset_layer(

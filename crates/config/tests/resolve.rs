@@ -505,3 +505,101 @@ fn none_is_spelt_none_and_old_runs_spellings_still_read() {
     let back = kiln_config::read_run_config(&path).expect("read back");
     assert_eq!(back, defaults.config);
 }
+
+#[test]
+fn a_resume_changes_what_leaves_model_and_data_and_names_what_it_refuses() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("config.toml");
+    let args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    std::fs::write(&path, Case::new(&[]).ok().to_toml()).expect("write");
+
+    // No overrides: the saved configuration, nothing changed.
+    let same = kiln_config::resume_run_config(&path, &[]).expect("reads");
+    assert_eq!(same.config, same.saved);
+    assert!(same.changes.is_empty());
+
+    // A language model may train longer, slower, in smaller micro-batches;
+    // setting a key to its saved value is no change.
+    let r = kiln_config::resume_run_config(
+        &path,
+        &args(&[
+            "training.max_steps=6000",
+            "training.learning_rate=5e-4",
+            "training.batch_size=6",
+            "model.gradient_checkpointing=true",
+            "model.layers=4",
+        ]),
+    )
+    .expect("allowed");
+    assert_eq!(r.config.training.max_steps, 6000);
+    assert_eq!(r.saved.training.max_steps, 3000);
+    let changed: Vec<(&str, &str, &str)> = r
+        .changes
+        .iter()
+        .map(|c| (c.key.as_str(), c.from.as_str(), c.to.as_str()))
+        .collect();
+    assert_eq!(
+        changed,
+        [
+            ("model.gradient_checkpointing", "false", "true"),
+            ("training.batch_size", "12", "6"),
+            ("training.max_steps", "3000", "6000"),
+            ("training.learning_rate", "0.001", "0.0005"),
+        ]
+    );
+    assert_eq!(r.changes[1].source.layer, LayerKind::CommandLine);
+    assert_eq!(r.changes[1].source.location, "training.batch_size=6");
+
+    // The model, the data, the seed and the presets stay, each refused by name.
+    let err = kiln_config::resume_run_config(
+        &path,
+        &args(&[
+            "model.hidden=64",
+            "data.vocab_size=500",
+            "training.seed=1",
+            "hardware=t4",
+        ]),
+    )
+    .expect_err("refused")
+    .to_string();
+    for part in [
+        "`model.hidden` set by command line (model.hidden=64): the run has 128",
+        "`data.vocab_size`",
+        "`training.seed`",
+        "`hardware`",
+    ] {
+        assert!(err.contains(part), "{part} not in {err}");
+    }
+    // The usual errors still apply.
+    let err = kiln_config::resume_run_config(&path, &args(&["training.max_step=1"]))
+        .expect_err("unknown")
+        .to_string();
+    assert!(err.contains("did you mean `training.max_steps`"), "{err}");
+    let err = kiln_config::resume_run_config(&path, &args(&["training.learning_rate=0"]))
+        .expect_err("range")
+        .to_string();
+    assert!(err.contains("must be a positive number"), "{err}");
+
+    // Cross-validation: the folds train alike, so only what runs them and
+    // what they write may change.
+    std::fs::write(&path, Case::new(&["experiment=nli_snli"]).ok().to_toml()).expect("write");
+    let cv = kiln_config::resume_run_config(
+        &path,
+        &args(&["loader.num_workers=2", "logging.logging_steps=5"]),
+    )
+    .expect("allowed");
+    assert_eq!(cv.changes.len(), 2);
+    let err = kiln_config::resume_run_config(
+        &path,
+        &args(&[
+            "training.learning_rate=1e-4",
+            "eval.eval_steps=10",
+            "cv.folds=3",
+        ]),
+    )
+    .expect_err("refused")
+    .to_string();
+    for key in ["training.learning_rate", "eval.eval_steps", "cv.folds"] {
+        assert!(err.contains(&format!("`{key}`")), "{key} not in {err}");
+    }
+}

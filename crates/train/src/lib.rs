@@ -10,7 +10,8 @@
 //!   cross-validation ([`train_cv`]) — reporting each step through an
 //!   [`Observer`], writing metrics ([`Record`]), plots and checkpoints;
 //!   [`resume`] continues a run (in the right fold) from its last good
-//!   checkpoint, bitwise where the backend is deterministic; [`predict`]
+//!   checkpoint, bitwise where the backend is deterministic ([`resume_with`]:
+//!   with overrides, to train longer or change the learning rate); [`predict`]
 //!   labels pairs with a finished CV run's best fold.
 //! - [`bench_lm`], [`bench_nli`]: the training step timed, split into its
 //!   phases; [`bench_loader`]: the loader alone.
@@ -77,7 +78,7 @@ pub use records::{
     StepMetrics,
 };
 pub use report::{Event, Observer, Summary, median};
-pub use run::{resume, train, train_cv};
+pub use run::{resume, resume_with, train, train_cv};
 pub use rundir::{RunDir, RunLock, utc_stamp, write_atomic};
 pub use setup::open_device;
 pub use workload::nli::{Prediction, predict};

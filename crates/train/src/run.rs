@@ -33,18 +33,37 @@ pub fn train_cv(
 }
 
 /// Continues the run in `run_dir` from its newest good checkpoint (for
-/// cross-validation: in the fold where it stopped).
+/// cross-validation: in the fold where it stopped), with the configuration
+/// it saved.
 pub fn resume(
     run_dir: &Path,
+    options: &TrainOptions,
+    observer: &mut dyn Observer,
+) -> Result<Outcome, TrainError> {
+    resume_with(run_dir, &[], options, observer)
+}
+
+/// [`resume`] with command-line `overrides` (`key=value`) over the saved
+/// configuration: to train longer (`training.max_steps`), with a lower
+/// learning rate after a divergence, with a smaller micro-batch after
+/// running out of memory, on another device. Keys that would change the
+/// model, the data or the order it is drawn in are refused
+/// ([`kiln_config::fixed_when_resuming`]). The run's `config.toml` takes
+/// the new values once the run is set to continue, and
+/// `config-sources.txt` records the change, so that a later `resume`
+/// continues with them.
+pub fn resume_with(
+    run_dir: &Path,
+    overrides: &[String],
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
     let run = RunDir::open(run_dir)?;
     // One writer at a time: a second `kiln resume` of this run stops here.
     let _lock = run.lock()?;
-    let config = kiln_config::read_run_config(&run.file("config.toml"))?;
-    match config.workload {
-        Workload::Lm => lm::resume(&config, &run, options, observer),
-        Workload::Nli => nli::resume_cv(&config, &run, options, observer),
+    let resumed = kiln_config::resume_run_config(&run.file("config.toml"), overrides)?;
+    match resumed.config.workload {
+        Workload::Lm => lm::resume(&resumed, &run, options, observer),
+        Workload::Nli => nli::resume_cv(&resumed, &run, options, observer),
     }
 }

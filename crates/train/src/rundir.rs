@@ -141,6 +141,48 @@ impl RunDir {
         write_atomic(&self.file(name), contents.as_bytes())
     }
 
+    /// Takes the changes of a resume with overrides: says them, writes the
+    /// new values into `config.toml` (a later `kiln resume` keeps them) and
+    /// appends them to `config-sources.txt` with the step they start after.
+    /// Nothing is written where nothing changed.
+    pub(crate) fn record_resume(
+        &self,
+        resumed: &kiln_config::ResumedConfig,
+        step: Option<u64>,
+        observer: &mut dyn crate::report::Observer,
+    ) -> Result<(), TrainError> {
+        if resumed.changes.is_empty() {
+            return Ok(());
+        }
+        let listed: Vec<String> = resumed
+            .changes
+            .iter()
+            .map(|c| format!("{} {} → {}", c.key, c.from, c.to))
+            .collect();
+        observer.event(&crate::report::Event::Note(format!(
+            "resuming with changes: {}",
+            listed.join(", ")
+        )));
+        let mut sources =
+            std::fs::read_to_string(self.file("config-sources.txt")).unwrap_or_default();
+        if !sources.is_empty() && !sources.ends_with('\n') {
+            sources.push('\n');
+        }
+        let when = step.map_or(String::new(), |s| format!(" after step {s}"));
+        for c in &resumed.changes {
+            let lhs = format!("{} = {}", c.key, c.to);
+            sources.push_str(&format!(
+                "{lhs:<56}  # {}, on `kiln resume`{when} (was {})\n",
+                c.source, c.from
+            ));
+        }
+        self.write(
+            "config.toml",
+            &toml::to_string_pretty(&resumed.config).unwrap_or_default(),
+        )?;
+        self.write("config-sources.txt", &sources)
+    }
+
     /// Appends one JSON line to `metrics.jsonl`.
     pub(crate) fn append_metric(&self, value: &serde_json::Value) -> Result<(), TrainError> {
         let path = self.file("metrics.jsonl");

@@ -38,6 +38,14 @@ pub(crate) struct PredictArgs {
 pub(crate) struct ResumeArgs {
     /// The run directory (`runs/<time>-<experiment>`)
     run: PathBuf,
+    /// Changes to the saved configuration, `key=value`: for a language model
+    /// the run's length (`training.max_steps=6000`), the optimizer's
+    /// settings (`training.learning_rate=5e-4`), the micro-batch
+    /// (`training.batch_size=6 training.gradient_accumulation_steps=2`) and
+    /// evaluation; for any run precision, device, loader, logging and
+    /// checkpoints. Not the model, the data or the seed
+    #[arg(value_name = "KEY=VALUE")]
+    overrides: Vec<String>,
 }
 
 /// `kiln train`.
@@ -62,8 +70,13 @@ pub(crate) fn cv(args: TrainArgs, ctx: Context) -> anyhow::Result<ExitCode> {
 /// `kiln resume RUN`.
 pub(crate) fn resume(args: ResumeArgs, ctx: Context) -> anyhow::Result<ExitCode> {
     let options = train_options(ctx.report, Vec::new())?;
-    let outcome = kiln_train::resume(&args.run, &options, &mut progress::Printer::new())
-        .map_err(train_error)?;
+    let outcome = kiln_train::resume_with(
+        &args.run,
+        &args.overrides,
+        &options,
+        &mut progress::Printer::new(),
+    )
+    .map_err(train_error)?;
     Ok(finish(outcome))
 }
 

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use kiln_config::{RunConfig, TokenizerKind as ConfigTokenizer};
+use kiln_config::{ConfigError, ResumedConfig, RunConfig, TokenizerKind as ConfigTokenizer};
 use kiln_data::{
     BatchSource, Corpus, LmWindows, Split, TokenBatch, Tokenizer, TokenizerKind, encode_cached,
     read_corpus,
@@ -151,13 +151,20 @@ pub(crate) fn train(
 /// checkpoint; a run killed before its first checkpoint (or whose every
 /// checkpoint is damaged) starts again from step 0 in the same directory.
 pub(crate) fn resume(
-    config: &RunConfig,
+    resumed: &ResumedConfig,
     run: &RunDir,
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
+    let config = &resumed.config;
     let from = match checkpoint::latest_good(&run.checkpoints()) {
-        Ok((info, state, notes)) => {
+        Ok((info, mut state, notes)) => {
+            check_resume_length(resumed, info.step)?;
+            state.loader_position = loader_position_for(
+                state.loader_position,
+                resumed.saved.training.batch_size,
+                config.training.batch_size,
+            );
             for note in notes {
                 observer.event(&Event::Note(note));
             }
@@ -191,10 +198,49 @@ pub(crate) fn resume(
     if !saved {
         run.write("tokenizer.json", &prepared.tokenizer.to_json()?)?;
     }
-    run.truncate_metrics_after(from.as_ref().map_or(0, |(info, _)| info.step))?;
+    let step = from.as_ref().map_or(0, |(info, _)| info.step);
     let resume_from = from.map(|(info, state)| (info.path, state));
     let (session, model) = Session::new(config, device, &options.hardware, prepared, resume_from)?;
+    // Everything that can refuse the resume has run: the run takes the changes.
+    run.record_resume(resumed, Some(step), observer)?;
+    run.truncate_metrics_after(step)?;
     session.run(model, run, options, observer)
+}
+
+/// A new `training.max_steps` must leave steps to take after the checkpoint.
+fn check_resume_length(resumed: &ResumedConfig, step: u64) -> Result<(), TrainError> {
+    let max_steps = resumed.config.training.max_steps as u64;
+    match resumed
+        .changes
+        .iter()
+        .find(|c| c.key == "training.max_steps")
+    {
+        Some(change) if max_steps > 0 && max_steps <= step => {
+            Err(TrainError::Config(ConfigError::InvalidValue {
+                key: change.key.clone(),
+                value: change.to.clone(),
+                problem: format!(
+                    "the run's newest checkpoint is at step {step}: a resumed run needs a larger training.max_steps to train on"
+                ),
+                set_by: Box::new(change.source.clone()),
+            }))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The loader's position (micro-batches drawn) after a resume that changes
+/// the micro-batch from `saved` to `batch` rows: the windows drawn so far,
+/// in the new micro-batches. A language model's batches are random windows
+/// drawn by index, so the run goes on with new ones; with the effective
+/// batch kept (the batch lowered and the accumulation raised by the same
+/// factor) it is at the same optimizer step of the stream.
+fn loader_position_for(position: u64, saved: usize, batch: usize) -> u64 {
+    if saved == batch || batch == 0 {
+        position
+    } else {
+        position * saved as u64 / batch as u64
+    }
 }
 
 pub(crate) fn make_tokenizer(config: &RunConfig, text: &str) -> Result<Tokenizer, TrainError> {
@@ -563,4 +609,21 @@ pub(crate) fn batch_tensors(
         Tensor::<2, Int>::from_data(TensorData::new(data, shape), device)
     };
     (to(&batch.inputs), to(&batch.targets))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::loader_position_for;
+
+    #[test]
+    fn a_smaller_micro_batch_continues_after_the_windows_drawn() {
+        // 100 steps of 8 windows: 800 windows, 200 micro-batches of 4.
+        assert_eq!(loader_position_for(100, 8, 4), 200);
+        assert_eq!(loader_position_for(200, 4, 8), 100);
+        // Unchanged: the position as saved (a plain resume is bitwise).
+        assert_eq!(loader_position_for(123, 12, 12), 123);
+        // Not a whole number of new micro-batches: rounded down.
+        assert_eq!(loader_position_for(10, 12, 8), 15);
+        assert_eq!(loader_position_for(11, 12, 8), 16);
+    }
 }

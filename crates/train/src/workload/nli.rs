@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
-use kiln_config::RunConfig;
+use kiln_config::{ResumedConfig, RunConfig};
 use kiln_data::{
     EncodedPair, PairBatch, PairBatches, PairDataset, Tokenizer, encode_dataset,
     grouped_stratified_folds, pad_batch, read_pairs,
@@ -342,17 +342,21 @@ pub(crate) fn train_cv(
 /// Continues a CV run: finished folds are kept, the stopped one resumes from
 /// its newest good checkpoint.
 pub(crate) fn resume_cv(
-    config: &RunConfig,
+    resumed: &ResumedConfig,
     run: &RunDir,
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
+    let config = &resumed.config;
     observer.event(&Event::Note(format!(
         "resuming cross-validation run `{}`",
         run.path.display()
     )));
     let device = open_device(config, !options.hardware.gpus().is_empty())?;
     let pairs = read(config)?;
+    // Everything that can refuse the resume has run: the run takes the
+    // changes.
+    run.record_resume(resumed, None, observer)?;
     run_cv(config, run, &device, &pairs, options, observer)
 }
 
