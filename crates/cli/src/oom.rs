@@ -34,7 +34,9 @@ pub(crate) fn message(cause: &str) -> String {
          training.gradient_accumulation_steps by the same factor (the effective batch stays), \
          then lower model.max_length, then set model.gradient_checkpointing=true; \
          `kiln diagnose` estimates a step's memory and `kiln tune` measures what fits. \
-         Checkpoints already saved are kept (`kiln resume <run dir>` goes on from the newest)."
+         Checkpoints already saved are kept: `kiln resume <run dir>` goes on from the newest, \
+         a language model's run with the smaller batch given as overrides \
+         (`kiln resume <run dir> training.batch_size=… training.gradient_accumulation_steps=…`)."
     )
 }
 
