@@ -136,19 +136,25 @@ fn a_run_leaves_a_complete_run_directory() {
     again.stderr_has(&["already holds a run", "kiln resume"]);
 }
 
+/// The tiny run of `steps` uninterrupted in `dir/whole`, and the same run
+/// in `dir/killed`, killed (SIGKILL) once its first checkpoint (step 100)
+/// exists: their folders.
+fn whole_and_killed(dir: &Path, steps: u32) -> (PathBuf, PathBuf) {
+    run_kiln(&tiny(dir, "whole", steps)).expect_code(0);
+    let killed = dir.join("killed");
+    kill_when(
+        &tiny(dir, "killed", steps),
+        &ckpt(&killed, 100),
+        &ckpt(&killed, steps),
+    );
+    (dir.join("whole"), killed)
+}
+
 #[test]
 fn a_killed_run_resumes_to_the_same_weights() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let steps = 400;
-    // The reference: uninterrupted.
-    run_kiln(&tiny(tmp.path(), "whole", steps)).expect_code(0);
-    // The same run, killed (SIGKILL) once its first checkpoint exists.
-    let killed = tmp.path().join("killed");
-    kill_when(
-        &tiny(tmp.path(), "killed", steps),
-        &ckpt(&killed, 100),
-        &ckpt(&killed, steps),
-    );
+    let (whole, killed) = whole_and_killed(tmp.path(), steps);
     let resumed = kiln(&["resume", killed.to_str().expect("utf-8")])
         .run()
         .expect_code(0);
@@ -156,16 +162,10 @@ fn a_killed_run_resumes_to_the_same_weights() {
     // Bitwise: flex with the same seed and threads is deterministic.
     assert_eq!(
         checkpoint_digest(&ckpt(&killed, steps)),
-        checkpoint_digest(&ckpt(&tmp.path().join("whole"), steps))
+        checkpoint_digest(&ckpt(&whole, steps))
     );
     // The metrics were not written twice.
-    let metrics = std::fs::read_to_string(killed.join("metrics.jsonl")).expect("metrics");
-    let steps_logged: Vec<u64> = metrics
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| m["kind"] == "step")
-        .filter_map(|m| m["step"].as_u64())
-        .collect();
+    let steps_logged = logged_steps(&killed);
     let mut sorted = steps_logged.clone();
     sorted.dedup();
     assert_eq!(sorted, steps_logged, "duplicated metric lines");
@@ -175,13 +175,7 @@ fn a_killed_run_resumes_to_the_same_weights() {
 fn a_resume_takes_overrides_that_leave_the_model_and_data_as_they_are() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let steps = 300;
-    run_kiln(&tiny(tmp.path(), "whole", steps)).expect_code(0);
-    let run = tmp.path().join("run");
-    kill_when(
-        &tiny(tmp.path(), "run", steps),
-        &ckpt(&run, 100),
-        &ckpt(&run, steps),
-    );
+    let (whole, run) = whole_and_killed(tmp.path(), steps);
     let run_arg = run.to_str().expect("utf-8");
     let config_before = std::fs::read(run.join("config.toml")).expect("config.toml");
 
@@ -233,7 +227,7 @@ fn a_resume_takes_overrides_that_leave_the_model_and_data_as_they_are() {
     ]);
     assert_eq!(
         checkpoint_digest(&ckpt(&run, steps)),
-        checkpoint_digest(&ckpt(&tmp.path().join("whole"), steps))
+        checkpoint_digest(&ckpt(&whole, steps))
     );
     assert!(ckpt(&run, 150).exists() && ckpt(&run, 250).exists());
     let config = std::fs::read_to_string(run.join("config.toml")).expect("config.toml");
@@ -259,12 +253,7 @@ fn a_resume_takes_overrides_that_leave_the_model_and_data_as_they_are() {
     ]);
     assert!(ckpt(&run, 360).exists());
     assert_eq!(last_step(&run.join("metrics.jsonl")), 360);
-    let records: Vec<serde_json::Value> = std::fs::read_to_string(run.join("metrics.jsonl"))
-        .expect("metrics.jsonl")
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .filter(|m: &serde_json::Value| m["kind"] == "step")
-        .collect();
+    let records = step_records(&run.join("metrics.jsonl"));
     // 8 sequences of 32 tokens a step, before the change and after it.
     let seen = |step: u64| {
         records
@@ -521,13 +510,20 @@ fn a_diverging_run_skips_non_finite_steps_then_stops_with_finite_checkpoints() {
     );
 }
 
-/// The steps of a run's last logged step, from its `metrics.jsonl`.
-pub(crate) fn last_step(metrics: &Path) -> u64 {
+/// The `step` records of a `metrics.jsonl`, in file order.
+fn step_records(metrics: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(metrics)
         .expect("metrics.jsonl")
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|m| m["kind"] == "step")
+        .collect()
+}
+
+/// The steps of a run's last logged step, from its `metrics.jsonl`.
+pub(crate) fn last_step(metrics: &Path) -> u64 {
+    step_records(metrics)
+        .iter()
         .filter_map(|m| m["step"].as_u64())
         .max()
         .expect("a step record")
@@ -566,11 +562,8 @@ fn diagnose_predicts_the_steps_the_run_makes_with_accumulation_and_epochs() {
 
 /// The step of each `step` record in a run's `metrics.jsonl`, in file order.
 fn logged_steps(run: &Path) -> Vec<u64> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .expect("metrics.jsonl")
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| m["kind"] == "step")
+    step_records(&run.join("metrics.jsonl"))
+        .iter()
         .filter_map(|m| m["step"].as_u64())
         .collect()
 }
