@@ -36,7 +36,7 @@ fn unique_word(p: usize) -> String {
     format!("zq{}{}", letter(p / 26), letter(p))
 }
 
-fn tiny(dir: &Path, run: &str, epochs: u32) -> Vec<String> {
+pub(crate) fn tiny(dir: &Path, run: &str, epochs: u32) -> Vec<String> {
     let data = write_pairs(dir);
     vec![
         "cv".to_string(),

@@ -292,6 +292,65 @@ fn a_resume_takes_overrides_that_leave_the_model_and_data_as_they_are() {
 }
 
 #[test]
+fn a_resume_from_an_earlier_checkpoint_keeps_what_came_after_it_aside() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let steps = 300;
+    run_kiln(&tiny(tmp.path(), "whole", steps)).expect_code(0);
+    run_kiln(&tiny(tmp.path(), "run", steps)).expect_code(0);
+    let run = tmp.path().join("run");
+    let run_arg = run.to_str().expect("utf-8");
+    kiln(&["resume", run_arg, "--from", "150"])
+        .run()
+        .expect_code(2)
+        .stderr_has(&["none at step 150", "steps 100, 200, 300"]);
+    let old_end = checkpoint_digest(&ckpt(&run, steps));
+
+    // Back to step 100: the steps after it are trained again, bitwise as
+    // the first time (no override), and the first ending is kept aside.
+    kiln(&["resume", run_arg, "--from", "100"])
+        .run()
+        .expect_code(0)
+        .stdout_has(&["from step 100", "checkpoints/after-100"]);
+    let aside = run.join("checkpoints/after-100");
+    assert_eq!(
+        checkpoint_digest(&aside.join("ckpt-00000300.safetensors")),
+        old_end
+    );
+    assert!(aside.join("ckpt-00000200.safetensors").is_file());
+    assert!(aside.join("summary.json").is_file());
+    let set_aside = step_records(&aside.join("metrics.jsonl"));
+    assert!(
+        set_aside
+            .iter()
+            .all(|m| m["step"].as_u64().is_some_and(|s| s > 100))
+            && !set_aside.is_empty()
+    );
+    assert_eq!(
+        checkpoint_digest(&ckpt(&run, steps)),
+        checkpoint_digest(&ckpt(&tmp.path().join("whole"), steps))
+    );
+    // Each step once, in order (a resumed process also logs its first step).
+    let mut want = logged_steps(&tmp.path().join("whole"));
+    want.push(101);
+    want.sort_unstable();
+    assert_eq!(logged_steps(&run), want);
+    assert!(run.join("summary.json").is_file());
+
+    // A cross-validation run resumes in its fold, from its newest checkpoint.
+    let cv = crate::nli::tiny(tmp.path(), "cv", 1);
+    run_kiln(&cv).expect_code(0);
+    kiln(&[
+        "resume",
+        tmp.path().join("cv").to_str().expect("utf-8"),
+        "--from",
+        "1",
+    ])
+    .run()
+    .expect_code(2)
+    .stderr_has(&["--from on a cross-validation run"]);
+}
+
+#[test]
 fn ctrl_c_checkpoints_and_prints_the_resume_command() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path().join("int");

@@ -246,6 +246,34 @@ pub(crate) fn load(path: &Path) -> Result<CheckpointState, String> {
     })
 }
 
+/// The checkpoint of optimizer step `step` in `dir`, verified (`kiln resume
+/// --from`); an error lists the steps the run keeps.
+pub(crate) fn at_step(
+    dir: &Path,
+    step: u64,
+) -> Result<(CheckpointInfo, CheckpointState), TrainError> {
+    let all = list(dir);
+    let Some(info) = all.iter().find(|c| c.step == step).cloned() else {
+        let kept: Vec<String> = all.iter().map(|c| c.step.to_string()).collect();
+        return Err(TrainError::NoCheckpoint {
+            dir: dir.to_path_buf(),
+            why: if kept.is_empty() {
+                format!("none at step {step}: the run wrote none yet")
+            } else {
+                format!(
+                    "none at step {step}; the run keeps the checkpoints of steps {} (checkpoint.keep)",
+                    kept.join(", ")
+                )
+            },
+        });
+    };
+    let state = load(&info.path).map_err(|why| TrainError::NoCheckpoint {
+        dir: dir.to_path_buf(),
+        why: format!("checkpoint `{}` is unusable ({why})", info.path.display()),
+    })?;
+    Ok((info, state))
+}
+
 /// The newest checkpoint in `dir` that verifies, and a note for each newer
 /// one that did not.
 pub fn latest_good_checkpoint(dir: &Path) -> Result<(CheckpointInfo, Vec<String>), TrainError> {

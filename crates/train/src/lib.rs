@@ -78,7 +78,7 @@ pub use records::{
     StepMetrics,
 };
 pub use report::{Event, Observer, Summary, median};
-pub use run::{resume, resume_with, train, train_cv};
+pub use run::{ResumeRequest, resume, resume_with, train, train_cv};
 pub use rundir::{RunDir, RunLock, utc_stamp, write_atomic};
 pub use setup::open_device;
 pub use workload::nli::{Prediction, predict};

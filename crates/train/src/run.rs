@@ -40,10 +40,21 @@ pub fn resume(
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
-    resume_with(run_dir, &[], options, observer)
+    resume_with(run_dir, &ResumeRequest::default(), options, observer)
 }
 
-/// [`resume`] with command-line `overrides` (`key=value`) over the saved
+/// What a resume changes besides continuing the run (`kiln resume RUN
+/// [--from STEP] [key=value ...]`).
+#[derive(Clone, Debug, Default)]
+pub struct ResumeRequest {
+    /// `key=value` overrides over the run's saved configuration.
+    pub overrides: Vec<String>,
+    /// Continue from this step's checkpoint instead of the newest (a
+    /// language model's run only).
+    pub from_step: Option<u64>,
+}
+
+/// [`resume`] with changes. `request.overrides` go over the saved
 /// configuration: to train longer (`training.max_steps`), with a lower
 /// learning rate after a divergence, with a smaller micro-batch after
 /// running out of memory, on another device. Keys that would change the
@@ -51,19 +62,26 @@ pub fn resume(
 /// ([`kiln_config::fixed_when_resuming`]). The run's `config.toml` takes
 /// the new values once the run is set to continue, and
 /// `config-sources.txt` records the change, so that a later `resume`
-/// continues with them.
+/// continues with them. `request.from_step` goes back to an earlier
+/// checkpoint (before a divergence): what the run wrote after it, its newer
+/// checkpoints and metric lines, is moved to `checkpoints/after-<step>/`,
+/// not deleted.
 pub fn resume_with(
     run_dir: &Path,
-    overrides: &[String],
+    request: &ResumeRequest,
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
     let run = RunDir::open(run_dir)?;
     // One writer at a time: a second `kiln resume` of this run stops here.
     let _lock = run.lock()?;
-    let resumed = kiln_config::resume_run_config(&run.file("config.toml"), overrides)?;
+    let resumed = kiln_config::resume_run_config(&run.file("config.toml"), &request.overrides)?;
     match resumed.config.workload {
-        Workload::Lm => lm::resume(&resumed, &run, options, observer),
+        Workload::Lm => lm::resume(&resumed, request.from_step, &run, options, observer),
+        Workload::Nli if request.from_step.is_some() => Err(TrainError::Unsupported(
+            "kiln resume --from on a cross-validation run",
+            "a CV run resumes in the fold it stopped in, from that fold's newest checkpoint".into(),
+        )),
         Workload::Nli => nli::resume_cv(&resumed, &run, options, observer),
     }
 }

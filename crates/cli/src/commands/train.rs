@@ -38,6 +38,11 @@ pub(crate) struct PredictArgs {
 pub(crate) struct ResumeArgs {
     /// The run directory (`runs/<time>-<experiment>`)
     run: PathBuf,
+    /// Continue from the checkpoint of this step instead of the newest (a
+    /// language model's run: to go back before a divergence); what the run
+    /// wrote after it is kept in RUN/checkpoints/after-STEP/
+    #[arg(long, value_name = "STEP")]
+    from: Option<u64>,
     /// Changes to the saved configuration, `key=value`: for a language model
     /// the run's length (`training.max_steps=6000`), the optimizer's
     /// settings (`training.learning_rate=5e-4`), the micro-batch
@@ -70,13 +75,13 @@ pub(crate) fn cv(args: TrainArgs, ctx: Context) -> anyhow::Result<ExitCode> {
 /// `kiln resume RUN`.
 pub(crate) fn resume(args: ResumeArgs, ctx: Context) -> anyhow::Result<ExitCode> {
     let options = train_options(ctx.report, Vec::new())?;
-    let outcome = kiln_train::resume_with(
-        &args.run,
-        &args.overrides,
-        &options,
-        &mut progress::Printer::new(),
-    )
-    .map_err(train_error)?;
+    let request = kiln_train::ResumeRequest {
+        overrides: args.overrides,
+        from_step: args.from,
+    };
+    let outcome =
+        kiln_train::resume_with(&args.run, &request, &options, &mut progress::Printer::new())
+            .map_err(train_error)?;
     Ok(finish(outcome))
 }
 

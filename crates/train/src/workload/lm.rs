@@ -152,12 +152,19 @@ pub(crate) fn train(
 /// checkpoint is damaged) starts again from step 0 in the same directory.
 pub(crate) fn resume(
     resumed: &ResumedConfig,
+    from_step: Option<u64>,
     run: &RunDir,
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
     let config = &resumed.config;
-    let from = match checkpoint::latest_good(&run.checkpoints()) {
+    let found = match from_step {
+        Some(step) => {
+            checkpoint::at_step(&run.checkpoints(), step).map(|(i, s)| (i, s, Vec::new()))
+        }
+        None => checkpoint::latest_good(&run.checkpoints()),
+    };
+    let from = match found {
         Ok((info, mut state, notes)) => {
             check_resume_length(resumed, info.step)?;
             state.loader_position = loader_position_for(
@@ -176,7 +183,7 @@ pub(crate) fn resume(
             )));
             Some((info, state))
         }
-        Err(TrainError::NoCheckpoint { why, .. }) => {
+        Err(TrainError::NoCheckpoint { why, .. }) if from_step.is_none() => {
             observer.event(&Event::Note(format!(
                 "no usable checkpoint in `{}` ({why}): starting the run again from step 0 in the same directory",
                 run.path.display()
@@ -203,6 +210,14 @@ pub(crate) fn resume(
     let (session, model) = Session::new(config, device, &options.hardware, prepared, resume_from)?;
     // Everything that can refuse the resume has run: the run takes the changes.
     run.record_resume(resumed, Some(step), observer)?;
+    if from_step.is_some()
+        && let Some(aside) = run.set_aside_after(step)?
+    {
+        observer.event(&Event::Note(format!(
+            "what the run wrote after step {step} (newer checkpoints, metrics, a summary) is kept in `{}`",
+            aside.display()
+        )));
+    }
     run.truncate_metrics_after(step)?;
     session.run(model, run, options, observer)
 }
