@@ -124,6 +124,25 @@ fn cv_runs_folds_prints_the_table_and_predicts() {
         serde_json::from_str(out.lines().next().expect("a line")).expect("json");
     assert_eq!(first["line"], 1);
     assert!(first["probabilities"]["neutral"].as_f64().is_some());
+    // Pairs without labels, as a TSV with no label column: labelled, not scored.
+    let tsv = tmp.path().join("new.tsv");
+    std::fs::write(
+        &tsv,
+        "premise\thypothesis\nA man sleeps.\tA person rests.\nA dog runs.\tA cat sleeps.\n",
+    )
+    .expect("write tsv");
+    let p = kiln(&[
+        "predict",
+        dir.to_str().expect("utf-8"),
+        "--data",
+        tsv.to_str().expect("utf-8"),
+    ])
+    .run()
+    .expect_code(0);
+    p.stdout_has(&["predicted 2 pairs"]);
+    assert!(!p.stdout.contains("accuracy"), "{}", p.stdout);
+    let out = std::fs::read_to_string(dir.join("predictions-new.jsonl")).expect("predictions");
+    assert_eq!(out.lines().count(), 2);
 }
 
 #[test]

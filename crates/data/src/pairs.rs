@@ -308,11 +308,13 @@ fn delimited(
                 ),
             })
     };
-    let (p, h, l) = (
-        column(&schema.premise)?,
-        column(&schema.hypothesis)?,
-        column(&schema.label)?,
-    );
+    let (p, h) = (column(&schema.premise)?, column(&schema.hypothesis)?);
+    // Pairs to label (`kiln predict`) may come without a label column.
+    let l = if schema.require_label {
+        Some(column(&schema.label)?)
+    } else {
+        header.iter().position(|h| h.trim() == schema.label)
+    };
     // Lines from byte offsets: csv's own line count differs with CRLF.
     // A record's position may point at the end of the line before it.
     let line_at = |byte: u64| {
@@ -335,7 +337,7 @@ fn delimited(
         rows.push(Row {
             premise: get(p).unwrap_or_default(),
             hypothesis: get(h).unwrap_or_default(),
-            label: get(l).filter(|s| !s.is_empty()),
+            label: l.and_then(get).filter(|s| !s.is_empty()),
             line,
         });
     }
@@ -461,16 +463,38 @@ mod tests {
 
     #[test]
     fn unlabelled_rows_are_kept_when_labels_are_optional() {
+        let optional = PairSchema {
+            require_label: false,
+            ..schema(BadRows::Error)
+        };
         let (_d, path) = file("d.jsonl", b"{\"premise\": \"a\", \"hypothesis\": \"b\"}\n");
-        let d = read_pairs(
-            &path,
-            &PairSchema {
-                require_label: false,
-                ..schema(BadRows::Error)
-            },
-        )
-        .expect("reads");
+        let d = read_pairs(&path, &optional).expect("reads");
         assert_eq!(d.pairs[0].label, None);
+        // TSV and CSV without a label column, and with one partly filled.
+        for (name, text) in [
+            ("d.tsv", &b"premise\thypothesis\na\tb\n"[..]),
+            ("d.csv", b"premise,hypothesis\n\"a, c\",b\n"),
+            (
+                "e.tsv",
+                b"premise\thypothesis\tlabel\na\tb\tneutral\nc\td\n",
+            ),
+        ] {
+            let (_d, path) = file(name, text);
+            let d = read_pairs(&path, &optional).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let labels: Vec<Option<usize>> = d.pairs.iter().map(|p| p.label).collect();
+            let want = if name == "e.tsv" {
+                vec![Some(1), None]
+            } else {
+                vec![None]
+            };
+            assert_eq!(labels, want, "{name}");
+        }
+        // Required, the label column is still named when it is missing.
+        let (_d, path) = file("d.tsv", b"premise\thypothesis\na\tb\n");
+        let err = read_pairs(&path, &schema(BadRows::Error))
+            .expect_err("required")
+            .to_string();
+        assert!(err.contains("no column `label`"), "{err}");
     }
 
     #[test]
