@@ -11,6 +11,7 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use sha2::{Digest, Sha256};
 
 use crate::TrainError;
+use crate::rundir::RunDir;
 
 const FORMAT: &str = "kiln-checkpoint-1";
 
@@ -272,6 +273,57 @@ pub(crate) fn at_step(
         why: format!("checkpoint `{}` is unusable ({why})", info.path.display()),
     })?;
     Ok((info, state))
+}
+
+/// Moves what the run wrote after `step` aside, for a resume from that
+/// step's checkpoint: the newer checkpoints, the metric lines after it
+/// and a finished run's `summary.json` and `samples.txt` go to
+/// `checkpoints/after-<step>/` (`after-<step>-2/`, … where that exists),
+/// where no resume or export looks. Returns the folder, or `None` where
+/// nothing came after `step`.
+pub(crate) fn set_aside_after(run: &RunDir, step: u64) -> Result<Option<PathBuf>, TrainError> {
+    let newer: Vec<_> = list(&run.checkpoints())
+        .into_iter()
+        .filter(|c| c.step > step)
+        .collect();
+    let later: Vec<String> = run
+        .metrics()
+        .into_iter()
+        .filter(|m| m["step"].as_u64().is_some_and(|s| s > step))
+        .map(|m| m.to_string())
+        .collect();
+    if newer.is_empty() && later.is_empty() {
+        return Ok(None);
+    }
+    let base = run.checkpoints().join(format!("after-{step}"));
+    let aside = std::iter::once(base.clone())
+        .chain((2..).map(|n| PathBuf::from(format!("{}-{n}", base.display()))))
+        .find(|p| !p.exists())
+        .unwrap_or(base);
+    std::fs::create_dir_all(&aside).map_err(|source| TrainError::Write {
+        path: aside.clone(),
+        source,
+    })?;
+    if !later.is_empty() {
+        crate::rundir::write_atomic(
+            &aside.join("metrics.jsonl"),
+            (later.join("\n") + "\n").as_bytes(),
+        )?;
+    }
+    // A finished run's ending describes steps after `step` too.
+    let ending = ["summary.json", "samples.txt"].map(|name| run.file(name));
+    let moves = newer
+        .into_iter()
+        .map(|c| c.path)
+        .chain(ending.into_iter().filter(|p| p.is_file()));
+    for from in moves {
+        let to = aside.join(from.file_name().unwrap_or_default());
+        std::fs::rename(&from, &to).map_err(|source| TrainError::Write {
+            path: to.clone(),
+            source,
+        })?;
+    }
+    Ok(Some(aside))
 }
 
 /// The newest checkpoint in `dir` that verifies, and a note for each newer

@@ -183,57 +183,6 @@ impl RunDir {
         self.write("config-sources.txt", &sources)
     }
 
-    /// Moves what the run wrote after `step` aside, for a resume from that
-    /// step's checkpoint: the newer checkpoints, the metric lines after it
-    /// and a finished run's `summary.json` and `samples.txt` go to
-    /// `checkpoints/after-<step>/` (`after-<step>-2/`, … where that exists),
-    /// where no resume or export looks. Returns the folder, or `None` where
-    /// nothing came after `step`.
-    pub(crate) fn set_aside_after(&self, step: u64) -> Result<Option<PathBuf>, TrainError> {
-        let newer: Vec<_> = crate::checkpoint::list(&self.checkpoints())
-            .into_iter()
-            .filter(|c| c.step > step)
-            .collect();
-        let later: Vec<String> = self
-            .metrics()
-            .into_iter()
-            .filter(|m| m["step"].as_u64().is_some_and(|s| s > step))
-            .map(|m| m.to_string())
-            .collect();
-        if newer.is_empty() && later.is_empty() {
-            return Ok(None);
-        }
-        let base = self.checkpoints().join(format!("after-{step}"));
-        let aside = std::iter::once(base.clone())
-            .chain((2..).map(|n| PathBuf::from(format!("{}-{n}", base.display()))))
-            .find(|p| !p.exists())
-            .unwrap_or(base);
-        std::fs::create_dir_all(&aside).map_err(|source| TrainError::Write {
-            path: aside.clone(),
-            source,
-        })?;
-        if !later.is_empty() {
-            write_atomic(
-                &aside.join("metrics.jsonl"),
-                (later.join("\n") + "\n").as_bytes(),
-            )?;
-        }
-        // A finished run's ending describes steps after `step` too.
-        let ending = ["summary.json", "samples.txt"].map(|name| self.file(name));
-        let moves = newer
-            .into_iter()
-            .map(|c| c.path)
-            .chain(ending.into_iter().filter(|p| p.is_file()));
-        for from in moves {
-            let to = aside.join(from.file_name().unwrap_or_default());
-            std::fs::rename(&from, &to).map_err(|source| TrainError::Write {
-                path: to.clone(),
-                source,
-            })?;
-        }
-        Ok(Some(aside))
-    }
-
     /// Appends one JSON line to `metrics.jsonl`.
     pub(crate) fn append_metric(&self, value: &serde_json::Value) -> Result<(), TrainError> {
         let path = self.file("metrics.jsonl");

@@ -211,7 +211,7 @@ pub(crate) fn resume(
     // Everything that can refuse the resume has run: the run takes the changes.
     run.record_resume(resumed, Some(step), observer)?;
     if from_step.is_some()
-        && let Some(aside) = run.set_aside_after(step)?
+        && let Some(aside) = checkpoint::set_aside_after(run, step)?
     {
         observer.event(&Event::Note(format!(
             "what the run wrote after step {step} (newer checkpoints, metrics, a summary) is kept in `{}`",
