@@ -230,6 +230,15 @@ fn a_resume_takes_overrides_that_leave_the_model_and_data_as_they_are() {
         checkpoint_digest(&ckpt(&whole, steps))
     );
     assert!(ckpt(&run, 150).exists() && ckpt(&run, 250).exists());
+    // A finished run resumed as it is trains nothing and says how to go on.
+    kiln(&["resume", run_arg])
+        .run()
+        .expect_code(0)
+        .stdout_has(&["has taken its 300 steps", "training.max_steps=600"]);
+    assert_eq!(
+        checkpoint_digest(&ckpt(&run, steps)),
+        checkpoint_digest(&ckpt(&whole, steps))
+    );
     let config = std::fs::read_to_string(run.join("config.toml")).expect("config.toml");
     assert!(config.contains("logging_steps = 25"), "{config}");
 

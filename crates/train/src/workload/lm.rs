@@ -181,6 +181,14 @@ pub(crate) fn resume(
                 info.step,
                 info.path.display()
             )));
+            let max_steps = config.training.max_steps as u64;
+            if max_steps > 0 && info.step >= max_steps {
+                observer.event(&Event::Note(format!(
+                    "the run has taken its {max_steps} steps; to train it further: kiln resume {} training.max_steps={}",
+                    run.path.display(),
+                    max_steps * 2
+                )));
+            }
             Some((info, state))
         }
         Err(TrainError::NoCheckpoint { why, .. }) if from_step.is_none() => {
@@ -235,7 +243,7 @@ fn check_resume_length(resumed: &ResumedConfig, step: u64) -> Result<(), TrainEr
                 key: change.key.clone(),
                 value: change.to.clone(),
                 problem: format!(
-                    "the run's newest checkpoint is at step {step}: a resumed run needs a larger training.max_steps to train on"
+                    "the run resumes from its checkpoint of step {step}, so training.max_steps must be larger to leave steps to train"
                 ),
                 set_by: Box::new(change.source.clone()),
             }))
