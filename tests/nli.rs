@@ -108,17 +108,23 @@ fn cv_runs_folds_prints_the_table_and_predicts() {
     assert_eq!(s["folds"].as_array().map(Vec::len), Some(3));
     assert_eq!(s["pairs"], 180);
     // Predict the same file: one line per pair, and scores since it has labels.
-    let data = tmp.path().join("pairs.jsonl");
-    let p = kiln(&[
-        "predict",
-        dir.to_str().expect("utf-8"),
-        "--data",
-        data.to_str().expect("utf-8"),
-    ])
-    .run()
-    .expect_code(0);
+    // `kiln predict` of the run on `data`: what it printed, the lines it wrote.
+    let predict = |data: &Path| {
+        let p = kiln(&[
+            "predict",
+            dir.to_str().expect("utf-8"),
+            "--data",
+            data.to_str().expect("utf-8"),
+        ])
+        .run()
+        .expect_code(0);
+        let stem = data.file_stem().and_then(|s| s.to_str()).expect("a name");
+        let out = std::fs::read_to_string(dir.join(format!("predictions-{stem}.jsonl")))
+            .expect("predictions");
+        (p, out)
+    };
+    let (p, out) = predict(&tmp.path().join("pairs.jsonl"));
     p.stdout_has(&["predicted 180 pairs", "accuracy"]);
-    let out = std::fs::read_to_string(dir.join("predictions-pairs.jsonl")).expect("predictions");
     assert_eq!(out.lines().count(), 180);
     let first: serde_json::Value =
         serde_json::from_str(out.lines().next().expect("a line")).expect("json");
@@ -131,17 +137,9 @@ fn cv_runs_folds_prints_the_table_and_predicts() {
         "premise\thypothesis\nA man sleeps.\tA person rests.\nA dog runs.\tA cat sleeps.\n",
     )
     .expect("write tsv");
-    let p = kiln(&[
-        "predict",
-        dir.to_str().expect("utf-8"),
-        "--data",
-        tsv.to_str().expect("utf-8"),
-    ])
-    .run()
-    .expect_code(0);
+    let (p, out) = predict(&tsv);
     p.stdout_has(&["predicted 2 pairs"]);
     assert!(!p.stdout.contains("accuracy"), "{}", p.stdout);
-    let out = std::fs::read_to_string(dir.join("predictions-new.jsonl")).expect("predictions");
     assert_eq!(out.lines().count(), 2);
 }
 
