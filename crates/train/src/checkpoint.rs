@@ -286,12 +286,7 @@ pub(crate) fn set_aside_after(run: &RunDir, step: u64) -> Result<Option<PathBuf>
         .into_iter()
         .filter(|c| c.step > step)
         .collect();
-    let later: Vec<String> = run
-        .metrics()
-        .into_iter()
-        .filter(|m| m["step"].as_u64().is_some_and(|s| s > step))
-        .map(|m| m.to_string())
-        .collect();
+    let (_, later) = run.metrics_split_at(step);
     if newer.is_empty() && later.is_empty() {
         return Ok(None);
     }

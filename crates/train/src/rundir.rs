@@ -53,10 +53,7 @@ impl RunDir {
         options: &crate::TrainOptions,
     ) -> Result<Self, TrainError> {
         let run = Self::create(&config.run.dir, &config.experiment)?;
-        run.write(
-            "config.toml",
-            &toml::to_string_pretty(config).unwrap_or_default(),
-        )?;
+        run.write_config(config)?;
         run.write("config-sources.txt", &(options.sources.join("\n") + "\n"))?;
         run.write(
             "hardware.json",
@@ -176,11 +173,17 @@ impl RunDir {
                 c.source, c.from
             ));
         }
+        self.write_config(&resumed.config)?;
+        self.write("config-sources.txt", &sources)
+    }
+
+    /// `config.toml`: the configuration the run trains with (reads back
+    /// with `--config`, and with [`kiln_config::read_run_config`]).
+    fn write_config(&self, config: &kiln_config::RunConfig) -> Result<(), TrainError> {
         self.write(
             "config.toml",
-            &toml::to_string_pretty(&resumed.config).unwrap_or_default(),
-        )?;
-        self.write("config-sources.txt", &sources)
+            &toml::to_string_pretty(config).unwrap_or_default(),
+        )
     }
 
     /// Appends one JSON line to `metrics.jsonl`.
@@ -220,14 +223,22 @@ impl RunDir {
             .collect()
     }
 
+    /// The metric lines up to `step`, and those after it.
+    pub(crate) fn metrics_split_at(&self, step: u64) -> (Vec<String>, Vec<String>) {
+        let (mut upto, mut after) = (Vec::new(), Vec::new());
+        for m in self.metrics() {
+            match m["step"].as_u64() {
+                Some(s) if s <= step => upto.push(m.to_string()),
+                Some(_) => after.push(m.to_string()),
+                None => {}
+            }
+        }
+        (upto, after)
+    }
+
     /// Drops metric lines after `step` (a resumed run writes them again).
     pub(crate) fn truncate_metrics_after(&self, step: u64) -> Result<(), TrainError> {
-        let kept: Vec<String> = self
-            .metrics()
-            .into_iter()
-            .filter(|m| m["step"].as_u64().is_some_and(|s| s <= step))
-            .map(|m| m.to_string())
-            .collect();
+        let (kept, _) = self.metrics_split_at(step);
         let mut text = kept.join("\n");
         if !text.is_empty() {
             text.push('\n');

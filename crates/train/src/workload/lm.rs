@@ -257,13 +257,11 @@ fn check_resume_length(resumed: &ResumedConfig, step: u64) -> Result<(), TrainEr
 /// in the new micro-batches. A language model's batches are random windows
 /// drawn by index, so the run goes on with new ones; with the effective
 /// batch kept (the batch lowered and the accumulation raised by the same
-/// factor) it is at the same optimizer step of the stream.
+/// factor) it is at the same optimizer step of the stream. With the
+/// micro-batch unchanged it is the saved position, so a plain resume stays
+/// bitwise. (The config's checks keep `batch` at 1 or more.)
 fn loader_position_for(position: u64, saved: usize, batch: usize) -> u64 {
-    if saved == batch || batch == 0 {
-        position
-    } else {
-        position * saved as u64 / batch as u64
-    }
+    position * saved as u64 / batch as u64
 }
 
 pub(crate) fn make_tokenizer(config: &RunConfig, text: &str) -> Result<Tokenizer, TrainError> {
