@@ -18,6 +18,8 @@ fn check_hardware_reports_this_machine_and_its_preset() {
         "loader",
         "compile",
         "checkpointing",
+        "CPU products ",
+        "GFLOP/s fp32, measured",
     ]);
     let report = kiln_hwdetect::detect();
     if report.gpus().is_empty() {
@@ -65,6 +67,15 @@ fn check_hardware_json_carries_the_fields() {
     .expect_code(0);
     let w: serde_json::Value = serde_json::from_str(&again.stdout).expect("valid JSON");
     assert_eq!(w["hardware"], v["hardware"]);
+    // This machine's products are measured; a report from a file is not
+    // this machine, so its products are not.
+    let measured = &v["cpu_products_measured"];
+    assert!(
+        measured["flops"].as_f64().is_some_and(|f| f > 1e8),
+        "{measured}"
+    );
+    assert!(measured["n"].as_u64().is_some_and(|n| n >= 128));
+    assert!(w["cpu_products_measured"].is_null(), "{w}");
 }
 
 #[test]

@@ -80,7 +80,7 @@ pub use records::{
 pub use report::{Event, Observer, Summary, median};
 pub use run::{ResumeRequest, resume, resume_with, train, train_cv};
 pub use rundir::{RunDir, RunLock, utc_stamp, write_atomic};
-pub use setup::open_device;
+pub use setup::{measured_cpu_peak, open_device};
 pub use workload::nli::{Prediction, predict};
 
 #[cfg(test)]

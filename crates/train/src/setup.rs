@@ -63,8 +63,11 @@ pub(crate) fn init_model<M: Module>(
 /// The peak FLOP/s MFU is counted against on this device for the dtype the
 /// products compute in, and where it came from: on a CubeCL GPU measured by
 /// Burn's `performance_stats` (cached by CubeCL), else kiln-hwdetect's table
-/// for the GPU and dtype; on the CPU the estimated fp32 peak (flex converts
-/// bf16/fp16 products to f32, so that is their ceiling too). Mixed
+/// for the GPU and dtype; on flex the fp32 rate of its matrix products,
+/// measured ([`kiln_model::kernels::measure_fp32_peak`]: the clock's
+/// estimate is below what boosting cores do, and MFU read over 100 %), on
+/// another CPU backend kiln-hwdetect's estimate (flex converts bf16/fp16
+/// products to f32, so fp32 is their ceiling too). Mixed
 /// precision counts against the bf16/fp16 peak, as the guides count MFU.
 pub(crate) fn mfu_peak(
     config: &RunConfig,
@@ -124,27 +127,52 @@ pub(crate) fn mfu_peak(
         };
     }
     let peak = cpu_peak_of_build(&hardware.cpu);
+    let reduced = if precision.compute.is_reduced() {
+        " (flex computes bf16/fp16 products in f32, so this is their ceiling too)"
+    } else {
+        ""
+    };
+    if let Some(measured) = device.is_flex().then(measured_cpu_peak).flatten() {
+        let estimate = match peak.fp32_flops {
+            Some(p) => format!("{:.1} GFLOP/s", p / 1e9),
+            None => "unknown".into(),
+        };
+        return (
+            Some(measured.flops),
+            format!(
+                "{}, in this process{reduced}; the clock's estimate: {estimate}",
+                measured.describe()
+            ),
+        );
+    }
     match peak.fp32_flops {
         Some(p) => (
             Some(p),
-            format!(
-                "{:.1} GFLOP/s fp32, the CPU {}{}",
-                p / 1e9,
-                peak.how,
-                if precision.compute.is_reduced() {
-                    " (flex computes bf16/fp16 products in f32, so this is their ceiling too)"
-                } else {
-                    ""
-                }
-            ),
+            format!("{:.1} GFLOP/s fp32, the CPU {}{reduced}", p / 1e9, peak.how),
         ),
         None => (None, format!("unknown ({})", peak.how)),
     }
 }
 
+/// The fp32 rate of flex's matrix products on this machine, measured once
+/// a process (a run's folds and a bench share it): what MFU on flex counts
+/// against (`kiln check-hardware` shows it beside the clock's estimate).
+/// `None` in a build without flex.
+pub fn measured_cpu_peak() -> Option<kiln_model::kernels::MeasuredPeak> {
+    #[cfg(feature = "flex")]
+    {
+        static PEAK: std::sync::OnceLock<kiln_model::kernels::MeasuredPeak> =
+            std::sync::OnceLock::new();
+        Some(*PEAK.get_or_init(kiln_model::kernels::measure_fp32_peak))
+    }
+    #[cfg(not(feature = "flex"))]
+    None
+}
+
 /// The CPU's peak for the kernels this build has: on an AVX-512 CPU, a
 /// build without kiln-model's `avx512` feature runs AVX2 + FMA kernels, so
-/// its MFU counts against the AVX2 peak.
+/// its estimate is the AVX2 peak (what MFU counts against on a CPU backend
+/// other than flex, and the figure beside flex's measured rate).
 fn cpu_peak_of_build(cpu: &CpuInfo) -> CpuPeak {
     if !cpu.features.avx512f || kiln_model::kernels::AVX512_BUILT {
         return cpu.peak.clone();

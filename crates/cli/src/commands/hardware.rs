@@ -22,15 +22,31 @@ pub(crate) struct Args {
 /// `kiln check-hardware [--json]`.
 pub(crate) fn check_hardware(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     let resolved = ctx.resolve(&Layers::none())?;
+    // This machine's products, measured: not for a report read from a file.
+    let measured = ctx
+        .hardware_report
+        .is_none()
+        .then(kiln_train::measured_cpu_peak)
+        .flatten();
     let mut out = std::io::stdout().lock();
     if args.json {
-        let value = json(&ctx.report, &resolved);
+        let mut value = json(&ctx.report, &resolved);
+        value["cpu_products_measured"] = serde_json::to_value(measured)?;
         std::io::Write::write_all(
             &mut out,
             format!("{}\n", serde_json::to_string_pretty(&value)?).as_bytes(),
         )?;
     } else {
-        std::io::Write::write_all(&mut out, human(&ctx.report, &resolved).as_bytes())?;
+        let mut text = human(&ctx.report, &resolved);
+        if let Some(m) = measured {
+            let _ = writeln!(
+                text,
+                "  {:<14} {} (what MFU on flex counts against; the CPU's peak above is an estimate from its clock)",
+                "CPU products",
+                m.describe()
+            );
+        }
+        std::io::Write::write_all(&mut out, text.as_bytes())?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -43,12 +43,16 @@ mod layer_norm_cube;
 mod math;
 mod norm;
 mod optim;
+#[cfg(feature = "flex")]
+mod peak;
 
 pub use isa::{AVX512_BUILT, CpuIsa, cpu_isa};
 pub use norm::{SUM_OF_SQUARES_TOLERANCE, check_sum_of_squares, sum_of_squares};
 pub use optim::{
     ADAMW_TOLERANCE, AdamWParam, AdamWStep, KernelCheck, adamw, adamw_many, check_adamw,
 };
+#[cfg(feature = "flex")]
+pub use peak::{MeasuredPeak, measure_fp32_peak};
 
 use burn::nn::{LayerNorm, Linear};
 use burn::tensor::module::attention as burn_attention;
