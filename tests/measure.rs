@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::process::Command;
 
 use crate::support::{fake_report, kiln, root};
 use crate::train::tiny;
@@ -465,4 +466,103 @@ fn the_gpu_check_dry_runs_on_flex() {
         .find(|s| s["name"] == "reference nli: flex vs flex after 20 step(s)")
         .unwrap_or_else(|| panic!("no encoder reference in {stdout}"));
     assert_eq!(reference["difference"], 0.0, "{reference}");
+}
+
+/// `bench/cpu_compare.py`, the interleaved comparison with PyTorch, run on
+/// this build's `kiln` at toy shapes against stand-ins for the PyTorch
+/// scripts (tests/data/pytorch-stub: CI has no PyTorch). What it checks is
+/// the comparison's own work: the order of the runs in a round, the pairing
+/// of each round's rates into ratios, `--avx2` reaching PyTorch for the
+/// AVX2 build, and a failed reference failing the comparison.
+#[test]
+fn the_cpu_comparison_pairs_each_round_and_alternates_who_runs_first() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let out = tmp.path().join("compare.json");
+    let compare = |fail: bool| {
+        let bin = crate::support::kiln_bin();
+        Command::new("python3")
+            .arg(root().join("bench/cpu_compare.py"))
+            .args(["--tiny", "--rounds=2", "--pause=0"])
+            .arg("--kiln")
+            .arg(bin)
+            .arg("--kiln-avx2")
+            .arg(bin)
+            .arg("--scripts")
+            .arg(root().join("tests/data/pytorch-stub"))
+            .arg("--out")
+            .arg(&out)
+            .env("STUB_FAIL", if fail { "1" } else { "0" })
+            .output()
+            .expect("python3 runs bench/cpu_compare.py")
+    };
+    let run = compare(false);
+    let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
+    assert!(
+        run.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("compare.json")).expect("json");
+    assert_eq!(v["schema"], "kiln.cpu-compare/1");
+    let runs = v["runs"].as_array().expect("runs");
+    // 2 rounds × 2 builds × 2 workloads × (kiln, PyTorch).
+    assert_eq!(runs.len(), 16, "{v}");
+    let sides: Vec<&str> = runs
+        .iter()
+        .map(|r| r["side"].as_str().expect("side"))
+        .collect();
+    assert_eq!(sides[0], "kiln", "round 1 starts with kiln");
+    assert_eq!(sides[8], "torch", "round 2 starts with PyTorch");
+    assert_eq!(
+        &sides[8..],
+        sides[..8].iter().rev().copied().collect::<Vec<_>>()
+    );
+    for r in runs.iter().filter(|r| r["side"] == "torch") {
+        let avx2 = r["pair"].as_str().expect("pair").contains("AVX2");
+        let command = r["command"].to_string();
+        assert_eq!(command.contains("--avx2"), avx2, "{r}");
+        assert_eq!(r["cpu_capability"], if avx2 { "AVX2" } else { "AVX512" });
+    }
+    let summary = v["summary"].as_array().expect("summary");
+    assert_eq!(summary.len(), 4, "{v}");
+    for row in summary {
+        let (pair, workload) = (&row["pair"], &row["workload"]);
+        let rate = |round: u64, side: &str| {
+            runs.iter()
+                .find(|r| {
+                    r["round"] == round
+                        && r["side"] == side
+                        && &r["pair"] == pair
+                        && &r["workload"] == workload
+                })
+                .and_then(|r| r["rate"].as_f64())
+                .unwrap_or_else(|| panic!("no {side} rate in round {round} for {row}"))
+        };
+        let ratios: Vec<f64> = row["ratios"]
+            .as_array()
+            .expect("ratios")
+            .iter()
+            .map(|x| x.as_f64().expect("a ratio"))
+            .collect();
+        assert_eq!(ratios.len(), 2, "{row}");
+        for (i, got) in ratios.iter().enumerate() {
+            let round = i as u64 + 1;
+            let want = rate(round, "kiln") / rate(round, "torch");
+            assert!(
+                (got - want).abs() < 1e-3,
+                "round {round}: {got} against {want}: {row}"
+            );
+        }
+        assert!(
+            stdout.contains(workload.as_str().expect("workload")),
+            "{stdout}"
+        );
+    }
+    assert!(stdout.contains("| median ratio |"), "{stdout}");
+
+    let failed = compare(true);
+    assert_eq!(failed.status.code(), Some(1), "a failed reference fails it");
+    let stderr = String::from_utf8_lossy(&failed.stderr);
+    assert!(stderr.contains("stub: failing as asked"), "{stderr}");
 }

@@ -48,6 +48,11 @@ cargo xtask <target> [args...]
   bench [--avx2]            the standard benchmarks → bench/results.json; with
                             --avx2 on a build without AVX-512 kernels (what
                             AVX2 CPUs run) → bench/results-avx2.json
+  compare [--avx2] [--python PY] [--rounds N] [--out F]
+                            kiln against PyTorch eager at PEERS.md's shapes,
+                            interleaved rounds (bench/cpu_compare.py; PY
+                            imports torch); --avx2 adds the AVX2-only build
+                            against PyTorch --avx2
   bench-tune                `kiln tune` judged against the exhaustive sweep, for
                             both experiments → bench/tune-results.json
   outside [DIR]             each library crate's README example built and run
@@ -85,6 +90,7 @@ fn main() -> ExitCode {
         "build-cuda" => build_cuda(&rest).map(|_| ExitCode::SUCCESS),
         "gpu-pack" => gpu_pack(&rest),
         "bench" => bench(rest),
+        "compare" => compare(rest),
         "bench-tune" => bench_tune(rest),
         "outside" => outside::outside(&rest),
         other => match train_target(other) {
@@ -498,6 +504,45 @@ fn collect(
         .map_err(|e| format!("failed to write {}: {e}", path.display()))?;
     println!("wrote {}", path.display());
     Ok(ExitCode::SUCCESS)
+}
+
+/// `cargo xtask compare [--avx2] [args…]`: builds kiln in release (with
+/// `--avx2` also the build without AVX-512 kernels, in `<target>/avx2`, as
+/// docs/PERFORMANCE.md builds it) and runs bench/cpu_compare.py on them;
+/// the other arguments (`--python`, `--rounds`, `--out`, …) go to it.
+fn compare(mut rest: Vec<String>) -> Result<ExitCode, String> {
+    let avx2 = rest.iter().any(|a| a == "--avx2");
+    rest.retain(|a| a != "--avx2");
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from);
+    let mut builds = vec![(target.clone(), false)];
+    if avx2 {
+        builds.push((target.join("avx2"), true));
+    }
+    let mut args = vec![root().join("bench/cpu_compare.py").display().to_string()];
+    for (dir, avx2_only) in builds {
+        let mut cmd = cargo();
+        cmd.args(["build", "--release", "--locked", "-p", "kiln-cli"])
+            .env("CARGO_TARGET_DIR", &dir);
+        if avx2_only {
+            eprintln!(
+                "xtask: building kiln without its AVX-512 kernels in {}",
+                dir.display()
+            );
+            cmd.args(["--no-default-features", "--features", "flex"]);
+        }
+        if run(cmd)? != ExitCode::SUCCESS {
+            return Ok(ExitCode::FAILURE);
+        }
+        let flag = if avx2_only { "--kiln-avx2" } else { "--kiln" };
+        args.extend([
+            flag.to_string(),
+            dir.join("release/kiln").display().to_string(),
+        ]);
+    }
+    let mut cmd = Command::new("python3");
+    cmd.current_dir(root()).args(args).args(rest);
+    run(cmd)
 }
 
 /// `cargo xtask bench [--avx2] [args…]`: the standard benchmarks →
