@@ -417,6 +417,27 @@ fn bench_json_follows_the_documented_schema() {
     );
 }
 
+/// `cargo xtask bench --steps=N` appends its arguments to entries that
+/// give their own `--steps`: the last one given counts, not an error.
+#[test]
+fn bench_takes_the_last_of_a_repeated_step_count() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let v = bench_json(
+        tmp.path(),
+        &[
+            "bench",
+            "lm",
+            "--warmup=3",
+            "--steps=5",
+            "--warmup=0",
+            "--steps=1",
+        ],
+        "bench-schema",
+    );
+    assert_eq!(v["bench"]["warmup_steps"], 0);
+    assert_eq!(v["bench"]["timed_steps"], 1);
+}
+
 #[test]
 fn bench_text_says_when_a_timed_step_accumulates_micro_batches() {
     // A reference that steps its optimizer every batch is only comparable

@@ -154,6 +154,18 @@ fn root_of(runtime_manifest_dir: Option<std::ffi::OsString>) -> PathBuf {
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
 }
 
+/// Cargo's target directory: `CARGO_TARGET_DIR`, else `target/`.
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from)
+}
+
+/// Where the build without AVX-512 kernels goes (`<target>/avx2`, as
+/// docs/PERFORMANCE.md builds it): a directory of its own, so that it and
+/// the default build do not rebuild each other's crates.
+fn avx2_target_dir() -> PathBuf {
+    target_dir().join("avx2")
+}
+
 fn cargo() -> Command {
     let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     cmd.current_dir(root());
@@ -225,8 +237,13 @@ fn kiln_command(build: Build) -> Result<Command, String> {
     );
     cmd.args(["run", "--release", "--package", "kiln-cli", "--bin", "kiln"]);
     if build == Build::Avx2 {
-        eprintln!("xtask: building kiln without its AVX-512 kernels (AVX2 + FMA at most)");
-        cmd.arg("--no-default-features");
+        let dir = avx2_target_dir();
+        eprintln!(
+            "xtask: building kiln without its AVX-512 kernels (AVX2 + FMA at most) in {}",
+            dir.display()
+        );
+        cmd.arg("--no-default-features")
+            .env("CARGO_TARGET_DIR", dir);
     }
     if let Some(f) = features(build) {
         eprintln!("xtask: building kiln with --features {f}");
@@ -513,11 +530,9 @@ fn collect(
 fn compare(mut rest: Vec<String>) -> Result<ExitCode, String> {
     let avx2 = rest.iter().any(|a| a == "--avx2");
     rest.retain(|a| a != "--avx2");
-    let target =
-        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from);
-    let mut builds = vec![(target.clone(), false)];
+    let mut builds = vec![(target_dir(), false)];
     if avx2 {
-        builds.push((target.join("avx2"), true));
+        builds.push((avx2_target_dir(), true));
     }
     let mut args = vec![root().join("bench/cpu_compare.py").display().to_string()];
     for (dir, avx2_only) in builds {

@@ -14,11 +14,12 @@ pub(crate) struct Args {
     /// What to time
     #[arg(value_enum)]
     workload: Workload,
-    /// Steps not timed (start-up, caches)
-    #[arg(long, default_value_t = 5)]
+    /// Steps not timed (start-up, caches); the last one given counts
+    #[arg(long, default_value_t = 5, overrides_with = "warmup")]
     warmup: usize,
-    /// Steps timed
-    #[arg(long, default_value_t = 30)]
+    /// Steps timed; the last one given counts (`cargo xtask bench --steps=N`
+    /// over a standard entry's own)
+    #[arg(long, default_value_t = 30, overrides_with = "steps")]
     steps: usize,
     /// Keep timing past --steps until the timed steps add up to this many
     /// seconds (short steps are noisy), up to 50 × --steps
