@@ -422,18 +422,10 @@ fn bench_json_follows_the_documented_schema() {
 #[test]
 fn bench_takes_the_last_of_a_repeated_step_count() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let v = bench_json(
-        tmp.path(),
-        &[
-            "bench",
-            "lm",
-            "--warmup=3",
-            "--steps=5",
-            "--warmup=0",
-            "--steps=1",
-        ],
-        "bench-schema",
-    );
+    let args: Vec<&str> = "bench lm --warmup=3 --steps=5 --warmup=0 --steps=1"
+        .split(' ')
+        .collect();
+    let v = bench_json(tmp.path(), &args, "bench-schema");
     assert_eq!(v["bench"]["warmup_steps"], 0);
     assert_eq!(v["bench"]["timed_steps"], 1);
 }
