@@ -449,6 +449,30 @@ unsafe fn zero_rows(at: *mut f32, rows: usize, cols: usize, stride: usize) {
 /// gemm splitting one product over rayon's threads itself.
 const ALL_THREADS: gemm::Parallelism = gemm::Parallelism::Rayon(0);
 
+/// `c = a · b` for contiguous row-major `a` (`m × k`), `b` (`k × n`) and
+/// `c` (`m × n`), split over rayon's threads by gemm as the kernels' large
+/// products are: the call the measured peak (`peak`) times.
+pub(super) fn row_major_product(m: usize, n: usize, k: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
+    assert!(a.len() == m * k && b.len() == k * n && c.len() == m * n);
+    let row = |p: *const f32, cols: usize| Mat(p, cols as isize, 1);
+    // SAFETY: the lengths are checked above and the strides are those of
+    // contiguous row-major matrices; `c` is borrowed mutably, so it
+    // overlaps neither operand.
+    unsafe {
+        gemm_call(
+            m,
+            n,
+            k,
+            row(c.as_mut_ptr().cast_const(), n),
+            row(a.as_ptr(), k),
+            row(b.as_ptr(), n),
+            1.0,
+            false,
+            ALL_THREADS,
+        )
+    }
+}
+
 /// `dst = alpha · lhs · rhs`, plus what `dst` holds when `accumulate`.
 ///
 /// # Safety

@@ -49,8 +49,9 @@ impl MeasuredPeak {
 /// Times square f32 products with the `gemm` crate as kiln's kernels call
 /// it (split over rayon's threads, this build's microkernels), `n` doubling
 /// from 128 until a product (the faster of two) takes 5 ms or `n` reaches
-/// 1024, then 8 more at that size; the fastest counts. About 0.1 s on a 2-core AVX2 CPU; in an
-/// unoptimised build the products stay small (and so does the rate).
+/// 1024, then 8 more at that size; the fastest counts. About 0.1 s on a
+/// 2-core AVX2 CPU; in an unoptimised build the products stay small (and so
+/// does the rate).
 pub fn measure_fp32_peak() -> MeasuredPeak {
     let mut n = 128;
     loop {
@@ -95,36 +96,10 @@ fn operands(n: usize) -> (Vec<f32>, Vec<f32>) {
     (a, b)
 }
 
-/// `c = a · b`, all three `n × n` and row-major, by the `gemm` crate over
-/// rayon's threads.
+/// `c = a · b`, all three `n × n` and row-major: the kernels' own call of
+/// the `gemm` crate over rayon's threads.
 fn multiply(n: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
-    assert!(a.len() == n * n && b.len() == n * n && c.len() == n * n);
-    // SAFETY: the three buffers are `n × n` (checked above), row-major
-    // (column stride 1, row stride `n`), and `c` is borrowed mutably, so
-    // it overlaps neither operand.
-    unsafe {
-        gemm::gemm(
-            n,
-            n,
-            n,
-            c.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            a.as_ptr(),
-            1,
-            n as isize,
-            b.as_ptr(),
-            1,
-            n as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::Rayon(0),
-        )
-    }
+    super::cpu::row_major_product(n, n, n, a, b, c);
 }
 
 #[cfg(test)]
