@@ -8,5 +8,6 @@ mod hygiene;
 mod measure;
 mod nli;
 mod precision;
+mod store;
 mod support;
 mod train;

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use commands::{Context, bench, config, diagnose, export, hardware, kernels, train, tune};
+use commands::{Context, bench, config, diagnose, export, hardware, kernels, prepare, train, tune};
 use kiln_config::ConfigError;
 
 /// mimalloc keeps freed memory for reuse: with the system allocator every
@@ -79,6 +79,9 @@ enum Command {
     CheckKernels(kernels::Args),
     /// The resolved configuration as TOML
     Config(config::Args),
+    /// Documents (text, JSON lines, parquet; also .gz, .zst) into a token
+    /// store of llm.c-format shards that training reads from disk
+    Prepare(prepare::Args),
     /// Train with the resolved configuration, in a new run directory
     Train(train::TrainArgs),
     /// k-fold cross-validation of the sentence-pair classifier (`experiment=nli_snli` by default)
@@ -148,6 +151,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::CheckGpu => hardware::check_gpu(&ctx),
         Command::CheckKernels(args) => kernels::run(args, &ctx),
         Command::Config(args) => config::run(args, &ctx),
+        Command::Prepare(args) => prepare::run(args, &ctx),
         Command::Train(args) => train::train(args, ctx),
         Command::Cv(args) => train::cv(args, ctx),
         Command::Predict(args) => train::predict(args, &ctx),

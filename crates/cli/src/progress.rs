@@ -32,6 +32,57 @@ impl Printer {
         }
     }
 
+    /// A prepare's bar: MB read of the total, MB/s, tokens, time left; on a
+    /// pipe, a line every 10 % of the input.
+    fn prepare_progress(&mut self, p: &kiln_train::PrepareProgress) {
+        let total = p.total_bytes.max(1);
+        if self.bar.is_none() && std::io::stderr().is_terminal() {
+            let bar = ProgressBar::new(total);
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "preparing {bar:30} {bytes}/{total_bytes} {bytes_per_sec} | {msg} | {eta} left",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            self.bar = Some(bar);
+        }
+        let msg = format!(
+            "{} tokens, {} documents{}",
+            p.tokens,
+            p.documents,
+            if p.skipping {
+                " (skipping what was written)"
+            } else {
+                ""
+            }
+        );
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(p.read_bytes.min(total));
+                bar.set_message(msg);
+            }
+            None => {
+                let tenth = p.read_bytes * 10 / total;
+                if tenth > self.total {
+                    self.total = tenth;
+                    eprintln!(
+                        "preparing: {:.1}/{:.1} MB read, {msg}",
+                        p.read_bytes as f64 / 1e6,
+                        total as f64 / 1e6
+                    );
+                }
+            }
+        }
+    }
+
+    /// Clears a prepare's bar.
+    pub(crate) fn finish_prepare(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+        self.total = 0;
+    }
+
     fn line(&self, text: &str) {
         match &self.bar {
             Some(bar) => bar.println(text),
@@ -174,6 +225,7 @@ impl Observer for Printer {
                 first_step,
                 total_steps,
             } => {
+                self.finish_prepare();
                 self.total = *total_steps;
                 for l in lines {
                     self.line(&format!("kiln: {l}"));
@@ -226,6 +278,7 @@ impl Observer for Printer {
                 self.line(&format!("checkpoint {step}: {}", path.display()));
             }
             Event::Note(note) => self.line(&format!("kiln: {note}")),
+            Event::Prepare(p) => self.prepare_progress(p),
             Event::FoldDone(result) => self.report(&fold_lines(result)),
             Event::CvDone(summary) => self.report(&cv_summary_lines(summary)),
             Event::Done(summary) => {

@@ -130,8 +130,16 @@ pub struct DataSection {
     /// in TOML) trains one.
     #[serde(with = "none::text")]
     pub tokenizer_file: Option<String>,
-    /// Where encoded corpora are cached, keyed by corpus and tokenizer.
+    /// Where encoded corpora are cached, keyed by corpus and tokenizer, and
+    /// where documents given as `data.path` are prepared into token stores.
     pub cache_dir: String,
+    /// The JSON field or parquet column holding a document's text.
+    pub text_field: String,
+    /// Text a tokenizer trained for a token store learns from, at most
+    /// (bytes, the corpus' first documents).
+    pub tokenizer_sample_bytes: u64,
+    /// Tokens per shard of a token store (llm.c's 10^8).
+    pub shard_tokens: usize,
     /// Sentence pairs: the fields (JSONL) or columns (TSV/CSV) to read.
     pub premise_field: String,
     /// The field or column of the second sentence.
@@ -178,6 +186,8 @@ pub enum TokenizerKind {
     Char,
     /// Byte-level BPE, as GPT-2.
     Bpe,
+    /// GPT-2's own tokenizer (50,257 ids, built in).
+    Gpt2,
     /// WordPiece, as BERT.
     Wordpiece,
 }
@@ -455,9 +465,24 @@ impl RunConfig {
             "must be between 0 and 1 (exclusive)",
         );
         check(
-            d.tokenizer == TokenizerKind::Char || d.vocab_size >= 16,
+            matches!(d.tokenizer, TokenizerKind::Char | TokenizerKind::Gpt2) || d.vocab_size >= 16,
             "data.vocab_size",
             "must be at least 16 for a trained tokenizer",
+        );
+        check(
+            !d.text_field.trim().is_empty(),
+            "data.text_field",
+            "must not be empty",
+        );
+        check(
+            d.tokenizer_sample_bytes >= 1024,
+            "data.tokenizer_sample_bytes",
+            "must be at least 1024",
+        );
+        check(
+            d.shard_tokens >= 1 && d.shard_tokens < 1 << 31,
+            "data.shard_tokens",
+            "must be between 1 and 2^31 - 1 (llm.c's int32 token count)",
         );
         let t = &self.training;
         check(

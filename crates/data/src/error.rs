@@ -89,6 +89,25 @@ pub enum DataError {
         why: String,
     },
 
+    /// A token shard (or a store's manifest) that cannot be read as it is.
+    #[error("bad token shard `{}`: {why}", path.display())]
+    BadShard {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: String,
+    },
+
+    /// A token store that is not the one asked for (another tokenizer, other
+    /// inputs or settings).
+    #[error("token store `{}`: {why}", path.display())]
+    StoreMismatch {
+        /// The store's folder (or file).
+        path: PathBuf,
+        /// What differs, and what to do.
+        why: String,
+    },
+
     /// The tokenizers library failed to train or encode.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

@@ -16,6 +16,13 @@
 //! - [`Loader`]: N worker threads with bounded prefetch, the same batches in
 //!   the same order whatever N, and the wait for each batch measured;
 //!   [`benchmark_loader`] times it alone.
+//! - [`prepare()`]: documents as users have them ([`find_inputs`]: text,
+//!   JSON lines, parquet, each also gzip or zstd) into a token store of
+//!   llm.c-format shards with a manifest, streaming with bounded memory,
+//!   the same bytes for any thread count, continued after a kill;
+//!   [`TokenStore`] opens one (or llm.c's shards, or nanoGPT's `.bin`
+//!   files) for windows read from disk; [`Tokenizer::gpt2`] is GPT-2's
+//!   tokenizer, built in.
 //! - [`read_pairs`]: sentence pairs from JSONL, TSV or CSV, with bad rows
 //!   skipped and counted or rejected, and [`grouped_stratified_folds`] to
 //!   split them for cross-validation without a premise in two folds.
@@ -23,20 +30,28 @@
 
 mod cache;
 mod corpus;
+mod documents;
 mod error;
 mod folds;
+mod gpt2;
 mod loader;
 mod pair_batches;
 mod pairs;
+mod parquet_text;
+pub mod prepare;
+pub mod store;
 mod tokenizer;
 mod windows;
 
 pub use cache::{CacheOutcome, encode_cached};
 pub use corpus::{Corpus, read_corpus};
+pub use documents::{Compression, DocFormat, InputFile, ReadOptions, SkippedRows, find_inputs};
 pub use error::DataError;
 pub use folds::grouped_stratified_folds;
 pub use loader::{BatchSource, Loaded, Loader, LoaderBenchmark, benchmark_loader};
 pub use pair_batches::{EncodedPair, PairBatch, PairBatches, encode_dataset, pad_batch};
 pub use pairs::{BadRows, Pair, PairDataset, PairFormat, PairSchema, read_pairs};
-pub use tokenizer::{PairIds, SPECIALS, Tokenizer, TokenizerKind};
+pub use prepare::{PrepareOptions, PrepareOutcome, PrepareProgress, prepare, read_sample};
+pub use store::{Manifest, MemoryTokens, PrepareSettings, ShardSequence, TokenSpan, TokenStore};
+pub use tokenizer::{END_OF_TEXT, PairIds, SPECIALS, Tokenizer, TokenizerKind};
 pub use windows::{LmWindows, Split, TokenBatch};

@@ -8,6 +8,7 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 use crate::loader::BatchSource;
+use crate::store::{MemoryTokens, TokenSpan};
 
 /// A batch of token windows, row-major `[batch, block]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,10 +43,11 @@ impl std::fmt::Display for Split {
     }
 }
 
-/// Random windows over one split of a token sequence.
+/// Random windows over one split of a token sequence, in memory or read
+/// from a token store's shards.
 #[derive(Clone, Debug)]
 pub struct LmWindows {
-    tokens: Arc<[u32]>,
+    tokens: Arc<dyn TokenSpan>,
     batch_size: usize,
     block: usize,
     seed: u64,
@@ -58,6 +60,24 @@ impl LmWindows {
     /// and the sizes are at least 1.
     pub fn new(
         tokens: Arc<[u32]>,
+        batch_size: usize,
+        block: usize,
+        seed: u64,
+        split: Split,
+    ) -> Result<Self, crate::DataError> {
+        Self::over(
+            Arc::new(MemoryTokens(tokens)),
+            batch_size,
+            block,
+            seed,
+            split,
+        )
+    }
+
+    /// The same over any token sequence (a store's split, say): batch `k`
+    /// is the same windows whatever holds the tokens.
+    pub fn over(
+        tokens: Arc<dyn TokenSpan>,
         batch_size: usize,
         block: usize,
         seed: u64,
@@ -112,11 +132,13 @@ impl BatchSource for LmWindows {
         let span = self.tokens.len().saturating_sub(self.block).max(1);
         let mut inputs = Vec::with_capacity(self.batch_size * self.block);
         let mut targets = Vec::with_capacity(self.batch_size * self.block);
+        let mut window = vec![0u32; self.block + 1];
         for _ in 0..self.batch_size {
             let start = rng.random_range(0..span);
-            let window = &self.tokens[start..(start + self.block + 1).min(self.tokens.len())];
+            let n = (self.block + 1).min(self.tokens.len() - start);
+            self.tokens.read(start, &mut window[..n]);
             inputs.extend_from_slice(&window[..self.block]);
-            targets.extend_from_slice(&window[1..]);
+            targets.extend_from_slice(&window[1..n]);
         }
         TokenBatch {
             index,

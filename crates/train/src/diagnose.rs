@@ -45,6 +45,8 @@ pub struct Diagnosis {
     pub findings: Vec<Finding>,
     /// A short measured burst of training steps, when asked for.
     pub burst: Option<Burst>,
+    /// Training from a token store: its read rate against the run's need.
+    pub store: Option<crate::tokens::StoreRead>,
 }
 
 impl Diagnosis {
@@ -90,7 +92,7 @@ pub fn diagnose(
             AttentionMemory::Scores,
         ),
     };
-    let (data, schedule, vocab, size) = measure(config)?;
+    let (data, schedule, vocab, size, store_path) = measure(config)?;
     let mut memory = estimate_memory_with(config, vocab, size, attention);
     match gpu.filter(|_| is_gpu) {
         Some(g) => {
@@ -125,8 +127,37 @@ pub fn diagnose(
         (0, _, _) | (_, false, _) | (_, _, true) => None,
         _ => Some(measure_burst(config, hardware, burst_steps, &schedule)?),
     };
+    let store = match store_path {
+        Some(path) => {
+            let mut read = crate::tokens::measure_store_read(&path, config.model.max_length)?;
+            if let Some(b) = &burst {
+                // Each micro-batch reads its windows (block + 1 tokens a row).
+                let t = &config.training;
+                let bytes = (t.batch_size
+                    * (config.model.max_length + 1)
+                    * t.gradient_accumulation_steps
+                    * read.bytes_per_token) as f64;
+                let needed = bytes / (b.ms_per_step / 1e3).max(1e-9) / 1e6;
+                read.needed_mb_per_s = Some(needed);
+                if needed > 0.5 * read.disk_mb_per_s {
+                    findings.push(Finding {
+                        severity: Severity::Warning,
+                        key: "data.path".into(),
+                        problem: format!(
+                            "the run reads {needed:.1} MB/s of windows from the token store, and its disk gave {:.1} MB/s just now: reading may hold training back",
+                            read.disk_mb_per_s
+                        ),
+                        fix: "put the store on a local SSD, or raise loader.num_workers".into(),
+                    });
+                }
+            }
+            Some(read)
+        }
+        None => None,
+    };
     findings.sort_by_key(|f| std::cmp::Reverse(f.severity));
     Ok(Diagnosis {
+        store,
         device: device_name,
         device_why,
         precision,
@@ -180,7 +211,19 @@ fn measure_burst(
 
 /// Prepares the workload as the run does and measures it: the data against
 /// the config, the run's schedule, the vocabulary and the model's size.
-fn measure(config: &RunConfig) -> Result<(DataSize, Schedule, usize, ModelSize), TrainError> {
+#[allow(clippy::type_complexity)] // one private caller, which takes it apart at once
+fn measure(
+    config: &RunConfig,
+) -> Result<
+    (
+        DataSize,
+        Schedule,
+        usize,
+        ModelSize,
+        Option<std::path::PathBuf>,
+    ),
+    TrainError,
+> {
     match config.workload {
         Workload::Lm => {
             let p = lm::prepare(config, lm::TokenizerFrom::Config)?;
@@ -189,6 +232,7 @@ fn measure(config: &RunConfig) -> Result<(DataSize, Schedule, usize, ModelSize),
                 p.schedule,
                 p.tokenizer.vocab_size(),
                 p.model_size(),
+                p.store.clone(),
             ))
         }
         Workload::Nli => {
@@ -223,6 +267,7 @@ fn measure(config: &RunConfig) -> Result<(DataSize, Schedule, usize, ModelSize),
                 p.schedule,
                 p.tokenizer.vocab_size(),
                 p.model_size(config),
+                None,
             ))
         }
     }

@@ -147,6 +147,11 @@ fn size(bytes: u64) -> String {
 impl TrainError {
     /// Whether the error is caused by what the user gave (exit code 2).
     pub fn is_bad_input(&self) -> bool {
+        // A file that could not be written (a full disk) is the machine's
+        // failure, not the input's.
+        if let Self::Data(kiln_data::DataError::Write { .. }) = self {
+            return false;
+        }
         matches!(
             self,
             Self::Data(_)

@@ -52,6 +52,7 @@ mod rundir;
 mod setup;
 mod step;
 mod task;
+mod tokens;
 mod trainer;
 mod translate;
 mod workload;
@@ -67,6 +68,7 @@ pub use diagnose::{Diagnosis, diagnose};
 pub use error::TrainError;
 pub use export::{Exported, export_hf, hf_name};
 pub use kernel_profile::{KernelProfile, KernelRow};
+pub use kiln_data::{PrepareOutcome, PrepareProgress};
 pub use memory::MemoryTracker;
 pub use optim::AdamW;
 pub use options::{Outcome, TrainOptions};
@@ -77,10 +79,11 @@ pub use records::{
     ClassMetrics, CvSummary, EvalMetrics, EvalRecord, FoldResult, Record, Scores, Skipped,
     StepMetrics,
 };
-pub use report::{Event, Observer, Summary, median};
+pub use report::{Event, Observer, Silent, Summary, median};
 pub use run::{ResumeRequest, resume, resume_with, train, train_cv};
 pub use rundir::{RunDir, RunLock, utc_stamp, write_atomic};
 pub use setup::{measured_cpu_peak, open_device};
+pub use tokens::{MEMORY_TEXT_LIMIT, StoreRead, prepare_store};
 pub use workload::nli::{Prediction, predict};
 
 #[cfg(test)]

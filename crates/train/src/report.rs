@@ -89,6 +89,8 @@ pub enum Event {
     },
     /// Something the user should know (a damaged checkpoint skipped, ...).
     Note(String),
+    /// How far preparing documents into a token store is.
+    Prepare(kiln_data::PrepareProgress),
     /// A cross-validation fold finished.
     FoldDone(FoldResult),
     /// A cross-validation run finished all its folds.
@@ -101,6 +103,14 @@ pub enum Event {
 pub trait Observer {
     /// Called for each event, on the training thread.
     fn event(&mut self, event: &Event);
+}
+
+/// An observer that ignores every event.
+#[derive(Debug, Default)]
+pub struct Silent;
+
+impl Observer for Silent {
+    fn event(&mut self, _: &Event) {}
 }
 
 /// The median of some values (0 for none).

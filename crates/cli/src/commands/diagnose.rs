@@ -72,6 +72,20 @@ fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
         );
     }
     s.push('\n');
+    if let Some(r) = &d.store {
+        let _ = write!(
+            s,
+            "store:     `{}`, {} shards of {}-byte tokens; windows read at {:.1} MB/s now (page cache included)",
+            r.path.display(),
+            r.shards,
+            r.bytes_per_token,
+            r.disk_mb_per_s
+        );
+        if let Some(need) = r.needed_mb_per_s {
+            let _ = write!(s, "; the run needs {need:.2} MB/s");
+        }
+        s.push('\n');
+    }
     let _ = writeln!(
         s,
         "budget:    {} optimizer steps, {} per epoch: {:.2} epochs",

@@ -10,8 +10,8 @@ use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use kiln_config::{ConfigError, ResumedConfig, RunConfig, TokenizerKind as ConfigTokenizer};
 use kiln_data::{
-    BatchSource, Corpus, LmWindows, Split, TokenBatch, Tokenizer, TokenizerKind, encode_cached,
-    read_corpus,
+    BatchSource, LmWindows, MemoryTokens, Split, TokenBatch, TokenSpan, Tokenizer, TokenizerKind,
+    encode_cached, read_corpus,
 };
 use kiln_hwdetect::HardwareReport;
 use kiln_model::{Gpt, GptConfig};
@@ -28,7 +28,7 @@ use crate::setup::{
 use crate::task::{Evaluation, Task, Work};
 use crate::trainer::{EarlyStopping, LoopEnd, LoopPlan, LoopPlanStart, restore, run_loop};
 use crate::translate::{gpt_config, kernels};
-use crate::{DeviceChoice, Outcome, RunDir, TrainError, TrainOptions, open_device};
+use crate::{DeviceChoice, Outcome, RunDir, TrainError, TrainOptions, open_device, tokens};
 
 /// Where a run's tokenizer comes from.
 #[derive(Debug)]
@@ -42,21 +42,57 @@ pub(crate) enum TokenizerFrom<'a> {
 /// The language model's workload, prepared from a config: what the run,
 /// `kiln bench` and `kiln diagnose` all start from.
 pub(crate) struct Prepared {
-    pub(crate) corpus: Corpus,
+    /// What `data.path` named (a text file, a store, documents).
+    pub(crate) source: PathBuf,
+    /// Where the tokens are read from, for the start line.
+    pub(crate) origin: String,
+    /// The token store, when the tokens are read from one.
+    pub(crate) store: Option<PathBuf>,
     pub(crate) tokenizer: Tokenizer,
-    /// From the token cache rather than encoded now.
-    pub(crate) cached: bool,
-    pub(crate) train_tokens: Arc<[u32]>,
-    pub(crate) val_tokens: Arc<[u32]>,
+    pub(crate) train_tokens: Arc<dyn TokenSpan>,
+    pub(crate) val_tokens: Arc<dyn TokenSpan>,
     pub(crate) gpt: GptConfig,
     pub(crate) schedule: Schedule,
 }
 
 /// Reads the corpus, makes the tokenizer, encodes (through the cache) and
-/// splits the tokens, and counts the schedule. The splits are not checked
+/// splits the tokens, and counts the schedule; or opens the token store
+/// (preparing documents into one first). The splits are not checked
 /// against the block here (`kiln diagnose` reports a short one as a
 /// finding); [`Prepared::task`] checks them.
 pub(crate) fn prepare(config: &RunConfig, from: TokenizerFrom<'_>) -> Result<Prepared, TrainError> {
+    prepare_observed(config, from, &mut crate::report::Silent)
+}
+
+/// [`prepare`], telling `observer` about a store being prepared.
+pub(crate) fn prepare_observed(
+    config: &RunConfig,
+    from: TokenizerFrom<'_>,
+    observer: &mut dyn Observer,
+) -> Result<Prepared, TrainError> {
+    let route = tokens::route(config)?;
+    if !matches!(route, tokens::Route::Memory) {
+        let path = tokens::store_for(config, route, observer)?;
+        let saved = match from {
+            TokenizerFrom::File(p) => Some(p),
+            TokenizerFrom::Config => None,
+        };
+        let (store, tokenizer) = tokens::open_store(config, &path, saved)?;
+        let t = &config.training;
+        let train_len = store.train.len();
+        let batches_per_epoch =
+            (train_len / (t.batch_size * config.model.max_length).max(1)).max(1) as u64;
+        return Ok(Prepared {
+            source: PathBuf::from(&config.data.path),
+            origin: format!("token store `{}`", path.display()),
+            store: Some(path),
+            gpt: gpt_config(config, tokenizer.vocab_size()),
+            schedule: Schedule::new(t, batches_per_epoch),
+            train_tokens: store.train.clone(),
+            val_tokens: store.val.clone(),
+            tokenizer,
+        });
+    }
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
     let tokenizer = match from {
         TokenizerFrom::Config => make_tokenizer(config, &corpus.text)?,
@@ -68,14 +104,20 @@ pub(crate) fn prepare(config: &RunConfig, from: TokenizerFrom<'_>) -> Result<Pre
     let t = &config.training;
     let batches_per_epoch =
         (train.len() / (t.batch_size * config.model.max_length).max(1)).max(1) as u64;
+    let memory = |ids: &[u32]| -> Arc<dyn TokenSpan> { Arc::new(MemoryTokens(ids.into())) };
     Ok(Prepared {
         gpt: gpt_config(config, tokenizer.vocab_size()),
         schedule: Schedule::new(t, batches_per_epoch),
-        train_tokens: train.into(),
-        val_tokens: val.into(),
-        cached: cached.hit,
+        train_tokens: memory(train),
+        val_tokens: memory(val),
+        origin: if cached.hit {
+            "from the token cache".into()
+        } else {
+            "encoded and cached".into()
+        },
+        store: None,
         tokenizer,
-        corpus,
+        source: corpus.path,
     })
 }
 
@@ -106,10 +148,10 @@ impl Prepared {
         let block = config.model.max_length;
         let t = &config.training;
         let eval_seed = t.seed ^ 0xE7A1_0000_0000_0000;
-        let windows = |tokens: &Arc<[u32]>, batch, seed, split| {
-            LmWindows::new(Arc::clone(tokens), batch, block, seed, split).map_err(|e| {
+        let windows = |tokens: &Arc<dyn TokenSpan>, batch, seed, split| {
+            LmWindows::over(Arc::clone(tokens), batch, block, seed, split).map_err(|e| {
                 TrainError::CorpusTooShort {
-                    path: self.corpus.path.clone(),
+                    path: self.source.clone(),
                     why: e.to_string(),
                 }
             })
@@ -139,7 +181,7 @@ pub(crate) fn train(
 ) -> Result<Outcome, TrainError> {
     // Everything that can fail on bad input fails before the run directory exists.
     let device = open_device(config, !options.hardware.gpus().is_empty())?;
-    let prepared = prepare(config, TokenizerFrom::Config)?;
+    let prepared = prepare_observed(config, TokenizerFrom::Config, observer)?;
     let (session, model) = Session::new(config, device, &options.hardware, prepared, None)?;
     let run = RunDir::start(config, options)?;
     let _lock = run.lock()?;
@@ -206,9 +248,9 @@ pub(crate) fn resume(
     // config makes the same tokenizer).
     let saved = tokenizer.is_file();
     let prepared = if saved {
-        prepare(config, TokenizerFrom::File(&tokenizer))?
+        prepare_observed(config, TokenizerFrom::File(&tokenizer), observer)?
     } else {
-        prepare(config, TokenizerFrom::Config)?
+        prepare_observed(config, TokenizerFrom::Config, observer)?
     };
     if !saved {
         run.write("tokenizer.json", &prepared.tokenizer.to_json()?)?;
@@ -272,6 +314,7 @@ pub(crate) fn make_tokenizer(config: &RunConfig, text: &str) -> Result<Tokenizer
         // Characters come from the whole corpus, as nanoGPT does: a character
         // seen only in validation text would otherwise be unencodable.
         ConfigTokenizer::Char => return Ok(Tokenizer::char_level(text)?),
+        ConfigTokenizer::Gpt2 => return Ok(Tokenizer::gpt2()?),
         ConfigTokenizer::Bpe => TokenizerKind::Bpe {
             vocab_size: config.data.vocab_size,
         },
@@ -417,13 +460,9 @@ impl Session {
         let mut lines = vec![
             format!(
                 "data: {} — {} tokens ({}), vocabulary {}",
-                p.corpus.path.display(),
+                p.source.display(),
                 p.train_tokens.len() + p.val_tokens.len(),
-                if p.cached {
-                    "from the token cache"
-                } else {
-                    "encoded and cached"
-                },
+                p.origin,
                 p.tokenizer.vocab_size()
             ),
             format!(

@@ -1,0 +1,358 @@
+//! Where a language model's tokens come from: a small text file read into
+//! memory (the shipped Tiny Shakespeare's path), a token store (kiln's,
+//! llm.c's shards, nanoGPT's `.bin` files) read from disk, or documents
+//! (a folder, a glob, JSON lines, parquet, compressed files, a text file
+//! over 64 MiB) prepared into a store under `data.cache_dir` first. And
+//! `kiln prepare`: the same preparation from a config into a named folder.
+
+use std::path::{Path, PathBuf};
+
+use kiln_config::{RunConfig, TokenizerKind as ConfigTokenizer};
+use kiln_data::store::{StoreKind, TOKENIZER, TokenWidth};
+use kiln_data::{
+    BadRows, DataError, DocFormat, InputFile, PrepareOptions, PrepareOutcome, PrepareSettings,
+    ReadOptions, TokenStore, Tokenizer, find_inputs, read_sample,
+};
+use sha2::{Digest, Sha256};
+
+use crate::TrainError;
+use crate::report::{Event, Observer};
+
+/// A plain-text file up to this size is read into memory; a larger one is
+/// prepared into a token store.
+pub const MEMORY_TEXT_LIMIT: u64 = 64 << 20;
+
+/// How a run's `data.path` is read.
+#[derive(Debug)]
+pub(crate) enum Route {
+    /// One text file, into memory.
+    Memory,
+    /// A folder of tokens.
+    Store(PathBuf),
+    /// Documents to prepare first.
+    Documents(Vec<InputFile>),
+}
+
+/// Which route `config.data.path` takes.
+pub(crate) fn route(config: &RunConfig) -> Result<Route, TrainError> {
+    let path = Path::new(&config.data.path);
+    if TokenStore::detect(path).is_some() {
+        return Ok(Route::Store(path.to_path_buf()));
+    }
+    if path.is_file() {
+        let small_text = match InputFile::classify(path) {
+            // Any other single file is read as text, as before stores.
+            None => true,
+            Some((DocFormat::Text, kiln_data::Compression::None)) => {
+                std::fs::metadata(path).map_or(true, |m| m.len() <= MEMORY_TEXT_LIMIT)
+            }
+            Some(_) => false,
+        };
+        if small_text {
+            return Ok(Route::Memory);
+        }
+    } else if !path.exists() && !config.data.path.contains(['*', '?', '[']) {
+        // The memory path names a missing file as it always has.
+        return Ok(Route::Memory);
+    }
+    Ok(Route::Documents(find_inputs(&config.data.path)?))
+}
+
+/// The settings a config prepares documents with.
+pub(crate) fn settings(config: &RunConfig) -> PrepareSettings {
+    let d = &config.data;
+    PrepareSettings {
+        source: d.path.clone(),
+        text_field: d.text_field.clone(),
+        val_fraction: d.val_fraction,
+        shard_tokens: d.shard_tokens,
+        tokenizer: tokenizer_name(config).into(),
+        vocab_size: match d.tokenizer {
+            ConfigTokenizer::Bpe => d.vocab_size,
+            _ => 0,
+        },
+        tokenizer_sample_bytes: match d.tokenizer {
+            ConfigTokenizer::Char | ConfigTokenizer::Bpe if d.tokenizer_file.is_none() => {
+                d.tokenizer_sample_bytes
+            }
+            _ => 0,
+        },
+    }
+}
+
+/// The config's tokenizer as a store names it.
+fn tokenizer_name(config: &RunConfig) -> &'static str {
+    if config.data.tokenizer_file.is_some() {
+        return "file";
+    }
+    match config.data.tokenizer {
+        ConfigTokenizer::Char => "char",
+        ConfigTokenizer::Bpe => "bpe",
+        ConfigTokenizer::Gpt2 => "gpt2",
+        ConfigTokenizer::Wordpiece => "wordpiece",
+    }
+}
+
+fn read_options(config: &RunConfig) -> ReadOptions {
+    ReadOptions {
+        text_field: config.data.text_field.clone(),
+        bad_rows: match config.data.bad_rows {
+            kiln_config::BadRowsMode::Skip => BadRows::Skip,
+            kiln_config::BadRowsMode::Error => BadRows::Error,
+        },
+    }
+}
+
+/// The tokenizer a store is prepared with, from the config: GPT-2's, a
+/// `tokenizer.json`, or one trained on the corpus' first documents; with an
+/// end-of-text token. Returns it and the bytes it learned from.
+fn store_tokenizer(
+    config: &RunConfig,
+    inputs: &[InputFile],
+    observer: &mut dyn Observer,
+) -> Result<(Tokenizer, u64), TrainError> {
+    if let Some(file) = &config.data.tokenizer_file {
+        return Ok((Tokenizer::load(Path::new(file))?.with_end_of_text(), 0));
+    }
+    match config.data.tokenizer {
+        ConfigTokenizer::Gpt2 => Ok((Tokenizer::gpt2()?, 0)),
+        ConfigTokenizer::Wordpiece => Err(TrainError::Unsupported(
+            "data.tokenizer = wordpiece",
+            "WordPiece comes with the nli workload; use gpt2, char or bpe for a language model"
+                .into(),
+        )),
+        kind => {
+            let sample = read_sample(
+                inputs,
+                &read_options(config),
+                config.data.tokenizer_sample_bytes,
+            )?;
+            observer.event(&Event::Note(format!(
+                "training the {} tokenizer on the corpus' first {:.1} MiB of documents (data.tokenizer_sample_bytes)",
+                tokenizer_name(config),
+                sample.len() as f64 / f64::from(1u32 << 20)
+            )));
+            let t = match kind {
+                // U+FFFD stands for a character the sample did not have.
+                ConfigTokenizer::Char => Tokenizer::char_level(&format!("{sample}\u{fffd}"))?,
+                _ => Tokenizer::bpe(&sample, config.data.vocab_size)?,
+            };
+            Ok((t.with_end_of_text(), sample.len() as u64))
+        }
+    }
+}
+
+/// Prepares the documents of `config.data.path` into `out` (a new store, or
+/// the one an interrupted prepare left), telling `observer` how far it is.
+pub fn prepare_store(
+    config: &RunConfig,
+    out: &Path,
+    threads: Option<usize>,
+    observer: &mut dyn Observer,
+) -> Result<PrepareOutcome, TrainError> {
+    let inputs = find_inputs(&config.data.path)?;
+    prepare_inputs(config, inputs, out, threads, observer)
+}
+
+fn prepare_inputs(
+    config: &RunConfig,
+    inputs: Vec<InputFile>,
+    out: &Path,
+    threads: Option<usize>,
+    observer: &mut dyn Observer,
+) -> Result<PrepareOutcome, TrainError> {
+    let mut options = PrepareOptions::new(
+        inputs,
+        settings(config),
+        read_options(config),
+        out.to_path_buf(),
+    );
+    options.threads = threads;
+    // An interrupted or finished store keeps the tokenizer it started with.
+    let saved = out.join(TOKENIZER);
+    let (tokenizer, trained_on) = if saved.is_file() {
+        (
+            Tokenizer::load(&saved)?,
+            options.settings.tokenizer_sample_bytes,
+        )
+    } else {
+        store_tokenizer(config, &options.inputs, observer)?
+    };
+    let outcome = kiln_data::prepare(&options, &tokenizer, trained_on, &mut |p| {
+        observer.event(&Event::Prepare(*p));
+    })?;
+    Ok(outcome)
+}
+
+/// The store `config` trains from: the folder `data.path` names, or the
+/// documents it names prepared under `data.cache_dir` (keyed by inputs and
+/// settings, continued if interrupted).
+pub(crate) fn store_for(
+    config: &RunConfig,
+    route: Route,
+    observer: &mut dyn Observer,
+) -> Result<PathBuf, TrainError> {
+    match route {
+        Route::Store(path) => Ok(path),
+        Route::Memory => Err(TrainError::Unsupported(
+            "a token store",
+            "data.path is a text file read into memory".into(),
+        )),
+        Route::Documents(inputs) => {
+            let settings = settings(config);
+            let mut h = Sha256::new();
+            h.update(serde_json::to_vec(&settings).unwrap_or_default());
+            h.update(serde_json::to_vec(&inputs).unwrap_or_default());
+            if let Some(file) = &config.data.tokenizer_file {
+                h.update(std::fs::read(file).unwrap_or_default());
+            }
+            let key: String = h.finalize()[..8]
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            let out = Path::new(&config.data.cache_dir).join(format!("store-{key}"));
+            let total: u64 = inputs.iter().map(|f| f.bytes).sum();
+            observer.event(&Event::Note(format!(
+                "data.path names documents ({} files, {:.1} MiB): preparing them into the token store `{}` (once; `kiln prepare` does this ahead)",
+                inputs.len(),
+                total as f64 / f64::from(1u32 << 20),
+                out.display()
+            )));
+            let outcome = prepare_inputs(config, inputs, &out, None, observer)?;
+            if !outcome.already_prepared {
+                observer.event(&Event::Note(format!(
+                    "prepared {} tokens in {:.1} s",
+                    outcome
+                        .manifest
+                        .shards
+                        .iter()
+                        .map(|s| s.tokens)
+                        .sum::<usize>(),
+                    outcome.seconds
+                )));
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// Opens the store and the tokenizer its tokens are ids of, checking that
+/// it is the run's: `run_tokenizer` is a resumed run's saved tokenizer,
+/// else the config's.
+pub(crate) fn open_store(
+    config: &RunConfig,
+    path: &Path,
+    run_tokenizer: Option<&Path>,
+) -> Result<(TokenStore, Tokenizer), TrainError> {
+    let store = TokenStore::open(path)?;
+    let mismatch = |why: String| {
+        TrainError::Data(DataError::StoreMismatch {
+            path: path.to_path_buf(),
+            why,
+        })
+    };
+    let tokenizer = match (&store.kind, &store.manifest) {
+        (StoreKind::Kiln, Some(manifest)) => {
+            let t = Tokenizer::load(&path.join(TOKENIZER))?;
+            let same = |other: Tokenizer| -> Result<bool, TrainError> {
+                Ok(other.to_json()? == t.to_json()?)
+            };
+            if let Some(saved) = run_tokenizer {
+                if !same(Tokenizer::load(saved)?)? {
+                    return Err(mismatch(format!(
+                        "its tokenizer is not the one the run trained with (`{}`)",
+                        saved.display()
+                    )));
+                }
+            } else if let Some(file) = &config.data.tokenizer_file {
+                if !same(Tokenizer::load(Path::new(file))?.with_end_of_text())? {
+                    return Err(mismatch(format!(
+                        "it was prepared with another tokenizer than data.tokenizer_file `{file}`"
+                    )));
+                }
+            } else if manifest.tokenizer.kind != tokenizer_name(config) {
+                return Err(mismatch(format!(
+                    "it was prepared with the `{}` tokenizer but the run asks for `{}` (data.tokenizer); set data.tokenizer={} or prepare the store again",
+                    manifest.tokenizer.kind,
+                    tokenizer_name(config),
+                    manifest.tokenizer.kind
+                )));
+            }
+            t
+        }
+        _ => {
+            // llm.c's GPT-2 shards and nanoGPT's files hold GPT-2's ids.
+            let t = match (&config.data.tokenizer_file, run_tokenizer) {
+                (_, Some(saved)) => Tokenizer::load(saved)?,
+                (Some(file), None) => Tokenizer::load(Path::new(file))?,
+                (None, None) if store.width() == TokenWidth::U32 => {
+                    return Err(mismatch(
+                        "its shards hold uint32 tokens (llm.c writes Llama 3's so), whose tokenizer kiln does not have: give it as data.tokenizer_file".into(),
+                    ));
+                }
+                (None, None) if config.data.tokenizer != ConfigTokenizer::Gpt2 => {
+                    return Err(mismatch(format!(
+                        "{} hold GPT-2's token ids, but the run asks for the `{}` tokenizer (data.tokenizer); set data.tokenizer=gpt2",
+                        if store.kind == StoreKind::NanoGpt {
+                            "nanoGPT's train.bin and val.bin"
+                        } else {
+                            "llm.c's uint16 shards"
+                        },
+                        tokenizer_name(config)
+                    )));
+                }
+                (None, None) => Tokenizer::gpt2()?,
+            };
+            t
+        }
+    };
+    Ok((store, tokenizer))
+}
+
+/// How fast a store's windows are read, against what the run needs.
+#[derive(Clone, Debug, serde::Serialize)]
+#[non_exhaustive]
+pub struct StoreRead {
+    /// The store's folder.
+    pub path: PathBuf,
+    /// Its shards.
+    pub shards: usize,
+    /// Bytes a token takes on disk.
+    pub bytes_per_token: usize,
+    /// Random windows of `model.max_length + 1` tokens read now, MB/s (the
+    /// page cache included: a store just prepared reads from memory).
+    pub disk_mb_per_s: f64,
+    /// What the run reads at the measured burst's speed, MB/s (none
+    /// without a burst).
+    pub needed_mb_per_s: Option<f64>,
+}
+
+/// Times random windows read from the store for about a quarter of a second.
+pub(crate) fn measure_store_read(path: &Path, block: usize) -> Result<StoreRead, TrainError> {
+    use kiln_data::TokenSpan;
+    let store = TokenStore::open(path)?;
+    let split = &store.train;
+    let window = (block + 1).min(split.len().max(1));
+    let mut out = vec![0u32; window];
+    let span = split.len().saturating_sub(window).max(1);
+    let started = std::time::Instant::now();
+    let mut reads = 0u64;
+    // A fixed sequence of offsets spread over the split (Knuth's multiplier).
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    while reads < 20_000 && (reads < 16 || started.elapsed().as_secs_f64() < 0.25) {
+        x = x
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        split.read((x >> 11) as usize % span, &mut out);
+        reads += 1;
+    }
+    let seconds = started.elapsed().as_secs_f64().max(1e-9);
+    let bytes_per_token = store.width().bytes();
+    Ok(StoreRead {
+        path: path.to_path_buf(),
+        shards: store.train.shards().len() + store.val.shards().len(),
+        bytes_per_token,
+        disk_mb_per_s: (reads as usize * window * bytes_per_token) as f64 / seconds / 1e6,
+        needed_mb_per_s: None,
+    })
+}
