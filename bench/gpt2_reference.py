@@ -9,9 +9,14 @@ sha256 tiktoken's `gpt2` encoding pins, so the ranks are OpenAI's.
 
   ids:   gpt2_reference.py ids --vocab-bpe V --encoder-json E > crates/data/test_data/gpt2_ids.json
   speed: gpt2_reference.py speed --vocab-bpe V --encoder-json E --threads 2 FILE...
+  verify: gpt2_reference.py verify --vocab-bpe V --encoder-json E --store STORE FILE.jsonl
+          (kiln prepare's store of FILE.jsonl holds tiktoken's ids of each document,
+          after an <|endoftext|>: the documents as multisets, since the two splits
+          interleave them)
 """
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -65,13 +70,14 @@ def encoding(vocab_bpe, encoder_json):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["ids", "speed"])
+    p.add_argument("what", choices=["ids", "speed", "verify"])
+    p.add_argument("--store", help="verify: the store kiln prepared from the files")
     p.add_argument("--vocab-bpe")
     p.add_argument("--encoder-json")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch-bytes", type=int, default=16 << 20, help="text handed to one encode_ordinary_batch call")
     p.add_argument("files", nargs="*")
-    a = p.parse_args()
+    a = p.parse_intermixed_args()
     if (a.vocab_bpe is None) != (a.encoder_json is None):
         p.error("--vocab-bpe and --encoder-json go together")
     enc = encoding(a.vocab_bpe, a.encoder_json)
@@ -80,7 +86,10 @@ def main():
         sys.stdout.write('{"tiktoken": "%s", "cases": [\n%s\n]}\n' % (tiktoken.__version__, ",\n".join(cases)))
         return
     if not a.files:
-        p.error("speed needs files")
+        p.error("speed and verify need files")
+    if a.what == "verify":
+        verify(enc, a.store, a.files)
+        return
     # As nanoGPT's prepare.py and llm.c's fineweb.py do: documents in batches
     # to encode_ordinary_batch, which runs tiktoken's Rust core on a thread pool.
     total_bytes = 0
@@ -104,6 +113,45 @@ def main():
     seconds = time.perf_counter() - started
     print(json.dumps({"tiktoken": tiktoken.__version__, "threads": a.threads, "bytes": total_bytes,
                       "tokens": total_tokens, "seconds": seconds, "mb_per_s": total_bytes / 1e6 / seconds}))
+
+
+def verify(enc, store, files):
+    import collections
+    import glob
+    import struct
+
+    manifest = json.load(open(os.path.join(store, "manifest.json")))
+    stream = []
+    for shard in manifest["shards"]:
+        with open(os.path.join(store, shard["file"]), "rb") as f:
+            magic, version, count = struct.unpack("<3i", f.read(12))
+            assert (magic, version) == (20240520, 1), (shard, magic, version)
+            f.seek(1024)
+            stream.extend(struct.unpack("<%dH" % count, f.read(2 * count)))
+    ours = collections.Counter()
+    doc = None
+    for t in stream:
+        if t == 50256:
+            if doc is not None:
+                ours[tuple(doc)] += 1
+            doc = []
+        else:
+            doc.append(t)
+    ours[tuple(doc)] += 1
+    theirs = collections.Counter()
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            texts = [json.loads(line)["text"] for line in f if line.strip()]
+        for ids in enc.encode_ordinary_batch(texts, num_threads=2):
+            theirs[tuple(ids)] += 1
+    docs = sum(theirs.values())
+    missing = theirs - ours
+    extra = ours - theirs
+    print(json.dumps({"documents": docs, "tokens_store": len(stream),
+                      "tokens_tiktoken": sum(len(k) * v for k, v in theirs.items()) + docs,
+                      "documents_differing": sum(missing.values()), "store_documents_not_in_tiktoken": sum(extra.values())}))
+    if missing or extra:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ fn train_on_documents_prepares_them_first_then_finds_them_prepared() {
         &docs,
         &["data.tokenizer=gpt2", "model.max_length=16"],
     ));
-    second.expect_code(0);
+    let second = second.expect_code(0);
     assert!(
         !second.stdout.contains("prepared 1"),
         "prepared again:\n{}",

@@ -41,6 +41,163 @@ pub(crate) fn is_gpt2_json(text: &str) -> bool {
         .is_some_and(|d| d == Sha256::digest(text.as_bytes()).as_slice())
 }
 
+/// GPT-2's encoder as kiln runs it: tiktoken's pattern scanned by hand
+/// ([`pieces`]), then tiktoken's own byte-pair merge
+/// (`tiktoken_rs::byte_pair_split`) over OpenAI's ranks. The same ids as
+/// tiktoken (tested against it on samples, fuzzed strings and a corpus),
+/// over twice as fast: the regex engine took 60 % of tiktoken's time.
+pub(crate) struct Encoder {
+    ranks: rustc_hash::FxHashMap<Vec<u8>, u32>,
+    letters: Vec<(u32, u32)>,
+}
+
+/// The encoder, built once a process.
+pub(crate) fn encoder() -> Result<&'static Encoder, DataError> {
+    static ENCODER: OnceLock<Result<Encoder, String>> = OnceLock::new();
+    ENCODER
+        .get_or_init(Encoder::build)
+        .as_ref()
+        .map_err(|e| DataError::Tokenizer(e.clone()))
+}
+
+impl Encoder {
+    fn build() -> Result<Self, String> {
+        let bpe = tiktoken_rs::r50k_base_singleton();
+        let mut ranks = rustc_hash::FxHashMap::default();
+        for rank in 0..END_OF_TEXT_ID {
+            let bytes = bpe
+                .decode_bytes(&[rank])
+                .map_err(|e| format!("GPT-2's rank {rank} is missing: {e}"))?;
+            ranks.insert(bytes, rank);
+        }
+        Ok(Self {
+            ranks,
+            letters: letter_ranges()?,
+        })
+    }
+
+    /// Appends the ids of `text` (tiktoken's `encode_ordinary`).
+    pub(crate) fn encode(&self, text: &str, out: &mut Vec<u32>) {
+        let mut at = 0;
+        while at < text.len() {
+            let end = self.piece_end(text, at);
+            let piece = &text.as_bytes()[at..end];
+            match self.ranks.get(piece) {
+                Some(&rank) => out.push(rank),
+                None => {
+                    for part in tiktoken_rs::byte_pair_split(piece, &self.ranks) {
+                        // Every part byte_pair_split returns is a token.
+                        out.push(self.ranks.get(part).copied().unwrap_or(u32::MAX));
+                    }
+                }
+            }
+            at = end;
+        }
+    }
+
+    fn class(&self, c: char) -> Class {
+        if c.is_ascii() {
+            return match c {
+                'a'..='z' | 'A'..='Z' => Class::Letter,
+                '0'..='9' => Class::Number,
+                ' ' | '\t' | '\n' | '\x0b' | '\x0c' | '\r' => Class::Space,
+                _ => Class::Other,
+            };
+        }
+        if c.is_whitespace() {
+            Class::Space
+        } else if c.is_numeric() {
+            Class::Number
+        } else if self.is_letter(c) {
+            Class::Letter
+        } else {
+            Class::Other
+        }
+    }
+
+    fn is_letter(&self, c: char) -> bool {
+        let c = u32::from(c);
+        let i = self.letters.partition_point(|&(start, _)| start <= c);
+        i > 0 && c <= self.letters[i - 1].1
+    }
+
+    /// Where the piece that starts at `at` ends: tiktoken's GPT-2 pattern
+    /// `'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s`,
+    /// its alternatives tried in order. Every character starts a match of
+    /// one of them, so the pieces cover the text.
+    fn piece_end(&self, text: &str, at: usize) -> usize {
+        let rest = &text[at..];
+        let bytes = rest.as_bytes();
+        let mut chars = rest.chars();
+        let Some(c0) = chars.next() else {
+            return at;
+        };
+        if c0 == '\'' {
+            if bytes.len() >= 2 && matches!(bytes[1], b's' | b'd' | b'm' | b't') {
+                return at + 2;
+            }
+            if bytes.len() >= 3 && matches!(&bytes[1..3], b"ll" | b"ve" | b"re") {
+                return at + 3;
+            }
+        }
+        let c1 = chars.next();
+        let (offset, class) = match c1 {
+            Some(c1) if c0 == ' ' && self.class(c1) != Class::Space => (1, self.class(c1)),
+            _ => (0, self.class(c0)),
+        };
+        if class != Class::Space {
+            // A possessive run of the class (after one optional space).
+            let run: usize = rest[offset..]
+                .chars()
+                .take_while(|&c| self.class(c) == class)
+                .map(char::len_utf8)
+                .sum();
+            return at + offset + run;
+        }
+        let run: usize = rest
+            .chars()
+            .take_while(|&c| self.class(c) == Class::Space)
+            .map(char::len_utf8)
+            .sum();
+        if run == rest.len() {
+            // `\s++$`: whitespace to the end.
+            return at + run;
+        }
+        let last = rest[..run].chars().next_back().map_or(0, char::len_utf8);
+        if run > last {
+            // `\s+(?!\S)`: all but the last, which the next piece starts with.
+            at + run - last
+        } else {
+            // `\s`: one.
+            at + run
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Class {
+    Letter,
+    Number,
+    Space,
+    Other,
+}
+
+/// `\p{L}` as the regex crates' tables have it (sorted, inclusive ranges).
+fn letter_ranges() -> Result<Vec<(u32, u32)>, String> {
+    use regex_syntax::hir::{Class as HirClass, HirKind};
+    let hir = regex_syntax::Parser::new()
+        .parse(r"\p{L}")
+        .map_err(|e| format!("the letter class: {e}"))?;
+    match hir.kind() {
+        HirKind::Class(HirClass::Unicode(class)) => Ok(class
+            .ranges()
+            .iter()
+            .map(|r| (u32::from(r.start()), u32::from(r.end())))
+            .collect()),
+        other => Err(format!("the letter class parsed as {other:?}")),
+    }
+}
+
 /// GPT-2's byte-to-character map (`bytes_to_unicode` in its `encoder.py`):
 /// printable Latin-1 bytes stand for themselves, the others are shifted
 /// past 255, so that every token is a string without spaces.
@@ -119,6 +276,8 @@ fn build() -> Result<String, String> {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
     use crate::Tokenizer;
 
@@ -180,6 +339,41 @@ mod tests {
             }
             assert_eq!(&t.decode(expected).expect("decodes"), text);
         }
+    }
+
+    #[test]
+    fn the_hand_scanned_pattern_gives_tiktoken_s_ids_on_fuzzed_text() {
+        use rand::{RngExt, SeedableRng};
+        let tiktoken = tiktoken_rs::r50k_base_singleton();
+        let ours = encoder().expect("encoder");
+        // Letters, numbers, spaces and others of several scripts, marks,
+        // apostrophes and contractions, the whitespace the pattern treats apart.
+        let alphabet: Vec<&str> = vec![
+            "a", "Z", "é", "ß", "日", "본", "ж", "ا", "\u{301}", "0", "7", "٣", "½", "Ⅻ", " ",
+            "  ", "\t", "\n", "\r\n", "\u{a0}", "\u{3000}", "\u{2028}", "\u{85}", "'", "'s", "'ll",
+            "'ve", "'re", "'d", "'m", "'t", "'S", ".", ",", "(", "!", "🎉", "\u{200d}", "_", "-",
+            "$", "word", " word", "123", "\u{0}", "\u{7f}",
+        ];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(47);
+        for case in 0..3000 {
+            let n = rng.random_range(0..24);
+            let text: String = (0..n)
+                .map(|_| alphabet[rng.random_range(0..alphabet.len())])
+                .collect();
+            let mut ids = Vec::new();
+            ours.encode(&text, &mut ids);
+            assert_eq!(
+                ids,
+                tiktoken.encode_ordinary(&text),
+                "case {case}: {text:?}"
+            );
+        }
+        // And the shipped corpus, whole.
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../cli/data/tinyshakespeare.txt");
+        let shakespeare = std::fs::read_to_string(&path).expect("the shipped corpus");
+        let mut ids = Vec::new();
+        ours.encode(&shakespeare, &mut ids);
+        assert_eq!(ids, tiktoken.encode_ordinary(&shakespeare));
     }
 
     #[test]

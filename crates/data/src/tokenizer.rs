@@ -322,7 +322,11 @@ impl Tokenizer {
     /// document, its pieces' ids are the whole document's.
     pub fn encode_piece(&self, text: &str) -> Result<Vec<u32>, DataError> {
         match self.gpt2 {
-            Some(bpe) => Ok(bpe.encode_ordinary(text)),
+            Some(_) => {
+                let mut ids = Vec::with_capacity(text.len() / 3);
+                crate::gpt2::encoder()?.encode(text, &mut ids);
+                Ok(ids)
+            }
             None => {
                 let mut ids = Vec::new();
                 for line in text.split_inclusive('\n') {
@@ -365,7 +369,7 @@ impl Tokenizer {
     /// is later chunked. GPT-2's tokenizer encodes the text as tiktoken
     /// does (as a whole), in parallel pieces cut where that changes nothing.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, DataError> {
-        if let Some(bpe) = self.gpt2 {
+        if self.gpt2.is_some() {
             use rayon::prelude::*;
             let mut pieces = Vec::new();
             let mut start = 0;
@@ -374,8 +378,13 @@ impl Tokenizer {
                 start = cut;
             }
             pieces.push(&text[start..]);
-            let ids: Vec<Vec<u32>> = pieces.par_iter().map(|p| bpe.encode_ordinary(p)).collect();
-            return Ok(ids.concat());
+            let ids: Vec<Result<Vec<u32>, DataError>> =
+                pieces.par_iter().map(|p| self.encode_piece(p)).collect();
+            let mut all = Vec::new();
+            for part in ids {
+                all.extend(part?);
+            }
+            return Ok(all);
         }
         let lines: Vec<&str> = text.split_inclusive('\n').collect();
         let encodings = self

@@ -253,7 +253,17 @@ pub(crate) fn open_store(
     };
     let tokenizer = match (&store.kind, &store.manifest) {
         (StoreKind::Kiln, Some(manifest)) => {
-            let t = Tokenizer::load(&path.join(TOKENIZER))?;
+            // GPT-2's is built in: parsing its 6 MB file again is most of
+            // the start-up; the manifest's sha256 says whether it is that.
+            let t = match Tokenizer::gpt2() {
+                Ok(gpt2)
+                    if manifest.tokenizer.kind == "gpt2"
+                        && sha256_hex(gpt2.to_json()?.as_bytes()) == manifest.tokenizer.sha256 =>
+                {
+                    gpt2
+                }
+                _ => Tokenizer::load(&path.join(TOKENIZER))?,
+            };
             let same = |other: Tokenizer| -> Result<bool, TrainError> {
                 Ok(other.to_json()? == t.to_json()?)
             };
@@ -282,7 +292,7 @@ pub(crate) fn open_store(
         }
         _ => {
             // llm.c's GPT-2 shards and nanoGPT's files hold GPT-2's ids.
-            let t = match (&config.data.tokenizer_file, run_tokenizer) {
+            match (&config.data.tokenizer_file, run_tokenizer) {
                 (_, Some(saved)) => Tokenizer::load(saved)?,
                 (Some(file), None) => Tokenizer::load(Path::new(file))?,
                 (None, None) if store.width() == TokenWidth::U32 => {
@@ -302,8 +312,7 @@ pub(crate) fn open_store(
                     )));
                 }
                 (None, None) => Tokenizer::gpt2()?,
-            };
-            t
+            }
         }
     };
     Ok((store, tokenizer))
@@ -355,4 +364,11 @@ pub(crate) fn measure_store_read(path: &Path, block: usize) -> Result<StoreRead,
         disk_mb_per_s: (reads as usize * window * bytes_per_token) as f64 / seconds / 1e6,
         needed_mb_per_s: None,
     })
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }

@@ -77,14 +77,21 @@ pub(crate) fn prepare_observed(
             TokenizerFrom::File(p) => Some(p),
             TokenizerFrom::Config => None,
         };
+        let opened = Instant::now();
         let (store, tokenizer) = tokens::open_store(config, &path, saved)?;
+        let opened = opened.elapsed();
         let t = &config.training;
         let train_len = store.train.len();
         let batches_per_epoch =
             (train_len / (t.batch_size * config.model.max_length).max(1)).max(1) as u64;
         return Ok(Prepared {
             source: PathBuf::from(&config.data.path),
-            origin: format!("token store `{}`", path.display()),
+            origin: format!(
+                "token store `{}`, {} shards opened in {:.0} ms",
+                path.display(),
+                store.train.shards().len() + store.val.shards().len(),
+                opened.as_secs_f64() * 1e3
+            ),
             store: Some(path),
             gpt: gpt_config(config, tokenizer.vocab_size()),
             schedule: Schedule::new(t, batches_per_epoch),
