@@ -89,6 +89,30 @@ fn a_store_trains_and_resumes_bitwise_with_any_number_of_loader_workers() {
     .expect_code(0)
     .stdout_has(&["prepared already"]);
 
+    // diagnose and the loader's bench know the store.
+    let store_arg = format!("data.path={}", store.display());
+    kiln(&[
+        "diagnose",
+        "hardware=cpu",
+        &store_arg,
+        "data.tokenizer=char",
+        "--burst",
+        "0",
+    ])
+    .run()
+    .expect_code(0)
+    .stdout_has(&["store:", "shards of 2-byte tokens", "MB/s now"]);
+    kiln(&[
+        "bench",
+        "loader",
+        "hardware=cpu",
+        &store_arg,
+        "data.tokenizer=char",
+    ])
+    .run()
+    .expect_code(0)
+    .stdout_has(&["bench loader (lm)", "(configured)"]);
+
     let steps = 200;
     let char_tok = "data.tokenizer=char";
     let whole = run(&tiny_on(

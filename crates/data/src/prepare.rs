@@ -266,6 +266,19 @@ fn run(
     let tokenizer_path = out.join(TOKENIZER);
     if resume.is_none() {
         write_atomic(&tokenizer_path, tokenizer_json.as_bytes())?;
+        // From here on the folder is a prepare to continue, even one killed
+        // before its first batch is written.
+        let start = Progress {
+            settings: options.settings.clone(),
+            inputs: options.inputs.clone(),
+            next_piece: 0,
+            shards: Vec::new(),
+            train: PartialState::default(),
+            val: PartialState::default(),
+        };
+        let json =
+            serde_json::to_vec_pretty(&start).map_err(|e| DataError::Tokenizer(e.to_string()))?;
+        write_atomic(&out.join(PROGRESS), &json)?;
     }
     let resumed_after = resume.as_ref().map_or(0, |p| p.next_piece);
     let mut shards = resume.as_ref().map_or_else(Vec::new, |p| p.shards.clone());
@@ -327,6 +340,11 @@ fn run(
         });
         let mut buffer = Vec::new();
         let mut write = || -> Result<(), DataError> {
+            if options.fail_after_batches == Some(0) {
+                return Err(DataError::Tokenizer(
+                    "stopped before the first batch (a test's simulated kill)".into(),
+                ));
+            }
             for batch in rx.iter() {
                 let batch = batch?;
                 documents += batch.documents;
@@ -590,7 +608,10 @@ impl SplitWriter {
             // Back to what the last batch's record says: a kill may have
             // left more (or, before the first sync, less) behind.
             let path = w.partial_path();
-            if w.partial.tokens > 0 || path.exists() {
+            if w.partial.tokens == 0 {
+                // Nothing of it was recorded: it starts again.
+                let _ = std::fs::remove_file(&path);
+            } else {
                 let file = OpenOptions::new()
                     .write(true)
                     .create(true)
@@ -891,7 +912,7 @@ mod tests {
         let gpt2 = Tokenizer::gpt2().expect("gpt2");
         let whole = dir.path().join("whole");
         prepare(&options(&source, &whole, 2), &gpt2, 0, &mut |_| {}).expect("prepares");
-        for kill_after in [1, 3, 7] {
+        for kill_after in [0, 1, 3, 7] {
             let out = dir.path().join(format!("killed{kill_after}"));
             let mut o = options(&source, &out, 2);
             o.fail_after_batches = Some(kill_after);
@@ -907,7 +928,7 @@ mod tests {
             }
             o.fail_after_batches = None;
             let outcome = prepare(&o, &gpt2, 0, &mut |_| {}).expect("continues");
-            assert!(outcome.resumed_after_pieces > 0);
+            assert_eq!(outcome.resumed_after_pieces > 0, kill_after > 0);
             assert_eq!(
                 files(&out),
                 files(&whole),

@@ -53,6 +53,25 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
 }
 
 /// `kiln diagnose` for people.
+/// A read rate in MB/s, or kB/s under 1 MB/s.
+fn rate(mb_per_s: f64) -> String {
+    if mb_per_s >= 1.0 {
+        format!("{mb_per_s:.1} MB/s")
+    } else {
+        format!("{:.1} kB/s", mb_per_s * 1e3)
+    }
+}
+
+/// Epochs to two decimals; a small fraction of one (a large corpus) to
+/// three significant digits.
+fn epochs(e: f64) -> String {
+    if e >= 0.01 || e == 0.0 {
+        format!("{e:.2}")
+    } else {
+        format!("{e:.3e}")
+    }
+}
+
 fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
     let mut s = format!("{header}\n");
     let _ = writeln!(s, "device:    {} ({})", d.device, d.device_why);
@@ -82,16 +101,16 @@ fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
             r.disk_mb_per_s
         );
         if let Some(need) = r.needed_mb_per_s {
-            let _ = write!(s, "; the run needs {need:.2} MB/s");
+            let _ = write!(s, "; the run needs {}", rate(need));
         }
         s.push('\n');
     }
     let _ = writeln!(
         s,
-        "budget:    {} optimizer steps, {} per epoch: {:.2} epochs",
+        "budget:    {} optimizer steps, {} per epoch: {} epochs",
         d.total_steps,
         (d.steps_per_epoch * 10.0).round() / 10.0,
-        d.epochs
+        epochs(d.epochs)
     );
     let m = &d.memory;
     let attention = match m.attention_kept {
