@@ -197,6 +197,9 @@ impl SkippedRows {
     }
 }
 
+/// What a reader hands each piece to, with the input bytes read so far.
+pub(crate) type Emit<'a> = dyn FnMut(Piece, u64) -> Result<(), DataError> + 'a;
+
 /// Reads the documents of one file in order, calling `emit` with each
 /// document's text (whole: jsonl and parquet documents are rows), or, for
 /// plain text, with blocks of about `block` bytes of the file as they are
@@ -206,7 +209,7 @@ pub(crate) fn read_file(
     input: &InputFile,
     options: &ReadOptions,
     skipped: &mut SkippedRows,
-    emit: &mut dyn FnMut(Piece, u64) -> Result<(), DataError>,
+    emit: &mut Emit<'_>,
 ) -> Result<(), DataError> {
     let path = &input.path;
     let io = |source| DataError::Io {
@@ -239,7 +242,7 @@ fn read_text(
     path: &Path,
     reader: &mut dyn BufRead,
     progress: &dyn Fn() -> u64,
-    emit: &mut dyn FnMut(Piece, u64) -> Result<(), DataError>,
+    emit: &mut Emit<'_>,
 ) -> Result<(), DataError> {
     const BLOCK: usize = 1 << 20;
     let mut carry: Vec<u8> = Vec::new();
@@ -309,7 +312,7 @@ fn read_jsonl(
     options: &ReadOptions,
     skipped: &mut SkippedRows,
     progress: &dyn Fn() -> u64,
-    emit: &mut dyn FnMut(Piece, u64) -> Result<(), DataError>,
+    emit: &mut Emit<'_>,
 ) -> Result<(), DataError> {
     let mut line = Vec::new();
     let mut number = 0usize;

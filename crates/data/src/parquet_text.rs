@@ -9,7 +9,7 @@ use parquet::column::reader::ColumnReader;
 use parquet::data_type::ByteArray;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 
-use crate::documents::{InputFile, Piece, ReadOptions, SkippedRows};
+use crate::documents::{Emit, InputFile, Piece, ReadOptions, SkippedRows};
 use crate::{BadRows, DataError};
 
 /// Rows decoded per call into the column reader.
@@ -19,7 +19,7 @@ pub(crate) fn read(
     input: &InputFile,
     options: &ReadOptions,
     skipped: &mut SkippedRows,
-    emit: &mut dyn FnMut(Piece, u64) -> Result<(), DataError>,
+    emit: &mut Emit<'_>,
 ) -> Result<(), DataError> {
     let path = &input.path;
     let bad = |why: String| DataError::BadRow {
@@ -203,29 +203,20 @@ mod tests {
             "{:?}",
             skipped.first
         );
+        let error = |options: &ReadOptions| -> String {
+            read(&input, options, &mut SkippedRows::default(), &mut |_, _| {
+                Ok(())
+            })
+            .expect_err("an error")
+            .to_string()
+        };
         options.bad_rows = BadRows::Error;
-        let err = read(
-            &input,
-            &options,
-            &mut SkippedRows::default(),
-            &mut |_, _| Ok(()),
-        )
-        .expect_err("null");
-        assert!(
-            err.to_string().contains("d.parquet` line 2: row 2"),
-            "{err}"
-        );
+        let err = error(&options);
+        assert!(err.contains("d.parquet` line 2: row 2"), "{err}");
         options.text_field = "content".into();
-        let err = read(
-            &input,
-            &options,
-            &mut SkippedRows::default(),
-            &mut |_, _| Ok(()),
-        )
-        .expect_err("no column");
+        let err = error(&options);
         assert!(
-            err.to_string()
-                .contains("no column `content` (its columns: text)"),
+            err.contains("no column `content` (its columns: text)"),
             "{err}"
         );
     }

@@ -282,20 +282,10 @@ fn run(
     }
     let resumed_after = resume.as_ref().map_or(0, |p| p.next_piece);
     let mut shards = resume.as_ref().map_or_else(Vec::new, |p| p.shards.clone());
-    let mut train = SplitWriter::open(
-        out,
-        "train",
-        width,
-        options.settings.shard_tokens,
-        resume.as_ref().map(|p| p.train),
-    )?;
-    let mut val = SplitWriter::open(
-        out,
-        "val",
-        width,
-        options.settings.shard_tokens,
-        resume.as_ref().map(|p| p.val),
-    )?;
+    let open =
+        |split, state| SplitWriter::open(out, split, width, options.settings.shard_tokens, state);
+    let mut train = open("train", resume.as_ref().map(|p| p.train))?;
+    let mut val = open("val", resume.as_ref().map(|p| p.val))?;
     let total_bytes: u64 = options.inputs.iter().map(|f| f.bytes).sum();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(options.threads.unwrap_or(0))
