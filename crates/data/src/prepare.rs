@@ -265,9 +265,8 @@ fn run(
     let tokenizer_json = tokenizer.to_json()?;
     let tokenizer_path = out.join(TOKENIZER);
     if resume.is_none() {
-        write_atomic(&tokenizer_path, tokenizer_json.as_bytes())?;
         // From here on the folder is a prepare to continue, even one killed
-        // before its first batch is written.
+        // (or out of disk) before its first batch is written.
         let start = Progress {
             settings: options.settings.clone(),
             inputs: options.inputs.clone(),
@@ -279,6 +278,9 @@ fn run(
         let json =
             serde_json::to_vec_pretty(&start).map_err(|e| DataError::Tokenizer(e.to_string()))?;
         write_atomic(&out.join(PROGRESS), &json)?;
+    }
+    if !tokenizer_path.is_file() {
+        write_atomic(&tokenizer_path, tokenizer_json.as_bytes())?;
     }
     let resumed_after = resume.as_ref().map_or(0, |p| p.next_piece);
     let mut shards = resume.as_ref().map_or_else(Vec::new, |p| p.shards.clone());
@@ -411,6 +413,18 @@ fn run(
     })?;
     train.finish(&mut shards)?;
     val.finish(&mut shards)?;
+    // The last shards are whole: a run stopped before the manifest is
+    // written (a full disk) continues from here.
+    let done = Progress {
+        settings: options.settings.clone(),
+        inputs: options.inputs.clone(),
+        next_piece,
+        shards: shards.clone(),
+        train: train.partial,
+        val: val.partial,
+    };
+    let json = serde_json::to_vec_pretty(&done).map_err(|e| DataError::Tokenizer(e.to_string()))?;
+    write_atomic(&out.join(PROGRESS), &json)?;
     let manifest = Manifest {
         format: "kiln-token-store".into(),
         version: 1,
@@ -743,10 +757,17 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
         source,
     };
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    let mut file = File::create(&tmp).map_err(err)?;
-    file.write_all(bytes).map_err(err)?;
-    file.sync_all().map_err(err)?;
-    std::fs::rename(&tmp, path).map_err(err)
+    let written = File::create(&tmp)
+        .and_then(|mut file| {
+            file.write_all(bytes)?;
+            file.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        // A full disk leaves no half-written file behind.
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map_err(err)
 }
 
 fn hex(bytes: &[u8]) -> String {
