@@ -7,6 +7,7 @@
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use crate::{BadRows, DataError};
@@ -197,8 +198,9 @@ impl SkippedRows {
     }
 }
 
-/// What a reader hands each piece to, with the input bytes read so far.
-pub(crate) type Emit<'a> = dyn FnMut(Piece, u64) -> Result<(), DataError> + 'a;
+/// What a reader hands each piece to, with the input bytes read so far;
+/// `Break` stops the reading of the file there.
+pub(crate) type Emit<'a> = dyn FnMut(Piece, u64) -> Result<ControlFlow<()>, DataError> + 'a;
 
 /// Reads the documents of one file in order, calling `emit` with each
 /// document's text (whole: jsonl and parquet documents are rows), or, for
@@ -216,9 +218,11 @@ pub(crate) fn read_file(
         path: path.clone(),
         source,
     };
-    if input.format == DocFormat::Parquet {
-        return crate::parquet_text::read(input, options, skipped, emit);
-    }
+    let text = match input.format {
+        DocFormat::Parquet => return crate::parquet_text::read(input, options, skipped, emit),
+        DocFormat::Text => true,
+        DocFormat::Jsonl => false,
+    };
     let file = File::open(path).map_err(io)?;
     let counted = Counted::new(file);
     let consumed = counted.count.clone();
@@ -229,10 +233,10 @@ pub(crate) fn read_file(
     };
     let mut reader = BufReader::with_capacity(1 << 20, reader);
     let progress = || consumed.load(std::sync::atomic::Ordering::Relaxed);
-    match input.format {
-        DocFormat::Text => read_text(path, &mut reader, &progress, emit),
-        DocFormat::Jsonl => read_jsonl(path, &mut reader, options, skipped, &progress, emit),
-        DocFormat::Parquet => Ok(()),
+    if text {
+        read_text(path, &mut reader, &progress, emit)
+    } else {
+        read_jsonl(path, &mut reader, options, skipped, &progress, emit)
     }
 }
 
@@ -277,13 +281,13 @@ fn read_text(
             offset += text.len() as u64;
             lines += text.bytes().filter(|b| *b == b'\n').count();
             if !text.is_empty() || first {
-                emit(
-                    Piece {
-                        text,
-                        doc_start: first,
-                    },
-                    progress(),
-                )?;
+                let piece = Piece {
+                    text,
+                    doc_start: first,
+                };
+                if emit(piece, progress())?.is_break() {
+                    return Ok(());
+                }
                 first = false;
             }
         }
@@ -333,13 +337,15 @@ fn read_jsonl(
             continue;
         }
         match jsonl_text(bytes, &options.text_field) {
-            Ok(text) => emit(
-                Piece {
+            Ok(text) => {
+                let piece = Piece {
                     text,
                     doc_start: true,
-                },
-                progress(),
-            )?,
+                };
+                if emit(piece, progress())?.is_break() {
+                    return Ok(());
+                }
+            }
             Err(why) => match options.bad_rows {
                 BadRows::Error => {
                     return Err(DataError::BadRow {
@@ -427,7 +433,7 @@ mod tests {
         let mut skipped = SkippedRows::default();
         read_file(input, options, &mut skipped, &mut |p, _| {
             docs.push((p.text, p.doc_start));
-            Ok(())
+            Ok(ControlFlow::Continue(()))
         })?;
         Ok((docs, skipped))
     }

@@ -51,7 +51,9 @@ pub use folds::grouped_stratified_folds;
 pub use loader::{BatchSource, Loaded, Loader, LoaderBenchmark, benchmark_loader};
 pub use pair_batches::{EncodedPair, PairBatch, PairBatches, encode_dataset, pad_batch};
 pub use pairs::{BadRows, Pair, PairDataset, PairFormat, PairSchema, read_pairs};
-pub use prepare::{PrepareOptions, PrepareOutcome, PrepareProgress, prepare, read_sample};
+pub use prepare::{
+    PrepareOptions, PrepareOutcome, PrepareProgress, prepare, read_sample, sha256_hex,
+};
 pub use store::{Manifest, MemoryTokens, PrepareSettings, ShardSequence, TokenSpan, TokenStore};
 pub use tokenizer::{END_OF_TEXT, PairIds, SPECIALS, Tokenizer, TokenizerKind};
 pub use windows::{LmWindows, Split, TokenBatch};

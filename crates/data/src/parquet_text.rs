@@ -96,13 +96,13 @@ pub(crate) fn read(
                     match next.next() {
                         Some(v) => match String::from_utf8(v.data().to_vec()) {
                             Ok(text) => {
-                                emit(
-                                    Piece {
-                                        text,
-                                        doc_start: true,
-                                    },
-                                    done.max(0) as u64,
-                                )?;
+                                let piece = Piece {
+                                    text,
+                                    doc_start: true,
+                                };
+                                if emit(piece, done.max(0) as u64)?.is_break() {
+                                    return Ok(());
+                                }
                                 continue;
                             }
                             Err(_) => "the text is not UTF-8".to_string(),
@@ -134,6 +134,7 @@ pub(crate) fn read(
 
 #[cfg(test)]
 mod tests {
+    use std::ops::ControlFlow;
     use std::sync::Arc;
 
     use parquet::data_type::ByteArrayType;
@@ -193,7 +194,7 @@ mod tests {
         let mut skipped = SkippedRows::default();
         read(&input, &options, &mut skipped, &mut |p, _| {
             docs.push(p.text);
-            Ok(())
+            Ok(ControlFlow::Continue(()))
         })
         .expect("reads");
         assert_eq!(docs, ["one", "twö", "three"]);
@@ -205,7 +206,7 @@ mod tests {
         );
         let error = |options: &ReadOptions| -> String {
             read(&input, options, &mut SkippedRows::default(), &mut |_, _| {
-                Ok(())
+                Ok(ControlFlow::Continue(()))
             })
             .expect_err("an error")
             .to_string()

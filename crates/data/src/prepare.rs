@@ -20,6 +20,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom, Write};
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -110,11 +111,36 @@ pub struct PrepareOutcome {
 struct Progress {
     settings: PrepareSettings,
     inputs: Vec<InputFile>,
+    /// Bytes of text the tokenizer learned from (for the manifest).
+    trained_on_bytes: u64,
     /// Pieces fully written.
     next_piece: u64,
     shards: Vec<ShardInfo>,
     train: PartialState,
     val: PartialState,
+}
+
+impl Progress {
+    /// Where the prepare in `out` stands, written atomically.
+    fn write(&self, out: &Path) -> Result<(), DataError> {
+        write_json(&out.join(PROGRESS), self)
+    }
+
+    /// Records the writers' state once `next_piece` pieces are on disk.
+    fn record(
+        &mut self,
+        next_piece: u64,
+        shards: &[ShardInfo],
+        train: &SplitWriter,
+        val: &SplitWriter,
+        out: &Path,
+    ) -> Result<(), DataError> {
+        self.next_piece = next_piece;
+        self.shards = shards.to_vec();
+        self.train = train.partial;
+        self.val = val.partial;
+        self.write(out)
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
@@ -129,7 +155,10 @@ const PROGRESS: &str = "progress.json";
 /// Prepares the store in `options.out` with `tokenizer` (which must have an
 /// end-of-text token: [`Tokenizer::with_end_of_text`]). A complete store of
 /// the same settings and inputs is left as it is; an interrupted one is
-/// continued; a folder holding anything else is refused.
+/// continued (with the tokenizer and `trained_on_bytes` it started with,
+/// whatever is passed); a folder holding anything else is refused.
+/// `trained_on_bytes`: the text a trained tokenizer learned from, for the
+/// manifest (0 for one not trained).
 pub fn prepare(
     options: &PrepareOptions,
     tokenizer: &Tokenizer,
@@ -264,30 +293,30 @@ fn run(
     let width = TokenWidth::for_vocab(tokenizer.vocab_size());
     let tokenizer_json = tokenizer.to_json()?;
     let tokenizer_path = out.join(TOKENIZER);
-    if resume.is_none() {
+    let resumed = resume.is_some();
+    let mut progress = resume.unwrap_or_else(|| Progress {
+        settings: options.settings.clone(),
+        inputs: options.inputs.clone(),
+        trained_on_bytes,
+        next_piece: 0,
+        shards: Vec::new(),
+        train: PartialState::default(),
+        val: PartialState::default(),
+    });
+    if !resumed {
         // From here on the folder is a prepare to continue, even one killed
         // (or out of disk) before its first batch is written.
-        let start = Progress {
-            settings: options.settings.clone(),
-            inputs: options.inputs.clone(),
-            next_piece: 0,
-            shards: Vec::new(),
-            train: PartialState::default(),
-            val: PartialState::default(),
-        };
-        let json =
-            serde_json::to_vec_pretty(&start).map_err(|e| DataError::Tokenizer(e.to_string()))?;
-        write_atomic(&out.join(PROGRESS), &json)?;
+        progress.write(out)?;
     }
     if !tokenizer_path.is_file() {
         write_atomic(&tokenizer_path, tokenizer_json.as_bytes())?;
     }
-    let resumed_after = resume.as_ref().map_or(0, |p| p.next_piece);
-    let mut shards = resume.as_ref().map_or_else(Vec::new, |p| p.shards.clone());
+    let resumed_after = progress.next_piece;
+    let mut shards = std::mem::take(&mut progress.shards);
     let open =
         |split, state| SplitWriter::open(out, split, width, options.settings.shard_tokens, state);
-    let mut train = open("train", resume.as_ref().map(|p| p.train))?;
-    let mut val = open("val", resume.as_ref().map(|p| p.val))?;
+    let mut train = open("train", resumed.then_some(progress.train))?;
+    let mut val = open("val", resumed.then_some(progress.val))?;
     let total_bytes: u64 = options.inputs.iter().map(|f| f.bytes).sum();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(options.threads.unwrap_or(0))
@@ -317,7 +346,9 @@ fn run(
             let mut base = 0u64;
             for input in &options.inputs {
                 let result = read_file(input, &options.read, &mut skipped, &mut |piece, read| {
-                    cutter.push(piece, base + read)
+                    cutter
+                        .push(piece, base + read)
+                        .map(|()| ControlFlow::Continue(()))
                 });
                 if let Err(e) = result {
                     let _ = tx.send(Err(e));
@@ -364,27 +395,15 @@ fn run(
                 for (unit, ids) in units.iter().zip(encoded) {
                     let ids = ids?;
                     let writer = if unit.val { &mut val } else { &mut train };
-                    let mut all = Vec::with_capacity(ids.len() + 1);
                     if unit.doc_start {
-                        all.push(eot);
+                        writer.append(&[eot], 1, &mut buffer, &mut shards)?;
                     }
-                    all.extend_from_slice(&ids);
-                    tokens_total += all.len() as u64;
-                    writer.append(&all, u64::from(unit.doc_start), &mut buffer, &mut shards)?;
+                    writer.append(&ids, 0, &mut buffer, &mut shards)?;
+                    tokens_total += (ids.len() + usize::from(unit.doc_start)) as u64;
                 }
                 train.sync()?;
                 val.sync()?;
-                let progress = Progress {
-                    settings: options.settings.clone(),
-                    inputs: options.inputs.clone(),
-                    next_piece,
-                    shards: shards.clone(),
-                    train: train.partial,
-                    val: val.partial,
-                };
-                let json = serde_json::to_vec_pretty(&progress)
-                    .map_err(|e| DataError::Tokenizer(e.to_string()))?;
-                write_atomic(&out.join(PROGRESS), &json)?;
+                progress.record(next_piece, &shards, &train, &val, out)?;
                 batches_written += 1;
                 on_progress(&PrepareProgress {
                     read_bytes: batch.read_bytes,
@@ -415,16 +434,7 @@ fn run(
     val.finish(&mut shards)?;
     // The last shards are whole: a run stopped before the manifest is
     // written (a full disk) continues from here.
-    let done = Progress {
-        settings: options.settings.clone(),
-        inputs: options.inputs.clone(),
-        next_piece,
-        shards: shards.clone(),
-        train: train.partial,
-        val: val.partial,
-    };
-    let json = serde_json::to_vec_pretty(&done).map_err(|e| DataError::Tokenizer(e.to_string()))?;
-    write_atomic(&out.join(PROGRESS), &json)?;
+    progress.record(next_piece, &shards, &train, &val, out)?;
     let manifest = Manifest {
         format: "kiln-token-store".into(),
         version: 1,
@@ -433,8 +443,9 @@ fn run(
             kind: options.settings.tokenizer.clone(),
             vocab_size: tokenizer.vocab_size(),
             end_of_text: eot,
-            sha256: hex(&Sha256::digest(tokenizer_json.as_bytes())),
-            trained_on_bytes,
+            sha256: sha256_hex(tokenizer_json.as_bytes()),
+            // A continued prepare reports what the first run learned from.
+            trained_on_bytes: progress.trained_on_bytes,
         },
         width,
         settings: options.settings.clone(),
@@ -444,9 +455,7 @@ fn run(
         text_bytes,
         skipped,
     };
-    let json =
-        serde_json::to_vec_pretty(&manifest).map_err(|e| DataError::Tokenizer(e.to_string()))?;
-    write_atomic(&out.join(MANIFEST), &json)?;
+    write_json(&out.join(MANIFEST), &manifest)?;
     let _ = std::fs::remove_file(out.join(PROGRESS));
     Ok(PrepareOutcome {
         manifest,
@@ -770,8 +779,17 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
     written.map_err(err)
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+fn write_json(path: &Path, value: &impl Serialize) -> Result<(), DataError> {
+    let json = serde_json::to_vec_pretty(value).map_err(|e| DataError::Tokenizer(e.to_string()))?;
+    write_atomic(path, &json)
+}
+
+/// The SHA-256 of `bytes` in lowercase hex (a store's tokenizer digest).
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// The first documents of the inputs, up to `max_bytes` of text (whole
@@ -784,24 +802,21 @@ pub fn read_sample(
 ) -> Result<String, DataError> {
     let mut sample = String::new();
     let mut skipped = SkippedRows::default();
-    let full = || DataError::Tokenizer("sample full".into());
     for input in inputs {
-        let result = read_file(input, read, &mut skipped, &mut |piece, _| {
+        read_file(input, read, &mut skipped, &mut |piece, _| {
             if piece.doc_start && !sample.is_empty() {
                 sample.push('\n');
             }
             let room = (max_bytes as usize).saturating_sub(sample.len());
             if piece.text.len() >= room {
                 sample.push_str(&piece.text[..floor_char(&piece.text, room)]);
-                return Err(full());
+                return Ok(ControlFlow::Break(()));
             }
             sample.push_str(&piece.text);
-            Ok(())
-        });
-        match result {
-            Ok(()) => {}
-            Err(DataError::Tokenizer(m)) if m == "sample full" => break,
-            Err(e) => return Err(e),
+            Ok(ControlFlow::Continue(()))
+        })?;
+        if sample.len() as u64 >= max_bytes {
+            break;
         }
     }
     Ok(sample)
@@ -866,7 +881,7 @@ mod tests {
             .map(|p| {
                 let bytes = std::fs::read(&p).expect("read");
                 let name = p.file_name().expect("name").to_string_lossy().into_owned();
-                (name, bytes.len(), hex(&Sha256::digest(&bytes)))
+                (name, bytes.len(), sha256_hex(&bytes))
             })
             .collect();
         out.sort();

@@ -43,7 +43,7 @@ pub struct Tokenizer {
     /// GPT-2's byte-level BPE as tiktoken encodes it (the same ids as
     /// `inner`, about ten times faster): set for the built-in GPT-2
     /// tokenizer, and for a `tokenizer.json` that is it.
-    pub(crate) gpt2: Option<&'static tiktoken_rs::CoreBPE>,
+    pub(crate) gpt2: Option<&'static crate::gpt2::Encoder>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -257,9 +257,13 @@ impl Tokenizer {
                 message: "the vocabulary is empty".into(),
             });
         }
-        let gpt2 = (inner.get_vocab_size(true) == crate::gpt2::VOCAB_SIZE
-            && crate::gpt2::is_gpt2_json(&text))
-        .then(tiktoken_rs::r50k_base_singleton);
+        let gpt2 = if inner.get_vocab_size(true) == crate::gpt2::VOCAB_SIZE
+            && crate::gpt2::is_gpt2_json(&text)
+        {
+            Some(crate::gpt2::encoder()?)
+        } else {
+            None
+        };
         Ok(Self { inner, gpt2 })
     }
 
@@ -293,7 +297,7 @@ impl Tokenizer {
             .map_err(|e| DataError::Tokenizer(format!("building GPT-2's tokenizer: {e}")))?;
         Ok(Self {
             inner,
-            gpt2: Some(tiktoken_rs::r50k_base_singleton()),
+            gpt2: Some(crate::gpt2::encoder()?),
         })
     }
 
@@ -322,9 +326,9 @@ impl Tokenizer {
     /// document, its pieces' ids are the whole document's.
     pub fn encode_piece(&self, text: &str) -> Result<Vec<u32>, DataError> {
         match self.gpt2 {
-            Some(_) => {
+            Some(encoder) => {
                 let mut ids = Vec::with_capacity(text.len() / 3);
-                crate::gpt2::encoder()?.encode(text, &mut ids);
+                encoder.encode(text, &mut ids);
                 Ok(ids)
             }
             None => {
@@ -401,10 +405,8 @@ impl Tokenizer {
 
     /// Decodes ids to text.
     pub fn decode(&self, ids: &[u32]) -> Result<String, DataError> {
-        if let Some(bpe) = self.gpt2 {
-            let bytes = bpe
-                .decode_bytes(ids)
-                .map_err(|e| DataError::Tokenizer(format!("decoding: {e}")))?;
+        if let Some(encoder) = self.gpt2 {
+            let bytes = encoder.decode_bytes(ids)?;
             return Ok(String::from_utf8_lossy(&bytes).into_owned());
         }
         self.inner

@@ -92,7 +92,7 @@ pub fn diagnose(
             AttentionMemory::Scores,
         ),
     };
-    let (data, schedule, vocab, size, store_path) = measure(config)?;
+    let (data, schedule, vocab, size, store) = measure(config)?;
     let mut memory = estimate_memory_with(config, vocab, size, attention);
     match gpu.filter(|_| is_gpu) {
         Some(g) => {
@@ -127,9 +127,8 @@ pub fn diagnose(
         (0, _, _) | (_, false, _) | (_, _, true) => None,
         _ => Some(measure_burst(config, hardware, burst_steps, &schedule)?),
     };
-    let store = match store_path {
-        Some(path) => {
-            let mut read = crate::tokens::measure_store_read(&path, config.model.max_length)?;
+    let store = match store {
+        Some(mut read) => {
             if let Some(b) = &burst {
                 // Each micro-batch reads its windows (block + 1 tokens a row).
                 let t = &config.training;
@@ -210,7 +209,8 @@ fn measure_burst(
 }
 
 /// Prepares the workload as the run does and measures it: the data against
-/// the config, the run's schedule, the vocabulary and the model's size.
+/// the config, the run's schedule, the vocabulary, the model's size and,
+/// from a token store, its read rate.
 #[allow(clippy::type_complexity)] // one private caller, which takes it apart at once
 fn measure(
     config: &RunConfig,
@@ -220,7 +220,7 @@ fn measure(
         Schedule,
         usize,
         ModelSize,
-        Option<std::path::PathBuf>,
+        Option<crate::tokens::StoreRead>,
     ),
     TrainError,
 > {
@@ -232,7 +232,9 @@ fn measure(
                 p.schedule,
                 p.tokenizer.vocab_size(),
                 p.model_size(),
-                p.store.clone(),
+                p.store
+                    .as_ref()
+                    .map(|store| crate::tokens::measure_store_read(store, config.model.max_length)),
             ))
         }
         Workload::Nli => {

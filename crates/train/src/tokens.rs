@@ -11,9 +11,8 @@ use kiln_config::{RunConfig, TokenizerKind as ConfigTokenizer};
 use kiln_data::store::{StoreKind, TOKENIZER, TokenWidth};
 use kiln_data::{
     BadRows, DataError, DocFormat, InputFile, PrepareOptions, PrepareOutcome, PrepareSettings,
-    ReadOptions, TokenStore, Tokenizer, find_inputs, read_sample,
+    ReadOptions, TokenStore, Tokenizer, find_inputs, read_sample, sha256_hex,
 };
-use sha2::{Digest, Sha256};
 
 use crate::TrainError;
 use crate::report::{Event, Observer};
@@ -171,10 +170,8 @@ fn prepare_inputs(
     // An interrupted or finished store keeps the tokenizer it started with.
     let saved = out.join(TOKENIZER);
     let (tokenizer, trained_on) = if saved.is_file() {
-        (
-            Tokenizer::load(&saved)?,
-            options.settings.tokenizer_sample_bytes,
-        )
+        // The sample size it learned from is in the store's record.
+        (Tokenizer::load(&saved)?, 0)
     } else {
         store_tokenizer(config, &options.inputs, observer)?
     };
@@ -184,56 +181,40 @@ fn prepare_inputs(
     Ok(outcome)
 }
 
-/// The store `config` trains from: the folder `data.path` names, or the
-/// documents it names prepared under `data.cache_dir` (keyed by inputs and
-/// settings, continued if interrupted).
-pub(crate) fn store_for(
+/// The store the documents `inputs` of `config.data.path` are prepared
+/// into under `data.cache_dir` (keyed by inputs and settings; prepared
+/// once, continued if interrupted).
+pub(crate) fn prepare_cached(
     config: &RunConfig,
-    route: Route,
+    inputs: Vec<InputFile>,
     observer: &mut dyn Observer,
 ) -> Result<PathBuf, TrainError> {
-    match route {
-        Route::Store(path) => Ok(path),
-        Route::Memory => Err(TrainError::Unsupported(
-            "a token store",
-            "data.path is a text file read into memory".into(),
-        )),
-        Route::Documents(inputs) => {
-            let settings = settings(config);
-            let mut h = Sha256::new();
-            h.update(serde_json::to_vec(&settings).unwrap_or_default());
-            h.update(serde_json::to_vec(&inputs).unwrap_or_default());
-            if let Some(file) = &config.data.tokenizer_file {
-                h.update(std::fs::read(file).unwrap_or_default());
-            }
-            let key: String = h.finalize()[..8]
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect();
-            let out = Path::new(&config.data.cache_dir).join(format!("store-{key}"));
-            let total: u64 = inputs.iter().map(|f| f.bytes).sum();
-            observer.event(&Event::Note(format!(
-                "data.path names documents ({} files, {:.1} MiB): preparing them into the token store `{}` (once; `kiln prepare` does this ahead)",
-                inputs.len(),
-                total as f64 / f64::from(1u32 << 20),
-                out.display()
-            )));
-            let outcome = prepare_inputs(config, inputs, &out, None, observer)?;
-            if !outcome.already_prepared {
-                observer.event(&Event::Note(format!(
-                    "prepared {} tokens in {:.1} s",
-                    outcome
-                        .manifest
-                        .shards
-                        .iter()
-                        .map(|s| s.tokens)
-                        .sum::<usize>(),
-                    outcome.seconds
-                )));
-            }
-            Ok(out)
-        }
+    let mut key = serde_json::to_vec(&(settings(config), &inputs)).unwrap_or_default();
+    if let Some(file) = &config.data.tokenizer_file {
+        key.extend(std::fs::read(file).unwrap_or_default());
     }
+    let out = Path::new(&config.data.cache_dir).join(format!("store-{}", &sha256_hex(&key)[..16]));
+    let total: u64 = inputs.iter().map(|f| f.bytes).sum();
+    observer.event(&Event::Note(format!(
+        "data.path names documents ({} files, {:.1} MiB): preparing them into the token store `{}` (once; `kiln prepare` does this ahead)",
+        inputs.len(),
+        total as f64 / f64::from(1u32 << 20),
+        out.display()
+    )));
+    let outcome = prepare_inputs(config, inputs, &out, None, observer)?;
+    if !outcome.already_prepared {
+        observer.event(&Event::Note(format!(
+            "prepared {} tokens in {:.1} s",
+            outcome
+                .manifest
+                .shards
+                .iter()
+                .map(|s| s.tokens)
+                .sum::<usize>(),
+            outcome.seconds
+        )));
+    }
+    Ok(out)
 }
 
 /// Opens the store and the tokenizer its tokens are ids of, checking that
@@ -255,10 +236,13 @@ pub(crate) fn open_store(
         (StoreKind::Kiln, Some(manifest)) => {
             // GPT-2's is built in: parsing its 6 MB file again is most of
             // the start-up; the manifest's sha256 says whether it is that.
-            let t = match Tokenizer::gpt2() {
-                Ok(gpt2)
-                    if manifest.tokenizer.kind == "gpt2"
-                        && sha256_hex(gpt2.to_json()?.as_bytes()) == manifest.tokenizer.sha256 =>
+            let built = match manifest.tokenizer.kind.as_str() {
+                "gpt2" => Some(Tokenizer::gpt2()?),
+                _ => None,
+            };
+            let t = match built {
+                Some(gpt2)
+                    if sha256_hex(gpt2.to_json()?.as_bytes()) == manifest.tokenizer.sha256 =>
                 {
                     gpt2
                 }
@@ -337,9 +321,8 @@ pub struct StoreRead {
 }
 
 /// Times random windows read from the store for about a quarter of a second.
-pub(crate) fn measure_store_read(path: &Path, block: usize) -> Result<StoreRead, TrainError> {
+pub(crate) fn measure_store_read(store: &TokenStore, block: usize) -> StoreRead {
     use kiln_data::TokenSpan;
-    let store = TokenStore::open(path)?;
     let split = &store.train;
     let window = (block + 1).min(split.len().max(1));
     let mut out = vec![0u32; window];
@@ -357,18 +340,11 @@ pub(crate) fn measure_store_read(path: &Path, block: usize) -> Result<StoreRead,
     }
     let seconds = started.elapsed().as_secs_f64().max(1e-9);
     let bytes_per_token = store.width().bytes();
-    Ok(StoreRead {
-        path: path.to_path_buf(),
+    StoreRead {
+        path: store.path.clone(),
         shards: store.train.shards().len() + store.val.shards().len(),
         bytes_per_token,
         disk_mb_per_s: (reads as usize * window * bytes_per_token) as f64 / seconds / 1e6,
         needed_mb_per_s: None,
-    })
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    }
 }

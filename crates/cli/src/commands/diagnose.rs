@@ -52,7 +52,6 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `kiln diagnose` for people.
 /// A read rate in MB/s, or kB/s under 1 MB/s.
 fn rate(mb_per_s: f64) -> String {
     if mb_per_s >= 1.0 {
@@ -72,6 +71,7 @@ fn epochs(e: f64) -> String {
     }
 }
 
+/// `kiln diagnose` for people.
 fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
     let mut s = format!("{header}\n");
     let _ = writeln!(s, "device:    {} ({})", d.device, d.device_why);

@@ -47,7 +47,7 @@ pub(crate) struct Prepared {
     /// Where the tokens are read from, for the start line.
     pub(crate) origin: String,
     /// The token store, when the tokens are read from one.
-    pub(crate) store: Option<PathBuf>,
+    pub(crate) store: Option<kiln_data::TokenStore>,
     pub(crate) tokenizer: Tokenizer,
     pub(crate) train_tokens: Arc<dyn TokenSpan>,
     pub(crate) val_tokens: Arc<dyn TokenSpan>,
@@ -70,36 +70,40 @@ pub(crate) fn prepare_observed(
     from: TokenizerFrom<'_>,
     observer: &mut dyn Observer,
 ) -> Result<Prepared, TrainError> {
-    let route = tokens::route(config)?;
-    if !matches!(route, tokens::Route::Memory) {
-        let path = tokens::store_for(config, route, observer)?;
-        let saved = match from {
-            TokenizerFrom::File(p) => Some(p),
-            TokenizerFrom::Config => None,
-        };
-        let opened = Instant::now();
-        let (store, tokenizer) = tokens::open_store(config, &path, saved)?;
-        let opened = opened.elapsed();
-        let t = &config.training;
-        let train_len = store.train.len();
-        let batches_per_epoch =
-            (train_len / (t.batch_size * config.model.max_length).max(1)).max(1) as u64;
-        return Ok(Prepared {
-            source: PathBuf::from(&config.data.path),
-            origin: format!(
-                "token store `{}`, {} shards opened in {:.0} ms",
-                path.display(),
-                store.train.shards().len() + store.val.shards().len(),
-                opened.as_secs_f64() * 1e3
-            ),
-            store: Some(path),
-            gpt: gpt_config(config, tokenizer.vocab_size()),
-            schedule: Schedule::new(t, batches_per_epoch),
-            train_tokens: store.train.clone(),
-            val_tokens: store.val.clone(),
-            tokenizer,
-        });
-    }
+    let path = match tokens::route(config)? {
+        tokens::Route::Memory => return prepare_in_memory(config, from),
+        tokens::Route::Store(path) => path,
+        tokens::Route::Documents(inputs) => tokens::prepare_cached(config, inputs, observer)?,
+    };
+    let saved = match from {
+        TokenizerFrom::File(p) => Some(p),
+        TokenizerFrom::Config => None,
+    };
+    let opened = Instant::now();
+    let (store, tokenizer) = tokens::open_store(config, &path, saved)?;
+    let opened = opened.elapsed();
+    let t = &config.training;
+    let batches_per_epoch =
+        (store.train.len() / (t.batch_size * config.model.max_length).max(1)).max(1) as u64;
+    Ok(Prepared {
+        source: PathBuf::from(&config.data.path),
+        origin: format!(
+            "token store `{}`, {} shards opened in {:.0} ms",
+            path.display(),
+            store.train.shards().len() + store.val.shards().len(),
+            opened.as_secs_f64() * 1e3
+        ),
+        gpt: gpt_config(config, tokenizer.vocab_size()),
+        schedule: Schedule::new(t, batches_per_epoch),
+        train_tokens: store.train.clone(),
+        val_tokens: store.val.clone(),
+        store: Some(store),
+        tokenizer,
+    })
+}
+
+/// A text file read, encoded (through the token cache) and split in memory.
+fn prepare_in_memory(config: &RunConfig, from: TokenizerFrom<'_>) -> Result<Prepared, TrainError> {
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
     let tokenizer = match from {
         TokenizerFrom::Config => make_tokenizer(config, &corpus.text)?,
