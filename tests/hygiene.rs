@@ -56,7 +56,9 @@ fn every_rust_file_starts_with_a_module_doc() {
 #[test]
 fn every_library_crate_documents_its_public_items() {
     // With clippy's `-D warnings` in CI, an undocumented public item fails it.
-    for lib in ["hwdetect", "config", "plan", "data", "model", "train"] {
+    for lib in [
+        "hwdetect", "config", "plan", "data", "model", "train", "dist",
+    ] {
         let path = root().join("crates").join(lib).join("src/lib.rs");
         assert!(
             read(&path).contains("\n#![warn(missing_docs)]\n"),
@@ -300,7 +302,7 @@ fn tuning_guide_explains_every_preset_knob() {
 #[test]
 fn detection_config_and_planning_crates_do_not_depend_on_burn() {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    for krate in ["kiln-hwdetect", "kiln-config", "kiln-plan"] {
+    for krate in ["kiln-hwdetect", "kiln-config", "kiln-plan", "kiln-dist"] {
         let out = std::process::Command::new(&cargo)
             .args([
                 "tree",

@@ -2,6 +2,7 @@
 //! checks that keep docs, presets and code in step.
 
 mod cli;
+mod dist;
 #[cfg(feature = "wgpu")]
 mod gpu;
 mod hygiene;

@@ -32,6 +32,7 @@ cargo xtask <target> [args...]
   check-hardware [--json]   what this machine is and can do, and its preset
   check-gpu                 is there an NVIDIA GPU? (exit 1 if not)
   train-auto [KEY=VALUE..]  detect the hardware, pick its preset, train the LM
+                            (on every GPU of the machine's kind: kiln launch)
   train-<gpu> [--force]     train the LM with a GPU preset: 4090 3090 4080 a100
                             a100-80gb a30 a40 v100 t4 h100 low-mem cpu
   nli-train-auto            the NLI encoder with k-fold CV, preset from hardware
@@ -80,7 +81,9 @@ fn main() -> ExitCode {
         }
         "check-hardware" => kiln(&["check-hardware"], rest, Build::Auto),
         "check-gpu" => kiln(&["check-gpu"], rest, Build::Auto),
-        "train-auto" => kiln(&["train", "hardware=auto"], rest, Build::Auto),
+        // Through the launcher: one rank per GPU of the machine's kind
+        // (`kiln check-hardware` says how many), or one process in place.
+        "train-auto" => kiln(&["launch", "train", "hardware=auto"], rest, Build::Auto),
         "nli-train-auto" => kiln(
             &["cv", "hardware=auto", "experiment=nli_snli"],
             rest,

@@ -15,7 +15,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use commands::{Context, bench, config, diagnose, export, hardware, kernels, prepare, train, tune};
+use commands::{
+    Context, bench, config, diagnose, export, hardware, kernels, launch, prepare, train, tune,
+};
 use kiln_config::ConfigError;
 
 /// mimalloc keeps freed memory for reuse: with the system allocator every
@@ -90,6 +92,11 @@ enum Command {
     Predict(train::PredictArgs),
     /// Continue a run from its newest good checkpoint
     Resume(train::ResumeArgs),
+    /// Data-parallel training: one process per GPU (`--nproc-per-node`),
+    /// on one machine or several, as torchrun starts them; the ranks average
+    /// their gradients every optimizer step. `kiln launch --nproc-per-node 4
+    /// train experiment=gpt2_small`
+    Launch(launch::Args),
     /// Write a trained GPT as a Hugging Face `transformers` GPT-2 folder
     /// (config.json, model.safetensors, tokenizer)
     Export(export::Args),
@@ -156,6 +163,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Cv(args) => train::cv(args, ctx),
         Command::Predict(args) => train::predict(args, &ctx),
         Command::Resume(args) => train::resume(args, ctx),
+        Command::Launch(args) => launch::run(args, &ctx, |argv| {
+            let cli = Cli::try_parse_from(argv)
+                .map_err(|e| commands::BadInput(format!("kiln launch: {e}")))?;
+            run(cli)
+        }),
         Command::Export(args) => export::run(args),
         Command::Bench(args) => bench::run(args, &ctx),
         Command::Diagnose(args) => diagnose::run(args, &ctx),

@@ -52,6 +52,9 @@ pub struct LmWindows {
     block: usize,
     seed: u64,
     split: Split,
+    /// The rows of each batch this sampler hands out (all of them, or one
+    /// data-parallel rank's share).
+    rows: std::ops::Range<usize>,
 }
 
 impl LmWindows {
@@ -102,7 +105,28 @@ impl LmWindows {
             block,
             seed,
             split,
+            rows: 0..batch_size,
         })
+    }
+
+    /// Rank `rank`'s share of every batch in a data-parallel job of
+    /// `world` ranks: rows `rank·b/world .. (rank+1)·b/world` of the same
+    /// batch `k` (b = the batch size this sampler was made with, a multiple
+    /// of `world`). So `world` ranks of `b/world` rows train on exactly the
+    /// batches one process of `b` rows would, and in the same order.
+    pub fn share(mut self, rank: usize, world: usize) -> Result<Self, crate::DataError> {
+        if world == 0 || rank >= world || !self.batch_size.is_multiple_of(world) {
+            return Err(crate::DataError::InvalidArgument {
+                what: "a rank's share",
+                why: format!(
+                    "rank {rank} of {world}: the batch of {} rows must split evenly",
+                    self.batch_size
+                ),
+            });
+        }
+        let each = self.batch_size / world;
+        self.rows = rank * each..(rank + 1) * each;
+        Ok(self)
     }
 
     /// Tokens in this split.
@@ -130,11 +154,17 @@ impl BatchSource for LmWindows {
     fn batch(&self, index: u64) -> TokenBatch {
         let mut rng = self.rng(index);
         let span = self.tokens.len().saturating_sub(self.block).max(1);
-        let mut inputs = Vec::with_capacity(self.batch_size * self.block);
-        let mut targets = Vec::with_capacity(self.batch_size * self.block);
+        let rows = self.rows.len();
+        let mut inputs = Vec::with_capacity(rows * self.block);
+        let mut targets = Vec::with_capacity(rows * self.block);
         let mut window = vec![0u32; self.block + 1];
-        for _ in 0..self.batch_size {
+        for row in 0..self.batch_size {
+            // Every row's start is drawn, so that a share's rows are the
+            // whole batch's; only this share's windows are read.
             let start = rng.random_range(0..span);
+            if !self.rows.contains(&row) {
+                continue;
+            }
             let n = (self.block + 1).min(self.tokens.len() - start);
             self.tokens.read(start, &mut window[..n]);
             inputs.extend_from_slice(&window[..self.block]);
@@ -142,7 +172,7 @@ impl BatchSource for LmWindows {
         }
         TokenBatch {
             index,
-            batch_size: self.batch_size,
+            batch_size: rows,
             block: self.block,
             inputs,
             targets,
@@ -178,6 +208,31 @@ mod tests {
                 assert_eq!(y[i], x[i] + 1);
             }
         }
+    }
+
+    #[test]
+    fn ranks_shares_put_together_are_the_whole_batch() {
+        let whole = windows(3, Split::Train);
+        for world in [1, 2, 4] {
+            for index in [0, 5, 99] {
+                let b = whole.batch(index);
+                let mut inputs = Vec::new();
+                let mut targets = Vec::new();
+                for rank in 0..world {
+                    let share = whole.clone().share(rank, world).expect("splits");
+                    let s = share.batch(index);
+                    assert_eq!(s.batch_size, 4 / world);
+                    inputs.extend(s.inputs);
+                    targets.extend(s.targets);
+                }
+                assert_eq!((inputs, targets), (b.inputs.clone(), b.targets.clone()));
+            }
+        }
+        assert!(
+            whole.clone().share(0, 3).is_err(),
+            "4 rows do not split in 3"
+        );
+        assert!(whole.share(2, 2).is_err(), "rank out of range");
     }
 
     #[test]

@@ -22,6 +22,7 @@ pub use {kiln_config, kiln_hwdetect};
 
 mod checks;
 mod memory;
+mod ranks;
 mod recommend;
 mod schedule;
 mod tune;
@@ -35,6 +36,7 @@ pub use checks::{
 pub use memory::{
     AttentionMemory, MemoryEstimate, ModelSize, estimate_memory, estimate_memory_with,
 };
+pub use ranks::{LINKS, Link, Ranks, ReductionEstimate, allreduce_seconds, local_ranks};
 pub use recommend::Recommendation;
 pub use schedule::{Schedule, lr_at};
 pub use tune::{

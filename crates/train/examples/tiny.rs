@@ -57,6 +57,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         interrupt: Default::default(),
         hardware: machine,
         sources: Vec::new(),
+        group: None,
     };
     if let Outcome::Finished { run, summary } = train(&config, &options, &mut Print)? {
         let sample = std::fs::read_to_string(run.join("samples.txt")).unwrap_or_default();

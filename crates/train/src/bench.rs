@@ -206,7 +206,7 @@ fn time_steps<T: Task>(
     config: &RunConfig,
     options: BenchOptions,
     scaler: Option<LossScaler>,
-) -> Timings {
+) -> Result<Timings, TrainError> {
     let mut loader = Loader::new(
         task.source(),
         0,
@@ -263,7 +263,7 @@ fn time_steps<T: Task>(
             config.training.learning_rate,
             &config.training,
             &mut timer,
-        );
+        )?;
         model = stepped;
         if measuring {
             out.final_loss = f64::from(report.loss);
@@ -286,7 +286,7 @@ fn time_steps<T: Task>(
         p.finish(profiled, median(&mut ms))
     });
     out.loss_scale = state.scaler.map(|s| s.scale);
-    out
+    Ok(out)
 }
 
 /// The process's CPU use from `from` (CPU seconds, wall clock) to now.
@@ -558,7 +558,7 @@ pub fn bench_lm(
     let scaler = precision
         .loss_scaling()
         .then(|| LossScaler::from_config(&config.precision));
-    let timings = time_steps(&task, model, &device, config, options, scaler);
+    let timings = time_steps(&task, model, &device, config, options, scaler)?;
     Ok(result(
         "lm",
         &choice,
@@ -595,7 +595,7 @@ pub fn bench_nli(
     let scaler = precision
         .loss_scaling()
         .then(|| LossScaler::from_config(&config.precision));
-    let timings = time_steps(&task, model, &device, config, options, scaler);
+    let timings = time_steps(&task, model, &device, config, options, scaler)?;
     Ok(result(
         "nli",
         &choice,

@@ -35,6 +35,10 @@ pub(crate) struct CheckpointState {
     pub(crate) wall_s: f64,
     /// fp16's loss scale and its clean steps (runs that scale their loss).
     pub(crate) loss_scale: Option<(f64, u64)>,
+    /// Data-parallel ranks that trained up to this checkpoint (1 alone;
+    /// written to the header only above 1). `loader_position` counts
+    /// global micro-batches of `batch_size × world_size` rows.
+    pub(crate) world_size: u64,
     /// Model parameters by path: shape and values.
     pub(crate) params: Vec<(String, Vec<usize>, Vec<f32>)>,
     /// Adam moments by parameter path: (m, v), flattened.
@@ -111,6 +115,9 @@ pub(crate) fn save_file(path: &Path, state: &CheckpointState) -> Result<(), Trai
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    if state.world_size > 1 {
+        metadata.insert("world_size".into(), state.world_size.to_string());
+    }
     if let Some((scale, clean)) = state.loss_scale {
         metadata.insert("loss_scale".into(), scale.to_string());
         metadata.insert("loss_scale_clean".into(), clean.to_string());
@@ -242,6 +249,7 @@ pub(crate) fn load(path: &Path) -> Result<CheckpointState, String> {
             .get("loss_scale")
             .and_then(|s| s.parse().ok())
             .map(|scale| (scale, num("loss_scale_clean").unwrap_or(0))),
+        world_size: num("world_size").unwrap_or(1),
         params,
         moments,
     })
@@ -366,6 +374,7 @@ mod tests {
             tokens_seen: step * 100,
             wall_s: 1.5,
             loss_scale: Some((32768.0, step)),
+            world_size: 1 + step % 3,
             params: vec![
                 (
                     "wte.weight".into(),

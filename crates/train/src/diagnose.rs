@@ -47,6 +47,9 @@ pub struct Diagnosis {
     pub burst: Option<Burst>,
     /// Training from a token store: its read rate against the run's need.
     pub store: Option<crate::tokens::StoreRead>,
+    /// With several data-parallel ranks: the gradients' all-reduce per
+    /// step over each link (the ring's model, docs/DISTRIBUTED.md).
+    pub reduction: Option<kiln_plan::ReductionEstimate>,
 }
 
 impl Diagnosis {
@@ -57,11 +60,14 @@ impl Diagnosis {
 }
 
 /// Measures the dataset, estimates memory, checks the config and, with
-/// `burst_steps > 0`, times that many training steps.
+/// `burst_steps > 0`, times that many training steps; with `ranks > 1`,
+/// estimates the gradients' all-reduce of a data-parallel job against the
+/// measured step.
 pub fn diagnose(
     config: &RunConfig,
     hardware: &HardwareReport,
     burst_steps: usize,
+    ranks: usize,
 ) -> Result<Diagnosis, TrainError> {
     let gpu = run_gpu(config, hardware);
     let device = select_device(&config.device, gpu.is_some());
@@ -154,8 +160,15 @@ pub fn diagnose(
         }
         None => None,
     };
+    let reduction = kiln_plan::ReductionEstimate::new(memory.parameters, ranks);
+    if let (Some(r), Some(b)) = (&reduction, &burst)
+        && let Some(f) = r.finding(b.ms_per_step)
+    {
+        findings.push(f);
+    }
     findings.sort_by_key(|f| std::cmp::Reverse(f.severity));
     Ok(Diagnosis {
+        reduction,
         store,
         device: device_name,
         device_why,

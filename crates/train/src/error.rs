@@ -129,6 +129,19 @@ pub enum TrainError {
         path: PathBuf,
     },
 
+    /// A resume under another world size that changes the global batch.
+    #[error("cannot resume with {world} ranks: {why}")]
+    WorldSize {
+        /// The ranks of the resuming job.
+        world: usize,
+        /// The batches before and after, and what would keep them.
+        why: String,
+    },
+
+    /// A data-parallel job failed: a rank gone, a rendezvous incomplete.
+    #[error(transparent)]
+    Dist(#[from] kiln_dist::DistError),
+
     /// A combination kiln does not support yet: what, and why.
     #[error("{0} is not supported yet: {1}")]
     Unsupported(&'static str, String),
@@ -164,6 +177,7 @@ impl TrainError {
                 | Self::Backend { .. }
                 | Self::ExportExists { .. }
                 | Self::Unsupported(..)
-        )
+                | Self::WorldSize { .. }
+        ) || matches!(self, Self::Dist(e) if e.is_bad_input())
     }
 }

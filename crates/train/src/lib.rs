@@ -30,7 +30,7 @@
 
 /// The crates whose types this crate's API takes and returns: the
 /// configuration, the machine, the data and the models.
-pub use {kiln_config, kiln_data, kiln_hwdetect, kiln_model, kiln_plan};
+pub use {kiln_config, kiln_data, kiln_dist, kiln_hwdetect, kiln_model, kiln_plan};
 
 mod bench;
 mod checkpoint;

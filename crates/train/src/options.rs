@@ -18,6 +18,23 @@ pub struct TrainOptions {
     pub hardware: HardwareReport,
     /// `kiln config --explain` lines, saved as `config-sources.txt`.
     pub sources: Vec<String>,
+    /// The data-parallel job this process is a rank of (`kiln launch`,
+    /// torchrun, Slurm), or `None` to train alone. Each rank trains on its
+    /// share of every batch; gradients are averaged once per optimizer
+    /// step; rank 0 alone writes the run directory.
+    pub group: Option<Arc<kiln_dist::Group>>,
+}
+
+impl TrainOptions {
+    /// Processes in the job (1 alone).
+    pub fn world_size(&self) -> usize {
+        self.group.as_ref().map_or(1, |g| g.world_size())
+    }
+
+    /// Whether this process writes the run directory (rank 0, or alone).
+    pub fn writes(&self) -> bool {
+        self.group.as_ref().is_none_or(|g| g.is_root())
+    }
 }
 
 /// How a run ended.

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 
 /// A float parameter: its dotted path (`blocks.0.qkv.weight`), id and shape.
@@ -151,6 +152,92 @@ pub(crate) fn load_values<M: Module>(
         return Err(format!("`{extra}` is not a parameter of this model"));
     }
     Ok(module)
+}
+
+/// Averages `grads` across a data-parallel job's ranks as one flat buffer,
+/// with `extra` values (the loss, the stop flag) at its end: one all-reduce
+/// per optimizer step, as DDP's buckets once accumulation is done. Every
+/// rank gets the same bytes back, so every rank takes the same update. A
+/// gradient leaves its device for the host and comes back in its dtype:
+/// the socket reduction's path (the CPU's); NCCL's would stay on the GPU.
+pub(crate) fn all_reduce_grads<M: Module>(
+    module: &M,
+    mut grads: GradientsParams,
+    extra: &mut [f32],
+    group: &kiln_dist::Group,
+) -> Result<GradientsParams, kiln_dist::DistError> {
+    struct Taken {
+        id: ParamId,
+        shape: Vec<usize>,
+        device: Device,
+        dtype: burn::tensor::DType,
+        len: usize,
+    }
+    fn take<const D: usize>(
+        grads: &mut GradientsParams,
+        id: ParamId,
+        flat: &mut Vec<f32>,
+    ) -> Option<(Device, burn::tensor::DType)> {
+        let t = grads.remove::<D>(id)?;
+        let found = (t.device(), t.dtype());
+        flat.extend(t.into_data().iter::<f32>());
+        Some(found)
+    }
+    fn put<const D: usize>(grads: &mut GradientsParams, t: &Taken, values: &[f32]) {
+        let tensor: Tensor<D> = tensor_from(values.to_vec(), &t.shape, &t.device).cast(t.dtype);
+        grads.register::<D>(t.id, tensor);
+    }
+    let mut flat = Vec::new();
+    let mut taken = Vec::new();
+    for e in param_entries(module) {
+        let before = flat.len();
+        let found = match e.shape.len() {
+            1 => take::<1>(&mut grads, e.id, &mut flat),
+            2 => take::<2>(&mut grads, e.id, &mut flat),
+            3 => take::<3>(&mut grads, e.id, &mut flat),
+            4 => take::<4>(&mut grads, e.id, &mut flat),
+            _ => None,
+        };
+        if let Some((device, dtype)) = found {
+            taken.push(Taken {
+                id: e.id,
+                shape: e.shape,
+                device,
+                dtype,
+                len: flat.len() - before,
+            });
+        }
+    }
+    flat.extend_from_slice(extra);
+    group.all_reduce(&mut flat, kiln_dist::Reduce::Mean)?;
+    let mut at = 0;
+    for t in &taken {
+        let values = &flat[at..at + t.len];
+        match t.shape.len() {
+            1 => put::<1>(&mut grads, t, values),
+            2 => put::<2>(&mut grads, t, values),
+            3 => put::<3>(&mut grads, t, values),
+            _ => put::<4>(&mut grads, t, values),
+        }
+        at += t.len;
+    }
+    extra.copy_from_slice(&flat[at..]);
+    Ok(grads)
+}
+
+/// A checksum of every parameter's bits (FNV-1a), the same on every rank
+/// that holds the same weights.
+pub(crate) fn weights_checksum<M: Module>(module: &M) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (_, _, values) in param_values(module) {
+        for v in values {
+            for b in v.to_bits().to_le_bytes() {
+                h ^= u64::from(b);
+                h = h.wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        }
+    }
+    h
 }
 
 #[cfg(test)]

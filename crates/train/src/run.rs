@@ -72,7 +72,11 @@ pub fn resume_with(
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
-    let run = RunDir::open(run_dir)?;
+    let mut run = RunDir::open(run_dir)?;
+    if !options.writes() {
+        // A data-parallel job's other ranks read the run; rank 0 writes it.
+        run = run.reader();
+    }
     // One writer at a time: a second `kiln resume` of this run stops here.
     let _lock = run.lock()?;
     let resumed = kiln_config::resume_run_config(&run.file("config.toml"), &request.overrides)?;

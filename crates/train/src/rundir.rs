@@ -9,7 +9,7 @@ use crate::TrainError;
 /// A run directory's lock, held while it lives (see [`RunDir::lock`]).
 #[derive(Debug)]
 pub struct RunLock {
-    _file: std::fs::File,
+    _file: Option<std::fs::File>,
 }
 
 /// A run's folder and the files in it.
@@ -17,6 +17,9 @@ pub struct RunLock {
 pub struct RunDir {
     /// The folder.
     pub path: PathBuf,
+    /// `false` on a data-parallel job's ranks other than 0: they read the
+    /// run (a resume's config and checkpoint) but write nothing to it.
+    writes: bool,
 }
 
 impl RunDir {
@@ -42,7 +45,7 @@ impl RunDir {
             path: path.clone(),
             source,
         })?;
-        Ok(Self { path })
+        Ok(Self { path, writes: true })
     }
 
     /// Creates the run folder of `config` and records what the run is made
@@ -78,7 +81,37 @@ impl RunDir {
         }
         Ok(Self {
             path: path.to_path_buf(),
+            writes: true,
         })
+    }
+
+    /// The same run as a rank other than 0 sees it: read, never written
+    /// (every write below does nothing).
+    pub(crate) fn reader(mut self) -> Self {
+        self.writes = false;
+        self
+    }
+
+    /// What a rank other than 0 of a new run holds: rank 0 names and writes
+    /// the folder.
+    pub(crate) fn elsewhere() -> Self {
+        Self {
+            path: PathBuf::from("(rank 0's run directory)"),
+            writes: false,
+        }
+    }
+
+    /// A folder inside the run (a fold's), written as the run is.
+    pub(crate) fn sub(&self, name: &str) -> Self {
+        Self {
+            path: self.path.join(name),
+            writes: self.writes,
+        }
+    }
+
+    /// Whether this process writes the run (rank 0, or a single process).
+    pub(crate) fn writes(&self) -> bool {
+        self.writes
     }
 
     /// Takes the run's lock (`run.lock`, an OS file lock that the kernel
@@ -86,6 +119,9 @@ impl RunDir {
     /// a run at a time. A second gets [`TrainError::RunInUse`] with the
     /// holder's pid. The lock lasts as long as the returned guard.
     pub fn lock(&self) -> Result<RunLock, TrainError> {
+        if !self.writes {
+            return Ok(RunLock { _file: None });
+        }
         let path = self.file("run.lock");
         let mut file = std::fs::OpenOptions::new()
             .create(true)
@@ -120,7 +156,7 @@ impl RunDir {
             .set_len(0)
             .and_then(|()| file.write_all(pid.as_bytes()))
             .and_then(|()| file.flush());
-        Ok(RunLock { _file: file })
+        Ok(RunLock { _file: Some(file) })
     }
 
     /// `name` inside the run's folder.
@@ -135,6 +171,9 @@ impl RunDir {
 
     /// Writes a whole file, atomically (see [`write_atomic`]).
     pub fn write(&self, name: &str, contents: &str) -> Result<(), TrainError> {
+        if !self.writes {
+            return Ok(());
+        }
         write_atomic(&self.file(name), contents.as_bytes())
     }
 
@@ -188,6 +227,9 @@ impl RunDir {
 
     /// Appends one JSON line to `metrics.jsonl`.
     pub(crate) fn append_metric(&self, value: &serde_json::Value) -> Result<(), TrainError> {
+        if !self.writes {
+            return Ok(());
+        }
         let path = self.file("metrics.jsonl");
         let mut file = std::fs::OpenOptions::new()
             .create(true)
@@ -339,6 +381,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let run = RunDir {
             path: dir.path().to_path_buf(),
+            writes: true,
         };
         for step in 1..=5u64 {
             run.append_metric(&serde_json::json!({ "step": step }))

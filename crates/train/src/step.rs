@@ -6,6 +6,7 @@
 //! update — or none, where the step is skipped.
 
 use std::cell::Cell;
+use std::sync::Arc;
 use std::time::Duration;
 
 use burn::optim::{GradientsAccumulator, GradientsParams};
@@ -13,6 +14,7 @@ use burn::tensor::{Device, Tensor};
 use kiln_config::{RunConfig, TrainingSection};
 use kiln_data::Loader;
 
+use crate::TrainError;
 use crate::optim::{AdamW, global_grad_norm};
 use crate::precision::{LossScaler, ScaleVerdict};
 use crate::task::{Task, Work};
@@ -112,6 +114,11 @@ impl BadSteps {
 pub(crate) struct StepState {
     pub(crate) scaler: Option<LossScaler>,
     pub(crate) bad_steps: BadSteps,
+    /// The data-parallel job this process is a rank of, if any.
+    pub(crate) group: Option<Arc<kiln_dist::Group>>,
+    /// Set by the loop before a step: this rank was asked to stop (Ctrl-C,
+    /// SIGTERM). In a job the ranks agree on it in the step's reduction.
+    pub(crate) stop_asked: bool,
 }
 
 impl StepState {
@@ -119,6 +126,8 @@ impl StepState {
         Self {
             scaler,
             bad_steps: BadSteps::new(config.precision.max_bad_steps),
+            group: None,
+            stop_asked: false,
         }
     }
 }
@@ -136,6 +145,8 @@ pub(crate) struct StepReport {
     pub(crate) work: Work,
     /// Time spent waiting for the loader.
     pub(crate) waited: Duration,
+    /// Some rank was asked to stop: every rank stops after this step.
+    pub(crate) stop: bool,
 }
 
 thread_local! {
@@ -149,7 +160,12 @@ pub(crate) fn steps_run() -> u64 {
     STEPS_RUN.with(Cell::get)
 }
 
-/// Runs one optimizer step of `task` at learning rate `lr`.
+/// Runs one optimizer step of `task` at learning rate `lr`. In a
+/// data-parallel job the gradients, the loss and the stop flag are
+/// averaged across the ranks after the last micro-batch (none during
+/// accumulation, as DDP's `no_sync`), before the norm, the checks and
+/// clipping; the work reported is the whole job's. Fails only where the
+/// job does (a rank gone).
 #[allow(clippy::too_many_arguments, reason = "the parts of a step")]
 pub(crate) fn train_step<T: Task>(
     task: &T,
@@ -161,7 +177,7 @@ pub(crate) fn train_step<T: Task>(
     lr: f64,
     training: &TrainingSection,
     timer: &mut dyn PhaseTimer,
-) -> (T::Model, StepReport) {
+) -> Result<(T::Model, StepReport), TrainError> {
     STEPS_RUN.with(|n| n.set(n.get() + 1));
     let accum = training.gradient_accumulation_steps.max(1);
     let loss_scale = state.scaler.map_or(1.0, |s| s.scale);
@@ -199,8 +215,22 @@ pub(crate) fn train_step<T: Task>(
         }
         timer.end(Phase::Backward);
     }
-    let grads = single.unwrap_or_else(|| accumulator.grads());
-    let loss = loss_sum.map_or(f32::NAN, |l| l.into_scalar::<f32>()) / accum as f32;
+    let mut grads = single.unwrap_or_else(|| accumulator.grads());
+    let mut loss = loss_sum.map_or(f32::NAN, |l| l.into_scalar::<f32>()) / accum as f32;
+    let mut stop = state.stop_asked;
+    if let Some(group) = &state.group {
+        let mut extra = [loss, if stop { 1.0 } else { 0.0 }];
+        grads = crate::params::all_reduce_grads(&model, grads, &mut extra, group)?;
+        loss = extra[0];
+        stop = extra[1] > 0.0;
+        let n = group.world_size();
+        work = Work {
+            samples: work.samples * n,
+            tokens: work.tokens * n,
+            padded_tokens: work.padded_tokens * n,
+            flops: work.flops * n as f64,
+        };
+    }
     let grad_norm = global_grad_norm(&model, &grads, optim.kernels) / loss_scale;
     let verdict = match state.scaler.as_mut() {
         Some(scaler) if loss.is_finite() && !grad_norm.is_finite() && scaler.can_back_off() => {
@@ -239,8 +269,9 @@ pub(crate) fn train_step<T: Task>(
         scale_grown_to,
         work,
         waited,
+        stop,
     };
-    (model, report)
+    Ok((model, report))
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use kiln_plan::Schedule;
 
 use crate::checkpoint::{self, CheckpointState};
 use crate::optim::AdamW;
-use crate::params::{host, param_entries, param_values, tensor_from};
+use crate::params::{host, param_entries, param_values, tensor_from, weights_checksum};
 use crate::precision::LossScaler;
 use crate::records::{EvalRecord, Record, Skipped, StepMetrics};
 use crate::report::{Event, Observer};
@@ -126,9 +126,26 @@ pub(crate) fn run_loop<T: Task>(
     );
     let mut memory = MemoryTracker::new();
     let mut state = StepState::new(config, plan.scaler);
+    state.group.clone_from(&options.group);
+    let world = options.world_size();
+    if let Some(group) = &options.group {
+        // Every rank starts from the same weights: the same seed, or the
+        // same checkpoint, on the same backend.
+        group.check_same(
+            weights_checksum(&model),
+            "the weights every rank starts from",
+        )?;
+    }
+    // In a job, a stop asked of any rank is agreed in the step's reduction
+    // and taken by all after that step; alone, it is taken before the next.
+    let mut stop_agreed = false;
     let mut step = plan.first_step;
     while step <= total {
-        if options.interrupt.load(Ordering::Relaxed) {
+        let stop_now = match &options.group {
+            Some(_) => stop_agreed,
+            None => options.interrupt.load(Ordering::Relaxed),
+        };
+        if stop_now {
             let path = save_checkpoint(
                 &model,
                 optim,
@@ -139,6 +156,7 @@ pub(crate) fn run_loop<T: Task>(
                 state.scaler,
                 started,
                 config,
+                world,
             )?;
             return Ok((
                 model,
@@ -153,6 +171,7 @@ pub(crate) fn run_loop<T: Task>(
         device.seed(config.training.seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let step_started = Instant::now();
         let lr = plan.schedule.lr_at(step);
+        state.stop_asked = options.interrupt.load(Ordering::Relaxed);
         let (stepped, report) = train_step(
             task,
             model,
@@ -163,8 +182,9 @@ pub(crate) fn run_loop<T: Task>(
             lr,
             &config.training,
             &mut Untimed,
-        );
+        )?;
         model = stepped;
+        stop_agreed = report.stop;
         let elapsed = step_started.elapsed().as_secs_f64();
         match report.verdict {
             StepVerdict::Apply => {
@@ -229,7 +249,9 @@ pub(crate) fn run_loop<T: Task>(
                 ms_per_step: elapsed * 1e3,
                 tokens_per_s: work.tokens as f64 / elapsed,
                 samples_per_s: work.samples as f64 / elapsed,
-                mfu: plan.peak_flops.map(|p| work.flops / elapsed / p),
+                mfu: plan
+                    .peak_flops
+                    .map(|p| work.flops / elapsed / (p * world as f64)),
                 data_wait_pct: 100.0 * report.waited.as_secs_f64() / elapsed,
                 memory_bytes: current,
                 peak_memory_bytes: peak_mem,
@@ -250,13 +272,21 @@ pub(crate) fn run_loop<T: Task>(
             run.append(&Record::Eval(record.clone()))?;
             observer.event(&Event::Eval(record));
             if let Some(score) = eval.score {
-                if plan.stopping.observe(score) {
+                if plan.stopping.observe(score) && run.writes() {
                     save_model(&model, &run.file(BEST_MODEL))?;
                 }
                 stop = plan.stopping.should_stop();
             }
         }
         if step.is_multiple_of(config.checkpoint.every_steps as u64) || last || stop {
+            if let Some(group) = &options.group {
+                // The ranks still hold the same weights (every checkpoint:
+                // what rank 0 saves is what every rank trains on).
+                group.check_same(
+                    weights_checksum(&model),
+                    &format!("the weights after step {step}"),
+                )?;
+            }
             let path = save_checkpoint(
                 &model,
                 optim,
@@ -267,6 +297,7 @@ pub(crate) fn run_loop<T: Task>(
                 state.scaler,
                 started,
                 config,
+                world,
             )?;
             observer.event(&Event::Checkpoint { step, path });
         }
@@ -293,7 +324,12 @@ fn save_checkpoint<M: Module>(
     scaler: Option<LossScaler>,
     started: Instant,
     config: &RunConfig,
+    world: usize,
 ) -> Result<PathBuf, TrainError> {
+    if !run.writes() {
+        // Rank 0 writes the job's checkpoint; this rank names it.
+        return Ok(checkpoint::path_for(&run.checkpoints(), step));
+    }
     let ids: HashMap<_, String> = param_entries(model)
         .into_iter()
         .map(|e| (e.id, e.path))
@@ -311,6 +347,7 @@ fn save_checkpoint<M: Module>(
         tokens_seen: plan.tokens_seen,
         wall_s: plan.wall_before + started.elapsed().as_secs_f64(),
         loss_scale: scaler.map(|s| (s.scale, s.clean)),
+        world_size: world as u64,
         params: param_values(model),
         moments,
     };
@@ -326,6 +363,7 @@ pub(crate) fn save_model<M: Module>(model: &M, path: &std::path::Path) -> Result
         tokens_seen: 0,
         wall_s: 0.0,
         loss_scale: None,
+        world_size: 1,
         params: param_values(model),
         moments: Vec::new(),
     };

@@ -16,6 +16,10 @@ pub(crate) struct Args {
     /// verdict (0: none)
     #[arg(long, default_value_t = 10)]
     burst: usize,
+    /// Data-parallel ranks to estimate the gradients' all-reduce for
+    /// [default: the ranks `kiln launch` would start here]
+    #[arg(long, value_name = "N")]
+    ranks: Option<usize>,
     /// Machine-readable output
     #[arg(long)]
     json: bool,
@@ -26,7 +30,11 @@ pub(crate) struct Args {
 pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     let resolved = ctx.resolve(&args.layers)?;
     crate::data::provide_for(&resolved.config)?;
-    let d = kiln_train::diagnose(&resolved.config, &ctx.report, args.burst).map_err(train_error)?;
+    let ranks = args
+        .ranks
+        .unwrap_or_else(|| super::hardware::ranks(&ctx.report).count);
+    let d = kiln_train::diagnose(&resolved.config, &ctx.report, args.burst, ranks)
+        .map_err(train_error)?;
     let mut out = std::io::stdout().lock();
     if args.json {
         let value = serde_json::json!({
@@ -150,6 +158,20 @@ fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
         None => {
             s.push_str("measured:  no burst (--burst 0, or an error above makes it pointless)\n")
         }
+    }
+    if let Some(r) = &d.reduction {
+        let links: Vec<String> = r
+            .per_link_ms
+            .iter()
+            .map(|(name, ms)| format!("{name} {ms:.2} ms"))
+            .collect();
+        let _ = writeln!(
+            s,
+            "ranks:     {} — the gradients' all-reduce, {:.2} MB a step, as a ring (NCCL) would take: {}",
+            r.ranks,
+            r.gradient_bytes as f64 / 1e6,
+            links.join(", ")
+        );
     }
     if d.findings.is_empty() {
         s.push_str("problems:  none found\n");

@@ -74,12 +74,29 @@ fn chosen_gpu<'a>(report: &'a HardwareReport, resolved: &ResolvedConfig) -> Opti
 /// its recommendation (kiln-hwdetect's and kiln-plan's `Display`), and the
 /// backend of this build.
 fn human(report: &HardwareReport, resolved: &ResolvedConfig) -> String {
+    let ranks = ranks(report);
     format!(
-        "{report}\n{}  {:<14} {}\n",
+        "{report}\n{}  {:<14} {}\n  {:<14} {} — {}; `cargo xtask train-auto` {}\n",
         Recommendation::new(resolved, report),
         "backend",
-        backend_line(report, resolved)
+        backend_line(report, resolved),
+        "ranks",
+        ranks.count,
+        ranks.why,
+        if ranks.count > 1 {
+            format!("starts `kiln launch --nproc-per-node {}`", ranks.count)
+        } else {
+            "trains in one process".into()
+        }
     )
+}
+
+/// The data-parallel ranks this machine runs with this build.
+pub(crate) fn ranks(report: &HardwareReport) -> kiln_plan::Ranks {
+    let gpu_backend = kiln_train::BACKENDS_BUILT_IN
+        .iter()
+        .any(|b| matches!(*b, "cuda" | "wgpu"));
+    kiln_plan::local_ranks(report, gpu_backend)
 }
 
 /// `device.backend`, and the device this build of kiln takes for it, and why.
@@ -127,6 +144,10 @@ fn json(report: &HardwareReport, resolved: &ResolvedConfig) -> serde_json::Value
             "max_length": r.max_length,
             "backend": resolved.config.device.backend,
             "backend_in_this_build": backend_line(report, resolved),
+        },
+        "ranks": {
+            "count": ranks(report).count,
+            "why": ranks(report).why,
         },
     })
 }

@@ -8,6 +8,7 @@ pub(crate) mod diagnose;
 pub(crate) mod export;
 pub(crate) mod hardware;
 pub(crate) mod kernels;
+pub(crate) mod launch;
 pub(crate) mod prepare;
 pub(crate) mod train;
 pub(crate) mod tune;

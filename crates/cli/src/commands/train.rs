@@ -79,10 +79,9 @@ pub(crate) fn resume(args: ResumeArgs, ctx: Context) -> anyhow::Result<ExitCode>
         overrides: args.overrides,
         from_step: args.from,
     };
-    let outcome =
-        kiln_train::resume_with(&args.run, &request, &options, &mut progress::Printer::new())
-            .map_err(train_error)?;
-    Ok(finish(outcome))
+    let outcome = kiln_train::resume_with(&args.run, &request, &options, &mut *observer(&options))
+        .map_err(|e| rank_error(&options, e))?;
+    Ok(finish(outcome, &options))
 }
 
 /// `kiln predict RUN --data FILE`.
@@ -138,17 +137,71 @@ fn train_command(
         }
         eprintln!("warning: {msg}; running anyway (--force)");
     }
-    if let Some(choice) = &resolved.hardware_choice {
-        println!("kiln: hardware = {}: {}", choice.name, choice.why);
-    }
     let sources = super::config::explain_text(&resolved)
         .lines()
         .map(String::from)
         .collect();
     let options = train_options(report, sources)?;
-    let outcome = kiln_train::train(&resolved.config, &options, &mut progress::Printer::new())
-        .map_err(train_error)?;
-    Ok(finish(outcome))
+    if let Some(choice) = &resolved.hardware_choice
+        && options.writes()
+    {
+        println!("kiln: hardware = {}: {}", choice.name, choice.why);
+    }
+    let outcome = kiln_train::train(&resolved.config, &options, &mut *observer(&options))
+        .map_err(|e| rank_error(&options, e))?;
+    Ok(finish(outcome, &options))
+}
+
+/// Rank 0 (or a single process) prints the run; a job's other ranks print
+/// nothing but their errors.
+fn observer(options: &kiln_train::TrainOptions) -> Box<dyn kiln_train::Observer> {
+    if options.writes() {
+        Box::new(progress::Printer::new())
+    } else {
+        Box::new(kiln_train::Silent)
+    }
+}
+
+/// A training error, naming the rank and the host in a job.
+fn rank_error(options: &kiln_train::TrainOptions, e: kiln_train::TrainError) -> anyhow::Error {
+    let err = train_error(e);
+    match &options.group {
+        Some(g) => err.context(format!(
+            "rank {} of {} on {}",
+            g.rank(),
+            g.world_size(),
+            kiln_train::kiln_dist::hostname()
+        )),
+        None => err,
+    }
+}
+
+/// Joins the data-parallel job this process was started in (by `kiln
+/// launch`, torchrun or Slurm), or `None` alone. Waits up to
+/// `RENDEZVOUS_TIMEOUT` seconds (300) for every rank.
+fn join_job() -> anyhow::Result<Option<Arc<kiln_train::kiln_dist::Group>>> {
+    use kiln_train::kiln_dist::{Group, WorldSpec};
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    let spec = WorldSpec::from_env(&env).map_err(|e| train_error(e.into()))?;
+    let Some(spec) = spec else {
+        return Ok(None);
+    };
+    let timeout = std::env::var("RENDEZVOUS_TIMEOUT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(
+            std::time::Duration::from_secs(300),
+            std::time::Duration::from_secs,
+        );
+    let group = Group::connect(&spec, timeout).map_err(|e| {
+        train_error(e.into()).context(format!(
+            "rank {} of {} joining the job at {}",
+            spec.rank,
+            spec.world_size,
+            spec.addr()
+        ))
+    })?;
+    Ok(Some(Arc::new(group)))
 }
 
 /// Options for a training run: Ctrl-C stops it after the current step with a
@@ -171,10 +224,18 @@ fn train_options(
         interrupt,
         hardware,
         sources,
+        group: join_job()?,
     })
 }
 
-fn finish(outcome: kiln_train::Outcome) -> ExitCode {
+fn finish(outcome: kiln_train::Outcome, options: &kiln_train::TrainOptions) -> ExitCode {
+    if !options.writes() {
+        // Rank 0 says how the job ended.
+        return match outcome {
+            kiln_train::Outcome::Interrupted { .. } => ExitCode::from(130),
+            _ => ExitCode::SUCCESS,
+        };
+    }
     match outcome {
         kiln_train::Outcome::Finished { run, .. } | kiln_train::Outcome::CvFinished { run, .. } => {
             println!("run directory: {}", run.display());

@@ -156,6 +156,19 @@ impl Prepared {
     /// evaluation batches of each split, on `inner` (the device without
     /// autodiff). Errors where a split is shorter than one window.
     pub(crate) fn task(&self, config: &RunConfig, inner: &Device) -> Result<LmTask, TrainError> {
+        self.shared_task(config, inner, 0, 1)
+    }
+
+    /// The task of rank `rank` in a data-parallel job of `world` ranks:
+    /// `training.batch_size` rows per rank of the global micro-batch of
+    /// `batch_size × world` rows that one process would draw.
+    pub(crate) fn shared_task(
+        &self,
+        config: &RunConfig,
+        inner: &Device,
+        rank: usize,
+        world: usize,
+    ) -> Result<LmTask, TrainError> {
         let block = config.model.max_length;
         let t = &config.training;
         let eval_seed = t.seed ^ 0xE7A1_0000_0000_0000;
@@ -169,12 +182,15 @@ impl Prepared {
         };
         let eval_batch = config.eval.batch_size;
         Ok(LmTask {
-            train: Arc::new(windows(
-                &self.train_tokens,
-                t.batch_size,
-                t.seed,
-                Split::Train,
-            )?),
+            train: Arc::new(
+                windows(
+                    &self.train_tokens,
+                    t.batch_size * world,
+                    t.seed,
+                    Split::Train,
+                )?
+                .share(rank, world)?,
+            ),
             eval_train: windows(&self.train_tokens, eval_batch, eval_seed, Split::Train)?,
             eval_val: windows(&self.val_tokens, eval_batch, eval_seed, Split::Val)?,
             eval_iters: config.eval.eval_iters as u64,
@@ -191,10 +207,18 @@ pub(crate) fn train(
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
     // Everything that can fail on bad input fails before the run directory exists.
-    let device = open_device(config, !options.hardware.gpus().is_empty())?;
+    let device = open_device(
+        &on_rank_device(config, options),
+        !options.hardware.gpus().is_empty(),
+    )?;
     let prepared = prepare_observed(config, TokenizerFrom::Config, observer)?;
-    let (session, model) = Session::new(config, device, &options.hardware, prepared, None)?;
-    let run = RunDir::start(config, options)?;
+    let (session, model) =
+        Session::new(config, device, &options.hardware, prepared, None, options)?;
+    let run = if options.writes() {
+        RunDir::start(config, options)?
+    } else {
+        RunDir::elsewhere()
+    };
     let _lock = run.lock()?;
     run.write("tokenizer.json", &session.prepared.tokenizer.to_json()?)?;
     session.run(model, &run, options, observer)
@@ -220,10 +244,12 @@ pub(crate) fn resume(
     let from = match found {
         Ok((info, mut state, notes)) => {
             check_resume_length(resumed, info.step)?;
+            check_resume_world(resumed, state.world_size, options.world_size())?;
+            // The loader counts global micro-batches: every rank's rows.
             state.loader_position = loader_position_for(
                 state.loader_position,
-                resumed.saved.training.batch_size,
-                config.training.batch_size,
+                resumed.saved.training.batch_size * state.world_size as usize,
+                config.training.batch_size * options.world_size(),
             );
             for note in notes {
                 observer.event(&Event::Note(note));
@@ -253,7 +279,10 @@ pub(crate) fn resume(
         }
         Err(e) => return Err(e),
     };
-    let device = open_device(config, !options.hardware.gpus().is_empty())?;
+    let device = open_device(
+        &on_rank_device(config, options),
+        !options.hardware.gpus().is_empty(),
+    )?;
     let tokenizer = run.file("tokenizer.json");
     // Killed before it saved its tokenizer, a run makes it again (the same
     // config makes the same tokenizer).
@@ -268,10 +297,18 @@ pub(crate) fn resume(
     }
     let step = from.as_ref().map_or(0, |(info, _)| info.step);
     let resume_from = from.map(|(info, state)| (info.path, state));
-    let (session, model) = Session::new(config, device, &options.hardware, prepared, resume_from)?;
+    let (session, model) = Session::new(
+        config,
+        device,
+        &options.hardware,
+        prepared,
+        resume_from,
+        options,
+    )?;
     // Everything that can refuse the resume has run: the run takes the changes.
     run.record_resume(resumed, Some(step), observer)?;
     if from_step.is_some()
+        && run.writes()
         && let Some(aside) = checkpoint::set_aside_after(run, step)?
     {
         observer.event(&Event::Note(format!(
@@ -281,6 +318,56 @@ pub(crate) fn resume(
     }
     run.truncate_metrics_after(step)?;
     session.run(model, run, options, observer)
+}
+
+/// A data-parallel rank trains on GPU `LOCAL_RANK` of its machine, as
+/// torchrun's ranks take `cuda:LOCAL_RANK`.
+fn on_rank_device(config: &RunConfig, options: &TrainOptions) -> RunConfig {
+    let mut config = config.clone();
+    if let Some(group) = &options.group {
+        config.device.index = group.local_rank();
+    }
+    config
+}
+
+/// A resume keeps the global batch (micro-batch × accumulation × ranks)
+/// the run trained with: another world size is allowed where the
+/// micro-batch or the accumulation makes up for it, and refused otherwise,
+/// with the settings that would.
+fn check_resume_world(
+    resumed: &ResumedConfig,
+    saved_world: u64,
+    world: usize,
+) -> Result<(), TrainError> {
+    let saved = &resumed.saved.training;
+    let now = &resumed.config.training;
+    let saved_world = saved_world.max(1) as usize;
+    let before = saved.batch_size * saved.gradient_accumulation_steps * saved_world;
+    let after = now.batch_size * now.gradient_accumulation_steps * world;
+    if before == after {
+        return Ok(());
+    }
+    let per_rank = before / world;
+    let hint = if before.is_multiple_of(world) && per_rank.is_multiple_of(now.batch_size) {
+        format!(
+            "; with {world} ranks, resume with training.gradient_accumulation_steps={}",
+            per_rank / now.batch_size
+        )
+    } else {
+        format!(
+            "; launch {saved_world} ranks, or choose ranks, micro-batch and accumulation whose product is {before}"
+        )
+    };
+    Err(TrainError::WorldSize {
+        world,
+        why: format!(
+            "the run trained with a global batch of {before} sequences (micro-batch {} × accumulation {} × {saved_world} ranks), and {world} ranks × {} × {} make {after}, which would change the training{hint}",
+            saved.batch_size,
+            saved.gradient_accumulation_steps,
+            now.batch_size,
+            now.gradient_accumulation_steps,
+        ),
+    })
 }
 
 /// A new `training.max_steps` must leave steps to take after the checkpoint.
@@ -425,8 +512,10 @@ impl Session {
         hardware: &HardwareReport,
         prepared: Prepared,
         resume_from: Option<(PathBuf, CheckpointState)>,
+        options: &TrainOptions,
     ) -> Result<(Self, Gpt), TrainError> {
-        let task = prepared.task(config, &device.device)?;
+        let rank = options.group.as_ref().map_or(0, |g| g.rank());
+        let task = prepared.shared_task(config, &device.device, rank, options.world_size())?;
         let seed = config.training.seed;
         let gpt = &prepared.gpt;
         let train_device = train_device(config, &device.device, seed);
@@ -493,13 +582,19 @@ impl Session {
             options,
             peak_name,
         ));
+        let world = options.world_size();
+        let ranks = if world > 1 {
+            format!(" × {world} ranks")
+        } else {
+            String::new()
+        };
         lines.push(format!(
-            "batch: {} × {} tokens, accumulation {} → {} sequences ({} tokens) per optimizer step",
+            "batch: {} × {} tokens, accumulation {}{ranks} → {} sequences ({} tokens) per optimizer step",
             t.batch_size,
             c.model.max_length,
             t.gradient_accumulation_steps,
-            c.effective_batch(),
-            c.effective_batch() * c.model.max_length
+            c.effective_batch() * world,
+            c.effective_batch() * world * c.model.max_length
         ));
         lines.push(schedule_line(c, &p.schedule));
         lines
@@ -556,7 +651,9 @@ impl Session {
                 checkpoint,
             });
         }
-        self.write_samples(&model, run)?;
+        if run.writes() {
+            self.write_samples(&model, run)?;
+        }
         let summary = self.summarise(
             run,
             &peak_name,
@@ -631,7 +728,9 @@ impl Session {
                 _ => {}
             }
         }
-        let _ = write_plots(&run.path, &steps, &evals);
+        if run.writes() {
+            let _ = write_plots(&run.path, &steps, &evals);
+        }
         // The first logged steps include start-up costs: leave them out of the medians.
         let steady: Vec<&StepMetrics> = steps.iter().filter(|s| s.step > 3).collect();
         let steady = if steady.is_empty() {

@@ -332,11 +332,27 @@ pub(crate) fn train_cv(
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
+    refuse_ranks(options)?;
     let device = open_device(config, !options.hardware.gpus().is_empty())?;
     let pairs = read(config)?;
     let run = RunDir::start(config, options)?;
     let _lock = run.lock()?;
     run_cv(config, &run, &device, &pairs, options, observer)
+}
+
+/// Cross-validation trains its folds in one process: data parallelism is
+/// the language model's so far.
+fn refuse_ranks(options: &TrainOptions) -> Result<(), TrainError> {
+    match &options.group {
+        Some(g) => Err(TrainError::Unsupported(
+            "cross-validation under `kiln launch`",
+            format!(
+                "the nli workload trains in one process (this job has {} ranks); run `kiln cv` without a launcher, or train the language model with `kiln launch … train`",
+                g.world_size()
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Continues a CV run: finished folds are kept, the stopped one resumes from
@@ -347,6 +363,7 @@ pub(crate) fn resume_cv(
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
+    refuse_ranks(options)?;
     let config = &resumed.config;
     observer.event(&Event::Note(format!(
         "resuming cross-validation run `{}`",
@@ -403,9 +420,7 @@ fn run_cv(
     }
     let mut results = Vec::new();
     for fold in 0..k {
-        let dir = RunDir {
-            path: run.path.join(format!("fold-{}", fold + 1)),
-        };
+        let dir = run.sub(&format!("fold-{}", fold + 1));
         let result_path = dir.file("result.json");
         if let Ok(text) = std::fs::read_to_string(&result_path)
             && let Ok(result) = serde_json::from_str::<FoldResult>(&text)
@@ -471,9 +486,7 @@ fn run_cv(
         .folds
         .iter()
         .map(|f| {
-            let fold = RunDir {
-                path: run.path.join(format!("fold-{}", f.fold)),
-            };
+            let fold = run.sub(&format!("fold-{}", f.fold));
             fold.records()
                 .into_iter()
                 .filter_map(|r| match r {

@@ -1,0 +1,638 @@
+//! The connected job: a rendezvous that rank 0 hosts at
+//! `MASTER_ADDR:MASTER_PORT` (as torch's `TCPStore`), then a star of
+//! sockets through rank 0 for the collectives. Rank 0 reduces in rank order
+//! and sends every rank the same bytes, so a job is deterministic for a
+//! given world size, and a resumed job repeats an uninterrupted one.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::{DistError, WorldSpec};
+
+const MAGIC: u32 = 0x4b49_4c4e; // "KILN"
+const VERSION: u32 = 1;
+const OP_REDUCE: u8 = 1;
+const OP_GATHER: u8 = 2;
+
+/// How an all-reduce combines the ranks' values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    /// The sum, in rank order.
+    Sum,
+    /// The sum divided by the world size (gradients, losses).
+    Mean,
+    /// The largest (flags: any rank).
+    Max,
+}
+
+/// Another rank, as rank 0 sees it.
+#[derive(Debug)]
+struct Peer {
+    rank: usize,
+    host: String,
+    stream: TcpStream,
+}
+
+#[derive(Debug)]
+enum Links {
+    /// Rank 0: a socket to every other rank, in rank order.
+    Root(Vec<Peer>),
+    /// The others: the socket to rank 0.
+    Leaf { root: TcpStream, root_host: String },
+}
+
+/// A job's processes, connected. Collectives block until every rank has
+/// called them; they fail, naming the rank, when one is gone or does not
+/// answer within the group's timeout.
+#[derive(Debug)]
+pub struct Group {
+    rank: usize,
+    local_rank: usize,
+    world: usize,
+    timeout: Duration,
+    links: Mutex<Links>,
+}
+
+impl Group {
+    /// Joins the job `spec` describes: rank 0 listens at its port and waits
+    /// for every other rank; the others connect, retrying until rank 0
+    /// listens. Fails after `timeout` naming who did not join. Collectives
+    /// wait as long for a slow rank (`COLLECTIVE_TIMEOUT` seconds where set).
+    pub fn connect(spec: &WorldSpec, timeout: Duration) -> Result<Self, DistError> {
+        let op_timeout = std::env::var("COLLECTIVE_TIMEOUT")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(Duration::from_secs(600), Duration::from_secs);
+        let links = if spec.rank == 0 {
+            Links::Root(accept_all(spec, timeout)?)
+        } else {
+            join(spec, timeout)?
+        };
+        let group = Self {
+            rank: spec.rank,
+            local_rank: spec.local_rank,
+            world: spec.world_size,
+            timeout: op_timeout,
+            links: Mutex::new(links),
+        };
+        group.set_timeouts()?;
+        Ok(group)
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Its rank on this machine (the GPU it takes).
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    /// Processes in the job.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// Whether this is rank 0, the one that writes.
+    pub fn is_root(&self) -> bool {
+        self.rank == 0
+    }
+
+    fn set_timeouts(&self) -> Result<(), DistError> {
+        let links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        let streams: Vec<&TcpStream> = match &*links {
+            Links::Root(peers) => peers.iter().map(|p| &p.stream).collect(),
+            Links::Leaf { root, .. } => vec![root],
+        };
+        for s in streams {
+            s.set_read_timeout(Some(self.timeout))
+                .and_then(|()| s.set_write_timeout(Some(self.timeout)))
+                .and_then(|()| s.set_nodelay(true))
+                .map_err(|source| DistError::Io {
+                    what: "setting the job's sockets up".into(),
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Combines `values` across the ranks; afterwards every rank holds the
+    /// same result. Every rank must pass as many values.
+    pub fn all_reduce(&self, values: &mut [f32], op: Reduce) -> Result<(), DistError> {
+        let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        let during = "the all-reduce";
+        match &mut *links {
+            Links::Leaf { root, root_host } => {
+                let lost = |why: String| lost(0, root_host, during, why);
+                let mut frame = Vec::with_capacity(10 + values.len() * 4);
+                frame.push(OP_REDUCE);
+                frame.push(op as u8);
+                frame.extend_from_slice(&(values.len() as u64).to_le_bytes());
+                extend_f32(&mut frame, values);
+                root.write_all(&frame).map_err(|e| lost(io_why(&e)))?;
+                read_f32(root, values).map_err(|e| lost(io_why(&e)))?;
+            }
+            Links::Root(peers) => {
+                let mut acc = values.to_vec();
+                let mut theirs = vec![0f32; values.len()];
+                for p in peers.iter_mut() {
+                    let header = read_header(&mut p.stream, OP_REDUCE)
+                        .map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
+                    let (their_op, n) = header;
+                    if their_op != op as u8 || n != values.len() as u64 {
+                        return Err(DistError::Diverged(format!(
+                            "rank {} reduces {n} values (operation {their_op}), rank 0 {} (operation {})",
+                            p.rank,
+                            values.len(),
+                            op as u8
+                        )));
+                    }
+                    read_f32(&mut p.stream, &mut theirs)
+                        .map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
+                    match op {
+                        Reduce::Sum | Reduce::Mean => {
+                            acc.iter_mut().zip(&theirs).for_each(|(a, b)| *a += b)
+                        }
+                        Reduce::Max => acc
+                            .iter_mut()
+                            .zip(&theirs)
+                            .for_each(|(a, b)| *a = a.max(*b)),
+                    }
+                }
+                if op == Reduce::Mean {
+                    let n = self.world as f32;
+                    acc.iter_mut().for_each(|a| *a /= n);
+                }
+                let mut frame = Vec::with_capacity(acc.len() * 4);
+                extend_f32(&mut frame, &acc);
+                for p in peers.iter_mut() {
+                    p.stream
+                        .write_all(&frame)
+                        .map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
+                }
+                values.copy_from_slice(&acc);
+            }
+        }
+        Ok(())
+    }
+
+    /// Every rank's `bytes`, in rank order, on every rank.
+    pub fn all_gather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
+        let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        let during = "an all-gather";
+        match &mut *links {
+            Links::Leaf { root, root_host } => {
+                let lost = |why: String| lost(0, root_host, during, why);
+                let mut frame = vec![OP_GATHER, 0];
+                frame.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+                frame.extend_from_slice(bytes);
+                root.write_all(&frame).map_err(|e| lost(io_why(&e)))?;
+                read_gathered(root, self.world).map_err(|e| lost(io_why(&e)))
+            }
+            Links::Root(peers) => {
+                let mut all = vec![bytes.to_vec()];
+                for p in peers.iter_mut() {
+                    let lost = |e: std::io::Error| lost(p.rank, &p.host, during, io_why(&e));
+                    let (_, n) = read_header(&mut p.stream, OP_GATHER).map_err(lost)?;
+                    let mut theirs = vec![0u8; n as usize];
+                    p.stream.read_exact(&mut theirs).map_err(lost)?;
+                    all.push(theirs);
+                }
+                let mut frame = Vec::new();
+                for b in &all {
+                    frame.extend_from_slice(&(b.len() as u64).to_le_bytes());
+                    frame.extend_from_slice(b);
+                }
+                for p in peers.iter_mut() {
+                    p.stream
+                        .write_all(&frame)
+                        .map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
+                }
+                Ok(all)
+            }
+        }
+    }
+
+    /// Fails unless every rank passes the same `value` (a checksum of the
+    /// weights, say), naming the ranks that differ from rank 0.
+    pub fn check_same(&self, value: u64, what: &str) -> Result<(), DistError> {
+        let all = self.all_gather(&value.to_le_bytes())?;
+        let values: Vec<u64> = all
+            .iter()
+            .map(|b| b.as_slice().try_into().map_or(u64::MAX, u64::from_le_bytes))
+            .collect();
+        let differ: Vec<String> = values
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| **v != values[0])
+            .map(|(r, v)| format!("rank {r} has {v:016x}"))
+            .collect();
+        if differ.is_empty() {
+            Ok(())
+        } else {
+            Err(DistError::Diverged(format!(
+                "{what}: rank 0 has {:016x}, {}",
+                values[0],
+                differ.join(", ")
+            )))
+        }
+    }
+}
+
+fn lost(rank: usize, host: &str, during: &str, why: String) -> DistError {
+    DistError::PeerLost {
+        rank,
+        host: host.to_string(),
+        during: during.to_string(),
+        why,
+    }
+}
+
+fn io_why(e: &std::io::Error) -> String {
+    match e.kind() {
+        std::io::ErrorKind::UnexpectedEof
+        | std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::BrokenPipe => {
+            "its connection closed (the process ended: killed, out of memory, or failed)".into()
+        }
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            "no answer within the timeout (COLLECTIVE_TIMEOUT); it hangs or is far slower".into()
+        }
+        _ => e.to_string(),
+    }
+}
+
+fn extend_f32(frame: &mut Vec<u8>, values: &[f32]) {
+    for v in values {
+        frame.extend_from_slice(&v.to_le_bytes());
+    }
+}
+
+fn read_f32(stream: &mut TcpStream, out: &mut [f32]) -> std::io::Result<()> {
+    let mut bytes = vec![0u8; out.len() * 4];
+    stream.read_exact(&mut bytes)?;
+    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+        *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+    Ok(())
+}
+
+fn read_header(stream: &mut TcpStream, expect: u8) -> std::io::Result<(u8, u64)> {
+    let mut h = [0u8; 10];
+    stream.read_exact(&mut h)?;
+    if h[0] != expect {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "it called another collective (operation {}, this rank {expect}): the ranks are out of step",
+                h[0]
+            ),
+        ));
+    }
+    let mut n = [0u8; 8];
+    n.copy_from_slice(&h[2..]);
+    Ok((h[1], u64::from_le_bytes(n)))
+}
+
+fn read_gathered(stream: &mut TcpStream, world: usize) -> std::io::Result<Vec<Vec<u8>>> {
+    (0..world)
+        .map(|_| {
+            let mut n = [0u8; 8];
+            stream.read_exact(&mut n)?;
+            let mut b = vec![0u8; u64::from_le_bytes(n) as usize];
+            stream.read_exact(&mut b)?;
+            Ok(b)
+        })
+        .collect()
+}
+
+/// The hello a rank sends: magic, version, rank, world, pid, host.
+fn hello(spec: &WorldSpec) -> Vec<u8> {
+    let host = crate::hostname();
+    let mut b = Vec::new();
+    for v in [
+        MAGIC,
+        VERSION,
+        spec.rank as u32,
+        spec.world_size as u32,
+        std::process::id(),
+    ] {
+        b.extend_from_slice(&v.to_le_bytes());
+    }
+    b.extend_from_slice(&(host.len() as u16).to_le_bytes());
+    b.extend_from_slice(host.as_bytes());
+    b
+}
+
+fn read_u32(s: &mut TcpStream) -> std::io::Result<u32> {
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+/// Rank 0: listens and takes every other rank's hello, then tells each
+/// that the job is complete (an empty reason) or why it is refused.
+fn accept_all(spec: &WorldSpec, timeout: Duration) -> Result<Vec<Peer>, DistError> {
+    let listener = TcpListener::bind(("0.0.0.0", spec.master_port)).map_err(|source| {
+        if source.kind() == std::io::ErrorKind::AddrInUse {
+            DistError::PortInUse {
+                port: spec.master_port,
+            }
+        } else {
+            DistError::Io {
+                what: format!("listening at port {}", spec.master_port),
+                source,
+            }
+        }
+    })?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|source| DistError::Io {
+            what: "listening".into(),
+            source,
+        })?;
+    let started = Instant::now();
+    let mut peers: Vec<Option<Peer>> = (1..spec.world_size).map(|_| None).collect();
+    while peers.iter().any(Option::is_none) {
+        if started.elapsed() > timeout {
+            let missing: Vec<String> = peers
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.is_none())
+                .map(|(i, _)| (i + 1).to_string())
+                .collect();
+            return Err(DistError::RendezvousTimeout {
+                addr: spec.addr(),
+                missing: format!("rank {}", missing.join(", ")),
+                waited: timeout,
+            });
+        }
+        let mut stream = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+            Err(source) => {
+                return Err(DistError::Io {
+                    what: "accepting a rank".into(),
+                    source,
+                });
+            }
+        };
+        let _ = stream.set_nonblocking(false);
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+        let Ok(peer) = read_hello(&mut stream) else {
+            // Not a kiln rank (a port scanner, a stale client): ignore it.
+            continue;
+        };
+        let (rank, world, pid, host) = peer;
+        let refuse = if world != spec.world_size {
+            Some(format!(
+                "rank {rank} on {host} belongs to a job of {world} processes, rank 0's has {}",
+                spec.world_size
+            ))
+        } else if rank == 0 || rank >= world {
+            Some(format!("rank {rank} on {host} is out of range 1..{world}"))
+        } else if peers[rank - 1].is_some() {
+            Some(format!(
+                "two processes claim rank {rank} (the second on {host})"
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = refuse {
+            let _ = send_verdict(&mut stream, &why);
+            return Err(DistError::BadLaunch {
+                what: "the rendezvous".into(),
+                why,
+            });
+        }
+        peers[rank - 1] = Some(Peer {
+            rank,
+            host: format!("{host}, pid {pid}"),
+            stream,
+        });
+    }
+    let mut peers: Vec<Peer> = peers.into_iter().flatten().collect();
+    for p in &mut peers {
+        send_verdict(&mut p.stream, "")
+            .map_err(|e| lost(p.rank, &p.host, "the rendezvous", io_why(&e)))?;
+    }
+    Ok(peers)
+}
+
+fn read_hello(s: &mut TcpStream) -> std::io::Result<(usize, usize, u32, String)> {
+    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "not a kiln rank");
+    if read_u32(s)? != MAGIC || read_u32(s)? != VERSION {
+        return Err(bad());
+    }
+    let rank = read_u32(s)? as usize;
+    let world = read_u32(s)? as usize;
+    let pid = read_u32(s)?;
+    let mut n = [0u8; 2];
+    s.read_exact(&mut n)?;
+    let mut host = vec![0u8; u16::from_le_bytes(n) as usize];
+    s.read_exact(&mut host)?;
+    Ok((
+        rank,
+        world,
+        pid,
+        String::from_utf8_lossy(&host).into_owned(),
+    ))
+}
+
+fn send_verdict(s: &mut TcpStream, why: &str) -> std::io::Result<()> {
+    let mut b = (why.len() as u32).to_le_bytes().to_vec();
+    b.extend_from_slice(why.as_bytes());
+    s.write_all(&b)
+}
+
+/// A rank other than 0: connects (retrying while rank 0 is not yet
+/// listening), says who it is and waits for the job to be complete.
+fn join(spec: &WorldSpec, timeout: Duration) -> Result<Links, DistError> {
+    let started = Instant::now();
+    let timed_out = || DistError::RendezvousTimeout {
+        addr: spec.addr(),
+        missing: "rank 0 (or another rank rank 0 waits for)".into(),
+        waited: timeout,
+    };
+    let mut stream = loop {
+        let addrs: Vec<_> = (spec.master_addr.as_str(), spec.master_port)
+            .to_socket_addrs()
+            .map_err(|e| DistError::BadLaunch {
+                what: format!("MASTER_ADDR={}", spec.master_addr),
+                why: format!("cannot be resolved: {e}"),
+            })?
+            .collect();
+        if let Some(s) = addrs
+            .iter()
+            .find_map(|a| TcpStream::connect_timeout(a, Duration::from_secs(2)).ok())
+        {
+            break s;
+        }
+        if started.elapsed() > timeout {
+            return Err(timed_out());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let io = |source| DistError::Io {
+        what: format!("joining the job at {}", spec.addr()),
+        source,
+    };
+    stream.write_all(&hello(spec)).map_err(io)?;
+    // Rank 0 answers once every rank has joined.
+    let left = timeout
+        .saturating_sub(started.elapsed())
+        .max(Duration::from_secs(1));
+    stream.set_read_timeout(Some(left)).map_err(io)?;
+    let n = match read_u32(&mut stream) {
+        Ok(n) => n,
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            return Err(timed_out());
+        }
+        Err(e) => return Err(io(e)),
+    };
+    let mut why = vec![0u8; n as usize];
+    stream.read_exact(&mut why).map_err(io)?;
+    if n > 0 {
+        return Err(DistError::BadLaunch {
+            what: "the rendezvous".into(),
+            why: String::from_utf8_lossy(&why).into_owned(),
+        });
+    }
+    Ok(Links::Leaf {
+        root: stream,
+        root_host: spec.master_addr.clone(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn free_port() -> u16 {
+        TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port")
+    }
+
+    fn spec(rank: usize, world: usize, port: u16) -> WorldSpec {
+        WorldSpec {
+            rank,
+            world_size: world,
+            local_rank: rank,
+            local_world_size: world,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+        }
+    }
+
+    /// Runs `f` on `world` connected ranks, threads of this process.
+    fn on_ranks<T: Send + 'static>(
+        world: usize,
+        f: impl Fn(Group) -> T + Send + Sync + Clone + 'static,
+    ) -> Vec<T> {
+        let port = free_port();
+        let handles: Vec<_> = (0..world)
+            .map(|r| {
+                let f = f.clone();
+                std::thread::spawn(move || {
+                    let g = Group::connect(&spec(r, world, port), Duration::from_secs(20))
+                        .expect("joins");
+                    f(g)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    }
+
+    #[test]
+    fn every_rank_gets_the_same_reduction() {
+        let out = on_ranks(3, |g| {
+            let r = g.rank() as f32;
+            let mut mean = vec![r, 10.0 * r, 0.1];
+            g.all_reduce(&mut mean, Reduce::Mean).expect("reduces");
+            let mut max = vec![r];
+            g.all_reduce(&mut max, Reduce::Max).expect("reduces");
+            let mut sum = vec![1.0];
+            g.all_reduce(&mut sum, Reduce::Sum).expect("reduces");
+            (mean, max, sum)
+        });
+        for (mean, max, sum) in &out {
+            assert_eq!(mean, &out[0].0, "bit-identical on every rank");
+            assert_eq!(mean[..2], [1.0, 10.0]);
+            assert_eq!(max, &vec![2.0]);
+            assert_eq!(sum, &vec![3.0]);
+        }
+    }
+
+    #[test]
+    fn checksums_that_differ_are_named() {
+        let out = on_ranks(3, |g| {
+            let same = g.check_same(7, "weights").map_err(|e| e.to_string());
+            let differ = g
+                .check_same(if g.rank() == 2 { 8 } else { 7 }, "weights")
+                .map_err(|e| e.to_string());
+            (same, differ)
+        });
+        for (same, differ) in out {
+            assert!(same.is_ok());
+            let e = differ.expect_err("rank 2 differs");
+            assert!(e.contains("rank 2 has 0000000000000008"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_rank_that_is_gone_is_named() {
+        let out = on_ranks(2, |g| {
+            if g.rank() == 1 {
+                drop(g);
+                return String::new();
+            }
+            let mut v = vec![1.0];
+            g.all_reduce(&mut v, Reduce::Mean)
+                .expect_err("rank 1 left")
+                .to_string()
+        });
+        assert!(
+            out[0].contains("rank 1") && out[0].contains("connection closed"),
+            "{}",
+            out[0]
+        );
+    }
+
+    #[test]
+    fn a_rendezvous_that_does_not_complete_names_who_is_missing() {
+        let port = free_port();
+        let e = Group::connect(&spec(0, 3, port), Duration::from_millis(300))
+            .expect_err("nobody joins");
+        assert!(e.to_string().contains("rank 1, 2 did not join"), "{e}");
+        let e = Group::connect(&spec(1, 2, free_port()), Duration::from_millis(300))
+            .expect_err("no rank 0");
+        assert!(e.to_string().contains("rank 0"), "{e}");
+    }
+
+    #[test]
+    fn a_port_in_use_is_refused() {
+        let held = TcpListener::bind("0.0.0.0:0").expect("binds");
+        let port = held.local_addr().expect("addr").port();
+        let e = Group::connect(&spec(0, 2, port), Duration::from_millis(300)).expect_err("in use");
+        assert!(
+            matches!(e, DistError::PortInUse { .. }) && e.is_bad_input(),
+            "{e}"
+        );
+    }
+}

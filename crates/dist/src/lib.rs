@@ -1,0 +1,35 @@
+#![doc = include_str!("../README.md")]
+//!
+//! ## In this crate
+//!
+//! - [`WorldSpec`]: who this process is in a job, from the variables
+//!   `kiln launch`, torchrun or Slurm set.
+//! - [`Group`]: the connected job: [`Group::all_reduce`] (gradients, losses,
+//!   stop flags) and [`Group::all_gather`] (checksums), the same bytes on
+//!   every rank; a rank that dies or stops answering is an error naming it.
+//! - [`launch`]: one process per local rank, with the variables set; the
+//!   first one to fail ends the job.
+#![warn(missing_docs)]
+
+mod env;
+mod error;
+mod group;
+mod launch;
+
+pub use env::{DEFAULT_PORT, WorldSpec};
+pub use error::DistError;
+pub use group::{Group, Reduce};
+pub use launch::{JobEnd, LaunchSpec, launch};
+
+/// This machine's host name (for messages that name where a rank ran).
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates
+    // within it or truncates.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "localhost".into();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}

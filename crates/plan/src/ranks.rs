@@ -1,0 +1,224 @@
+//! Data parallelism planned: how many ranks a machine runs (`kiln launch`'s
+//! default, `cargo xtask train-auto`), and what the gradients' all-reduce
+//! costs on a link, with the ring all-reduce's `2(N−1)/N` factor.
+
+use kiln_hwdetect::HardwareReport;
+use serde::Serialize;
+
+use crate::{Finding, Severity};
+
+/// The data-parallel ranks for one machine, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ranks {
+    /// Processes to start (1: train in one process).
+    pub count: usize,
+    /// Why, in one line.
+    pub why: String,
+}
+
+/// One rank per GPU of the first GPU's kind (ranks must match: the same
+/// kernels, the same memory), where this build has a GPU backend; else one.
+pub fn local_ranks(hardware: &HardwareReport, gpu_backend_built: bool) -> Ranks {
+    let gpus = hardware.gpus();
+    let Some(first) = gpus.first() else {
+        return Ranks {
+            count: 1,
+            why: "no GPU: one process".into(),
+        };
+    };
+    if !gpu_backend_built {
+        return Ranks {
+            count: 1,
+            why: format!(
+                "{} GPU(s), but this build has no GPU backend: one process on the CPU",
+                gpus.len()
+            ),
+        };
+    }
+    let same = gpus
+        .iter()
+        .filter(|g| g.name == first.name && g.memory_total_bytes == first.memory_total_bytes)
+        .count();
+    let why = if same == 1 && gpus.len() == 1 {
+        format!("one {}: one process", first.name)
+    } else if same == gpus.len() {
+        format!("{same} × {}: one rank per GPU", first.name)
+    } else {
+        format!(
+            "{same} × {} (the other {} GPU(s) differ, and ranks must match)",
+            first.name,
+            gpus.len() - same
+        )
+    };
+    Ranks { count: same, why }
+}
+
+/// A link the gradients cross, with the bandwidth an all-reduce achieves
+/// on it (bytes/s; NCCL's bus bandwidth for NVLink, the line rate less
+/// overheads for the others).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    /// Its name, as docs/DISTRIBUTED.md's table gives it.
+    pub name: &'static str,
+    /// Achieved bandwidth, bytes per second.
+    pub bytes_per_s: f64,
+}
+
+/// The links docs/DISTRIBUTED.md's table models, fastest first.
+pub const LINKS: [Link; 5] = [
+    Link {
+        name: "NVLink 4",
+        bytes_per_s: 360e9,
+    },
+    Link {
+        name: "400 Gb/s network",
+        bytes_per_s: 45e9,
+    },
+    Link {
+        name: "PCIe 4.0 x16",
+        bytes_per_s: 22e9,
+    },
+    Link {
+        name: "100 Gb/s Ethernet",
+        bytes_per_s: 11e9,
+    },
+    Link {
+        name: "25 Gb/s Ethernet",
+        bytes_per_s: 2.8e9,
+    },
+];
+
+/// Seconds one ring all-reduce of `bytes` takes among `ranks` over `link`:
+/// each rank sends and receives `2(N−1)/N` of the buffer. 0 for one rank.
+pub fn allreduce_seconds(bytes: f64, ranks: usize, link: Link) -> f64 {
+    if ranks <= 1 {
+        return 0.0;
+    }
+    let n = ranks as f64;
+    2.0 * (n - 1.0) / n * bytes / link.bytes_per_s
+}
+
+/// The gradients' all-reduce of a data-parallel job, per optimizer step,
+/// over each modelled link (`kiln diagnose`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ReductionEstimate {
+    /// Ranks in the job.
+    pub ranks: usize,
+    /// Bytes reduced per optimizer step (the fp32 gradients).
+    pub gradient_bytes: u64,
+    /// Milliseconds per optimizer step over each link of [`LINKS`].
+    pub per_link_ms: Vec<(String, f64)>,
+}
+
+impl ReductionEstimate {
+    /// The estimate for a model of `parameters` trainable parameters
+    /// among `ranks` ranks (`None` for one rank: nothing to reduce).
+    pub fn new(parameters: usize, ranks: usize) -> Option<Self> {
+        if ranks <= 1 {
+            return None;
+        }
+        let bytes = parameters as u64 * 4;
+        Some(Self {
+            ranks,
+            gradient_bytes: bytes,
+            per_link_ms: LINKS
+                .iter()
+                .map(|l| {
+                    (
+                        l.name.to_string(),
+                        1e3 * allreduce_seconds(bytes as f64, ranks, *l),
+                    )
+                })
+                .collect(),
+        })
+    }
+
+    /// A note where the reduction would take longer than half the step's
+    /// compute (`step_ms`, measured) on some link: which links, and the fix.
+    pub fn finding(&self, step_ms: f64) -> Option<Finding> {
+        let slow: Vec<String> = self
+            .per_link_ms
+            .iter()
+            .filter(|(_, ms)| *ms > 0.5 * step_ms)
+            .map(|(name, ms)| format!("{name} {ms:.0} ms"))
+            .collect();
+        if slow.is_empty() {
+            return None;
+        }
+        Some(Finding {
+            severity: Severity::Note,
+            key: "training.gradient_accumulation_steps".into(),
+            problem: format!(
+                "with {} ranks the gradients' all-reduce ({:.0} MB a step) would take over half of the {step_ms:.0} ms step over: {}",
+                self.ranks,
+                self.gradient_bytes as f64 / 1e6,
+                slow.join(", ")
+            ),
+            fix: "on such a link, raise training.gradient_accumulation_steps (one reduction per optimizer step) and lower training.batch_size to keep the global batch".into(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ring_factor_and_the_docs_figures() {
+        let gpt2_small = 124.0e6 * 4.0;
+        let nvlink = allreduce_seconds(gpt2_small, 8, LINKS[0]);
+        assert!((nvlink - 2.4e-3).abs() < 0.1e-3, "{nvlink}");
+        let eth25 = allreduce_seconds(gpt2_small, 8, LINKS[4]);
+        assert!((eth25 - 0.31).abs() < 0.01, "{eth25}");
+        assert_eq!(allreduce_seconds(gpt2_small, 1, LINKS[0]), 0.0);
+        // Two ranks move the whole buffer once each way.
+        assert_eq!(allreduce_seconds(1e9, 2, LINKS[2]), 1e9 / 22e9);
+    }
+
+    fn machine(gpus: &[(&str, u64)]) -> HardwareReport {
+        use kiln_hwdetect::{DriverInfo, FixedProbe, GpuInfo, GpuStatus, detect_with};
+        let gpus = gpus
+            .iter()
+            .zip(0u32..)
+            .map(|((name, gib), i)| GpuInfo::new(i, name, gib << 30, gib << 30, (9, 0)))
+            .collect();
+        detect_with(&FixedProbe(
+            GpuStatus::Found { gpus },
+            DriverInfo::default(),
+        ))
+    }
+
+    #[test]
+    fn a_reduction_slower_than_half_the_step_is_noted_with_its_links() {
+        assert_eq!(ReductionEstimate::new(1000, 1), None);
+        let e = ReductionEstimate::new(124_000_000, 8).expect("8 ranks");
+        assert_eq!(e.gradient_bytes, 496_000_000);
+        assert_eq!(e.per_link_ms.len(), LINKS.len());
+        let f = e.finding(31.0).expect("slow links");
+        assert!(
+            f.problem.contains("100 Gb/s Ethernet") && !f.problem.contains("NVLink"),
+            "{}",
+            f.problem
+        );
+        assert!(e.finding(10_000.0).is_none());
+    }
+
+    #[test]
+    fn ranks_follow_the_gpus_of_the_first_kind() {
+        let cpu = kiln_hwdetect::detect_cpu_only();
+        assert_eq!(local_ranks(&cpu, true).count, 1);
+        let eight = machine(&[("NVIDIA H100 80GB HBM3", 80); 8]);
+        let r = local_ranks(&eight, true);
+        assert_eq!(r.count, 8);
+        assert!(r.why.contains("8 × NVIDIA H100"), "{}", r.why);
+        assert_eq!(local_ranks(&eight, false).count, 1, "no GPU backend built");
+        let mixed = machine(&[
+            ("NVIDIA RTX 4090", 24),
+            ("NVIDIA RTX 4090", 24),
+            ("Tesla T4", 16),
+        ]);
+        let r = local_ranks(&mixed, true);
+        assert_eq!(r.count, 2);
+        assert!(r.why.contains("the other 1 GPU(s) differ"), "{}", r.why);
+    }
+}

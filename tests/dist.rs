@@ -1,0 +1,334 @@
+//! `kiln launch`: data-parallel jobs of two and three local processes on
+//! the CPU, against one process with the whole batch; a rank killed; a
+//! resume that would change the global batch; bad launches.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::support::{kiln, kiln_bin, root};
+use crate::train::{checkpoint_digest, ckpt, final_val_loss, tiny};
+
+/// A port nobody listens on now.
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port().to_string())
+        .expect("a free port")
+}
+
+/// `kiln launch --nproc-per-node n` of the tiny run with `extra` overrides.
+fn launch_args(dir: &Path, run: &str, steps: u32, n: usize, extra: &[&str]) -> Vec<String> {
+    let mut args = vec![
+        "launch".to_string(),
+        "--nproc-per-node".into(),
+        n.to_string(),
+        "--master-port".into(),
+        free_port(),
+    ];
+    args.extend(tiny(dir, run, steps));
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn run(args: &[String]) -> crate::support::Run {
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    kiln(&refs).run()
+}
+
+/// A checkpoint's model tensors, by name.
+fn weights(path: &Path) -> Vec<(String, Vec<f32>)> {
+    let bytes = std::fs::read(path).expect("checkpoint");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let mut out: Vec<(String, Vec<f32>)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| name.starts_with("model/"))
+        .map(|(name, view)| {
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            (name, values)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn max_abs_diff(a: &Path, b: &Path) -> f32 {
+    let (a, b) = (weights(a), weights(b));
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(&b)
+        .flat_map(|((na, va), (nb, vb))| {
+            assert_eq!(na, nb);
+            va.iter().zip(vb).map(|(x, y)| (x - y).abs())
+        })
+        .fold(0.0, f32::max)
+}
+
+/// The steps `metrics.jsonl` logs, in order.
+fn logged(run: &Path) -> Vec<u64> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .expect("metrics.jsonl")
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["kind"] == "step")
+        .filter_map(|v| v["step"].as_u64())
+        .collect()
+}
+
+#[test]
+fn two_and_three_ranks_train_as_one_process_with_the_whole_batch() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let steps = 200;
+    let mut one = tiny(dir, "one", steps);
+    one.push("training.batch_size=6".into());
+    run(&one).expect_code(0);
+    for (n, micro) in [(2, 3), (3, 2)] {
+        let name = format!("ranks{n}");
+        let job = run(&launch_args(
+            dir,
+            &name,
+            steps,
+            n,
+            &[&format!("training.batch_size={micro}")],
+        ))
+        .expect_code(0);
+        job.stdout_has(&[&format!("accumulation 1 × {n} ranks → 6 sequences")]);
+        let ranked = dir.join(&name);
+        // The same batches, summed in another order: within float rounding
+        // after 200 AdamW steps (measured 4.7e-6 for 2 ranks; docs/DISTRIBUTED.md).
+        let diff = max_abs_diff(&ckpt(&dir.join("one"), steps), &ckpt(&ranked, steps));
+        assert!(diff < 1e-4, "{n} ranks: weights differ by {diff}");
+        let (a, b) = (final_val_loss(&dir.join("one")), final_val_loss(&ranked));
+        assert!((a - b).abs() < 1e-4, "{n} ranks: val loss {b} against {a}");
+        // Each step logged once, by rank 0 alone.
+        let steps_logged = logged(&ranked);
+        let mut unique = steps_logged.clone();
+        unique.dedup();
+        assert_eq!(unique, steps_logged, "a step logged twice");
+        assert!(!steps_logged.is_empty());
+    }
+    // Only rank 0 wrote: no run directory besides the three named ones.
+    let mut entries: Vec<String> = std::fs::read_dir(dir)
+        .expect("dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    entries.sort();
+    assert_eq!(entries, ["cache", "corpus.txt", "one", "ranks2", "ranks3"]);
+}
+
+/// The pid of rank `rank` among the children of `launcher`.
+fn rank_pid(launcher: u32, rank: usize) -> Option<u32> {
+    // (The launcher may spawn from any of its threads.)
+    let mut children = String::new();
+    for task in std::fs::read_dir(format!("/proc/{launcher}/task"))
+        .ok()?
+        .flatten()
+    {
+        children += &std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        children.push(' ');
+    }
+    children.split_whitespace().find_map(|pid| {
+        let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        let wanted = format!("RANK={rank}");
+        env.split(|&b| b == 0)
+            .any(|v| v == wanted.as_bytes())
+            .then(|| pid.parse().ok())
+            .flatten()
+    })
+}
+
+#[test]
+fn a_rank_killed_ends_the_job_and_the_resumed_job_matches_an_uninterrupted_one() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let steps = 1000;
+    let batch = ["training.batch_size=4"];
+    run(&launch_args(dir, "whole", steps, 2, &batch)).expect_code(0);
+    let killed = dir.join("killed");
+    let launcher = Command::new(kiln_bin())
+        .args(launch_args(dir, "killed", steps, 2, &batch))
+        .current_dir(root())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kiln launch");
+    let started = Instant::now();
+    while !ckpt(&killed, 100).exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "no checkpoint"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let pid = rank_pid(launcher.id(), 1).expect("rank 1 runs");
+    kill_9(pid);
+    let killed_at = Instant::now();
+    let out = launcher.wait_with_output().expect("launcher ends");
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(60),
+        "the job took {:?} to end",
+        killed_at.elapsed()
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("rank 1") && stderr.contains("SIGKILL"),
+        "the launcher names the rank:\n{stderr}"
+    );
+    assert!(
+        !ckpt(&killed, steps).exists(),
+        "killed after the last step: make it longer"
+    );
+    let resumed = run(&[
+        "launch".into(),
+        "--nproc-per-node".into(),
+        "2".into(),
+        "--master-port".into(),
+        free_port(),
+        "resume".into(),
+        killed.display().to_string(),
+    ]);
+    resumed
+        .expect_code(0)
+        .stdout_has(&["resuming", "from step"]);
+    assert_eq!(
+        checkpoint_digest(&ckpt(&killed, steps)),
+        checkpoint_digest(&ckpt(&dir.join("whole"), steps)),
+        "the resumed job's last checkpoint is the uninterrupted job's, bit for bit"
+    );
+}
+
+fn kill_9(pid: u32) {
+    let status = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+}
+
+#[test]
+fn a_resume_that_changes_the_global_batch_is_refused() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    run(&launch_args(dir, "job", 100, 2, &["training.batch_size=4"])).expect_code(0);
+    let job = dir.join("job");
+    let job = job.to_str().expect("utf-8");
+    // Alone with the same micro-batch: half the global batch.
+    kiln(&["resume", job, "training.max_steps=120"])
+        .run()
+        .expect_code(2)
+        .stderr_has(&[
+            "cannot resume with 1 ranks",
+            "global batch of 8",
+            "training.gradient_accumulation_steps=2",
+        ]);
+    // Alone with the accumulation that keeps it: allowed.
+    kiln(&[
+        "resume",
+        job,
+        "training.max_steps=120",
+        "training.gradient_accumulation_steps=2",
+    ])
+    .run()
+    .expect_code(0);
+    assert!(ckpt(Path::new(job), 120).exists());
+}
+
+#[test]
+fn bad_launches_exit_2_with_the_reason() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let train = tiny(dir, "x", 10);
+    let with = |pre: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = pre.iter().map(|s| s.to_string()).collect();
+        a.extend(train.iter().cloned());
+        a
+    };
+    run(&with(&["launch", "--nproc-per-node", "0"]))
+        .expect_code(2)
+        .stderr_has(&["--nproc-per-node 0"]);
+    run(&with(&["launch", "--nnodes", "2", "--node-rank", "2"]))
+        .expect_code(2)
+        .stderr_has(&["--node-rank 2", "out of range"]);
+    let held = std::net::TcpListener::bind("0.0.0.0:0").expect("binds");
+    let port = held.local_addr().expect("addr").port().to_string();
+    run(&with(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        &port,
+    ]))
+    .expect_code(2)
+    .stderr_has(&[&format!("port {port} is in use")]);
+    run(&["launch".into(), "cv".into()])
+        .expect_code(2)
+        .stderr_has(&["cross-validation"]);
+    // A rank outside its world, as torchrun's variables give it.
+    let refs: Vec<&str> = train.iter().map(String::as_str).collect();
+    kiln(&refs)
+        .env("RANK", "2")
+        .env("WORLD_SIZE", "2")
+        .run()
+        .expect_code(2)
+        .stderr_has(&["RANK=2", "out of range"]);
+    // A rendezvous nobody else joins times out naming who is missing.
+    kiln(&refs)
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "3")
+        .env("MASTER_PORT", &free_port())
+        .env("RENDEZVOUS_TIMEOUT", "1")
+        .run()
+        .expect_code(1)
+        .stderr_has(&["rank 1, 2 did not join"]);
+    assert!(
+        !dir.join("x").exists(),
+        "no run directory for a failed launch"
+    );
+}
+
+#[test]
+fn one_rank_trains_in_place_and_planning_knows_the_world() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    // No GPU here: `kiln launch` without --nproc-per-node trains in this
+    // process, as `cargo xtask train-auto` does on a CPU.
+    let mut args = vec!["launch".to_string()];
+    args.extend(tiny(dir, "alone", 20));
+    run(&args)
+        .expect_code(0)
+        .stderr_has(&["1 rank(s) on this machine — no GPU"]);
+    assert!(ckpt(&dir.join("alone"), 20).exists());
+    // check-hardware says how many ranks train-auto starts: four GPUs of
+    // one kind, but this test build has no GPU backend.
+    let report = crate::support::fake_report(dir, &[("NVIDIA H100 80GB HBM3", 80, (9, 0)); 4]);
+    let report = format!("--hardware-report={}", report.display());
+    kiln(&[&report, "check-hardware"])
+        .run()
+        .expect_code(0)
+        .stdout_has(&["ranks          1 — 4 GPU(s), but this build has no GPU backend"]);
+    // diagnose estimates the reduction for the ranks asked for.
+    let mut diag: Vec<String> = vec![
+        "diagnose".into(),
+        "--json".into(),
+        "--burst".into(),
+        "0".into(),
+    ];
+    diag.extend(["--ranks".into(), "4".into()]);
+    diag.extend(tiny(dir, "unused", 20).into_iter().skip(1));
+    let out = run(&diag).expect_code(0);
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("json");
+    let r = &v["diagnosis"]["reduction"];
+    assert_eq!(r["ranks"], 4);
+    let params = v["diagnosis"]["memory"]["parameters"]
+        .as_u64()
+        .expect("parameters");
+    assert_eq!(r["gradient_bytes"].as_u64(), Some(params * 4));
+    assert_eq!(r["per_link_ms"].as_array().map(Vec::len), Some(5));
+}
