@@ -20,7 +20,9 @@ any build) through, in order of importance:
    works, for a ratio; the `h100` preset as shipped (block 2048, batch 64,
    bf16); GPT-2 small and the tiny GPT again with Burn's compositions
    (`optimization.kernels=reference`), for what kiln's kernels gain;
-5. 300 steps of `kiln train hardware=auto` (the `train-auto` run).
+5. data parallelism on the one GPU: `kiln launch` of 2 ranks (NCCL, then
+   kiln's sockets) against one process with their whole batch;
+6. 300 steps of `kiln train hardware=auto` (the `train-auto` run).
 
 With `--kiln-cuda-cpp` (a build with kiln's `cuda-cpp` feature: CubeCL
 compiles the CUDA kernels to C++ for NVRTC instead of through LLVM, and so
@@ -439,6 +441,58 @@ class Check:
             with open(summary) as f:
                 step["summary"] = json.load(f)
 
+    def ddp(self):
+        """Data parallelism on the one GPU: one process with batch 8
+        against `kiln launch` of 2 ranks × 4 (NCCL on CUDA; two ranks share
+        the GPU, which NCCL allows from 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1),
+        and the same job reduced over kiln's sockets (COLLECTIVES=sockets):
+        the final losses within 1e-3 (the same batches, summed in another
+        order), and NCCL's version from the job's note."""
+        shape = [
+            f"device.backend={self.gpu}",
+            "precision.amp=false",
+            "sample.count=1",
+            "sample.tokens=10",
+            "eval.eval_iters=2",
+            "training.warmup_steps=5",
+        ]
+        if self.args.tiny:
+            shape += [*TINY_MODEL[:-1], "training.max_steps=20", "logging.logging_steps=5", "eval.eval_steps=20"]
+        else:
+            shape += ["model.max_length=128", "training.max_steps=100", "logging.logging_steps=25", "eval.eval_steps=100"]
+        losses = {}
+        notes = {}
+        runs = (
+            ("one process × 8", None, ["training.batch_size=8"], {}),
+            ("2 ranks × 4", 2, ["training.batch_size=4"], {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}),
+            ("2 ranks × 4, sockets", 2, ["training.batch_size=4"], {"COLLECTIVES": "sockets"}),
+        )
+        for label, ranks, batch, extra_env in runs:
+            run_dir = os.path.join(self.work, "ddp-" + str(len(losses)))
+            args = ["train", *shape, *batch, f"run.dir={run_dir}"]
+            if ranks:
+                port = str(29500 + len(losses) + int(time.monotonic()) % 1000)
+                args = ["launch", "--nproc-per-node", str(ranks), "--master-port", port, *args]
+            env = dict(self.env, **extra_env)
+            step = self.run(f"ddp {label}", self.kiln_cmd(*args), 240, parse_json=False, env=env)
+            summary = os.path.join(run_dir, "summary.json")
+            if os.path.exists(summary):
+                with open(summary) as f:
+                    loss = json.load(f).get("final_val_loss")
+                step["final_val_loss"] = loss
+                losses[label] = loss
+            for line in (step.get("stdout_tail") or "").splitlines():
+                if "reduces the gradients" in line or "reduced over" in line:
+                    notes[label] = line.strip()
+                    step["reduction"] = line.strip()
+        verdict = {"name": "ddp: 2 ranks against one process", "tolerance": 1e-3, "losses": losses, "reduction": notes}
+        one = losses.get("one process × 8")
+        diffs = {k: abs(v - one) for k, v in losses.items() if one is not None and v is not None and k != "one process × 8"}
+        verdict["differences"] = diffs
+        verdict["status"] = "ok" if len(diffs) == 2 and all(d < 1e-3 for d in diffs.values()) else "failed"
+        print(f"-- {verdict['name']}: {verdict['status']} {losses} {notes}", flush=True)
+        self.steps.append(verdict)
+
     # -- the report --------------------------------------------------------
 
     def datasheet_peak(self, dtype):
@@ -561,6 +615,7 @@ def main():
         check.kernels()
         check.bench_named("bench lm tiny f32")
         check.reference("lm", TINY_MODEL)
+        check.ddp()
         check.bench_named("bench lm gpt2-small bf16")
         # The same kernels compiled by NVRTC instead of LLVM: checked, then
         # timed at the step the issue's MFU is measured on.

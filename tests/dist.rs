@@ -332,3 +332,71 @@ fn one_rank_trains_in_place_and_planning_knows_the_world() {
     assert_eq!(r["gradient_bytes"].as_u64(), Some(params * 4));
     assert_eq!(r["per_link_ms"].as_array().map(Vec::len), Some(5));
 }
+
+#[test]
+fn sigterm_to_the_launcher_checkpoints_once_and_stops_every_rank() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let steps = 100_000;
+    let job = dir.join("job");
+    let launcher = Command::new(kiln_bin())
+        .args(launch_args(
+            dir,
+            "job",
+            steps,
+            2,
+            &["training.batch_size=2"],
+        ))
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kiln launch");
+    let started = Instant::now();
+    while !ckpt(&job, 100).exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "no checkpoint"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let status = Command::new("kill")
+        .args(["-TERM", &launcher.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let out = launcher.wait_with_output().expect("launcher ends");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Rank 0 alone says it, once, and the checkpoint it names exists.
+    assert_eq!(
+        stdout.matches("interrupted after step").count(),
+        1,
+        "{stdout}"
+    );
+    let step: u32 = stdout
+        .split("interrupted after step ")
+        .nth(1)
+        .and_then(|s| s.split(';').next())
+        .and_then(|s| s.trim().parse().ok())
+        .expect("the step");
+    assert!(ckpt(&job, step).exists());
+    // The job continues from it.
+    let resumed = run(&[
+        "launch".into(),
+        "--nproc-per-node".into(),
+        "2".into(),
+        "--master-port".into(),
+        free_port(),
+        "resume".into(),
+        job.display().to_string(),
+        format!("training.max_steps={}", step + 10),
+    ]);
+    resumed.expect_code(0);
+    assert!(ckpt(&job, step + 10).exists());
+}

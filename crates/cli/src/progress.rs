@@ -100,8 +100,11 @@ pub(crate) fn step_line(m: &StepMetrics, total: u64) -> String {
     let mfu = m
         .mfu
         .map_or("MFU n/a".to_string(), |v| format!("MFU {:.1}%", v * 100.0));
+    let comm = m
+        .comm_pct
+        .map_or(String::new(), |c| format!(" | all-reduce {c:.1}%"));
     format!(
-        "step {:>5}/{total} | loss {:.4} | lr {:.2e} | grad norm {:.3} | {:.1} ms/step | {:.0} tokens/s | {:.1} samples/s | {mfu} | data-wait {:.1}% | mem {} (peak {})",
+        "step {:>5}/{total} | loss {:.4} | lr {:.2e} | grad norm {:.3} | {:.1} ms/step | {:.0} tokens/s | {:.1} samples/s | {mfu} | data-wait {:.1}%{comm} | mem {} (peak {})",
         m.step,
         m.loss,
         m.lr,
@@ -136,8 +139,11 @@ pub(crate) fn summary_lines(s: &Summary) -> Vec<String> {
             s.mfu_peak
         ),
         format!(
-            "data-wait: {:.2}% of step time; peak memory {}",
+            "data-wait: {:.2}% of step time{}; peak memory {}",
             s.data_wait_pct,
+            s.comm_pct.map_or(String::new(), |c| format!(
+                "; the gradients' all-reduce {c:.1}%"
+            )),
             mib(s.peak_memory_bytes)
         ),
         format!("held back by: {}", s.held_back_by),

@@ -57,6 +57,9 @@ pub enum DistError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// NCCL could not be loaded, set up or run.
+    #[error("NCCL: {0}")]
+    Nccl(String),
     /// A socket operation failed for another reason.
     #[error("{what}: {source}")]
     Io {

@@ -53,6 +53,9 @@ pub struct Group {
     world: usize,
     timeout: Duration,
     links: Mutex<Links>,
+    /// Set by [`Group::use_nccl`]: the all-reduce goes through NCCL.
+    #[cfg(feature = "nccl")]
+    nccl: Mutex<Option<crate::nccl::Nccl>>,
 }
 
 impl Group {
@@ -76,6 +79,8 @@ impl Group {
             world: spec.world_size,
             timeout: op_timeout,
             links: Mutex::new(links),
+            #[cfg(feature = "nccl")]
+            nccl: Mutex::new(None),
         };
         group.set_timeouts()?;
         Ok(group)
@@ -119,9 +124,28 @@ impl Group {
         Ok(())
     }
 
+    /// From now on, reduces through NCCL on CUDA device `ordinal` (the
+    /// engine of PyTorch DDP): every rank calls it together, after the
+    /// rendezvous. Returns NCCL's version (`22703` for 2.27.3). Where
+    /// `COLLECTIVES=sockets` is set, keeps the sockets and returns `None`.
+    #[cfg(feature = "nccl")]
+    pub fn use_nccl(&self, ordinal: usize) -> Result<Option<i32>, DistError> {
+        if std::env::var("COLLECTIVES").is_ok_and(|v| v == "sockets") {
+            return Ok(None);
+        }
+        let nccl = crate::nccl::Nccl::connect(self, ordinal)?;
+        let version = nccl.version;
+        *self.nccl.lock().unwrap_or_else(|e| e.into_inner()) = Some(nccl);
+        Ok(Some(version))
+    }
+
     /// Combines `values` across the ranks; afterwards every rank holds the
     /// same result. Every rank must pass as many values.
     pub fn all_reduce(&self, values: &mut [f32], op: Reduce) -> Result<(), DistError> {
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = &*self.nccl.lock().unwrap_or_else(|e| e.into_inner()) {
+            return nccl.all_reduce(values, op);
+        }
         let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
         let during = "the all-reduce";
         match &mut *links {

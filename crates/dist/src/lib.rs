@@ -9,12 +9,17 @@
 //!   every rank; a rank that dies or stops answering is an error naming it.
 //! - [`launch`]: one process per local rank, with the variables set; the
 //!   first one to fail ends the job.
+//! - [`nccl_lib`]: finding NCCL's library by the name cudarc opens; with the
+//!   `nccl` feature, [`Group::use_nccl`] routes the all-reduce through NCCL.
 #![warn(missing_docs)]
 
 mod env;
 mod error;
 mod group;
 mod launch;
+#[cfg(feature = "nccl")]
+mod nccl;
+pub mod nccl_lib;
 
 pub use env::{DEFAULT_PORT, WorldSpec};
 pub use error::DistError;

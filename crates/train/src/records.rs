@@ -58,6 +58,11 @@ pub struct StepMetrics {
     pub mfu: Option<f64>,
     /// Share of the step spent waiting for the loader, in percent.
     pub data_wait_pct: f64,
+    /// In a data-parallel job: the share of the step spent in the
+    /// gradients' all-reduce (the wait for the slowest rank included), in
+    /// percent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_pct: Option<f64>,
     /// Memory in use: the device's, or on the CPU the process's resident set.
     pub memory_bytes: u64,
     /// The highest memory in use so far.

@@ -42,6 +42,10 @@ pub struct Summary {
     pub mfu_peak: String,
     /// Share of step time spent waiting for the loader, in percent.
     pub data_wait_pct: f64,
+    /// In a data-parallel job: the median share of step time spent in the
+    /// gradients' all-reduce, in percent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_pct: Option<f64>,
     /// Peak memory: the device's, or on the CPU the process's resident set.
     pub peak_memory_bytes: u64,
     /// Seconds from start to end, evaluation and checkpoints included.
@@ -133,6 +137,7 @@ pub(crate) fn held_back_by(
     peak_memory: u64,
     memory_total: u64,
     mfu: Option<f64>,
+    comm_pct: Option<f64>,
 ) -> String {
     if data_wait_pct > 10.0 {
         return format!(
@@ -144,6 +149,11 @@ pub(crate) fn held_back_by(
             "memory: the peak ({:.1} GiB) is over 90 % of the {:.1} GiB there is; lower training.batch_size, then model.max_length",
             peak_memory as f64 / f64::from(1u32 << 30),
             memory_total as f64 / f64::from(1u32 << 30)
+        );
+    }
+    if let Some(c) = comm_pct.filter(|&c| c > 30.0) {
+        return format!(
+            "communication: the gradients' all-reduce took {c:.1} % of the step; raise training.gradient_accumulation_steps (one reduction per optimizer step) and lower training.batch_size to keep the global batch"
         );
     }
     match mfu {
@@ -400,9 +410,11 @@ mod tests {
 
     #[test]
     fn the_verdict_names_the_bottleneck() {
-        assert!(held_back_by(25.0, 1, 100, Some(0.3)).starts_with("data"));
-        assert!(held_back_by(1.0, 95, 100, Some(0.3)).starts_with("memory"));
-        assert!(held_back_by(1.0, 10, 100, Some(0.3)).starts_with("compute"));
+        assert!(held_back_by(25.0, 1, 100, Some(0.3), None).starts_with("data"));
+        assert!(held_back_by(1.0, 95, 100, Some(0.3), None).starts_with("memory"));
+        assert!(held_back_by(1.0, 10, 100, Some(0.3), None).starts_with("compute"));
+        assert!(held_back_by(1.0, 10, 100, Some(0.3), Some(45.0)).starts_with("communication"));
+        assert!(held_back_by(1.0, 10, 100, Some(0.3), Some(5.0)).starts_with("compute"));
     }
 
     #[test]
@@ -419,6 +431,7 @@ mod tests {
                 samples_per_s: 10.0,
                 mfu: Some(0.1),
                 data_wait_pct: 0.5,
+                comm_pct: None,
                 memory_bytes: 1,
                 peak_memory_bytes: 1,
                 tokens_seen: u64::from(i as u32) * 10,

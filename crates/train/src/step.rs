@@ -147,6 +147,9 @@ pub(crate) struct StepReport {
     pub(crate) waited: Duration,
     /// Some rank was asked to stop: every rank stops after this step.
     pub(crate) stop: bool,
+    /// In a job: the time the gradients' all-reduce took (the wait for the
+    /// slowest rank and the copies to and from the host included).
+    pub(crate) reduced_in: Option<Duration>,
 }
 
 thread_local! {
@@ -218,11 +221,14 @@ pub(crate) fn train_step<T: Task>(
     let mut grads = single.unwrap_or_else(|| accumulator.grads());
     let mut loss = loss_sum.map_or(f32::NAN, |l| l.into_scalar::<f32>()) / accum as f32;
     let mut stop = state.stop_asked;
+    let mut reduced_in = None;
     if let Some(group) = &state.group {
+        let started = std::time::Instant::now();
         let mut extra = [loss, if stop { 1.0 } else { 0.0 }];
         grads = crate::params::all_reduce_grads(&model, grads, &mut extra, group)?;
         loss = extra[0];
         stop = extra[1] > 0.0;
+        reduced_in = Some(started.elapsed());
         let n = group.world_size();
         work = Work {
             samples: work.samples * n,
@@ -270,6 +276,7 @@ pub(crate) fn train_step<T: Task>(
         work,
         waited,
         stop,
+        reduced_in,
     };
     Ok((model, report))
 }

@@ -253,6 +253,7 @@ pub(crate) fn run_loop<T: Task>(
                     .peak_flops
                     .map(|p| work.flops / elapsed / (p * world as f64)),
                 data_wait_pct: 100.0 * report.waited.as_secs_f64() / elapsed,
+                comm_pct: report.reduced_in.map(|d| 100.0 * d.as_secs_f64() / elapsed),
                 memory_bytes: current,
                 peak_memory_bytes: peak_mem,
                 tokens_seen: plan.tokens_seen,

@@ -95,6 +95,15 @@ pub(crate) fn run(
             (cores / nproc).max(1).to_string(),
         ));
     }
+    if let Some(dir) = nccl_link_dir(ctx) {
+        let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+        let path = if path.is_empty() {
+            dir.display().to_string()
+        } else {
+            format!("{}:{path}", dir.display())
+        };
+        env.push(("LD_LIBRARY_PATH".to_string(), path));
+    }
     let host = kiln_dist::hostname();
     eprintln!(
         "kiln launch: {} ranks — {nproc} on {host} (node {} of {}), rendezvous at {}:{}",
@@ -149,4 +158,47 @@ pub(crate) fn run(
             ExitCode::from(u8::try_from(code).unwrap_or(1))
         }
     })
+}
+
+/// On a machine with NVIDIA GPUs and a CUDA build, where the dynamic loader
+/// does not find `libnccl.so` (the name cudarc opens) but NCCL is installed
+/// as `libnccl.so.2` (PyPI's `nvidia-nccl-cu12`, `libnccl2` without its
+/// `-dev` package): links it as `libnccl.so` in kiln's cache and returns
+/// that folder for the ranks' `LD_LIBRARY_PATH`. Says what it did, or what
+/// is missing (the ranks then fail before training, with the fix).
+fn nccl_link_dir(ctx: &Context) -> Option<std::path::PathBuf> {
+    use kiln_dist::nccl_lib;
+    let cuda = kiln_train::BACKENDS_BUILT_IN.contains(&"cuda");
+    if !cuda || ctx.report.gpus().is_empty() || nccl_lib::loader_finds_libnccl() {
+        return None;
+    }
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    let Some(found) = nccl_lib::find_soname(&nccl_lib::search_dirs(&env)) else {
+        eprintln!("kiln launch: warning: {}", nccl_lib::missing_advice(None));
+        return None;
+    };
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|d| !d.is_empty())
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache")))?;
+    let dir = cache.join("kiln").join("nccl");
+    match nccl_lib::link_as_libnccl(&found, &dir) {
+        Ok(link) => {
+            eprintln!(
+                "kiln launch: NCCL is installed as `{}`; linked as `{}` for the ranks (cudarc opens that name)",
+                found.display(),
+                link.display()
+            );
+            Some(dir)
+        }
+        Err(e) => {
+            eprintln!(
+                "kiln launch: warning: could not link `{}` into `{}` ({e}); {}",
+                found.display(),
+                dir.display(),
+                nccl_lib::missing_advice(Some(&found))
+            );
+            None
+        }
+    }
 }

@@ -211,6 +211,7 @@ pub(crate) fn train(
         &on_rank_device(config, options),
         !options.hardware.gpus().is_empty(),
     )?;
+    collectives(&device, options, observer)?;
     let prepared = prepare_observed(config, TokenizerFrom::Config, observer)?;
     let (session, model) =
         Session::new(config, device, &options.hardware, prepared, None, options)?;
@@ -283,6 +284,7 @@ pub(crate) fn resume(
         &on_rank_device(config, options),
         !options.hardware.gpus().is_empty(),
     )?;
+    collectives(&device, options, observer)?;
     let tokenizer = run.file("tokenizer.json");
     // Killed before it saved its tokenizer, a run makes it again (the same
     // config makes the same tokenizer).
@@ -321,13 +323,49 @@ pub(crate) fn resume(
 }
 
 /// A data-parallel rank trains on GPU `LOCAL_RANK` of its machine, as
-/// torchrun's ranks take `cuda:LOCAL_RANK`.
+/// torchrun's ranks take `cuda:LOCAL_RANK` (modulo the GPUs there are).
 fn on_rank_device(config: &RunConfig, options: &TrainOptions) -> RunConfig {
     let mut config = config.clone();
     if let Some(group) = &options.group {
-        config.device.index = group.local_rank();
+        // More ranks than GPUs (NCCL 2.30's ranks sharing a GPU) wrap round.
+        let gpus = options.hardware.gpus().len().max(1);
+        config.device.index = group.local_rank() % gpus;
     }
     config
+}
+
+/// A job on CUDA devices reduces its gradients through NCCL, the engine of
+/// PyTorch DDP (`COLLECTIVES=sockets` keeps the rendezvous's sockets);
+/// elsewhere (flex, wgpu) over the sockets, through host memory.
+fn collectives(
+    device: &DeviceChoice,
+    options: &TrainOptions,
+    observer: &mut dyn Observer,
+) -> Result<(), TrainError> {
+    let Some(group) = &options.group else {
+        return Ok(());
+    };
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        let note = match group.use_nccl(group.local_rank())? {
+            Some(v) => format!(
+                "NCCL {}.{}.{} reduces the gradients of the {} ranks",
+                v / 10000,
+                (v / 100) % 100,
+                v % 100,
+                group.world_size()
+            ),
+            None => "COLLECTIVES=sockets: the gradients are reduced over the rendezvous's sockets, through host memory".into(),
+        };
+        observer.event(&Event::Note(note));
+        return Ok(());
+    }
+    observer.event(&Event::Note(format!(
+        "the gradients of the {} ranks are reduced over the rendezvous's sockets through rank 0 ({})",
+        group.world_size(),
+        device.name
+    )));
+    Ok(())
 }
 
 /// A resume keeps the global batch (micro-batch × accumulation × ranks)
@@ -744,6 +782,8 @@ impl Session {
         let mut wait: Vec<f64> = steady.iter().map(|s| s.data_wait_pct).collect();
         let median_mfu = (!mfu.is_empty()).then(|| median(&mut mfu));
         let data_wait_pct = median(&mut wait);
+        let mut comm: Vec<f64> = steady.iter().filter_map(|s| s.comm_pct).collect();
+        let comm_pct = (!comm.is_empty()).then(|| median(&mut comm));
         let peak_memory = steps.iter().map(|s| s.peak_memory_bytes).max().unwrap_or(0);
         Summary {
             steps: steps.last().map_or(0, |s| s.step),
@@ -756,6 +796,7 @@ impl Session {
             median_mfu,
             mfu_peak: peak_name.to_string(),
             data_wait_pct,
+            comm_pct,
             peak_memory_bytes: peak_memory,
             wall_s,
             held_back_by: held_back_by(
@@ -763,6 +804,7 @@ impl Session {
                 peak_memory,
                 hardware.memory.total_bytes,
                 median_mfu,
+                comm_pct,
             ),
         }
     }

@@ -1,0 +1,109 @@
+//! The GPU path: NCCL's all-reduce on a CUDA device, as PyTorch DDP runs it.
+//! The communicator's id is made by rank 0 and handed out over the
+//! rendezvous's sockets (as torch's `TCPStore` hands it out). The values
+//! cross from the host to the device and back (kiln's gradients are on the
+//! host by then); NCCL's ring does the reduction over NVLink, PCIe or the
+//! network.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::nccl::{Comm, Id, ReduceOp};
+
+use crate::{DistError, Group, Reduce};
+
+/// A rank's NCCL communicator on its device.
+pub(crate) struct Nccl {
+    comm: Comm,
+    stream: Arc<CudaStream>,
+    /// `ncclGetVersion`: 22703 for 2.27.3.
+    pub(crate) version: i32,
+}
+
+impl std::fmt::Debug for Nccl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nccl")
+            .field("version", &self.version)
+            .finish()
+    }
+}
+
+// SAFETY: a communicator may be used from any thread, one call at a time;
+// the group keeps it behind a mutex.
+unsafe impl Send for Nccl {}
+
+fn nccl_error(what: &str, e: impl std::fmt::Debug) -> DistError {
+    DistError::Nccl(format!("{what}: {e:?}"))
+}
+
+impl Nccl {
+    /// Every rank of `group` together: rank 0 makes the id, the group's
+    /// sockets hand it out, each rank joins on CUDA device `ordinal`.
+    pub(crate) fn connect(group: &Group, ordinal: usize) -> Result<Self, DistError> {
+        // SAFETY: only tries to open the library by cudarc's names.
+        if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+            let env: Vec<(String, String)> = std::env::vars().collect();
+            let found = crate::nccl_lib::find_soname(&crate::nccl_lib::search_dirs(&env));
+            return Err(DistError::Nccl(crate::nccl_lib::missing_advice(
+                found.as_deref(),
+            )));
+        }
+        let version = cudarc::nccl::result::get_nccl_version()
+            .map_err(|e| nccl_error("ncclGetVersion", e))?;
+        let id = if group.is_root() {
+            let id = Id::new().map_err(|e| nccl_error("ncclGetUniqueId", e))?;
+            id.internal().iter().map(|&c| c as u8).collect()
+        } else {
+            Vec::new()
+        };
+        let all = group.all_gather(&id)?;
+        let mut internal = [0 as std::ffi::c_char; 128];
+        for (dst, src) in internal.iter_mut().zip(&all[0]) {
+            *dst = *src as std::ffi::c_char;
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| {
+            DistError::Nccl(format!("opening CUDA device {ordinal} (LOCAL_RANK): {e}"))
+        })?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| DistError::Nccl(format!("a CUDA stream on device {ordinal}: {e}")))?;
+        let comm = Comm::from_rank(
+            Arc::clone(&stream),
+            group.rank(),
+            group.world_size(),
+            Id::uninit(internal),
+        )
+        .map_err(|e| nccl_error("ncclCommInitRank", e))?;
+        Ok(Self {
+            comm,
+            stream,
+            version,
+        })
+    }
+
+    /// `values` reduced across the ranks by NCCL, in place.
+    pub(crate) fn all_reduce(&self, values: &mut [f32], op: Reduce) -> Result<(), DistError> {
+        let n = values.len();
+        let cuda = |what: &str, e: cudarc::driver::DriverError| {
+            DistError::Nccl(format!("{what} of {n} values: {e}"))
+        };
+        let mut device = self
+            .stream
+            .clone_htod(&*values)
+            .map_err(|e| cuda("copying to the device", e))?;
+        let op = match op {
+            Reduce::Sum => ReduceOp::Sum,
+            Reduce::Mean => ReduceOp::Avg,
+            Reduce::Max => ReduceOp::Max,
+        };
+        self.comm
+            .all_reduce_in_place(&mut device, &op)
+            .map_err(|e| nccl_error("ncclAllReduce", e))?;
+        self.stream
+            .memcpy_dtoh(&device, values)
+            .map_err(|e| cuda("copying back", e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda("waiting for the all-reduce", e))
+    }
+}
