@@ -3,10 +3,9 @@
 //! resume that would change the global batch; bad launches.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::support::{kiln, kiln_bin, root};
+use crate::support::{interrupted_stdout, kiln, signal, start_until};
 use crate::train::{checkpoint_digest, ckpt, final_val_loss, tiny};
 
 /// A port nobody listens on now.
@@ -151,23 +150,12 @@ fn a_rank_killed_ends_the_job_and_the_resumed_job_matches_an_uninterrupted_one()
     let batch = ["training.batch_size=4"];
     run(&launch_args(dir, "whole", steps, 2, &batch)).expect_code(0);
     let killed = dir.join("killed");
-    let launcher = Command::new(kiln_bin())
-        .args(launch_args(dir, "killed", steps, 2, &batch))
-        .current_dir(root())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kiln launch");
-    let started = Instant::now();
-    while !ckpt(&killed, 100).exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(300),
-            "no checkpoint"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let launcher = start_until(
+        &launch_args(dir, "killed", steps, 2, &batch),
+        &ckpt(&killed, 100),
+    );
     let pid = rank_pid(launcher.id(), 1).expect("rank 1 runs");
-    kill_9(pid);
+    signal(pid, "-KILL");
     let killed_at = Instant::now();
     let out = launcher.wait_with_output().expect("launcher ends");
     assert!(
@@ -202,14 +190,6 @@ fn a_rank_killed_ends_the_job_and_the_resumed_job_matches_an_uninterrupted_one()
         checkpoint_digest(&ckpt(&dir.join("whole"), steps)),
         "the resumed job's last checkpoint is the uninterrupted job's, bit for bit"
     );
-}
-
-fn kill_9(pid: u32) {
-    let status = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success());
 }
 
 #[test]
@@ -339,40 +319,12 @@ fn sigterm_to_the_launcher_checkpoints_once_and_stops_every_rank() {
     let dir = tmp.path();
     let steps = 100_000;
     let job = dir.join("job");
-    let launcher = Command::new(kiln_bin())
-        .args(launch_args(
-            dir,
-            "job",
-            steps,
-            2,
-            &["training.batch_size=2"],
-        ))
-        .current_dir(root())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kiln launch");
-    let started = Instant::now();
-    while !ckpt(&job, 100).exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(300),
-            "no checkpoint"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let status = Command::new("kill")
-        .args(["-TERM", &launcher.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success());
-    let out = launcher.wait_with_output().expect("launcher ends");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(130),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let launcher = start_until(
+        &launch_args(dir, "job", steps, 2, &["training.batch_size=2"]),
+        &ckpt(&job, 100),
     );
+    signal(launcher.id(), "-TERM");
+    let stdout = interrupted_stdout(launcher.wait_with_output().expect("launcher ends"));
     // Rank 0 alone says it, once, and the checkpoint it names exists.
     assert_eq!(
         stdout.matches("interrupted after step").count(),

@@ -175,18 +175,49 @@ pub(crate) fn fake_report(dir: &Path, gpus: &[FakeGpu<'_>]) -> PathBuf {
     path
 }
 
-/// Starts `kiln args` and SIGKILLs it as soon as `marker` exists (a
-/// checkpoint, say); fails if `done` exists by then (the run was too short
-/// to be killed midway).
-pub(crate) fn kill_when(args: &[String], marker: &Path, done: &Path) {
-    use std::time::{Duration, Instant};
-    let mut child = Command::new(kiln_bin())
+/// Sends `signal` (`-KILL`, `-TERM`, `-INT`) to process `pid`.
+pub(crate) fn signal(pid: u32, signal: &str) {
+    let status = Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success(), "kill {signal} {pid}");
+}
+
+/// What an interrupted `kiln` printed to stdout, once it has exited 130
+/// (the test fails with both streams otherwise).
+pub(crate) fn interrupted_stdout(out: std::process::Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// Starts `kiln args` with its output captured, and returns once `marker`
+/// exists (a checkpoint, the metrics).
+pub(crate) fn start_until(args: &[String], marker: &Path) -> std::process::Child {
+    let child = spawn(args, std::process::Stdio::piped);
+    wait_for(marker);
+    child
+}
+
+fn spawn(args: &[String], out: fn() -> std::process::Stdio) -> std::process::Child {
+    Command::new(kiln_bin())
         .args(args)
         .current_dir(root())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stdout(out())
+        .stderr(out())
         .spawn()
-        .expect("spawn kiln");
+        .expect("spawn kiln")
+}
+
+/// Waits (5 minutes at most) until `marker` exists.
+fn wait_for(marker: &Path) {
+    use std::time::{Duration, Instant};
     let started = Instant::now();
     while !marker.exists() {
         assert!(
@@ -196,6 +227,14 @@ pub(crate) fn kill_when(args: &[String], marker: &Path, done: &Path) {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// Starts `kiln args` and SIGKILLs it as soon as `marker` exists (a
+/// checkpoint, say); fails if `done` exists by then (the run was too short
+/// to be killed midway).
+pub(crate) fn kill_when(args: &[String], marker: &Path, done: &Path) {
+    let mut child = spawn(args, std::process::Stdio::null);
+    wait_for(marker);
     child.kill().expect("kill");
     child.wait().expect("reap");
     assert!(

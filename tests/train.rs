@@ -364,19 +364,8 @@ fn ctrl_c_checkpoints_and_prints_the_resume_command() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path().join("int");
     let child = start_run(&tiny(tmp.path(), "int", 100_000), &dir);
-    let status = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .expect("send SIGINT");
-    assert!(status.success());
-    let out = child.wait_with_output().expect("wait");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(130),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    crate::support::signal(child.id(), "-INT");
+    let stdout = crate::support::interrupted_stdout(child.wait_with_output().expect("wait"));
     assert!(stdout.contains("resume with: kiln resume"), "{stdout}");
     let checkpoints = std::fs::read_dir(dir.join("checkpoints"))
         .expect("checkpoints")
@@ -804,22 +793,7 @@ fn twenty_kills_from_the_start_end_where_an_uninterrupted_run_ends() {
 
 /// Starts `kiln args` and waits until its run has logged a step.
 fn start_run(args: &[String], dir: &Path) -> std::process::Child {
-    let child = Command::new(kiln_bin())
-        .args(args)
-        .current_dir(root())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kiln");
-    let started = Instant::now();
-    while !dir.join("metrics.jsonl").exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "the run did not start"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    child
+    crate::support::start_until(args, &dir.join("metrics.jsonl"))
 }
 
 #[test]
