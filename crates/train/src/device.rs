@@ -24,6 +24,11 @@ pub struct DeviceChoice {
 }
 
 impl DeviceChoice {
+    /// Whether this is a CUDA device (a job's gradients then go through NCCL).
+    pub fn is_cuda(&self) -> bool {
+        self.name.starts_with("cuda")
+    }
+
     /// Whether this is flex, the CPU device kiln's fused CPU kernels run on
     /// (not Burn's CubeCL CPU backend, nor a GPU).
     pub fn is_flex(&self) -> bool {
