@@ -352,3 +352,40 @@ fn sigterm_to_the_launcher_checkpoints_once_and_stops_every_rank() {
     resumed.expect_code(0);
     assert!(ckpt(&job, step + 10).exists());
 }
+
+#[test]
+fn a_job_on_documents_has_rank_0_prepare_them_and_the_others_read_them() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let docs = crate::store::documents(dir).join("speeches.jsonl");
+    let mut args = vec![
+        "launch".to_string(),
+        "--nproc-per-node".into(),
+        "2".into(),
+        "--master-port".into(),
+        free_port(),
+    ];
+    args.extend(crate::store::tiny_on(
+        dir,
+        "job",
+        20,
+        &docs,
+        &[
+            "data.tokenizer=gpt2",
+            "model.max_length=16",
+            "training.batch_size=4",
+        ],
+    ));
+    run(&args)
+        .expect_code(0)
+        .stdout_has(&["preparing them into the token store", "vocabulary 50257"]);
+    let stores = std::fs::read_dir(dir.join("cache"))
+        .expect("cache")
+        .filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.file_name().to_string_lossy().starts_with("store-"))
+        })
+        .count();
+    assert_eq!(stores, 1, "one store, written once");
+    assert!(ckpt(&dir.join("job"), 20).exists());
+}

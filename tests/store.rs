@@ -10,7 +10,7 @@ use crate::train::{checkpoint_digest, ckpt, tiny};
 
 /// Shakespeare's first 60 kB as JSON lines, a speech (blank-line separated)
 /// a document, with a line missing its text.
-fn documents(dir: &Path) -> PathBuf {
+pub(crate) fn documents(dir: &Path) -> PathBuf {
     let text = std::fs::read_to_string(root().join("data/tinyshakespeare.txt")).expect("corpus");
     let folder = dir.join("docs");
     std::fs::create_dir_all(&folder).expect("mkdir");
@@ -27,7 +27,13 @@ fn documents(dir: &Path) -> PathBuf {
 }
 
 /// The tiny run's arguments with `data.path` at `path` and `extra` after.
-fn tiny_on(dir: &Path, run: &str, steps: u32, path: &Path, extra: &[&str]) -> Vec<String> {
+pub(crate) fn tiny_on(
+    dir: &Path,
+    run: &str,
+    steps: u32,
+    path: &Path,
+    extra: &[&str],
+) -> Vec<String> {
     let mut args: Vec<String> = tiny(dir, run, steps)
         .into_iter()
         .map(|a| {

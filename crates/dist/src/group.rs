@@ -107,19 +107,24 @@ impl Group {
     }
 
     fn set_timeouts(&self) -> Result<(), DistError> {
+        self.each_stream(|s| {
+            s.set_read_timeout(Some(self.timeout))?;
+            s.set_write_timeout(Some(self.timeout))?;
+            s.set_nodelay(true)
+        })
+    }
+
+    fn each_stream(&self, f: impl Fn(&TcpStream) -> std::io::Result<()>) -> Result<(), DistError> {
         let links = self.links.lock().unwrap_or_else(|e| e.into_inner());
         let streams: Vec<&TcpStream> = match &*links {
             Links::Root(peers) => peers.iter().map(|p| &p.stream).collect(),
             Links::Leaf { root, .. } => vec![root],
         };
         for s in streams {
-            s.set_read_timeout(Some(self.timeout))
-                .and_then(|()| s.set_write_timeout(Some(self.timeout)))
-                .and_then(|()| s.set_nodelay(true))
-                .map_err(|source| DistError::Io {
-                    what: "setting the job's sockets up".into(),
-                    source,
-                })?;
+            f(s).map_err(|source| DistError::Io {
+                what: "setting the job's sockets up".into(),
+                source,
+            })?;
         }
         Ok(())
     }
@@ -238,6 +243,20 @@ impl Group {
                 Ok(all)
             }
         }
+    }
+
+    /// Waits until every rank has called it, up to `timeout` instead of the
+    /// group's (rank 0 preparing a corpus the others then read: longer
+    /// than any step). A rank that dies still ends the wait at once.
+    pub fn barrier(&self, timeout: Duration) -> Result<(), DistError> {
+        self.with_timeout(timeout)?;
+        let waited = self.all_gather(&[]);
+        self.with_timeout(self.timeout)?;
+        waited.map(|_| ())
+    }
+
+    fn with_timeout(&self, timeout: Duration) -> Result<(), DistError> {
+        self.each_stream(|s| s.set_read_timeout(Some(timeout)))
     }
 
     /// Fails unless every rank passes the same `value` (a checksum of the
@@ -617,6 +636,28 @@ mod tests {
             let e = differ.expect_err("rank 2 differs");
             assert!(e.contains("rank 2 has 0000000000000008"), "{e}");
         }
+    }
+
+    #[test]
+    fn a_barrier_waits_as_long_as_it_is_told() {
+        let out = on_ranks(2, |g| {
+            if g.is_root() {
+                std::thread::sleep(Duration::from_millis(400));
+                let _ = g.barrier(Duration::from_secs(5));
+                return (true, true);
+            }
+            // Rank 0 is busy for 400 ms: a 50 ms barrier gives up, a
+            // 5 s one (on a fresh pair of ranks below) does not.
+            (g.barrier(Duration::from_millis(50)).is_ok(), false)
+        });
+        assert_eq!(out[1], (false, false), "the short wait timed out");
+        let out = on_ranks(2, |g| {
+            if g.is_root() {
+                std::thread::sleep(Duration::from_millis(400));
+            }
+            g.barrier(Duration::from_secs(5)).is_ok()
+        });
+        assert_eq!(out, [true, true]);
     }
 
     #[test]

@@ -212,7 +212,7 @@ pub(crate) fn train(
         !options.hardware.gpus().is_empty(),
     )?;
     collectives(&device, options, observer)?;
-    let prepared = prepare_observed(config, TokenizerFrom::Config, observer)?;
+    let prepared = prepare_in_turn(config, TokenizerFrom::Config, options, observer)?;
     let (session, model) =
         Session::new(config, device, &options.hardware, prepared, None, options)?;
     let run = if options.writes() {
@@ -289,11 +289,12 @@ pub(crate) fn resume(
     // Killed before it saved its tokenizer, a run makes it again (the same
     // config makes the same tokenizer).
     let saved = tokenizer.is_file();
-    let prepared = if saved {
-        prepare_observed(config, TokenizerFrom::File(&tokenizer), observer)?
+    let from_tokenizer = if saved {
+        TokenizerFrom::File(&tokenizer)
     } else {
-        prepare_observed(config, TokenizerFrom::Config, observer)?
+        TokenizerFrom::Config
     };
+    let prepared = prepare_in_turn(config, from_tokenizer, options, observer)?;
     if !saved {
         run.write("tokenizer.json", &prepared.tokenizer.to_json()?)?;
     }
@@ -332,6 +333,33 @@ fn on_rank_device(config: &RunConfig, options: &TrainOptions) -> RunConfig {
         config.device.index = group.local_rank() % gpus;
     }
     config
+}
+
+/// How long a job's other ranks wait for rank 0 to prepare the corpus
+/// (a rank 0 that dies ends the wait at once).
+const PREPARE_WAIT: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+/// [`prepare_observed`] in a data-parallel job: rank 0 first, the others
+/// once it is done, so that a corpus prepared into a token store (or a
+/// token cache) is written once, by rank 0, and read by the rest.
+fn prepare_in_turn(
+    config: &RunConfig,
+    from: TokenizerFrom<'_>,
+    options: &TrainOptions,
+    observer: &mut dyn Observer,
+) -> Result<Prepared, TrainError> {
+    match &options.group {
+        None => prepare_observed(config, from, observer),
+        Some(group) if group.is_root() => {
+            let prepared = prepare_observed(config, from, observer)?;
+            group.barrier(PREPARE_WAIT)?;
+            Ok(prepared)
+        }
+        Some(group) => {
+            group.barrier(PREPARE_WAIT)?;
+            prepare_observed(config, from, observer)
+        }
+    }
 }
 
 /// A job on CUDA devices reduces its gradients through NCCL, the engine of
