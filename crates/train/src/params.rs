@@ -162,67 +162,76 @@ pub(crate) fn load_values<M: Module>(
 /// the socket reduction's path (the CPU's); NCCL's would stay on the GPU.
 pub(crate) fn all_reduce_grads<M: Module>(
     module: &M,
-    mut grads: GradientsParams,
+    grads: GradientsParams,
     extra: &mut [f32],
     group: &kiln_dist::Group,
 ) -> Result<GradientsParams, kiln_dist::DistError> {
+    /// A gradient taken out of `grads` onto the host, as the module's
+    /// visiting order meets it (`global_grad_norm`'s walk).
     struct Taken {
         id: ParamId,
-        shape: Vec<usize>,
+        dims: Vec<usize>,
         device: Device,
         dtype: burn::tensor::DType,
-        len: usize,
     }
-    fn take<const D: usize>(
-        grads: &mut GradientsParams,
-        id: ParamId,
-        flat: &mut Vec<f32>,
-    ) -> Option<(Device, burn::tensor::DType)> {
-        let t = grads.remove::<D>(id)?;
-        let found = (t.device(), t.dtype());
-        flat.extend(t.into_data().iter::<f32>());
-        Some(found)
+    struct Gather {
+        grads: GradientsParams,
+        flat: Vec<f32>,
+        taken: Vec<Taken>,
     }
-    fn put<const D: usize>(grads: &mut GradientsParams, t: &Taken, values: &[f32]) {
-        let tensor: Tensor<D> = tensor_from(values.to_vec(), &t.shape, &t.device).cast(t.dtype);
-        grads.register::<D>(t.id, tensor);
-    }
-    let mut flat = Vec::new();
-    let mut taken = Vec::new();
-    for e in param_entries(module) {
-        let before = flat.len();
-        let found = match e.shape.len() {
-            1 => take::<1>(&mut grads, e.id, &mut flat),
-            2 => take::<2>(&mut grads, e.id, &mut flat),
-            3 => take::<3>(&mut grads, e.id, &mut flat),
-            4 => take::<4>(&mut grads, e.id, &mut flat),
-            _ => None,
-        };
-        if let Some((device, dtype)) = found {
-            taken.push(Taken {
-                id: e.id,
-                shape: e.shape,
-                device,
-                dtype,
-                len: flat.len() - before,
-            });
+    impl ModuleVisitor for Gather {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.remove::<D>(param.id) {
+                self.taken.push(Taken {
+                    id: param.id,
+                    dims: g.dims().to_vec(),
+                    device: g.device(),
+                    dtype: g.dtype(),
+                });
+                self.flat.extend(g.into_data().iter::<f32>());
+            }
         }
     }
+    /// Puts the reduced values back, in the same order.
+    struct Scatter<'a> {
+        grads: GradientsParams,
+        taken: std::slice::Iter<'a, Taken>,
+        values: &'a [f32],
+    }
+    impl ModuleVisitor for Scatter<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(t) = self.taken.as_slice().first().filter(|t| t.id == param.id) else {
+                return;
+            };
+            self.taken.next();
+            let (mine, rest) = self.values.split_at(t.dims.iter().product());
+            self.values = rest;
+            let g: Tensor<D> = tensor_from(mine.to_vec(), &t.dims, &t.device).cast(t.dtype);
+            self.grads.register::<D>(t.id, g);
+        }
+    }
+    let mut gather = Gather {
+        grads,
+        flat: Vec::new(),
+        taken: Vec::new(),
+    };
+    module.visit(&mut gather);
+    let Gather {
+        grads,
+        mut flat,
+        taken,
+    } = gather;
+    let n = flat.len();
     flat.extend_from_slice(extra);
     group.all_reduce(&mut flat, kiln_dist::Reduce::Mean)?;
-    let mut at = 0;
-    for t in &taken {
-        let values = &flat[at..at + t.len];
-        match t.shape.len() {
-            1 => put::<1>(&mut grads, t, values),
-            2 => put::<2>(&mut grads, t, values),
-            3 => put::<3>(&mut grads, t, values),
-            _ => put::<4>(&mut grads, t, values),
-        }
-        at += t.len;
-    }
-    extra.copy_from_slice(&flat[at..]);
-    Ok(grads)
+    extra.copy_from_slice(&flat[n..]);
+    let mut scatter = Scatter {
+        grads,
+        taken: taken.iter(),
+        values: &flat[..n],
+    };
+    module.visit(&mut scatter);
+    Ok(scatter.grads)
 }
 
 /// A checksum of every parameter's bits (FNV-1a), the same on every rank

@@ -229,13 +229,7 @@ pub(crate) fn train_step<T: Task>(
         loss = extra[0];
         stop = extra[1] > 0.0;
         reduced_in = Some(started.elapsed());
-        let n = group.world_size();
-        work = Work {
-            samples: work.samples * n,
-            tokens: work.tokens * n,
-            padded_tokens: work.padded_tokens * n,
-            flops: work.flops * n as f64,
-        };
+        work = work.times(group.world_size());
     }
     let grad_norm = global_grad_norm(&model, &grads, optim.kernels) / loss_scale;
     let verdict = match state.scaler.as_mut() {

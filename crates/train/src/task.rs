@@ -20,6 +20,18 @@ pub(crate) struct Work {
     pub(crate) flops: f64,
 }
 
+impl Work {
+    /// The work of `n` ranks that each did this (a data-parallel job's step).
+    pub(crate) fn times(self, n: usize) -> Self {
+        Self {
+            samples: self.samples * n,
+            tokens: self.tokens * n,
+            padded_tokens: self.padded_tokens * n,
+            flops: self.flops * n as f64,
+        }
+    }
+}
+
 impl std::ops::AddAssign for Work {
     fn add_assign(&mut self, w: Self) {
         self.samples += w.samples;

@@ -123,6 +123,7 @@ fn backend_line(report: &HardwareReport, resolved: &ResolvedConfig) -> String {
 /// `kiln check-hardware --json`: the report, the preset and the recommendation.
 fn json(report: &HardwareReport, resolved: &ResolvedConfig) -> serde_json::Value {
     let r = Recommendation::new(resolved, report);
+    let ranks = ranks(report);
     json!({
         "hardware": report,
         "preset": {
@@ -146,8 +147,8 @@ fn json(report: &HardwareReport, resolved: &ResolvedConfig) -> serde_json::Value
             "backend_in_this_build": backend_line(report, resolved),
         },
         "ranks": {
-            "count": ranks(report).count,
-            "why": ranks(report).why,
+            "count": ranks.count,
+            "why": ranks.why,
         },
     })
 }
