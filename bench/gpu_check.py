@@ -6,8 +6,9 @@ any build) through, in order of importance:
 
 1. the machine: `nvidia-smi`, `kiln check-hardware --json`;
 2. reference checks: `kiln check-kernels` (kiln's GPU kernels, the fused
-   AdamW and the memory-efficient attention forward and backward, against
-   the Burn operations they replace); training steps on
+   AdamW, the memory-efficient attention forward and backward, LayerNorm,
+   GELU, and the LM head fused with its loss, against the Burn operations
+   they replace); training steps on
    the GPU against the same steps on the CPU (flex), for the GPT and the
    encoder: the loss after 1 step within 1e-4 and after 20 steps within
    1e-3 (the GPU suite's tolerances);
@@ -15,7 +16,8 @@ any build) through, in order of importance:
    earlier wgpu figures) and on GPT-2 small, in f32 and bf16;
    `kiln bench nli` on the BERT-base encoder in bf16; most with
    `--kernel-profile` (where the device time of a step goes, kernel by
-   kernel, and the device's busy share of the step);
+   kernel, and the device's busy share of the step) and the GPU
+   allocator's peak (`device_memory_peak_bytes`, the table's GiB);
 4. PyTorch at the same shapes (bench/pytorch_gpt.py), where `import torch`
    works, for a ratio; the `h100` preset as shipped (block 2048, batch 64,
    bf16); GPT-2 small and the tiny GPT again with Burn's compositions
@@ -419,13 +421,17 @@ class Check:
         if step is None:
             return None
         cfg, bench = step["result"]["config"], step["result"]["bench"]
+        # kiln computes the padded vocabulary's logits (model.vocab_multiple,
+        # 64 in gpt2_small: nanoGPT's 50,304): PyTorch gets the same rows.
+        multiple = max(1, cfg["model"].get("vocab_multiple", 1))
+        vocab = -(-bench["vocab_size"] // multiple) * multiple
         return {
             "layers": cfg["model"]["layers"],
             "heads": cfg["model"]["heads"],
             "hidden": cfg["model"]["hidden"],
             "block": cfg["model"]["max_length"],
             "batch": cfg["training"]["batch_size"],
-            "vocab": bench["vocab_size"],
+            "vocab": vocab,
         }
 
     def train_auto(self):
@@ -542,7 +548,7 @@ class Check:
 
     def table(self):
         print(f"\n{'step':42} {'status':8} {'s':>6} {'tok/s':>10} {'ms/step':>8} "
-              f"{'fwd':>6} {'bwd':>6} {'opt':>6} {'MFU':>6} {'MFUds':>6} {'llm.c':>6}")
+              f"{'fwd':>6} {'bwd':>6} {'opt':>6} {'MFU':>6} {'MFUds':>6} {'llm.c':>6} {'GiB':>6}")
         for s in self.steps:
             row = f"{s['name'][:42]:42} {s.get('status', ''):8} {s.get('seconds', ''):>6}"
             b = s.get("result", {}).get("bench") if isinstance(s.get("result"), dict) else None
@@ -552,6 +558,9 @@ class Check:
                 row += (f" {b['tokens_per_s_median']:10.0f} {b['ms_per_step_median']:8.1f}"
                         f" {p['forward_ms']:6.1f} {p['backward_ms']:6.1f} {p['optimizer_ms']:6.1f}"
                         f" {pct(b.get('mfu'))} {pct(d.get('mfu_datasheet'))} {pct(d.get('mfu_datasheet_llmc'))}")
+                # The GPU allocator's own peak (kiln's use of the device).
+                peak = b.get("device_memory_peak_bytes")
+                row += f" {peak / 2**30:6.2f}" if isinstance(peak, int) else "      -"
             elif isinstance(s.get("result"), dict) and "tokens_per_s_median" in s["result"]:
                 r = s["result"]
                 row += f" {r['tokens_per_s_median']:10.0f} {r['ms_per_step_median']:8.1f}"

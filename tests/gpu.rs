@@ -68,6 +68,16 @@ fn a_kernel_profile_lists_where_the_device_time_goes() {
     crate::measure::check_schema("bench-schema", &run.stdout);
     let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("json");
     let b = &v["bench"];
+    // The allocator's own high-water mark: at least the model's f32
+    // weights, gradients and AdamW's moments (16 bytes a parameter).
+    let parameters = b["parameters"].as_u64().expect("parameters");
+    assert!(
+        b["device_memory_peak_bytes"]
+            .as_u64()
+            .is_some_and(|peak| peak >= 16 * parameters),
+        "{}",
+        b["device_memory_peak_bytes"]
+    );
     assert!(
         b["final_loss"]
             .as_f64()
@@ -228,6 +238,17 @@ fn a_short_training_run_on_wgpu_follows_the_flex_run() {
         },
     ]);
     let (flex, flex_val) = run("flex");
+    // The step lines' memory is the GPU allocator's on wgpu, the process's
+    // RAM on flex.
+    assert!(
+        wgpu.stdout
+            .lines()
+            .filter(|l| l.contains("| mem "))
+            .all(|l| l.ends_with(" on the GPU")),
+        "{}",
+        wgpu.stdout
+    );
+    assert!(!flex.stdout.contains(" on the GPU"), "{}", flex.stdout);
     let (a, b) = (logged_loss(&flex.stdout, 1), logged_loss(&wgpu.stdout, 1));
     assert!((a - b).abs() < 1e-4, "step 1: flex {a} vs wgpu {b}");
     assert!(
@@ -401,7 +422,8 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
 /// composition of the same operations — the AdamW update (100 steps) and
 /// the memory-efficient attention, forward and backward, causal and padded,
 /// with heads narrow enough for the kernels' unrolled loops and wider,
-/// and queries that see no key (zeros, not NaN).
+/// and queries that see no key (zeros, not NaN); and the LM head fused
+/// with its loss, in chunks of tokens, against the logits' composition.
 /// Under Burn's `fusion` AdamW's composition runs (fusion fuses it) and
 /// the check says so; the attention kernels run there too, as custom
 /// operations of the fusion stream.
@@ -429,6 +451,8 @@ fn kiln_kernels_on_wgpu_agree_with_the_composition() {
         // Wider than the kernels unroll for: their loop path.
         ("attention, causal, heads 136 wide", 1e-4, true),
         ("attention, queries that see no key", 1e-4, true),
+        // Burn's primitive operations in chunks, on CubeCL and under fusion.
+        ("lm head and loss", 1e-4, true),
     ];
     for (name, tolerance, fused) in expected {
         let check = checks

@@ -887,10 +887,12 @@ fn a_checkpoint_that_cannot_be_written_leaves_no_debris_and_the_earlier_ones_int
 /// shapes, as `transformers` makes them (a fixture it wrote for this shape),
 /// with the config and tokenizer beside them; nothing is overwritten. The
 /// logits are compared with `transformers` by scripts/check_hf_export.py.
+/// The run pads its vocabulary (`model.vocab_multiple`: 65 characters
+/// trained as 128 rows); the export has the true 65.
 #[test]
 fn export_writes_a_gpt2_folder_with_transformers_names_and_shapes() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    train_tiny(tmp.path(), "run", 10, &[]).expect_code(0);
+    train_tiny(tmp.path(), "run", 10, &["model.vocab_multiple=64"]).expect_code(0);
     let run = tmp.path().join("run");
     let out = tmp.path().join("hf");
     let args = [
@@ -911,6 +913,10 @@ fn export_writes_a_gpt2_folder_with_transformers_names_and_shapes() {
     assert_eq!(config["n_layer"], 2);
     assert_eq!(config["activation_function"], "gelu", "kiln's exact GELU");
     let vocab = config["vocab_size"].as_u64().expect("vocab") as usize;
+    assert!(
+        !vocab.is_multiple_of(64),
+        "the tokenizer's {vocab} tokens, not the padded rows"
+    );
 
     let fixture: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(root().join("tests/data/gpt2-tiny-state-dict.json"))
@@ -955,6 +961,16 @@ fn export_writes_a_gpt2_folder_with_transformers_names_and_shapes() {
         "kiln_reference.json",
     ] {
         assert!(out.join(file).is_file(), "{file}");
+    }
+    // The reference logits kiln computed are the true vocabulary's too.
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("kiln_reference.json")).expect("reference"),
+    )
+    .expect("json");
+    let rows = reference["logits"].as_array().expect("logits");
+    assert!(!rows.is_empty());
+    for row in rows {
+        assert_eq!(row.as_array().expect("row").len(), vocab);
     }
 
     // An existing folder is left alone; a folder that is no run is named.

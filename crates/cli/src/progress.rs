@@ -103,8 +103,10 @@ pub(crate) fn step_line(m: &StepMetrics, total: u64) -> String {
     let comm = m
         .comm_pct
         .map_or(String::new(), |c| format!(" | all-reduce {c:.1}%"));
+    // A GPU run's memory is its allocator's on the GPU, not the process's RAM.
+    let gpu = if m.device_memory { " on the GPU" } else { "" };
     format!(
-        "step {:>5}/{total} | loss {:.4} | lr {:.2e} | grad norm {:.3} | {:.1} ms/step | {:.0} tokens/s | {:.1} samples/s | {mfu} | data-wait {:.1}%{comm} | mem {} (peak {})",
+        "step {:>5}/{total} | loss {:.4} | lr {:.2e} | grad norm {:.3} | {:.1} ms/step | {:.0} tokens/s | {:.1} samples/s | {mfu} | data-wait {:.1}%{comm} | mem {} (peak {}){gpu}",
         m.step,
         m.loss,
         m.lr,
@@ -139,12 +141,17 @@ pub(crate) fn summary_lines(s: &Summary) -> Vec<String> {
             s.mfu_peak
         ),
         format!(
-            "data-wait: {:.2}% of step time{}; peak memory {}",
+            "data-wait: {:.2}% of step time{}; peak memory {}{}",
             s.data_wait_pct,
             s.comm_pct.map_or(String::new(), |c| format!(
                 "; the gradients' all-reduce {c:.1}%"
             )),
-            mib(s.peak_memory_bytes)
+            mib(s.peak_memory_bytes),
+            if s.peak_memory_on_gpu {
+                " on the GPU"
+            } else {
+                ""
+            }
         ),
         format!("held back by: {}", s.held_back_by),
     ]

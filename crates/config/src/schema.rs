@@ -87,6 +87,17 @@ pub struct ModelSection {
     pub pooling: Pooling,
     /// `exact` (erf) or `tanh` (the approximation); never switched silently.
     pub gelu: Gelu,
+    /// Language models: the embedding and the logits padded to a multiple
+    /// of this many tokens (nanoGPT's 50,304 for GPT-2's 50,257), for the
+    /// GPU's tiles and vector loads; the padding ids never occur and their
+    /// logits are masked out of the loss. 1: no padding. A run saved
+    /// before this key existed resumes with 1.
+    #[serde(default = "no_vocab_padding")]
+    pub vocab_multiple: usize,
+}
+
+fn no_vocab_padding() -> usize {
+    1
 }
 
 /// How the encoder pools a sequence for the classifier.
@@ -442,6 +453,11 @@ impl RunConfig {
             "must be in [0, 1)",
         );
         check(m.max_length >= 2, "model.max_length", "must be at least 2");
+        check(
+            (1..=4096).contains(&m.vocab_multiple),
+            "model.vocab_multiple",
+            "must be between 1 (no padding) and 4096",
+        );
         check(
             self.precision.max_bad_steps >= 1,
             "precision.max_bad_steps",

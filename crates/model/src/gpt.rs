@@ -48,6 +48,9 @@ pub struct GptConfig {
     pub dropout: f64,
     /// The MLP's GELU.
     pub gelu: GeluKind,
+    /// The embedding and the logits padded to a multiple of this many
+    /// tokens ([`GptConfig::padded_vocab`]); 1: none.
+    pub vocab_multiple: usize,
 }
 
 impl GptConfig {
@@ -69,6 +72,7 @@ impl GptConfig {
             intermediate: 4 * hidden,
             dropout: 0.0,
             gelu: GeluKind::Exact,
+            vocab_multiple: 1,
         }
     }
 
@@ -79,9 +83,27 @@ impl GptConfig {
         with_dropout: dropout: f64;
         /// The MLP's GELU.
         with_gelu: gelu: GeluKind;
+        /// The vocabulary padded to a multiple of this (nanoGPT's 50,304
+        /// for GPT-2's 50,257 is 64): the logits' rows align to a GPU's
+        /// tiles. The padding ids must not occur in the data; their logits
+        /// are masked out of [`Gpt::loss`] and cut from [`Gpt::forward`].
+        with_vocab_multiple: vocab_multiple: usize;
     }
 
-    /// Parameters of the model (position embeddings included; tied weights once).
+    /// The rows of the token embedding and the logits: `vocab_size` rounded
+    /// up to a multiple of `vocab_multiple`.
+    ///
+    /// ```
+    /// use kiln_model::GptConfig;
+    /// let config = GptConfig::new(50257, 1024, 12, 12, 768).with_vocab_multiple(64);
+    /// assert_eq!(config.padded_vocab(), 50304);
+    /// ```
+    pub fn padded_vocab(&self) -> usize {
+        self.vocab_size.next_multiple_of(self.vocab_multiple.max(1))
+    }
+
+    /// Parameters of the model (position embeddings included; tied weights
+    /// once; the padded vocabulary's rows, which the LM head computes).
     pub fn num_params(&self) -> usize {
         let (d, f, l) = (self.hidden, self.intermediate, self.layers);
         let block = 2 * 2 * d // two LayerNorms
@@ -89,7 +111,7 @@ impl GptConfig {
             + d * d + d // attention projection
             + d * f + f // fc
             + f * d + d; // mlp projection
-        self.vocab_size * d + self.block_size * d + l * block + 2 * d
+        self.padded_vocab() * d + self.block_size * d + l * block + 2 * d
     }
 
     /// nanoGPT's FLOPs per token for one training step (forward and
@@ -135,7 +157,7 @@ impl GptConfig {
             })
             .collect();
         Gpt {
-            wte: EmbeddingConfig::new(self.vocab_size, self.hidden)
+            wte: EmbeddingConfig::new(self.padded_vocab(), self.hidden)
                 .with_initializer(normal(0.02))
                 .init(device),
             wpe: EmbeddingConfig::new(self.block_size, self.hidden)
@@ -147,6 +169,7 @@ impl GptConfig {
                 .init(device),
             dropout: DropoutConfig::new(self.dropout).init(),
             block_size: self.block_size,
+            vocab: self.vocab_size,
             compute: ComputeDtype::F32,
             kernels: Kernels::Fused,
         }
@@ -174,6 +197,9 @@ pub struct Gpt {
     dropout: Dropout,
     #[module(skip)]
     block_size: usize,
+    /// The true vocabulary: `wte`'s rows past it are padding.
+    #[module(skip)]
+    vocab: usize,
     #[module(skip)]
     compute: ComputeDtype,
     #[module(skip)]
@@ -223,8 +249,27 @@ impl Block {
 }
 
 impl Gpt {
-    /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
+    /// Logits `[batch, time, vocab]` for token ids `[batch, time]` (the
+    /// true vocabulary: a padded one's extra logits are cut off).
     pub fn forward(&self, idx: Tensor<2, Int>) -> Tensor<3> {
+        let logits = self.padded_logits(idx);
+        let [b, t, padded] = logits.dims();
+        if padded == self.vocab {
+            return logits;
+        }
+        logits.slice([0..b, 0..t, 0..self.vocab])
+    }
+
+    /// Logits over the padded vocabulary, `[batch, time, padded]`.
+    fn padded_logits(&self, idx: Tensor<2, Int>) -> Tensor<3> {
+        // Weight tying: the output projection is the token embedding.
+        let wte = self.wte.weight.val().transpose().unsqueeze::<3>();
+        precision::matmul(self.hidden_states(idx), wte, self.compute)
+    }
+
+    /// The final LayerNorm's output, `[batch, time, hidden]`: what the LM
+    /// head multiplies by the token embedding.
+    fn hidden_states(&self, idx: Tensor<2, Int>) -> Tensor<3> {
         let [b, t] = idx.dims();
         let device = idx.device();
         let pos = Tensor::<1, Int>::arange(0..t as i64, &device)
@@ -236,10 +281,7 @@ impl Gpt {
         for block in &self.blocks {
             x = block.forward(x, self.compute, self.kernels);
         }
-        let x = kernels::layer_norm(&self.ln_f, x, self.kernels);
-        // Weight tying: the output projection is the token embedding.
-        let wte = self.wte.weight.val().transpose().unsqueeze::<3>();
-        precision::matmul(x, wte, self.compute)
+        kernels::layer_norm(&self.ln_f, x, self.kernels)
     }
 
     /// The same model computing its products in `compute` (parameters stay
@@ -264,9 +306,25 @@ impl Gpt {
         self.kernels
     }
 
-    /// Mean cross-entropy of next-token prediction.
+    /// Mean cross-entropy of next-token prediction, through
+    /// [`kernels::lm_head_loss`] (the head and the loss fused, in chunks of
+    /// tokens, where the device has it). With a padded vocabulary the
+    /// padding's logits are masked, so that the loss is the true
+    /// vocabulary's and they get no gradient.
     pub fn loss(&self, inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
-        cross_entropy(self.forward(inputs), targets)
+        kernels::lm_head_loss(
+            self.hidden_states(inputs),
+            self.wte.weight.val(),
+            targets,
+            self.vocab,
+            self.compute,
+            self.kernels,
+        )
+    }
+
+    /// The true vocabulary (the tokenizer's), without the padding.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab
     }
 
     /// The longest context the model takes (its position embeddings).
@@ -346,6 +404,7 @@ mod tests {
             intermediate: 512,
             dropout: 0.0,
             gelu: GeluKind::Exact,
+            vocab_multiple: 1,
         }
     }
 
@@ -472,6 +531,50 @@ mod tests {
             // bf16 rounds to 2^-8 relative, fp16 to 2^-11.
             assert!(rel < 0.05, "{dtype:?}: gradient off by {rel}");
         }
+    }
+
+    #[test]
+    fn a_padded_vocabulary_changes_neither_the_loss_nor_the_gradients() {
+        let c = GptConfig {
+            block_size: 16,
+            ..peers_shape()
+        }
+        .with_vocab_multiple(64);
+        assert_eq!(c.padded_vocab(), 128);
+        let device = Device::flex().autodiff();
+        device.seed(9);
+        let model = c.init(&device);
+        assert_eq!(model.wte.weight.dims(), [128, 128]);
+        let ids: Vec<i64> = (0..32).map(|i| (i * 7) % 65).collect();
+        let next: Vec<i64> = ids.iter().map(|i| (i * 3 + 1) % 65).collect();
+        let x = Tensor::<2, Int>::from_data(TensorData::new(ids, [2, 16]), &device);
+        let y = Tensor::<2, Int>::from_data(TensorData::new(next, [2, 16]), &device);
+        assert_eq!(
+            model.forward(x.clone()).dims(),
+            [2, 16, 65],
+            "the true vocabulary"
+        );
+        // The reference: the same weights' logits cut to the true
+        // vocabulary, then the plain cross-entropy.
+        let run = |loss: Tensor<1>| {
+            let value: f32 = loss.clone().into_scalar();
+            let grads = loss.backward();
+            let grad = model.wte.weight.grad(&grads).expect("wte gradient");
+            (value, grad.into_data().iter::<f32>().collect::<Vec<_>>())
+        };
+        let (masked, grad) = run(model.loss(x.clone(), y.clone()));
+        let (cut, grad_cut) = run(cross_entropy(model.forward(x), y));
+        assert!((masked - cut).abs() < 1e-6, "{masked} vs {cut}");
+        let worst = grad
+            .iter()
+            .zip(&grad_cut)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-6, "gradients differ by {worst}");
+        // The padding's rows get no gradient at all: they never occur as
+        // inputs and their logits' softmax is exactly 0.
+        assert!(grad[65 * 128..].iter().all(|&g| g == 0.0));
+        assert!(grad[..65 * 128].iter().any(|&g| g != 0.0));
     }
 
     #[test]

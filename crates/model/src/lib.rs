@@ -16,6 +16,7 @@
 //!   parameters, products in a [`ComputeDtype`], everything else f32.
 //! - [`kernels`]: fused CPU kernels (Burn backend extensions with their own
 //!   backward) for the element-wise hot spots, chosen by [`Kernels`].
+//! - [`device_memory`]: what CubeCL's allocator holds on a GPU.
 #![warn(missing_docs)]
 
 /// Burn, whose tensors and devices the models take (`burn::tensor::Device`).
@@ -34,11 +35,13 @@ macro_rules! with_setters {
     };
 }
 
+mod device_memory;
 mod encoder;
 mod gpt;
 pub mod kernels;
 pub mod precision;
 
+pub use device_memory::{DeviceMemory, device_memory};
 pub use encoder::{EncoderClassifier, EncoderConfig, PoolingKind};
 pub use gpt::{GeluKind, Gpt, GptConfig, cross_entropy};
 pub use kernels::Kernels;

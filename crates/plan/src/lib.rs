@@ -34,7 +34,7 @@ pub use checks::{
     Burst, CheckInput, DataSize, Finding, Severity, check_config, gib, loader_verdict,
 };
 pub use memory::{
-    AttentionMemory, MemoryEstimate, ModelSize, estimate_memory, estimate_memory_with,
+    AttentionMemory, LogitsMemory, MemoryEstimate, ModelSize, estimate_memory, estimate_memory_with,
 };
 pub use ranks::{LINKS, Link, Ranks, ReductionEstimate, allreduce_seconds, local_ranks};
 pub use recommend::Recommendation;

@@ -26,6 +26,24 @@ pub enum AttentionMemory {
     LogSumExp,
 }
 
+/// What a language model's step keeps of its logits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogitsMemory {
+    /// The logits and their softmax for every token (Burn's composition):
+    /// `2 × tokens × vocabulary` floats.
+    #[default]
+    All,
+    /// The head fused with the loss (kiln's, on flex and the CubeCL GPUs):
+    /// chunks of at most `elements` logits (three such buffers at a time),
+    /// and the gradients of the hidden states and of the embedding kept
+    /// for the backward pass.
+    Chunks {
+        /// Logits of one chunk.
+        elements: u64,
+    },
+}
+
 /// Memory a training step needs, in bytes (f32 everywhere).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct MemoryEstimate {
@@ -44,6 +62,11 @@ pub struct MemoryEstimate {
     pub attention: u64,
     /// What attention keeps for the backward pass.
     pub attention_kept: AttentionMemory,
+    /// ...and the language model's head and loss: its logits, or its
+    /// chunks and the gradients they give (0 for the encoder).
+    pub logits: u64,
+    /// What the head and loss keep.
+    pub logits_kept: LogitsMemory,
     /// Activations with gradient checkpointing (layer inputs, one layer recomputed).
     pub activations_checkpointed: u64,
     /// Weights + gradients + optimizer + activations as configured.
@@ -62,23 +85,33 @@ const F32: u64 = 4;
 /// layer: about 16·hidden + 4·intermediate floats (inputs of the linear
 /// layers, LayerNorm and GELU intermediates, the residual stream) plus
 /// 3·heads·T for attention (scores, mask, probabilities); and per token at
-/// the output, 2·vocab for the language model's logits and their softmax.
+/// the output, 2·vocab for the language model's logits and their softmax
+/// (the vocabulary padded to `model.vocab_multiple`).
 /// With gradient checkpointing a layer keeps only its input and one layer's
 /// activations exist at a time. The parameter counts come from the model
 /// (kiln-model counts them), so this crate needs no model code. Attention is
 /// counted as keeping its scores: [`estimate_memory_with`] says otherwise.
 pub fn estimate_memory(config: &RunConfig, vocab: usize, size: ModelSize) -> MemoryEstimate {
-    estimate_memory_with(config, vocab, size, AttentionMemory::Scores)
+    estimate_memory_with(
+        config,
+        vocab,
+        size,
+        AttentionMemory::Scores,
+        LogitsMemory::All,
+    )
 }
 
-/// [`estimate_memory`] with attention keeping `attention`: with
-/// [`AttentionMemory::LogSumExp`] its `3·heads·T` floats per token become
-/// `heads`.
+/// [`estimate_memory`] with attention keeping `attention` and the LM head
+/// `logits`: with [`AttentionMemory::LogSumExp`] its `3·heads·T` floats per
+/// token become `heads`; with [`LogitsMemory::Chunks`] the `2·vocabulary`
+/// per token become three chunks' logits, plus `hidden` per token and the
+/// embedding's size (the gradients the chunks give).
 pub fn estimate_memory_with(
     config: &RunConfig,
     vocab: usize,
     size: ModelSize,
     attention: AttentionMemory,
+    logits_kept: LogitsMemory,
 ) -> MemoryEstimate {
     let m = &config.model;
     let (b, s) = (config.training.batch_size as u64, m.max_length as u64);
@@ -96,8 +129,16 @@ pub fn estimate_memory_with(
         AttentionMemory::LogSumExp => a * tokens * F32,
     };
     let layer = (16 * h + 4 * i) * tokens * F32 + attention_layer;
+    let padded = vocab.next_multiple_of(m.vocab_multiple.max(1)) as u64;
+    let logits = match (config.workload, logits_kept) {
+        (Workload::Nli, _) => 0,
+        (Workload::Lm, LogitsMemory::All) => 2 * padded * tokens * F32,
+        (Workload::Lm, LogitsMemory::Chunks { elements }) => {
+            (3 * elements.min(padded * tokens) + h * tokens + padded * h) * F32
+        }
+    };
     let output = match config.workload {
-        Workload::Lm => 2 * vocab as u64 * tokens * F32,
+        Workload::Lm => logits,
         Workload::Nli => 2 * h * b * F32,
     };
     let embed = 3 * h * tokens * F32;
@@ -120,6 +161,8 @@ pub fn estimate_memory_with(
         activations,
         attention: l * attention_layer,
         attention_kept: attention,
+        logits,
+        logits_kept,
         activations_checkpointed: checkpointed,
         total: weights + gradients + optimizer + kept,
         available: 0,
@@ -168,9 +211,50 @@ mod tests {
     }
 
     #[test]
+    fn a_fused_head_keeps_chunks_not_every_tokens_logits() {
+        // GPT-2's vocabulary padded to 64 (50,304) on 12 × 64 tokens.
+        let overrides = ["data.tokenizer=gpt2", "model.vocab_multiple=64"];
+        let estimate = |logits| {
+            estimate_memory_with(
+                &config(&overrides),
+                50257,
+                SIZE,
+                AttentionMemory::Scores,
+                logits,
+            )
+        };
+        let all = estimate(LogitsMemory::All);
+        assert_eq!(all.logits, 2 * 50304 * 12 * 64 * 4);
+        assert_eq!(all.logits_kept, LogitsMemory::All);
+        // Chunks of 2^25 logits are more than these 768 tokens' 38.6 M:
+        // three buffers of all of them, the hidden states' gradient and
+        // the embedding's.
+        let big = estimate(LogitsMemory::Chunks { elements: 1 << 25 });
+        assert_eq!(big.logits, (3 * (1 << 25) + 128 * 768 + 50304 * 128) * 4);
+        let small = estimate(LogitsMemory::Chunks { elements: 1 << 20 });
+        assert_eq!(small.logits, (3 * (1 << 20) + 128 * 768 + 50304 * 128) * 4);
+        assert_eq!(all.total - small.total, all.logits - small.logits);
+        // The encoder has no LM head.
+        let nli = estimate_memory_with(
+            &config(&["experiment=nli_snli"]),
+            8000,
+            SIZE,
+            AttentionMemory::Scores,
+            LogitsMemory::Chunks { elements: 1 << 20 },
+        );
+        assert_eq!(nli.logits, 0);
+    }
+
+    #[test]
     fn attention_without_scores_is_linear_in_the_length() {
         let streamed = |overrides: &[&str]| {
-            estimate_memory_with(&config(overrides), 65, SIZE, AttentionMemory::LogSumExp)
+            estimate_memory_with(
+                &config(overrides),
+                65,
+                SIZE,
+                AttentionMemory::LogSumExp,
+                LogitsMemory::All,
+            )
         };
         let (base, twice_len) = (streamed(&[]), streamed(&["model.max_length=128"]));
         assert_eq!(twice_len.attention, 2 * base.attention);

@@ -55,6 +55,9 @@ pub struct Measurement {
     pub peak_memory_bytes: u64,
     /// GPU memory in use after the probe's steps (GPU runs with NVML).
     pub device_memory_used_bytes: Option<u64>,
+    /// The most the GPU allocator held during the probe (this process's
+    /// own), preferred over `device_memory_used_bytes` where known.
+    pub device_memory_peak_bytes: Option<u64>,
     /// Wall time the probe took, start-up included.
     pub seconds: f64,
 }
@@ -157,7 +160,10 @@ impl TuneSpace {
 
     /// Whether a measurement stayed within the memory limit.
     fn fits(&self, m: &Measurement) -> bool {
-        let used = match (self.is_gpu, m.device_memory_used_bytes) {
+        let used = match (
+            self.is_gpu,
+            m.device_memory_peak_bytes.or(m.device_memory_used_bytes),
+        ) {
             (true, Some(used)) => used,
             (true, None) => return true,
             (false, _) => m.peak_memory_bytes,
@@ -447,7 +453,13 @@ pub fn tuned_block(
                     r.ms_per_micro_step,
                     r.peak_memory_bytes as f64 / f64::from(1u32 << 20)
                 );
-                if let Some(d) = r.device_memory_used_bytes {
+                if let Some(d) = r.device_memory_peak_bytes {
+                    let _ = write!(
+                        climb,
+                        ", GPU peak {:.0} MiB",
+                        d as f64 / f64::from(1u32 << 20)
+                    );
+                } else if let Some(d) = r.device_memory_used_bytes {
                     let _ = write!(climb, ", GPU {:.0} MiB", d as f64 / f64::from(1u32 << 20));
                 }
             }
@@ -517,6 +529,7 @@ mod tests {
                 data_wait_pct: wait,
                 peak_memory_bytes: 1000 * c.micro_batch as u64,
                 device_memory_used_bytes: None,
+                device_memory_peak_bytes: None,
                 seconds: 0.1 * c.micro_batch as f64,
             })
         }

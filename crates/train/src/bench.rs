@@ -111,8 +111,13 @@ pub struct BenchResult {
     pub data_wait_pct: f64,
     /// Peak resident memory of the process (host RAM).
     pub peak_memory_bytes: u64,
+    /// The most CubeCL's allocator held on the GPU while the bench ran (its
+    /// pools' high-water mark: this process's own, what `kiln tune`
+    /// compares with the GPU's memory; `None` on the CPU).
+    pub device_memory_peak_bytes: Option<u64>,
     /// Memory in use on the GPU after the timed steps, as NVML reports it
-    /// (the whole device; `None` on the CPU or without NVML).
+    /// (the whole device, other processes and the CUDA context included;
+    /// `None` on the CPU or without NVML).
     pub device_memory_used_bytes: Option<u64>,
     /// The GPU's memory, as NVML reports it.
     pub device_memory_total_bytes: Option<u64>,
@@ -418,6 +423,11 @@ fn result(
             0.0
         },
         peak_memory_bytes: peak_memory,
+        device_memory_peak_bytes: device
+            .is_gpu
+            .then(|| kiln_model::device_memory(&device.device))
+            .flatten()
+            .map(|m| m.peak_reserved),
         device_memory_used_bytes: gpu_memory.map(|(used, _)| used),
         device_memory_total_bytes: gpu_memory.map(|(_, total)| total),
         gradient_checkpointing: config.model.gradient_checkpointing,

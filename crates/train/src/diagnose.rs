@@ -8,8 +8,8 @@ use kiln_config::{RunConfig, Workload};
 use kiln_data::{Tokenizer, encode_dataset};
 use kiln_hwdetect::HardwareReport;
 use kiln_plan::{
-    AttentionMemory, Burst, CheckInput, DataSize, Finding, MemoryEstimate, ModelSize, Schedule,
-    Severity, check_config, estimate_memory_with, run_gpu,
+    AttentionMemory, Burst, CheckInput, DataSize, Finding, LogitsMemory, MemoryEstimate, ModelSize,
+    Schedule, Severity, check_config, estimate_memory_with, run_gpu,
 };
 use serde::Serialize;
 
@@ -80,7 +80,7 @@ pub fn diagnose(
             Some(e.to_string()),
         ),
     };
-    let (precision, precision_why, attention) = match &device {
+    let (precision, precision_why, attention, logits) = match &device {
         Ok(d) => {
             let p = run_precision(config, d, hardware);
             let kernels = crate::translate::kernels(config);
@@ -90,16 +90,24 @@ pub fn diagnose(
                 } else {
                     AttentionMemory::LogSumExp
                 };
-            (p.label, p.why, attention)
+            let logits = if kiln_model::kernels::lm_head_keeps_logits(&d.device, kernels) {
+                LogitsMemory::All
+            } else {
+                LogitsMemory::Chunks {
+                    elements: kiln_model::kernels::LM_HEAD_CHUNK_ELEMENTS as u64,
+                }
+            };
+            (p.label, p.why, attention, logits)
         }
         Err(_) => (
             "f32".to_string(),
             "no device".to_string(),
             AttentionMemory::Scores,
+            LogitsMemory::All,
         ),
     };
     let (data, schedule, vocab, size, store) = measure(config)?;
-    let mut memory = estimate_memory_with(config, vocab, size, attention);
+    let mut memory = estimate_memory_with(config, vocab, size, attention, logits);
     match gpu.filter(|_| is_gpu) {
         Some(g) => {
             memory.available = g.memory_free_bytes;

@@ -145,9 +145,22 @@ pub fn export_hf(run: &Path, out: &Path) -> Result<Exported, TrainError> {
             path: info.path.clone(),
             why: format!("parameter `{path}` has no GPT-2 counterpart"),
         })?;
+        // A padded vocabulary (`model.vocab_multiple`) leaves the export:
+        // Hugging Face's GPT-2 reads the embedding's rows as the tokenizer's
+        // ids, so only the true vocabulary's rows are written.
+        let (shape, values) = match shape.as_slice() {
+            [rows, width]
+                if name == "transformer.wte.weight"
+                    && *rows > vocab_size
+                    && *rows == vocab_size.next_multiple_of(config.model.vocab_multiple.max(1)) =>
+            {
+                (vec![vocab_size, *width], &values[..vocab_size * width])
+            }
+            _ => (shape.clone(), &values[..]),
+        };
         parameters += values.len();
         let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        tensors.push((name, shape.clone(), bytes));
+        tensors.push((name, shape, bytes));
     }
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let wte = tensors

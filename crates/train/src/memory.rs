@@ -1,6 +1,9 @@
 //! The guides' MemoryTracker: current and peak memory of the run. On the CPU
 //! that is the process's resident set (RSS); the peak is the kernel's
-//! high-water mark where Linux has one, else the highest value sampled.
+//! high-water mark where Linux has one, else the highest value sampled. On
+//! a GPU ([`MemoryTracker::for_device`]) it is what CubeCL's allocator
+//! holds there (`kiln_model::device_memory`): the bytes live, and the most
+//! its pools have held.
 
 use sysinfo::{Pid, ProcessRefreshKind, ProcessesToUpdate, System};
 
@@ -10,6 +13,8 @@ pub struct MemoryTracker {
     system: Option<System>,
     pid: Option<Pid>,
     peak: u64,
+    /// The GPU whose allocator is read instead of the process.
+    gpu: Option<burn::tensor::Device>,
 }
 
 impl Default for MemoryTracker {
@@ -25,11 +30,32 @@ impl MemoryTracker {
             system: System::new().ok(),
             pid: sysinfo::get_current_pid().ok(),
             peak: 0,
+            gpu: None,
         }
     }
 
-    /// Current and peak resident memory in bytes (0 where unknown).
+    /// A tracker of `device`'s memory where it is a GPU whose allocator
+    /// kiln can read (wgpu, CUDA), else of this process.
+    pub fn for_device(device: &burn::tensor::Device) -> Self {
+        Self {
+            gpu: kiln_model::device_memory(device).map(|_| device.clone()),
+            ..Self::new()
+        }
+    }
+
+    /// Whether [`MemoryTracker::sample`] reads a GPU's allocator.
+    pub fn on_gpu(&self) -> bool {
+        self.gpu.is_some()
+    }
+
+    /// Current and peak memory in bytes (0 where unknown): the process's
+    /// resident set, or on a GPU the allocator's live bytes and the most
+    /// its pools have held.
     pub fn sample(&mut self) -> (u64, u64) {
+        if let Some(memory) = self.gpu.as_ref().and_then(kiln_model::device_memory) {
+            self.peak = self.peak.max(memory.peak_reserved);
+            return (memory.in_use, self.peak);
+        }
         let current = match (self.pid, self.system.as_mut()) {
             (Some(pid), Some(system)) => {
                 system.refresh_processes_specifics(

@@ -63,10 +63,15 @@ pub struct StepMetrics {
     /// percent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_pct: Option<f64>,
-    /// Memory in use: the device's, or on the CPU the process's resident set.
+    /// Memory in use: on a GPU (`device_memory`) the bytes CubeCL's
+    /// allocator has live, else the process's resident set.
     pub memory_bytes: u64,
-    /// The highest memory in use so far.
+    /// The highest memory so far: on a GPU the most the allocator's pools
+    /// have held, else the process's high-water mark.
     pub peak_memory_bytes: u64,
+    /// Whether the two figures above are the GPU's (a run on wgpu or CUDA).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub device_memory: bool,
     /// Tokens trained on since the run began (padding not counted).
     pub tokens_seen: u64,
 }

@@ -46,8 +46,12 @@ pub struct Summary {
     /// gradients' all-reduce, in percent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_pct: Option<f64>,
-    /// Peak memory: the device's, or on the CPU the process's resident set.
+    /// Peak memory: on a GPU (`peak_memory_on_gpu`) the most CubeCL's
+    /// allocator held there, else the process's resident set.
     pub peak_memory_bytes: u64,
+    /// Whether `peak_memory_bytes` is the GPU's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub peak_memory_on_gpu: bool,
     /// Seconds from start to end, evaluation and checkpoints included.
     pub wall_s: f64,
     /// One line: what held the run back, from the measures.
@@ -131,11 +135,12 @@ pub fn median(values: &mut [f64]) -> f64 {
     }
 }
 
-/// The verdict on what held the run back.
+/// The verdict on what held the run back. `memory_total` is what
+/// `peak_memory` is measured against: the GPU's memory where the peak is
+/// its allocator's (`on_gpu`), else the machine's RAM.
 pub(crate) fn held_back_by(
     data_wait_pct: f64,
-    peak_memory: u64,
-    memory_total: u64,
+    (peak_memory, memory_total, on_gpu): (u64, u64, bool),
     mfu: Option<f64>,
     comm_pct: Option<f64>,
 ) -> String {
@@ -146,9 +151,10 @@ pub(crate) fn held_back_by(
     }
     if memory_total > 0 && peak_memory as f64 > 0.9 * memory_total as f64 {
         return format!(
-            "memory: the peak ({:.1} GiB) is over 90 % of the {:.1} GiB there is; lower training.batch_size, then model.max_length",
+            "memory: the peak ({:.1} GiB) is over 90 % of the {:.1} GiB {}; lower training.batch_size, then model.max_length",
             peak_memory as f64 / f64::from(1u32 << 30),
-            memory_total as f64 / f64::from(1u32 << 30)
+            memory_total as f64 / f64::from(1u32 << 30),
+            if on_gpu { "the GPU has" } else { "there is" }
         );
     }
     if let Some(c) = comm_pct.filter(|&c| c > 30.0) {
@@ -410,11 +416,14 @@ mod tests {
 
     #[test]
     fn the_verdict_names_the_bottleneck() {
-        assert!(held_back_by(25.0, 1, 100, Some(0.3), None).starts_with("data"));
-        assert!(held_back_by(1.0, 95, 100, Some(0.3), None).starts_with("memory"));
-        assert!(held_back_by(1.0, 10, 100, Some(0.3), None).starts_with("compute"));
-        assert!(held_back_by(1.0, 10, 100, Some(0.3), Some(45.0)).starts_with("communication"));
-        assert!(held_back_by(1.0, 10, 100, Some(0.3), Some(5.0)).starts_with("compute"));
+        let host = |peak| (peak, 100, false);
+        assert!(held_back_by(25.0, host(1), Some(0.3), None).starts_with("data"));
+        assert!(held_back_by(1.0, host(95), Some(0.3), None).starts_with("memory"));
+        assert!(held_back_by(1.0, host(10), Some(0.3), None).starts_with("compute"));
+        assert!(held_back_by(1.0, host(10), Some(0.3), Some(45.0)).starts_with("communication"));
+        assert!(held_back_by(1.0, host(10), Some(0.3), Some(5.0)).starts_with("compute"));
+        // A GPU's peak is the GPU's, against the GPU's memory.
+        assert!(held_back_by(1.0, (95, 100, true), None, None).contains("the GPU has"));
     }
 
     #[test]
@@ -434,6 +443,7 @@ mod tests {
                 comm_pct: None,
                 memory_bytes: 1,
                 peak_memory_bytes: 1,
+                device_memory: false,
                 tokens_seen: u64::from(i as u32) * 10,
             })
             .collect();

@@ -124,7 +124,7 @@ pub(crate) fn run_loop<T: Task>(
         config.loader.num_workers,
         config.loader.prefetch_factor,
     );
-    let mut memory = MemoryTracker::new();
+    let mut memory = MemoryTracker::for_device(device);
     let mut state = StepState::new(config, plan.scaler);
     state.group.clone_from(&options.group);
     let world = options.world_size();
@@ -256,6 +256,7 @@ pub(crate) fn run_loop<T: Task>(
                 comm_pct: report.reduced_in.map(|d| 100.0 * d.as_secs_f64() / elapsed),
                 memory_bytes: current,
                 peak_memory_bytes: peak_mem,
+                device_memory: memory.on_gpu(),
                 tokens_seen: plan.tokens_seen,
             };
             run.append(&Record::Step(metrics.clone()))?;

@@ -21,6 +21,7 @@ pub(crate) fn gpt_config(config: &RunConfig, vocab_size: usize) -> GptConfig {
         .with_intermediate(m.intermediate)
         .with_dropout(m.dropout)
         .with_gelu(gelu(m.gelu))
+        .with_vocab_multiple(m.vocab_multiple)
 }
 
 /// The pair schema of a configuration.

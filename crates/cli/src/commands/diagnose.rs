@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::io::Write;
 use std::process::ExitCode;
 
-use kiln_plan::{AttentionMemory, gib};
+use kiln_plan::{AttentionMemory, LogitsMemory, gib};
 use kiln_train::Diagnosis;
 
 use super::{Context, Layers, train_error};
@@ -125,10 +125,18 @@ fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
         AttentionMemory::Scores => "attention's T² part",
         AttentionMemory::LogSumExp => "attention keeps no T² scores, its log-sum-exp",
     };
+    let logits = match (m.logits, m.logits_kept) {
+        (0, _) => String::new(),
+        (bytes, LogitsMemory::All) => format!(", the LM head's logits {}", gib(bytes)),
+        (bytes, LogitsMemory::Chunks { .. }) => format!(
+            ", the LM head's chunks of logits and their gradients {}",
+            gib(bytes)
+        ),
+    };
     let _ = writeln!(
         s,
         "memory:    estimate {} = weights {} + gradients {} + AdamW {} + activations {} \
-         ({attention} {}; {} with gradient checkpointing), of {} {}; {:.2} M parameters",
+         ({attention} {}{logits}; {} with gradient checkpointing), of {} {}; {:.2} M parameters",
         gib(m.total),
         gib(m.weights),
         gib(m.gradients),

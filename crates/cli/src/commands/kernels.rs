@@ -8,7 +8,8 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use kiln_train::kiln_model::kernels::{
-    KernelCheck, check_adamw, check_attention, check_gelu, check_layer_norm, check_sum_of_squares,
+    KernelCheck, check_adamw, check_attention, check_gelu, check_layer_norm, check_lm_head_loss,
+    check_sum_of_squares,
 };
 
 use super::{Context, Layers, train_error};
@@ -33,6 +34,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     checks.push(check_gelu(&choice.device));
     checks.push(check_layer_norm(&choice.device));
     checks.extend(check_attention(&choice.device));
+    checks.push(check_lm_head_loss(&choice.device));
     let passed = checks.iter().all(KernelCheck::passed);
     let mut out = std::io::stdout().lock();
     if args.json {

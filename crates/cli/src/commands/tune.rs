@@ -334,6 +334,9 @@ fn measurement(json: &str, c: &Candidate, seconds: f64) -> Option<Measurement> {
         device_memory_used_bytes: b
             .get("device_memory_used_bytes")
             .and_then(serde_json::Value::as_u64),
+        device_memory_peak_bytes: b
+            .get("device_memory_peak_bytes")
+            .and_then(serde_json::Value::as_u64),
         seconds,
     })
 }

@@ -39,6 +39,8 @@ mod gelu_cube;
 mod isa;
 #[cfg(all(feature = "cube", not(feature = "fusion")))]
 mod layer_norm_cube;
+#[cfg(any(feature = "flex", feature = "cube"))]
+mod lm_loss;
 #[cfg(feature = "flex")]
 mod math;
 mod norm;
@@ -57,7 +59,7 @@ pub use peak::{MeasuredPeak, measure_fp32_peak};
 use burn::nn::{LayerNorm, Linear};
 use burn::tensor::module::attention as burn_attention;
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{Bool, Tensor, activation};
+use burn::tensor::{Bool, Int, Tensor, activation};
 
 /// Which implementation of the fused operations a model runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -454,6 +456,183 @@ pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>, kernels: Kernels) ->
     }
     let _ = kernels;
     layer.forward(x)
+}
+
+/// What [`mask_padding`] adds to a padding id's logit: `exp` of it is 0 in
+/// f32, and it stays finite (no `inf − inf` anywhere).
+pub(crate) const PADDING_LOGIT: f32 = -1e30;
+
+/// `logits [b, t, padded]` with the columns from `vocab` on pushed to
+/// [`PADDING_LOGIT`]: one broadcast addition, whose gradient passes
+/// through unchanged (and is 0 there, the softmax being 0).
+fn mask_padding(logits: Tensor<3>, vocab: usize) -> Tensor<3> {
+    use burn::tensor::TensorData;
+    let padded = logits.dims()[2];
+    if padded == vocab {
+        return logits;
+    }
+    let bias: Vec<f32> = (0..padded)
+        .map(|i| if i < vocab { 0.0 } else { PADDING_LOGIT })
+        .collect();
+    let bias = Tensor::<1>::from_data(TensorData::new(bias, [padded]), &logits.device());
+    logits + bias.reshape([1, 1, padded])
+}
+
+/// The language model's head and its mean cross-entropy: the logits
+/// `x · weightᵀ` (`x`: `[batch, time, hidden]`, `weight`: the tied token
+/// embedding, `[padded, hidden]`; the product in `compute`, the softmax in
+/// f32) against `targets` (`[batch, time]`), the logits from `vocab` on
+/// (a padded vocabulary's) masked out.
+///
+/// The fused version (flex; CubeCL GPUs, with or without Burn's `fusion`)
+/// never makes the logits of all tokens: chunks of tokens, each's loss and
+/// (under autodiff) its gradients at once, so a step keeps
+/// `tokens × hidden` and `padded × hidden` floats for the backward pass
+/// instead of several `tokens × padded` ones (`lm_loss`). The reference is
+/// the composition: the product, the mask, `log_softmax` and `gather`.
+pub fn lm_head_loss(
+    x: Tensor<3>,
+    weight: Tensor<2>,
+    targets: Tensor<2, Int>,
+    vocab: usize,
+    compute: crate::ComputeDtype,
+    kernels: Kernels,
+) -> Tensor<1> {
+    lm_head_loss_in_chunks(x, weight, targets, vocab, compute, kernels, None)
+}
+
+/// [`lm_head_loss`] with the fused version's rows per chunk chosen
+/// (`None`: [`LM_HEAD_CHUNK_ELEMENTS`] logits a chunk).
+fn lm_head_loss_in_chunks(
+    x: Tensor<3>,
+    weight: Tensor<2>,
+    targets: Tensor<2, Int>,
+    vocab: usize,
+    compute: crate::ComputeDtype,
+    kernels: Kernels,
+    chunk: Option<usize>,
+) -> Tensor<1> {
+    #[cfg(any(feature = "flex", feature = "cube"))]
+    if kernels == Kernels::Fused && lm_head_loss_fused_here(&x) {
+        let [b, t, d] = x.dims();
+        let chunk = chunk.unwrap_or((LM_HEAD_CHUNK_ELEMENTS / weight.dims()[0].max(1)).max(1));
+        let shape = lm_loss::LmLossShape {
+            vocab,
+            compute: compute.float_dtype(),
+            chunk,
+        };
+        return lm_loss::lm_loss(
+            x.reshape([b * t, d]),
+            weight,
+            targets.reshape([b * t]),
+            shape,
+        );
+    }
+    let _ = (kernels, chunk);
+    let logits = crate::precision::matmul(x, weight.transpose().unsqueeze::<3>(), compute);
+    crate::gpt::cross_entropy(mask_padding(logits, vocab), targets)
+}
+
+/// Whether [`lm_head_loss`] runs the fused version for `x`: flex, or a
+/// CubeCL GPU, in f32.
+fn lm_head_loss_fused_here(x: &Tensor<3>) -> bool {
+    #[cfg(feature = "flex")]
+    if flex::runs_fused(x) {
+        return true;
+    }
+    #[cfg(feature = "cube")]
+    if cube_gpu_float(x) && x.dtype() == burn::tensor::DType::F32 {
+        return true;
+    }
+    let _ = x;
+    false
+}
+
+/// Logits of one chunk of [`lm_head_loss`]'s fused version (128 MiB in
+/// f32): few enough chunks for a GPU's products to stay large, small
+/// enough to be no memory concern.
+pub const LM_HEAD_CHUNK_ELEMENTS: usize = 1 << 25;
+
+/// Whether [`lm_head_loss`] keeps every token's logits for the backward
+/// pass on `device` (the composition: `Reference`, other backends), or
+/// goes through them in chunks of [`LM_HEAD_CHUNK_ELEMENTS`] (flex and the
+/// CubeCL GPUs). What memory estimates count.
+pub fn lm_head_keeps_logits(device: &burn::tensor::Device, kernels: Kernels) -> bool {
+    use burn::backend::DispatchDevice;
+    if kernels == Kernels::Reference {
+        return true;
+    }
+    match device.clone().inner().as_dispatch() {
+        #[cfg(feature = "flex")]
+        DispatchDevice::Flex(_) => false,
+        #[cfg(feature = "cube")]
+        DispatchDevice::Cube(d) if cube_gpu(d) => false,
+        #[allow(unreachable_patterns)]
+        _ => true,
+    }
+}
+
+/// The tolerance of [`check_lm_head_loss`]: the loss and the gradients of
+/// the hidden states and the embedding (each token's, about 1 in size),
+/// fused against composed, agree to within 1e-4 (f32; the sums run in
+/// another order).
+pub const LM_HEAD_LOSS_TOLERANCE: f64 = 1e-4;
+
+/// [`lm_head_loss`] fused and composed on `device`, forward and backward:
+/// 2 × 75 tokens of width 48, a vocabulary of 203 padded to 256, the fused
+/// version in chunks of 64 rows (ragged: 64, 64, 22), in f32. The
+/// difference is the largest of the loss's and the gradients' of the
+/// hidden states and the embedding (whose padding rows must get none).
+pub fn check_lm_head_loss(device: &burn::tensor::Device) -> KernelCheck {
+    use burn::tensor::{Distribution, TensorData};
+    let device = device.clone().autodiff();
+    device.seed(16);
+    let (b, t, d, vocab, padded) = (2, 75, 48, 203, 256);
+    let x = Tensor::<3>::random([b, t, d], Distribution::Normal(0.0, 1.0), &device);
+    let weight = Tensor::<2>::random([padded, d], Distribution::Normal(0.0, 0.3), &device);
+    let ids: Vec<i64> = (0..b * t).map(|i| ((i * 37 + 5) % vocab) as i64).collect();
+    let targets = Tensor::<2, Int>::from_data(TensorData::new(ids, [b, t]), &device);
+    let fused = lm_head_loss_fused_here(&x);
+    let run = |kernels| {
+        let (x, weight) = (x.clone().require_grad(), weight.clone().require_grad());
+        let loss = lm_head_loss_in_chunks(
+            x.clone(),
+            weight.clone(),
+            targets.clone(),
+            vocab,
+            crate::ComputeDtype::F32,
+            kernels,
+            Some(64),
+        );
+        // An upstream gradient of the token count: the gradients are each
+        // token's own (about 1), not a mean's (1/150 of that).
+        let grads = loss.clone().mul_scalar((b * t) as f64).backward();
+        let dx = x.grad(&grads).expect("x gradient");
+        let dw = weight.grad(&grads).expect("weight gradient");
+        (loss.inner(), dx, dw)
+    };
+    let (loss, dx, dw) = run(Kernels::Fused);
+    let (loss_ref, dx_ref, dw_ref) = run(Kernels::Reference);
+    let max_abs = |a: Tensor<1>, b: Tensor<1>| f64::from((a - b).abs().max().into_scalar::<f32>());
+    let padding_grad = f64::from(
+        dw.clone()
+            .slice([vocab..padded, 0..d])
+            .abs()
+            .max()
+            .into_scalar::<f32>(),
+    );
+    KernelCheck {
+        kernel: format!(
+            "lm head and loss ({} × {d}, vocabulary {vocab} as {padded})",
+            b * t
+        ),
+        fused,
+        max_abs_difference: max_abs(loss, loss_ref)
+            .max(max_abs(dx.reshape([-1]), dx_ref.reshape([-1])))
+            .max(max_abs(dw.reshape([-1]), dw_ref.reshape([-1])))
+            .max(padding_grad),
+        tolerance: LM_HEAD_LOSS_TOLERANCE,
+    }
 }
 
 /// The epsilon of every LayerNorm in kiln's models (Burn's and PyTorch's
@@ -859,23 +1038,29 @@ mod tests {
         })
     }
 
-    #[test]
-    fn the_gelu_check_compares_flex_kernel_with_the_exact_derivative() {
-        let check = check_gelu(&Device::flex());
+    /// A check whose kiln kernel ran (its sums go in another order than
+    /// Burn's, so the two differ a little) and agrees within its tolerance.
+    fn assert_ran_and_agrees(check: &KernelCheck) {
         assert!(check.fused, "{check:?}");
         assert!(check.max_abs_difference > 0.0, "{check:?}");
         assert!(check.passed(), "{check:?}");
     }
 
     #[test]
+    fn the_gelu_check_compares_flex_kernel_with_the_exact_derivative() {
+        assert_ran_and_agrees(&check_gelu(&Device::flex()));
+    }
+
+    #[test]
+    fn the_lm_head_loss_check_compares_the_chunks_with_the_composition_on_flex() {
+        assert_ran_and_agrees(&check_lm_head_loss(&Device::flex()));
+    }
+
+    #[test]
     fn the_layer_norm_check_compares_flex_kernel_with_burn() {
         let check = check_layer_norm(&Device::flex());
         assert_eq!(check.kernel, "layer norm (150 × 200)");
-        assert!(check.fused, "{check:?}");
-        // The kernel ran (the sums go in another order than Burn's), and
-        // agrees within the tolerance.
-        assert!(check.max_abs_difference > 0.0, "{check:?}");
-        assert!(check.passed(), "{check:?}");
+        assert_ran_and_agrees(&check);
     }
 
     #[test]

@@ -813,6 +813,13 @@ impl Session {
         let mut comm: Vec<f64> = steady.iter().filter_map(|s| s.comm_pct).collect();
         let comm_pct = (!comm.is_empty()).then(|| median(&mut comm));
         let peak_memory = steps.iter().map(|s| s.peak_memory_bytes).max().unwrap_or(0);
+        // A GPU run's memory is its allocator's, against the GPU's memory
+        // (the first GPU's: kiln trains on one kind at a time).
+        let on_gpu = steps.iter().any(|s| s.device_memory);
+        let memory_total = match hardware.gpus().first() {
+            Some(gpu) if on_gpu => gpu.memory_total_bytes,
+            _ => hardware.memory.total_bytes,
+        };
         Summary {
             steps: steps.last().map_or(0, |s| s.step),
             tokens_seen,
@@ -826,11 +833,11 @@ impl Session {
             data_wait_pct,
             comm_pct,
             peak_memory_bytes: peak_memory,
+            peak_memory_on_gpu: on_gpu,
             wall_s,
             held_back_by: held_back_by(
                 data_wait_pct,
-                peak_memory,
-                hardware.memory.total_bytes,
+                (peak_memory, memory_total, on_gpu),
                 median_mfu,
                 comm_pct,
             ),

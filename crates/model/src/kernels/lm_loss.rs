@@ -1,0 +1,249 @@
+//! The language model's head and its loss, fused: the logits are never
+//! made for all tokens at once.
+//!
+//! Burn's composition (`x · wteᵀ`, `log_softmax`, `gather`, and their
+//! backward) keeps several `tokens × vocabulary` f32 tensors alive: the
+//! logits, the log-probabilities, and in the backward pass the gradient of
+//! each. For GPT-2 small on the `h100` preset (64 × 2048 tokens, 50,304
+//! logits each) one of them is 26 GB. Here the tokens go through in chunks
+//! of rows (`LM_HEAD_CHUNK_ELEMENTS` logits a chunk): per chunk the product (in the compute dtype,
+//! on the backend's matmul: tensor cores on a GPU), each row's log-sum-exp,
+//! the loss, and — when the loss will be differentiated — at once the
+//! gradient of the logits (`softmax − one-hot`, over the tokens) and from
+//! it the gradients of the rows and of the weight, so that nothing of the
+//! chunk outlives it. The backward pass then only scales what the forward
+//! pass kept (`tokens × hidden` and `vocabulary × hidden`) by the upstream
+//! gradient. Same products as the composition, no recomputation: Liger's
+//! and Apple's cut cross-entropy's way.
+//!
+//! One implementation for every backend: a default trait body of Burn's
+//! primitive operations (flex, CubeCL, and under Burn's `fusion` the lazy
+//! version of each), with a hand-written `Autodiff` route.
+//! `check_lm_head_loss` compares it with the composition.
+
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::ops::{Backward, OpsKind};
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{
+    Autodiff, AutodiffBackend, Backend, Dispatch, Scalar, Shape, Slice, TensorData, TensorMetadata,
+    backend_extension,
+};
+use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor};
+
+use super::PADDING_LOGIT;
+use super::autodiff::{KernelBackward, lift3};
+
+/// What the fused head and loss need besides the tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LmLossShape {
+    /// The true vocabulary: the logits from it on are padding, masked.
+    pub(crate) vocab: usize,
+    /// The dtype the products run in.
+    pub(crate) compute: FloatDType,
+    /// Rows (tokens) a chunk.
+    pub(crate) chunk: usize,
+}
+
+/// The fused LM head and loss as a Burn backend extension.
+#[backend_extension(
+    Flex: cfg(feature = "flex"),
+    Cube: cfg(feature = "cube"),
+    Fusion: cfg(feature = "fusion"),
+    Autodiff
+)]
+pub(crate) trait KilnLmLoss: Backend {
+    /// The mean cross-entropy (`[1]`, f32) of the logits `x · weightᵀ`
+    /// (`x`: `[tokens, hidden]`; `weight`: `[padded, hidden]`, logits from
+    /// `shape.vocab` on masked) against `targets` (`[tokens]`).
+    #[fusion(default)]
+    fn kiln_lm_loss(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shape: LmLossShape,
+    ) -> FloatTensor<Self> {
+        chunked::<Self>(x, weight, targets, shape, false).0
+    }
+
+    /// [`KilnLmLoss::kiln_lm_loss`] with the gradients of `x` and `weight`
+    /// for an upstream gradient of 1.
+    #[fusion(default)]
+    fn kiln_lm_loss_grads(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shape: LmLossShape,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (loss, grads) = chunked::<Self>(x, weight, targets, shape, true);
+        let (dx, dw) = grads.expect("the gradients were asked for");
+        (loss, dx, dw)
+    }
+}
+
+#[cfg(feature = "flex")]
+impl KilnLmLoss for burn::backend::Flex {}
+
+#[cfg(feature = "cube")]
+impl KilnLmLoss for burn_cubecl::CubeBackend {}
+
+impl<B: Backend + KilnLmLoss, C: CheckpointStrategy> KilnLmLoss for Autodiff<B, C> {
+    fn kiln_lm_loss(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shape: LmLossShape,
+    ) -> FloatTensor<Self> {
+        // The forward pass made the gradients for an upstream 1: the
+        // backward scales them by the upstream gradient (a `[1]` tensor).
+        let step = KernelBackward::<B, [FloatTensor<B>; 2], 2>(|grads, upstream| {
+            grads.map(|g| {
+                let shape = g.shape();
+                let upstream = B::float_reshape(upstream.clone(), Shape::new([1, 1]));
+                B::float_mul(g, B::float_expand(upstream, shape))
+            })
+        });
+        let nodes = [x.node(), weight.node()];
+        let (x, weight) = (Self::inner(x), Self::inner(weight));
+        match step.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (loss, dx, dw) = B::kiln_lm_loss_grads(x, weight, targets, shape);
+                prep.finish([dx, dw], loss)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::kiln_lm_loss(x, weight, targets, shape)),
+        }
+    }
+
+    fn kiln_lm_loss_grads(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shape: LmLossShape,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (x, weight) = (Self::inner(x), Self::inner(weight));
+        lift3::<B, C>(B::kiln_lm_loss_grads(x, weight, targets, shape))
+    }
+}
+
+/// Two tensors of one backend: the gradients of `x` and of the weight.
+type Pair<B> = (FloatTensor<B>, FloatTensor<B>);
+
+/// The loss over chunks of `chunk` rows and, with `grads`, the gradients
+/// of `x` and `weight` (f32, as they are).
+fn chunked<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    targets: IntTensor<B>,
+    LmLossShape {
+        vocab,
+        compute,
+        chunk,
+    }: LmLossShape,
+    grads: bool,
+) -> (FloatTensor<B>, Option<Pair<B>>) {
+    let (n, d) = (x.shape()[0], x.shape()[1]);
+    let padded = weight.shape()[0];
+    let device = x.device();
+    let reduced = compute != FloatDType::F32;
+    let low = |t: FloatTensor<B>| {
+        if reduced {
+            B::float_cast(t, compute)
+        } else {
+            t
+        }
+    };
+    let full = |t: FloatTensor<B>| {
+        if reduced {
+            B::float_cast(t, FloatDType::F32)
+        } else {
+            t
+        }
+    };
+    let weight = low(weight);
+    let weight_t = B::float_transpose(weight.clone());
+    let mask = (padded > vocab).then(|| {
+        let bias: Vec<f32> = (0..padded)
+            .map(|i| if i < vocab { 0.0 } else { PADDING_LOGIT })
+            .collect();
+        B::float_from_data(TensorData::new(bias, [1, padded]), &device)
+    });
+    let wide = |t: FloatTensor<B>, rows: usize| B::float_expand(t, Shape::new([rows, padded]));
+    let mut loss: Option<FloatTensor<B>> = None;
+    let mut dx = Vec::new();
+    let mut dw: Option<FloatTensor<B>> = None;
+    let mut start = 0;
+    while start < n {
+        let rows = chunk.max(1).min(n - start);
+        let range = Slice::from(start..start + rows);
+        let xc = low(B::float_slice(x.clone(), &[range, Slice::from(0..d)]));
+        let tc = B::int_reshape(
+            B::int_slice(targets.clone(), &[range]),
+            Shape::new([rows, 1]),
+        );
+        let mut logits = full(B::float_matmul(xc.clone(), weight_t.clone()));
+        if let Some(mask) = &mask {
+            logits = B::float_add(logits, wide(mask.clone(), rows));
+        }
+        let max = B::float_max_dim(logits.clone(), 1);
+        let exp = B::float_exp(B::float_sub(logits.clone(), wide(max.clone(), rows)));
+        let sum = B::float_sum_dim(exp.clone(), 1);
+        let lse = B::float_add(max, B::float_log(sum.clone()));
+        let picked = B::float_gather(1, logits, tc.clone());
+        let part = B::float_sum(B::float_sub(lse, picked));
+        loss = Some(match loss {
+            None => part,
+            Some(total) => B::float_add(total, part),
+        });
+        if grads {
+            // d(mean loss)/d logits = (softmax − one-hot) / tokens. The
+            // products take `softmax − one-hot` (in [−1, 1]) and the 1/tokens
+            // is applied to their f32 results: in fp16, 1/tokens times a
+            // small probability would underflow before the loss scaler's
+            // factor (which comes with the upstream gradient) could help.
+            let softmax = B::float_div(exp, wide(sum, rows));
+            let minus_one =
+                B::float_from_data(TensorData::new(vec![-1.0f32; rows], [rows, 1]), &device);
+            let g = low(B::float_scatter(
+                1,
+                softmax,
+                tc,
+                minus_one,
+                IndexingUpdateOp::Add,
+            ));
+            let per_token =
+                |t: FloatTensor<B>| B::float_mul_scalar(t, Scalar::from(1.0 / n as f64));
+            dx.push(per_token(full(B::float_matmul(g.clone(), weight.clone()))));
+            let dwc = per_token(full(B::float_matmul(B::float_transpose(g), xc)));
+            dw = Some(match dw {
+                None => dwc,
+                Some(total) => B::float_add(total, dwc),
+            });
+        }
+        start += rows;
+    }
+    let loss = B::float_div_scalar(loss.expect("at least one token"), Scalar::from(n as f64));
+    let loss = B::float_reshape(loss, Shape::new([1]));
+    let grads = grads.then(|| {
+        let dx = if dx.len() == 1 {
+            dx.pop().expect("one chunk")
+        } else {
+            B::float_cat(dx, 0)
+        };
+        (dx, dw.expect("at least one token"))
+    });
+    (loss, grads)
+}
+
+/// The fused head and loss on tensors (see [`super::lm_head_loss`]).
+pub(crate) fn lm_loss(
+    x: Tensor<2>,
+    weight: Tensor<2>,
+    targets: Tensor<1, Int>,
+    shape: LmLossShape,
+) -> Tensor<1> {
+    Tensor::from_dispatch(<Dispatch as KilnLmLoss>::kiln_lm_loss(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+        targets.into_dispatch(),
+        shape,
+    ))
+}
