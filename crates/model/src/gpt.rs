@@ -322,11 +322,6 @@ impl Gpt {
         )
     }
 
-    /// The true vocabulary (the tokenizer's), without the padding.
-    pub fn vocab_size(&self) -> usize {
-        self.vocab
-    }
-
     /// The longest context the model takes (its position embeddings).
     pub fn block_size(&self) -> usize {
         self.block_size

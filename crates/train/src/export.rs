@@ -152,7 +152,8 @@ pub fn export_hf(run: &Path, out: &Path) -> Result<Exported, TrainError> {
             [rows, width]
                 if name == "transformer.wte.weight"
                     && *rows > vocab_size
-                    && *rows == vocab_size.next_multiple_of(config.model.vocab_multiple.max(1)) =>
+                    && *rows
+                        == crate::translate::gpt_config(&config, vocab_size).padded_vocab() =>
             {
                 (vec![vocab_size, *width], &values[..vocab_size * width])
             }

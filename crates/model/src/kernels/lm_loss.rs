@@ -30,8 +30,8 @@ use burn::backend::{
 };
 use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor};
 
-use super::PADDING_LOGIT;
 use super::autodiff::{KernelBackward, lift3};
+use super::padding_bias;
 
 /// What the fused head and loss need besides the tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,10 +161,8 @@ fn chunked<B: Backend>(
     let weight = low(weight);
     let weight_t = B::float_transpose(weight.clone());
     let mask = (padded > vocab).then(|| {
-        let bias: Vec<f32> = (0..padded)
-            .map(|i| if i < vocab { 0.0 } else { PADDING_LOGIT })
-            .collect();
-        B::float_from_data(TensorData::new(bias, [1, padded]), &device)
+        let bias = TensorData::new(padding_bias(vocab, padded), [1, padded]);
+        B::float_from_data(bias, &device)
     });
     let wide = |t: FloatTensor<B>, rows: usize| B::float_expand(t, Shape::new([rows, padded]));
     let mut loss: Option<FloatTensor<B>> = None;
@@ -196,12 +194,17 @@ fn chunked<B: Backend>(
         if grads {
             // d(mean loss)/d logits = (softmax − one-hot) / tokens. The
             // products take `softmax − one-hot` (in [−1, 1]) and the 1/tokens
-            // is applied to their f32 results: in fp16, 1/tokens times a
-            // small probability would underflow before the loss scaler's
-            // factor (which comes with the upstream gradient) could help.
+            // is applied to their f32 results after the loop: in fp16,
+            // 1/tokens times a small probability would underflow before the
+            // loss scaler's factor (which comes with the upstream gradient)
+            // could help.
             let softmax = B::float_div(exp, wide(sum, rows));
-            let minus_one =
-                B::float_from_data(TensorData::new(vec![-1.0f32; rows], [rows, 1]), &device);
+            let minus_one = B::float_full(
+                Shape::new([rows, 1]),
+                Scalar::from(-1.0),
+                &device,
+                FloatDType::F32,
+            );
             let g = low(B::float_scatter(
                 1,
                 softmax,
@@ -209,10 +212,8 @@ fn chunked<B: Backend>(
                 minus_one,
                 IndexingUpdateOp::Add,
             ));
-            let per_token =
-                |t: FloatTensor<B>| B::float_mul_scalar(t, Scalar::from(1.0 / n as f64));
-            dx.push(per_token(full(B::float_matmul(g.clone(), weight.clone()))));
-            let dwc = per_token(full(B::float_matmul(B::float_transpose(g), xc)));
+            dx.push(full(B::float_matmul(g.clone(), weight.clone())));
+            let dwc = full(B::float_matmul(B::float_transpose(g), xc));
             dw = Some(match dw {
                 None => dwc,
                 Some(total) => B::float_add(total, dwc),
@@ -222,13 +223,15 @@ fn chunked<B: Backend>(
     }
     let loss = B::float_div_scalar(loss.expect("at least one token"), Scalar::from(n as f64));
     let loss = B::float_reshape(loss, Shape::new([1]));
+    // The mean's 1/tokens, once on each whole gradient (f32).
+    let per_token = |t: FloatTensor<B>| B::float_mul_scalar(t, Scalar::from(1.0 / n as f64));
     let grads = grads.then(|| {
         let dx = if dx.len() == 1 {
             dx.pop().expect("one chunk")
         } else {
             B::float_cat(dx, 0)
         };
-        (dx, dw.expect("at least one token"))
+        (per_token(dx), per_token(dw.expect("at least one token")))
     });
     (loss, grads)
 }

@@ -462,6 +462,14 @@ pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>, kernels: Kernels) ->
 /// f32, and it stays finite (no `inf − inf` anywhere).
 pub(crate) const PADDING_LOGIT: f32 = -1e30;
 
+/// What the logits of a `padded` vocabulary get added: 0 for the true
+/// `vocab`, [`PADDING_LOGIT`] for the padding.
+pub(crate) fn padding_bias(vocab: usize, padded: usize) -> Vec<f32> {
+    (0..padded)
+        .map(|i| if i < vocab { 0.0 } else { PADDING_LOGIT })
+        .collect()
+}
+
 /// `logits [b, t, padded]` with the columns from `vocab` on pushed to
 /// [`PADDING_LOGIT`]: one broadcast addition, whose gradient passes
 /// through unchanged (and is 0 there, the softmax being 0).
@@ -471,11 +479,9 @@ fn mask_padding(logits: Tensor<3>, vocab: usize) -> Tensor<3> {
     if padded == vocab {
         return logits;
     }
-    let bias: Vec<f32> = (0..padded)
-        .map(|i| if i < vocab { 0.0 } else { PADDING_LOGIT })
-        .collect();
-    let bias = Tensor::<1>::from_data(TensorData::new(bias, [padded]), &logits.device());
-    logits + bias.reshape([1, 1, padded])
+    let bias = TensorData::new(padding_bias(vocab, padded), [1, 1, padded]);
+    let bias = Tensor::<3>::from_data(bias, &logits.device());
+    logits + bias
 }
 
 /// The language model's head and its mean cross-entropy: the logits
