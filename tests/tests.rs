@@ -12,3 +12,4 @@ mod precision;
 mod store;
 mod support;
 mod train;
+mod xtask;

@@ -62,10 +62,16 @@ cargo xtask <target> [args...]
                             build (linted), the GPU suite on Vulkan
 
 Extra arguments go to `kiln` (overrides like training.batch_size=8).
-A GPU preset on a machine without that GPU exits 2 unless --force.
-Where an NVIDIA driver reports a GPU, the GPU and auto targets build kiln
-with --features cuda; GPU targets elsewhere use wgpu (Vulkan, Metal, DX12).
-KILN_FEATURES=wgpu,fusion (any list) picks other features.";
+A GPU target first checks that its preset fits this machine (kiln-config's
+check, built in a minute, no Burn): where it does not, it exits 2 before any
+GPU build, unless --force. Where an NVIDIA driver reports a GPU, the GPU and
+auto targets build kiln with --features cuda; GPU targets elsewhere use wgpu
+(Vulkan, Metal, DX12). KILN_FEATURES=wgpu,fusion (any list) picks other
+features. Each feature set builds in its own folder: the CPU build in
+target/release, the others in target/<features>/release (target/wgpu,
+target/cuda, target/fusion+wgpu), so switching targets rebuilds nothing;
+xtask says which binary it runs. check-hardware and check-gpu never build a
+GPU kiln: without train-auto's build they print kiln-config's report.";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -79,8 +85,8 @@ fn main() -> ExitCode {
             println!("{HELP}");
             return ExitCode::SUCCESS;
         }
-        "check-hardware" => kiln(&["check-hardware"], rest, Build::Auto),
-        "check-gpu" => kiln(&["check-gpu"], rest, Build::Auto),
+        "check-hardware" => describe("check-hardware", rest),
+        "check-gpu" => describe("check-gpu", rest),
         // Through the launcher: one rank per GPU of the machine's kind
         // (`kiln check-hardware` says how many), or one process in place.
         "train-auto" => kiln(&["launch", "train", "hardware=auto"], rest, Build::Auto),
@@ -109,7 +115,18 @@ fn main() -> ExitCode {
                 } else {
                     Build::Gpu
                 };
-                kiln(&base, rest, build)
+                // A GPU preset is checked against the machine before its
+                // build (a quarter of an hour), not by the kiln it builds.
+                let checked = if build == Build::Gpu {
+                    check_preset(preset, &rest)
+                } else {
+                    Ok(None)
+                };
+                match checked {
+                    Ok(None) => kiln(&base, rest, build),
+                    Ok(Some(refused)) => return refused,
+                    Err(e) => Err(e),
+                }
             }
             None => {
                 eprintln!("unknown target `{other}`\n\n{HELP}");
@@ -230,33 +247,213 @@ fn features_for(
     }
 }
 
-/// `cargo run` of the `kiln` binary in release mode, from the repository
-/// root, with the backend features `build` needs. Not `--quiet`: the first
-/// build compiles Burn for many minutes, and cargo's progress shows it.
-fn kiln_command(build: Build) -> Result<Command, String> {
-    let mut cmd = cargo();
-    eprintln!(
-        "xtask: cargo builds kiln (release) if needed, then runs it; a first build compiles Burn (about 20 minutes on 2 cores)"
-    );
-    cmd.args(["run", "--release", "--package", "kiln-cli", "--bin", "kiln"]);
-    if build == Build::Avx2 {
-        let dir = avx2_target_dir();
-        eprintln!(
-            "xtask: building kiln without its AVX-512 kernels (AVX2 + FMA at most) in {}",
-            dir.display()
-        );
-        cmd.arg("--no-default-features")
-            .env("CARGO_TARGET_DIR", dir);
+/// Where a build of `kiln` with `features` goes: the default (CPU) build
+/// in the target directory itself (`target/release/kiln`), the build without
+/// AVX-512 kernels in `<target>/avx2`, every other feature set in a folder
+/// named for it (`<target>/wgpu`, `<target>/cuda`, `<target>/fusion+wgpu`).
+/// Each keeps its own build: switching between `train-auto` and a GPU
+/// target rebuilds neither.
+fn build_dir(build: Build, features: Option<&str>) -> PathBuf {
+    match (build, features) {
+        (Build::Avx2, _) => avx2_target_dir(),
+        (_, None) => target_dir(),
+        (_, Some(f)) => target_dir().join(feature_dir_name(f)),
     }
-    if let Some(f) = features(build) {
-        eprintln!("xtask: building kiln with --features {f}");
-        cmd.args(["--features", &f]);
-        if cuda::wants_llvm(&f) {
+}
+
+/// A folder name for a feature list: its features sorted and joined by
+/// `+` (`wgpu,fusion` → `fusion+wgpu`), a crate's `/` as `.`.
+fn feature_dir_name(features: &str) -> String {
+    let mut names: Vec<String> = features
+        .split(',')
+        .map(str::trim)
+        .filter(|f| !f.is_empty())
+        .map(|f| f.replace('/', "."))
+        .collect();
+    names.sort();
+    names.dedup();
+    names.join("+")
+}
+
+/// The file in a build folder that keeps how long its last real build took.
+const BUILD_TIME_FILE: &str = "xtask-build-seconds";
+
+/// How long the last build in `dir` that compiled something took, if one
+/// was timed (builds that only checked that nothing changed are not kept).
+fn last_build_time(dir: &Path) -> Option<u64> {
+    std::fs::read_to_string(dir.join(BUILD_TIME_FILE))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// "14 min 54 s", "38 s".
+fn minutes(seconds: u64) -> String {
+    if seconds < 60 {
+        format!("{seconds} s")
+    } else {
+        format!("{} min {} s", seconds / 60, seconds % 60)
+    }
+}
+
+/// The release `kiln` for `build`, built first if needed (cargo rebuilds
+/// only what changed), as a command to run from the repository root. Not
+/// `--quiet`: the first build compiles Burn for many minutes, and cargo's
+/// progress shows it.
+fn kiln_command(build: Build) -> Result<Command, String> {
+    let features = features(build);
+    let dir = build_dir(build, features.as_deref());
+    let mut cmd = cargo();
+    cmd.args([
+        "build",
+        "--release",
+        "--package",
+        "kiln-cli",
+        "--bin",
+        "kiln",
+    ])
+    .env("CARGO_TARGET_DIR", &dir);
+    if build == Build::Avx2 {
+        eprintln!("xtask: the build without kiln's AVX-512 kernels (AVX2 + FMA at most)");
+        cmd.arg("--no-default-features");
+    }
+    if let Some(f) = &features {
+        cmd.args(["--features", f]);
+        if cuda::wants_llvm(f) {
             cuda::prepare_build(&mut cmd)?;
         }
     }
-    cmd.arg("--");
-    Ok(cmd)
+    let bin = dir.join("release").join("kiln");
+    let features = features.map_or_else(
+        || "default features".to_string(),
+        |f| format!("--features {f}"),
+    );
+    let expect = match last_build_time(&dir) {
+        Some(s) => format!("the last build here took {}", minutes(s)),
+        None => "a first build compiles Burn: about 20 minutes on 2 cores".to_string(),
+    };
+    eprintln!(
+        "xtask: cargo builds {} ({features}) if anything changed; {expect}",
+        bin.display()
+    );
+    let start = std::time::Instant::now();
+    if run(cmd)? != ExitCode::SUCCESS {
+        return Err("building kiln failed (see cargo's output above)".into());
+    }
+    let took = start.elapsed().as_secs();
+    // A build that compiled nothing takes a second or two: only a real one
+    // is kept as what the next build may take.
+    if took >= 30 {
+        let _ = std::fs::write(dir.join(BUILD_TIME_FILE), format!("{took}\n"));
+    }
+    eprintln!("xtask: running {}", bin.display());
+    let mut run = Command::new(bin);
+    run.current_dir(root());
+    Ok(run)
+}
+
+/// The value of `--hardware-report FILE` (or `--hardware-report=FILE`) in
+/// the arguments for kiln, which the checks before a build read too.
+fn hardware_report(rest: &[String]) -> Option<String> {
+    let mut it = rest.iter();
+    while let Some(a) = it.next() {
+        if a == "--hardware-report" {
+            return it.next().cloned();
+        }
+        if let Some(v) = a.strip_prefix("--hardware-report=") {
+            return Some(v.to_string());
+        }
+    }
+    None
+}
+
+/// kiln-config's `machine` example (Burn-free: it builds in under a
+/// minute) with `args`, and the `--hardware-report` of `rest`.
+fn machine_probe(args: &[&str], rest: &[String]) -> Command {
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--quiet",
+        "--locked",
+        "--package",
+        "kiln-config",
+        "--example",
+        "machine",
+        "--",
+    ])
+    .args(args);
+    if let Some(report) = hardware_report(rest) {
+        cmd.args(["--hardware-report", &report]);
+    }
+    cmd
+}
+
+/// Before a GPU target's build: is `preset` written for this machine? Asks
+/// kiln-config's check (the one `kiln train` makes) through [`machine_probe`].
+/// Where it is not, `Some(exit 2)` with kiln's message, unless `rest` has
+/// `--force`: then the build goes on, saying what it is and how long the
+/// last one took.
+fn check_preset(preset: &str, rest: &[String]) -> Result<Option<ExitCode>, String> {
+    eprintln!(
+        "xtask: does hardware preset `{preset}` fit this machine? (kiln-config's check; no GPU build yet)"
+    );
+    let mut probe = machine_probe(&["--fits", preset], rest);
+    let out = probe
+        .output()
+        .map_err(|e| format!("failed to run {probe:?}: {e}"))?;
+    if out.status.success() {
+        return Ok(None);
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() != Some(2) {
+        return Err(format!(
+            "checking hardware preset `{preset}` failed:\n{}",
+            stderr.trim_end()
+        ));
+    }
+    let msg = stderr.trim();
+    if !rest.iter().any(|a| a == "--force") {
+        eprintln!("{msg}; pass --force to run it on this machine anyway, or use hardware=auto");
+        return Ok(Some(ExitCode::from(2)));
+    }
+    let features = features(Build::Gpu);
+    let dir = build_dir(Build::Gpu, features.as_deref());
+    let last = last_build_time(&dir).map_or_else(
+        || "no earlier build timed here".to_string(),
+        |s| format!("the last took {}", minutes(s)),
+    );
+    eprintln!(
+        "xtask: {msg}; going on (--force): the {} build of kiln comes next, in {} ({last})",
+        features.as_deref().unwrap_or("default"),
+        dir.display()
+    );
+    Ok(None)
+}
+
+/// `check-hardware` and `check-gpu` never build a GPU `kiln` to describe the
+/// machine: with the build `train-auto` uses there (kept current by cargo),
+/// that `kiln`; without it, kiln-config's Burn-free report ([`machine_probe`]).
+fn describe(command: &str, rest: Vec<String>) -> Result<ExitCode, String> {
+    let features = features(Build::Auto);
+    let dir = build_dir(Build::Auto, features.as_deref());
+    if dir.join("release").join("kiln").is_file() {
+        return kiln(&[command], rest, Build::Auto);
+    }
+    eprintln!(
+        "xtask: no kiln is built in {} yet, so this is kiln-config's report (Burn-free: \
+         it builds in a minute); `kiln {command}` adds the backends, the memory plan and the \
+         ranks once `cargo xtask train-auto` has built kiln",
+        dir.display()
+    );
+    let mut args = Vec::new();
+    if command == "check-gpu" {
+        args.push("--gpu");
+    }
+    if rest.iter().any(|a| a == "--json") {
+        args.push("--json");
+    }
+    run(machine_probe(&args, &rest))
 }
 
 /// Runs `kiln <base> <rest>`.
@@ -305,7 +502,17 @@ fn build_cuda(args: &[String]) -> Result<CudaBuild, String> {
         }
     }
     let features = cuda_features(&extra_features, autotune_cache);
+    // The folder is named for what the build has: `cuda` (where the GPU
+    // targets' CUDA build goes too, so each reuses the other's), with the
+    // extra features and `no-autotune-cache`.
+    let mut named = vec!["cuda".to_string()];
+    named.extend(extra_features.iter().cloned());
+    if !autotune_cache {
+        named.push("no-autotune-cache".into());
+    }
+    let dir = target_dir().join(feature_dir_name(&named.join(",")));
     let mut cmd = cargo();
+    cmd.env("CARGO_TARGET_DIR", &dir);
     cmd.args([
         "build",
         "--locked",
@@ -320,11 +527,8 @@ fn build_cuda(args: &[String]) -> Result<CudaBuild, String> {
     if run(cmd)? != ExitCode::SUCCESS {
         return Err("building kiln with CUDA failed (see cargo's output above)".into());
     }
-    let dir = if profile == "dev" { "debug" } else { &profile };
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target"));
-    let bin = target.join(dir).join("kiln");
+    let profile_dir = if profile == "dev" { "debug" } else { &profile };
+    let bin = dir.join(profile_dir).join("kiln");
     eprintln!("xtask: built {}", bin.display());
     Ok(CudaBuild {
         bin,
@@ -768,6 +972,49 @@ mod tests {
         assert_eq!(f(Build::Gpu, Some(" "), true), None);
         // The AVX2 build is flex alone (kiln_command drops the defaults).
         assert_eq!(f(Build::Avx2, Some("wgpu"), true).as_deref(), Some("flex"));
+    }
+
+    /// Each feature set has its own folder, whatever order its features
+    /// are named in; the default and AVX2 builds keep theirs.
+    #[test]
+    fn each_feature_set_builds_in_a_folder_of_its_own() {
+        assert_eq!(feature_dir_name("wgpu"), "wgpu");
+        assert_eq!(feature_dir_name("wgpu, fusion"), "fusion+wgpu");
+        assert_eq!(feature_dir_name("fusion,wgpu,fusion"), "fusion+wgpu");
+        assert_eq!(
+            feature_dir_name("kiln-train/cuda,kiln-train/wgpu"),
+            "kiln-train.cuda+kiln-train.wgpu"
+        );
+        assert_eq!(build_dir(Build::Cpu, None), target_dir());
+        assert_eq!(
+            build_dir(Build::Gpu, Some("cuda")),
+            target_dir().join("cuda")
+        );
+        assert_eq!(build_dir(Build::Avx2, Some("flex")), avx2_target_dir());
+        assert_ne!(
+            build_dir(Build::Gpu, Some("wgpu")),
+            build_dir(Build::Gpu, Some("wgpu,fusion"))
+        );
+    }
+
+    #[test]
+    fn minutes_read_as_people_say_them() {
+        assert_eq!(minutes(38), "38 s");
+        assert_eq!(minutes(894), "14 min 54 s");
+    }
+
+    #[test]
+    fn the_hardware_report_flag_is_found_in_both_spellings() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            hardware_report(&args(&["x=1", "--hardware-report", "r.json"])).as_deref(),
+            Some("r.json")
+        );
+        assert_eq!(
+            hardware_report(&args(&["--hardware-report=r.json"])).as_deref(),
+            Some("r.json")
+        );
+        assert_eq!(hardware_report(&args(&["--force"])), None);
     }
 
     #[test]
