@@ -321,6 +321,19 @@ fn bad_input_exits_2_with_key_value_and_layer() {
         assert_eq!(run.code, 2, "{args:?}: {}", run.stderr);
         run.stderr_has(wants);
     }
+    // A run folder under a regular file: the key and the file, and the file
+    // is left as it was.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let notes = tmp.path().join("notes.txt");
+    std::fs::write(&notes, "mine").expect("write");
+    let run_dir = format!("run.dir={}", notes.join("run").display());
+    let run = kiln(&["train", "training.max_steps=1", &run_dir]).run();
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    run.stderr_has(&[
+        &format!("invalid run.dir `{}`", notes.join("run").display()),
+        &format!("`{}` is a file, not a folder", notes.display()),
+    ]);
+    assert_eq!(std::fs::read_to_string(&notes).expect("read"), "mine");
     // clap's own usage errors are bad input too.
     assert_eq!(kiln(&["config", "--no-such-flag"]).run().code, 2);
 }
@@ -528,4 +541,58 @@ fn kiln_runs_from_an_empty_directory() {
         .collect();
     assert_eq!(runs.len(), 1, "one run directory");
     assert!(runs[0].path().join("summary.json").is_file());
+}
+
+/// `kiln check-kernels` on the CPU: every kernel flex has runs and agrees
+/// with its composition (the GPU-only ones say they do not run there);
+/// `--only` picks checks by name, and an unknown name is bad input.
+#[test]
+fn check_kernels_on_flex_agree_and_only_picks_by_name() {
+    let run = kiln(&["check-kernels", "--json"]).run().expect_code(0);
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("json");
+    assert_eq!(v["passed"], true, "{}", run.stdout);
+    let kernels = v["kernels"].as_array().expect("kernels");
+    let ran = |name: &str| {
+        kernels
+            .iter()
+            .find(|k| k["kernel"].as_str().is_some_and(|n| n.starts_with(name)))
+            .unwrap_or_else(|| panic!("no `{name}` check: {}", run.stdout))["fused"]
+            == true
+    };
+    // flex has its own GELU, LayerNorm, attention, AdamW and the chunked
+    // LM head; the sum of squares is a CubeCL kernel only.
+    for name in [
+        "adamw",
+        "gelu",
+        "layer norm",
+        "attention, causal",
+        "lm head",
+    ] {
+        assert!(ran(name), "{name} did not run on flex: {}", run.stdout);
+    }
+    assert!(!ran("sum of squares"), "{}", run.stdout);
+
+    let run = kiln(&["check-kernels", "--json", "--only", "gelu,lm-head"])
+        .run()
+        .expect_code(0);
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("json");
+    let names: Vec<&str> = v["kernels"]
+        .as_array()
+        .expect("kernels")
+        .iter()
+        .filter_map(|k| k["kernel"].as_str())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert!(
+        names[0].starts_with("gelu") && names[1].starts_with("lm head"),
+        "{names:?}"
+    );
+
+    kiln(&["check-kernels", "--only", "softmax"])
+        .run()
+        .expect_code(2)
+        .stderr_has(&[
+            "unknown kernel `softmax` in --only",
+            "adamw, sum-of-squares",
+        ]);
 }

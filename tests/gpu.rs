@@ -373,8 +373,9 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
         "bench lm gpt2-small f32",
         "bench nli bert-base bf16",
         "bench lm h100 preset",
-        "reference lm: wgpu vs flex after 20 step(s)",
-        "reference nli: wgpu vs flex after 20 step(s)",
+        // 20 steps on a GPU, 5 with --tiny.
+        "reference lm: wgpu vs flex after 5 step(s)",
+        "reference nli: wgpu vs flex after 5 step(s)",
         "train-auto 300 steps",
         "check-kernels (NVRTC)",
         "bench lm gpt2-small bf16 (NVRTC)",

@@ -476,7 +476,7 @@ fn the_gpu_check_dry_runs_on_flex() {
     );
     let reference = steps
         .iter()
-        .find(|s| s["name"] == "reference nli: flex vs flex after 20 step(s)")
+        .find(|s| s["name"] == "reference nli: flex vs flex after 5 step(s)")
         .unwrap_or_else(|| panic!("no encoder reference in {stdout}"));
     assert_eq!(reference["difference"], 0.0, "{reference}");
 }

@@ -1,6 +1,6 @@
 //! Times the `gemm` crate on the products of a kiln GPT step's linear layers,
 //! split over the threads as kiln's CPU kernels split them
-//! (crates/model/src/kernels/cpu.rs): the forward product in chunks of rows,
+//! (crates/model/src/kernels/cpu/mod.rs): the forward product in chunks of rows,
 //! one single-threaded gemm per chunk onto the bias; the input gradient as
 //! one gemm over all threads; the weight gradient as one part per thread over
 //! the rows, summed. `python bench/pytorch_linear.py` times PyTorch's

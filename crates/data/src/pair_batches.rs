@@ -120,14 +120,28 @@ struct EpochPlan {
 impl PairBatches {
     /// Batches of `batch_size` over `pairs`, shuffled each epoch from `seed`;
     /// with `bucket`, rows of similar length batched together (less padding).
-    pub fn new(pairs: Arc<[EncodedPair]>, batch_size: usize, seed: u64, bucket: bool) -> Self {
-        Self {
+    ///
+    /// # Errors
+    /// [`DataError::InvalidArgument`] for a `batch_size` of 0.
+    pub fn new(
+        pairs: Arc<[EncodedPair]>,
+        batch_size: usize,
+        seed: u64,
+        bucket: bool,
+    ) -> Result<Self, DataError> {
+        if batch_size == 0 {
+            return Err(DataError::InvalidArgument {
+                what: "batch size",
+                why: "a batch of 0 pairs: batch_size must be at least 1".into(),
+            });
+        }
+        Ok(Self {
             pairs,
-            batch_size: batch_size.max(1),
+            batch_size,
             seed,
             bucket,
             plans: Arc::new(Mutex::new(Vec::new())),
-        }
+        })
     }
 
     /// Batches per pass over the pairs (the last one may be smaller).
@@ -208,7 +222,7 @@ mod tests {
 
     #[test]
     fn an_epoch_serves_every_pair_once_padded_per_batch() {
-        let src = PairBatches::new(pairs(23), 5, 1, false);
+        let src = PairBatches::new(pairs(23), 5, 1, false).expect("batches");
         assert_eq!(src.batches_per_epoch(), 5);
         let mut seen = 0;
         for k in 0..5 {
@@ -237,10 +251,31 @@ mod tests {
         );
     }
 
+    /// A library user's batch size of 0 is an error that names it, not a
+    /// batch of 1.
+    #[test]
+    fn a_batch_of_zero_pairs_is_refused() {
+        let err = PairBatches::new(pairs(10), 0, 1, false).expect_err("batch 0");
+        assert!(
+            matches!(
+                err,
+                DataError::InvalidArgument {
+                    what: "batch size",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("batch_size must be at least 1"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn bucketing_reduces_padding() {
-        let plain = PairBatches::new(pairs(400), 8, 3, false);
-        let bucketed = PairBatches::new(pairs(400), 8, 3, true);
+        let plain = PairBatches::new(pairs(400), 8, 3, false).expect("batches");
+        let bucketed = PairBatches::new(pairs(400), 8, 3, true).expect("batches");
         let padded = |s: &PairBatches| (0..50).map(|k| s.batch(k).ids.len()).sum::<usize>();
         assert!(
             padded(&bucketed) < padded(&plain),

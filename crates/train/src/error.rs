@@ -44,6 +44,19 @@ pub enum TrainError {
         source: std::io::Error,
     },
 
+    /// `run.dir` names a regular file, or a folder under one.
+    #[error(
+        "invalid run.dir `{}`: `{}` is a file, not a folder; choose another run.dir",
+        path.display(),
+        file.display()
+    )]
+    RunDirUnderFile {
+        /// The run folder asked for.
+        path: PathBuf,
+        /// The file in its way.
+        file: PathBuf,
+    },
+
     /// The folder given as a run is not one.
     #[error("`{}` is not a kiln run directory: {why}", path.display())]
     NotARun {
@@ -171,6 +184,7 @@ impl TrainError {
                 | Self::Config(_)
                 | Self::CorpusTooShort { .. }
                 | Self::NotARun { .. }
+                | Self::RunDirUnderFile { .. }
                 | Self::RunInUse { .. }
                 | Self::NoCheckpoint { .. }
                 | Self::CheckpointMismatch { .. }

@@ -32,6 +32,17 @@ impl RunDir {
                 .replace("{time}", &utc_stamp(std::time::SystemTime::now()))
                 .replace("{experiment}", experiment),
         );
+        // A file where a folder of the path should be: the user's input
+        // (exit 2), not a failure to write.
+        if let Some(file) = path
+            .ancestors()
+            .find(|a| !a.as_os_str().is_empty() && a.exists() && !a.is_dir())
+        {
+            return Err(TrainError::RunDirUnderFile {
+                file: file.to_path_buf(),
+                path,
+            });
+        }
         if path.join("config.toml").exists() {
             return Err(TrainError::NotARun {
                 path: path.clone(),

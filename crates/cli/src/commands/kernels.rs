@@ -1,4 +1,4 @@
-//! `kiln check-kernels [KEY=VALUE…]`: kiln's fused kernels against the
+//! `kiln check-kernels [--only KERNEL,…] [KEY=VALUE…]`: kiln's fused kernels against the
 //! composition of Burn operations each replaces, on the configured device
 //! (`device.backend=…`). Exit 1 when a kernel disagrees; one that does not
 //! run on the device (the composition runs there) is said so. Text for
@@ -12,29 +12,49 @@ use kiln_train::kiln_model::kernels::{
     check_sum_of_squares,
 };
 
-use super::{Context, Layers, train_error};
+use super::{BadInput, Context, Layers, train_error};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
     /// Machine-readable output
     #[arg(long)]
     json: bool,
+    /// Only these kernels' checks (comma-separated or repeated): adamw,
+    /// sum-of-squares, gelu, layer-norm, attention, lm-head
+    #[arg(long, value_delimiter = ',', value_name = "KERNEL")]
+    only: Vec<String>,
     #[command(flatten)]
     layers: Layers,
 }
 
+/// Each check's name for `--only`, and the check.
+type Check = fn(&kiln_train::kiln_model::burn::tensor::Device) -> Vec<KernelCheck>;
+const CHECKS: [(&str, Check); 6] = [
+    ("adamw", |d| vec![check_adamw(d)]),
+    ("sum-of-squares", |d| vec![check_sum_of_squares(d)]),
+    ("gelu", |d| vec![check_gelu(d)]),
+    ("layer-norm", |d| vec![check_layer_norm(d)]),
+    ("attention", check_attention),
+    ("lm-head", |d| vec![check_lm_head_loss(d)]),
+];
+
 pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
+    let names: Vec<&str> = CHECKS.iter().map(|(name, _)| *name).collect();
+    if let Some(unknown) = args.only.iter().find(|o| !names.contains(&o.as_str())) {
+        return Err(BadInput(format!(
+            "unknown kernel `{unknown}` in --only: expected one of {}",
+            names.join(", ")
+        ))
+        .into());
+    }
     let resolved = ctx.resolve(&args.layers)?;
     let choice = kiln_train::select_device(&resolved.config.device, !ctx.report.gpus().is_empty())
         .map_err(train_error)?;
-    let mut checks = vec![
-        check_adamw(&choice.device),
-        check_sum_of_squares(&choice.device),
-    ];
-    checks.push(check_gelu(&choice.device));
-    checks.push(check_layer_norm(&choice.device));
-    checks.extend(check_attention(&choice.device));
-    checks.push(check_lm_head_loss(&choice.device));
+    let checks: Vec<KernelCheck> = CHECKS
+        .iter()
+        .filter(|(name, _)| args.only.is_empty() || args.only.iter().any(|o| o == name))
+        .flat_map(|(_, check)| check(&choice.device))
+        .collect();
     let passed = checks.iter().all(KernelCheck::passed);
     let mut out = std::io::stdout().lock();
     if args.json {

@@ -21,40 +21,50 @@
 //! kernels against, forward and backward.
 //!
 //! On the CubeCL GPUs (wgpu, CUDA) kiln has its own kernels too, each its
-//! own extension trait: the memory-efficient self-attention
-//! (`attention_cube`), exact GELU (`gelu_cube`), LayerNorm in f32
-//! (`layer_norm_cube`), the gradient norm's sum of squares (`norm`) and
-//! AdamW's update (`optim`); all but attention not under Burn's `fusion`,
-//! which fuses their compositions itself.
-//! `kiln check-kernels` compares each with its composition on a device.
+//! own extension trait.
+//!
+//! Where each kernel lives, by the device it runs on:
+//!
+//! | module | runs on | what |
+//! |---|---|---|
+//! | `cpu/` | flex (CPU) | the fused kernels (`cpu/mod.rs`), their SIMD math (`cpu/math.rs`), the measured fp32 peak (`cpu/peak.rs`) |
+//! | `cube/` | CubeCL GPUs (wgpu, CUDA) | memory-efficient attention, exact GELU, LayerNorm in f32, the helpers they share |
+//! | `norm.rs`, `optim.rs` | flex and CubeCL | the gradients' sum of squares and AdamW's update: one kernel per device in each file |
+//! | `lm_loss.rs` | every backend | the LM head fused with its loss (Burn's primitives in chunks) |
+//! | `autodiff.rs` | every backend | the backward-pass glue the extensions share |
+//! | `isa.rs` | (the host) | which instruction sets the CPU has and the build uses |
+//! | `check.rs` | any device | the reference checks: each kernel against its composition (`kiln check-kernels`) |
+//!
+//! All but attention are left out under Burn's `fusion`, which fuses
+//! their compositions itself.
 
-#[cfg(feature = "cube")]
-mod attention_cube;
 #[cfg(any(feature = "flex", feature = "cube"))]
 mod autodiff;
+mod check;
 #[cfg(feature = "flex")]
 mod cpu;
-#[cfg(all(feature = "cube", not(feature = "fusion")))]
-mod gelu_cube;
+#[cfg(feature = "cube")]
+mod cube;
 mod isa;
-#[cfg(all(feature = "cube", not(feature = "fusion")))]
-mod layer_norm_cube;
 #[cfg(any(feature = "flex", feature = "cube"))]
 mod lm_loss;
-#[cfg(feature = "flex")]
-mod math;
 mod norm;
 mod optim;
-#[cfg(feature = "flex")]
-mod peak;
 
-pub use isa::{AVX512_BUILT, CpuIsa, cpu_isa};
-pub use norm::{SUM_OF_SQUARES_TOLERANCE, check_sum_of_squares, sum_of_squares};
-pub use optim::{
-    ADAMW_TOLERANCE, AdamWParam, AdamWStep, KernelCheck, adamw, adamw_many, check_adamw,
+pub use check::{
+    ADAMW_TOLERANCE, ATTENTION_TOLERANCE, GELU_TOLERANCE, KernelCheck, LAYER_NORM_TOLERANCE,
+    LM_HEAD_LOSS_TOLERANCE, SUM_OF_SQUARES_TOLERANCE, check_adamw, check_attention, check_gelu,
+    check_layer_norm, check_lm_head_loss, check_sum_of_squares,
 };
 #[cfg(feature = "flex")]
-pub use peak::{MeasuredPeak, measure_fp32_peak};
+pub use cpu::peak::{MeasuredPeak, measure_fp32_peak};
+#[cfg(all(feature = "cube", not(feature = "fusion")))]
+pub(crate) use cube::{cube_empty, from_cube, into_cube};
+#[cfg(feature = "cube")]
+pub(crate) use cube::{cube_gpu, cube_gpu_float};
+pub use isa::{AVX512_BUILT, CpuIsa, cpu_isa};
+pub use norm::sum_of_squares;
+pub use optim::{AdamWParam, AdamWStep, adamw, adamw_many};
 
 use burn::nn::{LayerNorm, Linear};
 use burn::tensor::module::attention as burn_attention;
@@ -80,8 +90,8 @@ pub fn gelu<const D: usize>(x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
         return flex::gelu(x);
     }
     #[cfg(all(feature = "cube", not(feature = "fusion")))]
-    if kernels == Kernels::Fused && gelu_cube::runs(&x) {
-        return gelu_cube::gelu(x);
+    if kernels == Kernels::Fused && cube::gelu::runs(&x) {
+        return cube::gelu::gelu(x);
     }
     let _ = kernels;
     activation::gelu(x)
@@ -112,7 +122,7 @@ pub fn self_attention(
     }
     if memory_efficient_attention_runs(&qkv, kernels) {
         #[cfg(feature = "cube")]
-        return attention_cube::self_attention(qkv, heads, key_pad, causal);
+        return cube::attention::self_attention(qkv, heads, key_pad, causal);
     }
     let [q, k, v] = split_heads(qkv, heads);
     let [b, h, t, hd] = q.dims();
@@ -133,7 +143,7 @@ pub fn self_attention(
 /// then a reduced compute dtype runs them in that dtype too.
 pub(crate) fn memory_efficient_attention_runs(qkv: &Tensor<3>, kernels: Kernels) -> bool {
     #[cfg(feature = "cube")]
-    return kernels == Kernels::Fused && attention_cube::runs(qkv);
+    return kernels == Kernels::Fused && cube::attention::runs(qkv);
     #[cfg(not(feature = "cube"))]
     {
         let _ = (qkv, kernels);
@@ -167,265 +177,6 @@ pub fn attention_keeps_scores(
             true
         }
     }
-}
-
-/// The tolerance of [`check_attention`]: forward outputs and qkv gradients
-/// of the kernels and Burn's attention agree to within 1e-4 (unit-variance
-/// inputs; the sums run in another order).
-pub const ATTENTION_TOLERANCE: f64 = 1e-4;
-
-/// [`self_attention`] fused and composed (Burn's attention) on `device`,
-/// forward and backward: a causal case (the GPT's) and a padded one (the
-/// encoder's; one batch entry 40 of 75 positions long), 2 heads of 16, 75
-/// positions (ragged against any block size). Each check's difference is
-/// the largest of the output's and the qkv gradient's. A third check gives
-/// some queries no key to see (causal, left padding), where a kiln kernel
-/// runs: their output must be zeros and nothing may be NaN.
-pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
-    use burn::tensor::{Distribution, Int};
-    let device = device.clone().autodiff();
-    device.seed(12);
-    let (b, t, h, hd) = (2, 75, 2, 16);
-    let inputs = |heads: usize, head_dim: usize| {
-        let normal =
-            |width| Tensor::<3>::random([b, t, width], Distribution::Normal(0.0, 1.0), &device);
-        (normal(3 * heads * head_dim), normal(heads * head_dim))
-    };
-    let (qkv, upstream) = inputs(h, hd);
-    // Heads wider than the CubeCL kernels unroll their loops for (128, and
-    // 64 for dK/dV): the loop path.
-    let (wide_h, wide_hd) = (1, 136);
-    let (wide_qkv, wide_upstream) = inputs(wide_h, wide_hd);
-    let lengths = Tensor::<1, Int>::from_data([t as i64, 40], &device).reshape([b, 1]);
-    let pad = Tensor::<1, Int>::arange(0..t as i64, &device)
-        .reshape([1, t])
-        .expand([b, t])
-        .greater_equal(lengths.expand([b, t]));
-    let fused = attention_fused_here(&qkv);
-    let max_abs = |a: Tensor<3>, b: Tensor<3>| f64::from((a - b).abs().max().into_scalar::<f32>());
-    let wide = format!("causal, heads {wide_hd} wide");
-    let cases = [
-        ("causal", &qkv, &upstream, h, None, true),
-        ("padded", &qkv, &upstream, h, Some(pad), false),
-        (wide.as_str(), &wide_qkv, &wide_upstream, wide_h, None, true),
-    ];
-    let mut checks: Vec<KernelCheck> = cases
-        .into_iter()
-        .map(|(name, qkv, upstream, heads, key_pad, causal)| {
-            let run =
-                |kernels| attention_run(qkv, upstream, key_pad.clone(), causal, heads, kernels);
-            let ((y, dqkv), (y_ref, dqkv_ref)) = (run(Kernels::Fused), run(Kernels::Reference));
-            KernelCheck {
-                kernel: format!("attention, {name} (t={t})"),
-                fused,
-                max_abs_difference: max_abs(y, y_ref).max(max_abs(dqkv, dqkv_ref)),
-                tolerance: ATTENTION_TOLERANCE,
-            }
-        })
-        .collect();
-    // Queries that see no key: causal, the first `unseen` keys of entry 0
-    // padding, so its first `unseen` queries see none. Their output must be
-    // zeros (as flex gives, not 0/0), the other rows must match Burn's
-    // composition, and nothing may be NaN or infinite. Burn's composition
-    // does not make such a query's output zeros, so it is not the reference
-    // there, and the gradients (which its output there feeds) are not
-    // compared. Without a kiln kernel here (Burn's attention both ways)
-    // there is nothing to check.
-    if !fused {
-        return checks;
-    }
-    let unseen = 4;
-    let starts = Tensor::<1, Int>::from_data([unseen as i64, 0], &device).reshape([b, 1]);
-    let left_pad = Tensor::<1, Int>::arange(0..t as i64, &device)
-        .reshape([1, t])
-        .expand([b, t])
-        .lower(starts.expand([b, t]));
-    let run = |kernels| attention_run(&qkv, &upstream, Some(left_pad.clone()), true, h, kernels);
-    let ((y, dqkv), (y_ref, _)) = (run(Kernels::Fused), run(Kernels::Reference));
-    let not_finite = |x: &Tensor<3>| {
-        x.clone().is_nan().any().into_scalar::<bool>()
-            || x.clone().is_inf().any().into_scalar::<bool>()
-    };
-    let seen = |x: Tensor<3>| [x.clone().slice([0..1, unseen..t]), x.slice([1..b, 0..t])];
-    let [y_rows, y_other] = seen(y.clone());
-    let [ref_rows, ref_other] = seen(y_ref);
-    let difference = if not_finite(&y) || not_finite(&dqkv) {
-        f64::INFINITY
-    } else {
-        let zeros = f64::from(y.slice([0..1, 0..unseen]).abs().max().into_scalar::<f32>());
-        zeros
-            .max(max_abs(y_rows, ref_rows))
-            .max(max_abs(y_other, ref_other))
-    };
-    checks.push(KernelCheck {
-        kernel: format!("attention, queries that see no key (t={t})"),
-        fused,
-        max_abs_difference: difference,
-        tolerance: ATTENTION_TOLERANCE,
-    });
-    checks
-}
-
-/// The tolerance of [`check_gelu`]: GELU and its gradient, from the
-/// kernel and from Burn's operations, agree to within 1e-5 (inputs of
-/// spread 3; each side's `erf` is its own approximation).
-pub const GELU_TOLERANCE: f64 = 1e-5;
-
-/// [`gelu`] fused and composed on `device`, 37 × 1009 elements of spread 3:
-/// the output against Burn's GELU, and the gradient against the exact
-/// derivative `Φ(x) + x·φ(x)` written as Burn operations. (Burn's own GELU
-/// gradient is exact on flex, but on CubeCL it is the derivative of the
-/// tanh approximation, up to 8.7e-4 off the exact one: not a reference for
-/// an exact kernel.)
-pub fn check_gelu(device: &burn::tensor::Device) -> KernelCheck {
-    use burn::tensor::Distribution;
-    let device = device.clone().autodiff();
-    device.seed(15);
-    let x = Tensor::<2>::random([37, 1009], Distribution::Normal(0.0, 3.0), &device);
-    let upstream = Tensor::<2>::random([37, 1009], Distribution::Normal(0.0, 1.0), &device);
-    let fused = gelu_fused_here(&x);
-    let tracked = x.clone().require_grad();
-    let y = gelu(tracked.clone(), Kernels::Fused);
-    let grads = (y.clone() * upstream.clone()).sum().backward();
-    let dx = tracked.grad(&grads).expect("x gradient");
-    let (x, upstream) = (x.inner(), upstream.inner());
-    let y_ref = activation::gelu(x.clone());
-    let cdf = x
-        .clone()
-        .mul_scalar(std::f32::consts::FRAC_1_SQRT_2)
-        .erf()
-        .add_scalar(1.0)
-        .mul_scalar(0.5);
-    let pdf = x
-        .clone()
-        .powi_scalar(2)
-        .mul_scalar(-0.5)
-        .exp()
-        .mul_scalar(0.398_942_3);
-    let dx_ref = upstream * (cdf + x * pdf);
-    let max_abs = |a: Tensor<2>, b: Tensor<2>| f64::from((a - b).abs().max().into_scalar::<f32>());
-    KernelCheck {
-        kernel: "gelu (37 × 1009)".into(),
-        fused,
-        max_abs_difference: max_abs(y.inner(), y_ref).max(max_abs(dx, dx_ref)),
-        tolerance: GELU_TOLERANCE,
-    }
-}
-
-/// Whether [`gelu`] runs a kiln kernel (flex's or CubeCL's) for `x`.
-fn gelu_fused_here(x: &Tensor<2>) -> bool {
-    #[cfg(feature = "flex")]
-    if flex::runs_fused(x) {
-        return true;
-    }
-    #[cfg(all(feature = "cube", not(feature = "fusion")))]
-    if gelu_cube::runs(x) {
-        return true;
-    }
-    let _ = x;
-    false
-}
-
-/// The tolerance of [`check_layer_norm`]: outputs and the three gradients
-/// of the kernel and Burn's `LayerNorm` agree to within 1e-4 (gamma's and
-/// beta's gradients are sums over 150 rows, in another order).
-pub const LAYER_NORM_TOLERANCE: f64 = 1e-4;
-
-/// [`layer_norm`] fused and composed (Burn's `LayerNorm`) on `device`,
-/// forward and backward: 2 × 75 rows of width 200 (ragged against a
-/// cube's 128 units and the CPU's SIMD lanes), inputs of mean 3 and
-/// spread 2, gamma and beta drawn (not ones and zeros). The difference is
-/// the largest of the output's and the gradients' of x, gamma and beta.
-pub fn check_layer_norm(device: &burn::tensor::Device) -> KernelCheck {
-    use burn::tensor::Distribution;
-    let device = device.clone().autodiff();
-    device.seed(14);
-    let (b, t, d) = (2, 75, 200);
-    let ln = drawn_layer_norm(d, &device);
-    let x = Tensor::<3>::random([b, t, d], Distribution::Normal(3.0, 2.0), &device);
-    let upstream = Tensor::<3>::random([b, t, d], Distribution::Normal(0.0, 1.0), &device);
-    let beta = ln.beta.as_ref().expect("beta");
-    let fused = layer_norm_fused_here(&x, &ln.gamma.val(), &beta.val());
-    let run = |kernels| {
-        let x = x.clone().require_grad();
-        let y = layer_norm(&ln, x.clone(), kernels);
-        let grads = (y.clone() * upstream.clone()).sum().backward();
-        let dx = x.grad(&grads).expect("x gradient");
-        let dgamma = ln.gamma.grad(&grads).expect("gamma gradient");
-        let dbeta = beta.grad(&grads).expect("beta gradient");
-        (y.detach(), dx, dgamma, dbeta)
-    };
-    let (y, dx, dgamma, dbeta) = run(Kernels::Fused);
-    let (y_ref, dx_ref, dgamma_ref, dbeta_ref) = run(Kernels::Reference);
-    let max_abs3 = |a: Tensor<3>, b: Tensor<3>| f64::from((a - b).abs().max().into_scalar::<f32>());
-    let max_abs1 = |a: Tensor<1>, b: Tensor<1>| f64::from((a - b).abs().max().into_scalar::<f32>());
-    KernelCheck {
-        kernel: format!("layer norm ({} × {d})", b * t),
-        fused,
-        max_abs_difference: max_abs3(y, y_ref)
-            .max(max_abs3(dx, dx_ref))
-            .max(max_abs1(dgamma, dgamma_ref))
-            .max(max_abs1(dbeta, dbeta_ref)),
-        tolerance: LAYER_NORM_TOLERANCE,
-    }
-}
-
-/// A LayerNorm of width `d` with [`LAYER_NORM_EPSILON`] whose gamma and
-/// beta are drawn (not the initial ones and zeros, so that they matter).
-fn drawn_layer_norm(d: usize, device: &burn::tensor::Device) -> LayerNorm {
-    use burn::nn::LayerNormConfig;
-    use burn::tensor::Distribution;
-    let mut ln = LayerNormConfig::new(d)
-        .with_epsilon(LAYER_NORM_EPSILON)
-        .init(device);
-    ln.gamma = ln
-        .gamma
-        .map(|g| g.random_like(Distribution::Normal(1.0, 0.5)).require_grad());
-    ln.beta = ln
-        .beta
-        .map(|b| b.map(|b| b.random_like(Distribution::Normal(0.0, 0.5)).require_grad()));
-    ln
-}
-
-/// Whether [`layer_norm`] runs a kiln kernel (flex's or CubeCL's) for `x`
-/// with these gamma and beta.
-fn layer_norm_fused_here(x: &Tensor<3>, gamma: &Tensor<1>, beta: &Tensor<1>) -> bool {
-    #[cfg(feature = "flex")]
-    if flex::runs_fused(x) {
-        return true;
-    }
-    #[cfg(all(feature = "cube", not(feature = "fusion")))]
-    if layer_norm_cube::runs(x, gamma, beta) {
-        return true;
-    }
-    let _ = (x, gamma, beta);
-    false
-}
-
-/// Self-attention's output and qkv gradient with `kernels`, for the
-/// upstream gradient `upstream`.
-fn attention_run(
-    qkv: &Tensor<3>,
-    upstream: &Tensor<3>,
-    key_pad: Option<Tensor<2, Bool>>,
-    causal: bool,
-    heads: usize,
-    kernels: Kernels,
-) -> (Tensor<3>, Tensor<3>) {
-    let qkv = qkv.clone().require_grad();
-    let y = self_attention(qkv.clone(), heads, key_pad, causal, kernels);
-    let grads = (y.clone() * upstream.clone()).sum().backward();
-    (y.detach(), qkv.grad(&grads).expect("qkv gradient"))
-}
-
-/// Whether [`self_attention`] runs a kiln kernel (flex's or CubeCL's) for
-/// `qkv`.
-fn attention_fused_here(qkv: &Tensor<3>) -> bool {
-    #[cfg(feature = "flex")]
-    if flex::runs_fused(qkv) {
-        return true;
-    }
-    memory_efficient_attention_runs(qkv, Kernels::Fused)
 }
 
 /// Queries, keys and values of a packed `[batch, time, 3·d]` projection as
@@ -578,69 +329,6 @@ pub fn lm_head_keeps_logits(device: &burn::tensor::Device, kernels: Kernels) -> 
     }
 }
 
-/// The tolerance of [`check_lm_head_loss`]: the loss and the gradients of
-/// the hidden states and the embedding (each token's, about 1 in size),
-/// fused against composed, agree to within 1e-4 (f32; the sums run in
-/// another order).
-pub const LM_HEAD_LOSS_TOLERANCE: f64 = 1e-4;
-
-/// [`lm_head_loss`] fused and composed on `device`, forward and backward:
-/// 2 × 75 tokens of width 48, a vocabulary of 203 padded to 256, the fused
-/// version in chunks of 64 rows (ragged: 64, 64, 22), in f32. The
-/// difference is the largest of the loss's and the gradients' of the
-/// hidden states and the embedding (whose padding rows must get none).
-pub fn check_lm_head_loss(device: &burn::tensor::Device) -> KernelCheck {
-    use burn::tensor::{Distribution, TensorData};
-    let device = device.clone().autodiff();
-    device.seed(16);
-    let (b, t, d, vocab, padded) = (2, 75, 48, 203, 256);
-    let x = Tensor::<3>::random([b, t, d], Distribution::Normal(0.0, 1.0), &device);
-    let weight = Tensor::<2>::random([padded, d], Distribution::Normal(0.0, 0.3), &device);
-    let ids: Vec<i64> = (0..b * t).map(|i| ((i * 37 + 5) % vocab) as i64).collect();
-    let targets = Tensor::<2, Int>::from_data(TensorData::new(ids, [b, t]), &device);
-    let fused = lm_head_loss_fused_here(&x);
-    let run = |kernels| {
-        let (x, weight) = (x.clone().require_grad(), weight.clone().require_grad());
-        let loss = lm_head_loss_in_chunks(
-            x.clone(),
-            weight.clone(),
-            targets.clone(),
-            vocab,
-            crate::ComputeDtype::F32,
-            kernels,
-            Some(64),
-        );
-        // An upstream gradient of the token count: the gradients are each
-        // token's own (about 1), not a mean's (1/150 of that).
-        let grads = loss.clone().mul_scalar((b * t) as f64).backward();
-        let dx = x.grad(&grads).expect("x gradient");
-        let dw = weight.grad(&grads).expect("weight gradient");
-        (loss.inner(), dx, dw)
-    };
-    let (loss, dx, dw) = run(Kernels::Fused);
-    let (loss_ref, dx_ref, dw_ref) = run(Kernels::Reference);
-    let max_abs = |a: Tensor<1>, b: Tensor<1>| f64::from((a - b).abs().max().into_scalar::<f32>());
-    let padding_grad = f64::from(
-        dw.clone()
-            .slice([vocab..padded, 0..d])
-            .abs()
-            .max()
-            .into_scalar::<f32>(),
-    );
-    KernelCheck {
-        kernel: format!(
-            "lm head and loss ({} × {d}, vocabulary {vocab} as {padded})",
-            b * t
-        ),
-        fused,
-        max_abs_difference: max_abs(loss, loss_ref)
-            .max(max_abs(dx.reshape([-1]), dx_ref.reshape([-1])))
-            .max(max_abs(dw.reshape([-1]), dw_ref.reshape([-1])))
-            .max(padding_grad),
-        tolerance: LM_HEAD_LOSS_TOLERANCE,
-    }
-}
-
 /// The epsilon of every LayerNorm in kiln's models (Burn's and PyTorch's
 /// default); the models build their LayerNorms with it and the fused kernel
 /// uses it.
@@ -661,72 +349,12 @@ pub fn layer_norm<const D: usize>(ln: &LayerNorm, x: Tensor<D>, kernels: Kernels
     #[cfg(all(feature = "cube", not(feature = "fusion")))]
     if kernels == Kernels::Fused
         && let Some(beta) = &ln.beta
-        && layer_norm_cube::runs(&x, &ln.gamma.val(), &beta.val())
+        && cube::layer_norm::runs(&x, &ln.gamma.val(), &beta.val())
     {
-        return layer_norm_cube::layer_norm(x, ln.gamma.val(), beta.val(), LAYER_NORM_EPSILON);
+        return cube::layer_norm::layer_norm(x, ln.gamma.val(), beta.val(), LAYER_NORM_EPSILON);
     }
     let _ = kernels;
     ln.forward(x)
-}
-
-/// Whether a CubeCL device is a GPU, where kiln's CubeCL kernels run; not
-/// Burn's CubeCL CPU backend (the `cubecl-cpu` feature), which runs Burn's
-/// own operations.
-#[cfg(feature = "cube")]
-pub(crate) fn cube_gpu(device: &cubecl::Device) -> bool {
-    !matches!(device, cubecl::Device::Cpu(_))
-}
-
-/// Whether `t` lives on a CubeCL GPU (with or without autodiff) in a float
-/// dtype kiln's CubeCL kernels read (f32, bf16, f16).
-#[cfg(feature = "cube")]
-pub(crate) fn cube_gpu_float<const D: usize>(t: &Tensor<D>) -> bool {
-    use burn::backend::DispatchDevice;
-    use burn::tensor::DType;
-    matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
-        && matches!(t.device().inner().as_dispatch(), DispatchDevice::Cube(d) if cube_gpu(d))
-}
-
-/// A new tensor of `shape` and `dtype` on `like`'s device, for a CubeCL
-/// kernel's output.
-#[cfg(feature = "cube")]
-pub(crate) fn cube_empty(
-    like: &burn_cubecl::tensor::CubeTensor,
-    shape: Vec<usize>,
-    dtype: burn::tensor::DType,
-) -> burn_cubecl::tensor::CubeTensor {
-    burn_cubecl::ops::numeric::empty_device_dtype(
-        like.client.clone(),
-        like.device.clone(),
-        shape.into(),
-        dtype,
-    )
-}
-
-/// The CubeCL tensor inside `t`, a tensor without autodiff on a CubeCL
-/// device (else a panic: the caller checked the device). For the kernels
-/// that take a list of tensors, which Burn's `#[backend_extension]` does
-/// not route: it takes one tensor per argument.
-#[cfg(all(feature = "cube", not(feature = "fusion")))]
-pub(crate) fn into_cube(t: Tensor<1>) -> burn_cubecl::tensor::CubeTensor {
-    use burn::backend::DispatchTensorKind;
-    match t.into_dispatch().kind {
-        DispatchTensorKind::Cube(inner) => inner.float(),
-        _ => panic!("a kiln CubeCL kernel was given a tensor of another backend"),
-    }
-}
-
-/// [`into_cube`]'s inverse: a CubeCL kernel's result as a tensor without
-/// autodiff.
-#[cfg(all(feature = "cube", not(feature = "fusion")))]
-pub(crate) fn from_cube(t: burn_cubecl::tensor::CubeTensor) -> Tensor<1> {
-    use burn::backend::{
-        BackendTensor, DispatchAutodiffContext, DispatchTensor, DispatchTensorKind,
-    };
-    Tensor::from_dispatch(DispatchTensor {
-        kind: DispatchTensorKind::Cube(BackendTensor::Float(t)),
-        autodiff: DispatchAutodiffContext::Disabled,
-    })
 }
 
 #[cfg(feature = "flex")]
@@ -1022,6 +650,7 @@ mod flex {
 mod tests {
     use burn::tensor::{Device, Distribution, Gradients, Int, Tensor};
 
+    use super::check::{attention_run, drawn_layer_norm};
     use super::*;
 
     fn max_abs(a: Tensor<2>, b: Tensor<2>) -> f32 {

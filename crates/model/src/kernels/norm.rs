@@ -23,7 +23,7 @@
 
 use burn::tensor::Tensor;
 
-use super::{KernelCheck, Kernels};
+use super::Kernels;
 
 /// The partial sums every tensor's kernel adds into: 64 cubes of 256 units.
 pub(crate) const SLOTS: usize = 16_384;
@@ -55,43 +55,6 @@ pub(crate) fn fused_here(t: &Tensor<1>) -> bool {
     {
         let _ = t;
         false
-    }
-}
-
-/// The tolerance of [`check_sum_of_squares`], on the square root of the
-/// sums (a norm of about 1): f32 sums of 400,000 squares in two orders.
-pub const SUM_OF_SQUARES_TOLERANCE: f64 = 1e-5;
-
-/// [`sum_of_squares`] by the kernel and by the composition, on `device`,
-/// of 40 tensors (two launches of the grouped kernel) ragged against
-/// [`SLOTS`] (one element; 10,007; 16,385; 3 × 16,384 + 5; 300,001; and
-/// 35 of up to 5,000) whose norm is about 1: the difference of the two
-/// norms (square roots of the sums).
-pub fn check_sum_of_squares(device: &burn::tensor::Device) -> KernelCheck {
-    use burn::tensor::Distribution;
-    const TENSORS: usize = 40;
-    let big = [1, 10_007, SLOTS + 1, 3 * SLOTS + 5, 300_001];
-    let sizes: Vec<usize> = big
-        .into_iter()
-        .chain((big.len()..TENSORS).map(|k| 1 + (k * 1_009) % 5_000))
-        .collect();
-    let total: usize = sizes.iter().sum();
-    device.seed(13);
-    let std = 1.0 / (total as f64).sqrt();
-    let tensors: Vec<Tensor<1>> = sizes
-        .iter()
-        .map(|&n| Tensor::random([n], Distribution::Normal(0.0, std), device))
-        .collect();
-    let fused = fused_here(&tensors[0]);
-    let norm = |kernels| {
-        let sum = sum_of_squares(tensors.iter().cloned(), kernels).expect("tensors");
-        f64::from(sum.into_scalar::<f32>()).sqrt()
-    };
-    KernelCheck {
-        kernel: format!("sum of squares ({TENSORS} tensors)"),
-        fused,
-        max_abs_difference: (norm(Kernels::Fused) - norm(Kernels::Reference)).abs(),
-        tolerance: SUM_OF_SQUARES_TOLERANCE,
     }
 }
 

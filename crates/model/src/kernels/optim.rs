@@ -560,121 +560,8 @@ mod cube {
     }
 }
 
-/// One fused kernel compared with the composition it replaces, on one
-/// device: what `kiln check-kernels` prints.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
-#[non_exhaustive]
-pub struct KernelCheck {
-    /// The kernel, and what was compared: "adamw (100 steps)".
-    pub kernel: String,
-    /// Whether the fused kernel ran on this device (when not, both sides
-    /// were the composition and the comparison says nothing).
-    pub fused: bool,
-    /// The largest absolute difference between the two results.
-    pub max_abs_difference: f64,
-    /// What counts as agreement.
-    pub tolerance: f64,
-}
-
-impl KernelCheck {
-    /// Whether the two agreed (trivially so where the kernel did not run:
-    /// see [`KernelCheck::fused`]).
-    pub fn passed(&self) -> bool {
-        self.max_abs_difference <= self.tolerance
-    }
-}
-
-/// The tolerance of [`check_adamw`]: after 100 updates, weights and moments
-/// of the fused kernel and the composition agree to within 1e-5 (they start
-/// near ±1; a GPU compiler may contract multiply-adds, flex runs the same
-/// operations in the same order).
-pub const ADAMW_TOLERANCE: f64 = 1e-5;
-
-/// [`adamw_many`] fused and composed, 100 updates of 40 parameters (one of
-/// 10,007 elements, the others 1 to 4,096, ragged against any block size;
-/// every other one decayed) with random gradients, a gradient factor and a
-/// warmup of the learning rate, on `device`: the largest difference of the
-/// weights and moments at the end. 40 parameters take two launches or more
-/// of the grouped GPU kernel (at most 32 a launch), which writes in place
-/// where it can (half the gradients here) and elsewhere where not.
-pub fn check_adamw(device: &burn::tensor::Device) -> KernelCheck {
-    use burn::tensor::Distribution;
-    const PARAMS: usize = 40;
-    const STEPS: u64 = 100;
-    device.seed(11);
-    let sizes: Vec<usize> = (0..PARAMS)
-        .map(|k| {
-            if k == 0 {
-                10_007
-            } else {
-                1 + (k * 997) % 4_096
-            }
-        })
-        .collect();
-    let start: Vec<[Tensor<1>; 3]> = sizes
-        .iter()
-        .map(|&n| {
-            let w = Tensor::<1>::random([n], Distribution::Normal(0.0, 1.0), device);
-            let zeros = Tensor::<1>::zeros([n], device);
-            [w, zeros.clone(), zeros]
-        })
-        .collect();
-    let fused_runs = fused_here(&start[0][0]);
-    let (mut fused, mut reference) = (start.clone(), start);
-    for t in 1..=STEPS {
-        let grads: Vec<Tensor<1>> = sizes
-            .iter()
-            .map(|&n| Tensor::<1>::random([n], Distribution::Normal(0.0, 2.0), device))
-            .collect();
-        let update = |state: Vec<[Tensor<1>; 3]>, kernels| {
-            let params = state
-                .into_iter()
-                .zip(&grads)
-                .enumerate()
-                .map(|(k, ([weight, m, v], grad))| AdamWParam {
-                    weight,
-                    // Every other gradient is a buffer of its own, which the
-                    // GPU kernel writes the new weight over; the others are
-                    // shared (with the other side), and it writes elsewhere.
-                    grad: if k % 2 == 1 {
-                        grad.clone().mul_scalar(1.0)
-                    } else {
-                        grad.clone()
-                    },
-                    m,
-                    v,
-                    step: AdamWStep {
-                        lr: 3e-3 * (t as f64 / 10.0).min(1.0),
-                        beta1: 0.9,
-                        beta2: 0.95,
-                        eps: 1e-8,
-                        weight_decay: if k % 2 == 0 { 0.1 } else { 0.0 },
-                        step: t,
-                        grad_scale: 0.5,
-                    },
-                })
-                .collect();
-            adamw_many(params, kernels)
-        };
-        fused = update(fused, Kernels::Fused);
-        reference = update(reference, Kernels::Reference);
-    }
-    let max_abs_difference = fused
-        .into_iter()
-        .flatten()
-        .zip(reference.into_iter().flatten())
-        .map(|(a, b)| f64::from((a - b).abs().max().into_scalar::<f32>()))
-        .fold(0.0, f64::max);
-    KernelCheck {
-        kernel: format!("adamw ({PARAMS} tensors, {STEPS} steps)"),
-        fused: fused_runs,
-        max_abs_difference,
-        tolerance: ADAMW_TOLERANCE,
-    }
-}
-
 /// Whether [`adamw`] runs its fused kernel for f32 tensors on `t`'s device.
-fn fused_here(t: &Tensor<1>) -> bool {
+pub(super) fn fused_here(t: &Tensor<1>) -> bool {
     #[cfg(feature = "flex")]
     if flex::runs(t) {
         return true;
@@ -721,7 +608,7 @@ mod tests {
     fn fused_adamw_agrees_with_the_composition_on_flex() {
         // Same operations in the same order, no contraction into
         // multiply-adds: bit for bit.
-        let check = check_adamw(&Device::flex());
+        let check = crate::kernels::check_adamw(&Device::flex());
         assert!(check.fused, "{check:?}");
         assert_eq!(check.max_abs_difference, 0.0, "{check:?}");
         assert!(check.passed(), "{check:?}");

@@ -141,7 +141,7 @@ pub(crate) fn prepare(
         t.batch_size,
         seed,
         config.loader.bucket_by_length,
-    ));
+    )?);
     Ok(Prepared {
         schedule: Schedule::new(t, train.batches_per_epoch()),
         encoder: encoder_config(config, tokenizer.vocab_size()),

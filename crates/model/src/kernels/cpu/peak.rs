@@ -28,7 +28,7 @@ pub struct MeasuredPeak {
     pub products: usize,
     /// The threads they were split over (rayon's, as kiln's kernels).
     pub threads: usize,
-    /// The `gemm` crate's microkernels that ran ([`super::CpuIsa::gemm`]).
+    /// The `gemm` crate's microkernels that ran ([`crate::kernels::CpuIsa::gemm`]).
     pub gemm: &'static str,
 }
 
@@ -70,7 +70,7 @@ pub fn measure_fp32_peak() -> MeasuredPeak {
         n,
         products: TIMED,
         threads: rayon::current_num_threads(),
-        gemm: super::cpu_isa().gemm,
+        gemm: crate::kernels::cpu_isa().gemm,
     }
 }
 
@@ -99,7 +99,7 @@ fn operands(n: usize) -> (Vec<f32>, Vec<f32>) {
 /// `c = a · b`, all three `n × n` and row-major: the kernels' own call of
 /// the `gemm` crate over rayon's threads.
 fn multiply(n: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
-    super::cpu::row_major_product(n, n, n, a, b, c);
+    super::row_major_product(n, n, n, a, b, c);
 }
 
 #[cfg(test)]
@@ -117,7 +117,7 @@ mod tests {
         assert!([128, 256, 512, 1024].contains(&p.n), "n = {}", p.n);
         assert_eq!(p.products, TIMED);
         assert_eq!(p.threads, rayon::current_num_threads());
-        assert_eq!(p.gemm, super::super::cpu_isa().gemm);
+        assert_eq!(p.gemm, crate::kernels::cpu_isa().gemm);
         let line = p.describe();
         assert!(
             line.contains("measured") && line.contains(&format!("n = {}", p.n)),

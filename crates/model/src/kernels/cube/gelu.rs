@@ -18,7 +18,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Dispatch, backend_extension};
 use burn::tensor::Tensor;
 
-use super::autodiff;
+use crate::kernels::autodiff;
 
 /// GELU as a Burn backend extension: the kernels on the CubeCL backend,
 /// routed through `Autodiff` for training.

@@ -23,7 +23,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Dispatch, backend_extension};
 use burn::tensor::{DType, Tensor};
 
-use super::autodiff::{self, Three};
+use crate::kernels::autodiff::{self, Three};
 
 /// Units per cube, and so per row: the row's width rounded up to a power
 /// of two, at least one warp (32) and at most 256 (wider rows take several

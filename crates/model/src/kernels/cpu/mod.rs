@@ -10,8 +10,10 @@ use multiversion::multiversion;
 use multiversion::target::target_cfg_f;
 use rayon::prelude::*;
 
-use super::math;
 use super::optim::{Factors, update};
+
+mod math;
+pub(crate) mod peak;
 
 /// Elements per rayon task: big enough that scheduling is noise, small
 /// enough that both cores get work on a 128 × 512 activation.

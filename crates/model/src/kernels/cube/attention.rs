@@ -43,7 +43,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Dispatch, backend_extension};
 use burn::tensor::{Bool, FloatDType, Tensor};
 
-use super::autodiff;
+use crate::kernels::autodiff;
 
 /// Memory-efficient attention as a Burn backend extension: the kernels are
 /// implemented for the CubeCL backend (`CubeBackend`), routed to through

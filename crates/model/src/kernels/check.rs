@@ -1,0 +1,491 @@
+//! The reference checks: each of kiln's kernels against the Burn
+//! composition it replaces, forward and backward, on one device, at
+//! ragged shapes — what `kiln check-kernels` prints, CI runs on flex and on
+//! llvmpipe (wgpu), and the GPU check runs on CUDA. Each check returns a
+//! [`KernelCheck`]: the largest difference, the tolerance, and whether
+//! kiln's kernel ran there at all (where it does not, both sides are the
+//! composition).
+
+use burn::nn::LayerNorm;
+use burn::tensor::{Bool, Int, Tensor, activation};
+
+#[cfg(feature = "flex")]
+use super::flex;
+use super::norm::{SLOTS, sum_of_squares};
+use super::optim::{AdamWParam, AdamWStep, adamw_many};
+use super::{
+    Kernels, LAYER_NORM_EPSILON, gelu, layer_norm, lm_head_loss_fused_here, lm_head_loss_in_chunks,
+    memory_efficient_attention_runs, self_attention,
+};
+
+/// One fused kernel compared with the composition it replaces, on one
+/// device: what `kiln check-kernels` prints.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct KernelCheck {
+    /// The kernel, and what was compared: "adamw (100 steps)".
+    pub kernel: String,
+    /// Whether the fused kernel ran on this device (when not, both sides
+    /// were the composition and the comparison says nothing).
+    pub fused: bool,
+    /// The largest absolute difference between the two results.
+    pub max_abs_difference: f64,
+    /// What counts as agreement.
+    pub tolerance: f64,
+}
+
+impl KernelCheck {
+    /// Whether the two agreed (trivially so where the kernel did not run:
+    /// see [`KernelCheck::fused`]).
+    pub fn passed(&self) -> bool {
+        self.max_abs_difference <= self.tolerance
+    }
+}
+
+/// The tolerance of [`check_adamw`]: after 100 updates, weights and moments
+/// of the fused kernel and the composition agree to within 1e-5 (they start
+/// near ±1; a GPU compiler may contract multiply-adds, flex runs the same
+/// operations in the same order).
+pub const ADAMW_TOLERANCE: f64 = 1e-5;
+
+/// [`adamw_many`] fused and composed, 100 updates of 40 parameters (one of
+/// 10,007 elements, the others 1 to 4,096, ragged against any block size;
+/// every other one decayed) with random gradients, a gradient factor and a
+/// warmup of the learning rate, on `device`: the largest difference of the
+/// weights and moments at the end. 40 parameters take two launches or more
+/// of the grouped GPU kernel (at most 32 a launch), which writes in place
+/// where it can (half the gradients here) and elsewhere where not.
+pub fn check_adamw(device: &burn::tensor::Device) -> KernelCheck {
+    use burn::tensor::Distribution;
+    const PARAMS: usize = 40;
+    const STEPS: u64 = 100;
+    device.seed(11);
+    let sizes: Vec<usize> = (0..PARAMS)
+        .map(|k| {
+            if k == 0 {
+                10_007
+            } else {
+                1 + (k * 997) % 4_096
+            }
+        })
+        .collect();
+    let start: Vec<[Tensor<1>; 3]> = sizes
+        .iter()
+        .map(|&n| {
+            let w = Tensor::<1>::random([n], Distribution::Normal(0.0, 1.0), device);
+            let zeros = Tensor::<1>::zeros([n], device);
+            [w, zeros.clone(), zeros]
+        })
+        .collect();
+    let fused_runs = super::optim::fused_here(&start[0][0]);
+    let (mut fused, mut reference) = (start.clone(), start);
+    for t in 1..=STEPS {
+        let grads: Vec<Tensor<1>> = sizes
+            .iter()
+            .map(|&n| Tensor::<1>::random([n], Distribution::Normal(0.0, 2.0), device))
+            .collect();
+        let update = |state: Vec<[Tensor<1>; 3]>, kernels| {
+            let params = state
+                .into_iter()
+                .zip(&grads)
+                .enumerate()
+                .map(|(k, ([weight, m, v], grad))| AdamWParam {
+                    weight,
+                    // Every other gradient is a buffer of its own, which the
+                    // GPU kernel writes the new weight over; the others are
+                    // shared (with the other side), and it writes elsewhere.
+                    grad: if k % 2 == 1 {
+                        grad.clone().mul_scalar(1.0)
+                    } else {
+                        grad.clone()
+                    },
+                    m,
+                    v,
+                    step: AdamWStep {
+                        lr: 3e-3 * (t as f64 / 10.0).min(1.0),
+                        beta1: 0.9,
+                        beta2: 0.95,
+                        eps: 1e-8,
+                        weight_decay: if k % 2 == 0 { 0.1 } else { 0.0 },
+                        step: t,
+                        grad_scale: 0.5,
+                    },
+                })
+                .collect();
+            adamw_many(params, kernels)
+        };
+        fused = update(fused, Kernels::Fused);
+        reference = update(reference, Kernels::Reference);
+    }
+    let max_abs_difference = fused
+        .into_iter()
+        .flatten()
+        .zip(reference.into_iter().flatten())
+        .map(|(a, b)| f64::from((a - b).abs().max().into_scalar::<f32>()))
+        .fold(0.0, f64::max);
+    KernelCheck {
+        kernel: format!("adamw ({PARAMS} tensors, {STEPS} steps)"),
+        fused: fused_runs,
+        max_abs_difference,
+        tolerance: ADAMW_TOLERANCE,
+    }
+}
+
+/// The tolerance of [`check_sum_of_squares`], on the square root of the
+/// sums (a norm of about 1): f32 sums of 400,000 squares in two orders.
+pub const SUM_OF_SQUARES_TOLERANCE: f64 = 1e-5;
+
+/// [`sum_of_squares`] by the kernel and by the composition, on `device`,
+/// of 40 tensors (two launches of the grouped kernel) ragged against
+/// [`SLOTS`] (one element; 10,007; 16,385; 3 × 16,384 + 5; 300,001; and
+/// 35 of up to 5,000) whose norm is about 1: the difference of the two
+/// norms (square roots of the sums).
+pub fn check_sum_of_squares(device: &burn::tensor::Device) -> KernelCheck {
+    use burn::tensor::Distribution;
+    const TENSORS: usize = 40;
+    let big = [1, 10_007, SLOTS + 1, 3 * SLOTS + 5, 300_001];
+    let sizes: Vec<usize> = big
+        .into_iter()
+        .chain((big.len()..TENSORS).map(|k| 1 + (k * 1_009) % 5_000))
+        .collect();
+    let total: usize = sizes.iter().sum();
+    device.seed(13);
+    let std = 1.0 / (total as f64).sqrt();
+    let tensors: Vec<Tensor<1>> = sizes
+        .iter()
+        .map(|&n| Tensor::random([n], Distribution::Normal(0.0, std), device))
+        .collect();
+    let fused = super::norm::fused_here(&tensors[0]);
+    let norm = |kernels| {
+        let sum = sum_of_squares(tensors.iter().cloned(), kernels).expect("tensors");
+        f64::from(sum.into_scalar::<f32>()).sqrt()
+    };
+    KernelCheck {
+        kernel: format!("sum of squares ({TENSORS} tensors)"),
+        fused,
+        max_abs_difference: (norm(Kernels::Fused) - norm(Kernels::Reference)).abs(),
+        tolerance: SUM_OF_SQUARES_TOLERANCE,
+    }
+}
+
+/// The tolerance of [`check_attention`]: forward outputs and qkv gradients
+/// of the kernels and Burn's attention agree to within 1e-4 (unit-variance
+/// inputs; the sums run in another order).
+pub const ATTENTION_TOLERANCE: f64 = 1e-4;
+
+/// [`self_attention`] fused and composed (Burn's attention) on `device`,
+/// forward and backward: a causal case (the GPT's) and a padded one (the
+/// encoder's; one batch entry 40 of 75 positions long), 2 heads of 16, 75
+/// positions (ragged against any block size). Each check's difference is
+/// the largest of the output's and the qkv gradient's. A third check gives
+/// some queries no key to see (causal, left padding), where a kiln kernel
+/// runs: their output must be zeros and nothing may be NaN.
+pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
+    use burn::tensor::{Distribution, Int};
+    let device = device.clone().autodiff();
+    device.seed(12);
+    let (b, t, h, hd) = (2, 75, 2, 16);
+    let inputs = |heads: usize, head_dim: usize| {
+        let normal =
+            |width| Tensor::<3>::random([b, t, width], Distribution::Normal(0.0, 1.0), &device);
+        (normal(3 * heads * head_dim), normal(heads * head_dim))
+    };
+    let (qkv, upstream) = inputs(h, hd);
+    // Heads wider than the CubeCL kernels unroll their loops for (128, and
+    // 64 for dK/dV): the loop path.
+    let (wide_h, wide_hd) = (1, 136);
+    let (wide_qkv, wide_upstream) = inputs(wide_h, wide_hd);
+    let lengths = Tensor::<1, Int>::from_data([t as i64, 40], &device).reshape([b, 1]);
+    let pad = Tensor::<1, Int>::arange(0..t as i64, &device)
+        .reshape([1, t])
+        .expand([b, t])
+        .greater_equal(lengths.expand([b, t]));
+    let fused = attention_fused_here(&qkv);
+    let max_abs = |a: Tensor<3>, b: Tensor<3>| f64::from((a - b).abs().max().into_scalar::<f32>());
+    let wide = format!("causal, heads {wide_hd} wide");
+    let cases = [
+        ("causal", &qkv, &upstream, h, None, true),
+        ("padded", &qkv, &upstream, h, Some(pad), false),
+        (wide.as_str(), &wide_qkv, &wide_upstream, wide_h, None, true),
+    ];
+    let mut checks: Vec<KernelCheck> = cases
+        .into_iter()
+        .map(|(name, qkv, upstream, heads, key_pad, causal)| {
+            let run =
+                |kernels| attention_run(qkv, upstream, key_pad.clone(), causal, heads, kernels);
+            let ((y, dqkv), (y_ref, dqkv_ref)) = (run(Kernels::Fused), run(Kernels::Reference));
+            KernelCheck {
+                kernel: format!("attention, {name} (t={t})"),
+                fused,
+                max_abs_difference: max_abs(y, y_ref).max(max_abs(dqkv, dqkv_ref)),
+                tolerance: ATTENTION_TOLERANCE,
+            }
+        })
+        .collect();
+    // Queries that see no key: causal, the first `unseen` keys of entry 0
+    // padding, so its first `unseen` queries see none. Their output must be
+    // zeros (as flex gives, not 0/0), the other rows must match Burn's
+    // composition, and nothing may be NaN or infinite. Burn's composition
+    // does not make such a query's output zeros, so it is not the reference
+    // there, and the gradients (which its output there feeds) are not
+    // compared. Without a kiln kernel here (Burn's attention both ways)
+    // there is nothing to check.
+    if !fused {
+        return checks;
+    }
+    let unseen = 4;
+    let starts = Tensor::<1, Int>::from_data([unseen as i64, 0], &device).reshape([b, 1]);
+    let left_pad = Tensor::<1, Int>::arange(0..t as i64, &device)
+        .reshape([1, t])
+        .expand([b, t])
+        .lower(starts.expand([b, t]));
+    let run = |kernels| attention_run(&qkv, &upstream, Some(left_pad.clone()), true, h, kernels);
+    let ((y, dqkv), (y_ref, _)) = (run(Kernels::Fused), run(Kernels::Reference));
+    let not_finite = |x: &Tensor<3>| {
+        x.clone().is_nan().any().into_scalar::<bool>()
+            || x.clone().is_inf().any().into_scalar::<bool>()
+    };
+    let seen = |x: Tensor<3>| [x.clone().slice([0..1, unseen..t]), x.slice([1..b, 0..t])];
+    let [y_rows, y_other] = seen(y.clone());
+    let [ref_rows, ref_other] = seen(y_ref);
+    let difference = if not_finite(&y) || not_finite(&dqkv) {
+        f64::INFINITY
+    } else {
+        let zeros = f64::from(y.slice([0..1, 0..unseen]).abs().max().into_scalar::<f32>());
+        zeros
+            .max(max_abs(y_rows, ref_rows))
+            .max(max_abs(y_other, ref_other))
+    };
+    checks.push(KernelCheck {
+        kernel: format!("attention, queries that see no key (t={t})"),
+        fused,
+        max_abs_difference: difference,
+        tolerance: ATTENTION_TOLERANCE,
+    });
+    checks
+}
+
+/// The tolerance of [`check_gelu`]: GELU and its gradient, from the
+/// kernel and from Burn's operations, agree to within 1e-5 (inputs of
+/// spread 3; each side's `erf` is its own approximation).
+pub const GELU_TOLERANCE: f64 = 1e-5;
+
+/// [`gelu`] fused and composed on `device`, 37 × 1009 elements of spread 3:
+/// the output against Burn's GELU, and the gradient against the exact
+/// derivative `Φ(x) + x·φ(x)` written as Burn operations. (Burn's own GELU
+/// gradient is exact on flex, but on CubeCL it is the derivative of the
+/// tanh approximation, up to 8.7e-4 off the exact one: not a reference for
+/// an exact kernel.)
+pub fn check_gelu(device: &burn::tensor::Device) -> KernelCheck {
+    use burn::tensor::Distribution;
+    let device = device.clone().autodiff();
+    device.seed(15);
+    let x = Tensor::<2>::random([37, 1009], Distribution::Normal(0.0, 3.0), &device);
+    let upstream = Tensor::<2>::random([37, 1009], Distribution::Normal(0.0, 1.0), &device);
+    let fused = gelu_fused_here(&x);
+    let tracked = x.clone().require_grad();
+    let y = gelu(tracked.clone(), Kernels::Fused);
+    let grads = (y.clone() * upstream.clone()).sum().backward();
+    let dx = tracked.grad(&grads).expect("x gradient");
+    let (x, upstream) = (x.inner(), upstream.inner());
+    let y_ref = activation::gelu(x.clone());
+    let cdf = x
+        .clone()
+        .mul_scalar(std::f32::consts::FRAC_1_SQRT_2)
+        .erf()
+        .add_scalar(1.0)
+        .mul_scalar(0.5);
+    let pdf = x
+        .clone()
+        .powi_scalar(2)
+        .mul_scalar(-0.5)
+        .exp()
+        .mul_scalar(0.398_942_3);
+    let dx_ref = upstream * (cdf + x * pdf);
+    let max_abs = |a: Tensor<2>, b: Tensor<2>| f64::from((a - b).abs().max().into_scalar::<f32>());
+    KernelCheck {
+        kernel: "gelu (37 × 1009)".into(),
+        fused,
+        max_abs_difference: max_abs(y.inner(), y_ref).max(max_abs(dx, dx_ref)),
+        tolerance: GELU_TOLERANCE,
+    }
+}
+
+/// Whether [`gelu`] runs a kiln kernel (flex's or CubeCL's) for `x`.
+fn gelu_fused_here(x: &Tensor<2>) -> bool {
+    #[cfg(feature = "flex")]
+    if flex::runs_fused(x) {
+        return true;
+    }
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    if super::cube::gelu::runs(x) {
+        return true;
+    }
+    let _ = x;
+    false
+}
+
+/// The tolerance of [`check_layer_norm`]: outputs and the three gradients
+/// of the kernel and Burn's `LayerNorm` agree to within 1e-4 (gamma's and
+/// beta's gradients are sums over 150 rows, in another order).
+pub const LAYER_NORM_TOLERANCE: f64 = 1e-4;
+
+/// [`layer_norm`] fused and composed (Burn's `LayerNorm`) on `device`,
+/// forward and backward: 2 × 75 rows of width 200 (ragged against a
+/// cube's 128 units and the CPU's SIMD lanes), inputs of mean 3 and
+/// spread 2, gamma and beta drawn (not ones and zeros). The difference is
+/// the largest of the output's and the gradients' of x, gamma and beta.
+pub fn check_layer_norm(device: &burn::tensor::Device) -> KernelCheck {
+    use burn::tensor::Distribution;
+    let device = device.clone().autodiff();
+    device.seed(14);
+    let (b, t, d) = (2, 75, 200);
+    let ln = drawn_layer_norm(d, &device);
+    let x = Tensor::<3>::random([b, t, d], Distribution::Normal(3.0, 2.0), &device);
+    let upstream = Tensor::<3>::random([b, t, d], Distribution::Normal(0.0, 1.0), &device);
+    let beta = ln.beta.as_ref().expect("beta");
+    let fused = layer_norm_fused_here(&x, &ln.gamma.val(), &beta.val());
+    let run = |kernels| {
+        let x = x.clone().require_grad();
+        let y = layer_norm(&ln, x.clone(), kernels);
+        let grads = (y.clone() * upstream.clone()).sum().backward();
+        let dx = x.grad(&grads).expect("x gradient");
+        let dgamma = ln.gamma.grad(&grads).expect("gamma gradient");
+        let dbeta = beta.grad(&grads).expect("beta gradient");
+        (y.detach(), dx, dgamma, dbeta)
+    };
+    let (y, dx, dgamma, dbeta) = run(Kernels::Fused);
+    let (y_ref, dx_ref, dgamma_ref, dbeta_ref) = run(Kernels::Reference);
+    let max_abs3 = |a: Tensor<3>, b: Tensor<3>| f64::from((a - b).abs().max().into_scalar::<f32>());
+    let max_abs1 = |a: Tensor<1>, b: Tensor<1>| f64::from((a - b).abs().max().into_scalar::<f32>());
+    KernelCheck {
+        kernel: format!("layer norm ({} × {d})", b * t),
+        fused,
+        max_abs_difference: max_abs3(y, y_ref)
+            .max(max_abs3(dx, dx_ref))
+            .max(max_abs1(dgamma, dgamma_ref))
+            .max(max_abs1(dbeta, dbeta_ref)),
+        tolerance: LAYER_NORM_TOLERANCE,
+    }
+}
+
+/// A LayerNorm of width `d` with [`LAYER_NORM_EPSILON`] whose gamma and
+/// beta are drawn (not the initial ones and zeros, so that they matter).
+pub(super) fn drawn_layer_norm(d: usize, device: &burn::tensor::Device) -> LayerNorm {
+    use burn::nn::LayerNormConfig;
+    use burn::tensor::Distribution;
+    let mut ln = LayerNormConfig::new(d)
+        .with_epsilon(LAYER_NORM_EPSILON)
+        .init(device);
+    ln.gamma = ln
+        .gamma
+        .map(|g| g.random_like(Distribution::Normal(1.0, 0.5)).require_grad());
+    ln.beta = ln
+        .beta
+        .map(|b| b.map(|b| b.random_like(Distribution::Normal(0.0, 0.5)).require_grad()));
+    ln
+}
+
+/// Whether [`layer_norm`] runs a kiln kernel (flex's or CubeCL's) for `x`
+/// with these gamma and beta.
+fn layer_norm_fused_here(x: &Tensor<3>, gamma: &Tensor<1>, beta: &Tensor<1>) -> bool {
+    #[cfg(feature = "flex")]
+    if flex::runs_fused(x) {
+        return true;
+    }
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    if super::cube::layer_norm::runs(x, gamma, beta) {
+        return true;
+    }
+    let _ = (x, gamma, beta);
+    false
+}
+
+/// Self-attention's output and qkv gradient with `kernels`, for the
+/// upstream gradient `upstream`.
+pub(super) fn attention_run(
+    qkv: &Tensor<3>,
+    upstream: &Tensor<3>,
+    key_pad: Option<Tensor<2, Bool>>,
+    causal: bool,
+    heads: usize,
+    kernels: Kernels,
+) -> (Tensor<3>, Tensor<3>) {
+    let qkv = qkv.clone().require_grad();
+    let y = self_attention(qkv.clone(), heads, key_pad, causal, kernels);
+    let grads = (y.clone() * upstream.clone()).sum().backward();
+    (y.detach(), qkv.grad(&grads).expect("qkv gradient"))
+}
+
+/// Whether [`self_attention`] runs a kiln kernel (flex's or CubeCL's) for
+/// `qkv`.
+fn attention_fused_here(qkv: &Tensor<3>) -> bool {
+    #[cfg(feature = "flex")]
+    if flex::runs_fused(qkv) {
+        return true;
+    }
+    memory_efficient_attention_runs(qkv, Kernels::Fused)
+}
+
+/// The tolerance of [`check_lm_head_loss`]: the loss and the gradients of
+/// the hidden states and the embedding (each token's, about 1 in size),
+/// fused against composed, agree to within 1e-4 (f32; the sums run in
+/// another order).
+pub const LM_HEAD_LOSS_TOLERANCE: f64 = 1e-4;
+
+/// [`lm_head_loss`] fused and composed on `device`, forward and backward:
+/// 2 × 75 tokens of width 48, a vocabulary of 203 padded to 256, the fused
+/// version in chunks of 64 rows (ragged: 64, 64, 22), in f32. The
+/// difference is the largest of the loss's and the gradients' of the
+/// hidden states and the embedding (whose padding rows must get none).
+pub fn check_lm_head_loss(device: &burn::tensor::Device) -> KernelCheck {
+    use burn::tensor::{Distribution, TensorData};
+    let device = device.clone().autodiff();
+    device.seed(16);
+    let (b, t, d, vocab, padded) = (2, 75, 48, 203, 256);
+    let x = Tensor::<3>::random([b, t, d], Distribution::Normal(0.0, 1.0), &device);
+    let weight = Tensor::<2>::random([padded, d], Distribution::Normal(0.0, 0.3), &device);
+    let ids: Vec<i64> = (0..b * t).map(|i| ((i * 37 + 5) % vocab) as i64).collect();
+    let targets = Tensor::<2, Int>::from_data(TensorData::new(ids, [b, t]), &device);
+    let fused = lm_head_loss_fused_here(&x);
+    let run = |kernels| {
+        let (x, weight) = (x.clone().require_grad(), weight.clone().require_grad());
+        let loss = lm_head_loss_in_chunks(
+            x.clone(),
+            weight.clone(),
+            targets.clone(),
+            vocab,
+            crate::ComputeDtype::F32,
+            kernels,
+            Some(64),
+        );
+        // An upstream gradient of the token count: the gradients are each
+        // token's own (about 1), not a mean's (1/150 of that).
+        let grads = loss.clone().mul_scalar((b * t) as f64).backward();
+        let dx = x.grad(&grads).expect("x gradient");
+        let dw = weight.grad(&grads).expect("weight gradient");
+        (loss.inner(), dx, dw)
+    };
+    let (loss, dx, dw) = run(Kernels::Fused);
+    let (loss_ref, dx_ref, dw_ref) = run(Kernels::Reference);
+    let max_abs = |a: Tensor<1>, b: Tensor<1>| f64::from((a - b).abs().max().into_scalar::<f32>());
+    let padding_grad = f64::from(
+        dw.clone()
+            .slice([vocab..padded, 0..d])
+            .abs()
+            .max()
+            .into_scalar::<f32>(),
+    );
+    KernelCheck {
+        kernel: format!(
+            "lm head and loss ({} × {d}, vocabulary {vocab} as {padded})",
+            b * t
+        ),
+        fused,
+        max_abs_difference: max_abs(loss, loss_ref)
+            .max(max_abs(dx.reshape([-1]), dx_ref.reshape([-1])))
+            .max(max_abs(dw.reshape([-1]), dw_ref.reshape([-1])))
+            .max(padding_grad),
+        tolerance: LM_HEAD_LOSS_TOLERANCE,
+    }
+}
