@@ -31,42 +31,41 @@ pub(crate) fn kiln_bin() -> &'static Path {
             assert!(bin.is_file(), "TEST_KILN_BIN={} is no file", bin.display());
             return bin;
         }
-        let exe = std::env::current_exe().expect("test binary path");
-        // target/<profile>/deps/tests-<hash> → target/<profile>/kiln
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("test binary in target/<profile>/deps");
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let profile = profile_dir
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("debug");
-        let profile = if profile == "debug" { "dev" } else { profile };
-        let status = Command::new(cargo)
-            .args([
-                "build",
-                "--quiet",
-                "--package",
-                "kiln-cli",
-                "--bin",
-                "kiln",
-                "--profile",
-                profile,
-            ])
-            .args(if cfg!(feature = "fusion") {
-                &["--features", "kiln-cli/wgpu,kiln-cli/fusion"][..]
-            } else if cfg!(feature = "wgpu") {
-                &["--features", "kiln-cli/wgpu"][..]
-            } else {
-                &[][..]
-            })
-            .current_dir(root())
-            .status()
-            .expect("run cargo build");
-        assert!(status.success(), "building kiln failed");
-        profile_dir.join(format!("kiln{}", std::env::consts::EXE_SUFFIX))
+        let features: &[&str] = if cfg!(feature = "fusion") {
+            &["--features", "kiln-cli/wgpu,kiln-cli/fusion"]
+        } else if cfg!(feature = "wgpu") {
+            &["--features", "kiln-cli/wgpu"]
+        } else {
+            &[]
+        };
+        built("kiln-cli", "kiln", features)
     })
+}
+
+/// Binary `bin` of `package`, built (with `extra` arguments) in the tests'
+/// own profile and target directory, and its path there.
+pub(crate) fn built(package: &str, bin: &str, extra: &[&str]) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    // target/<profile>/deps/tests-<hash> → target/<profile>/<bin>
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test binary in target/<profile>/deps");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let profile = profile_dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("debug");
+    let profile = if profile == "debug" { "dev" } else { profile };
+    let status = Command::new(cargo)
+        .args(["build", "--quiet", "--package", package, "--bin", bin])
+        .args(["--profile", profile])
+        .args(extra)
+        .current_dir(root())
+        .status()
+        .expect("run cargo build");
+    assert!(status.success(), "building {bin} failed");
+    profile_dir.join(format!("{bin}{}", std::env::consts::EXE_SUFFIX))
 }
 
 /// What one run of `kiln` did.

@@ -14,19 +14,7 @@ use crate::support::{Run, fake_report, root};
 
 /// xtask's binary, built in the tests' profile.
 fn xtask_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("test binary in target/<profile>/deps");
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(cargo)
-        .args(["build", "--quiet", "--locked", "--package", "xtask"])
-        .current_dir(root())
-        .status()
-        .expect("cargo build -p xtask");
-    assert!(status.success(), "building xtask failed");
-    profile_dir.join("xtask")
+    crate::support::built("xtask", "xtask", &["--locked"])
 }
 
 /// The stand-in for cargo: every command goes to `$XTASK_TEST_LOG` as
