@@ -11,5 +11,6 @@ mod nli;
 mod precision;
 mod store;
 mod support;
+mod tensorboard;
 mod train;
 mod xtask;

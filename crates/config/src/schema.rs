@@ -256,6 +256,15 @@ pub struct EvalSection {
 pub struct LoggingSection {
     /// Log every N optimizer steps.
     pub logging_steps: usize,
+    /// TensorBoard event files in the run directory (`RUN/tensorboard/`),
+    /// written as the run goes: `tensorboard --logdir runs`. A run saved
+    /// before this key existed resumes with them on.
+    #[serde(default = "tensorboard_on")]
+    pub tensorboard: bool,
+}
+
+fn tensorboard_on() -> bool {
+    true
 }
 
 /// `[checkpoint]`.

@@ -52,6 +52,7 @@ mod rundir;
 mod setup;
 mod step;
 mod task;
+mod tensorboard;
 mod tokens;
 mod trainer;
 mod translate;

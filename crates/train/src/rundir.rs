@@ -4,7 +4,10 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use std::sync::{Arc, Mutex};
+
 use crate::TrainError;
+use crate::tensorboard::Events;
 
 /// A run directory's lock, held while it lives (see [`RunDir::lock`]).
 #[derive(Debug)]
@@ -20,6 +23,11 @@ pub struct RunDir {
     /// `false` on a data-parallel job's ranks other than 0: they read the
     /// run (a resume's config and checkpoint) but write nothing to it.
     writes: bool,
+    /// The TensorBoard event file this process writes the records into as
+    /// well (`logging.tensorboard`), once [`RunDir::start_tensorboard`]
+    /// opened it; shared by the clones of this `RunDir`, not by its
+    /// [`RunDir::sub`] folders.
+    tensorboard: Arc<Mutex<Option<Events>>>,
 }
 
 impl RunDir {
@@ -56,7 +64,7 @@ impl RunDir {
             path: path.clone(),
             source,
         })?;
-        Ok(Self { path, writes: true })
+        Ok(Self::at(path, true))
     }
 
     /// Creates the run folder of `config` and records what the run is made
@@ -90,10 +98,7 @@ impl RunDir {
                 why: "it has no config.toml".into(),
             });
         }
-        Ok(Self {
-            path: path.to_path_buf(),
-            writes: true,
-        })
+        Ok(Self::at(path.to_path_buf(), true))
     }
 
     /// The same run as a rank other than 0 sees it: read, never written
@@ -106,18 +111,62 @@ impl RunDir {
     /// What a rank other than 0 of a new run holds: rank 0 names and writes
     /// the folder.
     pub(crate) fn elsewhere() -> Self {
-        Self {
-            path: PathBuf::from("(rank 0's run directory)"),
-            writes: false,
-        }
+        Self::at(PathBuf::from("(rank 0's run directory)"), false)
     }
 
     /// A folder inside the run (a fold's), written as the run is.
     pub(crate) fn sub(&self, name: &str) -> Self {
+        Self::at(self.path.join(name), self.writes)
+    }
+
+    fn at(path: PathBuf, writes: bool) -> Self {
         Self {
-            path: self.path.join(name),
-            writes: self.writes,
+            path,
+            writes,
+            tensorboard: Arc::new(Mutex::new(None)),
         }
+    }
+
+    /// Opens a TensorBoard event file in `tensorboard/` for what this
+    /// process writes from here on (`logging.tensorboard`; nothing on a
+    /// rank that does not write), with `config` as text. `resumed_at`:
+    /// the step the run goes on from (a resume, a fold started again);
+    /// the file then begins with a `SessionLog.START` at the next step, so
+    /// that TensorBoard drops the earlier files' events from there on, as
+    /// `metrics.jsonl` was cut there.
+    pub(crate) fn start_tensorboard(
+        &self,
+        config: &kiln_config::RunConfig,
+        resumed_at: Option<u64>,
+    ) -> Result<(), TrainError> {
+        if !self.writes || !config.logging.tensorboard {
+            return Ok(());
+        }
+        let mut events = Events::create(&self.file("tensorboard"), resumed_at.map(|s| s + 1))?;
+        events.text(
+            resumed_at.unwrap_or(0),
+            "config",
+            &config_text(config, resumed_at),
+        )?;
+        events.flush()?;
+        *lock(&self.tensorboard) = Some(events);
+        Ok(())
+    }
+
+    /// A cross-validation's results in a new event file of this (the
+    /// top) folder, which supersedes what earlier ones hold (a resumed
+    /// CV writes them once more): the config as text, each fold's scores.
+    pub(crate) fn tensorboard_cv(
+        &self,
+        config: &kiln_config::RunConfig,
+        summary: &crate::records::CvSummary,
+    ) -> Result<(), TrainError> {
+        if !self.writes || !config.logging.tensorboard {
+            return Ok(());
+        }
+        let mut events = Events::create(&self.file("tensorboard"), Some(0))?;
+        events.text(0, "config", &config_text(config, None))?;
+        events.cv_summary(summary)
     }
 
     /// Whether this process writes the run (rank 0, or a single process).
@@ -253,9 +302,15 @@ impl RunDir {
         writeln!(file, "{value}").map_err(|source| TrainError::Write { path, source })
     }
 
-    /// Appends one record to `metrics.jsonl`.
+    /// Appends one record to `metrics.jsonl`, and to the TensorBoard
+    /// event file where one is open (flushed: a TensorBoard watching the
+    /// run shows it at once).
     pub(crate) fn append(&self, record: &crate::records::Record) -> Result<(), TrainError> {
-        self.append_metric(&serde_json::to_value(record).unwrap_or_default())
+        self.append_metric(&serde_json::to_value(record).unwrap_or_default())?;
+        match lock(&self.tensorboard).as_mut() {
+            Some(events) => events.record(record),
+            None => Ok(()),
+        }
     }
 
     /// The metric lines, parsed (a torn last line from a killed run is skipped).
@@ -298,6 +353,22 @@ impl RunDir {
         }
         self.write("metrics.jsonl", &text)
     }
+}
+
+/// The lock of a run's event file; a panic elsewhere does not stop the
+/// records from being written.
+fn lock(m: &Mutex<Option<Events>>) -> std::sync::MutexGuard<'_, Option<Events>> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The resolved config as the text TensorBoard shows (Markdown: a TOML
+/// block), with the step a resume went on from.
+fn config_text(config: &kiln_config::RunConfig, resumed_at: Option<u64>) -> String {
+    let when = resumed_at.map_or(String::new(), |s| format!("resumed after step {s}\n\n"));
+    format!(
+        "{when}```toml\n{}```",
+        toml::to_string_pretty(config).unwrap_or_default()
+    )
 }
 
 /// Writes `contents` to `path` atomically: a temporary file beside it,
@@ -390,10 +461,7 @@ mod tests {
     #[test]
     fn metrics_after_a_step_are_dropped() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let run = RunDir {
-            path: dir.path().to_path_buf(),
-            writes: true,
-        };
+        let run = RunDir::at(dir.path().to_path_buf(), true);
         for step in 1..=5u64 {
             run.append_metric(&serde_json::json!({ "step": step }))
                 .expect("appends");

@@ -222,6 +222,7 @@ pub(crate) fn train(
     };
     let _lock = run.lock()?;
     run.write("tokenizer.json", &session.prepared.tokenizer.to_json()?)?;
+    run.start_tensorboard(config, None)?;
     session.run(model, &run, options, observer)
 }
 
@@ -320,6 +321,7 @@ pub(crate) fn resume(
         )));
     }
     run.truncate_metrics_after(step)?;
+    run.start_tensorboard(config, Some(step))?;
     session.run(model, run, options, observer)
 }
 

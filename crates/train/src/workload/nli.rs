@@ -497,6 +497,7 @@ fn run_cv(
         })
         .collect();
     let _ = crate::report::write_cv_plots(&run.path, &summary, &curves);
+    run.tensorboard_cv(config, &summary)?;
     observer.event(&Event::CvDone(summary.clone()));
     Ok(Outcome::CvFinished {
         run: run.path.clone(),
@@ -543,6 +544,7 @@ fn train_fold(
                 info.step
             )));
             dir.truncate_metrics_after(info.step)?;
+            dir.start_tensorboard(config, Some(info.step))?;
             (model, start) = restore(
                 model,
                 &mut optim,
@@ -552,7 +554,10 @@ fn train_fold(
                 &device.device,
             )?;
         }
-        Err(_) => dir.truncate_metrics_after(0)?,
+        Err(_) => {
+            dir.truncate_metrics_after(0)?;
+            dir.start_tensorboard(config, Some(0))?;
+        }
     }
     let model = model
         .with_compute(precision.compute)
