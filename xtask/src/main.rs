@@ -63,11 +63,11 @@ cargo xtask <target> [args...]
 
 Extra arguments go to `kiln` (overrides like training.batch_size=8).
 A GPU target first checks that its preset fits this machine (kiln-config's
-check, built in a minute, no Burn): where it does not, it exits 2 before any
-GPU build, unless --force. Where an NVIDIA driver reports a GPU, the GPU and
-auto targets build kiln with --features cuda; GPU targets elsewhere use wgpu
-(Vulkan, Metal, DX12). KILN_FEATURES=wgpu,fusion (any list) picks other
-features. Each feature set builds in its own folder: the CPU build in
+check, no Burn: minutes to build the first time): where it does not, it
+exits 2 before any GPU build, unless --force. Where an NVIDIA driver
+reports a GPU, the GPU and auto targets build kiln with --features cuda; GPU
+targets elsewhere use wgpu (Vulkan, Metal, DX12). KILN_FEATURES=wgpu,fusion
+(any list) picks other features. Each feature set builds in its own folder: the CPU build in
 target/release, the others in target/<features>/release (target/wgpu,
 target/cuda, target/fusion+wgpu), so switching targets rebuilds nothing;
 xtask says which binary it runs. check-hardware and check-gpu never build a
@@ -368,8 +368,9 @@ fn hardware_report(rest: &[String]) -> Option<String> {
     None
 }
 
-/// kiln-config's `machine` example (Burn-free: it builds in under a
-/// minute) with `args`, and the `--hardware-report` of `rest`.
+/// kiln-config's `machine` example (Burn-free: about 3 minutes to build
+/// from nothing on 2 cores, seconds after) with `args`, and the
+/// `--hardware-report` of `rest`.
 fn machine_probe(args: &[&str], rest: &[String]) -> Command {
     let mut cmd = cargo();
     cmd.args([
@@ -442,7 +443,7 @@ fn describe(command: &str, rest: Vec<String>) -> Result<ExitCode, String> {
     }
     eprintln!(
         "xtask: no kiln is built in {} yet, so this is kiln-config's report (Burn-free: \
-         it builds in a minute); `kiln {command}` adds the backends, the memory plan and the \
+         a few minutes to build the first time, seconds after); `kiln {command}` adds the backends, the memory plan and the \
          ranks once `cargo xtask train-auto` has built kiln",
         dir.display()
     );
