@@ -3,7 +3,6 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-
 use std::sync::{Arc, Mutex};
 
 use crate::TrainError;
@@ -127,29 +126,28 @@ impl RunDir {
         }
     }
 
-    /// Opens a TensorBoard event file in `tensorboard/` for what this
-    /// process writes from here on (`logging.tensorboard`; nothing on a
-    /// rank that does not write), with `config` as text. `resumed_at`:
-    /// the step the run goes on from (a resume, a fold started again);
-    /// the file then begins with a `SessionLog.START` at the next step, so
-    /// that TensorBoard drops the earlier files' events from there on, as
-    /// `metrics.jsonl` was cut there.
+    /// Opens a TensorBoard event file in `tensorboard/` for a new run's
+    /// records (`logging.tensorboard`; nothing on a rank that does not
+    /// write), with `config` as text.
     pub(crate) fn start_tensorboard(
         &self,
         config: &kiln_config::RunConfig,
-        resumed_at: Option<u64>,
     ) -> Result<(), TrainError> {
-        if !self.writes || !config.logging.tensorboard {
-            return Ok(());
-        }
-        let mut events = Events::create(&self.file("tensorboard"), resumed_at.map(|s| s + 1))?;
-        events.text(
-            resumed_at.unwrap_or(0),
-            "config",
-            &config_text(config, resumed_at),
-        )?;
-        events.flush()?;
-        *lock(&self.tensorboard) = Some(events);
+        *lock(&self.tensorboard) = self.new_events(config, None)?;
+        Ok(())
+    }
+
+    /// The records go on after `step` (a resume, a fold started again):
+    /// `metrics.jsonl` is cut after it, and a new TensorBoard event file
+    /// begins with a `SessionLog.START` at the next step, so that
+    /// TensorBoard drops what the earlier files hold from there on.
+    pub(crate) fn records_go_on_after(
+        &self,
+        config: &kiln_config::RunConfig,
+        step: u64,
+    ) -> Result<(), TrainError> {
+        self.truncate_metrics_after(step)?;
+        *lock(&self.tensorboard) = self.new_events(config, Some(step))?;
         Ok(())
     }
 
@@ -161,12 +159,38 @@ impl RunDir {
         config: &kiln_config::RunConfig,
         summary: &crate::records::CvSummary,
     ) -> Result<(), TrainError> {
-        if !self.writes || !config.logging.tensorboard {
+        if !self.tensorboard_on(config) {
             return Ok(());
         }
         let mut events = Events::create(&self.file("tensorboard"), Some(0))?;
         events.text(0, "config", &config_text(config, None))?;
         events.cv_summary(summary)
+    }
+
+    /// Whether this process writes TensorBoard's files for the run.
+    fn tensorboard_on(&self, config: &kiln_config::RunConfig) -> bool {
+        self.writes && config.logging.tensorboard
+    }
+
+    /// A new event file with `config` as text (see
+    /// [`RunDir::records_go_on_after`] for `resumed_at`), or none where
+    /// this process writes none.
+    fn new_events(
+        &self,
+        config: &kiln_config::RunConfig,
+        resumed_at: Option<u64>,
+    ) -> Result<Option<Events>, TrainError> {
+        if !self.tensorboard_on(config) {
+            return Ok(None);
+        }
+        let mut events = Events::create(&self.file("tensorboard"), resumed_at.map(|s| s + 1))?;
+        events.text(
+            resumed_at.unwrap_or(0),
+            "config",
+            &config_text(config, resumed_at),
+        )?;
+        events.flush()?;
+        Ok(Some(events))
     }
 
     /// Whether this process writes the run (rank 0, or a single process).
@@ -345,7 +369,7 @@ impl RunDir {
     }
 
     /// Drops metric lines after `step` (a resumed run writes them again).
-    pub(crate) fn truncate_metrics_after(&self, step: u64) -> Result<(), TrainError> {
+    fn truncate_metrics_after(&self, step: u64) -> Result<(), TrainError> {
         let (kept, _) = self.metrics_split_at(step);
         let mut text = kept.join("\n");
         if !text.is_empty() {

@@ -156,9 +156,7 @@ impl Events {
             path: dir.to_path_buf(),
             source,
         })?;
-        let seconds = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
+        let seconds = now() as u64;
         let host = sysinfo::System::host_name().unwrap_or_else(|_| "kiln".into());
         let pid = std::process::id();
         // Another file of this second (a fold after a fold): the next number.
@@ -253,9 +251,7 @@ impl Events {
 
     /// A record of `metrics.jsonl` as scalars, then flushed.
     pub(crate) fn record(&mut self, record: &Record) -> Result<(), TrainError> {
-        let values = scalars_of(record);
-        let values: Vec<(&str, f64)> = values.iter().map(|(t, v)| (*t, *v)).collect();
-        self.scalars(record.step(), &values)?;
+        self.scalars(record.step(), &scalars_of(record))?;
         self.flush()
     }
 

@@ -222,7 +222,7 @@ pub(crate) fn train(
     };
     let _lock = run.lock()?;
     run.write("tokenizer.json", &session.prepared.tokenizer.to_json()?)?;
-    run.start_tensorboard(config, None)?;
+    run.start_tensorboard(config)?;
     session.run(model, &run, options, observer)
 }
 
@@ -320,8 +320,7 @@ pub(crate) fn resume(
             aside.display()
         )));
     }
-    run.truncate_metrics_after(step)?;
-    run.start_tensorboard(config, Some(step))?;
+    run.records_go_on_after(config, step)?;
     session.run(model, run, options, observer)
 }
 

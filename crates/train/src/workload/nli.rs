@@ -543,8 +543,7 @@ fn train_fold(
                 fold + 1,
                 info.step
             )));
-            dir.truncate_metrics_after(info.step)?;
-            dir.start_tensorboard(config, Some(info.step))?;
+            dir.records_go_on_after(config, info.step)?;
             (model, start) = restore(
                 model,
                 &mut optim,
@@ -554,10 +553,7 @@ fn train_fold(
                 &device.device,
             )?;
         }
-        Err(_) => {
-            dir.truncate_metrics_after(0)?;
-            dir.start_tensorboard(config, Some(0))?;
-        }
+        Err(_) => dir.records_go_on_after(config, 0)?,
     }
     let model = model
         .with_compute(precision.compute)
