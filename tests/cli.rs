@@ -151,6 +151,9 @@ fn check_gpu_exits_1_without_a_gpu() {
 
 #[test]
 fn config_explain_shows_each_source() {
+    // From the checkout's root, whose `presets/` is the folder the built-in
+    // presets are compiled from: they are named as built in, not read again
+    // as a presets directory over themselves.
     kiln(&[
         "config",
         "hardware=t4",
@@ -166,6 +169,11 @@ fn config_explain_shows_each_source() {
         "precision.amp_dtype = \"fp16\"",
         "# hardware preset `t4` (built-in hardware/t4.toml:18)",
     ]);
+    // Named with --presets, the same folder is a directory like any other.
+    kiln(&["config", "hardware=t4", "--presets", "presets", "--explain"])
+        .run()
+        .expect_code(0)
+        .stdout_has(&["# hardware preset `t4` (presets/hardware/t4.toml:18)"]);
     kiln(&["config", "--explain"])
         .env("KILN_TRAINING__BATCH_SIZE", "7")
         .run()
@@ -345,7 +353,7 @@ fn a_broken_preset_names_file_and_line() {
     for group in ["hardware", "experiment"] {
         std::fs::create_dir_all(presets.join(group)).expect("mkdir");
     }
-    let src = crate::support::root().join("crates/config/presets");
+    let src = crate::support::root().join("presets");
     std::fs::copy(src.join("defaults.toml"), presets.join("defaults.toml")).expect("copy");
     std::fs::copy(
         src.join("experiment/shakespeare_char.toml"),

@@ -69,11 +69,31 @@ fn every_library_crate_documents_its_public_items() {
 }
 
 #[test]
+fn the_presets_users_read_are_the_ones_built_in() {
+    // One folder, no copy that can drift: kiln-config compiles its presets
+    // from `crates/config/presets`, a link to the top-level `presets/` (cargo
+    // package follows it, so the published crate carries the files).
+    let top = root().join("presets");
+    let crate_dir = root().join("crates/config/presets");
+    assert!(
+        std::fs::symlink_metadata(&crate_dir)
+            .expect("crates/config/presets")
+            .file_type()
+            .is_symlink(),
+        "crates/config/presets must link to the top-level presets/"
+    );
+    assert_eq!(
+        crate_dir.canonicalize().expect("resolves"),
+        top.canonicalize().expect("presets/")
+    );
+}
+
+#[test]
 fn every_preset_value_says_why() {
     // Each key line needs a comment above it, directly or heading its group of
     // consecutive keys, in the same table.
     let mut files = Vec::new();
-    files_with_extension(&root().join("crates/config/presets"), "toml", &mut files);
+    files_with_extension(&root().join("presets"), "toml", &mut files);
     assert!(files.len() >= 15, "{files:?}");
     for file in files {
         let mut explained = false;
@@ -96,7 +116,7 @@ fn every_preset_value_says_why() {
 
 /// Every dotted key of the configuration, from `kiln config` on the defaults.
 fn config_keys() -> BTreeSet<String> {
-    leaf_keys(&root().join("crates/config/presets/defaults.toml"))
+    leaf_keys(&root().join("presets/defaults.toml"))
 }
 
 /// The dotted leaf keys a TOML file sets.
@@ -145,7 +165,7 @@ fn defaults_name_every_key_of_run_config() {
 fn config_doc_lists_every_key_with_its_default() {
     let doc = read(&root().join("docs/CONFIG.md"));
     let defaults: toml::Table =
-        toml::from_str(&read(&root().join("crates/config/presets/defaults.toml"))).expect("parses");
+        toml::from_str(&read(&root().join("presets/defaults.toml"))).expect("parses");
     let mut documented = BTreeSet::new();
     for line in doc.lines() {
         // | `training.batch_size` | `12` | meaning |
@@ -278,11 +298,7 @@ fn tuning_guide_explains_every_preset_knob() {
         );
     }
     let mut files = Vec::new();
-    files_with_extension(
-        &root().join("crates/config/presets/hardware"),
-        "toml",
-        &mut files,
-    );
+    files_with_extension(&root().join("presets/hardware"), "toml", &mut files);
     let set: BTreeSet<String> = files.iter().flat_map(|f| leaf_keys(f)).collect();
     let set: BTreeSet<String> = set
         .into_iter()

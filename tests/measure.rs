@@ -211,9 +211,7 @@ fn tune_writes_a_preset_that_keeps_the_effective_batch_and_hardware_tuned_uses()
     let presets = tmp.path().join("presets");
     for group in ["", "hardware", "experiment"] {
         std::fs::create_dir_all(presets.join(group)).expect("mkdir");
-        for entry in
-            std::fs::read_dir(root().join("crates/config/presets").join(group)).expect("read")
-        {
+        for entry in std::fs::read_dir(root().join("presets").join(group)).expect("read") {
             let path = entry.expect("entry").path();
             if path.is_file() {
                 std::fs::copy(

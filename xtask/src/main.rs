@@ -949,7 +949,7 @@ mod tests {
     fn every_gpu_target_names_a_preset_file() {
         for (suffix, preset) in GPU_TARGETS {
             let path = root()
-                .join("crates/config/presets/hardware")
+                .join("presets/hardware")
                 .join(format!("{preset}.toml"));
             assert!(path.is_file(), "train-{suffix}: {} missing", path.display());
         }

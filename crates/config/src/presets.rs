@@ -82,6 +82,19 @@ impl Default for crate::RunConfig {
     }
 }
 
+/// Whether `dir` is the folder the built-in presets were compiled from:
+/// `crates/config/presets` of the kiln source this crate was built from,
+/// which in a checkout is a link to the top-level `presets/` (in a published
+/// crate, the packaged copy). Compared after resolving links; `false` when
+/// either path cannot be resolved.
+pub(crate) fn is_built_in_source(dir: &Path) -> bool {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("presets");
+    match (dir.canonicalize(), source.canonicalize()) {
+        (Ok(dir), Ok(source)) => dir == source,
+        _ => false,
+    }
+}
+
 /// The presets a configuration resolves from: kiln's built-in presets, and
 /// optionally a directory over them (`--presets DIR`, or `./presets` when
 /// present). A file of the directory replaces the built-in preset of the same
@@ -110,12 +123,15 @@ impl Presets {
     }
 
     /// `explicit` over the built-in presets if given (it must exist); else
-    /// `./presets` if the working directory has one; else the built-in
+    /// `./presets` if the working directory has one and it is not the folder
+    /// the built-in presets were compiled from (a kiln checkout's own
+    /// top-level `presets/`, which would only repeat them); else the built-in
     /// presets alone.
     pub fn discover(explicit: Option<&Path>) -> Result<Self, ConfigError> {
+        let here = Path::new("presets");
         match explicit {
             Some(dir) => Self::with_dir(dir),
-            None if Path::new("presets").is_dir() => Self::with_dir("presets"),
+            None if here.is_dir() && !is_built_in_source(here) => Self::with_dir(here),
             None => Ok(Self::built_in()),
         }
     }
@@ -249,6 +265,20 @@ mod tests {
         );
         assert_eq!(built_in, on_disk);
         assert_eq!(BUILT_IN[0].0, "defaults");
+    }
+
+    #[test]
+    fn the_source_folder_is_the_built_ins_and_a_copy_is_not() {
+        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("presets");
+        assert!(is_built_in_source(&source));
+        let tmp = tempfile::tempdir().expect("tempdir");
+        std::fs::copy(
+            source.join("defaults.toml"),
+            tmp.path().join("defaults.toml"),
+        )
+        .expect("copy");
+        assert!(!is_built_in_source(tmp.path()));
+        assert!(!is_built_in_source(&tmp.path().join("nope")));
     }
 
     #[test]
