@@ -13,4 +13,6 @@ mod store;
 mod support;
 mod tensorboard;
 mod train;
+#[cfg(unix)]
+mod tui;
 mod xtask;

@@ -7,6 +7,8 @@
 #![allow(clippy::print_stderr, reason = "the CLI prints its errors")]
 
 mod commands;
+#[cfg(feature = "tui")]
+mod dashboard;
 mod data;
 mod oom;
 mod progress;

@@ -172,7 +172,7 @@ fn eval_text(e: &EvalRecord) -> String {
     }
 }
 
-fn fold_lines(r: &FoldResult) -> Vec<String> {
+pub(crate) fn fold_lines(r: &FoldResult) -> Vec<String> {
     let mut lines = vec![format!(
         "fold {} result (best at step {}{}): accuracy {:.1}%, macro-F1 {:.3}, val loss {:.4}; majority baseline {:.1}%",
         r.fold,
@@ -197,7 +197,7 @@ fn fold_lines(r: &FoldResult) -> Vec<String> {
 }
 
 /// The per-fold table and the mean ± std.
-fn cv_summary_lines(s: &CvSummary) -> Vec<String> {
+pub(crate) fn cv_summary_lines(s: &CvSummary) -> Vec<String> {
     let mut lines = vec![
         format!(
             "cross-validation over {} pairs ({} rows skipped):",
@@ -237,6 +237,7 @@ impl Observer for Printer {
                 lines,
                 first_step,
                 total_steps,
+                ..
             } => {
                 self.finish_prepare();
                 self.total = *total_steps;

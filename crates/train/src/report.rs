@@ -69,6 +69,9 @@ pub enum Event {
         first_step: u64,
         /// The steps the run makes in all.
         total_steps: u64,
+        /// A cross-validation's fold, from 1, and its number of folds
+        /// (`None` for a run that is not a fold).
+        fold: Option<(usize, usize)>,
     },
     /// A logged step.
     Step(StepMetrics),

@@ -18,6 +18,11 @@ pub(crate) struct TrainArgs {
     /// Run a GPU preset on a machine without that GPU
     #[arg(long)]
     force: bool,
+    /// Show the run in a live dashboard (plots of each metric, progress,
+    /// time left) instead of lines; `q` opens its menu, Ctrl-C stops with a
+    /// checkpoint as always
+    #[arg(long)]
+    tui: bool,
     #[command(flatten)]
     layers: Layers,
 }
@@ -43,6 +48,9 @@ pub(crate) struct ResumeArgs {
     /// wrote after it is kept in RUN/checkpoints/after-STEP/
     #[arg(long, value_name = "STEP")]
     from: Option<u64>,
+    /// Show the run in a live dashboard instead of lines (as `kiln train --tui`)
+    #[arg(long)]
+    tui: bool,
     /// Changes to the saved configuration, `key=value`: for a language model
     /// the run's length (`training.max_steps=6000`), the optimizer's
     /// settings (`training.learning_rate=5e-4`), the micro-batch
@@ -56,7 +64,7 @@ pub(crate) struct ResumeArgs {
 /// `kiln train`.
 pub(crate) fn train(args: TrainArgs, ctx: Context) -> anyhow::Result<ExitCode> {
     let resolved = ctx.resolve(&args.layers)?;
-    train_command(resolved, args.force, ctx.report)
+    train_command(resolved, (args.force, args.tui), ctx.report)
 }
 
 /// `kiln cv`: the nli workload only.
@@ -69,18 +77,21 @@ pub(crate) fn cv(args: TrainArgs, ctx: Context) -> anyhow::Result<ExitCode> {
         ))
         .into());
     }
-    train_command(resolved, args.force, ctx.report)
+    train_command(resolved, (args.force, args.tui), ctx.report)
 }
 
 /// `kiln resume RUN`.
 pub(crate) fn resume(args: ResumeArgs, ctx: Context) -> anyhow::Result<ExitCode> {
     let options = train_options(ctx.report, Vec::new())?;
+    let mut observer = observer(&options, args.tui)?;
     let request = kiln_train::ResumeRequest {
         overrides: args.overrides,
         from_step: args.from,
     };
-    let outcome = kiln_train::resume_with(&args.run, &request, &options, &mut *observer(&options))
-        .map_err(|e| rank_error(&options, e))?;
+    let outcome = kiln_train::resume_with(&args.run, &request, &options, &mut *observer);
+    // The dashboard closes before the outcome is printed.
+    drop(observer);
+    let outcome = outcome.map_err(|e| rank_error(&options, e))?;
     Ok(finish(outcome, &options))
 }
 
@@ -117,10 +128,11 @@ pub(crate) fn predict(args: PredictArgs, ctx: &Context) -> anyhow::Result<ExitCo
     Ok(ExitCode::SUCCESS)
 }
 
-/// `kiln train` and `kiln cv`: checks that a named GPU preset fits, then trains.
+/// `kiln train` and `kiln cv`: checks that a named GPU preset fits, then
+/// trains (`--force`: even if it does not; `--tui`: in the dashboard).
 fn train_command(
     resolved: ResolvedConfig,
-    force: bool,
+    (force, tui): (bool, bool),
     report: HardwareReport,
 ) -> anyhow::Result<ExitCode> {
     crate::data::provide_for(&resolved.config)?;
@@ -147,19 +159,44 @@ fn train_command(
     {
         println!("kiln: hardware = {}: {}", choice.name, choice.why);
     }
-    let outcome = kiln_train::train(&resolved.config, &options, &mut *observer(&options))
-        .map_err(|e| rank_error(&options, e))?;
+    let mut observer = observer(&options, tui)?;
+    let outcome = kiln_train::train(&resolved.config, &options, &mut *observer);
+    // The dashboard closes before the outcome is printed.
+    drop(observer);
+    let outcome = outcome.map_err(|e| rank_error(&options, e))?;
     Ok(finish(outcome, &options))
 }
 
-/// Rank 0 (or a single process) prints the run; a job's other ranks print
-/// nothing but their errors.
-fn observer(options: &kiln_train::TrainOptions) -> Box<dyn kiln_train::Observer> {
-    if options.writes() {
-        Box::new(progress::Printer::new())
-    } else {
-        Box::new(kiln_train::Silent)
+/// Rank 0 (or a single process) prints the run, as lines or (`--tui`, on a
+/// terminal) in the dashboard; a job's other ranks print nothing but their
+/// errors.
+fn observer(
+    options: &kiln_train::TrainOptions,
+    tui: bool,
+) -> anyhow::Result<Box<dyn kiln_train::Observer>> {
+    if !options.writes() {
+        return Ok(Box::new(kiln_train::Silent));
     }
+    if tui {
+        #[cfg(feature = "tui")]
+        {
+            use std::io::IsTerminal;
+            if std::io::stdout().is_terminal() {
+                return Ok(Box::new(crate::dashboard::Dashboard::new(Arc::clone(
+                    &options.interrupt,
+                ))));
+            }
+            eprintln!("kiln: --tui needs a terminal on standard output; printing lines");
+        }
+        #[cfg(not(feature = "tui"))]
+        {
+            return Err(BadInput(
+                "--tui: this kiln was built without its `tui` feature (on by default); build it with `--features tui`".to_string(),
+            )
+            .into());
+        }
+    }
+    Ok(Box::new(progress::Printer::new()))
 }
 
 /// A training error, naming the rank and the host in a job.

@@ -686,6 +686,7 @@ impl Session {
             lines: self.start_lines(options, &peak_name),
             first_step: self.start.first_step,
             total_steps: schedule.total_steps,
+            fold: None,
         });
         let mut plan = LoopPlan {
             first_step: self.start.first_step,

@@ -600,6 +600,7 @@ fn train_fold(
         lines,
         first_step: start.first_step,
         total_steps: p.schedule.total_steps,
+        fold: Some((fold + 1, config.cv.folds)),
     });
     let task = p.task(config, &pairs.data.labels, &device.device, None);
     let mut plan = LoopPlan {
