@@ -92,12 +92,23 @@ fn cpu_choice(report: &HardwareReport) -> PresetChoice {
         kiln_hwdetect::GpuStatus::None { why } => why.clone(),
         kiln_hwdetect::GpuStatus::Found { .. } => String::from("no GPU"),
     };
+    // AMD's and Intel's GPUs are seen but have no preset yet: say so.
+    let others = match report.other_gpus.as_slice() {
+        [] => String::new(),
+        gpus => format!(
+            "; {} seen, which kiln's presets do not train on yet",
+            gpus.iter()
+                .map(|g| g.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
     let isa = report.cpu.features.simd_class();
     let gib = report.memory.total_bytes as f64 / f64::from(1u32 << 30);
     PresetChoice {
         name: "cpu".to_string(),
         why: format!(
-            "no GPU to train on ({no_gpu}); {} cores {isa}, {gib:.0} GiB RAM → cpu",
+            "no GPU to train on ({no_gpu}{others}); {} cores {isa}, {gib:.0} GiB RAM → cpu",
             report.cpu.logical_cores
         ),
         gpu_index: None,
@@ -442,6 +453,23 @@ mod tests {
             &[],
             "cpu",
             &["no GPU to train on (no NVIDIA driver)", "→ cpu"],
+        );
+        // An AMD GPU is named, and why it is not used.
+        let mut report = machine(&[]);
+        report.other_gpus = serde_json::from_str(
+            r#"[{"vendor": "amd", "name": "AMD Radeon RX 7900 XTX", "pci_device_id": 29772,
+                "pci_slot": "0000:03:00.0", "memory_total_bytes": 25753026560,
+                "architecture": null, "table_model": null, "peak": null, "peak_source": null}]"#,
+        )
+        .expect("a report's AMD GPU");
+        let choice = choose_preset(&report);
+        assert_eq!(choice.name, "cpu");
+        assert!(
+            choice.why.contains(
+                "no NVIDIA driver; AMD Radeon RX 7900 XTX seen, which kiln's presets do not train on yet"
+            ),
+            "{}",
+            choice.why
         );
     }
 

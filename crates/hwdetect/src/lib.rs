@@ -6,18 +6,22 @@
 //! features, frequency and an fp32 peak estimate), the memory, and the NVIDIA
 //! GPUs through NVML loaded at run time (name, memory, compute capability,
 //! driver and CUDA version, fp16/bf16/tf32/fp8 support and a dense peak from
-//! a sourced table).
+//! a sourced table); on Linux also AMD's and Intel's GPUs, read from sysfs
+//! (name, memory, AMD's graphics architecture, a dense peak where kiln's
+//! table has one), which kiln does not train on yet.
 //!
 //! It depends on no ML framework and never panics: with no driver, no NVML
 //! library or no GPU the report says which and why.
 #![warn(missing_docs)]
 
 mod cpu;
+mod drm;
 mod gpu;
 pub mod specs;
 mod summary;
 
 pub use cpu::{CpuInfo, CpuPeak, IsaFeatures, detect_cpu, estimate_peak, flops_per_cycle};
+pub use drm::{GpuVendor, OtherGpu, detect_drm_gpus};
 pub use gpu::{DriverInfo, FixedProbe, GpuCapabilities, GpuInfo, GpuProbe, GpuStatus, NvmlProbe};
 pub use specs::PeakFlops;
 
@@ -37,6 +41,11 @@ pub struct HardwareReport {
     pub driver: DriverInfo,
     /// Operating system, as sysinfo names it ("Debian GNU/Linux 12").
     pub os: String,
+    /// AMD's and Intel's GPUs, seen through Linux's sysfs (NVML sees only
+    /// NVIDIA's); kiln's presets and `hardware=auto` do not train on them
+    /// yet. Empty in reports saved before kiln read them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub other_gpus: Vec<OtherGpu>,
 }
 
 impl HardwareReport {
@@ -78,9 +87,12 @@ pub struct MemoryInfo {
     pub available_bytes: u64,
 }
 
-/// Reads this machine, asking NVML for GPUs.
+/// Reads this machine: NVML for NVIDIA's GPUs, sysfs for AMD's and
+/// Intel's (`other_gpus`, Linux).
 pub fn detect() -> HardwareReport {
-    detect_with(&NvmlProbe)
+    let mut report = detect_with(&NvmlProbe);
+    report.other_gpus = detect_drm_gpus(std::path::Path::new("/"));
+    report
 }
 
 /// The NVIDIA GPUs as NVML sees them now (free memory included); empty
@@ -92,8 +104,9 @@ pub fn detect_gpus() -> Vec<GpuInfo> {
     }
 }
 
-/// This machine's CPU and memory with no GPU, whatever NVML would say: to
-/// plan a CPU run, and for tests that must not depend on the machine's GPUs.
+/// This machine's CPU and memory with no GPU, whatever NVML or sysfs would
+/// say: to plan a CPU run, and for tests that must not depend on the
+/// machine's GPUs.
 pub fn detect_cpu_only() -> HardwareReport {
     detect_with(&FixedProbe(
         GpuStatus::None {
@@ -103,7 +116,9 @@ pub fn detect_cpu_only() -> HardwareReport {
     ))
 }
 
-/// Reads this machine's CPU and memory, and asks `probe` for GPUs.
+/// Reads this machine's CPU and memory, and asks `probe` for GPUs (sysfs is
+/// not read: `other_gpus` is empty, so tests with a fixed probe see the same
+/// report on any machine).
 pub fn detect_with(probe: &dyn GpuProbe) -> HardwareReport {
     let (gpu, driver) = probe.probe();
     HardwareReport {
@@ -112,6 +127,7 @@ pub fn detect_with(probe: &dyn GpuProbe) -> HardwareReport {
         gpu,
         driver,
         os: sysinfo::System::long_os_version().unwrap_or_else(|_| std::env::consts::OS.to_string()),
+        other_gpus: Vec::new(),
     }
 }
 

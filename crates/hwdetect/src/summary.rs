@@ -53,6 +53,25 @@ impl fmt::Display for HardwareReport {
         )?;
         writeln!(f, "OS       {}", self.os)?;
         write!(f, "{}", self.gpu)?;
+        for g in &self.other_gpus {
+            let arch = g
+                .architecture
+                .as_ref()
+                .map(|a| format!(", {a}"))
+                .unwrap_or_default();
+            let memory = g
+                .memory_total_bytes
+                .map(|m| format!(", {}", gib(m)))
+                .unwrap_or_default();
+            writeln!(
+                f,
+                "GPU      {} (PCI {}{arch}){memory}: seen through sysfs; kiln's presets and hardware=auto train on NVIDIA GPUs only so far (a wgpu build can reach it through Vulkan: device.backend=wgpu)",
+                g.name, g.pci_slot
+            )?;
+            if let (Some(p), Some(src)) = (&g.peak, &g.peak_source) {
+                writeln!(f, "         dense peak: {p} ({src})")?;
+            }
+        }
         if self.driver.driver_version.is_some() {
             writeln!(
                 f,
@@ -144,6 +163,24 @@ mod tests {
         );
         assert!(
             text.contains("bf16 yes") && text.contains("dense peak: fp32 19.5"),
+            "{text}"
+        );
+        let mut report = report;
+        report.other_gpus = serde_json::from_str(
+            r#"[{"vendor": "amd", "name": "AMD Instinct MI300X", "pci_device_id": 29857,
+                "pci_slot": "0000:0c:00.0", "memory_total_bytes": 206141652992,
+                "architecture": "gfx942", "table_model": "Instinct MI300X",
+                "peak": {"fp32": 163.4e12, "tf32": null, "fp16": 1307.4e12, "bf16": 1307.4e12, "fp8": null},
+                "peak_source": "AMD Instinct MI300X data sheet"}]"#,
+        )
+        .expect("an AMD GPU as a report has it");
+        let text = report.to_string();
+        assert!(
+            text.contains("GPU      AMD Instinct MI300X (PCI 0000:0c:00.0, gfx942), 192.0 GiB: seen through sysfs; kiln's presets and hardware=auto train on NVIDIA GPUs only so far"),
+            "{text}"
+        );
+        assert!(
+            text.contains("dense peak: fp32 163.4, bf16 1307.4"),
             "{text}"
         );
         let none = GpuStatus::None {
