@@ -71,6 +71,7 @@ impl Dashboard {
     /// Ctrl-C a signal.
     fn open(&mut self) -> &mut TuiMetricsRendererWrapper {
         self.tui.get_or_insert_with(|| {
+            save_terminal();
             let tui = TuiMetricsRendererWrapper::new(self.interrupter.clone(), None);
             keep_ctrl_c_a_signal();
             tui
@@ -122,7 +123,10 @@ impl Dashboard {
     fn close(&mut self) {
         // Dropping the renderer joins its thread, which leaves the
         // alternate screen and raw mode.
-        drop(self.tui.take());
+        if let Some(tui) = self.tui.take() {
+            drop(tui);
+            forget_terminal();
+        }
         for line in self.after.drain(..) {
             println!("{line}");
         }
@@ -237,6 +241,83 @@ impl Observer for Dashboard {
     }
 }
 
+/// The terminal's settings from before the dashboard opened, while it is
+/// open: a second Ctrl-C ends the process at once, with no destructor to
+/// leave raw mode and the alternate screen, so its handler puts them back
+/// (`restore_terminal`).
+#[cfg(unix)]
+static SAVED: std::sync::Mutex<Option<libc::termios>> = std::sync::Mutex::new(None);
+
+/// The terminal crossterm uses: standard input if it is one, else the
+/// controlling terminal (kept open in `tty`); `None` without one.
+#[cfg(unix)]
+fn terminal_fd(tty: &mut Option<std::fs::File>) -> Option<i32> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: isatty only reads the descriptor's state.
+    if unsafe { libc::isatty(libc::STDIN_FILENO) } == 1 {
+        return Some(libc::STDIN_FILENO);
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/tty")
+        .ok()?;
+    Some(tty.insert(file).as_raw_fd())
+}
+
+fn save_terminal() {
+    #[cfg(unix)]
+    {
+        let mut tty = None;
+        let Some(fd) = terminal_fd(&mut tty) else {
+            return;
+        };
+        // SAFETY: termios is plain data, filled in by tcgetattr before it is
+        // kept; fd is open here.
+        unsafe {
+            let mut t: libc::termios = std::mem::zeroed();
+            if libc::tcgetattr(fd, &mut t) == 0
+                && let Ok(mut saved) = SAVED.lock()
+            {
+                *saved = Some(t);
+            }
+        }
+    }
+}
+
+fn forget_terminal() {
+    #[cfg(unix)]
+    if let Ok(mut saved) = SAVED.lock() {
+        *saved = None;
+    }
+}
+
+/// Puts the terminal back as it was before the dashboard opened, if it is
+/// open: the settings, mouse reporting off, the main screen, the cursor.
+/// For an exit that skips the renderer's own clean-up (a second Ctrl-C).
+pub(crate) fn restore_terminal() {
+    #[cfg(unix)]
+    {
+        use std::io::Write;
+        let Some(t) = SAVED.lock().ok().and_then(|mut s| s.take()) else {
+            return;
+        };
+        let mut tty = None;
+        if let Some(fd) = terminal_fd(&mut tty) {
+            // SAFETY: t came from tcgetattr on this terminal; fd is open.
+            unsafe {
+                libc::tcsetattr(fd, libc::TCSANOW, &t);
+            }
+        }
+        // crossterm's EnableMouseCapture modes, the alternate screen, the cursor.
+        let mut out = std::io::stdout();
+        let _ = out.write_all(
+            b"\x1b[?1006l\x1b[?1015l\x1b[?1003l\x1b[?1002l\x1b[?1000l\x1b[?1049l\x1b[?25h",
+        );
+        let _ = out.flush();
+    }
+}
+
 /// crossterm's raw mode, which burn's renderer enters on its own thread as
 /// it starts, turns off the terminal's signal keys: Ctrl-C would be a key
 /// press the dashboard ignores. Waits (up to 2 s) for raw mode, then turns
@@ -245,25 +326,9 @@ impl Observer for Dashboard {
 fn keep_ctrl_c_a_signal() {
     #[cfg(unix)]
     {
-        use std::os::fd::AsRawFd;
-        // The terminal crossterm uses: standard input if it is one, else
-        // the controlling terminal.
-        let tty;
-        // SAFETY: isatty only reads the descriptor's state.
-        let fd = if unsafe { libc::isatty(libc::STDIN_FILENO) } == 1 {
-            libc::STDIN_FILENO
-        } else {
-            match std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open("/dev/tty")
-            {
-                Ok(file) => {
-                    tty = file;
-                    tty.as_raw_fd()
-                }
-                Err(_) => return,
-            }
+        let mut tty = None;
+        let Some(fd) = terminal_fd(&mut tty) else {
+            return;
         };
         for _ in 0..200 {
             // SAFETY: termios is plain data, filled in by tcgetattr before

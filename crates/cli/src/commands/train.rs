@@ -251,6 +251,9 @@ fn train_options(
     let flag = Arc::clone(&interrupt);
     ctrlc::set_handler(move || {
         if flag.swap(true, Ordering::SeqCst) {
+            // The dashboard, if open, has no chance to put the terminal back.
+            #[cfg(feature = "tui")]
+            crate::dashboard::restore_terminal();
             std::process::exit(130);
         }
         eprintln!(
