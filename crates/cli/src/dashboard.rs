@@ -40,14 +40,12 @@ pub(crate) struct Dashboard {
     printer: Printer,
     /// Lines for after the dashboard: results, notes, the summary.
     after: Vec<String>,
-    total_steps: u64,
 }
 
 impl std::fmt::Debug for Dashboard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Dashboard")
             .field("open", &self.tui.is_some())
-            .field("total_steps", &self.total_steps)
             .finish_non_exhaustive()
     }
 }
@@ -63,7 +61,6 @@ impl Dashboard {
             registered: HashMap::new(),
             printer: Printer::new(),
             after: Vec::new(),
-            total_steps: 0,
         }
     }
 
@@ -170,7 +167,6 @@ impl Observer for Dashboard {
                 } else {
                     self.after.extend(lines);
                 }
-                self.total_steps = *total_steps;
                 let (part, parts) = fold.unwrap_or((1, 1));
                 // burn's status panel counts "Epochs" and "Items": kiln's
                 // are a cross-validation's folds and optimizer steps.

@@ -75,6 +75,9 @@ struct Known {
     vendor: GpuVendor,
     /// The PCI device ids this row covers.
     ids: &'static [u16],
+    /// A word the board's own name (AMD's `product_name`) must contain, for
+    /// boards that share an id and name themselves (`MI250X`); `None`: any.
+    product: Option<&'static str>,
     /// Memory in GiB from which the row applies (0: any), for boards that
     /// share an id (the RX 7900 XTX has 24 GB, the XT 20 GB).
     min_memory_gib: u32,
@@ -84,12 +87,13 @@ struct Known {
 
 const T: f64 = 1e12;
 
-/// The table: the first row whose vendor, id and memory match wins. Peaks
-/// are the vendor's dense figures (no sparsity); fp32 is the vector
-/// (non-matrix) rate, as NVIDIA's table has the CUDA cores' rate.
+/// The table: the first row whose vendor, id, memory and board name match
+/// wins. Peaks are the vendor's dense figures (no sparsity); fp32 is the
+/// vector (non-matrix) rate, as NVIDIA's table has the CUDA cores' rate.
 const KNOWN: &[Known] = &[
     Known {
         vendor: GpuVendor::Amd,
+        product: None,
         ids: &[0x74a1],
         min_memory_gib: 0,
         model: "Instinct MI300X",
@@ -107,6 +111,7 @@ const KNOWN: &[Known] = &[
     },
     Known {
         vendor: GpuVendor::Amd,
+        product: None,
         ids: &[0x740f],
         min_memory_gib: 0,
         model: "Instinct MI210",
@@ -124,11 +129,31 @@ const KNOWN: &[Known] = &[
     },
     Known {
         vendor: GpuVendor::Amd,
+        product: Some("MI250X"),
+        ids: &[0x7408, 0x740c],
+        min_memory_gib: 0,
+        model: "Instinct MI250X (one GCD)",
+        // MI250X: FP32 vector 47.9, FP16 and BF16 383.0 TFLOPS per board.
+        peak: Some((
+            PeakFlops {
+                fp32: 47.9 / 2.0 * T,
+                tf32: None,
+                fp16: Some(383.0 / 2.0 * T),
+                bf16: Some(383.0 / 2.0 * T),
+                fp8: None,
+            },
+            "AMD Instinct MI250X data sheet, halved per GCD",
+        )),
+    },
+    Known {
+        vendor: GpuVendor::Amd,
+        product: None,
         ids: &[0x7408, 0x740c],
         min_memory_gib: 0,
         // Two dies (GCDs) per board, each its own device with half the
         // board's memory and rate. The MI250X and the MI250 share these ids;
-        // the MI250's lower figures are taken unless the board names itself.
+        // the MI250's lower figures are taken unless the board names itself
+        // (the row above).
         model: "Instinct MI250X/MI250 (one GCD)",
         // MI250: FP32 vector 45.3, FP16 and BF16 362.1 TFLOPS per board.
         peak: Some((
@@ -144,6 +169,7 @@ const KNOWN: &[Known] = &[
     },
     Known {
         vendor: GpuVendor::Amd,
+        product: None,
         ids: &[0x744c],
         min_memory_gib: 23,
         model: "Radeon RX 7900 XTX",
@@ -161,6 +187,7 @@ const KNOWN: &[Known] = &[
     },
     Known {
         vendor: GpuVendor::Amd,
+        product: None,
         ids: &[0x744c],
         min_memory_gib: 0,
         model: "Radeon RX 7900 XT/GRE",
@@ -168,6 +195,7 @@ const KNOWN: &[Known] = &[
     },
     Known {
         vendor: GpuVendor::Intel,
+        product: None,
         ids: &[0x56a0],
         min_memory_gib: 0,
         model: "Arc A770",
@@ -175,6 +203,7 @@ const KNOWN: &[Known] = &[
     },
     Known {
         vendor: GpuVendor::Intel,
+        product: None,
         ids: &[0x56a1],
         min_memory_gib: 0,
         model: "Arc A750",
@@ -182,6 +211,7 @@ const KNOWN: &[Known] = &[
     },
     Known {
         vendor: GpuVendor::Intel,
+        product: None,
         ids: &[0x0bd5, 0x0bd6],
         min_memory_gib: 0,
         model: "Data Center GPU Max 1550",
@@ -189,33 +219,13 @@ const KNOWN: &[Known] = &[
     },
     Known {
         vendor: GpuVendor::Intel,
+        product: None,
         ids: &[0x0bda],
         min_memory_gib: 0,
         model: "Data Center GPU Max 1100",
         peak: None,
     },
 ];
-
-/// The AMD board's own name refines a shared id: an MI250X that says so
-/// gets the MI250X's figures.
-fn refine(product_name: Option<&str>, id: u16) -> Option<(&'static str, PeakFlops, &'static str)> {
-    let name = product_name?;
-    if [0x7408, 0x740c].contains(&id) && name.contains("MI250X") {
-        // MI250X: FP32 vector 47.9, FP16 and BF16 383.0 TFLOPS per board.
-        return Some((
-            "Instinct MI250X (one GCD)",
-            PeakFlops {
-                fp32: 47.9 / 2.0 * T,
-                tf32: None,
-                fp16: Some(383.0 / 2.0 * T),
-                bf16: Some(383.0 / 2.0 * T),
-                fp8: None,
-            },
-            "AMD Instinct MI250X data sheet, halved per GCD",
-        ));
-    }
-    None
-}
 
 /// A sysfs file's text, trimmed; `None` if missing or empty.
 fn read(path: &Path) -> Option<String> {
@@ -320,15 +330,16 @@ pub fn detect_drm_gpus(root: &Path) -> Vec<OtherGpu> {
         });
         let gib = memory.map_or(0, |m| m >> 30);
         let row = KNOWN.iter().find(|k| {
-            k.vendor == vendor && k.ids.contains(&id) && gib >= u64::from(k.min_memory_gib)
+            k.vendor == vendor
+                && k.ids.contains(&id)
+                && gib >= u64::from(k.min_memory_gib)
+                && k.product
+                    .is_none_or(|word| product.as_deref().is_some_and(|p| p.contains(word)))
         });
-        let (table_model, peak, peak_source) = match refine(product.as_deref(), id) {
-            Some((model, peak, source)) => (Some(model.to_string()), Some(peak), Some(source)),
-            None => (
-                row.map(|r| r.model.to_string()),
-                row.and_then(|r| r.peak.map(|p| p.0)),
-                row.and_then(|r| r.peak.map(|p| p.1)),
-            ),
+        let table_model = row.map(|r| r.model.to_string());
+        let (peak, peak_source) = match row.and_then(|r| r.peak) {
+            Some((peak, source)) => (Some(peak), Some(source.to_string())),
+            None => (None, None),
         };
         let name = product.unwrap_or_else(|| match &table_model {
             Some(model) => format!("{} {model}", vendor.name()),
@@ -343,7 +354,7 @@ pub fn detect_drm_gpus(root: &Path) -> Vec<OtherGpu> {
             architecture,
             table_model,
             peak,
-            peak_source: peak_source.map(String::from),
+            peak_source,
         });
     }
     gpus
