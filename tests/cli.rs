@@ -1,6 +1,6 @@
 //! `kiln check-hardware`, `kiln config` and `kiln train` as a user runs them.
 
-use crate::support::{FakeGpu, fake_report, kiln};
+use crate::support::{FakeGpu, fake_report, kiln, other_gpus_report};
 
 #[test]
 fn check_hardware_reports_this_machine_and_its_preset() {
@@ -123,6 +123,97 @@ fn check_hardware_on_fake_gpus() {
         .run()
         .expect_code(0)
         .stdout_has(wants);
+    }
+}
+
+#[test]
+fn amd_intel_and_apple_gpus_get_a_preset_a_backend_and_what_to_build() {
+    use kiln_hwdetect::{OtherGpu, apple_gpu_from};
+    const GIB: u64 = 1 << 30;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let amd = |id, gib, product: &str| {
+        OtherGpu::from_pci(0x1002, id, Some(gib * GIB), Some(product.into())).expect("AMD")
+    };
+    let mi300x = || amd(0x74a1, 192, "AMD Instinct MI300X");
+    let cases: Vec<(&str, Vec<OtherGpu>, Vec<&str>)> = vec![
+        (
+            "mi300x-node",
+            (0..8).map(|_| mi300x()).collect(),
+            vec![
+                "GPU      AMD Instinct MI300X, 192.0 GiB, seen through sysfs",
+                "dense peak: fp32 163.4, tf32 653.7, bf16 1307.4",
+                "Preset   mi300x",
+                "AMD Instinct MI300X: bf16; 192 GiB",
+                "bf16 compute, f32 master weights",
+                "GPU backends   AMD Instinct MI300X: none in this build (backends built in: flex); build with `--features rocm` (ROCm/HIP;",
+                "auto: an AMD GPU is present, but this build has no backend for it, so the CPU",
+            ],
+        ),
+        (
+            "radeon-desktop",
+            vec![
+                amd(0x744c, 24, "AMD Radeon RX 7900 XTX"),
+                // The Ryzen's own graphics: a 512 MiB carve-out.
+                OtherGpu::from_pci(0x1002, 0x164e, Some(512 << 20), None).expect("AMD"),
+            ],
+            vec![
+                "Preset   rx_7900_xtx",
+                "AMD Radeon RX 7900 XTX: none in this build",
+                "AMD GPU 0x164e: none (an integrated GPU, slower than the CPU's kernels: auto trains on the CPU)",
+            ],
+        ),
+        (
+            "arc",
+            vec![OtherGpu::from_pci(0x8086, 0x56a0, None, None).expect("Intel")],
+            vec![
+                "Preset   arc_a770",
+                "fp16 compute with dynamic loss scaling",
+                "Intel Arc A770: none in this build (backends built in: flex); build with `--features wgpu` (Vulkan)",
+            ],
+        ),
+        (
+            "m2-max",
+            vec![
+                apple_gpu_from("Apple M2 Max", 96 * GIB, "Total Number of Cores: 38")
+                    .expect("Apple"),
+            ],
+            vec![
+                "GPU      Apple M2 Max (38-core GPU), 96.0 GiB unified memory, seen through sysctl",
+                "Preset   apple_m",
+                "96 GiB unified memory, about 75 % of it for the GPU",
+                "build with `--features wgpu` (Metal)",
+            ],
+        ),
+    ];
+    for (name, others, wants) in cases {
+        let report = other_gpus_report(tmp.path(), name, others);
+        let report = report.to_str().expect("utf-8");
+        kiln(&["--hardware-report", report, "check-hardware"])
+            .run()
+            .expect_code(0)
+            .stdout_has(&wants);
+        // The JSON says the same per GPU, and the preset named fits.
+        let out = kiln(&["--hardware-report", report, "check-hardware", "--json"])
+            .run()
+            .expect_code(0);
+        let json: serde_json::Value = serde_json::from_str(&out.stdout).expect("json");
+        let first = &json["gpu_backends"][0];
+        assert_eq!(first["backend"], serde_json::Value::Null, "{name}: {first}");
+        assert!(
+            first["build"]
+                .as_str()
+                .is_some_and(|b| b.starts_with("build with")),
+            "{name}: {first}"
+        );
+        let preset = json["preset"]["name"].as_str().expect("a preset");
+        kiln(&[
+            "--hardware-report",
+            report,
+            "config",
+            &format!("hardware={preset}"),
+        ])
+        .run()
+        .expect_code(0);
     }
 }
 

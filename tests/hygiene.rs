@@ -217,12 +217,14 @@ fn presets_table() -> String {
         let nli = resolve(&name, "nli_snli");
         let gpus = kiln_config::PRESET_GPUS
             .iter()
+            .chain(kiln_config::PRESET_OTHER_GPUS)
             .find(|(p, _)| *p == name)
             .map(|(_, models)| models.join(", "))
             .unwrap_or_else(|| match name.as_str() {
                 "cpu" => "no GPU".to_string(),
                 "low_mem" => "8–12 GB GPUs".to_string(),
                 "conservative" => "any GPU".to_string(),
+                n if n == kiln_config::APPLE_PRESET => "Apple M1–M4".to_string(),
                 _ => String::from("—"),
             });
         let p = &lm.precision;

@@ -174,6 +174,26 @@ pub(crate) fn fake_report(dir: &Path, gpus: &[FakeGpu<'_>]) -> PathBuf {
     path
 }
 
+/// A hardware report with no NVIDIA GPU and `others` (AMD's, Intel's,
+/// Apple's GPUs as kiln-hwdetect reads them), written to `dir/<name>.json`.
+pub(crate) fn other_gpus_report(
+    dir: &Path,
+    name: &str,
+    others: Vec<kiln_hwdetect::OtherGpu>,
+) -> PathBuf {
+    use kiln_hwdetect::{DriverInfo, FixedProbe, GpuStatus, detect_with};
+    let mut report = detect_with(&FixedProbe(
+        GpuStatus::None {
+            why: "no NVIDIA driver (fake report)".into(),
+        },
+        DriverInfo::default(),
+    ));
+    report.other_gpus = others;
+    let path = dir.join(format!("{name}.json"));
+    std::fs::write(&path, serde_json::to_string(&report).expect("json")).expect("write report");
+    path
+}
+
 /// Sends `signal` (`-KILL`, `-TERM`, `-INT`) to process `pid`.
 pub(crate) fn signal(pid: u32, signal: &str) {
     let status = Command::new("kill")

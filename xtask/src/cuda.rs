@@ -134,7 +134,9 @@ pub(crate) fn prepare_build(cmd: &mut Command) -> Result<(), String> {
 }
 
 /// Whether a comma-separated feature list asks for a backend that links
-/// CubeCL's LLVM: CUDA, or Burn's CubeCL CPU backend (`cubecl-cpu`).
+/// CubeCL's LLVM: CUDA, or Burn's CubeCL CPU backend (`cubecl-cpu`). Not
+/// `rocm`: its AMDGPU target links LLD too, which PyPI's LLVM lacks, so its
+/// build leaves CubeCL's bundler to download its own LLVM (from GitHub).
 pub(crate) fn wants_llvm(features: &str) -> bool {
     features.split(',').map(str::trim).any(|f| {
         let f = f.rsplit('/').next().unwrap_or(f);
@@ -204,6 +206,8 @@ mod tests {
         assert!(wants_llvm("fusion, kiln-cli/cuda"));
         assert!(!wants_llvm("wgpu,fusion"));
         assert!(!wants_llvm("cudnn"));
+        // ROCm links LLD as well, which only CubeCL's own LLVM bundle has.
+        assert!(!wants_llvm("rocm,wgpu"));
     }
 
     #[test]

@@ -22,6 +22,11 @@ const GPU_TARGETS: &[(&str, &str)] = &[
     ("v100", "v100"),
     ("t4", "t4"),
     ("h100", "h100"),
+    ("mi300x", "mi300x"),
+    ("mi250", "mi250"),
+    ("7900xtx", "rx_7900_xtx"),
+    ("arc-a770", "arc_a770"),
+    ("apple", "apple_m"),
     ("low-mem", "low_mem"),
     ("cpu", "cpu"),
 ];
@@ -34,7 +39,8 @@ cargo xtask <target> [args...]
   train-auto [KEY=VALUE..]  detect the hardware, pick its preset, train the LM
                             (on every GPU of the machine's kind: kiln launch)
   train-<gpu> [--force]     train the LM with a GPU preset: 4090 3090 4080 a100
-                            a100-80gb a30 a40 v100 t4 h100 low-mem cpu
+                            a100-80gb a30 a40 v100 t4 h100 mi300x mi250
+                            7900xtx arc-a770 apple low-mem cpu
   nli-train-auto            the NLI encoder with k-fold CV, preset from hardware
   nli-train-<gpu> [--force] the same with a GPU preset
   build-cuda [--profile P] [--features F] [--no-autotune-cache]
@@ -65,8 +71,11 @@ Extra arguments go to `kiln` (overrides like training.batch_size=8).
 A GPU target first checks that its preset fits this machine (kiln-config's
 check, no Burn: minutes to build the first time): where it does not, it
 exits 2 before any GPU build, unless --force. Where an NVIDIA driver
-reports a GPU, the GPU and auto targets build kiln with --features cuda; GPU
-targets elsewhere use wgpu (Vulkan, Metal, DX12). KILN_FEATURES=wgpu,fusion
+reports a GPU, the GPU and auto targets build kiln with --features cuda;
+where AMD's ROCm kernel driver is loaded (/dev/kfd), --features rocm,wgpu
+(CubeCL's build downloads its LLVM with LLD from GitHub for rocm);
+on Apple silicon, wgpu (Metal); GPU targets elsewhere use wgpu (Vulkan,
+DX12; an Intel Arc: KILN_FEATURES=wgpu for the auto targets). KILN_FEATURES=wgpu,fusion
 (any list) picks other features. Each feature set builds in its own folder: the CPU build in
 target/release, the others in target/<features>/release (target/wgpu,
 target/cuda, target/fusion+wgpu), so switching targets rebuilds nothing;
@@ -197,9 +206,10 @@ fn cargo() -> Command {
 enum Build {
     /// The default build: the CPU backend (flex).
     Cpu,
-    /// A GPU preset: `cuda` on an NVIDIA machine, else `wgpu`.
+    /// A GPU preset: the machine's GPU's backend ([`GpuKind::features`]),
+    /// else `wgpu`.
     Gpu,
-    /// `cuda` where this machine has an NVIDIA GPU, else the default build.
+    /// The machine's GPU's backend, else the default build.
     Auto,
     /// The CPU backend without the kernels' AVX-512 versions
     /// (`--no-default-features --features flex`): what an AVX2 CPU runs, on
@@ -207,42 +217,72 @@ enum Build {
     Avx2,
 }
 
-/// Whether an NVIDIA driver reports a GPU (no ML crate linked: the driver's
-/// proc files, else `nvidia-smi -L`).
-fn nvidia_gpu_present() -> bool {
-    let proc_gpus = std::fs::read_dir("/proc/driver/nvidia/gpus")
-        .is_ok_and(|mut entries| entries.next().is_some());
-    proc_gpus
-        || Command::new("nvidia-smi")
-            .arg("-L")
-            .output()
-            .is_ok_and(|o| o.status.success() && !o.stdout.is_empty())
+/// Whose GPU the machine has, as far as xtask tells without kiln (no
+/// crate linked): what decides the backend features of the GPU and auto
+/// targets. kiln-hwdetect reads more (`kiln check-hardware`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum GpuKind {
+    /// An NVIDIA driver reports a GPU (its proc files, else `nvidia-smi -L`).
+    Nvidia,
+    /// AMD's ROCm kernel driver is loaded (`/dev/kfd`).
+    Amd,
+    /// Apple silicon (macOS on arm64).
+    Apple,
+    /// None of these.
+    Other,
+}
+
+impl GpuKind {
+    fn of_this_machine() -> Self {
+        let proc_gpus = std::fs::read_dir("/proc/driver/nvidia/gpus")
+            .is_ok_and(|mut entries| entries.next().is_some());
+        if proc_gpus
+            || Command::new("nvidia-smi")
+                .arg("-L")
+                .output()
+                .is_ok_and(|o| o.status.success() && !o.stdout.is_empty())
+        {
+            Self::Nvidia
+        } else if Path::new("/dev/kfd").exists() {
+            Self::Amd
+        } else if cfg!(all(target_os = "macos", target_arch = "aarch64")) {
+            Self::Apple
+        } else {
+            Self::Other
+        }
+    }
+
+    /// The backend features for this kind of GPU: `cuda`; `rocm,wgpu` (HIP,
+    /// and Vulkan where HIP's libraries are missing); `wgpu` (Metal).
+    fn features(self) -> Option<&'static str> {
+        match self {
+            Self::Nvidia => Some("cuda"),
+            Self::Amd => Some("rocm,wgpu"),
+            Self::Apple => Some("wgpu"),
+            Self::Other => None,
+        }
+    }
 }
 
 /// The Cargo features `kiln` is built with: `KILN_FEATURES` when set (e.g.
-/// `wgpu,fusion`), else `cuda` where an NVIDIA GPU is present (GPU presets
-/// and the auto targets), `wgpu` for GPU presets elsewhere.
+/// `wgpu,fusion`), else the features of the machine's GPU for the GPU
+/// presets and the auto targets, `wgpu` for GPU presets elsewhere.
 fn features(build: Build) -> Option<String> {
     features_for(
         build,
         std::env::var("KILN_FEATURES").ok(),
-        nvidia_gpu_present,
+        GpuKind::of_this_machine,
     )
 }
 
-fn features_for(
-    build: Build,
-    chosen: Option<String>,
-    nvidia_present: impl Fn() -> bool,
-) -> Option<String> {
+fn features_for(build: Build, chosen: Option<String>, gpu: impl Fn() -> GpuKind) -> Option<String> {
     if let Some(f) = chosen.filter(|_| build != Build::Avx2) {
         return (!f.trim().is_empty()).then_some(f);
     }
     match build {
         Build::Cpu => None,
-        Build::Gpu if nvidia_present() => Some("cuda".to_string()),
-        Build::Gpu => Some("wgpu".to_string()),
-        Build::Auto => nvidia_present().then(|| "cuda".to_string()),
+        Build::Gpu => Some(gpu().features().unwrap_or("wgpu").to_string()),
+        Build::Auto => gpu().features().map(str::to_string),
         Build::Avx2 => Some("flex".to_string()),
     }
 }
@@ -956,23 +996,33 @@ mod tests {
     }
 
     #[test]
-    fn nvidia_machines_build_cuda_and_others_wgpu_or_nothing() {
-        let f = |build, chosen: Option<&str>, nvidia| {
-            features_for(build, chosen.map(str::to_string), || nvidia)
+    fn each_machines_gpu_gets_its_backend_and_others_wgpu_or_nothing() {
+        let f = |build, chosen: Option<&str>, gpu: GpuKind| {
+            features_for(build, chosen.map(str::to_string), || gpu)
         };
-        assert_eq!(f(Build::Auto, None, true).as_deref(), Some("cuda"));
-        assert_eq!(f(Build::Auto, None, false), None);
-        assert_eq!(f(Build::Gpu, None, true).as_deref(), Some("cuda"));
-        assert_eq!(f(Build::Gpu, None, false).as_deref(), Some("wgpu"));
-        assert_eq!(f(Build::Cpu, None, true), None);
+        let (nvidia, amd, apple, other) = (
+            GpuKind::Nvidia,
+            GpuKind::Amd,
+            GpuKind::Apple,
+            GpuKind::Other,
+        );
+        assert_eq!(f(Build::Auto, None, nvidia).as_deref(), Some("cuda"));
+        assert_eq!(f(Build::Auto, None, amd).as_deref(), Some("rocm,wgpu"));
+        assert_eq!(f(Build::Auto, None, apple).as_deref(), Some("wgpu"));
+        assert_eq!(f(Build::Auto, None, other), None);
+        assert_eq!(f(Build::Gpu, None, nvidia).as_deref(), Some("cuda"));
+        assert_eq!(f(Build::Gpu, None, amd).as_deref(), Some("rocm,wgpu"));
+        assert_eq!(f(Build::Gpu, None, other).as_deref(), Some("wgpu"));
+        assert_eq!(f(Build::Cpu, None, nvidia), None);
+        let any = nvidia;
         // KILN_FEATURES wins; empty means the default build.
         assert_eq!(
-            f(Build::Auto, Some("wgpu,fusion"), true).as_deref(),
+            f(Build::Auto, Some("wgpu,fusion"), any).as_deref(),
             Some("wgpu,fusion")
         );
-        assert_eq!(f(Build::Gpu, Some(" "), true), None);
+        assert_eq!(f(Build::Gpu, Some(" "), any), None);
         // The AVX2 build is flex alone (kiln_command drops the defaults).
-        assert_eq!(f(Build::Avx2, Some("wgpu"), true).as_deref(), Some("flex"));
+        assert_eq!(f(Build::Avx2, Some("wgpu"), any).as_deref(), Some("flex"));
     }
 
     /// Each feature set has its own folder, whatever order its features

@@ -41,8 +41,9 @@ pub use load::{
     read_run_config, resolve, resolve_overrides, resume_run_config, tuned_path,
 };
 pub use preset::{
-    ANY_GPU_PRESETS, EffectivePrecision, PRESET_GPUS, PresetChoice, PresetMismatch,
-    check_preset_fits, choose_preset, effective_precision,
+    ANY_GPU_PRESETS, APPLE_PRESET, EffectivePrecision, PRESET_GPUS, PRESET_OTHER_GPUS,
+    PresetChoice, PresetMismatch, check_preset_fits, choose_preset, effective_precision,
+    machine_precision, other_gpu_precision,
 };
 pub use presets::Presets;
 pub use schema::*;

@@ -1,7 +1,7 @@
 //! Choosing a hardware preset from a hardware report: a pure function, so
 //! that every GPU the guides name can be tested on a machine without one.
 
-use kiln_hwdetect::{GpuInfo, HardwareReport};
+use kiln_hwdetect::{GpuInfo, GpuVendor, HardwareReport, OtherGpu};
 
 use crate::schema::{AmpDtype, PrecisionSection};
 
@@ -31,7 +31,30 @@ pub const PRESET_GPUS: &[(&str, &[&str])] = &[
     ("h100", &["H100 PCIe", "H100 SXM", "H200"]),
 ];
 
-/// Presets for any NVIDIA GPU.
+/// Which GPUs that are not NVIDIA's each of their presets is written for,
+/// by kiln-hwdetect's table model (`OtherGpu::table_model`); `apple_m` is
+/// for every Apple GPU.
+pub const PRESET_OTHER_GPUS: &[(&str, &[&str])] = &[
+    ("mi300x", &["Instinct MI300X"]),
+    (
+        "mi250",
+        &[
+            "Instinct MI250X (one GCD)",
+            "Instinct MI250X/MI250 (one GCD)",
+            "Instinct MI210",
+        ],
+    ),
+    (
+        "rx_7900_xtx",
+        &["Radeon RX 7900 XTX", "Radeon RX 7900 XT/GRE"],
+    ),
+    ("arc_a770", &["Arc A770", "Arc A750"]),
+];
+
+/// The preset for Apple silicon's GPU.
+pub const APPLE_PRESET: &str = "apple_m";
+
+/// Presets for any GPU.
 pub const ANY_GPU_PRESETS: &[&str] = &["low_mem", "conservative"];
 
 /// Picks the hardware preset for a machine.
@@ -47,7 +70,10 @@ pub fn choose_preset(report: &HardwareReport) -> PresetChoice {
             .cmp(&b.memory_total_bytes)
             .then(b.index.cmp(&a.index))
     }) else {
-        return cpu_choice(report);
+        return match report.other_gpu() {
+            Some(gpu) => other_choice(gpu),
+            None => cpu_choice(report),
+        };
     };
     let (name, reason) = gpu_preset(gpu);
     let cc = gpu.compute_capability;
@@ -92,11 +118,11 @@ fn cpu_choice(report: &HardwareReport) -> PresetChoice {
         kiln_hwdetect::GpuStatus::None { why } => why.clone(),
         kiln_hwdetect::GpuStatus::Found { .. } => String::from("no GPU"),
     };
-    // AMD's and Intel's GPUs are seen but have no preset yet: say so.
+    // GPUs seen but too small to train on (integrated ones): say so.
     let others = match report.other_gpus.as_slice() {
         [] => String::new(),
         gpus => format!(
-            "; {} seen, which kiln's presets do not train on yet",
+            "; {} seen: an integrated GPU, slower than the CPU's kernels",
             gpus.iter()
                 .map(|g| g.name.as_str())
                 .collect::<Vec<_>>()
@@ -113,6 +139,71 @@ fn cpu_choice(report: &HardwareReport) -> PresetChoice {
         ),
         gpu_index: None,
     }
+}
+
+/// The choice for a GPU that is not NVIDIA's ([`HardwareReport::other_gpu`]).
+fn other_choice(gpu: &OtherGpu) -> PresetChoice {
+    let (name, reason) = other_preset(gpu);
+    let what = gpu.table_model.as_deref().unwrap_or(&gpu.name);
+    let arch = gpu
+        .architecture
+        .as_deref()
+        .map(|a| format!(" ({a})"))
+        .unwrap_or_default();
+    let memory = match gpu.memory_total_bytes {
+        Some(m) if gpu.unified_memory => format!(
+            "{:.0} GiB unified memory, about 75 % of it for the GPU",
+            m as f64 / f64::from(1u32 << 30)
+        ),
+        Some(m) => format!("{:.0} GiB", m as f64 / f64::from(1u32 << 30)),
+        None => "memory not reported".to_string(),
+    };
+    let precision = match (gpu.bf16, gpu.fp16) {
+        (true, _) => "bf16",
+        (false, true) => "fp16",
+        (false, false) => "bf16/fp16 not in kiln's table",
+    };
+    let mut why = format!("{} {what}{arch}: {precision}; {memory}", gpu.vendor.name());
+    if let Some(reason) = reason {
+        why.push_str(&format!(" ({reason})"));
+    }
+    PresetChoice {
+        name: name.to_string(),
+        why,
+        gpu_index: None,
+    }
+}
+
+/// The preset for a GPU that is not NVIDIA's and, where it has none of its
+/// own, why this one: Apple's have `apple_m`; another is placed by memory.
+fn other_preset(gpu: &OtherGpu) -> (&'static str, Option<String>) {
+    if gpu.vendor == GpuVendor::Apple {
+        return (APPLE_PRESET, None);
+    }
+    if let Some(model) = gpu.table_model.as_deref()
+        && let Some((preset, _)) = PRESET_OTHER_GPUS.iter().find(|(_, ms)| ms.contains(&model))
+    {
+        return (preset, None);
+    }
+    let gib = gpu.memory_total_bytes.unwrap_or(0) as f64 / f64::from(1u32 << 30);
+    let (preset, class) = if gib >= 100.0 {
+        ("mi300x", "over 100 GB, like an MI300X")
+    } else if gib >= 40.0 {
+        ("mi250", "40-64 GB, like one GCD of an MI250")
+    } else if gib >= 20.0 {
+        ("rx_7900_xtx", "20-24 GB, like a Radeon RX 7900 XTX")
+    } else if gib >= 13.0 {
+        ("arc_a770", "16 GB, like an Arc A770 (fp16)")
+    } else {
+        ("low_mem", "an 8-12 GB card")
+    };
+    (
+        preset,
+        Some(format!(
+            "{} has no preset of its own: {class}",
+            gpu.table_model.as_deref().unwrap_or("this GPU")
+        )),
+    )
 }
 
 /// The preset for one GPU and, where it has none of its own, why this one.
@@ -172,6 +263,40 @@ pub fn check_preset_fits(preset: &str, report: &HardwareReport) -> Result<(), Pr
         let names: Vec<&str> = gpus.iter().map(|g| g.name.as_str()).collect();
         format!("this machine has {}", names.join(", "))
     };
+    let others: Vec<&str> = report.other_gpus.iter().map(|g| g.name.as_str()).collect();
+    let have = match (gpus.is_empty(), others.as_slice()) {
+        (_, []) => have,
+        (true, _) => format!("this machine has {}", others.join(", ")),
+        (false, _) => format!("{have}, {}", others.join(", ")),
+    };
+    let other_fits = |g: &OtherGpu| {
+        report.other_gpu() == Some(g) && other_preset(g).0 == preset
+            || g.table_model.as_deref().is_some_and(|m| {
+                PRESET_OTHER_GPUS
+                    .iter()
+                    .any(|(p, ms)| *p == preset && ms.contains(&m))
+            })
+    };
+    let other_named = PRESET_OTHER_GPUS.iter().find(|(p, _)| *p == preset);
+    if other_named.is_some() || preset == APPLE_PRESET {
+        let needs = match other_named {
+            Some((_, models)) => models.join(" / "),
+            None => "an Apple silicon GPU".to_string(),
+        };
+        let fits = report
+            .other_gpus
+            .iter()
+            .any(|g| other_fits(g) || (preset == APPLE_PRESET && g.vendor == GpuVendor::Apple));
+        return if fits {
+            Ok(())
+        } else {
+            Err(PresetMismatch {
+                preset: preset.to_string(),
+                needs,
+                have,
+            })
+        };
+    }
     if let Some((_, models)) = PRESET_GPUS.iter().find(|(p, _)| *p == preset) {
         // A GPU fits the presets written for it and the one kiln would choose for it.
         let fits = gpus.iter().any(|g| {
@@ -190,10 +315,10 @@ pub fn check_preset_fits(preset: &str, report: &HardwareReport) -> Result<(), Pr
             })
         };
     }
-    if ANY_GPU_PRESETS.contains(&preset) && gpus.is_empty() {
+    if ANY_GPU_PRESETS.contains(&preset) && gpus.is_empty() && report.other_gpu().is_none() {
         return Err(PresetMismatch {
             preset: preset.to_string(),
-            needs: "an NVIDIA GPU".to_string(),
+            needs: "a GPU".to_string(),
             have,
         });
     }
@@ -287,6 +412,56 @@ pub fn effective_precision(
                 cc.0, cc.1
             ),
         ),
+    }
+}
+
+/// The precision `precision` comes to on a GPU that is not NVIDIA's, from
+/// kiln's table's fp16/bf16 flags; a GPU not in the table gets what was
+/// asked, and the device decides when the run opens it (wgpu has no bf16,
+/// whatever the chip has).
+pub fn other_gpu_precision(precision: &PrecisionSection, gpu: &OtherGpu) -> EffectivePrecision {
+    if !precision.amp {
+        return EffectivePrecision::new(None, "", "precision.amp is off".to_string());
+    }
+    let name = gpu.table_model.as_deref().unwrap_or(&gpu.name);
+    match precision.amp_dtype {
+        AmpDtype::Bf16 if gpu.bf16 => EffectivePrecision::new(
+            Some(AmpDtype::Bf16),
+            "",
+            format!("the {name} has bf16 (on ROCm; wgpu has none, so fp16 there)"),
+        ),
+        AmpDtype::Bf16 if gpu.fp16 => EffectivePrecision::new(
+            Some(AmpDtype::Fp16),
+            "",
+            format!("bf16 asked for, but the {name} has no bf16 → fp16"),
+        ),
+        AmpDtype::Fp16 if gpu.fp16 => EffectivePrecision::new(
+            Some(AmpDtype::Fp16),
+            "",
+            "precision.amp_dtype = fp16".to_string(),
+        ),
+        asked => EffectivePrecision::new(
+            Some(asked),
+            "",
+            format!(
+                "precision.amp_dtype = {}; the {name} is not in kiln's table, so the device decides when the run opens it",
+                asked.name()
+            ),
+        ),
+    }
+}
+
+/// The precision a run comes to on `hardware`'s GPU: NVIDIA's `gpu` where
+/// there is one ([`effective_precision`]), else the other vendor's GPU kiln
+/// trains on ([`other_gpu_precision`]), else the CPU's.
+pub fn machine_precision(
+    precision: &PrecisionSection,
+    gpu: Option<&GpuInfo>,
+    hardware: &HardwareReport,
+) -> EffectivePrecision {
+    match (gpu, hardware.other_gpu()) {
+        (None, Some(other)) => other_gpu_precision(precision, other),
+        (gpu, _) => effective_precision(precision, gpu),
     }
 }
 
@@ -427,6 +602,138 @@ mod tests {
         );
     }
 
+    /// A machine with no NVIDIA GPU and `others` seen by sysfs or sysctl.
+    fn other_machine(others: Vec<OtherGpu>) -> HardwareReport {
+        let mut report = machine(&[]);
+        report.other_gpus = others;
+        report
+    }
+
+    fn amd(device: u16, gib: u64, product: &str) -> OtherGpu {
+        OtherGpu::from_pci(0x1002, device, Some(gib * GIB), Some(product.into())).expect("AMD")
+    }
+
+    /// Checks the preset chosen for `others`, its why, and that it fits.
+    fn check_other(others: Vec<OtherGpu>, preset: &str, why: &[&str]) {
+        let report = other_machine(others);
+        let choice = choose_preset(&report);
+        assert_eq!(choice.name, preset, "{}", choice.why);
+        for part in why {
+            assert!(choice.why.contains(part), "`{}` lacks `{part}`", choice.why);
+        }
+        assert_eq!(choice.gpu_index, None);
+        assert_eq!(check_preset_fits(preset, &report), Ok(()));
+    }
+
+    #[test]
+    fn amd_intel_and_apple_gpus_get_their_presets_and_why() {
+        check_other(
+            vec![amd(0x74a1, 192, "AMD Instinct MI300X")],
+            "mi300x",
+            &["AMD Instinct MI300X: bf16; 192 GiB"],
+        );
+        let gcd = amd(0x740c, 64, "AMD Instinct MI250X");
+        check_other(
+            vec![gcd.clone(), gcd],
+            "mi250",
+            &["Instinct MI250X (one GCD)", "64 GiB"],
+        );
+        check_other(vec![amd(0x740f, 64, "AMD Instinct MI210")], "mi250", &[]);
+        check_other(
+            vec![amd(0x744c, 24, "AMD Radeon RX 7900 XTX")],
+            "rx_7900_xtx",
+            &["Radeon RX 7900 XTX"],
+        );
+        let arc = OtherGpu::from_pci(0x8086, 0x56a0, None, None).expect("Intel");
+        check_other(
+            vec![arc],
+            "arc_a770",
+            &["Intel Arc A770", "memory not reported"],
+        );
+        let m2 =
+            kiln_hwdetect::apple_gpu_from("Apple M2 Max", 96 * GIB, "Total Number of Cores: 38\n")
+                .expect("Apple");
+        check_other(
+            vec![m2],
+            "apple_m",
+            &[
+                "Apple M2 Max (Apple M2): fp16",
+                "96 GiB unified memory, about 75 % of it for the GPU",
+            ],
+        );
+    }
+
+    #[test]
+    fn unknown_amd_gpus_are_placed_by_memory_and_igpus_left_to_the_cpu() {
+        // A Radeon RX 6800 (16 GB, not in the table).
+        check_other(
+            vec![amd(0x73bf, 16, "AMD Radeon RX 6800")],
+            "arc_a770",
+            &["this GPU has no preset of its own", "16 GB"],
+        );
+        check_other(
+            vec![amd(0x7448, 48, "AMD Radeon Pro W7900")],
+            "mi250",
+            &["like one GCD of an MI250"],
+        );
+        // An APU's 512 MiB carve-out is no GPU to train on.
+        let apu = OtherGpu::from_pci(0x1002, 0x15bf, Some(512 << 20), None).expect("AMD");
+        let report = other_machine(vec![apu]);
+        let choice = choose_preset(&report);
+        assert_eq!(choice.name, "cpu");
+        assert!(choice.why.contains("an integrated GPU"), "{}", choice.why);
+    }
+
+    #[test]
+    fn other_gpus_compute_in_what_the_table_says_they_have() {
+        let p = |amp: bool, dtype: AmpDtype| PrecisionSection {
+            amp,
+            amp_dtype: dtype,
+            tf32: false,
+            max_bad_steps: 5,
+            loss_scale_init: 65536.0,
+            loss_scale_growth_interval: 2000,
+        };
+        let mi300x = other_machine(vec![amd(0x74a1, 192, "AMD Instinct MI300X")]);
+        let bf16 = machine_precision(&p(true, AmpDtype::Bf16), None, &mi300x);
+        assert_eq!(bf16.compute, Some(AmpDtype::Bf16));
+        assert!(
+            bf16.why.contains("Instinct MI300X has bf16"),
+            "{}",
+            bf16.why
+        );
+        let off = machine_precision(&p(false, AmpDtype::Bf16), None, &mi300x);
+        assert_eq!(off.compute, None);
+        let m1 = kiln_hwdetect::apple_gpu_from("Apple M1", 16 * GIB, "").expect("Apple");
+        let apple = other_machine(vec![m1]);
+        let fp16 = machine_precision(&p(true, AmpDtype::Bf16), None, &apple);
+        assert_eq!(fp16.compute, Some(AmpDtype::Fp16), "{}", fp16.why);
+        let unknown = other_machine(vec![amd(0x73bf, 16, "AMD Radeon RX 6800")]);
+        let asked = machine_precision(&p(true, AmpDtype::Bf16), None, &unknown);
+        assert_eq!(asked.compute, Some(AmpDtype::Bf16));
+        assert!(asked.why.contains("the device decides"), "{}", asked.why);
+        // No GPU: the CPU's answer.
+        let cpu = machine_precision(&p(true, AmpDtype::Bf16), None, &machine(&[]));
+        assert!(cpu.why.contains("on the CPU"), "{}", cpu.why);
+    }
+
+    #[test]
+    fn presets_of_other_vendors_fit_only_their_gpus() {
+        let radeon = other_machine(vec![amd(0x744c, 24, "AMD Radeon RX 7900 XTX")]);
+        let err = check_preset_fits("mi300x", &radeon).expect_err("no MI300X");
+        assert_eq!(err.needs, "Instinct MI300X");
+        assert_eq!(err.have, "this machine has AMD Radeon RX 7900 XTX");
+        let err = check_preset_fits("apple_m", &radeon).expect_err("no Apple GPU");
+        assert_eq!(err.needs, "an Apple silicon GPU");
+        assert!(check_preset_fits("mi300x", &machine(&[])).is_err());
+        // An NVIDIA preset does not fit an AMD GPU; the any-GPU presets do.
+        assert!(check_preset_fits("gpu_4090", &radeon).is_err());
+        assert_eq!(check_preset_fits("low_mem", &radeon), Ok(()));
+        // kiln's NVIDIA machine: the AMD presets do not fit it.
+        let h100 = machine(&[("NVIDIA H100 80GB HBM3", 80, (9, 0))]);
+        assert!(check_preset_fits("rx_7900_xtx", &h100).is_err());
+    }
+
     #[test]
     fn two_a30s_choose_a30_and_say_which_device_trains() {
         let gpus = [("NVIDIA A30", 24, (8, 0)), ("NVIDIA A30", 24, (8, 0))];
@@ -454,7 +761,8 @@ mod tests {
             "cpu",
             &["no GPU to train on (no NVIDIA driver)", "→ cpu"],
         );
-        // An AMD GPU is named, and why it is not used.
+        // A GPU saved in a report before kiln read fp16/bf16 (no such
+        // fields) still reads, and is trained on.
         let mut report = machine(&[]);
         report.other_gpus = serde_json::from_str(
             r#"[{"vendor": "amd", "name": "AMD Radeon RX 7900 XTX", "pci_device_id": 29772,
@@ -463,11 +771,9 @@ mod tests {
         )
         .expect("a report's AMD GPU");
         let choice = choose_preset(&report);
-        assert_eq!(choice.name, "cpu");
+        assert_eq!(choice.name, "rx_7900_xtx", "{}", choice.why);
         assert!(
-            choice.why.contains(
-                "no NVIDIA driver; AMD Radeon RX 7900 XTX seen, which kiln's presets do not train on yet"
-            ),
+            choice.why.contains("bf16/fp16 not in kiln's table; 24 GiB"),
             "{}",
             choice.why
         );

@@ -38,6 +38,14 @@ const BUILT_IN: &[(&str, &str)] = &[
     ("hardware/a30", include_str!("../presets/hardware/a30.toml")),
     ("hardware/a40", include_str!("../presets/hardware/a40.toml")),
     (
+        "hardware/apple_m",
+        include_str!("../presets/hardware/apple_m.toml"),
+    ),
+    (
+        "hardware/arc_a770",
+        include_str!("../presets/hardware/arc_a770.toml"),
+    ),
+    (
         "hardware/conservative",
         include_str!("../presets/hardware/conservative.toml"),
     ),
@@ -61,6 +69,18 @@ const BUILT_IN: &[(&str, &str)] = &[
     (
         "hardware/low_mem",
         include_str!("../presets/hardware/low_mem.toml"),
+    ),
+    (
+        "hardware/mi250",
+        include_str!("../presets/hardware/mi250.toml"),
+    ),
+    (
+        "hardware/mi300x",
+        include_str!("../presets/hardware/mi300x.toml"),
+    ),
+    (
+        "hardware/rx_7900_xtx",
+        include_str!("../presets/hardware/rx_7900_xtx.toml"),
     ),
     ("hardware/t4", include_str!("../presets/hardware/t4.toml")),
     (

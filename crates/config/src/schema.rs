@@ -372,7 +372,7 @@ pub struct LoaderSection {
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct DeviceSection {
-    /// `auto` (when NVML finds an NVIDIA GPU: CUDA if kiln is built with the `cuda` feature, else wgpu if built with `wgpu`; otherwise the CPU), `cuda`, `wgpu` (force that device; exit 2 if the build lacks its feature), `flex` (the CPU) or `cubecl-cpu` (the CPU through Burn's CubeCL backend; built with the `cubecl-cpu` feature).
+    /// `auto` (the machine's GPU through the backend this build has for its vendor: CUDA for NVIDIA's, ROCm for AMD's, else wgpu (Vulkan, Metal) for AMD's, Intel's and Apple's; otherwise the CPU), `cuda`, `rocm`, `wgpu` (force that device; exit 2 if the build lacks its feature), `flex` (the CPU) or `cubecl-cpu` (the CPU through Burn's CubeCL backend; built with the `cubecl-cpu` feature).
     pub backend: Backend,
     /// Which GPU of several.
     pub index: usize,
@@ -386,6 +386,8 @@ pub enum Backend {
     Auto,
     /// NVIDIA GPUs through CUDA.
     Cuda,
+    /// AMD GPUs through ROCm/HIP.
+    Rocm,
     /// GPUs through wgpu (Vulkan, Metal, DX12).
     Wgpu,
     /// The CPU, with kiln's fused kernels.

@@ -15,14 +15,18 @@ use serde::{Deserialize, Serialize};
 
 use crate::specs::PeakFlops;
 
-/// The vendors kiln detects besides NVIDIA.
+/// Whose GPU it is: what decides the backend that trains on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum GpuVendor {
+    /// NVIDIA (read through NVML, not sysfs).
+    Nvidia,
     /// AMD (PCI vendor 0x1002): Instinct, Radeon.
     Amd,
     /// Intel (PCI vendor 0x8086): Arc, Data Center GPU Max, integrated.
     Intel,
+    /// Apple silicon's GPU (macOS), on the chip's unified memory.
+    Apple,
 }
 
 impl GpuVendor {
@@ -34,11 +38,13 @@ impl GpuVendor {
         }
     }
 
-    /// "AMD" or "Intel".
+    /// "NVIDIA", "AMD", "Intel" or "Apple".
     pub fn name(self) -> &'static str {
         match self {
+            Self::Nvidia => "NVIDIA",
             Self::Amd => "AMD",
             Self::Intel => "Intel",
+            Self::Apple => "Apple",
         }
     }
 }
@@ -68,6 +74,73 @@ pub struct OtherGpu {
     pub peak: Option<PeakFlops>,
     /// Where `peak` comes from.
     pub peak_source: Option<String>,
+    /// Whether it computes in fp16 at speed (kiln's table says; `false`
+    /// where the GPU is not in it).
+    #[serde(default)]
+    pub fp16: bool,
+    /// Whether it computes in bf16 at speed (as `fp16`).
+    #[serde(default)]
+    pub bf16: bool,
+    /// Whether its memory is the host's (Apple silicon): then
+    /// `memory_total_bytes` is the chip's, shared with the CPU.
+    #[serde(default)]
+    pub unified_memory: bool,
+}
+
+impl OtherGpu {
+    /// Whether kiln would train on it: it is in kiln's table, or has 8 GiB
+    /// of memory or more; not an integrated GPU (sysfs gives an APU's small
+    /// carve-out, an Intel iGPU no memory), slower than the CPU's kernels.
+    pub fn trainable(&self) -> bool {
+        self.table_model.is_some() || self.memory_total_bytes.unwrap_or(0) >= 8 << 30
+    }
+
+    /// The AMD or Intel GPU with PCI ids `vendor` and `device`, as kiln's
+    /// table knows it: what [`detect_drm_gpus`] makes of each card, before
+    /// it adds the PCI slot and the architecture. `memory_total_bytes` and
+    /// `product_name` are the driver's (AMD's `mem_info_vram_total` and
+    /// `product_name`), where it gives them. `None` for another vendor.
+    pub fn from_pci(
+        vendor: u16,
+        device: u16,
+        memory_total_bytes: Option<u64>,
+        product_name: Option<String>,
+    ) -> Option<Self> {
+        let vendor = GpuVendor::from_pci(vendor)?;
+        let gib = memory_total_bytes.map_or(0, |m| m >> 30);
+        let row = KNOWN.iter().find(|k| {
+            k.vendor == vendor
+                && k.ids.contains(&device)
+                && gib >= u64::from(k.min_memory_gib)
+                && k.product
+                    .is_none_or(|word| product_name.as_deref().is_some_and(|p| p.contains(word)))
+        });
+        let table_model = row.map(|r| r.model.to_string());
+        let (peak, peak_source) = match row.and_then(|r| r.peak) {
+            Some((peak, source)) => (Some(peak), Some(source.to_string())),
+            None => (None, None),
+        };
+        let name = product_name.unwrap_or_else(|| match &table_model {
+            Some(model) => format!("{} {model}", vendor.name()),
+            None => format!("{} GPU {device:#06x}", vendor.name()),
+        });
+        Some(OtherGpu {
+            vendor,
+            name,
+            pci_device_id: device,
+            pci_slot: String::new(),
+            memory_total_bytes,
+            architecture: None,
+            table_model,
+            // Every board in the table computes fp16 and bf16 in its matrix
+            // units (CDNA2/3's matrix cores, RDNA3's WMMA, Xe's XMX).
+            fp16: row.is_some(),
+            bf16: row.is_some(),
+            peak,
+            peak_source,
+            unified_memory: false,
+        })
+    }
 }
 
 /// One row of the table of GPUs that are not NVIDIA's.
@@ -306,7 +379,7 @@ pub fn detect_drm_gpus(root: &Path) -> Vec<OtherGpu> {
     let mut gpus: Vec<OtherGpu> = Vec::new();
     for (_, card) in cards {
         let device = card.join("device");
-        let Some(vendor) = read_hex(&device.join("vendor")).and_then(GpuVendor::from_pci) else {
+        let Some(vendor) = read_hex(&device.join("vendor")) else {
             continue;
         };
         let Some(id) = read_hex(&device.join("device")) else {
@@ -321,41 +394,19 @@ pub fn detect_drm_gpus(root: &Path) -> Vec<OtherGpu> {
             continue;
         }
         let memory = read(&device.join("mem_info_vram_total")).and_then(|t| t.parse::<u64>().ok());
-        let product = read(&device.join("product_name"));
-        let architecture = location_id(&slot).and_then(|loc| {
+        let Some(mut gpu) =
+            OtherGpu::from_pci(vendor, id, memory, read(&device.join("product_name")))
+        else {
+            continue;
+        };
+        gpu.architecture = location_id(&slot).and_then(|loc| {
             architectures
                 .iter()
                 .find(|(l, _)| *l == loc)
                 .map(|(_, a)| a.clone())
         });
-        let gib = memory.map_or(0, |m| m >> 30);
-        let row = KNOWN.iter().find(|k| {
-            k.vendor == vendor
-                && k.ids.contains(&id)
-                && gib >= u64::from(k.min_memory_gib)
-                && k.product
-                    .is_none_or(|word| product.as_deref().is_some_and(|p| p.contains(word)))
-        });
-        let table_model = row.map(|r| r.model.to_string());
-        let (peak, peak_source) = match row.and_then(|r| r.peak) {
-            Some((peak, source)) => (Some(peak), Some(source.to_string())),
-            None => (None, None),
-        };
-        let name = product.unwrap_or_else(|| match &table_model {
-            Some(model) => format!("{} {model}", vendor.name()),
-            None => format!("{} GPU {id:#06x}", vendor.name()),
-        });
-        gpus.push(OtherGpu {
-            vendor,
-            name,
-            pci_device_id: id,
-            pci_slot: slot,
-            memory_total_bytes: memory,
-            architecture,
-            table_model,
-            peak,
-            peak_source,
-        });
+        gpu.pci_slot = slot;
+        gpus.push(gpu);
     }
     gpus
 }
@@ -489,6 +540,7 @@ mod tests {
         let arc = &gpus[3];
         assert_eq!(arc.vendor, GpuVendor::Intel);
         assert_eq!((arc.memory_total_bytes, arc.peak), (None, None));
+        assert!(gpus.iter().all(|g| g.fp16 && g.bf16 && !g.unified_memory));
         assert_eq!(detect_drm_gpus(&root.join("nothing")), Vec::new());
     }
 

@@ -7,19 +7,22 @@
 //! GPUs through NVML loaded at run time (name, memory, compute capability,
 //! driver and CUDA version, fp16/bf16/tf32/fp8 support and a dense peak from
 //! a sourced table); on Linux also AMD's and Intel's GPUs, read from sysfs
-//! (name, memory, AMD's graphics architecture, a dense peak where kiln's
-//! table has one), which kiln does not train on yet.
+//! (name, memory, AMD's graphics architecture, fp16/bf16 and a dense peak
+//! where kiln's table has one), and on macOS Apple silicon's GPU (the chip,
+//! its unified memory and GPU cores, from `sysctl` and `system_profiler`).
 //!
 //! It depends on no ML framework and never panics: with no driver, no NVML
 //! library or no GPU the report says which and why.
 #![warn(missing_docs)]
 
+mod apple;
 mod cpu;
 mod drm;
 mod gpu;
 pub mod specs;
 mod summary;
 
+pub use apple::{apple_gpu_from, detect_apple_gpu};
 pub use cpu::{CpuInfo, CpuPeak, IsaFeatures, detect_cpu, estimate_peak, flops_per_cycle};
 pub use drm::{GpuVendor, OtherGpu, detect_drm_gpus};
 pub use gpu::{DriverInfo, FixedProbe, GpuCapabilities, GpuInfo, GpuProbe, GpuStatus, NvmlProbe};
@@ -41,17 +44,38 @@ pub struct HardwareReport {
     pub driver: DriverInfo,
     /// Operating system, as sysinfo names it ("Debian GNU/Linux 12").
     pub os: String,
-    /// AMD's and Intel's GPUs, seen through Linux's sysfs (NVML sees only
-    /// NVIDIA's); kiln's presets and `hardware=auto` do not train on them
-    /// yet. Empty in reports saved before kiln read them.
+    /// The GPUs that are not NVIDIA's: AMD's and Intel's seen through
+    /// Linux's sysfs, Apple silicon's through macOS's `sysctl` (NVML sees
+    /// only NVIDIA's). Empty in reports saved before kiln read them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub other_gpus: Vec<OtherGpu>,
 }
 
 impl HardwareReport {
-    /// The GPUs found (empty when none).
+    /// The NVIDIA GPUs found (empty when none).
     pub fn gpus(&self) -> &[GpuInfo] {
         self.gpu.gpus()
+    }
+
+    /// The GPU of another vendor kiln would train on where there is no
+    /// NVIDIA GPU: of those [`OtherGpu::trainable`], the one with the most
+    /// memory, the first on a tie.
+    pub fn other_gpu(&self) -> Option<&OtherGpu> {
+        self.other_gpus
+            .iter()
+            .filter(|g| g.trainable())
+            .rev()
+            .max_by_key(|g| g.memory_total_bytes.unwrap_or(0))
+    }
+
+    /// Whose GPU a run trains on: NVIDIA's where NVML found one, else the
+    /// vendor of [`other_gpu`](Self::other_gpu); `None` with no GPU.
+    pub fn gpu_vendor(&self) -> Option<GpuVendor> {
+        if self.gpus().is_empty() {
+            self.other_gpu().map(|g| g.vendor)
+        } else {
+            Some(GpuVendor::Nvidia)
+        }
     }
 
     /// A file-name-safe name for this class of machine, which tuned presets
@@ -88,10 +112,12 @@ pub struct MemoryInfo {
 }
 
 /// Reads this machine: NVML for NVIDIA's GPUs, sysfs for AMD's and
-/// Intel's (`other_gpus`, Linux).
+/// Intel's (`other_gpus`, Linux), `sysctl` and `system_profiler` for Apple
+/// silicon's (macOS).
 pub fn detect() -> HardwareReport {
     let mut report = detect_with(&NvmlProbe);
     report.other_gpus = detect_drm_gpus(std::path::Path::new("/"));
+    report.other_gpus.extend(detect_apple_gpu());
     report
 }
 
@@ -173,6 +199,35 @@ mod tests {
         let back: HardwareReport = serde_json::from_str(&text).expect("parse");
         assert_eq!(back, report);
         assert!(report.memory.total_bytes > 0);
+    }
+
+    #[test]
+    fn the_other_gpu_trained_on_is_the_largest_known_or_discrete_one() {
+        let mut report = detect_cpu_only();
+        assert_eq!((report.other_gpu(), report.gpu_vendor()), (None, None));
+        // A laptop's Intel iGPU (not in the table, no VRAM): nothing to train on.
+        let igpu = OtherGpu::from_pci(0x8086, 0x46a6, None, None).expect("Intel");
+        assert!(!igpu.fp16 && igpu.table_model.is_none());
+        report.other_gpus = vec![igpu.clone()];
+        assert_eq!(report.gpu_vendor(), None);
+        // An unknown Radeon with 16 GB counts; the MI300X beside it wins.
+        let radeon = OtherGpu::from_pci(0x1002, 0x73bf, Some(16 << 30), None).expect("AMD");
+        assert_eq!(radeon.name, "AMD GPU 0x73bf");
+        let mi300x = OtherGpu::from_pci(0x1002, 0x74a1, Some(192 << 30), None).expect("AMD");
+        report.other_gpus = vec![igpu, radeon.clone(), mi300x];
+        let chosen = report.other_gpu().expect("a GPU");
+        assert_eq!(chosen.table_model.as_deref(), Some("Instinct MI300X"));
+        assert_eq!(report.gpu_vendor(), Some(GpuVendor::Amd));
+        // Two alike: the first.
+        let mut second = radeon.clone();
+        second.pci_slot = "0000:04:00.0".into();
+        report.other_gpus = vec![radeon, second];
+        assert_eq!(report.other_gpu().map(|g| g.pci_slot.as_str()), Some(""));
+        assert!(OtherGpu::from_pci(0x10de, 0x2330, None, None).is_none());
+        // NVML's GPUs come first.
+        let h200 = GpuInfo::new(0, "NVIDIA H200", 141 << 30, 140 << 30, (9, 0));
+        report.gpu = GpuStatus::Found { gpus: vec![h200] };
+        assert_eq!(report.gpu_vendor(), Some(GpuVendor::Nvidia));
     }
 
     #[test]

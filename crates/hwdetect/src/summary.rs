@@ -54,22 +54,42 @@ impl fmt::Display for HardwareReport {
         writeln!(f, "OS       {}", self.os)?;
         write!(f, "{}", self.gpu)?;
         for g in &self.other_gpus {
-            let arch = g
-                .architecture
-                .as_ref()
-                .map(|a| format!(", {a}"))
-                .unwrap_or_default();
-            let memory = g
-                .memory_total_bytes
-                .map(|m| format!(", {}", gib(m)))
-                .unwrap_or_default();
-            writeln!(
-                f,
-                "GPU      {} (PCI {}{arch}){memory}: seen through sysfs; kiln's presets and hardware=auto train on NVIDIA GPUs only so far (a wgpu build can reach it through Vulkan: device.backend=wgpu)",
-                g.name, g.pci_slot
-            )?;
-            if let (Some(p), Some(src)) = (&g.peak, &g.peak_source) {
-                writeln!(f, "         dense peak: {p} ({src})")?;
+            let mut about: Vec<String> = Vec::new();
+            if !g.pci_slot.is_empty() {
+                about.push(format!("PCI {}", g.pci_slot));
+            }
+            // (Apple's architecture is its chip's generation, in its name.)
+            about.extend(
+                g.architecture
+                    .clone()
+                    .filter(|a| !g.name.starts_with(a.as_str())),
+            );
+            let about = if about.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", about.join(", "))
+            };
+            let memory = match g.memory_total_bytes {
+                Some(m) if g.unified_memory => format!(", {} unified memory", gib(m)),
+                Some(m) => format!(", {}", gib(m)),
+                None => String::new(),
+            };
+            let seen = if g.vendor == crate::GpuVendor::Apple {
+                "sysctl"
+            } else {
+                "sysfs"
+            };
+            writeln!(f, "GPU      {}{about}{memory}, seen through {seen}", g.name)?;
+            let yes = |b: bool| if b { "yes" } else { "no" };
+            if g.table_model.is_some() {
+                writeln!(f, "         fp16 {}, bf16 {}", yes(g.fp16), yes(g.bf16))?;
+            }
+            match (&g.peak, &g.peak_source) {
+                (Some(p), Some(src)) => writeln!(f, "         dense peak: {p} ({src})")?,
+                _ => writeln!(
+                    f,
+                    "         dense peak: not in kiln's table (MFU needs a measured peak)"
+                )?,
             }
         }
         if self.driver.driver_version.is_some() {
@@ -176,11 +196,24 @@ mod tests {
         .expect("an AMD GPU as a report has it");
         let text = report.to_string();
         assert!(
-            text.contains("GPU      AMD Instinct MI300X (PCI 0000:0c:00.0, gfx942), 192.0 GiB: seen through sysfs; kiln's presets and hardware=auto train on NVIDIA GPUs only so far"),
+            text.contains(
+                "GPU      AMD Instinct MI300X (PCI 0000:0c:00.0, gfx942), 192.0 GiB, seen through sysfs\n"
+            ),
             "{text}"
         );
+        // A report saved before kiln read fp16/bf16 says false for both.
+        assert!(text.contains("fp16 no, bf16 no"), "{text}");
         assert!(
             text.contains("dense peak: fp32 163.4, bf16 1307.4"),
+            "{text}"
+        );
+        report.other_gpus = vec![
+            crate::apple_gpu_from("Apple M2 Max", 96 << 30, "Total Number of Cores: 38")
+                .expect("Apple"),
+        ];
+        let text = report.to_string();
+        assert!(
+            text.contains("GPU      Apple M2 Max (38-core GPU), 96.0 GiB unified memory, seen through sysctl\n         fp16 yes, bf16 no\n         dense peak: fp32 13.7"),
             "{text}"
         );
         let none = GpuStatus::None {

@@ -359,7 +359,11 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
             );
         }
     }
-    if matches!(c.device.backend, Backend::Cuda | Backend::Wgpu) && !is_gpu {
+    if matches!(
+        c.device.backend,
+        Backend::Cuda | Backend::Rocm | Backend::Wgpu
+    ) && !is_gpu
+    {
         add(
             Severity::Error,
             "device.backend",

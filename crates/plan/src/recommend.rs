@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use kiln_config::{EffectivePrecision, ResolvedConfig, effective_precision};
+use kiln_config::{EffectivePrecision, ResolvedConfig, machine_precision};
 use kiln_hwdetect::HardwareReport;
 use serde::Serialize;
 
@@ -53,7 +53,7 @@ impl Recommendation {
             label: precision,
             why: precision_why,
             ..
-        } = effective_precision(&c.precision, run_gpu(c, hardware));
+        } = machine_precision(&c.precision, run_gpu(c, hardware), hardware);
         Self {
             preset: c.hardware.clone(),
             preset_why: resolved

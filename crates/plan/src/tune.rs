@@ -180,15 +180,37 @@ pub fn memory_limit(
     hardware: &kiln_hwdetect::HardwareReport,
     is_gpu: bool,
 ) -> (u64, String) {
-    match crate::run_gpu(config, hardware).filter(|_| is_gpu) {
-        Some(g) => (
+    let ram = (
+        hardware.memory.available_bytes / 10 * 9,
+        "available RAM less a 10 % margin".to_string(),
+    );
+    if !is_gpu {
+        return ram;
+    }
+    if let Some(g) = crate::run_gpu(config, hardware) {
+        return (
             g.memory_total_bytes / 10 * 9,
             format!("GPU {} memory less a 10 % margin", g.index),
+        );
+    }
+    match hardware
+        .other_gpu()
+        .and_then(|g| Some((g, g.memory_total_bytes?)))
+    {
+        // Apple's unified memory: Metal lets a process's GPU allocations
+        // reach about 75 % of it, and no more than the OS has free.
+        Some((g, total)) if g.unified_memory => (
+            (total / 4 * 3).min(hardware.memory.available_bytes) / 10 * 9,
+            format!(
+                "{}: the least of 75 % of its unified memory (Metal's working set) and the available RAM, less a 10 % margin",
+                g.name
+            ),
         ),
-        None => (
-            hardware.memory.available_bytes / 10 * 9,
-            "available RAM less a 10 % margin".to_string(),
+        Some((g, total)) => (
+            total / 10 * 9,
+            format!("{} memory less a 10 % margin", g.name),
         ),
+        None => ram,
     }
 }
 
@@ -623,6 +645,40 @@ mod tests {
         let r = tune(&sp, &mut fake).expect("tuned");
         assert!(r.chosen.num_workers > 1, "{:?}", r.chosen);
         assert!(r.loader_why.contains("workers"), "{}", r.loader_why);
+    }
+
+    #[test]
+    fn the_memory_limit_is_the_gpus_whoever_made_it() {
+        const GIB: u64 = 1 << 30;
+        let config = crate::tests::config(&[]);
+        let mut hw = kiln_hwdetect::detect_cpu_only();
+        hw.memory.available_bytes = 40 * GIB;
+        let (limit, why) = memory_limit(&config, &hw, true);
+        assert_eq!(
+            (limit, why.as_str()),
+            (36 * GIB, "available RAM less a 10 % margin")
+        );
+        let radeon = kiln_hwdetect::OtherGpu::from_pci(
+            0x1002,
+            0x744c,
+            Some(24 * GIB),
+            Some("AMD Radeon RX 7900 XTX".into()),
+        )
+        .expect("AMD");
+        hw.other_gpus = vec![radeon];
+        let (limit, why) = memory_limit(&config, &hw, true);
+        assert_eq!(limit, 24 * GIB / 10 * 9, "{why}");
+        // On the CPU the GPU's memory does not count.
+        assert_eq!(memory_limit(&config, &hw, false).0, 36 * GIB);
+        // An M2 Max with 96 GB: 72 GB for Metal, but only 40 GB free.
+        let m2 = kiln_hwdetect::apple_gpu_from("Apple M2 Max", 96 * GIB, "").expect("Apple");
+        hw.other_gpus = vec![m2];
+        let (limit, why) = memory_limit(&config, &hw, true);
+        assert_eq!(limit, 36 * GIB, "{why}");
+        hw.memory.available_bytes = 90 * GIB;
+        let (limit, why) = memory_limit(&config, &hw, true);
+        assert_eq!(limit, 72 * GIB / 10 * 9, "{why}");
+        assert!(why.contains("75 % of its unified memory"), "{why}");
     }
 
     #[test]

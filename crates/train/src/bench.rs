@@ -313,7 +313,7 @@ fn check_kernel_profile(
     if options.kernel_profile_steps == 0 {
         return Ok(());
     }
-    let why = if !cfg!(any(feature = "wgpu", feature = "cuda")) {
+    let why = if !cfg!(feature = "gpu") {
         "and this kiln has no GPU backend built in (build it with `--features wgpu` or `cuda`)"
     } else if !device.is_gpu {
         "choose one with device.backend=wgpu or cuda; on the CPU, profile with `perf record` (docs/PERFORMANCE.md)"
@@ -543,7 +543,7 @@ fn bench_device(
     hardware: &HardwareReport,
     options: BenchOptions,
 ) -> Result<(crate::DeviceChoice, Device, PrecisionChoice), TrainError> {
-    let choice = open_device(config, !hardware.gpus().is_empty())?;
+    let choice = open_device(config, hardware.gpu_vendor())?;
     check_kernel_profile(options, &choice)?;
     let device = train_device(config, &choice.device, config.training.seed);
     let precision = run_precision(config, &choice, hardware);

@@ -58,7 +58,7 @@ pub fn apply_compile(optimization: &OptimizationSection, device: &DeviceChoice) 
 /// Sets CubeCL's runtime configuration (kiln's autotune level, the cache
 /// in the user cache directory) and says what is in effect: the level and
 /// whether tuned kernels are kept across runs.
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
+#[cfg(feature = "gpu")]
 fn configure_cubecl(level: &str) -> String {
     use cubecl_runtime::config::autotune::AutotuneLevel;
     use cubecl_runtime::config::cache::CacheConfig;
@@ -111,7 +111,7 @@ fn configure_cubecl(level: &str) -> String {
     }
 }
 
-#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+#[cfg(not(feature = "gpu"))]
 fn configure_cubecl(_level: &str) -> String {
     "this build has no CubeCL backend".to_string()
 }

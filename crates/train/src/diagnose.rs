@@ -70,7 +70,7 @@ pub fn diagnose(
     ranks: usize,
 ) -> Result<Diagnosis, TrainError> {
     let gpu = run_gpu(config, hardware);
-    let device = select_device(&config.device, gpu.is_some());
+    let device = select_device(&config.device, hardware.gpu_vendor());
     let (device_name, device_why, is_gpu, backend_error) = match &device {
         Ok(d) => (d.name.clone(), d.why.clone(), d.is_gpu, None),
         Err(e) => (

@@ -20,7 +20,7 @@ use serde::Serialize;
 
 /// Kernels listed by name; the rest are summed into one row.
 #[cfg_attr(
-    not(any(feature = "wgpu", feature = "cuda")),
+    not(feature = "gpu"),
     allow(
         dead_code,
         reason = "the GPU backends' observer uses it; tested in every build"
@@ -66,7 +66,7 @@ pub struct KernelRow {
 }
 
 /// The launch observer (CubeCL GPU backends only).
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
+#[cfg(feature = "gpu")]
 mod observe {
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex};
@@ -154,15 +154,15 @@ mod observe {
     }
 }
 
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
+#[cfg(feature = "gpu")]
 pub(crate) use observe::Profiler;
 
 /// Without a GPU backend built in there is nothing to observe (and the
 /// bench refuses `--kernel-profile` before any step): no profiler exists.
-#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+#[cfg(not(feature = "gpu"))]
 pub(crate) enum Profiler {}
 
-#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+#[cfg(not(feature = "gpu"))]
 impl Profiler {
     pub(crate) fn start() -> Option<Self> {
         None
@@ -175,7 +175,7 @@ impl Profiler {
 
 /// A kernel's measured launch: its name, seconds, and how it was timed.
 #[cfg_attr(
-    not(any(feature = "wgpu", feature = "cuda")),
+    not(feature = "gpu"),
     allow(
         dead_code,
         reason = "the GPU backends' observer uses it; tested in every build"
@@ -185,7 +185,7 @@ type Timed = (&'static str, f64, &'static str);
 
 /// A kernel's type name with the paths dropped: `a::b::K<c::D, 2>` → `K<D, 2>`.
 #[cfg_attr(
-    not(any(feature = "wgpu", feature = "cuda")),
+    not(feature = "gpu"),
     allow(
         dead_code,
         reason = "the GPU backends' observer uses it; tested in every build"
@@ -210,7 +210,7 @@ fn short_name(kernel: &str) -> String {
 /// The table of a profile: by kernel name ([`short_name`]), most device
 /// time first, the rest after [`TOP`] summed.
 #[cfg_attr(
-    not(any(feature = "wgpu", feature = "cuda")),
+    not(feature = "gpu"),
     allow(
         dead_code,
         reason = "the GPU backends' observer uses it; tested in every build"

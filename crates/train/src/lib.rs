@@ -64,7 +64,7 @@ pub use bench::{
 };
 pub use checkpoint::{CheckpointInfo, latest_good_checkpoint};
 pub use compile::{FUSION_BUILT_IN, apply_compile, autotune_level};
-pub use device::{BACKENDS_BUILT_IN, DeviceChoice, select_device};
+pub use device::{BACKENDS_BUILT_IN, DeviceChoice, backend_for_vendor, select_device};
 pub use diagnose::{Diagnosis, diagnose};
 pub use error::TrainError;
 pub use export::{Exported, export_hf, hf_name};

@@ -115,7 +115,7 @@ pub fn choose_precision(
 /// (16×16×16 tiles, f32 accumulators) and plain kernels. CubeCL keeps the
 /// measurement in its on-disk cache (see [`crate::apply_compile`]), so a
 /// machine pays for it once. `None` where the device reports none.
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
+#[cfg(feature = "gpu")]
 pub(crate) fn measured_peak(device: &burn::tensor::Device, compute: ComputeDtype) -> Option<f64> {
     use cubecl_ir::{ElemType, FloatKind};
     use cubecl_runtime::throughput::compute_throughput_key;

@@ -77,7 +77,7 @@ pub(crate) fn mfu_peak(
 ) -> (Option<f64>, String) {
     let dtype = precision.compute.name();
     if device.is_gpu {
-        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        #[cfg(feature = "gpu")]
         if let Some(p) = crate::precision::measured_peak(&device.device, precision.compute) {
             return (
                 Some(p),
@@ -274,9 +274,9 @@ pub(crate) fn schedule_line(c: &RunConfig, schedule: &kiln_plan::Schedule) -> St
 /// in place before the device's first kernel).
 pub fn open_device(
     config: &kiln_config::RunConfig,
-    has_gpu: bool,
+    gpu: Option<kiln_hwdetect::GpuVendor>,
 ) -> Result<DeviceChoice, TrainError> {
-    let probe = crate::device::select_device(&config.device, has_gpu)?;
+    let probe = crate::device::select_device(&config.device, gpu)?;
     let compile = crate::compile::apply_compile(&config.optimization, &probe);
     Ok(DeviceChoice { compile, ..probe })
 }

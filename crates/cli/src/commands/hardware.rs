@@ -75,8 +75,13 @@ fn chosen_gpu<'a>(report: &'a HardwareReport, resolved: &ResolvedConfig) -> Opti
 /// backend of this build.
 fn human(report: &HardwareReport, resolved: &ResolvedConfig) -> String {
     let ranks = ranks(report);
+    let mut per_gpu = String::new();
+    for (i, g) in gpu_backends(report).iter().enumerate() {
+        let label = if i == 0 { "GPU backends" } else { "" };
+        let _ = writeln!(per_gpu, "  {label:<14} {}: {}", g.gpu, g.line());
+    }
     format!(
-        "{report}\n{}  {:<14} {}\n  {:<14} {} — {}; `cargo xtask train-auto` {}\n",
+        "{report}\n{}  {:<14} {}\n{per_gpu}  {:<14} {} — {}; `cargo xtask train-auto` {}\n",
         Recommendation::new(resolved, report),
         "backend",
         backend_line(report, resolved),
@@ -91,11 +96,87 @@ fn human(report: &HardwareReport, resolved: &ResolvedConfig) -> String {
     )
 }
 
+/// Which backend of this build runs one of the machine's GPUs, or what to
+/// build for it.
+#[derive(Debug, serde::Serialize)]
+pub(crate) struct GpuBackend {
+    /// The GPU, as the report names it.
+    gpu: String,
+    /// Whose it is.
+    vendor: kiln_hwdetect::GpuVendor,
+    /// The backend `device.backend=auto` takes for it in this build.
+    backend: Option<&'static str>,
+    /// Why that backend, or why none.
+    why: String,
+    /// What to build where this build has no backend for it.
+    build: Option<String>,
+}
+
+impl GpuBackend {
+    fn line(&self) -> String {
+        match (self.backend, &self.build) {
+            (Some(b), _) => format!("{b} ({})", self.why),
+            (None, Some(build)) => format!("none in this build ({}); {build}", self.why),
+            (None, None) => format!("none ({})", self.why),
+        }
+    }
+}
+
+/// For each GPU of the machine (NVIDIA's, then the others), the backend
+/// this build runs it on ([`kiln_train::backend_for_vendor`]) or what to
+/// build; an integrated GPU is not trained on.
+pub(crate) fn gpu_backends(report: &HardwareReport) -> Vec<GpuBackend> {
+    use kiln_hwdetect::GpuVendor;
+    let built = kiln_train::BACKENDS_BUILT_IN;
+    let nvidia = report.gpus().iter().map(|g| {
+        (
+            format!("GPU {} {}", g.index, g.name),
+            GpuVendor::Nvidia,
+            true,
+        )
+    });
+    let others = report
+        .other_gpus
+        .iter()
+        .map(|g| (g.name.clone(), g.vendor, g.trainable()));
+    nvidia
+        .chain(others)
+        .map(|(gpu, vendor, usable)| {
+            if !usable {
+                return GpuBackend {
+                    gpu,
+                    vendor,
+                    backend: None,
+                    why: "an integrated GPU, slower than the CPU's kernels: auto trains on the CPU"
+                        .into(),
+                    build: None,
+                };
+            }
+            match kiln_train::backend_for_vendor(vendor, built) {
+                Ok((backend, why)) => GpuBackend {
+                    gpu,
+                    vendor,
+                    backend: Some(backend),
+                    why,
+                    build: None,
+                },
+                Err(build) => GpuBackend {
+                    gpu,
+                    vendor,
+                    backend: None,
+                    why: format!("backends built in: {}", built.join(", ")),
+                    build: Some(build),
+                },
+            }
+        })
+        .collect()
+}
+
 /// The data-parallel ranks this machine runs with this build.
 pub(crate) fn ranks(report: &HardwareReport) -> kiln_plan::Ranks {
     let gpu_backend = kiln_train::BACKENDS_BUILT_IN
         .iter()
-        .any(|b| matches!(*b, "cuda" | "wgpu"));
+        .any(|b| matches!(*b, "cuda" | "rocm" | "wgpu"));
     kiln_plan::local_ranks(report, gpu_backend)
 }
 
@@ -103,7 +184,7 @@ pub(crate) fn ranks(report: &HardwareReport) -> kiln_plan::Ranks {
 fn backend_line(report: &HardwareReport, resolved: &ResolvedConfig) -> String {
     let c = &resolved.config;
     let asked = format!("{:?}", c.device.backend).to_lowercase();
-    match kiln_train::select_device(&c.device, !report.gpus().is_empty()) {
+    match kiln_train::select_device(&c.device, report.gpu_vendor()) {
         Ok(d) => {
             let gpu = chosen_gpu(report, resolved).filter(|_| d.is_gpu);
             let p = kiln_train::choose_precision(&c.precision, &d, gpu);
@@ -146,6 +227,7 @@ fn json(report: &HardwareReport, resolved: &ResolvedConfig) -> serde_json::Value
             "backend": resolved.config.device.backend,
             "backend_in_this_build": backend_line(report, resolved),
         },
+        "gpu_backends": gpu_backends(report),
         "ranks": {
             "count": ranks.count,
             "why": ranks.why,
@@ -158,7 +240,7 @@ fn json(report: &HardwareReport, resolved: &ResolvedConfig) -> serde_json::Value
 /// backend, dtype and compile behaviour of this build.
 pub(crate) fn derived_text(report: &HardwareReport, resolved: &ResolvedConfig) -> String {
     let c = &resolved.config;
-    let p = kiln_config::effective_precision(&c.precision, chosen_gpu(report, resolved));
+    let p = kiln_config::machine_precision(&c.precision, chosen_gpu(report, resolved), report);
     let mut s = String::from("# derived on this machine (not keys):\n");
     let _ = writeln!(s, "#   precision → {} — {}", p.label, p.why);
     let _ = writeln!(s, "#   backend → {}", backend_line(report, resolved));

@@ -48,7 +48,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         .into());
     }
     let resolved = ctx.resolve(&args.layers)?;
-    let choice = kiln_train::select_device(&resolved.config.device, !ctx.report.gpus().is_empty())
+    let choice = kiln_train::select_device(&resolved.config.device, ctx.report.gpu_vendor())
         .map_err(train_error)?;
     let checks: Vec<KernelCheck> = CHECKS
         .iter()

@@ -88,8 +88,8 @@ fn tune_command(
     let config = &resolved.config;
     let t = &config.training;
     let effective = t.batch_size * t.gradient_accumulation_steps.max(1);
-    let device = kiln_train::select_device(&config.device, !report.gpus().is_empty())
-        .map_err(train_error)?;
+    let device =
+        kiln_train::select_device(&config.device, report.gpu_vendor()).map_err(train_error)?;
     let (limit, what) = kiln_plan::memory_limit(config, report, device.is_gpu);
     let gpu = kiln_plan::run_gpu(config, report).filter(|_| device.is_gpu);
     let space = kiln_plan::TuneSpace::new(

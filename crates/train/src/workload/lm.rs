@@ -209,7 +209,7 @@ pub(crate) fn train(
     // Everything that can fail on bad input fails before the run directory exists.
     let device = open_device(
         &on_rank_device(config, options),
-        !options.hardware.gpus().is_empty(),
+        options.hardware.gpu_vendor(),
     )?;
     collectives(&device, options, observer)?;
     let prepared = prepare_in_turn(config, TokenizerFrom::Config, options, observer)?;
@@ -283,7 +283,7 @@ pub(crate) fn resume(
     };
     let device = open_device(
         &on_rank_device(config, options),
-        !options.hardware.gpus().is_empty(),
+        options.hardware.gpu_vendor(),
     )?;
     collectives(&device, options, observer)?;
     let tokenizer = run.file("tokenizer.json");

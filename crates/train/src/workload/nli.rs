@@ -333,7 +333,7 @@ pub(crate) fn train_cv(
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
     refuse_ranks(options)?;
-    let device = open_device(config, !options.hardware.gpus().is_empty())?;
+    let device = open_device(config, options.hardware.gpu_vendor())?;
     let pairs = read(config)?;
     let run = RunDir::start(config, options)?;
     let _lock = run.lock()?;
@@ -369,7 +369,7 @@ pub(crate) fn resume_cv(
         "resuming cross-validation run `{}`",
         run.path.display()
     )));
-    let device = open_device(config, !options.hardware.gpus().is_empty())?;
+    let device = open_device(config, options.hardware.gpu_vendor())?;
     let pairs = read(config)?;
     // Everything that can refuse the resume has run: the run takes the
     // changes.
@@ -731,7 +731,7 @@ pub fn predict(
     tokenizer.set_pair_template(config.model.max_length)?;
     let data = read_pairs(data_path, &schema(&config, false))
         .map_err(|e| crate::translate::with_config_keys(e, &config))?;
-    let device = select_device(&config.device, !hardware.gpus().is_empty())?;
+    let device = select_device(&config.device, hardware.gpu_vendor())?;
     let encoder = encoder_config(&config, tokenizer.vocab_size());
     let model_path = fold_dir.join(BEST_MODEL);
     let state = checkpoint::load(&model_path).map_err(|why| TrainError::CheckpointMismatch {
