@@ -150,12 +150,11 @@ fn other_choice(gpu: &OtherGpu) -> PresetChoice {
         .as_deref()
         .map(|a| format!(" ({a})"))
         .unwrap_or_default();
-    let memory = match gpu.memory_total_bytes {
-        Some(m) if gpu.unified_memory => format!(
-            "{:.0} GiB unified memory, about 75 % of it for the GPU",
-            m as f64 / f64::from(1u32 << 30)
-        ),
-        Some(m) => format!("{:.0} GiB", m as f64 / f64::from(1u32 << 30)),
+    let memory = match gpu.memory_total_gib() {
+        Some(gib) if gpu.unified_memory => {
+            format!("{gib:.0} GiB unified memory, about 75 % of it for the GPU")
+        }
+        Some(gib) => format!("{gib:.0} GiB"),
         None => "memory not reported".to_string(),
     };
     let precision = match (gpu.bf16, gpu.fp16) {
@@ -185,7 +184,7 @@ fn other_preset(gpu: &OtherGpu) -> (&'static str, Option<String>) {
     {
         return (preset, None);
     }
-    let gib = gpu.memory_total_bytes.unwrap_or(0) as f64 / f64::from(1u32 << 30);
+    let gib = gpu.memory_total_gib().unwrap_or(0.0);
     let (preset, class) = if gib >= 100.0 {
         ("mi300x", "over 100 GB, like an MI300X")
     } else if gib >= 40.0 {
@@ -269,24 +268,18 @@ pub fn check_preset_fits(preset: &str, report: &HardwareReport) -> Result<(), Pr
         (true, _) => format!("this machine has {}", others.join(", ")),
         (false, _) => format!("{have}, {}", others.join(", ")),
     };
-    let other_fits = |g: &OtherGpu| {
-        report.other_gpu() == Some(g) && other_preset(g).0 == preset
-            || g.table_model.as_deref().is_some_and(|m| {
-                PRESET_OTHER_GPUS
-                    .iter()
-                    .any(|(p, ms)| *p == preset && ms.contains(&m))
-            })
-    };
     let other_named = PRESET_OTHER_GPUS.iter().find(|(p, _)| *p == preset);
     if other_named.is_some() || preset == APPLE_PRESET {
         let needs = match other_named {
             Some((_, models)) => models.join(" / "),
             None => "an Apple silicon GPU".to_string(),
         };
-        let fits = report
-            .other_gpus
-            .iter()
-            .any(|g| other_fits(g) || (preset == APPLE_PRESET && g.vendor == GpuVendor::Apple));
+        // A GPU fits the preset written for it (its table model's, or
+        // Apple's), and the GPU kiln trains on the preset chosen for it.
+        let fits = report.other_gpus.iter().any(|g| {
+            let (chosen, placed_by_memory) = other_preset(g);
+            chosen == preset && (placed_by_memory.is_none() || report.other_gpu() == Some(g))
+        });
         return if fits {
             Ok(())
         } else {

@@ -88,6 +88,12 @@ pub struct OtherGpu {
 }
 
 impl OtherGpu {
+    /// Device memory in GiB, where the driver says.
+    pub fn memory_total_gib(&self) -> Option<f64> {
+        self.memory_total_bytes
+            .map(|bytes| bytes as f64 / f64::from(1u32 << 30))
+    }
+
     /// Whether kiln would train on it: it is in kiln's table, or has 8 GiB
     /// of memory or more; not an integrated GPU (sysfs gives an APU's small
     /// carve-out, an Intel iGPU no memory), slower than the CPU's kernels.
