@@ -168,7 +168,7 @@ fn amd_intel_and_apple_gpus_get_a_preset_a_backend_and_what_to_build() {
             vec![
                 "Preset   arc_a770",
                 "fp16 compute with dynamic loss scaling",
-                "Intel Arc A770: none in this build (backends built in: flex); build with `--features wgpu` (Vulkan)",
+                "Intel Arc A770: none in this build (backends built in: flex); build with `--features vulkan` (Vulkan)",
             ],
         ),
         (

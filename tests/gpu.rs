@@ -230,13 +230,21 @@ fn a_short_training_run_on_wgpu_follows_the_flex_run() {
     };
     let (wgpu, wgpu_val) = run("wgpu");
     wgpu.stdout_has(&[
-        "backend: wgpu (GPU)",
+        // "wgpu (GPU, WGSL)", or "wgpu (GPU, SPIR-V)" from a build with
+        // `vulkan` on a Vulkan device (CI's; TEST_WGPU_LANGUAGE below).
+        "backend: wgpu (GPU, ",
         if cfg!(feature = "fusion") {
             "fusion built in (always on in this build)"
         } else {
             "fusion not in this build"
         },
     ]);
+    // The kernel language the binary's wgpu device must have compiled to
+    // (CI: SPIR-V, its build having `vulkan`), so that a silent fall back
+    // to WGSL fails the suite.
+    if let Ok(language) = std::env::var("TEST_WGPU_LANGUAGE") {
+        wgpu.stdout_has(&[&format!("backend: wgpu (GPU, {language})")]);
+    }
     let (flex, flex_val) = run("flex");
     // The step lines' memory is the GPU allocator's on wgpu, the process's
     // RAM on flex.
@@ -290,7 +298,8 @@ fn reduced_precision_on_wgpu_ends_near_f32_or_says_why_not() {
     // MFU's denominator: the device's own f32 peak, measured by Burn.
     assert!(
         out.contains("MFU is measured against")
-            && out.contains("f32 of wgpu (GPU), measured by Burn's performance_stats"),
+            && out.contains("f32 of wgpu (GPU")
+            && out.contains("), measured by Burn's performance_stats"),
         "{out}"
     );
     for dtype in ["bf16", "fp16"] {

@@ -72,10 +72,10 @@ A GPU target first checks that its preset fits this machine (kiln-config's
 check, no Burn: minutes to build the first time): where it does not, it
 exits 2 before any GPU build, unless --force. Where an NVIDIA driver
 reports a GPU, the GPU and auto targets build kiln with --features cuda;
-where AMD's ROCm kernel driver is loaded (/dev/kfd), --features rocm,wgpu
+where AMD's ROCm kernel driver is loaded (/dev/kfd), --features rocm,vulkan
 (CubeCL's build downloads its LLVM with LLD from GitHub for rocm);
 on Apple silicon, wgpu (Metal); GPU targets elsewhere use wgpu (Vulkan,
-DX12; an Intel Arc: KILN_FEATURES=wgpu for the auto targets). KILN_FEATURES=wgpu,fusion
+DX12; an Intel Arc: KILN_FEATURES=vulkan for the auto targets). KILN_FEATURES=wgpu,fusion
 (any list) picks other features. Each feature set builds in its own folder: the CPU build in
 target/release, the others in target/<features>/release (target/wgpu,
 target/cuda, target/fusion+wgpu), so switching targets rebuilds nothing;
@@ -252,12 +252,13 @@ impl GpuKind {
         }
     }
 
-    /// The backend features for this kind of GPU: `cuda`; `rocm,wgpu` (HIP,
-    /// and Vulkan where HIP's libraries are missing); `wgpu` (Metal).
+    /// The backend features for this kind of GPU: `cuda`; `rocm,vulkan`
+    /// (HIP, and Vulkan with SPIR-V kernels where HIP's libraries are
+    /// missing); `wgpu` (Metal).
     fn features(self) -> Option<&'static str> {
         match self {
             Self::Nvidia => Some("cuda"),
-            Self::Amd => Some("rocm,wgpu"),
+            Self::Amd => Some("rocm,vulkan"),
             Self::Apple => Some("wgpu"),
             Self::Other => None,
         }
@@ -1007,11 +1008,11 @@ mod tests {
             GpuKind::Other,
         );
         assert_eq!(f(Build::Auto, None, nvidia).as_deref(), Some("cuda"));
-        assert_eq!(f(Build::Auto, None, amd).as_deref(), Some("rocm,wgpu"));
+        assert_eq!(f(Build::Auto, None, amd).as_deref(), Some("rocm,vulkan"));
         assert_eq!(f(Build::Auto, None, apple).as_deref(), Some("wgpu"));
         assert_eq!(f(Build::Auto, None, other), None);
         assert_eq!(f(Build::Gpu, None, nvidia).as_deref(), Some("cuda"));
-        assert_eq!(f(Build::Gpu, None, amd).as_deref(), Some("rocm,wgpu"));
+        assert_eq!(f(Build::Gpu, None, amd).as_deref(), Some("rocm,vulkan"));
         assert_eq!(f(Build::Gpu, None, other).as_deref(), Some("wgpu"));
         assert_eq!(f(Build::Cpu, None, nvidia), None);
         let any = nvidia;

@@ -69,3 +69,24 @@ fn cube(device: &cubecl::Device) -> DeviceMemory {
         peak_reserved: peak_reserved.max(usage.bytes_reserved),
     }
 }
+
+/// The CubeCL runtime that runs `device`'s kernels, as CubeCL names it
+/// (`wgpu<spirv>`, `wgpu<wgsl>`, `wgpu<msl>`, `cuda`, ...): on wgpu, which
+/// compiler the adapter was given, which depends on the build (`vulkan`)
+/// and on what the driver offers (CubeCL falls back to WGSL on a Vulkan
+/// device without the features its SPIR-V needs). `None` off the CubeCL
+/// GPUs. Opens the device's client, so CubeCL's configuration must be in
+/// place first.
+pub fn gpu_runtime(device: &burn::tensor::Device) -> Option<&'static str> {
+    #[cfg(feature = "cube")]
+    {
+        use burn::backend::DispatchDevice;
+        if let DispatchDevice::Cube(d) = device.clone().inner().as_dispatch()
+            && crate::kernels::cube_gpu(d)
+        {
+            return Some(d.client().name());
+        }
+    }
+    let _ = device;
+    None
+}

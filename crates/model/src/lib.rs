@@ -41,7 +41,7 @@ mod gpt;
 pub mod kernels;
 pub mod precision;
 
-pub use device_memory::{DeviceMemory, device_memory};
+pub use device_memory::{DeviceMemory, device_memory, gpu_runtime};
 pub use encoder::{EncoderClassifier, EncoderConfig, PoolingKind};
 pub use gpt::{GeluKind, Gpt, GptConfig, cross_entropy};
 pub use kernels::Kernels;

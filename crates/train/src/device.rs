@@ -230,14 +230,13 @@ pub fn backend_for_vendor(
             ),
         )),
         GpuVendor::Nvidia => Err(
-            "build with `cargo xtask build-cuda` (CUDA; or `--features wgpu` for Vulkan)".into(),
+            "build with `cargo xtask build-cuda` (CUDA; or `--features vulkan` for Vulkan)".into(),
         ),
         GpuVendor::Amd => Err(
-            "build with `--features rocm` (ROCm/HIP; its build downloads CubeCL's LLVM with LLD from GitHub: docs/HARDWARE.md) or `--features wgpu` (Vulkan)".into(),
+            "build with `--features rocm` (ROCm/HIP; its build downloads CubeCL's LLVM with LLD from GitHub: docs/HARDWARE.md) or `--features vulkan` (Vulkan)".into(),
         ),
-        GpuVendor::Intel | GpuVendor::Apple => Err(format!(
-            "build with `--features wgpu` ({wgpu_api})"
-        )),
+        GpuVendor::Intel => Err("build with `--features vulkan` (Vulkan)".into()),
+        GpuVendor::Apple => Err("build with `--features wgpu` (Metal)".into()),
     }
 }
 
@@ -344,7 +343,7 @@ mod tests {
         let build = |v| backend_for_vendor(v, &cpu).expect_err("no GPU backend");
         assert!(build(GpuVendor::Nvidia).contains("cargo xtask build-cuda`"));
         assert!(build(GpuVendor::Amd).contains("`--features rocm`"));
-        assert!(build(GpuVendor::Intel).contains("--features wgpu"));
+        assert!(build(GpuVendor::Intel).contains("--features vulkan"));
         assert!(build(GpuVendor::Apple).contains("(Metal)"));
         // An NVIDIA build reaches no AMD GPU through CUDA.
         assert!(backend_for_vendor(GpuVendor::Amd, &["cuda", "flex"]).is_err());

@@ -276,14 +276,38 @@ pub fn open_device(
     config: &kiln_config::RunConfig,
     gpu: Option<kiln_hwdetect::GpuVendor>,
 ) -> Result<DeviceChoice, TrainError> {
-    let probe = crate::device::select_device(&config.device, gpu)?;
+    let mut probe = crate::device::select_device(&config.device, gpu)?;
     let compile = crate::compile::apply_compile(&config.optimization, &probe);
+    // wgpu's kernel language, once CubeCL's configuration is in place: it
+    // is the adapter's and the build's (`vulkan`) to settle.
+    if let Some(language) = kiln_model::gpu_runtime(&probe.device).and_then(wgpu_language) {
+        probe.name = format!("wgpu (GPU, {language})");
+    }
     Ok(DeviceChoice { compile, ..probe })
+}
+
+/// The kernel language of a wgpu runtime named as CubeCL names it
+/// (`wgpu<spirv>`): "SPIR-V", "WGSL", "MSL"; `None` for the others.
+fn wgpu_language(runtime: &str) -> Option<&'static str> {
+    match runtime {
+        "wgpu<spirv>" => Some("SPIR-V"),
+        "wgpu<wgsl>" => Some("WGSL"),
+        "wgpu<msl>" => Some("MSL"),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wgpu_runtimes_name_their_kernel_language() {
+        assert_eq!(wgpu_language("wgpu<spirv>"), Some("SPIR-V"));
+        assert_eq!(wgpu_language("wgpu<wgsl>"), Some("WGSL"));
+        assert_eq!(wgpu_language("wgpu<msl>"), Some("MSL"));
+        assert_eq!(wgpu_language("cuda"), None);
+    }
 
     #[test]
     fn an_avx512_cpu_counts_the_peak_of_the_kernels_built() {
