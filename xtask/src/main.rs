@@ -851,7 +851,7 @@ fn bench_tune(rest: Vec<String>) -> Result<ExitCode, String> {
 
 /// `.ci/run` itself, so that the two cannot drift apart: formatting, lints,
 /// the tests (the crates' README examples among them), packaging,
-/// the CUDA build with wgpu linked for real (linted by clippy as it builds),
+/// the CUDA build with wgpu (SPIR-V) linked for real (linted by clippy as it builds),
 /// and on it the GPU suite on whatever Vulkan device there is. It installs
 /// Mesa's Vulkan driver and pip only where they are missing.
 fn ci() -> Result<ExitCode, String> {
