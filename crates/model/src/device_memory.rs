@@ -23,16 +23,23 @@ pub struct DeviceMemory {
 /// GPU backends.
 pub fn device_memory(device: &burn::tensor::Device) -> Option<DeviceMemory> {
     #[cfg(feature = "cube")]
+    return cube_gpu_device(device).map(|d| cube(&d));
+    #[cfg(not(feature = "cube"))]
     {
-        use burn::backend::DispatchDevice;
-        if let DispatchDevice::Cube(d) = device.clone().inner().as_dispatch()
-            && crate::kernels::cube_gpu(d)
-        {
-            return Some(cube(d));
-        }
+        let _ = device;
+        None
     }
-    let _ = device;
-    None
+}
+
+/// `device`'s CubeCL device where it is a CubeCL GPU (wgpu, CUDA, HIP);
+/// `None` on flex and on Burn's CubeCL CPU backend.
+#[cfg(feature = "cube")]
+fn cube_gpu_device(device: &burn::tensor::Device) -> Option<cubecl::Device> {
+    use burn::backend::DispatchDevice;
+    match device.clone().inner().as_dispatch() {
+        DispatchDevice::Cube(d) if crate::kernels::cube_gpu(d) => Some(d.clone()),
+        _ => None,
+    }
 }
 
 #[cfg(feature = "cube")]
@@ -70,23 +77,20 @@ fn cube(device: &cubecl::Device) -> DeviceMemory {
     }
 }
 
-/// The CubeCL runtime that runs `device`'s kernels, as CubeCL names it
-/// (`wgpu<spirv>`, `wgpu<wgsl>`, `wgpu<msl>`, `cuda`, ...): on wgpu, which
-/// compiler the adapter was given, which depends on the build (`vulkan`)
-/// and on what the driver offers (CubeCL falls back to WGSL on a Vulkan
-/// device without the features its SPIR-V needs). `None` off the CubeCL
-/// GPUs. Opens the device's client, so CubeCL's configuration must be in
-/// place first.
+/// The CubeCL runtime of a wgpu device, as CubeCL names it (`wgpu<spirv>`,
+/// `wgpu<wgsl>`, `wgpu<msl>`): which compiler the adapter was given, which
+/// depends on the build (`vulkan`) and on what the driver offers (CubeCL
+/// falls back to WGSL on a Vulkan device without the features its SPIR-V
+/// needs). `None` off wgpu. Opens the device's client, so CubeCL's
+/// configuration must be in place first.
 pub fn gpu_runtime(device: &burn::tensor::Device) -> Option<&'static str> {
     #[cfg(feature = "cube")]
+    return cube_gpu_device(device)
+        .filter(|d| matches!(d, cubecl::Device::Wgpu(_)))
+        .map(|d| d.client().name());
+    #[cfg(not(feature = "cube"))]
     {
-        use burn::backend::DispatchDevice;
-        if let DispatchDevice::Cube(d) = device.clone().inner().as_dispatch()
-            && crate::kernels::cube_gpu(d)
-        {
-            return Some(d.client().name());
-        }
+        let _ = device;
+        None
     }
-    let _ = device;
-    None
 }
