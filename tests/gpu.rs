@@ -449,6 +449,15 @@ fn kiln_kernels_on_wgpu_agree_with_the_composition() {
         "{}",
         run.stdout
     );
+    // Named as a run names it: with the kernel language (CI: SPIR-V).
+    if let Ok(language) = std::env::var("TEST_WGPU_LANGUAGE") {
+        assert_eq!(
+            v["device"],
+            format!("wgpu (GPU, {language})"),
+            "{}",
+            run.stdout
+        );
+    }
     let checks = v["kernels"].as_array().expect("kernels");
     // (name, tolerance, whether kiln's kernel runs)
     let expected = [

@@ -48,8 +48,10 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         .into());
     }
     let resolved = ctx.resolve(&args.layers)?;
-    let choice = kiln_train::select_device(&resolved.config.device, ctx.report.gpu_vendor())
-        .map_err(train_error)?;
+    // As a run opens it: CubeCL's settings applied, wgpu's kernel language
+    // in the device's name.
+    let choice =
+        kiln_train::open_device(&resolved.config, ctx.report.gpu_vendor()).map_err(train_error)?;
     let checks: Vec<KernelCheck> = CHECKS
         .iter()
         .filter(|(name, _)| args.only.is_empty() || args.only.iter().any(|o| o == name))

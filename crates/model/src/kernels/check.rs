@@ -7,7 +7,7 @@
 //! composition).
 
 use burn::nn::LayerNorm;
-use burn::tensor::{Bool, Int, Tensor, activation};
+use burn::tensor::{Bool, FloatDType, Int, Tensor, activation};
 
 #[cfg(feature = "flex")]
 use super::flex;
@@ -173,6 +173,15 @@ pub fn check_sum_of_squares(device: &burn::tensor::Device) -> KernelCheck {
 /// inputs; the sums run in another order).
 pub const ATTENTION_TOLERANCE: f64 = 1e-4;
 
+/// The tolerance of [`check_attention`]'s f16 cases on the matrix unit
+/// (`flash_attention`): the probabilities enter `P·V` rounded to f16, and
+/// the output and gradients are f16 (11 significant bits) of values up to
+/// about 4.
+pub const ATTENTION_F16_TOLERANCE: f64 = 1e-2;
+
+/// The same for bf16 (8 significant bits: eight times f16's rounding).
+pub const ATTENTION_BF16_TOLERANCE: f64 = 8e-2;
+
 /// [`self_attention`] fused and composed (Burn's attention) on `device`,
 /// forward and backward: a causal case (the GPT's) and a padded one (the
 /// encoder's; one batch entry 40 of 75 positions long), 2 heads of 16, 75
@@ -205,7 +214,7 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
     let wide = format!("causal, heads {wide_hd} wide");
     let cases = [
         ("causal", &qkv, &upstream, h, None, true),
-        ("padded", &qkv, &upstream, h, Some(pad), false),
+        ("padded", &qkv, &upstream, h, Some(pad.clone()), false),
         (wide.as_str(), &wide_qkv, &wide_upstream, wide_h, None, true),
     ];
     let mut checks: Vec<KernelCheck> = cases
@@ -222,6 +231,49 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             }
         })
         .collect();
+    // The forward pass on the matrix unit (f16 or bf16 inputs, where the
+    // device has an instruction for them), with the scalar backward on its
+    // log-sum-exp: against the composition in f32 on the same rounded
+    // inputs, the results rounded to the dtype as the kernels' are.
+    for (dtype, name, tolerance) in [
+        (FloatDType::F16, "f16", ATTENTION_F16_TOLERANCE),
+        (FloatDType::BF16, "bf16", ATTENTION_BF16_TOLERANCE),
+    ] {
+        // (Before any cast: a device without the dtype may not survive one.)
+        if !super::attention_on_tensor_cores(&device, dtype.into(), hd) {
+            continue;
+        }
+        let (half, half_upstream) = (qkv.clone().cast(dtype), upstream.clone().cast(dtype));
+        let widen = |x: Tensor<3>| x.cast(FloatDType::F32);
+        for (case, key_pad, causal) in
+            [("causal", None, true), ("padded", Some(pad.clone()), false)]
+        {
+            let (y, dqkv) = attention_run(
+                &half,
+                &half_upstream,
+                key_pad.clone(),
+                causal,
+                h,
+                Kernels::Fused,
+            );
+            let (y_ref, dqkv_ref) = attention_run(
+                &widen(half.clone()),
+                &widen(half_upstream.clone()),
+                key_pad,
+                causal,
+                h,
+                Kernels::Reference,
+            );
+            let round = |x: Tensor<3>| widen(x.cast(dtype));
+            checks.push(KernelCheck {
+                kernel: format!("attention, {case}, {name} on the matrix unit (t={t})"),
+                fused,
+                max_abs_difference: max_abs(widen(y), round(y_ref))
+                    .max(max_abs(widen(dqkv), round(dqkv_ref))),
+                tolerance,
+            });
+        }
+    }
     // Queries that see no key: causal, the first `unseen` keys of entry 0
     // padding, so its first `unseen` queries see none. Their output must be
     // zeros (as flex gives, not 0/0), the other rows must match Burn's

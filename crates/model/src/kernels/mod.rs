@@ -52,9 +52,10 @@ mod norm;
 mod optim;
 
 pub use check::{
-    ADAMW_TOLERANCE, ATTENTION_TOLERANCE, GELU_TOLERANCE, KernelCheck, LAYER_NORM_TOLERANCE,
-    LM_HEAD_LOSS_TOLERANCE, SUM_OF_SQUARES_TOLERANCE, check_adamw, check_attention, check_gelu,
-    check_layer_norm, check_lm_head_loss, check_sum_of_squares,
+    ADAMW_TOLERANCE, ATTENTION_BF16_TOLERANCE, ATTENTION_F16_TOLERANCE, ATTENTION_TOLERANCE,
+    GELU_TOLERANCE, KernelCheck, LAYER_NORM_TOLERANCE, LM_HEAD_LOSS_TOLERANCE,
+    SUM_OF_SQUARES_TOLERANCE, check_adamw, check_attention, check_gelu, check_layer_norm,
+    check_lm_head_loss, check_sum_of_squares,
 };
 #[cfg(feature = "flex")]
 pub use cpu::peak::{MeasuredPeak, measure_fp32_peak};
@@ -135,6 +136,24 @@ pub fn self_attention(
     burn_attention(q, k, v, mask, None, options)
         .swap_dims(1, 2)
         .reshape([b, t, h * hd])
+}
+
+/// Whether [`self_attention`]'s forward pass in `dtype`, heads `head_dim`
+/// wide, runs on `device`'s matrix unit (tensor cores, cooperative
+/// matrices): f16 or bf16 on a CubeCL GPU with an instruction for it
+/// (`cube/flash_attention.rs`).
+pub(crate) fn attention_on_tensor_cores(
+    device: &burn::tensor::Device,
+    dtype: burn::tensor::DType,
+    head_dim: usize,
+) -> bool {
+    #[cfg(feature = "cube")]
+    return cube::attention::on_tensor_cores(device, dtype, head_dim);
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = (device, dtype, head_dim);
+        false
+    }
 }
 
 /// Whether [`self_attention`] runs the memory-efficient CubeCL kernels for

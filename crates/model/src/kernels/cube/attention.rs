@@ -30,6 +30,11 @@
 //! stream executes; the element-wise operations around them are fused as
 //! usual.
 //!
+//! In f16 and bf16 on a device with a matrix instruction for the dtype
+//! (tensor cores, cooperative matrices), the forward pass runs on it
+//! instead (`flash_attention.rs`: tiles of queries and keys, the same
+//! output and log-sum-exp), and the backward kernels here follow it.
+//!
 //! Each unit runs scalar multiply-adds over the head's width (no tensor
 //! cores, no tiling across queries; the loops over the width unrolled up
 //! to 64 or 128 wide, so that the unit's vectors can stay in registers):
@@ -156,6 +161,23 @@ impl<B: Backend + KilnAttention, C: CheckpointStrategy> KilnAttention for Autodi
 /// dtype the kernels take.
 pub(crate) fn runs(qkv: &Tensor<3>) -> bool {
     super::cube_gpu_float(qkv)
+}
+
+/// Whether the forward pass of [`self_attention`] in `dtype` with heads
+/// `head_dim` wide runs on `device`'s matrix unit (`flash_attention`)
+/// rather than the scalar kernel.
+pub(crate) fn on_tensor_cores(
+    device: &burn::tensor::Device,
+    dtype: burn::tensor::DType,
+    head_dim: usize,
+) -> bool {
+    use burn::backend::DispatchDevice;
+    match device.clone().inner().as_dispatch() {
+        DispatchDevice::Cube(d) if super::cube_gpu(d) => {
+            super::flash_attention::tile_for(&d.client(), dtype, head_dim).is_some()
+        }
+        _ => false,
+    }
 }
 
 /// The kernels' self-attention of `qkv` (see `kernels::self_attention`);
@@ -518,6 +540,10 @@ mod cube {
         causal: bool,
     ) -> (CubeTensor, CubeTensor) {
         let (qkv, pad) = (into_contiguous(qkv), into_contiguous(key_pad));
+        // On the matrix unit where the device has one for the dtype.
+        if let Some(result) = super::super::flash_attention::forward(&qkv, &pad, heads, causal) {
+            return result;
+        }
         let p = problem(&qkv, heads);
         let dtype = qkv.dtype;
         let out = empty(&qkv, vec![p.batch, p.seq, p.heads * p.head_dim], dtype);

@@ -12,6 +12,7 @@
 use burn::tensor::Tensor;
 
 pub(crate) mod attention;
+pub(crate) mod flash_attention;
 #[cfg(not(feature = "fusion"))]
 pub(crate) mod gelu;
 #[cfg(not(feature = "fusion"))]
