@@ -174,9 +174,9 @@ pub fn check_sum_of_squares(device: &burn::tensor::Device) -> KernelCheck {
 pub const ATTENTION_TOLERANCE: f64 = 1e-4;
 
 /// The tolerance of [`check_attention`]'s f16 cases on the matrix unit
-/// (`flash_attention`): the probabilities enter `P·V` rounded to f16, and
-/// the output and gradients are f16 (11 significant bits) of values up to
-/// about 4.
+/// (`flash_attention`): the probabilities and their gradient enter the
+/// products rounded to f16, and the output and gradients are f16 (11
+/// significant bits) of values up to about 4.
 pub const ATTENTION_F16_TOLERANCE: f64 = 1e-2;
 
 /// The same for bf16 (8 significant bits: eight times f16's rounding).
@@ -231,40 +231,46 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             }
         })
         .collect();
-    // The forward pass on the matrix unit (f16 or bf16 inputs, where the
-    // device has an instruction for them), with the scalar backward on its
-    // log-sum-exp: against the composition in f32 on the same rounded
-    // inputs, the results rounded to the dtype as the kernels' are.
+    // Attention on the matrix unit (f16 or bf16 inputs, where the device
+    // has an instruction for them; forward and backward): against the
+    // composition in f32 on the same rounded inputs, its results rounded to
+    // the dtype as the kernels' are. Heads 16 wide, and GPT-2's 64.
+    let (gpt2_qkv, gpt2_upstream) = inputs(1, 64);
+    let half_cases = [
+        ("causal", &qkv, &upstream, h, hd, None, true),
+        ("padded", &qkv, &upstream, h, hd, Some(pad.clone()), false),
+        (
+            "causal, heads 64 wide",
+            &gpt2_qkv,
+            &gpt2_upstream,
+            1,
+            64,
+            None,
+            true,
+        ),
+    ];
     for (dtype, name, tolerance) in [
         (FloatDType::F16, "f16", ATTENTION_F16_TOLERANCE),
         (FloatDType::BF16, "bf16", ATTENTION_BF16_TOLERANCE),
     ] {
-        // (Before any cast: a device without the dtype may not survive one.)
-        if !super::attention_on_tensor_cores(&device, dtype.into(), hd) {
-            continue;
-        }
-        let (half, half_upstream) = (qkv.clone().cast(dtype), upstream.clone().cast(dtype));
-        let widen = |x: Tensor<3>| x.cast(FloatDType::F32);
-        for (case, key_pad, causal) in
-            [("causal", None, true), ("padded", Some(pad.clone()), false)]
-        {
-            let (y, dqkv) = attention_run(
-                &half,
-                &half_upstream,
-                key_pad.clone(),
-                causal,
-                h,
-                Kernels::Fused,
-            );
-            let (y_ref, dqkv_ref) = attention_run(
+        for (case, qkv, upstream, heads, head_dim, key_pad, causal) in half_cases.clone() {
+            // (Before any cast: a device without the dtype may not survive
+            // one.)
+            if !super::attention_on_tensor_cores(&device, dtype.into(), head_dim) {
+                continue;
+            }
+            let widen = |x: Tensor<3>| x.cast(FloatDType::F32);
+            let round = |x: Tensor<3>| widen(x.cast(dtype));
+            let (half, half_upstream) = (qkv.clone().cast(dtype), upstream.clone().cast(dtype));
+            let run = |qkv: &Tensor<3>, upstream: &Tensor<3>, kernels| {
+                attention_run(qkv, upstream, key_pad.clone(), causal, heads, kernels)
+            };
+            let (y, dqkv) = run(&half, &half_upstream, Kernels::Fused);
+            let (y_ref, dqkv_ref) = run(
                 &widen(half.clone()),
                 &widen(half_upstream.clone()),
-                key_pad,
-                causal,
-                h,
                 Kernels::Reference,
             );
-            let round = |x: Tensor<3>| widen(x.cast(dtype));
             checks.push(KernelCheck {
                 kernel: format!("attention, {case}, {name} on the matrix unit (t={t})"),
                 fused,

@@ -31,9 +31,10 @@
 //! usual.
 //!
 //! In f16 and bf16 on a device with a matrix instruction for the dtype
-//! (tensor cores, cooperative matrices), the forward pass runs on it
-//! instead (`flash_attention.rs`: tiles of queries and keys, the same
-//! output and log-sum-exp), and the backward kernels here follow it.
+//! (tensor cores, cooperative matrices), the forward pass and the dQ and
+//! dK/dV kernels run on it instead (`flash_attention.rs`: tiles of queries
+//! and keys, the same output, log-sum-exp and gradient); `delta` is this
+//! file's either way.
 //!
 //! Each unit runs scalar multiply-adds over the head's width (no tensor
 //! cores, no tiling across queries; the loops over the width unrolled up
@@ -600,6 +601,12 @@ mod cube {
             p.head_dim,
             dtype_to_storage_type(dtype),
         );
+        // On the matrix unit where the device has one for the dtype.
+        if let Some(dqkv) =
+            super::super::flash_attention::backward(&qkv, &pad, &grad, &lse, &delta, heads, causal)
+        {
+            return dqkv;
+        }
         let dqkv = empty(&qkv, qkv.meta.shape().to_vec(), dtype);
         dq_kernel::launch(
             &client,

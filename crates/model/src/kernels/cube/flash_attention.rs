@@ -1,9 +1,11 @@
-//! The attention forward pass on matrix instructions (tensor cores, Vulkan
-//! cooperative matrices): FlashAttention-2's tiling with CubeCL's `cmma`.
+//! Self-attention on matrix instructions (tensor cores, Vulkan cooperative
+//! matrices): FlashAttention-2's tiling with CubeCL's `cmma`, forward and
+//! backward.
 //!
 //! One cube is one plane (a warp on CUDA, a subgroup on Vulkan) and owns a
-//! tile of `tile` queries of one head; it walks the key tiles the queries
-//! see (with `causal`, none past the tile's last query) and for each:
+//! tile of `tile` rows of one head. The forward kernel's rows are queries;
+//! it walks the key tiles they see (with `causal`, none past the tile's
+//! last query) and for each:
 //!
 //! 1. copies the key and value tile into shared memory (zeros past the
 //!    sequence's end);
@@ -16,21 +18,32 @@
 //!    the matrix unit.
 //!
 //! It ends as the scalar kernel does: the merged heads (`O / sum`, zeros for
-//! a query that sees no key) and each query's log-sum-exp, from which the
-//! backward kernels (scalar, in `attention.rs`) rebuild the probabilities.
-//! So the two forward kernels are interchangeable, and `kiln check-kernels`
-//! compares this one with Burn's composition in f16/bf16 where it runs.
+//! a query that sees no key) and each query's log-sum-exp. The backward
+//! pass rebuilds the probabilities from it, after the scalar `delta`
+//! kernel (`Σ dO·O` per query, in `attention.rs`):
 //!
-//! It runs where the device has a square matrix instruction for the dtype
+//! - dQ, one cube per query tile, over the key tiles it sees: `S = Q·Kᵀ`
+//!   and `dP = dO·Vᵀ` on the matrix unit, `P = exp(scale·S − lse)` and
+//!   `dS = P·(dP − delta)` per element in f32, then `dQ += dS·K`;
+//! - dK and dV, one cube per key tile, over the query tiles that see it:
+//!   the same `S`, `dP`, `P` and `dS`, then `dV += Pᵀ·dO` and
+//!   `dK += dSᵀ·Q` (the transposes read column-major).
+//!
+//! No atomics and nothing `time × time` in memory, as in the scalar
+//! kernels, and the same results up to rounding: `kiln check-kernels`
+//! compares these with Burn's composition in f16/bf16 where they run.
+//!
+//! They run where the device has a square matrix instruction for the dtype
 //! with an f32 accumulator (`tile × tile × tile`: 16 on NVIDIA's tensor
 //! cores for bf16 and f16, 8 for f16 on Mesa's lavapipe), the head width
-//! is a multiple of it, and the plane has one fixed size; everywhere else
-//! (f32, WGSL, widths such as 136 against 16) the scalar kernel does.
+//! is a multiple of it, the plane has one fixed size and the dK/dV
+//! kernel's shared memory fits; everywhere else (f32, WGSL, widths such as
+//! 136 against 16) the scalar kernels do.
 //!
 //! The tile is the instruction's size: one plane per cube, the scores'
 //! tile a single instruction tall and wide. Larger tiles (several planes
 //! sharing each key tile, as FlashAttention-2 does with four warps) and
-//! the accumulator kept in registers rather than shared memory are the
+//! the accumulators kept in registers rather than shared memory are the
 //! next steps, for the GPU check's profile to decide between.
 
 use burn::tensor::DType;
@@ -68,6 +81,8 @@ pub(crate) fn tile_for(
         .into_iter()
         .find(|&t| {
             head_dim.is_multiple_of(t as usize)
+                && shared_bytes(t as usize, head_dim, dtype.size())
+                    <= props.hardware.max_shared_memory_size
                 && props.features.matmul.cmma.contains(&MmaConfig {
                     a_type: elem,
                     b_type: elem,
@@ -78,6 +93,164 @@ pub(crate) fn tile_for(
                 })
         })
         .map(|t| (t as usize, plane as usize))
+}
+
+/// Copies `tile` rows of one head into `dst` (row-major, `head_dim` wide):
+/// rows `first..first + tile` of batch entry `b`, each `row_stride` apart in
+/// `src`, from column `col0`; zeros for rows past `seq`.
+/// The shared memory of the largest of the kernels (dK/dV's): four
+/// `tile × head_dim` tiles of the inputs, two in f32 (dK, dV), the scores
+/// and their gradient in f32 and rounded, and two floats per row.
+fn shared_bytes(tile: usize, head_dim: usize, elem: usize) -> usize {
+    4 * tile * head_dim * elem + 2 * tile * head_dim * 4 + 2 * tile * tile * (4 + elem) + 8 * tile
+}
+
+/// Whether the launch grid (query or key tiles, heads, batch entries) fits
+/// the device's.
+fn grid_fits(client: &cubecl::client::Client, tiles: usize, heads: usize, batch: usize) -> bool {
+    let (x, y, z) = client.properties().hardware.max_cube_count;
+    tiles <= x as usize && heads <= y as usize && batch <= z as usize
+}
+
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_rows<E: Float>(
+    src: &[E],
+    dst: &mut Shared<[E]>,
+    b: usize,
+    first: usize,
+    seq: usize,
+    row_stride: usize,
+    col0: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] units: usize,
+) {
+    let mut e = UNIT_POS as usize;
+    while e < tile * head_dim {
+        let row = first + e / head_dim;
+        let mut x = E::from_int(0);
+        if row < seq {
+            x = src[(b * seq + row) * row_stride + col0 + e % head_dim];
+        }
+        dst[e] = x;
+        e += units;
+    }
+}
+
+/// `out = A·Bᵀ` (`tile × tile`, f32) of two row-major `tile × head_dim`
+/// tiles on the matrix unit: the scores `Q·Kᵀ`, or `dO·Vᵀ`. `Bᵀ` is `B`
+/// read column-major.
+#[cube]
+fn product_abt<E: Float>(
+    a: &Shared<[E]>,
+    b: &Shared<[E]>,
+    out: &mut Shared<[f32]>,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+) {
+    let acc = Matrix::<f32>::from_value(
+        MatrixIdent::Accumulator,
+        tile,
+        tile,
+        tile,
+        MatrixLayout::Undefined,
+        f32::new(0.0),
+    );
+    let end = tile * head_dim;
+    #[unroll]
+    for step in 0..head_dim / tile {
+        let lhs = Matrix::<E>::from_slice(
+            MatrixIdent::A,
+            tile,
+            tile,
+            tile,
+            MatrixLayout::RowMajor,
+            &a[step * tile..end],
+            head_dim as u32,
+        );
+        let rhs = Matrix::<E>::from_slice(
+            MatrixIdent::B,
+            tile,
+            tile,
+            tile,
+            MatrixLayout::ColMajor,
+            &b[step * tile..end],
+            head_dim as u32,
+        );
+        cmma::execute(&lhs, &rhs, &acc, &acc);
+    }
+    cmma::store(out, &acc, tile as u32, MatrixLayout::RowMajor);
+}
+
+/// `acc += A·B` on the matrix unit: `A` a row-major `tile × tile` tile
+/// (with `transposed`, `Aᵀ`: read column-major), `B` and `acc` row-major
+/// `tile × head_dim` (`acc` in f32). `P·V`, `dS·K`, `Pᵀ·dO`, `dSᵀ·Q`.
+#[cube]
+fn accumulate_ab<E: Float>(
+    a: &Shared<[E]>,
+    b: &Shared<[E]>,
+    acc: &mut Shared<[f32]>,
+    #[comptime] transposed: bool,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+) {
+    let layout = comptime!(if transposed {
+        MatrixLayout::ColMajor
+    } else {
+        MatrixLayout::RowMajor
+    });
+    let lhs = Matrix::<E>::from_slice(MatrixIdent::A, tile, tile, tile, layout, a, tile as u32);
+    let end = tile * head_dim;
+    #[unroll]
+    for step in 0..head_dim / tile {
+        let rhs = Matrix::<E>::from_slice(
+            MatrixIdent::B,
+            tile,
+            tile,
+            tile,
+            MatrixLayout::RowMajor,
+            &b[step * tile..end],
+            head_dim as u32,
+        );
+        let sum = Matrix::<f32>::from_slice(
+            MatrixIdent::Accumulator,
+            tile,
+            tile,
+            tile,
+            MatrixLayout::RowMajor,
+            &acc[step * tile..end],
+            head_dim as u32,
+        );
+        cmma::execute(&lhs, &rhs, &sum, &sum);
+        cmma::store(
+            &mut acc[step * tile..end],
+            &sum,
+            head_dim as u32,
+            MatrixLayout::RowMajor,
+        );
+    }
+}
+
+/// Whether query `i` sees key `j` (both in the sequence, the key not
+/// padding, and with `causal` not after the query).
+#[cube]
+fn sees(pad: &[f32], b: usize, i: usize, j: usize, seq: usize, #[comptime] causal: bool) -> bool {
+    let mut seen = i < seq && j < seq;
+    if seen {
+        seen = pad[b * seq + j] == f32::new(0.0) && (!causal || j <= i);
+    }
+    seen
+}
+
+/// Zeros `len` floats of `dst`.
+#[cube]
+fn zero(dst: &mut Shared<[f32]>, #[comptime] len: usize, #[comptime] units: usize) {
+    let mut e = UNIT_POS as usize;
+    while e < len {
+        dst[e] = f32::new(0.0);
+        e += units;
+    }
 }
 
 #[cube(launch)]
@@ -102,10 +275,8 @@ fn flash_attention_kernel<E: Float>(
     let b = CUBE_POS_Z as usize;
     let unit = UNIT_POS as usize;
     let width = heads * head_dim;
-    let stride = 3 * width;
     let q_start = q_tile * tile;
     let tile_elems = tile * head_dim;
-    let steps = head_dim / tile;
 
     let mut sq = Shared::<[E]>::new_slice(tile_elems);
     let mut sk = Shared::<[E]>::new_slice(tile_elems);
@@ -118,17 +289,19 @@ fn flash_attention_kernel<E: Float>(
     let mut row_factor = Shared::<[f32]>::new_slice(tile);
 
     // The query tile (zeros past the end) and the accumulator.
-    let mut e = unit;
-    while e < tile_elems {
-        let i = q_start + e / head_dim;
-        let mut x = E::from_int(0);
-        if i < seq {
-            x = qkv[(b * seq + i) * stride + h * head_dim + e % head_dim];
-        }
-        sq[e] = x;
-        so[e] = f32::new(0.0);
-        e += units;
-    }
+    load_rows(
+        qkv,
+        &mut sq,
+        b,
+        q_start,
+        seq,
+        3 * width,
+        h * head_dim,
+        head_dim,
+        tile,
+        units,
+    );
+    zero(&mut so, tile_elems, units);
     let mut r = unit;
     while r < tile {
         row_max[r] = f32::new(LOWEST);
@@ -145,54 +318,33 @@ fn flash_attention_kernel<E: Float>(
     let key_tiles = (keys + tile - 1) / tile;
     for k_tile in 0..key_tiles {
         let k_start = k_tile * tile;
-        let mut e = unit;
-        while e < tile_elems {
-            let j = k_start + e / head_dim;
-            let mut k = E::from_int(0);
-            let mut v = E::from_int(0);
-            if j < seq {
-                let k0 = (b * seq + j) * stride + width + h * head_dim + e % head_dim;
-                k = qkv[k0];
-                v = qkv[k0 + width];
-            }
-            sk[e] = k;
-            sv[e] = v;
-            e += units;
-        }
-        sync_cube();
-
-        // S = Q·Kᵀ: Kᵀ's tile is the key rows read column-major.
-        let scores = Matrix::<f32>::from_value(
-            MatrixIdent::Accumulator,
+        let k0 = width + h * head_dim;
+        load_rows(
+            qkv,
+            &mut sk,
+            b,
+            k_start,
+            seq,
+            3 * width,
+            k0,
+            head_dim,
             tile,
-            tile,
-            tile,
-            MatrixLayout::Undefined,
-            f32::new(0.0),
+            units,
         );
-        #[unroll]
-        for step in 0..steps {
-            let a = Matrix::<E>::from_slice(
-                MatrixIdent::A,
-                tile,
-                tile,
-                tile,
-                MatrixLayout::RowMajor,
-                &sq[step * tile..tile_elems],
-                head_dim as u32,
-            );
-            let kt = Matrix::<E>::from_slice(
-                MatrixIdent::B,
-                tile,
-                tile,
-                tile,
-                MatrixLayout::ColMajor,
-                &sk[step * tile..tile_elems],
-                head_dim as u32,
-            );
-            cmma::execute(&a, &kt, &scores, &scores);
-        }
-        cmma::store(&mut ss, &scores, tile as u32, MatrixLayout::RowMajor);
+        load_rows(
+            qkv,
+            &mut sv,
+            b,
+            k_start,
+            seq,
+            3 * width,
+            k0 + width,
+            head_dim,
+            tile,
+            units,
+        );
+        sync_cube();
+        product_abt(&sq, &sk, &mut ss, head_dim, tile);
         sync_cube();
 
         // The online softmax, one unit per query row.
@@ -202,25 +354,15 @@ fn flash_attention_kernel<E: Float>(
             let old_max = row_max[r];
             let mut new_max = old_max;
             for c in 0..tile {
-                let j = k_start + c;
-                let mut seen = j < seq;
-                if seen {
-                    seen = pad[b * seq + j] == f32::new(0.0) && (!causal || j <= i);
-                }
-                if seen {
+                if sees(pad, b, i, k_start + c, seq, causal) {
                     new_max = max(new_max, ss[r * tile + c] * scale);
                 }
             }
             let factor = (old_max - new_max).exp();
             let mut sum = row_sum[r] * factor;
             for c in 0..tile {
-                let j = k_start + c;
-                let mut seen = j < seq;
-                if seen {
-                    seen = pad[b * seq + j] == f32::new(0.0) && (!causal || j <= i);
-                }
                 let mut p = f32::new(0.0);
-                if seen {
+                if sees(pad, b, i, k_start + c, seq, causal) {
                     p = (ss[r * tile + c] * scale - new_max).exp();
                 }
                 sum += p;
@@ -240,43 +382,7 @@ fn flash_attention_kernel<E: Float>(
             e += units;
         }
         sync_cube();
-        let p = Matrix::<E>::from_slice(
-            MatrixIdent::A,
-            tile,
-            tile,
-            tile,
-            MatrixLayout::RowMajor,
-            &sp,
-            tile as u32,
-        );
-        #[unroll]
-        for step in 0..steps {
-            let v = Matrix::<E>::from_slice(
-                MatrixIdent::B,
-                tile,
-                tile,
-                tile,
-                MatrixLayout::RowMajor,
-                &sv[step * tile..tile_elems],
-                head_dim as u32,
-            );
-            let o = Matrix::<f32>::from_slice(
-                MatrixIdent::Accumulator,
-                tile,
-                tile,
-                tile,
-                MatrixLayout::RowMajor,
-                &so[step * tile..tile_elems],
-                head_dim as u32,
-            );
-            cmma::execute(&p, &v, &o, &o);
-            cmma::store(
-                &mut so[step * tile..tile_elems],
-                &o,
-                head_dim as u32,
-                MatrixLayout::RowMajor,
-            );
-        }
+        accumulate_ab(&sp, &sv, &mut so, false, head_dim, tile);
         sync_cube();
     }
 
@@ -311,6 +417,326 @@ fn flash_attention_kernel<E: Float>(
     }
 }
 
+/// The probabilities and their gradient of a query tile (rows) against a
+/// key tile (columns), from the scores `ss = Q·Kᵀ` and `sdp = dO·Vᵀ`:
+/// `P = exp(scale·S − lse)` (0 where the query does not see the key) and
+/// `dS = P·(dP − delta)`, both rounded to the inputs' dtype for the next
+/// products. `row_lse` and `row_delta` are the query tile's.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn probabilities<E: Float>(
+    ss: &Shared<[f32]>,
+    sdp: &Shared<[f32]>,
+    row_lse: &Shared<[f32]>,
+    row_delta: &Shared<[f32]>,
+    sp: &mut Shared<[E]>,
+    sds: &mut Shared<[E]>,
+    pad: &[f32],
+    b: usize,
+    q_start: usize,
+    k_start: usize,
+    seq: usize,
+    scale: f32,
+    #[comptime] tile: usize,
+    #[comptime] units: usize,
+    #[comptime] causal: bool,
+) {
+    let mut e = UNIT_POS as usize;
+    while e < tile * tile {
+        let r = e / tile;
+        let mut p = f32::new(0.0);
+        if sees(pad, b, q_start + r, k_start + e % tile, seq, causal) {
+            p = (ss[e] * scale - row_lse[r]).exp();
+        }
+        sp[e] = E::cast_from(p);
+        sds[e] = E::cast_from(p * (sdp[e] - row_delta[r]));
+        e += units;
+    }
+}
+
+/// A query tile's log-sum-exp and `Σ dO·O` into shared memory (zeros past
+/// the end).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_row_terms(
+    lse: &[f32],
+    delta: &[f32],
+    row_lse: &mut Shared<[f32]>,
+    row_delta: &mut Shared<[f32]>,
+    head_row0: usize,
+    q_start: usize,
+    seq: usize,
+    #[comptime] tile: usize,
+    #[comptime] units: usize,
+) {
+    let mut r = UNIT_POS as usize;
+    while r < tile {
+        let mut l = f32::new(0.0);
+        let mut d = f32::new(0.0);
+        if q_start + r < seq {
+            l = lse[head_row0 + q_start + r];
+            d = delta[head_row0 + q_start + r];
+        }
+        row_lse[r] = l;
+        row_delta[r] = d;
+        r += units;
+    }
+}
+
+/// dQ of a query tile: over the key tiles it sees, `dQ += dS·K`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+fn flash_dq_kernel<E: Float>(
+    qkv: &[E],
+    pad: &[f32],
+    grad: &[E],
+    lse: &[f32],
+    delta: &[f32],
+    dqkv: &mut [E],
+    seq: usize,
+    heads: usize,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] units: usize,
+    #[comptime] causal: bool,
+    #[define(E)] _dtype: ElemType,
+) {
+    let q_start = CUBE_POS_X as usize * tile;
+    let h = CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let width = heads * head_dim;
+    let tile_elems = tile * head_dim;
+
+    let mut sq = Shared::<[E]>::new_slice(tile_elems);
+    let mut sg = Shared::<[E]>::new_slice(tile_elems);
+    let mut sk = Shared::<[E]>::new_slice(tile_elems);
+    let mut sv = Shared::<[E]>::new_slice(tile_elems);
+    let mut sdq = Shared::<[f32]>::new_slice(tile_elems);
+    let mut ss = Shared::<[f32]>::new_slice(tile * tile);
+    let mut sdp = Shared::<[f32]>::new_slice(tile * tile);
+    let mut sp = Shared::<[E]>::new_slice(tile * tile);
+    let mut sds = Shared::<[E]>::new_slice(tile * tile);
+    let mut row_lse = Shared::<[f32]>::new_slice(tile);
+    let mut row_delta = Shared::<[f32]>::new_slice(tile);
+
+    let q0 = h * head_dim;
+    load_rows(
+        qkv,
+        &mut sq,
+        b,
+        q_start,
+        seq,
+        3 * width,
+        q0,
+        head_dim,
+        tile,
+        units,
+    );
+    load_rows(
+        grad, &mut sg, b, q_start, seq, width, q0, head_dim, tile, units,
+    );
+    zero(&mut sdq, tile_elems, units);
+    let head_row0 = (b * heads + h) * seq;
+    load_row_terms(
+        lse,
+        delta,
+        &mut row_lse,
+        &mut row_delta,
+        head_row0,
+        q_start,
+        seq,
+        tile,
+        units,
+    );
+    sync_cube();
+
+    let mut keys = seq;
+    if causal && q_start + tile < seq {
+        keys = q_start + tile;
+    }
+    let key_tiles = (keys + tile - 1) / tile;
+    for k_tile in 0..key_tiles {
+        let k_start = k_tile * tile;
+        let k0 = width + h * head_dim;
+        load_rows(
+            qkv,
+            &mut sk,
+            b,
+            k_start,
+            seq,
+            3 * width,
+            k0,
+            head_dim,
+            tile,
+            units,
+        );
+        load_rows(
+            qkv,
+            &mut sv,
+            b,
+            k_start,
+            seq,
+            3 * width,
+            k0 + width,
+            head_dim,
+            tile,
+            units,
+        );
+        sync_cube();
+        product_abt(&sq, &sk, &mut ss, head_dim, tile);
+        product_abt(&sg, &sv, &mut sdp, head_dim, tile);
+        sync_cube();
+        probabilities(
+            &ss, &sdp, &row_lse, &row_delta, &mut sp, &mut sds, pad, b, q_start, k_start, seq,
+            scale, tile, units, causal,
+        );
+        sync_cube();
+        accumulate_ab(&sds, &sk, &mut sdq, false, head_dim, tile);
+        sync_cube();
+    }
+
+    let mut e = UNIT_POS as usize;
+    while e < tile_elems {
+        let i = q_start + e / head_dim;
+        if i < seq {
+            dqkv[(b * seq + i) * 3 * width + q0 + e % head_dim] = E::cast_from(sdq[e] * scale);
+        }
+        e += units;
+    }
+}
+
+/// dK and dV of a key tile: over the query tiles that see it,
+/// `dV += Pᵀ·dO` and `dK += dSᵀ·Q`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+fn flash_dkdv_kernel<E: Float>(
+    qkv: &[E],
+    pad: &[f32],
+    grad: &[E],
+    lse: &[f32],
+    delta: &[f32],
+    dqkv: &mut [E],
+    seq: usize,
+    heads: usize,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] units: usize,
+    #[comptime] causal: bool,
+    #[define(E)] _dtype: ElemType,
+) {
+    let k_start = CUBE_POS_X as usize * tile;
+    let h = CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let width = heads * head_dim;
+    let tile_elems = tile * head_dim;
+
+    let mut sk = Shared::<[E]>::new_slice(tile_elems);
+    let mut sv = Shared::<[E]>::new_slice(tile_elems);
+    let mut sq = Shared::<[E]>::new_slice(tile_elems);
+    let mut sg = Shared::<[E]>::new_slice(tile_elems);
+    let mut sdk = Shared::<[f32]>::new_slice(tile_elems);
+    let mut sdv = Shared::<[f32]>::new_slice(tile_elems);
+    let mut ss = Shared::<[f32]>::new_slice(tile * tile);
+    let mut sdp = Shared::<[f32]>::new_slice(tile * tile);
+    let mut sp = Shared::<[E]>::new_slice(tile * tile);
+    let mut sds = Shared::<[E]>::new_slice(tile * tile);
+    let mut row_lse = Shared::<[f32]>::new_slice(tile);
+    let mut row_delta = Shared::<[f32]>::new_slice(tile);
+
+    let q0 = h * head_dim;
+    let k0 = width + q0;
+    load_rows(
+        qkv,
+        &mut sk,
+        b,
+        k_start,
+        seq,
+        3 * width,
+        k0,
+        head_dim,
+        tile,
+        units,
+    );
+    load_rows(
+        qkv,
+        &mut sv,
+        b,
+        k_start,
+        seq,
+        3 * width,
+        k0 + width,
+        head_dim,
+        tile,
+        units,
+    );
+    zero(&mut sdk, tile_elems, units);
+    zero(&mut sdv, tile_elems, units);
+    let head_row0 = (b * heads + h) * seq;
+
+    // With `causal`, no query tile before the one holding the first key.
+    let mut first = 0;
+    if causal {
+        first = k_start / tile;
+    }
+    let q_tiles = (seq + tile - 1) / tile;
+    for q_tile in first..q_tiles {
+        let q_start = q_tile * tile;
+        // (The previous tile's products are done with these buffers.)
+        sync_cube();
+        load_rows(
+            qkv,
+            &mut sq,
+            b,
+            q_start,
+            seq,
+            3 * width,
+            q0,
+            head_dim,
+            tile,
+            units,
+        );
+        load_rows(
+            grad, &mut sg, b, q_start, seq, width, q0, head_dim, tile, units,
+        );
+        load_row_terms(
+            lse,
+            delta,
+            &mut row_lse,
+            &mut row_delta,
+            head_row0,
+            q_start,
+            seq,
+            tile,
+            units,
+        );
+        sync_cube();
+        product_abt(&sq, &sk, &mut ss, head_dim, tile);
+        product_abt(&sg, &sv, &mut sdp, head_dim, tile);
+        sync_cube();
+        probabilities(
+            &ss, &sdp, &row_lse, &row_delta, &mut sp, &mut sds, pad, b, q_start, k_start, seq,
+            scale, tile, units, causal,
+        );
+        sync_cube();
+        accumulate_ab(&sp, &sg, &mut sdv, true, head_dim, tile);
+        accumulate_ab(&sds, &sq, &mut sdk, true, head_dim, tile);
+    }
+    sync_cube();
+
+    let mut e = UNIT_POS as usize;
+    while e < tile_elems {
+        let j = k_start + e / head_dim;
+        if j < seq {
+            let at = (b * seq + j) * 3 * width + k0 + e % head_dim;
+            dqkv[at] = E::cast_from(sdk[e] * scale);
+            dqkv[at + width] = E::cast_from(sdv[e]);
+        }
+        e += units;
+    }
+}
+
 /// The forward pass on the matrix unit where [`tile_for`] finds one: the
 /// merged heads and the log-sum-exp (`[b, heads, t]`, f32), as the scalar
 /// kernel's; `None` where it does not run. `qkv` and `pad` are contiguous.
@@ -324,6 +750,9 @@ pub(super) fn forward(
     let head_dim = three_width / 3 / heads;
     let dtype = qkv.dtype;
     let (tile, units) = tile_for(&qkv.client, dtype, head_dim)?;
+    if !grid_fits(&qkv.client, seq.div_ceil(tile), heads, batch) {
+        return None;
+    }
     let out = empty(qkv, vec![batch, seq, heads * head_dim], dtype);
     let lse = empty(qkv, vec![batch, heads, seq], DType::F32);
     let cube_count = CubeCount::Static(seq.div_ceil(tile) as u32, heads as u32, batch as u32);
@@ -345,4 +774,69 @@ pub(super) fn forward(
         dtype_to_storage_type(dtype),
     );
     Some((out, lse))
+}
+
+/// The gradient of the packed qkv on the matrix unit where [`tile_for`]
+/// finds one (`None` elsewhere): dQ per query tile, dK and dV per key
+/// tile, from the forward pass's log-sum-exp and `delta` (`Σ dO·O` per
+/// query, `[b, heads, t]`, f32). All inputs contiguous, `grad` in qkv's
+/// dtype.
+pub(super) fn backward(
+    qkv: &CubeTensor,
+    pad: &CubeTensor,
+    grad: &CubeTensor,
+    lse: &CubeTensor,
+    delta: &CubeTensor,
+    heads: usize,
+    causal: bool,
+) -> Option<CubeTensor> {
+    let [batch, seq, three_width] = qkv.meta.shape().dims::<3>();
+    let head_dim = three_width / 3 / heads;
+    let dtype = qkv.dtype;
+    let (tile, units) = tile_for(&qkv.client, dtype, head_dim)?;
+    if !grid_fits(&qkv.client, seq.div_ceil(tile), heads, batch) {
+        return None;
+    }
+    let dqkv = empty(qkv, qkv.meta.shape().to_vec(), dtype);
+    let scale = (1.0 / (head_dim as f64).sqrt()) as f32;
+    let cube_count = || CubeCount::Static(seq.div_ceil(tile) as u32, heads as u32, batch as u32);
+    flash_dq_kernel::launch(
+        &qkv.client,
+        cube_count(),
+        CubeDim::new_1d(units as u32),
+        qkv.clone().into_buffer_arg(),
+        pad.clone().into_buffer_arg(),
+        grad.clone().into_buffer_arg(),
+        lse.clone().into_buffer_arg(),
+        delta.clone().into_buffer_arg(),
+        dqkv.clone().into_buffer_arg(),
+        seq,
+        heads,
+        scale,
+        head_dim,
+        tile,
+        units,
+        causal,
+        dtype_to_storage_type(dtype),
+    );
+    flash_dkdv_kernel::launch(
+        &qkv.client,
+        cube_count(),
+        CubeDim::new_1d(units as u32),
+        qkv.clone().into_buffer_arg(),
+        pad.clone().into_buffer_arg(),
+        grad.clone().into_buffer_arg(),
+        lse.clone().into_buffer_arg(),
+        delta.clone().into_buffer_arg(),
+        dqkv.clone().into_buffer_arg(),
+        seq,
+        heads,
+        scale,
+        head_dim,
+        tile,
+        units,
+        causal,
+        dtype_to_storage_type(dtype),
+    );
+    Some(dqkv)
 }
