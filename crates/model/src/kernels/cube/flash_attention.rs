@@ -95,9 +95,6 @@ pub(crate) fn tile_for(
         .map(|t| (t as usize, plane as usize))
 }
 
-/// Copies `tile` rows of one head into `dst` (row-major, `head_dim` wide):
-/// rows `first..first + tile` of batch entry `b`, each `row_stride` apart in
-/// `src`, from column `col0`; zeros for rows past `seq`.
 /// The shared memory of the largest of the kernels (dK/dV's): four
 /// `tile × head_dim` tiles of the inputs, two in f32 (dK, dV), the scores
 /// and their gradient in f32 and rounded, and two floats per row.
@@ -112,6 +109,9 @@ fn grid_fits(client: &cubecl::client::Client, tiles: usize, heads: usize, batch:
     tiles <= x as usize && heads <= y as usize && batch <= z as usize
 }
 
+/// Copies `tile` rows of one head into `dst` (row-major, `head_dim` wide):
+/// rows `first..first + tile` of batch entry `b`, each `row_stride` apart in
+/// `src`, from column `col0`; zeros for rows past `seq`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_rows<E: Float>(
@@ -138,6 +138,19 @@ fn load_rows<E: Float>(
     }
 }
 
+/// A `tile × tile` fragment of the matrix unit (`ident`: which operand)
+/// loaded from `slice`, rows (or with `ColMajor`, columns) `stride` apart.
+#[cube]
+fn fragment<T: CubePrimitive>(
+    #[comptime] ident: MatrixIdent,
+    layout: MatrixLayout,
+    slice: &[T],
+    stride: u32,
+    #[comptime] tile: usize,
+) -> Matrix<T> {
+    Matrix::<T>::from_slice(ident, tile, tile, tile, layout, slice, stride)
+}
+
 /// `out = A·Bᵀ` (`tile × tile`, f32) of two row-major `tile × head_dim`
 /// tiles on the matrix unit: the scores `Q·Kᵀ`, or `dO·Vᵀ`. `Bᵀ` is `B`
 /// read column-major.
@@ -160,23 +173,19 @@ fn product_abt<E: Float>(
     let end = tile * head_dim;
     #[unroll]
     for step in 0..head_dim / tile {
-        let lhs = Matrix::<E>::from_slice(
+        let lhs = fragment::<E>(
             MatrixIdent::A,
-            tile,
-            tile,
-            tile,
             MatrixLayout::RowMajor,
             &a[step * tile..end],
             head_dim as u32,
+            tile,
         );
-        let rhs = Matrix::<E>::from_slice(
+        let rhs = fragment::<E>(
             MatrixIdent::B,
-            tile,
-            tile,
-            tile,
             MatrixLayout::ColMajor,
             &b[step * tile..end],
             head_dim as u32,
+            tile,
         );
         cmma::execute(&lhs, &rhs, &acc, &acc);
     }
@@ -200,27 +209,23 @@ fn accumulate_ab<E: Float>(
     } else {
         MatrixLayout::RowMajor
     });
-    let lhs = Matrix::<E>::from_slice(MatrixIdent::A, tile, tile, tile, layout, a, tile as u32);
+    let lhs = fragment::<E>(MatrixIdent::A, layout, a, tile as u32, tile);
     let end = tile * head_dim;
     #[unroll]
     for step in 0..head_dim / tile {
-        let rhs = Matrix::<E>::from_slice(
+        let rhs = fragment::<E>(
             MatrixIdent::B,
-            tile,
-            tile,
-            tile,
             MatrixLayout::RowMajor,
             &b[step * tile..end],
             head_dim as u32,
+            tile,
         );
-        let sum = Matrix::<f32>::from_slice(
+        let sum = fragment::<f32>(
             MatrixIdent::Accumulator,
-            tile,
-            tile,
-            tile,
             MatrixLayout::RowMajor,
             &acc[step * tile..end],
             head_dim as u32,
+            tile,
         );
         cmma::execute(&lhs, &rhs, &sum, &sum);
         cmma::store(
@@ -417,151 +422,119 @@ fn flash_attention_kernel<E: Float>(
     }
 }
 
-/// The probabilities and their gradient of a query tile (rows) against a
-/// key tile (columns), from the scores `ss = Q·Kᵀ` and `sdp = dO·Vᵀ`:
-/// `P = exp(scale·S − lse)` (0 where the query does not see the key) and
-/// `dS = P·(dP − delta)`, both rounded to the inputs' dtype for the next
-/// products. `row_lse` and `row_delta` are the query tile's.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn probabilities<E: Float>(
-    ss: &Shared<[f32]>,
-    sdp: &Shared<[f32]>,
-    row_lse: &Shared<[f32]>,
-    row_delta: &Shared<[f32]>,
-    sp: &mut Shared<[E]>,
-    sds: &mut Shared<[E]>,
-    pad: &[f32],
-    b: usize,
-    q_start: usize,
-    k_start: usize,
-    seq: usize,
-    scale: f32,
-    #[comptime] tile: usize,
-    #[comptime] units: usize,
-    #[comptime] causal: bool,
-) {
-    let mut e = UNIT_POS as usize;
-    while e < tile * tile {
-        let r = e / tile;
-        let mut p = f32::new(0.0);
-        if sees(pad, b, q_start + r, k_start + e % tile, seq, causal) {
-            p = (ss[e] * scale - row_lse[r]).exp();
-        }
-        sp[e] = E::cast_from(p);
-        sds[e] = E::cast_from(p * (sdp[e] - row_delta[r]));
-        e += units;
-    }
+/// What a backward kernel keeps in shared memory for one pair of a query
+/// tile and a key tile: the queries, their output gradient, log-sum-exp and
+/// `delta`; the keys and values; the scores `S = Q·Kᵀ` and `dP = dO·Vᵀ` in
+/// f32, and from them `P` and `dS` rounded to the inputs' dtype.
+#[derive(CubeType)]
+struct BackwardTiles<E: Float> {
+    q: Shared<[E]>,
+    dout: Shared<[E]>,
+    lse: Shared<[f32]>,
+    delta: Shared<[f32]>,
+    k: Shared<[E]>,
+    v: Shared<[E]>,
+    s: Shared<[f32]>,
+    dp: Shared<[f32]>,
+    p: Shared<[E]>,
+    ds: Shared<[E]>,
 }
 
-/// A query tile's log-sum-exp and `Σ dO·O` into shared memory (zeros past
-/// the end).
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_row_terms(
-    lse: &[f32],
-    delta: &[f32],
-    row_lse: &mut Shared<[f32]>,
-    row_delta: &mut Shared<[f32]>,
-    head_row0: usize,
-    q_start: usize,
-    seq: usize,
-    #[comptime] tile: usize,
-    #[comptime] units: usize,
-) {
-    let mut r = UNIT_POS as usize;
-    while r < tile {
-        let mut l = f32::new(0.0);
-        let mut d = f32::new(0.0);
-        if q_start + r < seq {
-            l = lse[head_row0 + q_start + r];
-            d = delta[head_row0 + q_start + r];
+impl<E: Float> BackwardTiles<E> {
+    fn new(#[comptime] head_dim: usize, #[comptime] tile: usize) -> BackwardTiles<E> {
+        BackwardTiles::<E> {
+            q: Shared::<[E]>::new_slice(tile * head_dim),
+            dout: Shared::<[E]>::new_slice(tile * head_dim),
+            lse: Shared::<[f32]>::new_slice(tile),
+            delta: Shared::<[f32]>::new_slice(tile),
+            k: Shared::<[E]>::new_slice(tile * head_dim),
+            v: Shared::<[E]>::new_slice(tile * head_dim),
+            s: Shared::<[f32]>::new_slice(tile * tile),
+            dp: Shared::<[f32]>::new_slice(tile * tile),
+            p: Shared::<[E]>::new_slice(tile * tile),
+            ds: Shared::<[E]>::new_slice(tile * tile),
         }
-        row_lse[r] = l;
-        row_delta[r] = d;
-        r += units;
     }
-}
 
-/// dQ of a query tile: over the key tiles it sees, `dQ += dS·K`.
-#[cube(launch)]
-#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn flash_dq_kernel<E: Float>(
-    qkv: &[E],
-    pad: &[f32],
-    grad: &[E],
-    lse: &[f32],
-    delta: &[f32],
-    dqkv: &mut [E],
-    seq: usize,
-    heads: usize,
-    scale: f32,
-    #[comptime] head_dim: usize,
-    #[comptime] tile: usize,
-    #[comptime] units: usize,
-    #[comptime] causal: bool,
-    #[define(E)] _dtype: ElemType,
-) {
-    let q_start = CUBE_POS_X as usize * tile;
-    let h = CUBE_POS_Y as usize;
-    let b = CUBE_POS_Z as usize;
-    let width = heads * head_dim;
-    let tile_elems = tile * head_dim;
-
-    let mut sq = Shared::<[E]>::new_slice(tile_elems);
-    let mut sg = Shared::<[E]>::new_slice(tile_elems);
-    let mut sk = Shared::<[E]>::new_slice(tile_elems);
-    let mut sv = Shared::<[E]>::new_slice(tile_elems);
-    let mut sdq = Shared::<[f32]>::new_slice(tile_elems);
-    let mut ss = Shared::<[f32]>::new_slice(tile * tile);
-    let mut sdp = Shared::<[f32]>::new_slice(tile * tile);
-    let mut sp = Shared::<[E]>::new_slice(tile * tile);
-    let mut sds = Shared::<[E]>::new_slice(tile * tile);
-    let mut row_lse = Shared::<[f32]>::new_slice(tile);
-    let mut row_delta = Shared::<[f32]>::new_slice(tile);
-
-    let q0 = h * head_dim;
-    load_rows(
-        qkv,
-        &mut sq,
-        b,
-        q_start,
-        seq,
-        3 * width,
-        q0,
-        head_dim,
-        tile,
-        units,
-    );
-    load_rows(
-        grad, &mut sg, b, q_start, seq, width, q0, head_dim, tile, units,
-    );
-    zero(&mut sdq, tile_elems, units);
-    let head_row0 = (b * heads + h) * seq;
-    load_row_terms(
-        lse,
-        delta,
-        &mut row_lse,
-        &mut row_delta,
-        head_row0,
-        q_start,
-        seq,
-        tile,
-        units,
-    );
-    sync_cube();
-
-    let mut keys = seq;
-    if causal && q_start + tile < seq {
-        keys = q_start + tile;
+    /// The query tile from `q_start` of head `h` (zeros past the end).
+    #[allow(clippy::too_many_arguments)]
+    fn load_queries(
+        &mut self,
+        qkv: &[E],
+        grad: &[E],
+        lse: &[f32],
+        delta: &[f32],
+        b: usize,
+        h: usize,
+        heads: usize,
+        q_start: usize,
+        seq: usize,
+        #[comptime] head_dim: usize,
+        #[comptime] tile: usize,
+        #[comptime] units: usize,
+    ) {
+        let width = heads * head_dim;
+        let q0 = h * head_dim;
+        load_rows(
+            qkv,
+            &mut self.q,
+            b,
+            q_start,
+            seq,
+            3 * width,
+            q0,
+            head_dim,
+            tile,
+            units,
+        );
+        load_rows(
+            grad,
+            &mut self.dout,
+            b,
+            q_start,
+            seq,
+            width,
+            q0,
+            head_dim,
+            tile,
+            units,
+        );
+        let row0 = (b * heads + h) * seq + q_start;
+        let mut r = UNIT_POS as usize;
+        while r < tile {
+            let mut l = f32::new(0.0);
+            let mut d = f32::new(0.0);
+            if q_start + r < seq {
+                l = lse[row0 + r];
+                d = delta[row0 + r];
+            }
+            self.lse[r] = l;
+            self.delta[r] = d;
+            r += units;
+        }
     }
-    let key_tiles = (keys + tile - 1) / tile;
-    for k_tile in 0..key_tiles {
-        let k_start = k_tile * tile;
+
+    /// The key and value tile from `k_start` of head `h` (zeros past the
+    /// end).
+    #[allow(clippy::too_many_arguments)]
+    fn load_keys(
+        &mut self,
+        qkv: &[E],
+        b: usize,
+        h: usize,
+        heads: usize,
+        k_start: usize,
+        seq: usize,
+        #[comptime] head_dim: usize,
+        #[comptime] tile: usize,
+        #[comptime] units: usize,
+    ) {
+        let width = heads * head_dim;
         let k0 = width + h * head_dim;
         load_rows(
             qkv,
-            &mut sk,
+            &mut self.k,
             b,
             k_start,
             seq,
@@ -573,7 +546,7 @@ fn flash_dq_kernel<E: Float>(
         );
         load_rows(
             qkv,
-            &mut sv,
+            &mut self.v,
             b,
             k_start,
             seq,
@@ -583,34 +556,51 @@ fn flash_dq_kernel<E: Float>(
             tile,
             units,
         );
-        sync_cube();
-        product_abt(&sq, &sk, &mut ss, head_dim, tile);
-        product_abt(&sg, &sv, &mut sdp, head_dim, tile);
-        sync_cube();
-        probabilities(
-            &ss, &sdp, &row_lse, &row_delta, &mut sp, &mut sds, pad, b, q_start, k_start, seq,
-            scale, tile, units, causal,
-        );
-        sync_cube();
-        accumulate_ab(&sds, &sk, &mut sdq, false, head_dim, tile);
-        sync_cube();
     }
 
-    let mut e = UNIT_POS as usize;
-    while e < tile_elems {
-        let i = q_start + e / head_dim;
-        if i < seq {
-            dqkv[(b * seq + i) * 3 * width + q0 + e % head_dim] = E::cast_from(sdq[e] * scale);
+    /// `S` and `dP` on the matrix unit, then per element
+    /// `P = exp(scale·S − lse)` (0 where the query does not see the key) and
+    /// `dS = P·(dP − delta)`. The loaded tiles must be visible to the whole
+    /// plane (`sync_cube`) before; `P` and `dS` are when this returns.
+    #[allow(clippy::too_many_arguments)]
+    fn probabilities(
+        &mut self,
+        pad: &[f32],
+        b: usize,
+        q_start: usize,
+        k_start: usize,
+        seq: usize,
+        scale: f32,
+        #[comptime] head_dim: usize,
+        #[comptime] tile: usize,
+        #[comptime] units: usize,
+        #[comptime] causal: bool,
+    ) {
+        product_abt(&self.q, &self.k, &mut self.s, head_dim, tile);
+        product_abt(&self.dout, &self.v, &mut self.dp, head_dim, tile);
+        sync_cube();
+        let mut e = UNIT_POS as usize;
+        while e < tile * tile {
+            let r = e / tile;
+            let mut p = f32::new(0.0);
+            if sees(pad, b, q_start + r, k_start + e % tile, seq, causal) {
+                p = (self.s[e] * scale - self.lse[r]).exp();
+            }
+            self.p[e] = E::cast_from(p);
+            self.ds[e] = E::cast_from(p * (self.dp[e] - self.delta[r]));
+            e += units;
         }
-        e += units;
+        sync_cube();
     }
 }
 
-/// dK and dV of a key tile: over the query tiles that see it,
-/// `dV += Pᵀ·dO` and `dK += dSᵀ·Q`.
+/// The backward pass's products, one cube per tile of rows of one head.
+/// With `keys_outer`, the rows are keys: over the query tiles that see
+/// them, `dV += Pᵀ·dO` and `dK += dSᵀ·Q`. Without, queries: over the key
+/// tiles they see, `dQ += dS·K`. Each writes its part of `dqkv`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn flash_dkdv_kernel<E: Float>(
+fn flash_backward_kernel<E: Float>(
     qkv: &[E],
     pad: &[f32],
     grad: &[E],
@@ -624,114 +614,76 @@ fn flash_dkdv_kernel<E: Float>(
     #[comptime] tile: usize,
     #[comptime] units: usize,
     #[comptime] causal: bool,
+    #[comptime] keys_outer: bool,
     #[define(E)] _dtype: ElemType,
 ) {
-    let k_start = CUBE_POS_X as usize * tile;
+    let start = CUBE_POS_X as usize * tile;
     let h = CUBE_POS_Y as usize;
     let b = CUBE_POS_Z as usize;
     let width = heads * head_dim;
     let tile_elems = tile * head_dim;
-
-    let mut sk = Shared::<[E]>::new_slice(tile_elems);
-    let mut sv = Shared::<[E]>::new_slice(tile_elems);
-    let mut sq = Shared::<[E]>::new_slice(tile_elems);
-    let mut sg = Shared::<[E]>::new_slice(tile_elems);
-    let mut sdk = Shared::<[f32]>::new_slice(tile_elems);
-    let mut sdv = Shared::<[f32]>::new_slice(tile_elems);
-    let mut ss = Shared::<[f32]>::new_slice(tile * tile);
-    let mut sdp = Shared::<[f32]>::new_slice(tile * tile);
-    let mut sp = Shared::<[E]>::new_slice(tile * tile);
-    let mut sds = Shared::<[E]>::new_slice(tile * tile);
-    let mut row_lse = Shared::<[f32]>::new_slice(tile);
-    let mut row_delta = Shared::<[f32]>::new_slice(tile);
-
-    let q0 = h * head_dim;
-    let k0 = width + q0;
-    load_rows(
-        qkv,
-        &mut sk,
-        b,
-        k_start,
-        seq,
-        3 * width,
-        k0,
-        head_dim,
-        tile,
-        units,
-    );
-    load_rows(
-        qkv,
-        &mut sv,
-        b,
-        k_start,
-        seq,
-        3 * width,
-        k0 + width,
-        head_dim,
-        tile,
-        units,
-    );
-    zero(&mut sdk, tile_elems, units);
-    zero(&mut sdv, tile_elems, units);
-    let head_row0 = (b * heads + h) * seq;
-
-    // With `causal`, no query tile before the one holding the first key.
-    let mut first = 0;
-    if causal {
-        first = k_start / tile;
-    }
-    let q_tiles = (seq + tile - 1) / tile;
-    for q_tile in first..q_tiles {
-        let q_start = q_tile * tile;
-        // (The previous tile's products are done with these buffers.)
-        sync_cube();
-        load_rows(
-            qkv,
-            &mut sq,
-            b,
-            q_start,
-            seq,
-            3 * width,
-            q0,
-            head_dim,
-            tile,
-            units,
+    let mut t = BackwardTiles::<E>::new(head_dim, tile);
+    // dK (or dQ), and dV (dK/dV only).
+    let mut acc = Shared::<[f32]>::new_slice(tile_elems);
+    let mut acc_v = Shared::<[f32]>::new_slice(comptime!(if keys_outer { tile_elems } else { 1 }));
+    zero(&mut acc, tile_elems, units);
+    // Where the rows' gradient goes in `dqkv`: the keys' block (the values'
+    // one `width` further) or the queries'.
+    let mut col0 = h * head_dim;
+    if keys_outer {
+        col0 += width;
+        zero(&mut acc_v, tile_elems, units);
+        // With `causal`, no query tile before the one holding the first key.
+        let mut first = 0;
+        if causal {
+            first = start / tile;
+        }
+        t.load_keys(qkv, b, h, heads, start, seq, head_dim, tile, units);
+        for q_tile in first..(seq + tile - 1) / tile {
+            let q_start = q_tile * tile;
+            // (The previous tile's products are done with these buffers.)
+            sync_cube();
+            t.load_queries(
+                qkv, grad, lse, delta, b, h, heads, q_start, seq, head_dim, tile, units,
+            );
+            sync_cube();
+            t.probabilities(
+                pad, b, q_start, start, seq, scale, head_dim, tile, units, causal,
+            );
+            accumulate_ab(&t.p, &t.dout, &mut acc_v, true, head_dim, tile);
+            accumulate_ab(&t.ds, &t.q, &mut acc, true, head_dim, tile);
+        }
+    } else {
+        // With `causal`, no key after the tile's last query.
+        let mut keys = seq;
+        if causal && start + tile < seq {
+            keys = start + tile;
+        }
+        t.load_queries(
+            qkv, grad, lse, delta, b, h, heads, start, seq, head_dim, tile, units,
         );
-        load_rows(
-            grad, &mut sg, b, q_start, seq, width, q0, head_dim, tile, units,
-        );
-        load_row_terms(
-            lse,
-            delta,
-            &mut row_lse,
-            &mut row_delta,
-            head_row0,
-            q_start,
-            seq,
-            tile,
-            units,
-        );
-        sync_cube();
-        product_abt(&sq, &sk, &mut ss, head_dim, tile);
-        product_abt(&sg, &sv, &mut sdp, head_dim, tile);
-        sync_cube();
-        probabilities(
-            &ss, &sdp, &row_lse, &row_delta, &mut sp, &mut sds, pad, b, q_start, k_start, seq,
-            scale, tile, units, causal,
-        );
-        sync_cube();
-        accumulate_ab(&sp, &sg, &mut sdv, true, head_dim, tile);
-        accumulate_ab(&sds, &sq, &mut sdk, true, head_dim, tile);
+        for k_tile in 0..(keys + tile - 1) / tile {
+            let k_start = k_tile * tile;
+            sync_cube();
+            t.load_keys(qkv, b, h, heads, k_start, seq, head_dim, tile, units);
+            sync_cube();
+            t.probabilities(
+                pad, b, start, k_start, seq, scale, head_dim, tile, units, causal,
+            );
+            accumulate_ab(&t.ds, &t.k, &mut acc, false, head_dim, tile);
+        }
     }
     sync_cube();
 
     let mut e = UNIT_POS as usize;
     while e < tile_elems {
-        let j = k_start + e / head_dim;
-        if j < seq {
-            let at = (b * seq + j) * 3 * width + k0 + e % head_dim;
-            dqkv[at] = E::cast_from(sdk[e] * scale);
-            dqkv[at + width] = E::cast_from(sdv[e]);
+        let row = start + e / head_dim;
+        if row < seq {
+            let at = (b * seq + row) * 3 * width + col0 + e % head_dim;
+            dqkv[at] = E::cast_from(acc[e] * scale);
+            if keys_outer {
+                dqkv[at + width] = E::cast_from(acc_v[e]);
+            }
         }
         e += units;
     }
@@ -799,44 +751,28 @@ pub(super) fn backward(
     }
     let dqkv = empty(qkv, qkv.meta.shape().to_vec(), dtype);
     let scale = (1.0 / (head_dim as f64).sqrt()) as f32;
-    let cube_count = || CubeCount::Static(seq.div_ceil(tile) as u32, heads as u32, batch as u32);
-    flash_dq_kernel::launch(
-        &qkv.client,
-        cube_count(),
-        CubeDim::new_1d(units as u32),
-        qkv.clone().into_buffer_arg(),
-        pad.clone().into_buffer_arg(),
-        grad.clone().into_buffer_arg(),
-        lse.clone().into_buffer_arg(),
-        delta.clone().into_buffer_arg(),
-        dqkv.clone().into_buffer_arg(),
-        seq,
-        heads,
-        scale,
-        head_dim,
-        tile,
-        units,
-        causal,
-        dtype_to_storage_type(dtype),
-    );
-    flash_dkdv_kernel::launch(
-        &qkv.client,
-        cube_count(),
-        CubeDim::new_1d(units as u32),
-        qkv.clone().into_buffer_arg(),
-        pad.clone().into_buffer_arg(),
-        grad.clone().into_buffer_arg(),
-        lse.clone().into_buffer_arg(),
-        delta.clone().into_buffer_arg(),
-        dqkv.clone().into_buffer_arg(),
-        seq,
-        heads,
-        scale,
-        head_dim,
-        tile,
-        units,
-        causal,
-        dtype_to_storage_type(dtype),
-    );
+    // dQ per query tile, then dK and dV per key tile.
+    for keys_outer in [false, true] {
+        flash_backward_kernel::launch(
+            &qkv.client,
+            CubeCount::Static(seq.div_ceil(tile) as u32, heads as u32, batch as u32),
+            CubeDim::new_1d(units as u32),
+            qkv.clone().into_buffer_arg(),
+            pad.clone().into_buffer_arg(),
+            grad.clone().into_buffer_arg(),
+            lse.clone().into_buffer_arg(),
+            delta.clone().into_buffer_arg(),
+            dqkv.clone().into_buffer_arg(),
+            seq,
+            heads,
+            scale,
+            head_dim,
+            tile,
+            units,
+            causal,
+            keys_outer,
+            dtype_to_storage_type(dtype),
+        );
+    }
     Some(dqkv)
 }
