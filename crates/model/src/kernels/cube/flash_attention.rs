@@ -138,6 +138,15 @@ fn load_rows<E: Float>(
     }
 }
 
+/// Shared memory for `len` elements that the matrix unit loads from or
+/// stores to: 32-byte aligned, as CUDA's `wmma` loads and stores require
+/// (every offset the kernels use into it is a multiple of 32 bytes too: a
+/// whole tile row of 16 or 8 elements).
+#[cube]
+fn tile_memory<T: CubePrimitive>(#[comptime] len: usize) -> Shared<[T]> {
+    Shared::<[T]>::new_aligned_slice(len, 32usize)
+}
+
 /// A `tile × tile` fragment of the matrix unit (`ident`: which operand)
 /// loaded from `slice`, rows (or with `ColMajor`, columns) `stride` apart.
 #[cube]
@@ -283,12 +292,12 @@ fn flash_attention_kernel<E: Float>(
     let q_start = q_tile * tile;
     let tile_elems = tile * head_dim;
 
-    let mut sq = Shared::<[E]>::new_slice(tile_elems);
-    let mut sk = Shared::<[E]>::new_slice(tile_elems);
-    let mut sv = Shared::<[E]>::new_slice(tile_elems);
-    let mut so = Shared::<[f32]>::new_slice(tile_elems);
-    let mut ss = Shared::<[f32]>::new_slice(tile * tile);
-    let mut sp = Shared::<[E]>::new_slice(tile * tile);
+    let mut sq = tile_memory::<E>(tile_elems);
+    let mut sk = tile_memory::<E>(tile_elems);
+    let mut sv = tile_memory::<E>(tile_elems);
+    let mut so = tile_memory::<f32>(tile_elems);
+    let mut ss = tile_memory::<f32>(tile * tile);
+    let mut sp = tile_memory::<E>(tile * tile);
     let mut row_max = Shared::<[f32]>::new_slice(tile);
     let mut row_sum = Shared::<[f32]>::new_slice(tile);
     let mut row_factor = Shared::<[f32]>::new_slice(tile);
@@ -444,16 +453,16 @@ struct BackwardTiles<E: Float> {
 impl<E: Float> BackwardTiles<E> {
     fn new(#[comptime] head_dim: usize, #[comptime] tile: usize) -> BackwardTiles<E> {
         BackwardTiles::<E> {
-            q: Shared::<[E]>::new_slice(tile * head_dim),
-            dout: Shared::<[E]>::new_slice(tile * head_dim),
+            q: tile_memory::<E>(tile * head_dim),
+            dout: tile_memory::<E>(tile * head_dim),
             lse: Shared::<[f32]>::new_slice(tile),
             delta: Shared::<[f32]>::new_slice(tile),
-            k: Shared::<[E]>::new_slice(tile * head_dim),
-            v: Shared::<[E]>::new_slice(tile * head_dim),
-            s: Shared::<[f32]>::new_slice(tile * tile),
-            dp: Shared::<[f32]>::new_slice(tile * tile),
-            p: Shared::<[E]>::new_slice(tile * tile),
-            ds: Shared::<[E]>::new_slice(tile * tile),
+            k: tile_memory::<E>(tile * head_dim),
+            v: tile_memory::<E>(tile * head_dim),
+            s: tile_memory::<f32>(tile * tile),
+            dp: tile_memory::<f32>(tile * tile),
+            p: tile_memory::<E>(tile * tile),
+            ds: tile_memory::<E>(tile * tile),
         }
     }
 
@@ -624,8 +633,8 @@ fn flash_backward_kernel<E: Float>(
     let tile_elems = tile * head_dim;
     let mut t = BackwardTiles::<E>::new(head_dim, tile);
     // dK (or dQ), and dV (dK/dV only).
-    let mut acc = Shared::<[f32]>::new_slice(tile_elems);
-    let mut acc_v = Shared::<[f32]>::new_slice(comptime!(if keys_outer { tile_elems } else { 1 }));
+    let mut acc = tile_memory::<f32>(tile_elems);
+    let mut acc_v = tile_memory::<f32>(comptime!(if keys_outer { tile_elems } else { 1 }));
     zero(&mut acc, tile_elems, units);
     // Where the rows' gradient goes in `dqkv`: the keys' block (the values'
     // one `width` further) or the queries'.
