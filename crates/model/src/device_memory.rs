@@ -34,7 +34,7 @@ pub fn device_memory(device: &burn::tensor::Device) -> Option<DeviceMemory> {
 /// `device`'s CubeCL device where it is a CubeCL GPU (wgpu, CUDA, HIP);
 /// `None` on flex and on Burn's CubeCL CPU backend.
 #[cfg(feature = "cube")]
-fn cube_gpu_device(device: &burn::tensor::Device) -> Option<cubecl::Device> {
+pub(crate) fn cube_gpu_device(device: &burn::tensor::Device) -> Option<cubecl::Device> {
     use burn::backend::DispatchDevice;
     match device.clone().inner().as_dispatch() {
         DispatchDevice::Cube(d) if crate::kernels::cube_gpu(d) => Some(d.clone()),

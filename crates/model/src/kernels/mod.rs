@@ -138,8 +138,8 @@ pub fn self_attention(
         .reshape([b, t, h * hd])
 }
 
-/// Whether [`self_attention`]'s forward pass in `dtype`, heads `head_dim`
-/// wide, runs on `device`'s matrix unit (tensor cores, cooperative
+/// Whether [`self_attention`] (forward and backward) in `dtype`, heads
+/// `head_dim` wide, runs on `device`'s matrix unit (tensor cores, cooperative
 /// matrices): f16 or bf16 on a CubeCL GPU with an instruction for it
 /// (`cube/flash_attention.rs`).
 pub(crate) fn attention_on_tensor_cores(

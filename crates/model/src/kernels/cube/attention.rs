@@ -164,21 +164,16 @@ pub(crate) fn runs(qkv: &Tensor<3>) -> bool {
     super::cube_gpu_float(qkv)
 }
 
-/// Whether the forward pass of [`self_attention`] in `dtype` with heads
-/// `head_dim` wide runs on `device`'s matrix unit (`flash_attention`)
-/// rather than the scalar kernel.
+/// Whether [`self_attention`] in `dtype` with heads `head_dim` wide runs
+/// on `device`'s matrix unit (`flash_attention`, forward and backward)
+/// rather than the scalar kernels.
 pub(crate) fn on_tensor_cores(
     device: &burn::tensor::Device,
     dtype: burn::tensor::DType,
     head_dim: usize,
 ) -> bool {
-    use burn::backend::DispatchDevice;
-    match device.clone().inner().as_dispatch() {
-        DispatchDevice::Cube(d) if super::cube_gpu(d) => {
-            super::flash_attention::tile_for(&d.client(), dtype, head_dim).is_some()
-        }
-        _ => false,
-    }
+    crate::device_memory::cube_gpu_device(device)
+        .is_some_and(|d| super::flash_attention::tile_for(&d.client(), dtype, head_dim).is_some())
 }
 
 /// The kernels' self-attention of `qkv` (see `kernels::self_attention`);
