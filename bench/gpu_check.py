@@ -21,7 +21,10 @@ any build) through, in order of importance:
 4. PyTorch at the same shapes (bench/pytorch_gpt.py), where `import torch`
    works, for a ratio; the `h100` preset as shipped (block 2048, batch 64,
    bf16); GPT-2 small and the tiny GPT again with Burn's compositions
-   (`optimization.kernels=reference`), for what kiln's kernels gain;
+   (`optimization.kernels=reference`), for what kiln's kernels gain, and
+   GPT-2 small and the `h100` preset with attention's scalar kernels
+   (`optimization.attention=memory-efficient`), for what the matrix-unit
+   (FlashAttention-2) kernels gain;
 5. data parallelism on the one GPU: `kiln launch` of 2 ranks (NCCL, then
    kiln's sockets) against one process with their whole batch;
 6. 300 steps of `kiln train hardware=auto` (the `train-auto` run).
@@ -30,7 +33,8 @@ With `--kiln-cuda-cpp` (a build with kiln's `cuda-cpp` feature: CubeCL
 compiles the CUDA kernels to C++ for NVRTC instead of through LLVM, and so
 may use the TMA, asynchronous copies and matrix instructions its LLVM path
 does not lower), `check-kernels` and the GPT-2 small and tiny GPT benches
-run again on that build, right after their LLVM runs. NVRTC needs the CUDA
+run again on that build, right after their LLVM runs (on CUDA only: off it the
+build runs the same kernels, and those steps are skipped). NVRTC needs the CUDA
 headers and `libnvrtc`: `$CUDA_PATH`, `/usr/local/cuda`, or the CUDA of
 PyTorch's pip wheels (`nvidia/cu13` and the like), found in that order.
 
@@ -145,10 +149,11 @@ class Check:
         (None when it can): `CUDA_PATH` at a CUDA whose `include/` has the
         headers CubeCL's C++ includes, its `lib` on `LD_LIBRARY_PATH` for
         `libnvrtc`. On another backend than CUDA nothing is compiled by
-        NVRTC, and the runs take the environment as it is."""
+        NVRTC: the build runs the kernels the plain build ran, so its steps
+        are skipped (on llvmpipe in CI, three runs that repeated others)."""
         env = dict(self.env)
         if self.gpu != "cuda":
-            return env, None
+            return env, f"NVRTC compiles CUDA's kernels only: on {self.gpu} this build runs the plain build's"
         roots = [os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
         probe = subprocess.run(
             [sys.executable, "-c", "import nvidia; print('\\n'.join(nvidia.__path__))"],
@@ -351,6 +356,10 @@ class Check:
         # Burn's compositions instead of kiln's kernels (attention, AdamW):
         # what the kernels gain, in the same sitting.
         composed = ["optimization.kernels=reference"]
+        # kiln's attention without the matrix unit (the scalar
+        # memory-efficient kernels) where `auto` runs FlashAttention-2 on
+        # the tensor cores: what the matrix-unit kernels gain.
+        scalar = ["optimization.attention=memory-efficient"]
         # Two more steps with each kernel launch timed on the device: where
         # the step's device time goes, and how busy the device is. (None in
         # a dry run on flex: it times CubeCL's launches, which flex has not.)
@@ -365,7 +374,9 @@ class Check:
             "bench lm gpt2-small f32": ("lm", [*gpu, *gpt2, *f32], profile, *large),
             "bench lm gpt2-small bf16 composed": ("lm", [*gpu, *gpt2, *bf16, *composed], [], *large),
             "bench lm tiny f32 composed": ("lm", [*gpu, *lm_tiny, *f32, *composed], [], *small),
+            "bench lm gpt2-small bf16 scalar attention": ("lm", [*gpu, *gpt2, *bf16, *scalar], [], *large),
             "bench lm h100 preset": ("lm", [*gpu, *h100], [], 2, 5, 300),
+            "bench lm h100 preset scalar attention": ("lm", [*gpu, *h100, *scalar], [], 2, 5, 300),
             "bench nli bert-base bf16": (
                 "nli",
                 [*gpu, *bert, *bf16],
@@ -651,8 +662,10 @@ def main():
         if not args.tiny:
             # A comparison of speeds: nothing to learn on a software GPU, and
             # the same bench as above with one override more.
+            check.bench_named("bench lm gpt2-small bf16 scalar attention")
             check.bench_named("bench lm gpt2-small bf16 composed")
             check.bench_named("bench lm tiny f32 composed")
+            check.bench_named("bench lm h100 preset scalar attention")
         check.bench_named("bench lm tiny bf16")
         check.bench_named("bench lm tiny f32", "NVRTC")
         check.bench_named("bench lm tiny f32", "fusion")

@@ -695,3 +695,38 @@ fn check_kernels_on_flex_agree_and_only_picks_by_name() {
             "adamw, sum-of-squares",
         ]);
 }
+
+#[test]
+fn flash_attention_is_refused_where_it_cannot_run_and_the_other_choices_run() {
+    let tiny = [
+        "bench",
+        "lm",
+        "--warmup=0",
+        "--steps=1",
+        "model.layers=1",
+        "model.hidden=32",
+        "model.heads=2",
+        "model.intermediate=64",
+        "model.max_length=16",
+        "training.batch_size=2",
+    ];
+    let with = |setting: &str| {
+        let mut args = tiny.to_vec();
+        args.push(setting);
+        kiln(&args).run()
+    };
+    // The CPU computes in f32 here, and has no matrix unit kiln's kernels use.
+    with("optimization.attention=flash")
+        .expect_code(2)
+        .stderr_has(&[
+            "optimization.attention = \"flash\" cannot run here",
+            "computes in f32",
+            "optimization.attention = \"auto\"",
+        ]);
+    with("optimization.attention=fast")
+        .expect_code(2)
+        .stderr_has(&["optimization.attention", "fast"]);
+    for runs in ["memory-efficient", "math"] {
+        with(&format!("optimization.attention={runs}")).expect_code(0);
+    }
+}

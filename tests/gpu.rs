@@ -371,8 +371,8 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
             .find(|s| s["name"] == name)
             .unwrap_or_else(|| panic!("no step `{name}` in {stdout}"))
     };
-    // (The two `… composed` benches, a comparison of speeds, run on a real
-    // GPU only.)
+    // (The `… composed` and `… scalar attention` benches, comparisons of
+    // speeds, run on a real GPU only.)
     for name in [
         "check-hardware",
         "check-kernels",
@@ -386,11 +386,23 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
         "reference lm: wgpu vs flex after 5 step(s)",
         "reference nli: wgpu vs flex after 5 step(s)",
         "train-auto 300 steps",
+    ] {
+        assert_eq!(step(name)["status"], "ok", "{name}: {stdout}");
+    }
+    // The NVRTC build's steps (`--kiln-cuda-cpp`) are skipped off CUDA,
+    // saying why: it would run the plain build's kernels again.
+    for name in [
         "check-kernels (NVRTC)",
         "bench lm gpt2-small bf16 (NVRTC)",
         "bench lm tiny f32 (NVRTC)",
     ] {
-        assert_eq!(step(name)["status"], "ok", "{name}: {stdout}");
+        assert_eq!(step(name)["status"], "skipped", "{name}: {stdout}");
+        assert!(
+            step(name)["why"]
+                .as_str()
+                .is_some_and(|why| why.contains("CUDA's kernels only")),
+            "{name}: {stdout}"
+        );
     }
     let gpt2 = &step("bench lm gpt2-small bf16")["result"]["bench"];
     assert!(

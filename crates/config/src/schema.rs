@@ -330,6 +330,43 @@ pub struct OptimizationSection {
     /// kiln's fused CPU kernels (linear, GELU, attention, LayerNorm) or Burn's plain
     /// composition of the same math.
     pub kernels: KernelChoice,
+    /// Which self-attention runs (with `kernels = "fused"`), as PyTorch's
+    /// `sdpa_kernel` picks: `auto`, `flash` (on the matrix unit; a run
+    /// where it cannot is refused), `memory-efficient` (kiln's kernels
+    /// without the matrix unit) or `math` (Burn's composition).
+    #[serde(default)]
+    pub attention: AttentionChoice,
+}
+
+/// `optimization.attention`: which self-attention the models run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AttentionChoice {
+    /// FlashAttention-2 on the matrix unit where the device and dtype
+    /// have it (f16/bf16 on a GPU with tensor cores or cooperative
+    /// matrices), else kiln's memory-efficient kernels, else Burn's.
+    #[default]
+    Auto,
+    /// FlashAttention-2 on the matrix unit; the run is refused (exit 2)
+    /// where it cannot run.
+    Flash,
+    /// kiln's memory-efficient kernels without the matrix unit (scalar on
+    /// GPUs; flex's fused kernel on the CPU).
+    MemoryEfficient,
+    /// Burn's composition, which keeps the `heads × T × T` scores.
+    Math,
+}
+
+impl AttentionChoice {
+    /// The name in configuration files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttentionChoice::Auto => "auto",
+            AttentionChoice::Flash => "flash",
+            AttentionChoice::MemoryEfficient => "memory-efficient",
+            AttentionChoice::Math => "math",
+        }
+    }
 }
 
 /// Which CPU kernels the models use.

@@ -11,7 +11,7 @@ use burn::nn::{
 use burn::tensor::{Bool, Device, Int, Tensor, activation};
 
 use crate::GeluKind;
-use crate::kernels::{self, Kernels, LAYER_NORM_EPSILON};
+use crate::kernels::{self, AttentionKernel, Kernels, LAYER_NORM_EPSILON};
 use crate::precision::{self, ComputeDtype};
 
 /// How the sequence becomes one vector.
@@ -176,6 +176,7 @@ impl EncoderConfig {
             mean_pooling: self.pooling == PoolingKind::Mean,
             compute: ComputeDtype::F32,
             kernels: Kernels::Fused,
+            attention: AttentionKernel::Auto,
         }
     }
 }
@@ -196,6 +197,8 @@ pub struct EncoderClassifier {
     compute: ComputeDtype,
     #[module(skip)]
     kernels: Kernels,
+    #[module(skip)]
+    attention: AttentionKernel,
 }
 
 #[derive(Module, Debug)]
@@ -215,13 +218,14 @@ struct EncoderBlock {
 
 impl EncoderBlock {
     /// `pad` is `[b, t]`, true where a key is padding; products in `c`, hot
-    /// spots run by `k`.
+    /// spots run by `k`, self-attention by `a`.
     fn forward(
         &self,
         x: Tensor<3>,
         pad: Tensor<2, Bool>,
         c: ComputeDtype,
         k: Kernels,
+        a: AttentionKernel,
     ) -> Tensor<3> {
         let y = precision::attention(
             &self.qkv,
@@ -232,6 +236,7 @@ impl EncoderBlock {
             false,
             c,
             k,
+            a,
         );
         let x = kernels::layer_norm(&self.ln1, x + self.dropout.forward(y), k);
         let hidden = precision::linear(&self.fc, x.clone(), c, k);
@@ -272,7 +277,7 @@ impl EncoderClassifier {
             .forward(kernels::layer_norm(&self.ln_embed, x, self.kernels));
         let pad = mask.clone().bool_not();
         for block in &self.blocks {
-            x = block.forward(x, pad.clone(), self.compute, self.kernels);
+            x = block.forward(x, pad.clone(), self.compute, self.kernels, self.attention);
         }
         let [_, _, d] = x.dims();
         let pooled = if self.mean_pooling {
@@ -310,6 +315,12 @@ impl EncoderClassifier {
     /// The kernels the model runs.
     pub fn kernels(&self) -> Kernels {
         self.kernels
+    }
+
+    /// The same model running its self-attention with `attention` (with
+    /// `Kernels::Reference`, Burn's composition whatever this says).
+    pub fn with_attention(self, attention: AttentionKernel) -> Self {
+        Self { attention, ..self }
     }
 
     /// Mean cross-entropy of the logits against `labels [b]`.

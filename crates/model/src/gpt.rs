@@ -10,7 +10,7 @@ use burn::nn::{
 use burn::tensor::{Device, Int, Tensor, TensorData, activation};
 use rand::RngExt;
 
-use crate::kernels::{self, Kernels, LAYER_NORM_EPSILON};
+use crate::kernels::{self, AttentionKernel, Kernels, LAYER_NORM_EPSILON};
 use crate::precision::{self, ComputeDtype};
 
 /// GELU: exact (erf) or the tanh approximation.
@@ -172,6 +172,7 @@ impl GptConfig {
             vocab: self.vocab_size,
             compute: ComputeDtype::F32,
             kernels: Kernels::Fused,
+            attention: AttentionKernel::Auto,
         }
     }
 }
@@ -204,6 +205,8 @@ pub struct Gpt {
     compute: ComputeDtype,
     #[module(skip)]
     kernels: Kernels,
+    #[module(skip)]
+    attention: AttentionKernel,
 }
 
 #[derive(Module, Debug)]
@@ -222,8 +225,9 @@ struct Block {
 }
 
 impl Block {
-    /// One block, its products in `c`, its hot spots run by `k`.
-    fn forward(&self, x: Tensor<3>, c: ComputeDtype, k: Kernels) -> Tensor<3> {
+    /// One block, its products in `c`, its hot spots run by `k`, its
+    /// self-attention by `a`.
+    fn forward(&self, x: Tensor<3>, c: ComputeDtype, k: Kernels, a: AttentionKernel) -> Tensor<3> {
         let y = precision::attention(
             &self.qkv,
             &self.attn_proj,
@@ -233,6 +237,7 @@ impl Block {
             true,
             c,
             k,
+            a,
         );
         let x = x + self.dropout.forward(y);
         let hidden =
@@ -279,7 +284,7 @@ impl Gpt {
             .dropout
             .forward(self.wte.forward(idx) + self.wpe.forward(pos));
         for block in &self.blocks {
-            x = block.forward(x, self.compute, self.kernels);
+            x = block.forward(x, self.compute, self.kernels, self.attention);
         }
         kernels::layer_norm(&self.ln_f, x, self.kernels)
     }
@@ -304,6 +309,12 @@ impl Gpt {
     /// The kernels the model runs.
     pub fn kernels(&self) -> Kernels {
         self.kernels
+    }
+
+    /// The same model running its self-attention with `attention` (with
+    /// `Kernels::Reference`, Burn's composition whatever this says).
+    pub fn with_attention(self, attention: AttentionKernel) -> Self {
+        Self { attention, ..self }
     }
 
     /// Mean cross-entropy of next-token prediction, through

@@ -44,5 +44,5 @@ pub mod precision;
 pub use device_memory::{DeviceMemory, device_memory, gpu_runtime};
 pub use encoder::{EncoderClassifier, EncoderConfig, PoolingKind};
 pub use gpt::{GeluKind, Gpt, GptConfig, cross_entropy};
-pub use kernels::Kernels;
+pub use kernels::{AttentionKernel, Kernels};
 pub use precision::ComputeDtype;

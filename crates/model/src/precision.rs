@@ -10,7 +10,7 @@ use burn::nn::Linear;
 use burn::tensor::module::linear as linear_op;
 use burn::tensor::{Bool, FloatDType, Tensor, activation};
 
-use crate::kernels::{self, Kernels};
+use crate::kernels::{self, AttentionKernel, Kernels};
 
 /// The dtype matrix multiplies and attention compute in.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -103,13 +103,15 @@ pub(crate) fn attention(
     causal: bool,
     dtype: ComputeDtype,
     kernels: Kernels,
+    attention: AttentionKernel,
 ) -> Tensor<3> {
+    let attention = kernels.attention(attention);
     let y = if !dtype.is_reduced() {
         let packed = linear(qkv, x, dtype, kernels);
-        kernels::self_attention(packed, heads, key_pad, causal, kernels)
-    } else if kernels::memory_efficient_attention_runs(&x, kernels) {
+        kernels::self_attention(packed, heads, key_pad, causal, attention)
+    } else if kernels::memory_efficient_attention_runs(&x, attention) {
         let packed = linear_in(qkv, x, dtype);
-        kernels::self_attention(packed, heads, key_pad, causal, kernels)
+        kernels::self_attention(packed, heads, key_pad, causal, attention)
     } else {
         let packed = linear(qkv, x, dtype, kernels);
         reduced_attention(packed, heads, key_pad, causal, dtype)
@@ -193,7 +195,7 @@ mod tests {
         let qkv = qkv(&device);
         for causal in [false, true] {
             let reference =
-                kernels::self_attention(qkv.clone(), 3, None, causal, Kernels::Reference);
+                kernels::self_attention(qkv.clone(), 3, None, causal, AttentionKernel::Math);
             for dtype in [ComputeDtype::Bf16, ComputeDtype::F16] {
                 let low = reduced_attention(qkv.clone(), 3, None, causal, dtype);
                 // bf16 keeps 8 bits of mantissa (2^-8 = 0.004), fp16 11.
@@ -237,7 +239,7 @@ mod tests {
         let steps = {
             let f32 = ComputeDtype::F32;
             let packed = linear(&qkv_layer, x.clone(), f32, Kernels::Fused);
-            let y = kernels::self_attention(packed, 3, None, true, Kernels::Fused);
+            let y = kernels::self_attention(packed, 3, None, true, AttentionKernel::Auto);
             linear(&proj, y, f32, Kernels::Fused)
         };
         for dtype in [ComputeDtype::F32, ComputeDtype::Bf16, ComputeDtype::F16] {
@@ -250,6 +252,7 @@ mod tests {
                 true,
                 dtype,
                 Kernels::Fused,
+                AttentionKernel::Auto,
             );
             let tolerance = if dtype.is_reduced() { 0.05 } else { 0.0 };
             assert_near(&steps, got, tolerance, &format!("{dtype:?}"));
@@ -264,8 +267,13 @@ mod tests {
         // The last two keys are padding.
         let keep = Tensor::<1, burn::tensor::Int>::arange(0..6, &device).greater_equal_elem(4);
         let pad = keep.reshape([1, 6]).expand([2, 6]);
-        let reference =
-            kernels::self_attention(qkv.clone(), 3, Some(pad.clone()), false, Kernels::Reference);
+        let reference = kernels::self_attention(
+            qkv.clone(),
+            3,
+            Some(pad.clone()),
+            false,
+            AttentionKernel::Math,
+        );
         let low = reduced_attention(qkv, 3, Some(pad), false, ComputeDtype::Bf16);
         assert_near(&reference, low, 0.05, "bf16 padded");
     }

@@ -36,7 +36,9 @@ pub use checks::{
 pub use memory::{
     AttentionMemory, LogitsMemory, MemoryEstimate, ModelSize, estimate_memory, estimate_memory_with,
 };
-pub use ranks::{LINKS, Link, Ranks, ReductionEstimate, allreduce_seconds, local_ranks};
+pub use ranks::{
+    LINKS, Link, Ranks, ReductionEstimate, allreduce_seconds, local_ranks, rank_gpu_count,
+};
 pub use recommend::Recommendation;
 pub use schedule::{Schedule, lr_at};
 pub use tune::{

@@ -16,17 +16,59 @@ pub struct Ranks {
     pub why: String,
 }
 
+/// The GPUs data-parallel ranks are spread over, as `(name, memory)`, and
+/// the backend that opens each by its index: the NVIDIA GPUs (`cuda`)
+/// where there are any, else the trainable AMD GPUs (`rocm`), else the
+/// trainable Intel and Apple GPUs (no backend opens one by index: kiln
+/// runs them through wgpu, which opens the system's default device).
+fn rank_gpus(hardware: &HardwareReport) -> (Vec<(String, Option<u64>)>, Option<&'static str>) {
+    let nvidia: Vec<_> = hardware
+        .gpus()
+        .iter()
+        .map(|g| (g.name.clone(), Some(g.memory_total_bytes)))
+        .collect();
+    if !nvidia.is_empty() {
+        return (nvidia, Some("cuda"));
+    }
+    let others: Vec<_> = hardware
+        .other_gpus
+        .iter()
+        .filter(|g| g.trainable())
+        .collect();
+    let indexed = match others.first().map(|g| g.vendor) {
+        Some(kiln_hwdetect::GpuVendor::Amd) => Some("rocm"),
+        _ => None,
+    };
+    let gpus = others
+        .iter()
+        .filter(|g| Some(g.vendor) == others.first().map(|f| f.vendor))
+        .map(|g| (g.name.clone(), g.memory_total_bytes))
+        .collect();
+    (gpus, indexed)
+}
+
+/// How many GPUs a data-parallel rank's `LOCAL_RANK` is taken modulo when
+/// it picks its device (`device.index`): those [`local_ranks`] counts.
+pub fn rank_gpu_count(hardware: &HardwareReport) -> usize {
+    rank_gpus(hardware).0.len().max(1)
+}
+
 /// One rank per GPU of the first GPU's kind (ranks must match: the same
-/// kernels, the same memory), where this build has a GPU backend; else one.
-pub fn local_ranks(hardware: &HardwareReport, gpu_backend_built: bool) -> Ranks {
-    let gpus = hardware.gpus();
+/// kernels, the same memory), where this build has the backend that opens
+/// each GPU by its index (`cuda` for NVIDIA's, `rocm` for AMD's; among
+/// `backends`, the names of the backends built in); else one.
+pub fn local_ranks(hardware: &HardwareReport, backends: &[&str]) -> Ranks {
+    let (gpus, indexed) = rank_gpus(hardware);
     let Some(first) = gpus.first() else {
         return Ranks {
             count: 1,
             why: "no GPU: one process".into(),
         };
     };
-    if !gpu_backend_built {
+    let gpu_backend = backends
+        .iter()
+        .any(|b| matches!(*b, "cuda" | "rocm" | "wgpu"));
+    if !gpu_backend {
         return Ranks {
             count: 1,
             why: format!(
@@ -35,18 +77,31 @@ pub fn local_ranks(hardware: &HardwareReport, gpu_backend_built: bool) -> Ranks 
             ),
         };
     }
-    let same = gpus
-        .iter()
-        .filter(|g| g.name == first.name && g.memory_total_bytes == first.memory_total_bytes)
-        .count();
-    let why = if same == 1 && gpus.len() == 1 {
-        format!("one {}: one process", first.name)
-    } else if same == gpus.len() {
-        format!("{same} × {}: one rank per GPU", first.name)
+    let one_device = |why: String| Ranks { count: 1, why };
+    match indexed {
+        _ if gpus.len() == 1 => return one_device(format!("one {}: one process", first.0)),
+        Some(backend) if !backends.contains(&backend) => {
+            return one_device(format!(
+                "{} GPUs, but this build runs them through wgpu, which opens one device: one process; a build with the `{backend}` feature runs one rank per GPU",
+                gpus.len()
+            ));
+        }
+        None => {
+            return one_device(format!(
+                "{} × {}, but kiln runs them through wgpu, which opens one device: one process",
+                gpus.len(),
+                first.0
+            ));
+        }
+        Some(_) => {}
+    }
+    let same = gpus.iter().filter(|g| *g == first).count();
+    let why = if same == gpus.len() {
+        format!("{same} × {}: one rank per GPU", first.0)
     } else {
         format!(
             "{same} × {} (the other {} GPU(s) differ, and ranks must match)",
-            first.name,
+            first.0,
             gpus.len() - same
         )
     };
@@ -203,22 +258,71 @@ mod tests {
         assert!(e.finding(10_000.0).is_none());
     }
 
+    const ALL: &[&str] = &["cuda", "rocm", "wgpu", "flex"];
+
     #[test]
     fn ranks_follow_the_gpus_of_the_first_kind() {
         let cpu = kiln_hwdetect::detect_cpu_only();
-        assert_eq!(local_ranks(&cpu, true).count, 1);
+        assert_eq!(local_ranks(&cpu, ALL).count, 1);
         let eight = machine(&[("NVIDIA H100 80GB HBM3", 80); 8]);
-        let r = local_ranks(&eight, true);
+        let r = local_ranks(&eight, ALL);
         assert_eq!(r.count, 8);
         assert!(r.why.contains("8 × NVIDIA H100"), "{}", r.why);
-        assert_eq!(local_ranks(&eight, false).count, 1, "no GPU backend built");
+        assert_eq!(rank_gpu_count(&eight), 8);
+        assert_eq!(
+            local_ranks(&eight, &["flex"]).count,
+            1,
+            "no GPU backend built"
+        );
+        let r = local_ranks(&eight, &["wgpu", "flex"]);
+        assert_eq!(r.count, 1, "wgpu opens one device");
+        assert!(r.why.contains("the `cuda` feature"), "{}", r.why);
         let mixed = machine(&[
             ("NVIDIA RTX 4090", 24),
             ("NVIDIA RTX 4090", 24),
             ("Tesla T4", 16),
         ]);
-        let r = local_ranks(&mixed, true);
+        let r = local_ranks(&mixed, ALL);
         assert_eq!(r.count, 2);
         assert!(r.why.contains("the other 1 GPU(s) differ"), "{}", r.why);
+    }
+
+    /// A machine without NVIDIA GPUs whose sysfs shows `cards` (PCI vendor,
+    /// device id, GiB, product name).
+    fn other_machine(cards: &[(u16, u16, u64, &str)]) -> HardwareReport {
+        let mut report = kiln_hwdetect::detect_cpu_only();
+        report.other_gpus = cards
+            .iter()
+            .map(|&(vendor, device, gib, name)| {
+                kiln_hwdetect::OtherGpu::from_pci(
+                    vendor,
+                    device,
+                    Some(gib << 30),
+                    Some(name.into()),
+                )
+                .expect("a known vendor")
+            })
+            .collect();
+        report
+    }
+
+    #[test]
+    fn amd_gpus_get_a_rank_each_through_rocm_and_others_one_process() {
+        // Eight MI300X (and an integrated Radeon, too small to train on).
+        let mut cards = vec![(0x1002, 0x74a1, 192, "AMD Instinct MI300X"); 8];
+        cards.push((0x1002, 0x164e, 0, "AMD Radeon Graphics"));
+        let amd = other_machine(&cards);
+        assert_eq!(rank_gpu_count(&amd), 8);
+        let r = local_ranks(&amd, ALL);
+        assert_eq!(r.count, 8, "{}", r.why);
+        assert!(r.why.contains("one rank per GPU"), "{}", r.why);
+        let r = local_ranks(&amd, &["wgpu", "flex"]);
+        assert_eq!(r.count, 1);
+        assert!(r.why.contains("the `rocm` feature"), "{}", r.why);
+        // Two Intel Arc A770: wgpu is their backend, one device.
+        let arc = other_machine(&[(0x8086, 0x56a0, 16, "Intel Arc A770"); 2]);
+        let r = local_ranks(&arc, ALL);
+        assert_eq!(r.count, 1);
+        assert!(r.why.contains("wgpu, which opens one device"), "{}", r.why);
     }
 }

@@ -547,6 +547,7 @@ fn bench_device(
     check_kernel_profile(options, &choice)?;
     let device = train_device(config, &choice.device, config.training.seed);
     let precision = run_precision(config, &choice, hardware);
+    crate::setup::check_attention(config, &choice, &precision)?;
     Ok((choice, device, precision))
 }
 
@@ -564,7 +565,8 @@ pub fn bench_lm(
     let seed = config.training.seed;
     let model = init_model(config, &device, seed, |d| gpt.init(d))
         .with_compute(precision.compute)
-        .with_kernels(kernels(config));
+        .with_kernels(kernels(config))
+        .with_attention(crate::translate::attention(config));
     let scaler = precision
         .loss_scaling()
         .then(|| LossScaler::from_config(&config.precision));
@@ -595,7 +597,8 @@ pub fn bench_nli(
     let encoder = &prepared.encoder;
     let mut model = init_model(config, &device, prepared.seed, |d| encoder.init(d))
         .with_compute(precision.compute)
-        .with_kernels(kernels(config));
+        .with_kernels(kernels(config))
+        .with_attention(crate::translate::attention(config));
     let frozen = config.model.freeze_encoder;
     if frozen {
         model = model.freeze_encoder();

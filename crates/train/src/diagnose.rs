@@ -84,8 +84,9 @@ pub fn diagnose(
         Ok(d) => {
             let p = run_precision(config, d, hardware);
             let kernels = crate::translate::kernels(config);
+            let choice = kernels.attention(crate::translate::attention(config));
             let attention =
-                if kiln_model::kernels::attention_keeps_scores(&d.device, p.compute, kernels) {
+                if kiln_model::kernels::attention_keeps_scores(&d.device, p.compute, choice) {
                     AttentionMemory::Scores
                 } else {
                     AttentionMemory::LogSumExp

@@ -122,6 +122,16 @@ pub enum TrainError {
         why: String,
     },
 
+    /// `optimization.attention = "flash"` where the matrix-unit kernels
+    /// cannot run.
+    #[error(
+        "optimization.attention = \"flash\" cannot run here: {why}; set optimization.attention = \"auto\" to run the best attention this device has"
+    )]
+    FlashAttentionNotHere {
+        /// What is missing: the dtype, the device's matrix unit, the head width.
+        why: String,
+    },
+
     /// Too many steps in a row had a non-finite loss or gradients.
     #[error(
         "{what} at step {step}, {in_a_row} step(s) in a row (precision.max_bad_steps): training diverged; the non-finite steps were skipped, so the last good checkpoint is intact; lower training.learning_rate or raise training.warmup_steps"
@@ -189,6 +199,7 @@ impl TrainError {
                 | Self::NoCheckpoint { .. }
                 | Self::CheckpointMismatch { .. }
                 | Self::Backend { .. }
+                | Self::FlashAttentionNotHere { .. }
                 | Self::ExportExists { .. }
                 | Self::Unsupported(..)
                 | Self::WorldSize { .. }

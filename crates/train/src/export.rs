@@ -270,7 +270,8 @@ fn reference(
             path: dir.checkpoints(),
             why,
         })?
-        .with_kernels(crate::translate::kernels(config));
+        .with_kernels(crate::translate::kernels(config))
+        .with_attention(crate::translate::attention(config));
     let n = config.model.max_length.min(16);
     let ids: Vec<u32> = (0..n).map(|i| ((i * 7919 + 11) % vocab) as u32).collect();
     let input = ids.iter().map(|&i| i64::from(i)).collect::<Vec<_>>();

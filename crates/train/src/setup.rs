@@ -205,6 +205,45 @@ pub(crate) fn run_precision(
     crate::precision::choose_precision(&c.precision, device, run_gpu(c, hardware))
 }
 
+/// Refuses `optimization.attention = "flash"` where FlashAttention on the
+/// matrix unit cannot run: Burn's composition asked for
+/// (`optimization.kernels = "reference"`), products in f32, or a device
+/// without a matrix instruction for the dtype and the heads' width
+/// (`kiln_model::kernels::attention_on_tensor_cores`). Every other choice
+/// runs anywhere: `auto` takes the best there is.
+pub(crate) fn check_attention(
+    c: &RunConfig,
+    device: &DeviceChoice,
+    precision: &PrecisionChoice,
+) -> Result<(), TrainError> {
+    if c.optimization.attention != kiln_config::AttentionChoice::Flash {
+        return Ok(());
+    }
+    let compute = precision.compute;
+    let head_dim = c.model.hidden / c.model.heads.max(1);
+    let why = if c.optimization.kernels == kiln_config::KernelChoice::Reference {
+        "optimization.kernels = \"reference\" runs Burn's composition of attention".to_string()
+    } else if !compute.is_reduced() {
+        format!(
+            "the run computes in f32 ({}), and the matrix-unit kernels take bf16 or fp16 (precision.amp = true on a GPU that has them)",
+            precision.why
+        )
+    } else if kiln_model::kernels::attention_on_tensor_cores(
+        &device.device,
+        compute.float_dtype().into(),
+        head_dim,
+    ) {
+        return Ok(());
+    } else {
+        format!(
+            "{} has no matrix instruction (tensor cores, Vulkan's cooperative matrices) that kiln's kernels can use for {} with heads {head_dim} wide (model.hidden / model.heads: a multiple of the instruction's 8 or 16)",
+            device.name,
+            compute.name()
+        )
+    };
+    Err(TrainError::FlashAttentionNotHere { why })
+}
+
 /// Start lines about the device, precision, compile, loader and MFU.
 pub(crate) fn device_lines(
     c: &RunConfig,

@@ -74,6 +74,18 @@ pub(crate) fn kernels(config: &RunConfig) -> kiln_model::Kernels {
     }
 }
 
+/// The self-attention `optimization.attention` asks the models to run.
+pub(crate) fn attention(config: &RunConfig) -> kiln_model::AttentionKernel {
+    use kiln_config::AttentionChoice;
+    use kiln_model::AttentionKernel;
+    match config.optimization.attention {
+        AttentionChoice::Auto => AttentionKernel::Auto,
+        AttentionChoice::Flash => AttentionKernel::Flash,
+        AttentionChoice::MemoryEfficient => AttentionKernel::MemoryEfficient,
+        AttentionChoice::Math => AttentionKernel::Math,
+    }
+}
+
 /// kiln-data's error about a pairs file, with the configuration keys that
 /// change what it complains about: `data.bad_rows` for a bad row read with
 /// `bad_rows = "error"`, `data.premise_field` / `data.hypothesis_field` for

@@ -174,10 +174,7 @@ pub(crate) fn gpu_backends(report: &HardwareReport) -> Vec<GpuBackend> {
 
 /// The data-parallel ranks this machine runs with this build.
 pub(crate) fn ranks(report: &HardwareReport) -> kiln_plan::Ranks {
-    let gpu_backend = kiln_train::BACKENDS_BUILT_IN
-        .iter()
-        .any(|b| matches!(*b, "cuda" | "rocm" | "wgpu"));
-    kiln_plan::local_ranks(report, gpu_backend)
+    kiln_plan::local_ranks(report, kiln_train::BACKENDS_BUILT_IN)
 }
 
 /// `device.backend`, and the device this build of kiln takes for it, and why.

@@ -10,6 +10,8 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, AutodiffBackend, Backend};
 
+use super::AttentionSpec;
+
 /// The backward step of a kernel with `N` tracked inputs: the function
 /// turns the saved state `S` and the output's gradient into one gradient
 /// per input, registered for the inputs that require one.
@@ -44,15 +46,14 @@ where
 /// (1 where a key is padding) in, the merged heads' output and each
 /// query's log-sum-exp out.
 pub(super) type AttentionForward<B> =
-    fn(FloatTensor<B>, FloatTensor<B>, usize, bool) -> (FloatTensor<B>, FloatTensor<B>);
+    fn(FloatTensor<B>, FloatTensor<B>, AttentionSpec) -> (FloatTensor<B>, FloatTensor<B>);
 
 /// An attention kernel's backward: what the forward took and gave, and the
 /// output's gradient, in; the gradient of the packed qkv out.
 pub(super) type AttentionBackward<B> = fn(
     FloatTensor<B>,
     FloatTensor<B>,
-    usize,
-    bool,
+    AttentionSpec,
     FloatTensor<B>,
     FloatTensor<B>,
     FloatTensor<B>,
@@ -64,8 +65,7 @@ pub(super) type AttentionBackward<B> = fn(
 struct Saved<B: Backend> {
     qkv: FloatTensor<B>,
     key_pad: FloatTensor<B>,
-    heads: usize,
-    causal: bool,
+    spec: AttentionSpec,
     out: FloatTensor<B>,
     lse: FloatTensor<B>,
     backward: AttentionBackward<B>,
@@ -80,30 +80,26 @@ type Tracked<B, C> = FloatTensor<Autodiff<B, C>>;
 pub(super) fn attention<B: Backend, C: CheckpointStrategy>(
     qkv: FloatTensor<Autodiff<B, C>>,
     key_pad: FloatTensor<Autodiff<B, C>>,
-    heads: usize,
-    causal: bool,
+    spec: AttentionSpec,
     forward: AttentionForward<B>,
     backward: AttentionBackward<B>,
 ) -> (Tracked<B, C>, Tracked<B, C>) {
     let step = KernelBackward::<B, Saved<B>, 1>(|s, grad| {
-        [(s.backward)(
-            s.qkv, s.key_pad, s.heads, s.causal, s.out, s.lse, grad,
-        )]
+        [(s.backward)(s.qkv, s.key_pad, s.spec, s.out, s.lse, grad)]
     });
     let node = qkv.node();
     let (qkv, key_pad) = (
         Autodiff::<B, C>::inner(qkv),
         Autodiff::<B, C>::inner(key_pad),
     );
-    let (out, lse) = forward(qkv.clone(), key_pad.clone(), heads, causal);
+    let (out, lse) = forward(qkv.clone(), key_pad.clone(), spec);
     let lse_out = Autodiff::<B, C>::from_inner(lse.clone());
     let out = match step.prepare::<C>([node]).compute_bound().stateful() {
         OpsKind::Tracked(prep) => {
             let saved = Saved {
                 qkv,
                 key_pad,
-                heads,
-                causal,
+                spec,
                 out: out.clone(),
                 lse,
                 backward,
@@ -119,12 +115,11 @@ pub(super) fn attention<B: Backend, C: CheckpointStrategy>(
 /// backend without tracking (nothing kiln trains needs second derivatives).
 pub(super) fn attention_backward<B: Backend, C: CheckpointStrategy>(
     tensors: [Tracked<B, C>; 5],
-    heads: usize,
-    causal: bool,
+    spec: AttentionSpec,
     backward: AttentionBackward<B>,
 ) -> Tracked<B, C> {
     let [qkv, key_pad, out, lse, grad] = tensors.map(Autodiff::<B, C>::inner);
-    Autodiff::<B, C>::from_inner(backward(qkv, key_pad, heads, causal, out, lse, grad))
+    Autodiff::<B, C>::from_inner(backward(qkv, key_pad, spec, out, lse, grad))
 }
 
 /// Three tensors of one backend.

@@ -14,8 +14,8 @@ use super::flex;
 use super::norm::{SLOTS, sum_of_squares};
 use super::optim::{AdamWParam, AdamWStep, adamw_many};
 use super::{
-    Kernels, LAYER_NORM_EPSILON, gelu, layer_norm, lm_head_loss_fused_here, lm_head_loss_in_chunks,
-    memory_efficient_attention_runs, self_attention,
+    AttentionKernel, Kernels, LAYER_NORM_EPSILON, gelu, layer_norm, lm_head_loss_fused_here,
+    lm_head_loss_in_chunks, memory_efficient_attention_runs, self_attention,
 };
 
 /// One fused kernel compared with the composition it replaces, on one
@@ -221,8 +221,9 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
         .into_iter()
         .map(|(name, qkv, upstream, heads, key_pad, causal)| {
             let run =
-                |kernels| attention_run(qkv, upstream, key_pad.clone(), causal, heads, kernels);
-            let ((y, dqkv), (y_ref, dqkv_ref)) = (run(Kernels::Fused), run(Kernels::Reference));
+                |attention| attention_run(qkv, upstream, key_pad.clone(), causal, heads, attention);
+            let ((y, dqkv), (y_ref, dqkv_ref)) =
+                (run(AttentionKernel::Auto), run(AttentionKernel::Math));
             KernelCheck {
                 kernel: format!("attention, {name} (t={t})"),
                 fused,
@@ -234,7 +235,10 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
     // Attention on the matrix unit (f16 or bf16 inputs, where the device
     // has an instruction for them; forward and backward): against the
     // composition in f32 on the same rounded inputs, its results rounded to
-    // the dtype as the kernels' are. Heads 16 wide, and GPT-2's 64.
+    // the dtype as the kernels' are. Heads 16 wide, and GPT-2's 64. Then
+    // the same cases on the scalar kernels in the same dtype
+    // (`AttentionKernel::MemoryEfficient`, what a run with
+    // `optimization.attention = "memory-efficient"` gets there).
     let (gpt2_qkv, gpt2_upstream) = inputs(1, 64);
     let half_cases = [
         ("causal", &qkv, &upstream, h, hd, None, true),
@@ -262,22 +266,27 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             let widen = |x: Tensor<3>| x.cast(FloatDType::F32);
             let round = |x: Tensor<3>| widen(x.cast(dtype));
             let (half, half_upstream) = (qkv.clone().cast(dtype), upstream.clone().cast(dtype));
-            let run = |qkv: &Tensor<3>, upstream: &Tensor<3>, kernels| {
-                attention_run(qkv, upstream, key_pad.clone(), causal, heads, kernels)
+            let run = |qkv: &Tensor<3>, upstream: &Tensor<3>, attention| {
+                attention_run(qkv, upstream, key_pad.clone(), causal, heads, attention)
             };
-            let (y, dqkv) = run(&half, &half_upstream, Kernels::Fused);
             let (y_ref, dqkv_ref) = run(
                 &widen(half.clone()),
                 &widen(half_upstream.clone()),
-                Kernels::Reference,
+                AttentionKernel::Math,
             );
-            checks.push(KernelCheck {
-                kernel: format!("attention, {case}, {name} on the matrix unit (t={t})"),
-                fused,
-                max_abs_difference: max_abs(widen(y), round(y_ref))
-                    .max(max_abs(widen(dqkv), round(dqkv_ref))),
-                tolerance,
-            });
+            for (attention, on) in [
+                (AttentionKernel::Auto, "on the matrix unit"),
+                (AttentionKernel::MemoryEfficient, "scalar"),
+            ] {
+                let (y, dqkv) = run(&half, &half_upstream, attention);
+                checks.push(KernelCheck {
+                    kernel: format!("attention, {case}, {name} {on} (t={t})"),
+                    fused,
+                    max_abs_difference: max_abs(widen(y), round(y_ref.clone()))
+                        .max(max_abs(widen(dqkv), round(dqkv_ref.clone()))),
+                    tolerance,
+                });
+            }
         }
     }
     // Queries that see no key: causal, the first `unseen` keys of entry 0
@@ -297,8 +306,9 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
         .reshape([1, t])
         .expand([b, t])
         .lower(starts.expand([b, t]));
-    let run = |kernels| attention_run(&qkv, &upstream, Some(left_pad.clone()), true, h, kernels);
-    let ((y, dqkv), (y_ref, _)) = (run(Kernels::Fused), run(Kernels::Reference));
+    let run =
+        |attention| attention_run(&qkv, &upstream, Some(left_pad.clone()), true, h, attention);
+    let ((y, dqkv), (y_ref, _)) = (run(AttentionKernel::Auto), run(AttentionKernel::Math));
     let not_finite = |x: &Tensor<3>| {
         x.clone().is_nan().any().into_scalar::<bool>()
             || x.clone().is_inf().any().into_scalar::<bool>()
@@ -459,7 +469,7 @@ fn layer_norm_fused_here(x: &Tensor<3>, gamma: &Tensor<1>, beta: &Tensor<1>) -> 
     false
 }
 
-/// Self-attention's output and qkv gradient with `kernels`, for the
+/// Self-attention's output and qkv gradient with `attention`, for the
 /// upstream gradient `upstream`.
 pub(super) fn attention_run(
     qkv: &Tensor<3>,
@@ -467,10 +477,10 @@ pub(super) fn attention_run(
     key_pad: Option<Tensor<2, Bool>>,
     causal: bool,
     heads: usize,
-    kernels: Kernels,
+    attention: AttentionKernel,
 ) -> (Tensor<3>, Tensor<3>) {
     let qkv = qkv.clone().require_grad();
-    let y = self_attention(qkv.clone(), heads, key_pad, causal, kernels);
+    let y = self_attention(qkv.clone(), heads, key_pad, causal, attention);
     let grads = (y.clone() * upstream.clone()).sum().backward();
     (y.detach(), qkv.grad(&grads).expect("qkv gradient"))
 }
@@ -482,7 +492,7 @@ fn attention_fused_here(qkv: &Tensor<3>) -> bool {
     if flex::runs_fused(qkv) {
         return true;
     }
-    memory_efficient_attention_runs(qkv, Kernels::Fused)
+    memory_efficient_attention_runs(qkv, AttentionKernel::Auto)
 }
 
 /// The tolerance of [`check_lm_head_loss`]: the loss and the gradients of

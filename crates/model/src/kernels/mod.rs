@@ -84,6 +84,53 @@ pub enum Kernels {
     Reference,
 }
 
+impl Kernels {
+    /// The self-attention these kernels run when `choice` is asked for:
+    /// `Reference` is Burn's composition (`Math`) whatever the choice.
+    pub fn attention(self, choice: AttentionKernel) -> AttentionKernel {
+        match self {
+            Kernels::Fused => choice,
+            Kernels::Reference => AttentionKernel::Math,
+        }
+    }
+}
+
+/// Which self-attention [`self_attention`] runs, as PyTorch's
+/// `sdpa_kernel` picks among its backends.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// The best the device and dtype have: FlashAttention-2 on the matrix
+    /// unit (f16/bf16 on a CubeCL GPU with a matrix instruction for the
+    /// dtype), else kiln's memory-efficient kernels (CubeCL GPUs; flex in
+    /// f32), else Burn's composition.
+    #[default]
+    Auto,
+    /// The matrix-unit kernels: the same as `Auto` where
+    /// [`attention_on_tensor_cores`] holds; a caller asking for them
+    /// elsewhere should refuse (kiln-train does, at the run's start).
+    Flash,
+    /// kiln's memory-efficient kernels without the matrix unit (the scalar
+    /// CubeCL kernels; flex's fused kernel), Burn's composition where there
+    /// are none.
+    MemoryEfficient,
+    /// Burn's composition (`attention` with the mask expanded): keeps the
+    /// `heads × T × T` scores.
+    Math,
+}
+
+/// What kiln's attention kernels take besides the tensors: the heads, the
+/// causal mask, and whether the matrix unit may run them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct AttentionSpec {
+    /// Heads in the packed projection.
+    pub(crate) heads: usize,
+    /// Query `i` sees keys `≤ i`.
+    pub(crate) causal: bool,
+    /// The matrix-unit kernels where the device and dtype have them
+    /// (`AttentionKernel::MemoryEfficient` says no).
+    pub(crate) matrix_unit: bool,
+}
+
 /// Exact GELU, `x · Φ(x)`.
 pub fn gelu<const D: usize>(x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
     #[cfg(feature = "flex")]
@@ -107,24 +154,31 @@ pub fn gelu<const D: usize>(x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
 /// `time × time` scores at a time (fewer: no key after a batch entry's last
 /// that is not padding, and with `causal` no row block's keys past its
 /// end, is computed at all), rebuilds them in the backward pass and
-/// writes the gradient of `qkv` in one piece; the reference splits the
-/// heads and runs Burn's `attention` with the mask expanded to
-/// `[batch, heads, time, time]`.
+/// writes the gradient of `qkv` in one piece; the reference (`Math`)
+/// splits the heads and runs Burn's `attention` with the mask expanded to
+/// `[batch, heads, time, time]`. `attention` picks among them
+/// ([`AttentionKernel`]).
 pub fn self_attention(
     qkv: Tensor<3>,
     heads: usize,
     key_pad: Option<Tensor<2, Bool>>,
     causal: bool,
-    kernels: Kernels,
+    attention: AttentionKernel,
 ) -> Tensor<3> {
+    let spec = AttentionSpec {
+        heads,
+        causal,
+        matrix_unit: attention != AttentionKernel::MemoryEfficient,
+    };
     #[cfg(feature = "flex")]
-    if kernels == Kernels::Fused && flex::runs_fused(&qkv) {
-        return flex::self_attention(qkv, heads, key_pad, causal);
+    if attention != AttentionKernel::Math && flex::runs_fused(&qkv) {
+        return flex::self_attention(qkv, key_pad, spec);
     }
-    if memory_efficient_attention_runs(&qkv, kernels) {
+    if memory_efficient_attention_runs(&qkv, attention) {
         #[cfg(feature = "cube")]
-        return cube::attention::self_attention(qkv, heads, key_pad, causal);
+        return cube::attention::self_attention(qkv, key_pad, spec);
     }
+    let _ = spec;
     let [q, k, v] = split_heads(qkv, heads);
     let [b, h, t, hd] = q.dims();
     let mask = key_pad.map(|pad| pad.reshape([b, 1, 1, t]).expand([b, h, t, t]));
@@ -140,9 +194,9 @@ pub fn self_attention(
 
 /// Whether [`self_attention`] (forward and backward) in `dtype`, heads
 /// `head_dim` wide, runs on `device`'s matrix unit (tensor cores, cooperative
-/// matrices): f16 or bf16 on a CubeCL GPU with an instruction for it
-/// (`cube/flash_attention.rs`).
-pub(crate) fn attention_on_tensor_cores(
+/// matrices) with [`AttentionKernel::Auto`] or `Flash`: f16 or bf16 on a
+/// CubeCL GPU with an instruction for it (`cube/flash_attention.rs`).
+pub fn attention_on_tensor_cores(
     device: &burn::tensor::Device,
     dtype: burn::tensor::DType,
     head_dim: usize,
@@ -158,31 +212,31 @@ pub(crate) fn attention_on_tensor_cores(
 
 /// Whether [`self_attention`] runs the memory-efficient CubeCL kernels for
 /// `qkv` (wgpu or CUDA, with or without Burn's `fusion`; f32/bf16/f16;
-/// `Fused`):
+/// any choice but `Math`):
 /// then a reduced compute dtype runs them in that dtype too.
-pub(crate) fn memory_efficient_attention_runs(qkv: &Tensor<3>, kernels: Kernels) -> bool {
+pub(crate) fn memory_efficient_attention_runs(qkv: &Tensor<3>, attention: AttentionKernel) -> bool {
     #[cfg(feature = "cube")]
-    return kernels == Kernels::Fused && cube::attention::runs(qkv);
+    return attention != AttentionKernel::Math && cube::attention::runs(qkv);
     #[cfg(not(feature = "cube"))]
     {
-        let _ = (qkv, kernels);
+        let _ = (qkv, attention);
         false
     }
 }
 
 /// Whether the models' self-attention keeps the `heads × T × T` scores for
 /// the backward pass on `device` with compute dtype `dtype`: Burn's
-/// attention (`Reference`, other backends) and the
+/// attention (`Math`, other backends) and the
 /// reduced-precision composition on the CPU do; flex's kernel (f32) and the
 /// memory-efficient CubeCL kernels (wgpu, CUDA; any of the three dtypes)
 /// keep one log-sum-exp per query and head. What memory estimates count.
 pub fn attention_keeps_scores(
     device: &burn::tensor::Device,
     dtype: crate::ComputeDtype,
-    kernels: Kernels,
+    attention: AttentionKernel,
 ) -> bool {
     use burn::backend::DispatchDevice;
-    if kernels == Kernels::Reference {
+    if attention == AttentionKernel::Math {
         return true;
     }
     match device.clone().inner().as_dispatch() {
@@ -390,7 +444,7 @@ mod flex {
     use burn::tensor::{Bool, DType, Tensor};
 
     use super::autodiff::{self, KernelBackward, Three, lift3};
-    use super::cpu;
+    use super::{AttentionSpec, cpu};
 
     /// kiln's fused operations as a Burn backend extension.
     #[backend_extension(Flex, Autodiff)]
@@ -402,15 +456,13 @@ mod flex {
         fn kiln_attention(
             qkv: FloatTensor<Self>,
             key_pad: FloatTensor<Self>,
-            heads: usize,
-            causal: bool,
+            spec: AttentionSpec,
         ) -> (FloatTensor<Self>, FloatTensor<Self>);
         /// The gradient of the packed qkv.
         fn kiln_attention_backward(
             qkv: FloatTensor<Self>,
             key_pad: FloatTensor<Self>,
-            heads: usize,
-            causal: bool,
+            spec: AttentionSpec,
             out: FloatTensor<Self>,
             lse: FloatTensor<Self>,
             grad: FloatTensor<Self>,
@@ -456,22 +508,20 @@ mod flex {
         fn kiln_attention(
             qkv: FloatTensor<Self>,
             key_pad: FloatTensor<Self>,
-            heads: usize,
-            causal: bool,
+            spec: AttentionSpec,
         ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-            cpu::attention(qkv, key_pad, heads, causal)
+            cpu::attention(qkv, key_pad, spec.heads, spec.causal)
         }
 
         fn kiln_attention_backward(
             qkv: FloatTensor<Self>,
             key_pad: FloatTensor<Self>,
-            heads: usize,
-            causal: bool,
+            spec: AttentionSpec,
             out: FloatTensor<Self>,
             lse: FloatTensor<Self>,
             grad: FloatTensor<Self>,
         ) -> FloatTensor<Self> {
-            cpu::attention_backward(qkv, key_pad, heads, causal, out, lse, grad)
+            cpu::attention_backward(qkv, key_pad, spec.heads, spec.causal, out, lse, grad)
         }
 
         fn kiln_linear(
@@ -522,14 +572,12 @@ mod flex {
         fn kiln_attention(
             qkv: FloatTensor<Self>,
             key_pad: FloatTensor<Self>,
-            heads: usize,
-            causal: bool,
+            spec: AttentionSpec,
         ) -> (FloatTensor<Self>, FloatTensor<Self>) {
             autodiff::attention::<B, C>(
                 qkv,
                 key_pad,
-                heads,
-                causal,
+                spec,
                 B::kiln_attention,
                 B::kiln_attention_backward,
             )
@@ -538,16 +586,14 @@ mod flex {
         fn kiln_attention_backward(
             qkv: FloatTensor<Self>,
             key_pad: FloatTensor<Self>,
-            heads: usize,
-            causal: bool,
+            spec: AttentionSpec,
             out: FloatTensor<Self>,
             lse: FloatTensor<Self>,
             grad: FloatTensor<Self>,
         ) -> FloatTensor<Self> {
             autodiff::attention_backward::<B, C>(
                 [qkv, key_pad, out, lse, grad],
-                heads,
-                causal,
+                spec,
                 B::kiln_attention_backward,
             )
         }
@@ -647,9 +693,8 @@ mod flex {
 
     pub(crate) fn self_attention(
         qkv: Tensor<3>,
-        heads: usize,
         key_pad: Option<Tensor<2, Bool>>,
-        causal: bool,
+        spec: AttentionSpec,
     ) -> Tensor<3> {
         // Always a mask (the extension cannot route an optional tensor):
         // zeros when nothing is padding.
@@ -660,7 +705,7 @@ mod flex {
         }
         .into_dispatch();
         let (out, _lse) =
-            <Dispatch as KilnKernels>::kiln_attention(qkv.into_dispatch(), key_pad, heads, causal);
+            <Dispatch as KilnKernels>::kiln_attention(qkv.into_dispatch(), key_pad, spec);
         Tensor::from_dispatch(out)
     }
 }
@@ -808,10 +853,16 @@ mod tests {
             ];
             for (input, key_pad, causal) in cases {
                 let label = format!("t={t} padded={} causal={causal}", key_pad.is_some());
-                let (y, dqkv) =
-                    attention_run(input, &upstream, key_pad.clone(), causal, h, Kernels::Fused);
+                let (y, dqkv) = attention_run(
+                    input,
+                    &upstream,
+                    key_pad.clone(),
+                    causal,
+                    h,
+                    AttentionKernel::Auto,
+                );
                 let (y_ref, dqkv_ref) =
-                    attention_run(input, &upstream, key_pad, causal, h, Kernels::Reference);
+                    attention_run(input, &upstream, key_pad, causal, h, AttentionKernel::Math);
                 let fwd = max_abs3(y, y_ref);
                 let bwd = max_abs3(dqkv, dqkv_ref);
                 assert!(fwd < 1e-5, "{label}: forward differs by {fwd}");
@@ -849,9 +900,13 @@ mod tests {
         [false, true]
             .into_iter()
             .map(|causal| {
-                let run =
-                    |kernels| attention_run(&qkv, &upstream, Some(pad.clone()), causal, h, kernels);
-                (causal, [run(Kernels::Fused), run(Kernels::Reference)])
+                let run = |attention| {
+                    attention_run(&qkv, &upstream, Some(pad.clone()), causal, h, attention)
+                };
+                (
+                    causal,
+                    [run(AttentionKernel::Auto), run(AttentionKernel::Math)],
+                )
             })
             .collect()
     }
@@ -902,26 +957,52 @@ mod tests {
     fn only_burns_attention_and_the_reduced_composition_keep_scores() {
         use crate::ComputeDtype;
         let device = Device::flex();
-        assert!(!attention_keeps_scores(
+        let keeps =
+            |device: &Device, dtype, attention| attention_keeps_scores(device, dtype, attention);
+        assert!(!keeps(&device, ComputeDtype::F32, AttentionKernel::Auto));
+        assert!(!keeps(
             &device,
             ComputeDtype::F32,
-            Kernels::Fused
+            AttentionKernel::MemoryEfficient
         ));
-        assert!(attention_keeps_scores(
-            &device,
-            ComputeDtype::F32,
-            Kernels::Reference
-        ));
-        assert!(attention_keeps_scores(
-            &device,
-            ComputeDtype::Bf16,
-            Kernels::Fused
-        ));
-        assert!(!attention_keeps_scores(
+        assert!(keeps(&device, ComputeDtype::F32, AttentionKernel::Math));
+        assert!(keeps(&device, ComputeDtype::Bf16, AttentionKernel::Auto));
+        assert!(!keeps(
             &device.autodiff(),
             ComputeDtype::F32,
-            Kernels::Fused
+            AttentionKernel::Auto
         ));
+    }
+
+    #[test]
+    fn reference_kernels_run_burns_attention_whatever_the_choice() {
+        use AttentionKernel::*;
+        for choice in [Auto, Flash, MemoryEfficient, Math] {
+            assert_eq!(Kernels::Reference.attention(choice), Math);
+            assert_eq!(Kernels::Fused.attention(choice), choice);
+        }
+    }
+
+    /// On flex every choice but `Math` is flex's kernel (no matrix unit
+    /// there): the same bits; `Math` is Burn's composition, which rounds
+    /// differently.
+    #[test]
+    fn on_flex_memory_efficient_is_the_fused_kernel_and_math_the_composition() {
+        let device = Device::flex().autodiff();
+        device.seed(13);
+        let qkv = Tensor::<3>::random([2, 9, 24], Distribution::Normal(0.0, 1.0), &device);
+        let upstream = Tensor::<3>::random([2, 9, 8], Distribution::Normal(0.0, 1.0), &device);
+        let run = |attention| attention_run(&qkv, &upstream, None, true, 2, attention);
+        let (auto_y, auto_d) = run(AttentionKernel::Auto);
+        for attention in [AttentionKernel::Flash, AttentionKernel::MemoryEfficient] {
+            let (y, d) = run(attention);
+            assert_eq!(max_abs3(y, auto_y.clone()), 0.0, "{attention:?}");
+            assert_eq!(max_abs3(d, auto_d.clone()), 0.0, "{attention:?}");
+        }
+        let (math_y, math_d) = run(AttentionKernel::Math);
+        let (fwd, bwd) = (max_abs3(math_y, auto_y), max_abs3(math_d, auto_d));
+        assert!(fwd > 0.0 && fwd < 1e-5, "forward: {fwd}");
+        assert!(bwd < 1e-4, "backward: {bwd}");
     }
 
     #[test]
@@ -935,15 +1016,17 @@ mod tests {
             let moved = x.clone().slice([0..1, at..at + 1, 8..24]) + 5.0;
             x.slice_assign([0..1, at..at + 1, 8..24], moved)
         };
-        let causal =
-            |qkv: Tensor<3>| self_attention(qkv, 2, None, true, Kernels::Fused).narrow(1, 0, 5);
+        let causal = |qkv: Tensor<3>| {
+            self_attention(qkv, 2, None, true, AttentionKernel::Auto).narrow(1, 0, 5)
+        };
         let moved = causal(bump(qkv.clone(), 5));
         assert!(max_abs3(causal(qkv.clone()), moved) < 1e-6, "future leaked");
         let pad = Tensor::<1, Int>::arange(0..6, &device)
             .greater_equal_elem(4)
             .reshape([1, 6]);
-        let padded =
-            |qkv: Tensor<3>| self_attention(qkv, 2, Some(pad.clone()), false, Kernels::Fused);
+        let padded = |qkv: Tensor<3>| {
+            self_attention(qkv, 2, Some(pad.clone()), false, AttentionKernel::Auto)
+        };
         let moved = padded(bump(bump(qkv.clone(), 4), 5));
         assert!(max_abs3(padded(qkv), moved) < 1e-6, "padding leaked");
     }

@@ -330,7 +330,7 @@ fn on_rank_device(config: &RunConfig, options: &TrainOptions) -> RunConfig {
     let mut config = config.clone();
     if let Some(group) = &options.group {
         // More ranks than GPUs (NCCL 2.30's ranks sharing a GPU) wrap round.
-        let gpus = options.hardware.gpus().len().max(1);
+        let gpus = kiln_plan::rank_gpu_count(&options.hardware);
         config.device.index = group.local_rank() % gpus;
     }
     config
@@ -587,6 +587,7 @@ impl Session {
         let gpt = &prepared.gpt;
         let train_device = train_device(config, &device.device, seed);
         let precision = run_precision(config, &device, hardware);
+        crate::setup::check_attention(config, &device, &precision)?;
         let mut model = init_model(config, &train_device, seed, |d| gpt.init(d));
         let mut optim = AdamW::for_training(&config.training).with_kernels(kernels(config));
         let mut start = LoopPlanStart {
@@ -605,7 +606,8 @@ impl Session {
         }
         let model = model
             .with_compute(precision.compute)
-            .with_kernels(kernels(config));
+            .with_kernels(kernels(config))
+            .with_attention(crate::translate::attention(config));
         let session = Self {
             config: config.clone(),
             device,

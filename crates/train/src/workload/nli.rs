@@ -524,6 +524,7 @@ fn train_fold(
     let encoder = &p.encoder;
     let train_device = train_device(config, &device.device, p.seed);
     let precision = run_precision(config, device, &options.hardware);
+    crate::setup::check_attention(config, device, &precision)?;
     let mut model = init_model(config, &train_device, p.seed, |d| encoder.init(d));
     if config.model.freeze_encoder {
         model = model.freeze_encoder();
@@ -557,7 +558,8 @@ fn train_fold(
     }
     let model = model
         .with_compute(precision.compute)
-        .with_kernels(kernels(config));
+        .with_kernels(kernels(config))
+        .with_attention(crate::translate::attention(config));
     let patience = (config.cv.patience > 0).then_some(config.cv.patience);
     let stopping = EarlyStopping::from_records(patience, &dir.records());
     let (peak, peak_name) = mfu_peak(config, device, &precision, &options.hardware);

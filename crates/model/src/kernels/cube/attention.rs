@@ -49,7 +49,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Dispatch, backend_extension};
 use burn::tensor::{Bool, FloatDType, Tensor};
 
-use crate::kernels::autodiff;
+use crate::kernels::{AttentionSpec, autodiff};
 
 /// Memory-efficient attention as a Burn backend extension: the kernels are
 /// implemented for the CubeCL backend (`CubeBackend`), routed to through
@@ -63,16 +63,14 @@ pub(crate) trait KilnAttention: Backend {
     fn kiln_memory_efficient_attention(
         qkv: FloatTensor<Self>,
         key_pad: FloatTensor<Self>,
-        heads: usize,
-        causal: bool,
+        spec: AttentionSpec,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
     /// The gradient of the packed qkv.
     #[fusion(dtype = qkv, shape = qkv)]
     fn kiln_memory_efficient_attention_backward(
         qkv: FloatTensor<Self>,
         key_pad: FloatTensor<Self>,
-        heads: usize,
-        causal: bool,
+        spec: AttentionSpec,
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad: FloatTensor<Self>,
@@ -86,8 +84,7 @@ pub(crate) trait KilnAttention: Backend {
 fn forward_outputs(
     qkv: &burn::backend::fusion::custom::TensorSpec,
     _key_pad: &burn::backend::fusion::custom::TensorSpec,
-    heads: &usize,
-    _causal: &bool,
+    spec: &AttentionSpec,
 ) -> (
     burn::backend::fusion::custom::TensorSpec,
     burn::backend::fusion::custom::TensorSpec,
@@ -96,7 +93,7 @@ fn forward_outputs(
     let (b, t, width) = (qkv.shape[0], qkv.shape[1], qkv.shape[2]);
     (
         TensorSpec::new([b, t, width / 3].into(), qkv.dtype),
-        TensorSpec::new([b, *heads, t].into(), burn::tensor::DType::F32),
+        TensorSpec::new([b, spec.heads, t].into(), burn::tensor::DType::F32),
     )
 }
 
@@ -104,22 +101,20 @@ impl KilnAttention for burn_cubecl::CubeBackend {
     fn kiln_memory_efficient_attention(
         qkv: FloatTensor<Self>,
         key_pad: FloatTensor<Self>,
-        heads: usize,
-        causal: bool,
+        spec: AttentionSpec,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        cube::forward(qkv, key_pad, heads, causal)
+        cube::forward(qkv, key_pad, spec)
     }
 
     fn kiln_memory_efficient_attention_backward(
         qkv: FloatTensor<Self>,
         key_pad: FloatTensor<Self>,
-        heads: usize,
-        causal: bool,
+        spec: AttentionSpec,
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        cube::backward(qkv, key_pad, heads, causal, out, lse, grad)
+        cube::backward(qkv, key_pad, spec, out, lse, grad)
     }
 }
 
@@ -127,14 +122,12 @@ impl<B: Backend + KilnAttention, C: CheckpointStrategy> KilnAttention for Autodi
     fn kiln_memory_efficient_attention(
         qkv: FloatTensor<Self>,
         key_pad: FloatTensor<Self>,
-        heads: usize,
-        causal: bool,
+        spec: AttentionSpec,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         autodiff::attention::<B, C>(
             qkv,
             key_pad,
-            heads,
-            causal,
+            spec,
             B::kiln_memory_efficient_attention,
             B::kiln_memory_efficient_attention_backward,
         )
@@ -143,16 +136,14 @@ impl<B: Backend + KilnAttention, C: CheckpointStrategy> KilnAttention for Autodi
     fn kiln_memory_efficient_attention_backward(
         qkv: FloatTensor<Self>,
         key_pad: FloatTensor<Self>,
-        heads: usize,
-        causal: bool,
+        spec: AttentionSpec,
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         autodiff::attention_backward::<B, C>(
             [qkv, key_pad, out, lse, grad],
-            heads,
-            causal,
+            spec,
             B::kiln_memory_efficient_attention_backward,
         )
     }
@@ -180,9 +171,8 @@ pub(crate) fn on_tensor_cores(
 /// the result has qkv's dtype.
 pub(crate) fn self_attention(
     qkv: Tensor<3>,
-    heads: usize,
     key_pad: Option<Tensor<2, Bool>>,
-    causal: bool,
+    spec: AttentionSpec,
 ) -> Tensor<3> {
     // Always a mask, in f32 (the extension cannot route an optional
     // tensor): zeros when nothing is padding.
@@ -195,8 +185,7 @@ pub(crate) fn self_attention(
     let (out, _lse) = <Dispatch as KilnAttention>::kiln_memory_efficient_attention(
         qkv.into_dispatch(),
         key_pad,
-        heads,
-        causal,
+        spec,
     );
     Tensor::from_dispatch(out)
 }
@@ -206,6 +195,8 @@ mod cube {
 
     use burn::tensor::DType;
     use burn_backend::cubecl::dtype_to_storage_type;
+
+    use super::AttentionSpec;
     use burn_cubecl::kernel::into_contiguous;
     use burn_cubecl::tensor::CubeTensor;
     use cubecl::prelude::*;
@@ -532,12 +523,15 @@ mod cube {
     pub(super) fn forward(
         qkv: CubeTensor,
         key_pad: CubeTensor,
-        heads: usize,
-        causal: bool,
+        spec: AttentionSpec,
     ) -> (CubeTensor, CubeTensor) {
         let (qkv, pad) = (into_contiguous(qkv), into_contiguous(key_pad));
-        // On the matrix unit where the device has one for the dtype.
-        if let Some(result) = super::super::flash_attention::forward(&qkv, &pad, heads, causal) {
+        let (heads, causal) = (spec.heads, spec.causal);
+        // On the matrix unit where the device has one for the dtype (and
+        // the caller did not ask for the scalar kernels).
+        if spec.matrix_unit
+            && let Some(result) = super::super::flash_attention::forward(&qkv, &pad, heads, causal)
+        {
             return result;
         }
         let p = problem(&qkv, heads);
@@ -566,13 +560,13 @@ mod cube {
     pub(super) fn backward(
         qkv: CubeTensor,
         key_pad: CubeTensor,
-        heads: usize,
-        causal: bool,
+        spec: AttentionSpec,
         out: CubeTensor,
         lse: CubeTensor,
         grad: CubeTensor,
     ) -> CubeTensor {
         let [qkv, pad, out, lse, grad] = [qkv, key_pad, out, lse, grad].map(into_contiguous);
+        let (heads, causal) = (spec.heads, spec.causal);
         let p = problem(&qkv, heads);
         let dtype = qkv.dtype;
         let client = qkv.client.clone();
@@ -596,9 +590,11 @@ mod cube {
             p.head_dim,
             dtype_to_storage_type(dtype),
         );
-        // On the matrix unit where the device has one for the dtype.
-        if let Some(dqkv) =
-            super::super::flash_attention::backward(&qkv, &pad, &grad, &lse, &delta, heads, causal)
+        // On the matrix unit where the forward pass ran.
+        if spec.matrix_unit
+            && let Some(dqkv) = super::super::flash_attention::backward(
+                &qkv, &pad, &grad, &lse, &delta, heads, causal,
+            )
         {
             return dqkv;
         }
