@@ -79,6 +79,7 @@ pub fn apple_gpu_from(brand: &str, memsize: u64, displays: &str) -> Option<Other
         pci_device_id: 0,
         pci_slot: String::new(),
         memory_total_bytes: (memsize > 0).then_some(memsize),
+        memory_used_bytes: None,
         architecture: Some(generation),
         table_model: Some(chip.to_string()),
         peak,

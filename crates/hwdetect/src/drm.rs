@@ -64,6 +64,10 @@ pub struct OtherGpu {
     pub pci_slot: String,
     /// Device memory in bytes, where the driver says (AMD's VRAM).
     pub memory_total_bytes: Option<u64>,
+    /// Device memory in use, in bytes, where the driver says (AMD's
+    /// `mem_info_vram_used`: the file ROCm SMI reads its figure from).
+    #[serde(default)]
+    pub memory_used_bytes: Option<u64>,
     /// The graphics architecture (`gfx942`), from the ROCm kernel driver's
     /// topology where it is loaded.
     pub architecture: Option<String>,
@@ -136,6 +140,7 @@ impl OtherGpu {
             pci_device_id: device,
             pci_slot: String::new(),
             memory_total_bytes,
+            memory_used_bytes: None,
             architecture: None,
             table_model,
             // Every board in the table computes fp16 and bf16 in its matrix
@@ -399,12 +404,14 @@ pub fn detect_drm_gpus(root: &Path) -> Vec<OtherGpu> {
         if !slot.is_empty() && gpus.iter().any(|g| g.pci_slot == slot) {
             continue;
         }
-        let memory = read(&device.join("mem_info_vram_total")).and_then(|t| t.parse::<u64>().ok());
+        let bytes = |file: &str| read(&device.join(file)).and_then(|t| t.parse::<u64>().ok());
+        let memory = bytes("mem_info_vram_total");
         let Some(mut gpu) =
             OtherGpu::from_pci(vendor, id, memory, read(&device.join("product_name")))
         else {
             continue;
         };
+        gpu.memory_used_bytes = bytes("mem_info_vram_used");
         gpu.architecture = location_id(&slot).and_then(|loc| {
             architectures
                 .iter()
@@ -465,6 +472,7 @@ mod tests {
                 ("vendor", "0x1002"),
                 ("device", "0x74a1"),
                 ("mem_info_vram_total", "206141652992"),
+                ("mem_info_vram_used", "299892736"),
                 ("product_name", "AMD Instinct MI300X"),
             ],
         );
@@ -531,10 +539,12 @@ mod tests {
         assert_eq!(mi300.vendor, GpuVendor::Amd);
         assert_eq!(mi300.architecture.as_deref(), Some("gfx942"));
         assert_eq!(mi300.memory_total_bytes, Some(206_141_652_992));
+        assert_eq!(mi300.memory_used_bytes, Some(299_892_736));
         assert_eq!(mi300.pci_slot, "0000:0c:00.0");
         assert_eq!(mi300.peak.map(|p| p.bf16), Some(Some(1307.4e12)));
         let radeon = &gpus[1];
         assert_eq!(radeon.architecture, None);
+        assert_eq!(radeon.memory_used_bytes, None);
         assert_eq!(radeon.table_model.as_deref(), Some("Radeon RX 7900 XTX"));
         assert_eq!(radeon.peak.map(|p| p.fp16), Some(Some(122.8e12)));
         let gcd = &gpus[2];

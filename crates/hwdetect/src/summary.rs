@@ -71,7 +71,10 @@ impl fmt::Display for HardwareReport {
             };
             let memory = match g.memory_total_bytes {
                 Some(m) if g.unified_memory => format!(", {} unified memory", gib(m)),
-                Some(m) => format!(", {}", gib(m)),
+                Some(m) => match g.memory_used_bytes {
+                    Some(used) => format!(", {} ({} free)", gib(m), gib(m.saturating_sub(used))),
+                    None => format!(", {}", gib(m)),
+                },
                 None => String::new(),
             };
             let seen = if g.vendor == crate::GpuVendor::Apple {
@@ -201,8 +204,16 @@ mod tests {
             ),
             "{text}"
         );
-        // A report saved before kiln read fp16/bf16 says false for both.
+        // A report saved before kiln read fp16/bf16 (and the memory in
+        // use) says false for both, and no free memory.
         assert!(text.contains("fp16 no, bf16 no"), "{text}");
+        let mut used = report.clone();
+        used.other_gpus[0].memory_used_bytes = Some(2 << 30);
+        assert!(
+            used.to_string()
+                .contains("gfx942), 192.0 GiB (190.0 GiB free), seen through sysfs"),
+            "{used}"
+        );
         assert!(
             text.contains("dense peak: fp32 163.4, bf16 1307.4"),
             "{text}"
