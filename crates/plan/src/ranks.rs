@@ -35,13 +35,13 @@ fn rank_gpus(hardware: &HardwareReport) -> (Vec<(String, Option<u64>)>, Option<&
         .iter()
         .filter(|g| g.trainable())
         .collect();
-    let indexed = match others.first().map(|g| g.vendor) {
-        Some(kiln_hwdetect::GpuVendor::Amd) => Some("rocm"),
-        _ => None,
+    let Some(vendor) = others.first().map(|g| g.vendor) else {
+        return (Vec::new(), None);
     };
+    let indexed = (vendor == kiln_hwdetect::GpuVendor::Amd).then_some("rocm");
     let gpus = others
         .iter()
-        .filter(|g| Some(g.vendor) == others.first().map(|f| f.vendor))
+        .filter(|g| g.vendor == vendor)
         .map(|g| (g.name.clone(), g.memory_total_bytes))
         .collect();
     (gpus, indexed)
@@ -78,8 +78,10 @@ pub fn local_ranks(hardware: &HardwareReport, backends: &[&str]) -> Ranks {
         };
     }
     let one_device = |why: String| Ranks { count: 1, why };
+    if gpus.len() == 1 {
+        return one_device(format!("one {}: one process", first.0));
+    }
     match indexed {
-        _ if gpus.len() == 1 => return one_device(format!("one {}: one process", first.0)),
         Some(backend) if !backends.contains(&backend) => {
             return one_device(format!(
                 "{} GPUs, but this build runs them through wgpu, which opens one device: one process; a build with the `{backend}` feature runs one rank per GPU",

@@ -547,7 +547,7 @@ fn bench_device(
     check_kernel_profile(options, &choice)?;
     let device = train_device(config, &choice.device, config.training.seed);
     let precision = run_precision(config, &choice, hardware);
-    crate::setup::check_attention(config, &choice, &precision)?;
+    crate::setup::check_attention_choice(config, &choice, &precision)?;
     Ok((choice, device, precision))
 }
 

@@ -211,7 +211,7 @@ pub(crate) fn run_precision(
 /// without a matrix instruction for the dtype and the heads' width
 /// (`kiln_model::kernels::attention_on_tensor_cores`). Every other choice
 /// runs anywhere: `auto` takes the best there is.
-pub(crate) fn check_attention(
+pub(crate) fn check_attention_choice(
     c: &RunConfig,
     device: &DeviceChoice,
     precision: &PrecisionChoice,

@@ -587,7 +587,7 @@ impl Session {
         let gpt = &prepared.gpt;
         let train_device = train_device(config, &device.device, seed);
         let precision = run_precision(config, &device, hardware);
-        crate::setup::check_attention(config, &device, &precision)?;
+        crate::setup::check_attention_choice(config, &device, &precision)?;
         let mut model = init_model(config, &train_device, seed, |d| gpt.init(d));
         let mut optim = AdamW::for_training(&config.training).with_kernels(kernels(config));
         let mut start = LoopPlanStart {

@@ -524,7 +524,7 @@ fn train_fold(
     let encoder = &p.encoder;
     let train_device = train_device(config, &device.device, p.seed);
     let precision = run_precision(config, device, &options.hardware);
-    crate::setup::check_attention(config, device, &precision)?;
+    crate::setup::check_attention_choice(config, device, &precision)?;
     let mut model = init_model(config, &train_device, p.seed, |d| encoder.init(d));
     if config.model.freeze_encoder {
         model = model.freeze_encoder();
