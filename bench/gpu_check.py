@@ -26,7 +26,9 @@ any build) through, in order of importance:
    (`optimization.attention=memory-efficient`), for what the matrix-unit
    (FlashAttention-2) kernels gain;
 5. data parallelism on the one GPU: `kiln launch` of 2 ranks (NCCL, then
-   kiln's sockets) against one process with their whole batch;
+   kiln's sockets) against one process with their whole batch, and (after
+   the `h100` preset) GPT-2 small bf16 benchmarked as a job of 2 ranks,
+   for the all-reduce's time per step;
 6. 300 steps of `kiln train hardware=auto` (the `train-auto` run).
 
 With `--kiln-cuda-cpp` (a build with kiln's `cuda-cpp` feature: CubeCL
@@ -475,6 +477,29 @@ class Check:
             with open(summary) as f:
                 step["summary"] = json.load(f)
 
+    def ddp_bench(self):
+        """GPT-2 small bf16 as a job of 2 ranks × 4 on the one GPU (`kiln
+        launch … bench lm`, NCCL on CUDA): the gradients' all-reduce per
+        step (`phases.all_reduce_ms`: 124 M gradients through host memory
+        and NCCL) and its share of the step (`comm_pct`). Two ranks share
+        the GPU, so the job's tokens/s is not a scaling figure."""
+        _, overrides, _, warmup, steps, limit = self.shapes()["bench lm gpt2-small bf16"]
+        if self.args.tiny:
+            warmup, steps = 1, 2
+        port = str(29600 + int(time.monotonic()) % 1000)
+        cmd = self.kiln_cmd(
+            "launch", "--nproc-per-node", "2", "--master-port", port,
+            "bench", "lm", "--json", f"--warmup={warmup}", f"--steps={steps}",
+            *overrides, "training.batch_size=2" if self.args.tiny else "training.batch_size=4",
+        )
+        env = dict(self.env, NCCL_MULTI_RANK_GPU_ENABLE="1")
+        step = self.run("bench lm gpt2-small bf16, 2 ranks", cmd, limit * 2, env=env)
+        if step["status"] == "ok":
+            b = step["result"]["bench"]
+            print(f"-- 2 ranks: {b['tokens_per_s_median']:.0f} tokens/s, all-reduce "
+                  f"{b['phases']['all_reduce_ms']:.1f} ms ({b['comm_pct']:.1f}% of the step); "
+                  f"{b['collectives']}", flush=True)
+
     def ddp(self):
         """Data parallelism on the one GPU: one process with batch 8
         against `kiln launch` of 2 ranks × 4 (NCCL on CUDA; two ranks share
@@ -665,6 +690,7 @@ def main():
         check.bench_named("bench nli bert-base bf16")
         check.pytorch([gpt2_bf16])
         check.bench_named("bench lm h100 preset")
+        check.ddp_bench()
         if not args.tiny:
             # A comparison of speeds: nothing to learn on a software GPU, and
             # the same bench as above with one override more.

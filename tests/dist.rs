@@ -221,6 +221,67 @@ fn a_resume_that_changes_the_global_batch_is_refused() {
 }
 
 #[test]
+fn a_job_benchmarks_the_language_model_step_over_every_rank() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let mut args: Vec<String> = [
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        &free_port(),
+        "bench",
+        "lm",
+        "--json",
+        "--warmup=1",
+        "--steps=3",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    // The tiny run's layers (batch 8 of 32 tokens per rank), no run directory.
+    args.extend(
+        tiny(dir, "unused", 10)
+            .into_iter()
+            .skip(1)
+            .filter(|a| !a.starts_with("run.dir")),
+    );
+    let out = run(&args).expect_code(0);
+    // Rank 0 alone reports: one JSON document, by the documented schema.
+    crate::measure::check_schema("bench-schema", &out.stdout);
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("one JSON document");
+    let b = &v["bench"];
+    assert_eq!(b["world_size"], 2);
+    assert_eq!(b["timed_steps"], 3);
+    let how = b["collectives"].as_str().expect("collectives");
+    assert!(how.contains("sockets") && how.contains("2 ranks"), "{how}");
+    let comm = b["comm_pct"].as_f64().expect("comm_pct");
+    assert!(comm > 0.0 && comm < 100.0, "all-reduce {comm}% of the step");
+    assert!(
+        b["phases"]["all_reduce_ms"]
+            .as_f64()
+            .is_some_and(|ms| ms > 0.0)
+    );
+    // The rates are the job's: both ranks' micro-batches in each step.
+    let per_step = b["tokens_per_s_median"].as_f64().expect("tokens/s")
+        * b["ms_per_step_median"].as_f64().expect("ms")
+        / 1e3;
+    assert!(
+        (per_step - (2 * 8 * 32) as f64).abs() < 1.0,
+        "{per_step} tokens per step"
+    );
+    let peak = b["mfu_peak"].as_str().expect("mfu_peak");
+    assert!(peak.starts_with("2 × "), "{peak}");
+    // Alone, the same bench has no job.
+    let alone: Vec<String> = args[5..].to_vec();
+    let v: serde_json::Value =
+        serde_json::from_str(&run(&alone).expect_code(0).stdout).expect("json");
+    assert_eq!(v["bench"]["world_size"], 1);
+    assert!(v["bench"]["comm_pct"].is_null() && v["bench"]["collectives"].is_null());
+    assert_eq!(v["bench"]["phases"]["all_reduce_ms"], 0.0);
+}
+
+#[test]
 fn bad_launches_exit_2_with_the_reason() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
@@ -250,6 +311,18 @@ fn bad_launches_exit_2_with_the_reason() {
     run(&["launch".into(), "cv".into()])
         .expect_code(2)
         .stderr_has(&["cross-validation"]);
+    // Only the language model's bench runs as a job, at the launcher or on
+    // a rank torchrun started.
+    run(&["launch", "--nproc-per-node", "2", "bench", "nli"].map(String::from))
+        .expect_code(2)
+        .stderr_has(&["bench nli", "`bench lm`"]);
+    kiln(&["bench", "loader"])
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_PORT", &free_port())
+        .run()
+        .expect_code(2)
+        .stderr_has(&["rank 1 of 2", "`bench loader` runs in one process"]);
     // A rank outside its world, as torchrun's variables give it.
     let refs: Vec<&str> = train.iter().map(String::as_str).collect();
     kiln(&refs)

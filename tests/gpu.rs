@@ -382,6 +382,7 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
         "bench lm gpt2-small f32",
         "bench nli bert-base bf16",
         "bench lm h100 preset",
+        "bench lm gpt2-small bf16, 2 ranks",
         // 20 steps on a GPU, 5 with --tiny.
         "reference lm: wgpu vs flex after 5 step(s)",
         "reference nli: wgpu vs flex after 5 step(s)",
@@ -404,6 +405,11 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
             "{name}: {stdout}"
         );
     }
+    // The job's bench: two ranks, their gradients all-reduced (over the
+    // sockets on wgpu; NCCL on CUDA).
+    let job = &step("bench lm gpt2-small bf16, 2 ranks")["result"]["bench"];
+    assert_eq!(job["world_size"], 2, "{job}");
+    assert!(job["comm_pct"].as_f64().is_some_and(|c| c > 0.0), "{job}");
     let gpt2 = &step("bench lm gpt2-small bf16")["result"]["bench"];
     assert!(
         gpt2["backend"]

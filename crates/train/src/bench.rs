@@ -10,6 +10,7 @@ use std::time::Instant;
 use burn::tensor::Device;
 use kiln_config::{RunConfig, Workload};
 use kiln_data::{BatchSource, Loader, benchmark_loader};
+use kiln_dist::{Group, Reduce};
 use kiln_hwdetect::HardwareReport;
 use serde::Serialize;
 
@@ -21,6 +22,7 @@ use crate::setup::{init_model, mfu_peak, run_precision, train_device};
 use crate::step::{Phase, PhaseTimer, StepState, train_step};
 use crate::task::{Task, Work};
 use crate::translate::kernels;
+use crate::workload::lm::{collectives, on_rank_device, prepare_in_turn};
 use crate::workload::{lm, nli};
 use crate::{MemoryTracker, TrainError, open_device};
 
@@ -54,6 +56,9 @@ pub struct PhaseTimes {
     pub forward_ms: f64,
     /// The backward pass.
     pub backward_ms: f64,
+    /// In a data-parallel job: the gradients' all-reduce, the wait for the
+    /// slowest rank included (0 in one process).
+    pub all_reduce_ms: f64,
     /// Clipping and the optimizer's update.
     pub optimizer_ms: f64,
 }
@@ -64,8 +69,17 @@ pub struct PhaseTimes {
 pub struct BenchResult {
     /// `lm` or `nli`.
     pub workload: &'static str,
-    /// The device it ran on ("flex (CPU)", "cuda (GPU 0)").
+    /// The device it ran on ("flex (CPU)", "cuda (GPU 0)"); in a job, rank 0's.
     pub backend: String,
+    /// The processes of the data-parallel job timed (`kiln launch … bench`),
+    /// 1 alone. The rates and MFU are the whole job's.
+    pub world_size: usize,
+    /// In a job: what reduces the gradients (NCCL, or the rendezvous's
+    /// sockets); `None` alone.
+    pub collectives: Option<String>,
+    /// In a job: the median step's share spent in the gradients' all-reduce,
+    /// the wait for the slowest rank included, in percent; `None` alone.
+    pub comm_pct: Option<f64>,
     /// What the products computed in: "f32", "bf16 compute, f32 master weights", ...
     pub precision: String,
     /// Optimizer steps: each of `gradient_accumulation_steps` micro-batches.
@@ -143,7 +157,7 @@ pub struct BenchResult {
 #[derive(Default)]
 struct Timings {
     step_s: Vec<f64>,
-    phases: [Vec<f64>; 5],
+    phases: [Vec<f64>; 6],
     work: Vec<Work>,
     final_loss: f64,
     loss_scale: Option<f64>,
@@ -157,12 +171,12 @@ struct SyncTimer<'a> {
     device: &'a Device,
     last: Instant,
     /// Seconds per phase in the current step.
-    step: [f64; 5],
+    step: [f64; 6],
 }
 
 impl SyncTimer<'_> {
     fn start_step(&mut self) {
-        self.step = [0.0; 5];
+        self.step = [0.0; 6];
         self.last = Instant::now();
     }
 }
@@ -176,7 +190,8 @@ impl PhaseTimer for SyncTimer<'_> {
             Phase::Upload => 1,
             Phase::Forward => 2,
             Phase::Backward => 3,
-            Phase::Optimizer => 4,
+            Phase::Reduce => 4,
+            Phase::Optimizer => 5,
         };
         self.step[i] += (now - self.last).as_secs_f64();
         self.last = now;
@@ -203,7 +218,10 @@ fn process_cpu_seconds() -> Option<f64> {
     None
 }
 
-/// Runs `warmup + steps` optimizer steps of `task`, timing each phase.
+/// Runs `warmup + steps` optimizer steps of `task`, timing each phase. In
+/// a job (`group`) every rank runs the same steps: after each timed one
+/// the ranks agree whether enough were timed (any rank's yes ends it; the
+/// agreement is not timed).
 fn time_steps<T: Task>(
     task: &T,
     mut model: T::Model,
@@ -211,6 +229,7 @@ fn time_steps<T: Task>(
     config: &RunConfig,
     options: BenchOptions,
     scaler: Option<LossScaler>,
+    group: Option<&Arc<Group>>,
 ) -> Result<Timings, TrainError> {
     let mut loader = Loader::new(
         task.source(),
@@ -220,10 +239,11 @@ fn time_steps<T: Task>(
     );
     let mut optim = AdamW::for_training(&config.training).with_kernels(kernels(config));
     let mut state = StepState::new(config, scaler);
+    state.group = group.cloned();
     let mut timer = SyncTimer {
         device,
         last: Instant::now(),
-        step: [0.0; 5],
+        step: [0.0; 6],
     };
     let mut out = Timings::default();
     let mut timed = 0.0;
@@ -239,8 +259,9 @@ fn time_steps<T: Task>(
     // After the timed steps, the profiled ones (if asked).
     let mut profiler = None;
     let mut profiled = 0;
+    let mut done = enough(0, 0.0);
     loop {
-        let measuring = !enough(i, timed);
+        let measuring = !done;
         if !measuring {
             if profiled == options.kernel_profile_steps {
                 break;
@@ -282,8 +303,11 @@ fn time_steps<T: Task>(
                 list.push(v * 1e3);
             }
         }
-        if measuring && enough(i, timed) {
-            record_cpu_use(&mut out, timed_from.take());
+        if measuring {
+            done = agree(group, enough(i, timed))?;
+            if done {
+                record_cpu_use(&mut out, timed_from.take());
+            }
         }
     }
     out.kernel_profile = profiler.map(|p| {
@@ -292,6 +316,16 @@ fn time_steps<T: Task>(
     });
     out.loss_scale = state.scaler.map(|s| s.scale);
     Ok(out)
+}
+
+/// Whether any rank of the job says yes (`yes` alone).
+fn agree(group: Option<&Arc<Group>>, yes: bool) -> Result<bool, TrainError> {
+    let Some(group) = group else {
+        return Ok(yes);
+    };
+    let mut flag = [if yes { 1.0 } else { 0.0 }];
+    group.all_reduce(&mut flag, Reduce::Max)?;
+    Ok(flag[0] > 0.0)
 }
 
 /// The process's CPU use from `from` (CPU seconds, wall clock) to now.
@@ -340,7 +374,9 @@ fn result(
     (parameters, vocab_size): (usize, usize),
     flops_real: f64,
     mut t: Timings,
+    job: Option<(&Group, String)>,
 ) -> BenchResult {
+    let world = job.as_ref().map_or(1, |(g, _)| g.world_size());
     let mut memory = MemoryTracker::new();
     let (_, peak_memory) = memory.sample();
     let per_step = |v: &[usize]| -> Vec<f64> {
@@ -370,7 +406,18 @@ fn result(
     let waited: f64 = t.phases[0].iter().sum::<f64>() / 1e3;
     let samples: usize = t.work.iter().map(|w| w.samples).sum();
     let flops_padded = t.work.iter().map(|w| w.flops).sum::<f64>() / samples.max(1) as f64;
-    let (peak, mfu_peak) = mfu_peak(config, device, precision, hardware);
+    // A job's rate is counted against the peak of all its devices.
+    let (peak, mut mfu_peak) = mfu_peak(config, device, precision, hardware);
+    let peak = peak.map(|p| p * world as f64);
+    if world > 1 {
+        mfu_peak = format!("{world} × {mfu_peak}");
+    }
+    let mut comm: Vec<f64> = t.phases[4]
+        .iter()
+        .zip(&t.step_s)
+        .map(|(ms, s)| ms / (10.0 * s))
+        .collect();
+    let comm_pct = job.is_some().then(|| median(&mut comm));
     let tokens_per_s_median = median(&mut tps);
     let percentile = |v: &[f64], q: f64| -> f64 {
         // `median` sorted `tps`; nearest rank.
@@ -393,10 +440,13 @@ fn result(
                 })
         })
         .flatten();
-    let [d, h, f, b, o] = &mut t.phases;
+    let [d, h, f, b, r, o] = &mut t.phases;
     BenchResult {
         workload,
         backend: device.name.clone(),
+        world_size: world,
+        collectives: job.map(|(_, how)| how),
+        comm_pct,
         precision: precision.label.clone(),
         warmup_steps: options.warmup,
         timed_steps: t.step_s.len(),
@@ -436,6 +486,7 @@ fn result(
             host_to_device_ms: median(h),
             forward_ms: median(f),
             backward_ms: median(b),
+            all_reduce_ms: median(r),
             optimizer_ms: median(o),
         },
         final_loss: t.final_loss,
@@ -558,9 +609,29 @@ pub fn bench_lm(
     hardware: &HardwareReport,
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
+    bench_lm_job(config, hardware, options, None)
+}
+
+/// [`bench_lm`] as one rank of a data-parallel job (`group`, as `kiln
+/// launch … bench lm` starts them), or alone (`None`). Every rank of the
+/// job runs it: each on its share of every batch and its own device
+/// (`LOCAL_RANK`), the gradients all-reduced in each step as in training.
+/// The result is the job's (its tokens/s and MFU over every rank) and
+/// counts for rank 0; memory is each rank's own.
+pub fn bench_lm_job(
+    config: &RunConfig,
+    hardware: &HardwareReport,
+    options: BenchOptions,
+    group: Option<&Arc<Group>>,
+) -> Result<BenchResult, TrainError> {
+    let config = &on_rank_device(config, group.map(|g| &**g), hardware);
     let (choice, device, precision) = bench_device(config, hardware, options)?;
-    let prepared = lm::prepare(config, lm::TokenizerFrom::Config)?;
-    let task = prepared.task(config, &choice.device)?;
+    let how = group.map(|g| collectives(&choice, g)).transpose()?;
+    let prepared = prepare_in_turn(group.map(|g| &**g), || {
+        lm::prepare(config, lm::TokenizerFrom::Config)
+    })?;
+    let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.world_size()));
+    let task = prepared.shared_task(config, &choice.device, rank, world)?;
     let gpt = &prepared.gpt;
     let seed = config.training.seed;
     let model = init_model(config, &device, seed, |d| gpt.init(d))
@@ -570,7 +641,7 @@ pub fn bench_lm(
     let scaler = precision
         .loss_scaling()
         .then(|| LossScaler::from_config(&config.precision));
-    let timings = time_steps(&task, model, &device, config, options, scaler)?;
+    let timings = time_steps(&task, model, &device, config, options, scaler, group)?;
     Ok(result(
         "lm",
         &choice,
@@ -581,6 +652,7 @@ pub fn bench_lm(
         (gpt.num_params(), gpt.vocab_size),
         gpt.flops_per_token() * config.model.max_length as f64,
         timings,
+        group.map(|g| &**g).zip(how),
     ))
 }
 
@@ -608,7 +680,7 @@ pub fn bench_nli(
     let scaler = precision
         .loss_scaling()
         .then(|| LossScaler::from_config(&config.precision));
-    let timings = time_steps(&task, model, &device, config, options, scaler)?;
+    let timings = time_steps(&task, model, &device, config, options, scaler, None)?;
     Ok(result(
         "nli",
         &choice,
@@ -619,6 +691,7 @@ pub fn bench_nli(
         (encoder.num_params(), encoder.vocab_size),
         encoder.flops_per_sequence(prepared.mean_length.round() as usize, frozen),
         timings,
+        None,
     ))
 }
 

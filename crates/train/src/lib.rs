@@ -59,8 +59,8 @@ mod translate;
 mod workload;
 
 pub use bench::{
-    BenchOptions, BenchResult, LoaderBenchResult, LoaderRow, PhaseTimes, bench_lm, bench_loader,
-    bench_nli,
+    BenchOptions, BenchResult, LoaderBenchResult, LoaderRow, PhaseTimes, bench_lm, bench_lm_job,
+    bench_loader, bench_nli,
 };
 pub use checkpoint::{CheckpointInfo, latest_good_checkpoint};
 pub use compile::{FUSION_BUILT_IN, apply_compile, autotune_level};

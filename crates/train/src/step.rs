@@ -28,6 +28,9 @@ pub(crate) enum Phase {
     Upload,
     Forward,
     Backward,
+    /// In a data-parallel job: the gradients' all-reduce (the wait for the
+    /// slowest rank included).
+    Reduce,
     /// Norm, checks and the update.
     Optimizer,
 }
@@ -230,6 +233,7 @@ pub(crate) fn train_step<T: Task>(
         stop = extra[1] > 0.0;
         reduced_in = Some(started.elapsed());
         work = work.times(group.world_size());
+        timer.end(Phase::Reduce);
     }
     let grad_norm = global_grad_norm(&model, &grads, optim.kernels) / loss_scale;
     let verdict = match state.scaler.as_mut() {

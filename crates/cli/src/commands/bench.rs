@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use kiln_hwdetect::HardwareReport;
 
-use super::{Context, Layers, train_error};
+use super::{BadInput, Context, Layers, train_error};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
@@ -53,6 +53,16 @@ pub(crate) enum Workload {
     Loader,
 }
 
+impl Workload {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Lm => "lm",
+            Self::Nli => "nli",
+            Self::Loader => "loader",
+        }
+    }
+}
+
 pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     let Args {
         workload,
@@ -66,6 +76,23 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         layers,
     } = args;
     let report = &ctx.report;
+    // A rank of a data-parallel job (`kiln launch … bench lm`, torchrun,
+    // Slurm): the language model's step, timed over every rank.
+    let group = if workload == Workload::Lm {
+        super::train::join_job()?
+    } else {
+        let env: Vec<(String, String)> = std::env::vars().collect();
+        if let Ok(Some(spec)) = kiln_train::kiln_dist::WorldSpec::from_env(&env) {
+            return Err(BadInput(format!(
+                "rank {} of {}: `bench {}` runs in one process; a data-parallel job benchmarks `bench lm`",
+                spec.rank,
+                spec.world_size,
+                workload.name()
+            ))
+            .into());
+        }
+        None
+    };
     let resolved = if workload == Workload::Nli {
         ctx.resolve_nli(layers)?
     } else {
@@ -93,9 +120,21 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     };
     let result = match workload {
         Workload::Nli => kiln_train::bench_nli(config, report, options),
-        _ => kiln_train::bench_lm(config, report, options),
+        _ => kiln_train::bench_lm_job(config, report, options, group.as_ref()),
     }
-    .map_err(train_error)?;
+    .map_err(|e| match &group {
+        Some(g) => train_error(e).context(format!(
+            "rank {} of {} on {}",
+            g.rank(),
+            g.world_size(),
+            kiln_train::kiln_dist::hostname()
+        )),
+        None => train_error(e),
+    })?;
+    if group.as_ref().is_some_and(|g| !g.is_root()) {
+        // Rank 0 reports the job.
+        return Ok(ExitCode::SUCCESS);
+    }
     if json {
         let value = serde_json::to_value(&result)?;
         write_json(&mut out, BENCH_SCHEMA, "bench", value, report, config)?;
@@ -214,12 +253,17 @@ fn bench_text(r: &kiln_train::BenchResult) -> String {
          FLOPs per sample: {:.3} G as computed (padded), {:.3} G on real tokens only\n\
          MFU: {} against {}\n\
          data-wait: {:.2}% of step time; peak memory {:.0} MiB{}; CPU {} during the timed steps\n\
-         phases (median ms): data wait {:.2}, host-to-device {:.2}, forward {:.1}, backward {:.1}, optimizer {:.1}\n{}",
+         phases (median ms): data wait {:.2}, host-to-device {:.2}, forward {:.1}, backward {:.1}, {}optimizer {:.1}\n{}{}",
         r.workload,
         r.backend,
         r.timed_steps,
         r.warmup_steps,
-        batch_text(r.batch_size, r.gradient_accumulation_steps),
+        batch_text(r.batch_size, r.gradient_accumulation_steps)
+            + &if r.world_size > 1 {
+                format!(" a rank × {} ranks", r.world_size)
+            } else {
+                String::new()
+            },
         r.samples_per_s_median,
         r.tokens_per_s_median,
         r.tokens_per_s_p10,
@@ -246,7 +290,13 @@ fn bench_text(r: &kiln_train::BenchResult) -> String {
         p.host_to_device_ms,
         p.forward_ms,
         p.backward_ms,
+        if r.world_size > 1 {
+            format!("all-reduce {:.1}, ", p.all_reduce_ms)
+        } else {
+            String::new()
+        },
         p.optimizer_ms,
+        job_text(r),
         r.isa.as_ref().map_or(String::new(), |i| format!(
             "instruction sets: gemm {}, kiln's loops {}, Burn's element-wise loops {}\n",
             i.gemm, i.kernels, i.elementwise
@@ -255,6 +305,18 @@ fn bench_text(r: &kiln_train::BenchResult) -> String {
         .kernel_profile
         .as_ref()
         .map_or(String::new(), kernel_profile_text)
+}
+
+/// A data-parallel job's line: its ranks, what reduced the gradients, and
+/// the all-reduce's share of the step.
+fn job_text(r: &kiln_train::BenchResult) -> String {
+    let (Some(how), Some(comm)) = (&r.collectives, r.comm_pct) else {
+        return String::new();
+    };
+    format!(
+        "job: {} ranks, the rates and MFU over all of them (memory and phases: rank 0's); all-reduce {comm:.1}% of the step; {how}\n",
+        r.world_size
+    )
 }
 
 /// `--kernel-profile`: the device's busy share and the largest kernels.

@@ -29,7 +29,8 @@ pub(crate) struct Args {
     /// The rendezvous port on node 0
     #[arg(long, value_name = "PORT", default_value_t = kiln_dist::DEFAULT_PORT)]
     master_port: u16,
-    /// What every rank runs: `train [key=value ...]` or `resume RUN [key=value ...]`
+    /// What every rank runs: `train [key=value ...]`, `resume RUN [key=value
+    /// ...]` or `bench lm [--json] [key=value ...]`
     #[arg(
         value_name = "COMMAND",
         required = true,
@@ -39,7 +40,7 @@ pub(crate) struct Args {
     command: Vec<String>,
 }
 
-/// `kiln launch … train|resume …`. One rank on one machine (the default
+/// `kiln launch … train|resume|bench lm …`. One rank on one machine (the default
 /// where there is one GPU, or none) runs `single` with the command's
 /// arguments, in this process.
 pub(crate) fn run(
@@ -49,6 +50,19 @@ pub(crate) fn run(
 ) -> anyhow::Result<ExitCode> {
     match args.command.first().map(String::as_str) {
         Some("train" | "resume") => {}
+        Some("bench") => {
+            // Every rank times the language model's step; the other
+            // benches are one process's.
+            let workload = args.command[1..]
+                .iter()
+                .find(|a| ["lm", "nli", "loader"].contains(&a.as_str()));
+            if let Some(w) = workload.filter(|w| *w != "lm") {
+                return Err(BadInput(format!(
+                    "`kiln launch … bench {w}`: a data-parallel job benchmarks `bench lm`; run `kiln bench {w}` without a launcher"
+                ))
+                .into());
+            }
+        }
         Some("cv") => {
             return Err(BadInput(
                 "`kiln launch … cv`: cross-validation trains in one process so far; run `kiln cv` without a launcher".into(),
@@ -57,7 +71,7 @@ pub(crate) fn run(
         }
         other => {
             return Err(BadInput(format!(
-                "`kiln launch` runs `train` or `resume` on every rank, not `{}`",
+                "`kiln launch` runs `train`, `resume` or `bench lm` on every rank, not `{}`",
                 other.unwrap_or("")
             ))
             .into());

@@ -216,7 +216,7 @@ fn rank_error(options: &kiln_train::TrainOptions, e: kiln_train::TrainError) -> 
 /// Joins the data-parallel job this process was started in (by `kiln
 /// launch`, torchrun or Slurm), or `None` alone. Waits up to
 /// `RENDEZVOUS_TIMEOUT` seconds (300) for every rank.
-fn join_job() -> anyhow::Result<Option<Arc<kiln_train::kiln_dist::Group>>> {
+pub(crate) fn join_job() -> anyhow::Result<Option<Arc<kiln_train::kiln_dist::Group>>> {
     use kiln_train::kiln_dist::{Group, WorldSpec};
     let env: Vec<(String, String)> = std::env::vars().collect();
     let spec = WorldSpec::from_env(&env).map_err(|e| train_error(e.into()))?;

@@ -13,6 +13,7 @@ use kiln_data::{
     BatchSource, LmWindows, MemoryTokens, Split, TokenBatch, TokenSpan, Tokenizer, TokenizerKind,
     encode_cached, read_corpus,
 };
+use kiln_dist::Group;
 use kiln_hwdetect::HardwareReport;
 use kiln_model::{Gpt, GptConfig};
 use kiln_plan::{DataSize, ModelSize, Schedule};
@@ -208,11 +209,13 @@ pub(crate) fn train(
 ) -> Result<Outcome, TrainError> {
     // Everything that can fail on bad input fails before the run directory exists.
     let device = open_device(
-        &on_rank_device(config, options),
+        &on_rank_device(config, options.group.as_deref(), &options.hardware),
         options.hardware.gpu_vendor(),
     )?;
-    collectives(&device, options, observer)?;
-    let prepared = prepare_in_turn(config, TokenizerFrom::Config, options, observer)?;
+    note_collectives(&device, options, observer)?;
+    let prepared = prepare_in_turn(options.group.as_deref(), || {
+        prepare_observed(config, TokenizerFrom::Config, observer)
+    })?;
     let (session, model) =
         Session::new(config, device, &options.hardware, prepared, None, options)?;
     let run = if options.writes() {
@@ -282,10 +285,10 @@ pub(crate) fn resume(
         Err(e) => return Err(e),
     };
     let device = open_device(
-        &on_rank_device(config, options),
+        &on_rank_device(config, options.group.as_deref(), &options.hardware),
         options.hardware.gpu_vendor(),
     )?;
-    collectives(&device, options, observer)?;
+    note_collectives(&device, options, observer)?;
     let tokenizer = run.file("tokenizer.json");
     // Killed before it saved its tokenizer, a run makes it again (the same
     // config makes the same tokenizer).
@@ -295,7 +298,9 @@ pub(crate) fn resume(
     } else {
         TokenizerFrom::Config
     };
-    let prepared = prepare_in_turn(config, from_tokenizer, options, observer)?;
+    let prepared = prepare_in_turn(options.group.as_deref(), || {
+        prepare_observed(config, from_tokenizer, observer)
+    })?;
     if !saved {
         run.write("tokenizer.json", &prepared.tokenizer.to_json()?)?;
     }
@@ -326,11 +331,15 @@ pub(crate) fn resume(
 
 /// A data-parallel rank trains on GPU `LOCAL_RANK` of its machine, as
 /// torchrun's ranks take `cuda:LOCAL_RANK` (modulo the GPUs there are).
-fn on_rank_device(config: &RunConfig, options: &TrainOptions) -> RunConfig {
+pub(crate) fn on_rank_device(
+    config: &RunConfig,
+    group: Option<&Group>,
+    hardware: &HardwareReport,
+) -> RunConfig {
     let mut config = config.clone();
-    if let Some(group) = &options.group {
+    if let Some(group) = group {
         // More ranks than GPUs (NCCL 2.30's ranks sharing a GPU) wrap round.
-        let gpus = kiln_plan::rank_gpu_count(&options.hardware);
+        let gpus = kiln_plan::rank_gpu_count(hardware);
         config.device.index = group.local_rank() % gpus;
     }
     config
@@ -340,25 +349,24 @@ fn on_rank_device(config: &RunConfig, options: &TrainOptions) -> RunConfig {
 /// (a rank 0 that dies ends the wait at once).
 const PREPARE_WAIT: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
-/// [`prepare_observed`] in a data-parallel job: rank 0 first, the others
-/// once it is done, so that a corpus prepared into a token store (or a
-/// token cache) is written once, by rank 0, and read by the rest.
-fn prepare_in_turn(
-    config: &RunConfig,
-    from: TokenizerFrom<'_>,
-    options: &TrainOptions,
-    observer: &mut dyn Observer,
-) -> Result<Prepared, TrainError> {
-    match &options.group {
-        None => prepare_observed(config, from, observer),
+/// `prepare` (the corpus prepared, or read where it was) in a data-parallel
+/// job: rank 0 first, the others once it is done, so that a corpus
+/// prepared into a token store (or a token cache) is written once, by
+/// rank 0, and read by the rest.
+pub(crate) fn prepare_in_turn<T>(
+    group: Option<&Group>,
+    prepare: impl FnOnce() -> Result<T, TrainError>,
+) -> Result<T, TrainError> {
+    match group {
+        None => prepare(),
         Some(group) if group.is_root() => {
-            let prepared = prepare_observed(config, from, observer)?;
+            let prepared = prepare()?;
             group.barrier(PREPARE_WAIT)?;
             Ok(prepared)
         }
         Some(group) => {
             group.barrier(PREPARE_WAIT)?;
-            prepare_observed(config, from, observer)
+            prepare()
         }
     }
 }
@@ -366,17 +374,12 @@ fn prepare_in_turn(
 /// A job on CUDA devices reduces its gradients through NCCL, the engine of
 /// PyTorch DDP (`COLLECTIVES=sockets` keeps the rendezvous's sockets);
 /// elsewhere (flex, wgpu) over the sockets, through host memory.
-fn collectives(
-    device: &DeviceChoice,
-    options: &TrainOptions,
-    observer: &mut dyn Observer,
-) -> Result<(), TrainError> {
-    let Some(group) = &options.group else {
-        return Ok(());
-    };
+///
+/// Returns what reduces the gradients, for the run's notes.
+pub(crate) fn collectives(device: &DeviceChoice, group: &Group) -> Result<String, TrainError> {
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
-        let note = match group.use_nccl(group.local_rank())? {
+        return Ok(match group.use_nccl(group.local_rank())? {
             Some(v) => format!(
                 "NCCL {}.{}.{} reduces the gradients of the {} ranks",
                 v / 10000,
@@ -385,15 +388,24 @@ fn collectives(
                 group.world_size()
             ),
             None => "COLLECTIVES=sockets: the gradients are reduced over the rendezvous's sockets, through host memory".into(),
-        };
-        observer.event(&Event::Note(note));
-        return Ok(());
+        });
     }
-    observer.event(&Event::Note(format!(
+    Ok(format!(
         "the gradients of the {} ranks are reduced over the rendezvous's sockets through rank 0 ({})",
         group.world_size(),
         device.name
-    )));
+    ))
+}
+
+/// [`collectives`] of a job's rank, told to `observer`; nothing alone.
+fn note_collectives(
+    device: &DeviceChoice,
+    options: &TrainOptions,
+    observer: &mut dyn Observer,
+) -> Result<(), TrainError> {
+    if let Some(group) = &options.group {
+        observer.event(&Event::Note(collectives(device, group)?));
+    }
     Ok(())
 }
 
