@@ -112,13 +112,38 @@ fn two_and_three_ranks_train_as_one_process_with_the_whole_batch() {
         assert_eq!(unique, steps_logged, "a step logged twice");
         assert!(!steps_logged.is_empty());
     }
-    // Only rank 0 wrote: no run directory besides the three named ones.
+    // The gradients averaged in bf16 (precision.reduce_dtype): rounded, so
+    // further from one process than the f32 jobs, but the same training.
+    let job = run(&launch_args(
+        dir,
+        "bf16",
+        steps,
+        2,
+        &["training.batch_size=3", "precision.reduce_dtype=bf16"],
+    ))
+    .expect_code(0);
+    job.stdout_has(&[
+        "reduced over the rendezvous's sockets",
+        "in bf16 (precision.reduce_dtype)",
+    ]);
+    let bf16 = dir.join("bf16");
+    let diff = max_abs_diff(&ckpt(&dir.join("one"), steps), &ckpt(&bf16, steps));
+    let (a, b) = (final_val_loss(&dir.join("one")), final_val_loss(&bf16));
+    assert!(
+        diff > 1e-4,
+        "bf16 gradients rounded: weights differ by {diff}"
+    );
+    assert!((a - b).abs() < 2e-2, "bf16: val loss {b} against {a}");
+    // Only rank 0 wrote: no run directory besides the named ones.
     let mut entries: Vec<String> = std::fs::read_dir(dir)
         .expect("dir")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
         .collect();
     entries.sort();
-    assert_eq!(entries, ["cache", "corpus.txt", "one", "ranks2", "ranks3"]);
+    assert_eq!(
+        entries,
+        ["bf16", "cache", "corpus.txt", "one", "ranks2", "ranks3"]
+    );
 }
 
 /// The pid of rank `rank` among the children of `launcher`.

@@ -686,6 +686,7 @@ mod tests {
             max_bad_steps: 5,
             loss_scale_init: 65536.0,
             loss_scale_growth_interval: 2000,
+            reduce_dtype: crate::schema::ReduceDtype::F32,
         };
         let mi300x = other_machine(vec![amd(0x74a1, 192, "AMD Instinct MI300X")]);
         let bf16 = machine_precision(&p(true, AmpDtype::Bf16), None, &mi300x);
@@ -796,6 +797,7 @@ mod tests {
             max_bad_steps: 5,
             loss_scale_init: 65536.0,
             loss_scale_growth_interval: 2000,
+            reduce_dtype: crate::schema::ReduceDtype::F32,
         };
         let t4 = GpuInfo::new(0, "Tesla T4", 15 * GIB, 15 * GIB, (7, 5));
         let a100 = GpuInfo::new(0, "NVIDIA A100-SXM4-40GB", 40 * GIB, 40 * GIB, (8, 0));

@@ -296,6 +296,33 @@ pub struct PrecisionSection {
     pub loss_scale_init: f64,
     /// Clean steps in a row after which the loss scale doubles (PyTorch: 2000).
     pub loss_scale_growth_interval: u64,
+    /// In a data-parallel job, the type the gradients travel and are
+    /// averaged in (FSDP's `reduce_dtype`; DDP's `bf16_compress_hook`):
+    /// `f32`, or `bf16` for half the bytes.
+    #[serde(default)]
+    pub reduce_dtype: ReduceDtype,
+}
+
+/// `precision.reduce_dtype`: the gradients' type in a job's all-reduce.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReduceDtype {
+    /// float32: the gradients as computed.
+    #[default]
+    F32,
+    /// bfloat16: half the bytes over the links, each rank's gradients and
+    /// their mean rounded to 8 bits of mantissa.
+    Bf16,
+}
+
+impl ReduceDtype {
+    /// The name in configuration files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReduceDtype::F32 => "f32",
+            ReduceDtype::Bf16 => "bf16",
+        }
+    }
 }
 
 /// The dtype products compute in under `precision.amp`.

@@ -15,6 +15,7 @@ const MAGIC: u32 = 0x4b49_4c4e; // "KILN"
 const VERSION: u32 = 1;
 const OP_REDUCE: u8 = 1;
 const OP_GATHER: u8 = 2;
+const OP_REDUCE_BF16: u8 = 3;
 
 /// How an all-reduce combines the ranks' values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,6 +26,63 @@ pub enum Reduce {
     Mean,
     /// The largest (flags: any rank).
     Max,
+}
+
+/// The type values travel in during an all-reduce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wire {
+    F32,
+    /// bfloat16: half the bytes, 8 bits of mantissa.
+    Bf16,
+}
+
+impl Wire {
+    fn op(self) -> u8 {
+        match self {
+            Wire::F32 => OP_REDUCE,
+            Wire::Bf16 => OP_REDUCE_BF16,
+        }
+    }
+
+    fn bytes(self) -> usize {
+        match self {
+            Wire::F32 => 4,
+            Wire::Bf16 => 2,
+        }
+    }
+
+    fn encode(self, frame: &mut Vec<u8>, values: &[f32]) {
+        match self {
+            Wire::F32 => values
+                .iter()
+                .for_each(|v| frame.extend_from_slice(&v.to_le_bytes())),
+            Wire::Bf16 => values.iter().for_each(|&v| {
+                frame.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes());
+            }),
+        }
+    }
+
+    fn decode(self, bytes: &[u8], out: &mut [f32]) {
+        match self {
+            Wire::F32 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            Wire::Bf16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+                }
+            }
+        }
+    }
+
+    fn read(self, stream: &mut TcpStream, out: &mut [f32]) -> std::io::Result<()> {
+        let mut bytes = vec![0u8; out.len() * self.bytes()];
+        stream.read_exact(&mut bytes)?;
+        self.decode(&bytes, out);
+        Ok(())
+    }
 }
 
 /// Another rank, as rank 0 sees it.
@@ -151,24 +209,50 @@ impl Group {
         if let Some(nccl) = &*self.nccl.lock().unwrap_or_else(|e| e.into_inner()) {
             return nccl.all_reduce(values, op);
         }
+        self.reduce_over_sockets(values, op, Wire::F32)
+    }
+
+    /// [`all_reduce`](Self::all_reduce) with the values sent as bfloat16,
+    /// half the bytes (PyTorch DDP's `bf16_compress_hook`; FSDP's
+    /// `reduce_dtype`): each rank's values are rounded to bf16, combined,
+    /// and the result rounded to bf16 again, the same on every rank. Over
+    /// the sockets rank 0 combines them in f32; NCCL combines them in bf16.
+    pub fn all_reduce_bf16(&self, values: &mut [f32], op: Reduce) -> Result<(), DistError> {
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = &*self.nccl.lock().unwrap_or_else(|e| e.into_inner()) {
+            return nccl.all_reduce_bf16(values, op);
+        }
+        self.reduce_over_sockets(values, op, Wire::Bf16)
+    }
+
+    fn reduce_over_sockets(
+        &self,
+        values: &mut [f32],
+        op: Reduce,
+        wire: Wire,
+    ) -> Result<(), DistError> {
         let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
         let during = "the all-reduce";
         match &mut *links {
             Links::Leaf { root, root_host } => {
                 let lost = |why: String| lost(0, root_host, during, why);
-                let mut frame = Vec::with_capacity(10 + values.len() * 4);
-                frame.push(OP_REDUCE);
+                let mut frame = Vec::with_capacity(10 + values.len() * wire.bytes());
+                frame.push(wire.op());
                 frame.push(op as u8);
                 frame.extend_from_slice(&(values.len() as u64).to_le_bytes());
-                extend_f32(&mut frame, values);
+                wire.encode(&mut frame, values);
                 root.write_all(&frame).map_err(|e| lost(io_why(&e)))?;
-                read_f32(root, values).map_err(|e| lost(io_why(&e)))?;
+                wire.read(root, values).map_err(|e| lost(io_why(&e)))?;
             }
             Links::Root(peers) => {
+                // Rank 0's own values as they would travel.
+                let mut own = Vec::with_capacity(values.len() * wire.bytes());
+                wire.encode(&mut own, values);
                 let mut acc = values.to_vec();
+                wire.decode(&own, &mut acc);
                 let mut theirs = vec![0f32; values.len()];
                 for p in peers.iter_mut() {
-                    let header = read_header(&mut p.stream, OP_REDUCE)
+                    let header = read_header(&mut p.stream, wire.op())
                         .map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
                     let (their_op, n) = header;
                     if their_op != op as u8 || n != values.len() as u64 {
@@ -179,7 +263,7 @@ impl Group {
                             op as u8
                         )));
                     }
-                    read_f32(&mut p.stream, &mut theirs)
+                    wire.read(&mut p.stream, &mut theirs)
                         .map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
                     match op {
                         Reduce::Sum | Reduce::Mean => {
@@ -195,14 +279,15 @@ impl Group {
                     let n = self.world as f32;
                     acc.iter_mut().for_each(|a| *a /= n);
                 }
-                let mut frame = Vec::with_capacity(acc.len() * 4);
-                extend_f32(&mut frame, &acc);
+                let mut frame = Vec::with_capacity(acc.len() * wire.bytes());
+                wire.encode(&mut frame, &acc);
                 for p in peers.iter_mut() {
                     p.stream
                         .write_all(&frame)
                         .map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
                 }
-                values.copy_from_slice(&acc);
+                // What the others decode.
+                wire.decode(&frame, values);
             }
         }
         Ok(())
@@ -306,21 +391,6 @@ fn io_why(e: &std::io::Error) -> String {
         }
         _ => e.to_string(),
     }
-}
-
-fn extend_f32(frame: &mut Vec<u8>, values: &[f32]) {
-    for v in values {
-        frame.extend_from_slice(&v.to_le_bytes());
-    }
-}
-
-fn read_f32(stream: &mut TcpStream, out: &mut [f32]) -> std::io::Result<()> {
-    let mut bytes = vec![0u8; out.len() * 4];
-    stream.read_exact(&mut bytes)?;
-    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-        *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-    }
-    Ok(())
 }
 
 fn read_header(stream: &mut TcpStream, expect: u8) -> std::io::Result<(u8, u64)> {
@@ -620,6 +690,52 @@ mod tests {
             assert_eq!(max, &vec![2.0]);
             assert_eq!(sum, &vec![3.0]);
         }
+    }
+
+    #[test]
+    fn a_bf16_reduction_rounds_each_rank_and_the_result_alike() {
+        let out = on_ranks(3, |g| {
+            let r = g.rank() as f32;
+            // 1 + 2^-10 is not a bf16 (8 bits of mantissa): it rounds to 1.
+            let mut mean = vec![r, 1.0 + 2f32.powi(-10) * (r + 1.0), 3.0e-3 * (r + 1.0)];
+            g.all_reduce_bf16(&mut mean, Reduce::Mean).expect("reduces");
+            let mut f32_mean = vec![1.0 + 2f32.powi(-10)];
+            g.all_reduce(&mut f32_mean, Reduce::Mean).expect("reduces");
+            (mean, f32_mean)
+        });
+        let bf16 = |x: f32| half::bf16::from_f32(x).to_f32();
+        // Each rank's values rounded, summed in f32 on rank 0, the mean rounded.
+        let want = vec![
+            1.0,
+            bf16(
+                (bf16(1.0 + 2f32.powi(-10))
+                    + bf16(1.0 + 2.0 * 2f32.powi(-10))
+                    + bf16(1.0 + 3.0 * 2f32.powi(-10)))
+                    / 3.0,
+            ),
+            bf16((bf16(3.0e-3) + bf16(6.0e-3) + bf16(9.0e-3)) / 3.0),
+        ];
+        for (mean, f32_mean) in &out {
+            assert_eq!(mean, &want, "bit-identical on every rank");
+            // The f32 reduction keeps what bf16 drops; the two mix in one job.
+            assert_eq!(f32_mean, &vec![1.0 + 2f32.powi(-10)]);
+        }
+        assert_ne!(out[0].0[2], 6.0e-3, "rounded to bf16");
+        assert!((out[0].0[2] - 6.0e-3).abs() < 6.0e-3 / 128.0);
+    }
+
+    #[test]
+    fn ranks_that_reduce_in_different_types_are_told_apart() {
+        let out = on_ranks(2, |g| {
+            let mut v = vec![1.0f32; 4];
+            if g.is_root() {
+                g.all_reduce_bf16(&mut v, Reduce::Mean)
+            } else {
+                g.all_reduce(&mut v, Reduce::Mean)
+            }
+        });
+        let err = out[0].as_ref().expect_err("rank 0 sees rank 1's f32 frame");
+        assert!(err.to_string().contains("out of step"), "{err}");
     }
 
     #[test]

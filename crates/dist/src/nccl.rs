@@ -83,6 +83,24 @@ impl Nccl {
 
     /// `values` reduced across the ranks by NCCL, in place.
     pub(crate) fn all_reduce(&self, values: &mut [f32], op: Reduce) -> Result<(), DistError> {
+        self.reduce(values, op)
+    }
+
+    /// `values` sent and reduced by NCCL as bfloat16 (`ncclBfloat16`),
+    /// the result widened back to f32.
+    pub(crate) fn all_reduce_bf16(&self, values: &mut [f32], op: Reduce) -> Result<(), DistError> {
+        let mut narrow: Vec<half::bf16> = values.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        self.reduce(&mut narrow, op)?;
+        for (v, n) in values.iter_mut().zip(&narrow) {
+            *v = n.to_f32();
+        }
+        Ok(())
+    }
+
+    fn reduce<T>(&self, values: &mut [T], op: Reduce) -> Result<(), DistError>
+    where
+        T: cudarc::nccl::NcclType + cudarc::driver::DeviceRepr,
+    {
         let n = values.len();
         let cuda = |what: &str, e: cudarc::driver::DriverError| {
             DistError::Nccl(format!("{what} of {n} values: {e}"))

@@ -2,6 +2,7 @@
 //! default, `cargo xtask train-auto`), and what the gradients' all-reduce
 //! costs on a link, with the ring all-reduce's `2(N−1)/N` factor.
 
+use kiln_config::ReduceDtype;
 use kiln_hwdetect::HardwareReport;
 use serde::Serialize;
 
@@ -161,23 +162,32 @@ pub fn allreduce_seconds(bytes: f64, ranks: usize, link: Link) -> f64 {
 pub struct ReductionEstimate {
     /// Ranks in the job.
     pub ranks: usize,
-    /// Bytes reduced per optimizer step (the fp32 gradients).
+    /// Bytes reduced per optimizer step: the gradients in
+    /// `precision.reduce_dtype` (4 bytes each in f32, 2 in bf16).
     pub gradient_bytes: u64,
+    /// The type they travel in.
+    pub reduce_dtype: ReduceDtype,
     /// Milliseconds per optimizer step over each link of [`LINKS`].
     pub per_link_ms: Vec<(String, f64)>,
 }
 
 impl ReductionEstimate {
     /// The estimate for a model of `parameters` trainable parameters
-    /// among `ranks` ranks (`None` for one rank: nothing to reduce).
-    pub fn new(parameters: usize, ranks: usize) -> Option<Self> {
+    /// among `ranks` ranks, its gradients averaged in `reduce_dtype`
+    /// (`None` for one rank: nothing to reduce).
+    pub fn new(parameters: usize, ranks: usize, reduce_dtype: ReduceDtype) -> Option<Self> {
         if ranks <= 1 {
             return None;
         }
-        let bytes = parameters as u64 * 4;
+        let bytes = parameters as u64
+            * match reduce_dtype {
+                ReduceDtype::F32 => 4,
+                ReduceDtype::Bf16 => 2,
+            };
         Some(Self {
             ranks,
             gradient_bytes: bytes,
+            reduce_dtype,
             per_link_ms: LINKS
                 .iter()
                 .map(|l| {
@@ -211,7 +221,13 @@ impl ReductionEstimate {
                 self.gradient_bytes as f64 / 1e6,
                 slow.join(", ")
             ),
-            fix: "on such a link, raise training.gradient_accumulation_steps (one reduction per optimizer step) and lower training.batch_size to keep the global batch".into(),
+            fix: format!(
+                "on such a link, raise training.gradient_accumulation_steps (one reduction per optimizer step) and lower training.batch_size to keep the global batch{}",
+                match self.reduce_dtype {
+                    ReduceDtype::F32 => ", or set precision.reduce_dtype=bf16 (half the bytes)",
+                    ReduceDtype::Bf16 => "",
+                }
+            ),
         })
     }
 }
@@ -247,8 +263,8 @@ mod tests {
 
     #[test]
     fn a_reduction_slower_than_half_the_step_is_noted_with_its_links() {
-        assert_eq!(ReductionEstimate::new(1000, 1), None);
-        let e = ReductionEstimate::new(124_000_000, 8).expect("8 ranks");
+        assert_eq!(ReductionEstimate::new(1000, 1, ReduceDtype::F32), None);
+        let e = ReductionEstimate::new(124_000_000, 8, ReduceDtype::F32).expect("8 ranks");
         assert_eq!(e.gradient_bytes, 496_000_000);
         assert_eq!(e.per_link_ms.len(), LINKS.len());
         let f = e.finding(31.0).expect("slow links");
@@ -257,7 +273,16 @@ mod tests {
             "{}",
             f.problem
         );
+        assert!(f.fix.contains("precision.reduce_dtype=bf16"), "{}", f.fix);
         assert!(e.finding(10_000.0).is_none());
+        // In bf16: half the bytes, half the time, and no advice to do so.
+        let b = ReductionEstimate::new(124_000_000, 8, ReduceDtype::Bf16).expect("8 ranks");
+        assert_eq!(b.gradient_bytes, 248_000_000);
+        for ((_, f32_ms), (_, bf16_ms)) in e.per_link_ms.iter().zip(&b.per_link_ms) {
+            assert!((f32_ms / bf16_ms - 2.0).abs() < 1e-9);
+        }
+        let f = b.finding(31.0).expect("slow links");
+        assert!(!f.fix.contains("reduce_dtype"), "{}", f.fix);
     }
 
     const ALL: &[&str] = &["cuda", "rocm", "wgpu", "flex"];

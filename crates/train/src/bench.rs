@@ -626,7 +626,7 @@ pub fn bench_lm_job(
 ) -> Result<BenchResult, TrainError> {
     let config = &on_rank_device(config, group.map(|g| &**g), hardware);
     let (choice, device, precision) = bench_device(config, hardware, options)?;
-    let how = group.map(|g| collectives(&choice, g)).transpose()?;
+    let how = group.map(|g| collectives(&choice, g, config)).transpose()?;
     let prepared = prepare_in_turn(group.map(|g| &**g), || {
         lm::prepare(config, lm::TokenizerFrom::Config)
     })?;

@@ -169,7 +169,8 @@ pub fn diagnose(
         }
         None => None,
     };
-    let reduction = kiln_plan::ReductionEstimate::new(memory.parameters, ranks);
+    let reduction =
+        kiln_plan::ReductionEstimate::new(memory.parameters, ranks, config.precision.reduce_dtype);
     if let (Some(r), Some(b)) = (&reduction, &burst)
         && let Some(f) = r.finding(b.ms_per_step)
     {

@@ -160,11 +160,15 @@ pub(crate) fn load_values<M: Module>(
 /// rank gets the same bytes back, so every rank takes the same update. A
 /// gradient leaves its device for the host and comes back in its dtype:
 /// the socket reduction's path (the CPU's); NCCL's would stay on the GPU.
+/// With `reduce_dtype` bf16 the gradients travel as bf16 (half the
+/// bytes) and `extra` in a second, f32 all-reduce of its own (a loss
+/// rounded to bf16 would be logged so).
 pub(crate) fn all_reduce_grads<M: Module>(
     module: &M,
     grads: GradientsParams,
     extra: &mut [f32],
     group: &kiln_dist::Group,
+    reduce_dtype: kiln_config::ReduceDtype,
 ) -> Result<GradientsParams, kiln_dist::DistError> {
     /// A gradient taken out of `grads` onto the host, as the module's
     /// visiting order meets it (`global_grad_norm`'s walk).
@@ -222,9 +226,17 @@ pub(crate) fn all_reduce_grads<M: Module>(
         taken,
     } = gather;
     let n = flat.len();
-    flat.extend_from_slice(extra);
-    group.all_reduce(&mut flat, kiln_dist::Reduce::Mean)?;
-    extra.copy_from_slice(&flat[n..]);
+    match reduce_dtype {
+        kiln_config::ReduceDtype::F32 => {
+            flat.extend_from_slice(extra);
+            group.all_reduce(&mut flat, kiln_dist::Reduce::Mean)?;
+            extra.copy_from_slice(&flat[n..]);
+        }
+        kiln_config::ReduceDtype::Bf16 => {
+            group.all_reduce_bf16(&mut flat, kiln_dist::Reduce::Mean)?;
+            group.all_reduce(extra, kiln_dist::Reduce::Mean)?;
+        }
+    }
     let mut scatter = Scatter {
         grads,
         taken: taken.iter(),

@@ -122,6 +122,8 @@ pub(crate) struct StepState {
     /// Set by the loop before a step: this rank was asked to stop (Ctrl-C,
     /// SIGTERM). In a job the ranks agree on it in the step's reduction.
     pub(crate) stop_asked: bool,
+    /// In a job: the type the gradients are averaged in.
+    pub(crate) reduce_dtype: kiln_config::ReduceDtype,
 }
 
 impl StepState {
@@ -131,6 +133,7 @@ impl StepState {
             bad_steps: BadSteps::new(config.precision.max_bad_steps),
             group: None,
             stop_asked: false,
+            reduce_dtype: config.precision.reduce_dtype,
         }
     }
 }
@@ -228,7 +231,8 @@ pub(crate) fn train_step<T: Task>(
     if let Some(group) = &state.group {
         let started = std::time::Instant::now();
         let mut extra = [loss, if stop { 1.0 } else { 0.0 }];
-        grads = crate::params::all_reduce_grads(&model, grads, &mut extra, group)?;
+        grads =
+            crate::params::all_reduce_grads(&model, grads, &mut extra, group, state.reduce_dtype)?;
         loss = extra[0];
         stop = extra[1] > 0.0;
         reduced_in = Some(started.elapsed());

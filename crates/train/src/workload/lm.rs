@@ -212,7 +212,7 @@ pub(crate) fn train(
         &on_rank_device(config, options.group.as_deref(), &options.hardware),
         options.hardware.gpu_vendor(),
     )?;
-    note_collectives(&device, options, observer)?;
+    note_collectives(&device, config, options, observer)?;
     let prepared = prepare_in_turn(options.group.as_deref(), || {
         prepare_observed(config, TokenizerFrom::Config, observer)
     })?;
@@ -288,7 +288,7 @@ pub(crate) fn resume(
         &on_rank_device(config, options.group.as_deref(), &options.hardware),
         options.hardware.gpu_vendor(),
     )?;
-    note_collectives(&device, options, observer)?;
+    note_collectives(&device, config, options, observer)?;
     let tokenizer = run.file("tokenizer.json");
     // Killed before it saved its tokenizer, a run makes it again (the same
     // config makes the same tokenizer).
@@ -376,22 +376,32 @@ pub(crate) fn prepare_in_turn<T>(
 /// elsewhere (flex, wgpu) over the sockets, through host memory.
 ///
 /// Returns what reduces the gradients, for the run's notes.
-pub(crate) fn collectives(device: &DeviceChoice, group: &Group) -> Result<String, TrainError> {
+pub(crate) fn collectives(
+    device: &DeviceChoice,
+    group: &Group,
+    config: &RunConfig,
+) -> Result<String, TrainError> {
+    let dtype = match config.precision.reduce_dtype {
+        kiln_config::ReduceDtype::F32 => "",
+        kiln_config::ReduceDtype::Bf16 => ", in bf16 (precision.reduce_dtype)",
+    };
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
         return Ok(match group.use_nccl(group.local_rank())? {
             Some(v) => format!(
-                "NCCL {}.{}.{} reduces the gradients of the {} ranks",
+                "NCCL {}.{}.{} reduces the gradients of the {} ranks{dtype}",
                 v / 10000,
                 (v / 100) % 100,
                 v % 100,
                 group.world_size()
             ),
-            None => "COLLECTIVES=sockets: the gradients are reduced over the rendezvous's sockets, through host memory".into(),
+            None => format!(
+                "COLLECTIVES=sockets: the gradients are reduced over the rendezvous's sockets, through host memory{dtype}"
+            ),
         });
     }
     Ok(format!(
-        "the gradients of the {} ranks are reduced over the rendezvous's sockets through rank 0 ({})",
+        "the gradients of the {} ranks are reduced over the rendezvous's sockets through rank 0 ({}){dtype}",
         group.world_size(),
         device.name
     ))
@@ -400,11 +410,12 @@ pub(crate) fn collectives(device: &DeviceChoice, group: &Group) -> Result<String
 /// [`collectives`] of a job's rank, told to `observer`; nothing alone.
 fn note_collectives(
     device: &DeviceChoice,
+    config: &RunConfig,
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<(), TrainError> {
     if let Some(group) = &options.group {
-        observer.event(&Event::Note(collectives(device, group)?));
+        observer.event(&Event::Note(collectives(device, group, config)?));
     }
     Ok(())
 }
