@@ -316,11 +316,11 @@ pub enum ReduceDtype {
 }
 
 impl ReduceDtype {
-    /// The name in configuration files.
-    pub fn as_str(self) -> &'static str {
+    /// Bytes a value takes over the links.
+    pub fn bytes(self) -> u64 {
         match self {
-            ReduceDtype::F32 => "f32",
-            ReduceDtype::Bf16 => "bf16",
+            ReduceDtype::F32 => 4,
+            ReduceDtype::Bf16 => 2,
         }
     }
 }

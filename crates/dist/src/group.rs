@@ -62,6 +62,14 @@ impl Wire {
         }
     }
 
+    /// `v` as it arrives after travelling.
+    fn round(self, v: f32) -> f32 {
+        match self {
+            Wire::F32 => v,
+            Wire::Bf16 => half::bf16::from_f32(v).to_f32(),
+        }
+    }
+
     fn decode(self, bytes: &[u8], out: &mut [f32]) {
         match self {
             Wire::F32 => {
@@ -246,10 +254,7 @@ impl Group {
             }
             Links::Root(peers) => {
                 // Rank 0's own values as they would travel.
-                let mut own = Vec::with_capacity(values.len() * wire.bytes());
-                wire.encode(&mut own, values);
-                let mut acc = values.to_vec();
-                wire.decode(&own, &mut acc);
+                let mut acc: Vec<f32> = values.iter().map(|&v| wire.round(v)).collect();
                 let mut theirs = vec![0f32; values.len()];
                 for p in peers.iter_mut() {
                     let header = read_header(&mut p.stream, wire.op())
@@ -287,7 +292,9 @@ impl Group {
                         .map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
                 }
                 // What the others decode.
-                wire.decode(&frame, values);
+                for (v, a) in values.iter_mut().zip(&acc) {
+                    *v = wire.round(*a);
+                }
             }
         }
         Ok(())

@@ -179,11 +179,7 @@ impl ReductionEstimate {
         if ranks <= 1 {
             return None;
         }
-        let bytes = parameters as u64
-            * match reduce_dtype {
-                ReduceDtype::F32 => 4,
-                ReduceDtype::Bf16 => 2,
-            };
+        let bytes = parameters as u64 * reduce_dtype.bytes();
         Some(Self {
             ranks,
             gradient_bytes: bytes,

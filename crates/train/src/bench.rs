@@ -624,12 +624,11 @@ pub fn bench_lm_job(
     options: BenchOptions,
     group: Option<&Arc<Group>>,
 ) -> Result<BenchResult, TrainError> {
-    let config = &on_rank_device(config, group.map(|g| &**g), hardware);
+    let job = group.map(|g| &**g);
+    let config = &on_rank_device(config, job, hardware);
     let (choice, device, precision) = bench_device(config, hardware, options)?;
     let how = group.map(|g| collectives(&choice, g, config)).transpose()?;
-    let prepared = prepare_in_turn(group.map(|g| &**g), || {
-        lm::prepare(config, lm::TokenizerFrom::Config)
-    })?;
+    let prepared = prepare_in_turn(job, || lm::prepare(config, lm::TokenizerFrom::Config))?;
     let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.world_size()));
     let task = prepared.shared_task(config, &choice.device, rank, world)?;
     let gpt = &prepared.gpt;
@@ -652,7 +651,7 @@ pub fn bench_lm_job(
         (gpt.num_params(), gpt.vocab_size),
         gpt.flops_per_token() * config.model.max_length as f64,
         timings,
-        group.map(|g| &**g).zip(how),
+        job.zip(how),
     ))
 }
 

@@ -53,16 +53,6 @@ pub(crate) enum Workload {
     Loader,
 }
 
-impl Workload {
-    fn name(self) -> &'static str {
-        match self {
-            Self::Lm => "lm",
-            Self::Nli => "nli",
-            Self::Loader => "loader",
-        }
-    }
-}
-
 pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     let Args {
         workload,
@@ -83,11 +73,12 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     } else {
         let env: Vec<(String, String)> = std::env::vars().collect();
         if let Ok(Some(spec)) = kiln_train::kiln_dist::WorldSpec::from_env(&env) {
+            let name = clap::ValueEnum::to_possible_value(&workload)
+                .map(|v| v.get_name().to_string())
+                .unwrap_or_default();
             return Err(BadInput(format!(
-                "rank {} of {}: `bench {}` runs in one process; a data-parallel job benchmarks `bench lm`",
-                spec.rank,
-                spec.world_size,
-                workload.name()
+                "rank {} of {}: `bench {name}` runs in one process; a data-parallel job benchmarks `bench lm`",
+                spec.rank, spec.world_size
             ))
             .into());
         }
@@ -122,15 +113,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         Workload::Nli => kiln_train::bench_nli(config, report, options),
         _ => kiln_train::bench_lm_job(config, report, options, group.as_ref()),
     }
-    .map_err(|e| match &group {
-        Some(g) => train_error(e).context(format!(
-            "rank {} of {} on {}",
-            g.rank(),
-            g.world_size(),
-            kiln_train::kiln_dist::hostname()
-        )),
-        None => train_error(e),
-    })?;
+    .map_err(|e| super::train::in_rank(group.as_deref(), e))?;
     if group.as_ref().is_some_and(|g| !g.is_root()) {
         // Rank 0 reports the job.
         return Ok(ExitCode::SUCCESS);

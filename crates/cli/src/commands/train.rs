@@ -201,8 +201,17 @@ fn observer(
 
 /// A training error, naming the rank and the host in a job.
 fn rank_error(options: &kiln_train::TrainOptions, e: kiln_train::TrainError) -> anyhow::Error {
+    in_rank(options.group.as_deref(), e)
+}
+
+/// `e`, naming the rank of `group` and its host in a job (`kiln train`,
+/// `kiln bench lm` under a launcher).
+pub(crate) fn in_rank(
+    group: Option<&kiln_train::kiln_dist::Group>,
+    e: kiln_train::TrainError,
+) -> anyhow::Error {
     let err = train_error(e);
-    match &options.group {
+    match group {
         Some(g) => err.context(format!(
             "rank {} of {} on {}",
             g.rank(),
