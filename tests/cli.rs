@@ -392,6 +392,13 @@ fn bad_input_exits_2_with_key_value_and_layer() {
             ],
         ),
         (
+            &["config", "optimization.zero_stage=3"],
+            &[
+                "invalid value 3 for `optimization.zero_stage`",
+                "stages 2 and 3 are not built",
+            ],
+        ),
+        (
             &["config", "optimization.kernels=fast"],
             &[
                 "invalid value \"fast\" for `optimization.kernels`",

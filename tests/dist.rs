@@ -56,6 +56,13 @@ fn weights(path: &Path) -> Vec<(String, Vec<f32>)> {
     out
 }
 
+/// The largest difference between two checkpoints' weights, but for the
+/// keys' biases (the middle third of each `qkv.bias`): attention's softmax
+/// does not change when every key of a query moves by the same amount, so
+/// their gradient is 0 in exact arithmetic and rounding noise in floats,
+/// which AdamW scales up to learning-rate-sized steps. They drift apart
+/// with the order of the sums (1.3e-4 after 200 steps of the tiny GPT)
+/// and change no output.
 fn max_abs_diff(a: &Path, b: &Path) -> f32 {
     let (a, b) = (weights(a), weights(b));
     assert_eq!(a.len(), b.len());
@@ -63,7 +70,17 @@ fn max_abs_diff(a: &Path, b: &Path) -> f32 {
         .zip(&b)
         .flat_map(|((na, va), (nb, vb))| {
             assert_eq!(na, nb);
-            va.iter().zip(vb).map(|(x, y)| (x - y).abs())
+            let n = va.len();
+            let keys = if na.ends_with("qkv.bias") {
+                n / 3..2 * n / 3
+            } else {
+                0..0
+            };
+            va.iter()
+                .zip(vb)
+                .enumerate()
+                .filter(move |(i, _)| !keys.contains(i))
+                .map(|(_, (x, y))| (x - y).abs())
         })
         .fold(0.0, f32::max)
 }
@@ -218,6 +235,62 @@ fn a_rank_killed_ends_the_job_and_the_resumed_job_matches_an_uninterrupted_one()
 }
 
 #[test]
+fn zero_1_keeps_a_share_of_the_moments_on_each_rank_and_takes_ddps_steps_bit_for_bit() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let steps = 200;
+    let batch = "training.batch_size=4";
+    run(&launch_args(dir, "ddp", steps, 2, &[batch])).expect_code(0);
+    let zero = run(&launch_args(
+        dir,
+        "zero",
+        steps,
+        2,
+        &[batch, "optimization.zero_stage=1"],
+    ))
+    .expect_code(0);
+    zero.stdout_has(&[
+        "ZeRO-1: each rank keeps AdamW's moments for its share",
+        "rank 0:",
+        "the weights are all-gathered",
+    ]);
+    // Each parameter updated by one rank with the same arithmetic, the
+    // weights gathered bit for bit, every moment gathered into rank 0's
+    // checkpoint: the checkpoints are DDP's, weights and moments alike.
+    for step in [100, steps] {
+        assert_eq!(
+            checkpoint_digest(&ckpt(&dir.join("zero"), step)),
+            checkpoint_digest(&ckpt(&dir.join("ddp"), step)),
+            "step {step}"
+        );
+    }
+    // Resumed: each rank takes its share of the checkpoint's moments and
+    // goes on as the DDP job does.
+    let more = |run_dir: &str| {
+        let args: Vec<String> = [
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            &free_port(),
+            "resume",
+            &dir.join(run_dir).display().to_string(),
+            "training.max_steps=300",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        run(&args).expect_code(0);
+    };
+    more("zero");
+    more("ddp");
+    assert_eq!(
+        checkpoint_digest(&ckpt(&dir.join("zero"), 300)),
+        checkpoint_digest(&ckpt(&dir.join("ddp"), 300)),
+    );
+}
+
+#[test]
 fn a_resume_that_changes_the_global_batch_is_refused() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
@@ -297,6 +370,28 @@ fn a_job_benchmarks_the_language_model_step_over_every_rank() {
     );
     let peak = b["mfu_peak"].as_str().expect("mfu_peak");
     assert!(peak.starts_with("2 × "), "{peak}");
+    assert_eq!(b["phases"]["all_gather_ms"], 0.0, "DDP gathers no weights");
+    // ZeRO-1: the weights' all-gather timed, and counted as communication.
+    let mut zero = args.clone();
+    zero.push("optimization.zero_stage=1".into());
+    let v: serde_json::Value =
+        serde_json::from_str(&run(&zero).expect_code(0).stdout).expect("json");
+    let z = &v["bench"];
+    let how = z["collectives"].as_str().expect("collectives");
+    assert!(how.contains("ZeRO-1"), "{how}");
+    let gather = z["phases"]["all_gather_ms"]
+        .as_f64()
+        .expect("all_gather_ms");
+    let reduce = z["phases"]["all_reduce_ms"]
+        .as_f64()
+        .expect("all_reduce_ms");
+    let step = z["ms_per_step_median"].as_f64().expect("ms");
+    let comm = z["comm_pct"].as_f64().expect("comm_pct");
+    assert!(gather > 0.0, "{gather} ms");
+    assert!(
+        comm > 100.0 * reduce / step,
+        "comm_pct {comm} counts the gather ({gather} ms) besides the all-reduce ({reduce} ms of {step})"
+    );
     // Alone, the same bench has no job.
     let alone: Vec<String> = args[5..].to_vec();
     let v: serde_json::Value =
@@ -408,7 +503,48 @@ fn one_rank_trains_in_place_and_planning_knows_the_world() {
         .as_u64()
         .expect("parameters");
     assert_eq!(r["gradient_bytes"].as_u64(), Some(params * 4));
+    assert_eq!(r["gather_bytes"], 0);
     assert_eq!(r["per_link_ms"].as_array().map(Vec::len), Some(5));
+    let ddp = &v["diagnosis"]["memory"];
+    let (total, moments) = (
+        ddp["total"].as_u64().expect("total"),
+        ddp["optimizer"].as_u64().expect("optimizer"),
+    );
+    // Under ZeRO-1 a rank keeps a quarter of the moments, and the weights'
+    // all-gather joins the reduction.
+    diag.push("optimization.zero_stage=1".into());
+    let z: serde_json::Value =
+        serde_json::from_str(&run(&diag).expect_code(0).stdout).expect("json");
+    let zm = &z["diagnosis"]["memory"];
+    assert_eq!(zm["optimizer"].as_u64(), Some(moments.div_ceil(4)));
+    assert_eq!(zm["optimizer_ranks"], 4);
+    let sharded = zm["total"].as_u64().expect("total");
+    assert_eq!(total - sharded, moments - moments.div_ceil(4));
+    assert_eq!(
+        z["diagnosis"]["reduction"]["gather_bytes"].as_u64(),
+        Some(params * 4)
+    );
+    // A machine where all the moments do not fit on each rank, but a
+    // quarter does: diagnose says so, and how.
+    let mut machine: serde_json::Value = serde_json::from_str(
+        &kiln(&["check-hardware", "--json"])
+            .run()
+            .expect_code(0)
+            .stdout,
+    )
+    .expect("json");
+    machine["hardware"]["memory"]["available_bytes"] =
+        (((total + sharded) as f64 / 2.0 / 0.9).round() as u64).into();
+    let tight = dir.join("tight.json");
+    std::fs::write(&tight, machine.to_string()).expect("write");
+    let mut on_tight = vec![format!("--hardware-report={}", tight.display())];
+    on_tight.extend(diag[..diag.len() - 1].iter().cloned());
+    on_tight.retain(|a| a != "--json");
+    // (The step does not fit as configured: an error, exit 2.)
+    run(&on_tight).expect_code(2).stdout_has(&[
+        "warning optimization.zero_stage: each of the 4 ranks would keep all of AdamW's moments",
+        "fix: optimization.zero_stage=1",
+    ]);
 }
 
 #[test]

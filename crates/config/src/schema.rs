@@ -363,6 +363,13 @@ pub struct OptimizationSection {
     /// without the matrix unit) or `math` (Burn's composition).
     #[serde(default)]
     pub attention: AttentionChoice,
+    /// In a data-parallel job, how AdamW's state is kept (DeepSpeed's
+    /// `zero_optimization.stage`): `0`, every rank holds all of it, as
+    /// DDP; `1`, each rank holds the moments of its share of the
+    /// parameters, updates that share, and the ranks all-gather the
+    /// updated weights (ZeRO-1, PyTorch's `ZeroRedundancyOptimizer`).
+    #[serde(default)]
+    pub zero_stage: u8,
 }
 
 /// `optimization.attention`: which self-attention the models run.
@@ -547,6 +554,11 @@ impl RunConfig {
             self.precision.loss_scale_growth_interval >= 1,
             "precision.loss_scale_growth_interval",
             "must be at least 1",
+        );
+        check(
+            self.optimization.zero_stage <= 1,
+            "optimization.zero_stage",
+            "must be 0 (every rank keeps all of AdamW's moments) or 1 (each keeps its share: ZeRO-1); stages 2 and 3 are not built",
         );
         let d = &self.data;
         check(!d.path.trim().is_empty(), "data.path", "must not be empty");

@@ -16,6 +16,8 @@ const VERSION: u32 = 1;
 const OP_REDUCE: u8 = 1;
 const OP_GATHER: u8 = 2;
 const OP_REDUCE_BF16: u8 = 3;
+const OP_GATHER_F32: u8 = 4;
+const OP_GATHER_ROOT: u8 = 5;
 
 /// How an all-reduce combines the ranks' values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,11 +87,26 @@ impl Wire {
         }
     }
 
+    /// Reads `out.len()` values; f32 straight into `out` (their bytes on a
+    /// little-endian machine are what travels), bf16 through a buffer.
     fn read(self, stream: &mut TcpStream, out: &mut [f32]) -> std::io::Result<()> {
+        if self == Wire::F32 && cfg!(target_endian = "little") {
+            return stream.read_exact(bytemuck::cast_slice_mut(out));
+        }
         let mut bytes = vec![0u8; out.len() * self.bytes()];
         stream.read_exact(&mut bytes)?;
         self.decode(&bytes, out);
         Ok(())
+    }
+
+    /// Sends `values`; f32 without a copy on a little-endian machine.
+    fn write(self, stream: &mut TcpStream, values: &[f32]) -> std::io::Result<()> {
+        if self == Wire::F32 && cfg!(target_endian = "little") {
+            return stream.write_all(bytemuck::cast_slice(values));
+        }
+        let mut bytes = Vec::with_capacity(values.len() * self.bytes());
+        self.encode(&mut bytes, values);
+        stream.write_all(&bytes)
     }
 }
 
@@ -244,12 +261,10 @@ impl Group {
         match &mut *links {
             Links::Leaf { root, root_host } => {
                 let lost = |why: String| lost(0, root_host, during, why);
-                let mut frame = Vec::with_capacity(10 + values.len() * wire.bytes());
-                frame.push(wire.op());
-                frame.push(op as u8);
-                frame.extend_from_slice(&(values.len() as u64).to_le_bytes());
-                wire.encode(&mut frame, values);
-                root.write_all(&frame).map_err(|e| lost(io_why(&e)))?;
+                let mut header = vec![wire.op(), op as u8];
+                header.extend_from_slice(&(values.len() as u64).to_le_bytes());
+                root.write_all(&header).map_err(|e| lost(io_why(&e)))?;
+                wire.write(root, values).map_err(|e| lost(io_why(&e)))?;
                 wire.read(root, values).map_err(|e| lost(io_why(&e)))?;
             }
             Links::Root(peers) => {
@@ -284,12 +299,18 @@ impl Group {
                     let n = self.world as f32;
                     acc.iter_mut().for_each(|a| *a /= n);
                 }
-                let mut frame = Vec::with_capacity(acc.len() * wire.bytes());
-                wire.encode(&mut frame, &acc);
+                let mut frame = Vec::new();
+                if wire != Wire::F32 {
+                    // Encoded once for every peer.
+                    wire.encode(&mut frame, &acc);
+                }
                 for p in peers.iter_mut() {
-                    p.stream
-                        .write_all(&frame)
-                        .map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
+                    let sent = if wire == Wire::F32 {
+                        wire.write(&mut p.stream, &acc)
+                    } else {
+                        p.stream.write_all(&frame)
+                    };
+                    sent.map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
                 }
                 // What the others decode.
                 for (v, a) in values.iter_mut().zip(&acc) {
@@ -300,28 +321,83 @@ impl Group {
         Ok(())
     }
 
+    /// Every rank's `mine`, concatenated in rank order, on every rank:
+    /// rank `r` passes `counts[r]` values, and every rank passes the same
+    /// `counts` (ZeRO's updated weights, each rank's slice of the model).
+    /// Through NCCL where the group uses it, else the sockets; the values
+    /// arrive bit for bit.
+    pub fn all_gather_f32(&self, mine: &[f32], counts: &[usize]) -> Result<Vec<f32>, DistError> {
+        if counts.len() != self.world || counts[self.rank] != mine.len() {
+            return Err(DistError::Diverged(format!(
+                "rank {} gathers {} values as its share of {counts:?} over {} ranks",
+                self.rank,
+                mine.len(),
+                self.world
+            )));
+        }
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = &*self.nccl.lock().unwrap_or_else(|e| e.into_inner()) {
+            return nccl.all_gather(mine, counts);
+        }
+        let total: usize = counts.iter().sum();
+        let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        let during = "the all-gather of the weights";
+        match &mut *links {
+            Links::Leaf { root, root_host } => {
+                let lost = |why: String| lost(0, root_host, during, why);
+                let mut header = vec![OP_GATHER_F32, 0];
+                header.extend_from_slice(&(mine.len() as u64).to_le_bytes());
+                root.write_all(&header).map_err(|e| lost(io_why(&e)))?;
+                Wire::F32.write(root, mine).map_err(|e| lost(io_why(&e)))?;
+                let mut all = vec![0f32; total];
+                Wire::F32
+                    .read(root, &mut all)
+                    .map_err(|e| lost(io_why(&e)))?;
+                Ok(all)
+            }
+            Links::Root(peers) => {
+                let mut all = Vec::with_capacity(total);
+                all.extend_from_slice(mine);
+                for p in peers.iter_mut() {
+                    let lost = |e: std::io::Error| lost(p.rank, &p.host, during, io_why(&e));
+                    let (_, n) = read_header(&mut p.stream, OP_GATHER_F32).map_err(lost)?;
+                    if n != counts[p.rank] as u64 {
+                        return Err(DistError::Diverged(format!(
+                            "rank {} sends {n} values to the all-gather, rank 0 expects {}",
+                            p.rank, counts[p.rank]
+                        )));
+                    }
+                    let from = all.len();
+                    all.resize(from + counts[p.rank], 0.0);
+                    Wire::F32
+                        .read(&mut p.stream, &mut all[from..])
+                        .map_err(lost)?;
+                }
+                for p in peers.iter_mut() {
+                    Wire::F32
+                        .write(&mut p.stream, &all)
+                        .map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
+                }
+                Ok(all)
+            }
+        }
+    }
+
+    /// Every rank's `bytes`, in rank order, at rank 0 only (`None` on the
+    /// others): what a checkpoint needs of each rank's share, without a
+    /// copy of everything on every rank. Always over the sockets.
+    pub fn gather_to_root(&self, bytes: &[u8]) -> Result<Option<Vec<Vec<u8>>>, DistError> {
+        let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        gather_at_root(&mut links, OP_GATHER_ROOT, bytes, "a gather to rank 0")
+    }
+
     /// Every rank's `bytes`, in rank order, on every rank.
     pub fn all_gather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
         let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
         let during = "an all-gather";
-        match &mut *links {
-            Links::Leaf { root, root_host } => {
-                let lost = |why: String| lost(0, root_host, during, why);
-                let mut frame = vec![OP_GATHER, 0];
-                frame.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-                frame.extend_from_slice(bytes);
-                root.write_all(&frame).map_err(|e| lost(io_why(&e)))?;
-                read_gathered(root, self.world).map_err(|e| lost(io_why(&e)))
-            }
-            Links::Root(peers) => {
-                let mut all = vec![bytes.to_vec()];
-                for p in peers.iter_mut() {
-                    let lost = |e: std::io::Error| lost(p.rank, &p.host, during, io_why(&e));
-                    let (_, n) = read_header(&mut p.stream, OP_GATHER).map_err(lost)?;
-                    let mut theirs = vec![0u8; n as usize];
-                    p.stream.read_exact(&mut theirs).map_err(lost)?;
-                    all.push(theirs);
-                }
+        let gathered = gather_at_root(&mut links, OP_GATHER, bytes, during)?;
+        match (&mut *links, gathered) {
+            (Links::Root(peers), Some(all)) => {
                 let mut frame = Vec::new();
                 for b in &all {
                     frame.extend_from_slice(&(b.len() as u64).to_le_bytes());
@@ -334,6 +410,10 @@ impl Group {
                 }
                 Ok(all)
             }
+            (Links::Leaf { root, root_host }, _) => {
+                read_gathered(root, self.world).map_err(|e| lost(0, root_host, during, io_why(&e)))
+            }
+            (Links::Root(_), None) => Ok(Vec::new()),
         }
     }
 
@@ -397,6 +477,37 @@ fn io_why(e: &std::io::Error) -> String {
             "no answer within the timeout (COLLECTIVE_TIMEOUT); it hangs or is far slower".into()
         }
         _ => e.to_string(),
+    }
+}
+
+/// Every rank sends `bytes` under `op`; rank 0 gets them all in rank
+/// order, the others `None`.
+fn gather_at_root(
+    links: &mut Links,
+    op: u8,
+    bytes: &[u8],
+    during: &str,
+) -> Result<Option<Vec<Vec<u8>>>, DistError> {
+    match links {
+        Links::Leaf { root, root_host } => {
+            let mut frame = vec![op, 0];
+            frame.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+            frame.extend_from_slice(bytes);
+            root.write_all(&frame)
+                .map_err(|e| lost(0, root_host, during, io_why(&e)))?;
+            Ok(None)
+        }
+        Links::Root(peers) => {
+            let mut all = vec![bytes.to_vec()];
+            for p in peers.iter_mut() {
+                let lost = |e: std::io::Error| lost(p.rank, &p.host, during, io_why(&e));
+                let (_, n) = read_header(&mut p.stream, op).map_err(lost)?;
+                let mut theirs = vec![0u8; n as usize];
+                p.stream.read_exact(&mut theirs).map_err(lost)?;
+                all.push(theirs);
+            }
+            Ok(Some(all))
+        }
     }
 }
 
@@ -743,6 +854,48 @@ mod tests {
         });
         let err = out[0].as_ref().expect_err("rank 0 sees rank 1's f32 frame");
         assert!(err.to_string().contains("out of step"), "{err}");
+    }
+
+    #[test]
+    fn slices_of_every_size_gather_in_rank_order_bit_for_bit() {
+        // Uneven slices, one empty, with values a text round trip would change.
+        let counts = vec![3, 0, 2];
+        let out = on_ranks(3, move |g| {
+            let r = g.rank();
+            let mine: Vec<f32> = (0..counts[r])
+                .map(|i| f32::from_bits(0x3f80_0001 + (10 * r + i) as u32))
+                .collect();
+            let all = g.all_gather_f32(&mine, &counts).expect("gathers");
+            let at_root = g.gather_to_root(&[r as u8; 2][..r]).expect("gathers");
+            let wrong = g
+                .all_gather_f32(&mine, &[1, 1, 1])
+                .map_err(|e| e.to_string());
+            (all, at_root, wrong)
+        });
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let want = [
+            0x3f80_0001u32,
+            0x3f80_0002,
+            0x3f80_0003,
+            0x3f80_0015,
+            0x3f80_0016,
+        ];
+        for (rank, (all, at_root, wrong)) in out.iter().enumerate() {
+            assert_eq!(bits(all), want, "rank {rank}");
+            if rank == 0 {
+                assert_eq!(at_root.as_deref(), Some(&[vec![], vec![1], vec![2, 2]][..]));
+            } else {
+                assert!(at_root.is_none());
+            }
+            // A share that is not the rank's count: refused before
+            // anything travels, naming the rank.
+            let e = wrong.as_ref().expect_err("no rank has 1 value");
+            let n = [3, 0, 2][rank];
+            assert!(
+                e.contains(&format!("rank {rank} gathers {n} values")),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -97,6 +97,44 @@ impl Nccl {
         Ok(())
     }
 
+    /// Every rank's `mine` (rank `r` has `counts[r]` values), concatenated
+    /// in rank order: `ncclAllGather` over equal slices, each padded to
+    /// the largest.
+    pub(crate) fn all_gather(&self, mine: &[f32], counts: &[usize]) -> Result<Vec<f32>, DistError> {
+        let widest = counts.iter().copied().max().unwrap_or(0);
+        if widest == 0 {
+            return Ok(Vec::new());
+        }
+        let cuda = |what: &str, e: cudarc::driver::DriverError| {
+            DistError::Nccl(format!("{what} of {widest} values a rank: {e}"))
+        };
+        let mut padded = mine.to_vec();
+        padded.resize(widest, 0.0);
+        let send = self
+            .stream
+            .clone_htod(&padded)
+            .map_err(|e| cuda("copying to the device", e))?;
+        let mut recv = self
+            .stream
+            .alloc_zeros::<f32>(widest * counts.len())
+            .map_err(|e| cuda("allocating the all-gather", e))?;
+        self.comm
+            .all_gather(&send, &mut recv)
+            .map_err(|e| nccl_error("ncclAllGather", e))?;
+        let mut all = vec![0f32; widest * counts.len()];
+        self.stream
+            .memcpy_dtoh(&recv, &mut all)
+            .map_err(|e| cuda("copying back", e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda("waiting for the all-gather", e))?;
+        Ok(counts
+            .iter()
+            .enumerate()
+            .flat_map(|(r, &n)| all[r * widest..r * widest + n].iter().copied())
+            .collect())
+    }
+
     fn reduce<T>(&self, values: &mut [T], op: Reduce) -> Result<(), DistError>
     where
         T: cudarc::nccl::NcclType + cudarc::driver::DeviceRepr,

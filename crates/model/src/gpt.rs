@@ -183,7 +183,18 @@ trait ZeroBias {
 
 impl ZeroBias for Linear {
     fn zero_bias(mut self) -> Self {
-        self.bias = self.bias.map(|b| b.map(|t| t.zeros_like()));
+        // `zeros_like` makes a tensor that autodiff does not track: keep the
+        // parameter's `require_grad`, or the bias is never trained.
+        self.bias = self.bias.map(|b| {
+            b.map(|t| {
+                let zeros = t.zeros_like();
+                if t.is_require_grad() {
+                    zeros.require_grad()
+                } else {
+                    zeros
+                }
+            })
+        });
         self
     }
 }
@@ -439,6 +450,49 @@ mod tests {
         let model = c.init(&Device::flex());
         // Burn counts every parameter once; tying reuses wte, so they agree.
         assert_eq!(model.num_params(), c.num_params());
+    }
+
+    #[test]
+    fn every_parameter_gets_a_gradient_biases_included() {
+        use burn::module::{ModuleVisitor, Param};
+        use burn::optim::GradientsParams;
+        struct Missing<'a> {
+            grads: &'a GradientsParams,
+            names: Vec<String>,
+            stack: Vec<String>,
+        }
+        impl ModuleVisitor for Missing<'_> {
+            fn enter_module(&mut self, name: &str, _: &str) {
+                self.stack.push(name.to_string());
+            }
+            fn exit_module(&mut self, _: &str, _: &str) {
+                self.stack.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if self.grads.get::<D>(param.id).is_none() {
+                    self.names.push(self.stack.join("."));
+                }
+            }
+        }
+        let device = Device::flex().autodiff();
+        let c = GptConfig::new(10, 4, 2, 2, 8).with_intermediate(16);
+        let model = c.init(&device);
+        let ids = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [1, 4]), &device);
+        let loss = model.loss(ids(vec![1, 2, 3, 4]), ids(vec![2, 3, 4, 5]));
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let mut missing = Missing {
+            grads: &grads,
+            names: Vec::new(),
+            stack: Vec::new(),
+        };
+        model.visit(&mut missing);
+        // (The linear layers' zero biases once lost `require_grad` and
+        // were never trained.)
+        assert!(
+            missing.names.is_empty(),
+            "no gradient for {:?}",
+            missing.names
+        );
     }
 
     #[test]

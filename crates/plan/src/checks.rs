@@ -373,7 +373,7 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
     }
 
     // Memory.
-    if memory.available > 0 && memory.total as f64 > 0.9 * memory.available as f64 {
+    if !memory.fits() {
         let per_sample = (memory.total - memory.weights - memory.gradients - memory.optimizer)
             / t.batch_size.max(1) as u64;
         let room = (0.9 * memory.available as f64) as u64;

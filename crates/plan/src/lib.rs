@@ -37,7 +37,8 @@ pub use memory::{
     AttentionMemory, LogitsMemory, MemoryEstimate, ModelSize, estimate_memory, estimate_memory_with,
 };
 pub use ranks::{
-    LINKS, Link, Ranks, ReductionEstimate, allreduce_seconds, local_ranks, rank_gpu_count,
+    LINKS, Link, Ranks, ReductionEstimate, allgather_seconds, allreduce_seconds, local_ranks,
+    rank_gpu_count,
 };
 pub use recommend::Recommendation;
 pub use schedule::{Schedule, lr_at};

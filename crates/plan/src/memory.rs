@@ -53,8 +53,12 @@ pub struct MemoryEstimate {
     pub weights: u64,
     /// The gradients of the trainable parameters, in bytes.
     pub gradients: u64,
-    /// AdamW's two moments.
+    /// AdamW's two moments (a rank's share of them under ZeRO-1:
+    /// [`MemoryEstimate::sharded`]).
     pub optimizer: u64,
+    /// The ranks AdamW's moments are split between (ZeRO-1); 1: each rank
+    /// keeps them all.
+    pub optimizer_ranks: usize,
     /// Activations kept for backward, without gradient checkpointing...
     pub activations: u64,
     /// ...of which attention's part: its scores and probabilities (the T²
@@ -158,6 +162,7 @@ pub fn estimate_memory_with(
         weights,
         gradients,
         optimizer,
+        optimizer_ranks: 1,
         activations,
         attention: l * attention_layer,
         attention_kept: attention,
@@ -167,6 +172,26 @@ pub fn estimate_memory_with(
         total: weights + gradients + optimizer + kept,
         available: 0,
         available_what: String::new(),
+    }
+}
+
+impl MemoryEstimate {
+    /// The estimate of one rank of a job of `ranks` under ZeRO-1
+    /// (`optimization.zero_stage = 1`): AdamW's moments split between the
+    /// ranks (by whole tensors, so about evenly), the rest as it was.
+    pub fn sharded(mut self, ranks: usize) -> Self {
+        let ranks = ranks.max(1);
+        let share = self.optimizer.div_ceil(ranks as u64);
+        self.total = self.total - self.optimizer + share;
+        self.optimizer = share;
+        self.optimizer_ranks = ranks;
+        self
+    }
+
+    /// Whether the step fits in 90 % of what the device has (true where
+    /// that is not known).
+    pub fn fits(&self) -> bool {
+        self.available == 0 || self.total as f64 <= 0.9 * self.available as f64
     }
 }
 
@@ -192,6 +217,11 @@ mod tests {
         // Weights, gradients and AdamW: 4 + 4 + 8 bytes per parameter.
         assert_eq!(base.weights, 4 * base.parameters as u64);
         assert_eq!(base.optimizer, 2 * base.gradients);
+        // ZeRO-1 among 4 ranks: a quarter of the moments, nothing else.
+        let zero = base.clone().sharded(4);
+        assert_eq!(zero.optimizer, base.optimizer.div_ceil(4));
+        assert_eq!(base.total - zero.total, base.optimizer - zero.optimizer);
+        assert_eq!((zero.optimizer_ranks, base.optimizer_ranks), (4, 1));
         assert!(base.activations_checkpointed < base.activations);
         let ckpt = estimate_memory(&config(&["model.gradient_checkpointing=true"]), 65, SIZE);
         assert_eq!(

@@ -156,6 +156,13 @@ pub fn allreduce_seconds(bytes: f64, ranks: usize, link: Link) -> f64 {
     2.0 * (n - 1.0) / n * bytes / link.bytes_per_s
 }
 
+/// Seconds one ring all-gather of `bytes` in all takes among `ranks` over
+/// `link`: each rank receives the `(N−1)/N` it does not have, half an
+/// all-reduce. 0 for one rank.
+pub fn allgather_seconds(bytes: f64, ranks: usize, link: Link) -> f64 {
+    allreduce_seconds(bytes, ranks, link) / 2.0
+}
+
 /// The gradients' all-reduce of a data-parallel job, per optimizer step,
 /// over each modelled link (`kiln diagnose`).
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -167,33 +174,60 @@ pub struct ReductionEstimate {
     pub gradient_bytes: u64,
     /// The type they travel in.
     pub reduce_dtype: ReduceDtype,
-    /// Milliseconds per optimizer step over each link of [`LINKS`].
+    /// Under ZeRO-1 (`optimization.zero_stage = 1`): the f32 weights
+    /// all-gathered after each update; 0 otherwise.
+    pub gather_bytes: u64,
+    /// Milliseconds per optimizer step over each link of [`LINKS`], the
+    /// all-reduce and the all-gather together.
     pub per_link_ms: Vec<(String, f64)>,
 }
 
 impl ReductionEstimate {
     /// The estimate for a model of `parameters` trainable parameters
-    /// among `ranks` ranks, its gradients averaged in `reduce_dtype`
+    /// among `ranks` ranks, its gradients averaged in `reduce_dtype` and,
+    /// with `zero_stage` 1, its weights all-gathered after each update
     /// (`None` for one rank: nothing to reduce).
-    pub fn new(parameters: usize, ranks: usize, reduce_dtype: ReduceDtype) -> Option<Self> {
+    pub fn new(
+        parameters: usize,
+        ranks: usize,
+        reduce_dtype: ReduceDtype,
+        zero_stage: u8,
+    ) -> Option<Self> {
         if ranks <= 1 {
             return None;
         }
         let bytes = parameters as u64 * reduce_dtype.bytes();
+        let gather_bytes = if zero_stage >= 1 {
+            parameters as u64 * 4
+        } else {
+            0
+        };
         Some(Self {
             ranks,
             gradient_bytes: bytes,
             reduce_dtype,
+            gather_bytes,
             per_link_ms: LINKS
                 .iter()
                 .map(|l| {
-                    (
-                        l.name.to_string(),
-                        1e3 * allreduce_seconds(bytes as f64, ranks, *l),
-                    )
+                    let s = allreduce_seconds(bytes as f64, ranks, *l)
+                        + allgather_seconds(gather_bytes as f64, ranks, *l);
+                    (l.name.to_string(), 1e3 * s)
                 })
                 .collect(),
         })
+    }
+
+    /// `" and ZeRO-1's all-gather of the weights (496.0 MB)"` under
+    /// ZeRO-1, else nothing: what a step sends besides the gradients.
+    pub fn gather_words(&self) -> String {
+        if self.gather_bytes == 0 {
+            return String::new();
+        }
+        format!(
+            " and ZeRO-1's all-gather of the weights ({:.1} MB)",
+            self.gather_bytes as f64 / 1e6
+        )
     }
 
     /// A note where the reduction would take longer than half the step's
@@ -208,20 +242,26 @@ impl ReductionEstimate {
         if slow.is_empty() {
             return None;
         }
+        let gather = self.gather_words();
         Some(Finding {
             severity: Severity::Note,
             key: "training.gradient_accumulation_steps".into(),
             problem: format!(
-                "with {} ranks the gradients' all-reduce ({:.0} MB a step) would take over half of the {step_ms:.0} ms step over: {}",
+                "with {} ranks the gradients' all-reduce ({:.0} MB a step){gather} would take over half of the {step_ms:.0} ms step over: {}",
                 self.ranks,
                 self.gradient_bytes as f64 / 1e6,
                 slow.join(", ")
             ),
             fix: format!(
-                "on such a link, raise training.gradient_accumulation_steps (one reduction per optimizer step) and lower training.batch_size to keep the global batch{}",
+                "on such a link, raise training.gradient_accumulation_steps (one reduction per optimizer step) and lower training.batch_size to keep the global batch{}{}",
                 match self.reduce_dtype {
                     ReduceDtype::F32 => ", or set precision.reduce_dtype=bf16 (half the bytes)",
                     ReduceDtype::Bf16 => "",
+                },
+                if self.gather_bytes > 0 {
+                    "; optimization.zero_stage=0 drops the all-gather where every rank has room for all of AdamW's moments"
+                } else {
+                    ""
                 }
             ),
         })
@@ -259,8 +299,8 @@ mod tests {
 
     #[test]
     fn a_reduction_slower_than_half_the_step_is_noted_with_its_links() {
-        assert_eq!(ReductionEstimate::new(1000, 1, ReduceDtype::F32), None);
-        let e = ReductionEstimate::new(124_000_000, 8, ReduceDtype::F32).expect("8 ranks");
+        assert_eq!(ReductionEstimate::new(1000, 1, ReduceDtype::F32, 0), None);
+        let e = ReductionEstimate::new(124_000_000, 8, ReduceDtype::F32, 0).expect("8 ranks");
         assert_eq!(e.gradient_bytes, 496_000_000);
         assert_eq!(e.per_link_ms.len(), LINKS.len());
         let f = e.finding(31.0).expect("slow links");
@@ -272,13 +312,27 @@ mod tests {
         assert!(f.fix.contains("precision.reduce_dtype=bf16"), "{}", f.fix);
         assert!(e.finding(10_000.0).is_none());
         // In bf16: half the bytes, half the time, and no advice to do so.
-        let b = ReductionEstimate::new(124_000_000, 8, ReduceDtype::Bf16).expect("8 ranks");
+        let b = ReductionEstimate::new(124_000_000, 8, ReduceDtype::Bf16, 0).expect("8 ranks");
         assert_eq!(b.gradient_bytes, 248_000_000);
         for ((_, f32_ms), (_, bf16_ms)) in e.per_link_ms.iter().zip(&b.per_link_ms) {
             assert!((f32_ms / bf16_ms - 2.0).abs() < 1e-9);
         }
         let f = b.finding(31.0).expect("slow links");
         assert!(!f.fix.contains("reduce_dtype"), "{}", f.fix);
+        // ZeRO-1 adds the f32 weights' all-gather: half an f32 all-reduce.
+        let z = ReductionEstimate::new(124_000_000, 8, ReduceDtype::F32, 1).expect("8 ranks");
+        assert_eq!(z.gather_bytes, 496_000_000);
+        for ((_, ddp), (_, zero)) in e.per_link_ms.iter().zip(&z.per_link_ms) {
+            assert!((zero / ddp - 1.5).abs() < 1e-9);
+        }
+        let f = z.finding(31.0).expect("slow links");
+        assert!(
+            f.problem
+                .contains("ZeRO-1's all-gather of the weights (496.0 MB)"),
+            "{}",
+            f.problem
+        );
+        assert!(f.fix.contains("optimization.zero_stage=0"), "{}", f.fix);
     }
 
     const ALL: &[&str] = &["cuda", "rocm", "wgpu", "flex"];

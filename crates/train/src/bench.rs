@@ -61,6 +61,9 @@ pub struct PhaseTimes {
     pub all_reduce_ms: f64,
     /// Clipping and the optimizer's update.
     pub optimizer_ms: f64,
+    /// ZeRO-1 in a job (`optimization.zero_stage = 1`): the all-gather of
+    /// the updated weights (0 otherwise).
+    pub all_gather_ms: f64,
 }
 
 /// What a benchmark measured.
@@ -77,8 +80,9 @@ pub struct BenchResult {
     /// In a job: what reduces the gradients (NCCL, or the rendezvous's
     /// sockets); `None` alone.
     pub collectives: Option<String>,
-    /// In a job: the median step's share spent in the gradients' all-reduce,
-    /// the wait for the slowest rank included, in percent; `None` alone.
+    /// In a job: the median step's share spent in the gradients' all-reduce
+    /// (and under ZeRO-1 the weights' all-gather), the wait for the
+    /// slowest rank included, in percent; `None` alone.
     pub comm_pct: Option<f64>,
     /// What the products computed in: "f32", "bf16 compute, f32 master weights", ...
     pub precision: String,
@@ -157,7 +161,7 @@ pub struct BenchResult {
 #[derive(Default)]
 struct Timings {
     step_s: Vec<f64>,
-    phases: [Vec<f64>; 6],
+    phases: [Vec<f64>; 7],
     work: Vec<Work>,
     final_loss: f64,
     loss_scale: Option<f64>,
@@ -171,12 +175,12 @@ struct SyncTimer<'a> {
     device: &'a Device,
     last: Instant,
     /// Seconds per phase in the current step.
-    step: [f64; 6],
+    step: [f64; 7],
 }
 
 impl SyncTimer<'_> {
     fn start_step(&mut self) {
-        self.step = [0.0; 6];
+        self.step = [0.0; 7];
         self.last = Instant::now();
     }
 }
@@ -192,6 +196,7 @@ impl PhaseTimer for SyncTimer<'_> {
             Phase::Backward => 3,
             Phase::Reduce => 4,
             Phase::Optimizer => 5,
+            Phase::Gather => 6,
         };
         self.step[i] += (now - self.last).as_secs_f64();
         self.last = now;
@@ -237,13 +242,13 @@ fn time_steps<T: Task>(
         config.loader.num_workers,
         config.loader.prefetch_factor,
     );
-    let mut optim = AdamW::for_training(&config.training).with_kernels(kernels(config));
+    let mut optim = AdamW::for_run(config, &model, group.map(|g| &**g));
     let mut state = StepState::new(config, scaler);
     state.group = group.cloned();
     let mut timer = SyncTimer {
         device,
         last: Instant::now(),
-        step: [0.0; 6],
+        step: [0.0; 7],
     };
     let mut out = Timings::default();
     let mut timed = 0.0;
@@ -414,8 +419,9 @@ fn result(
     }
     let mut comm: Vec<f64> = t.phases[4]
         .iter()
+        .zip(&t.phases[6])
         .zip(&t.step_s)
-        .map(|(ms, s)| ms / (10.0 * s))
+        .map(|((reduce, gather), s)| (reduce + gather) / (10.0 * s))
         .collect();
     let comm_pct = job.is_some().then(|| median(&mut comm));
     let tokens_per_s_median = median(&mut tps);
@@ -440,7 +446,7 @@ fn result(
                 })
         })
         .flatten();
-    let [d, h, f, b, r, o] = &mut t.phases;
+    let [d, h, f, b, r, o, g] = &mut t.phases;
     BenchResult {
         workload,
         backend: device.name.clone(),
@@ -488,6 +494,7 @@ fn result(
             backward_ms: median(b),
             all_reduce_ms: median(r),
             optimizer_ms: median(o),
+            all_gather_ms: median(g),
         },
         final_loss: t.final_loss,
         cpu_util_pct: t.cpu_util_pct,

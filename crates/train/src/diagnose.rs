@@ -119,6 +119,10 @@ pub fn diagnose(
             memory.available_what = "available RAM".to_string();
         }
     }
+    let unsharded = memory.clone();
+    if ranks > 1 && config.optimization.zero_stage >= 1 {
+        memory = memory.sharded(ranks);
+    }
     let mut findings = check_config(&CheckInput {
         config,
         hardware,
@@ -127,6 +131,20 @@ pub fn diagnose(
         memory: &memory,
         total_steps: schedule.total_steps as usize,
     });
+    let sharded = unsharded.clone().sharded(ranks);
+    if ranks > 1 && config.optimization.zero_stage == 0 && !unsharded.fits() && sharded.fits() {
+        findings.push(Finding {
+            severity: Severity::Warning,
+            key: "optimization.zero_stage".into(),
+            problem: format!(
+                "each of the {ranks} ranks would keep all of AdamW's moments ({}); split between them (ZeRO-1), a rank's step needs about {} of its {}",
+                kiln_plan::gib(unsharded.optimizer),
+                kiln_plan::gib(sharded.total),
+                kiln_plan::gib(sharded.available)
+            ),
+            fix: "optimization.zero_stage=1 (one all-gather of the weights a step besides the all-reduce)".into(),
+        });
+    }
     if let Some(why) = backend_error {
         findings.insert(
             0,
@@ -169,8 +187,12 @@ pub fn diagnose(
         }
         None => None,
     };
-    let reduction =
-        kiln_plan::ReductionEstimate::new(memory.parameters, ranks, config.precision.reduce_dtype);
+    let reduction = kiln_plan::ReductionEstimate::new(
+        memory.parameters,
+        ranks,
+        config.precision.reduce_dtype,
+        config.optimization.zero_stage,
+    );
     if let (Some(r), Some(b)) = (&reduction, &burst)
         && let Some(f) = r.finding(b.ms_per_step)
     {

@@ -57,6 +57,7 @@ mod tokens;
 mod trainer;
 mod translate;
 mod workload;
+mod zero;
 
 pub use bench::{
     BenchOptions, BenchResult, LoaderBenchResult, LoaderRow, PhaseTimes, bench_lm, bench_lm_job,

@@ -31,6 +31,9 @@ pub struct AdamW {
     /// The fused update where the device has it (flex; wgpu and CUDA
     /// without Burn's `fusion`), or the composition of Burn operations.
     pub kernels: Kernels,
+    /// ZeRO-1 in a job: the parameters this rank updates and keeps
+    /// moments for (`None`: all of them).
+    pub(crate) shard: Option<crate::zero::Shard>,
 }
 
 impl AdamW {
@@ -41,7 +44,31 @@ impl AdamW {
             steps: 0,
             moments: HashMap::new(),
             kernels: Kernels::Fused,
+            shard: None,
         }
+    }
+
+    /// The optimizer a run of `config` trains `model` with: its
+    /// hyper-parameters and kernels, and in a job with
+    /// `optimization.zero_stage = 1`, this rank's share (ZeRO-1).
+    pub(crate) fn for_run<M: Module>(
+        config: &kiln_config::RunConfig,
+        model: &M,
+        group: Option<&kiln_dist::Group>,
+    ) -> Self {
+        let mut optim =
+            Self::for_training(&config.training).with_kernels(crate::translate::kernels(config));
+        if let Some(g) = group.filter(|g| config.optimization.zero_stage >= 1 && g.world_size() > 1)
+        {
+            optim.shard = Some(crate::zero::Shard::new(model, g.rank(), g.world_size()));
+        }
+        optim
+    }
+
+    /// Whether this optimizer updates `id` and keeps its moments (all
+    /// parameters, except under ZeRO-1).
+    pub(crate) fn keeps(&self, id: ParamId) -> bool {
+        self.shard.as_ref().is_none_or(|s| s.owns(id))
     }
 
     /// AdamW with the hyper-parameters of a configuration's `training` section.
@@ -108,6 +135,10 @@ impl ModuleVisitor for Collect<'_> {
         let Some(grad) = self.grads.remove::<D>(param.id) else {
             return;
         };
+        if !self.optim.keeps(param.id) {
+            // ZeRO-1: another rank updates it; the all-gather brings it.
+            return;
+        }
         let c = self.optim.config;
         let tensor = param.val();
         let n: usize = tensor.dims().iter().product();
@@ -137,8 +168,9 @@ impl ModuleVisitor for Collect<'_> {
     }
 }
 
-/// Puts the updated weights into the module, keeping each parameter's
-/// `require_grad` and gradient-checkpointing strategy.
+/// Puts the updated weights (flat, without autodiff's wrapper) into the
+/// module, keeping each parameter's `require_grad` and
+/// gradient-checkpointing strategy; the others stay as they are.
 struct Replace {
     updated: HashMap<ParamId, Tensor<1>>,
 }
@@ -146,20 +178,10 @@ struct Replace {
 impl ModuleMapper for Replace {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let (id, tensor, mapper) = param.consume();
-        let Some(w) = self.updated.remove(&id) else {
-            return Param::from_mapped_value(id, tensor, mapper);
+        let updated = match self.updated.remove(&id) {
+            Some(w) => crate::params::replaced(&tensor, w),
+            None => tensor,
         };
-        let require_grad = tensor.is_require_grad();
-        // Gradient checkpointing is a property of the tensor: keep it.
-        let checkpointing = tensor.gradient_checkpointing_strategy();
-        let dims = tensor.dims();
-        let mut updated = Tensor::from_inner(w.reshape(dims));
-        if let Some(strategy) = checkpointing {
-            updated = updated.with_gradient_checkpointing_strategy(strategy);
-        }
-        if require_grad {
-            updated = updated.require_grad();
-        }
         Param::from_mapped_value(id, updated, mapper)
     }
 }
@@ -242,6 +264,50 @@ mod tests {
         assert!((b[0] - 0.05).abs() < 1e-6, "{b:?}");
         assert_eq!(opt.steps, 2);
         assert!(lin.weight.val().is_require_grad());
+    }
+
+    #[test]
+    fn under_zero_1_a_rank_updates_and_keeps_moments_for_its_share_alone() {
+        use burn::optim::GradientsParams;
+        use burn::tensor::{Int, TensorData};
+
+        use crate::params::{param_entries, param_values};
+        use crate::zero::Shard;
+        use kiln_model::GptConfig;
+
+        let device = Device::flex().autodiff();
+        device.seed(3);
+        let model = GptConfig::new(10, 4, 2, 2, 8)
+            .with_intermediate(16)
+            .init(&device);
+        let before = param_values(&model);
+        let mut optim = AdamW::new(AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        });
+        let shard = Shard::new(&model, 1, 2);
+        optim.shard = Some(shard.clone());
+        let tokens = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [1, 4]), &device);
+        let loss = model.loss(tokens(vec![1, 2, 3, 4]), tokens(vec![2, 3, 4, 5]));
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let model = optim.step(model, grads, 1e-2, 1.0);
+        let after = param_values(&model);
+        let entries = param_entries(&model);
+        for ((e, (_, _, was)), (_, _, now)) in entries.iter().zip(&before).zip(&after) {
+            // Its share moved and has moments; the rest is rank 0's to
+            // update and send.
+            assert_eq!(shard.owns(e.id), was != now, "`{}`", e.path);
+            assert_eq!(
+                shard.owns(e.id),
+                optim.moments.contains_key(&e.id),
+                "`{}`",
+                e.path
+            );
+        }
+        assert!(entries.iter().any(|e| shard.owns(e.id)));
+        assert!(entries.iter().any(|e| !shard.owns(e.id)));
     }
 
     #[test]

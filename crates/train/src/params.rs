@@ -89,6 +89,20 @@ pub(crate) fn tensor_from<const D: usize>(
     Tensor::from_data(TensorData::new(values, shape.to_vec()), device)
 }
 
+/// `w` (flat, without autodiff's wrapper) in `tensor`'s place: its shape,
+/// `require_grad` and gradient-checkpointing strategy (a property of the
+/// tensor) kept.
+pub(crate) fn replaced<const D: usize>(tensor: &Tensor<D>, w: Tensor<1>) -> Tensor<D> {
+    let mut updated = Tensor::from_inner(w.reshape(tensor.dims()));
+    if let Some(strategy) = tensor.gradient_checkpointing_strategy() {
+        updated = updated.with_gradient_checkpointing_strategy(strategy);
+    }
+    if tensor.is_require_grad() {
+        updated = updated.require_grad();
+    }
+    updated
+}
+
 /// Replaces every float parameter of `module` by the values under its path.
 /// Fails, naming the path, if one is missing or has another shape.
 pub(crate) fn load_values<M: Module>(

@@ -33,6 +33,8 @@ pub(crate) enum Phase {
     Reduce,
     /// Norm, checks and the update.
     Optimizer,
+    /// ZeRO-1 in a job: the all-gather of the updated weights.
+    Gather,
 }
 
 /// Told when each phase of a step ends (once per micro-batch for the first
@@ -154,7 +156,8 @@ pub(crate) struct StepReport {
     /// Some rank was asked to stop: every rank stops after this step.
     pub(crate) stop: bool,
     /// In a job: the time the gradients' all-reduce took (the wait for the
-    /// slowest rank and the copies to and from the host included).
+    /// slowest rank and the copies to and from the host included), and
+    /// under ZeRO-1 the all-gather of the updated weights.
     pub(crate) reduced_in: Option<Duration>,
 }
 
@@ -257,7 +260,15 @@ pub(crate) fn train_step<T: Task>(
         } else {
             1.0
         };
-        let model = optim.step(model, grads, lr, clip / loss_scale);
+        let mut model = optim.step(model, grads, lr, clip / loss_scale);
+        timer.end(Phase::Optimizer);
+        if let (Some(shard), Some(group)) = (&optim.shard, &state.group) {
+            // ZeRO-1: this rank updated its share; every rank gets the rest.
+            let started = std::time::Instant::now();
+            model = crate::zero::all_gather_weights(model, shard, group)?;
+            reduced_in = reduced_in.map(|d| d + started.elapsed());
+            timer.end(Phase::Gather);
+        }
         if let Some(scaler) = state.scaler.as_mut()
             && scaler.update(true) == (ScaleVerdict::Apply { grown: true })
         {
@@ -266,10 +277,11 @@ pub(crate) fn train_step<T: Task>(
         model
     } else {
         // No update: the weights and the optimizer state stay as they
-        // were, finite, and so does every checkpoint.
+        // were, finite, and so does every checkpoint. (Every rank has the
+        // same verdict: the reduced loss and norm are the same bits.)
+        timer.end(Phase::Optimizer);
         model
     };
-    timer.end(Phase::Optimizer);
     let report = StepReport {
         loss,
         grad_norm,

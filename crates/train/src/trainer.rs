@@ -156,7 +156,7 @@ pub(crate) fn run_loop<T: Task>(
                 state.scaler,
                 started,
                 config,
-                world,
+                options.group.as_deref(),
             )?;
             return Ok((
                 model,
@@ -299,7 +299,7 @@ pub(crate) fn run_loop<T: Task>(
                 state.scaler,
                 started,
                 config,
-                world,
+                options.group.as_deref(),
             )?;
             observer.event(&Event::Checkpoint { step, path });
         }
@@ -326,9 +326,10 @@ fn save_checkpoint<M: Module>(
     scaler: Option<LossScaler>,
     started: Instant,
     config: &RunConfig,
-    world: usize,
+    group: Option<&kiln_dist::Group>,
 ) -> Result<PathBuf, TrainError> {
-    if !run.writes() {
+    let sharded = optim.shard.is_some() && group.is_some();
+    if !run.writes() && !sharded {
         // Rank 0 writes the job's checkpoint; this rank names it.
         return Ok(checkpoint::path_for(&run.checkpoints(), step));
     }
@@ -341,6 +342,21 @@ fn save_checkpoint<M: Module>(
         .iter()
         .filter_map(|(id, (m, v))| ids.get(id).map(|p| (p.clone(), host(m), host(v))))
         .collect();
+    if let Some(group) = group.filter(|_| sharded) {
+        // ZeRO-1: rank 0 gathers every rank's moments, so that the
+        // checkpoint holds them all (a resume at any world size).
+        let Some(all) = group.gather_to_root(&crate::zero::encode_moments(&moments))? else {
+            return Ok(checkpoint::path_for(&run.checkpoints(), step));
+        };
+        for (rank, bytes) in all.iter().enumerate().skip(1) {
+            moments.extend(crate::zero::decode_moments(bytes).ok_or_else(|| {
+                kiln_dist::DistError::Diverged(format!(
+                    "rank {rank} sent {} bytes of AdamW moments that do not read back",
+                    bytes.len()
+                ))
+            })?);
+        }
+    }
     moments.sort_by(|a, b| a.0.cmp(&b.0));
     let state = CheckpointState {
         step,
@@ -349,7 +365,7 @@ fn save_checkpoint<M: Module>(
         tokens_seen: plan.tokens_seen,
         wall_s: plan.wall_before + started.elapsed().as_secs_f64(),
         loss_scale: scaler.map(|s| (s.scale, s.clean)),
-        world_size: world as u64,
+        world_size: group.map_or(1, kiln_dist::Group::world_size) as u64,
         params: param_values(model),
         moments,
     };
@@ -401,6 +417,10 @@ pub(crate) fn restore<M: Module>(
             path: path.to_path_buf(),
             why: format!("optimizer state for `{p}`, which the model lacks"),
         })?;
+        if !optim.keeps(*id) {
+            // ZeRO-1: another rank's share.
+            continue;
+        }
         let n = m.len();
         optim.moments.insert(
             *id,

@@ -135,12 +135,17 @@ fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
     };
     let _ = writeln!(
         s,
-        "memory:    estimate {} = weights {} + gradients {} + AdamW {} + activations {} \
+        "memory:    estimate {} = weights {} + gradients {} + AdamW {}{} + activations {} \
          ({attention} {}{logits}; {} with gradient checkpointing), of {} {}; {:.2} M parameters",
         gib(m.total),
         gib(m.weights),
         gib(m.gradients),
         gib(m.optimizer),
+        if m.optimizer_ranks > 1 {
+            format!(" (a rank's share of {}, ZeRO-1)", m.optimizer_ranks)
+        } else {
+            String::new()
+        },
         gib(m.activations),
         gib(m.attention),
         gib(m.activations_checkpointed),
@@ -175,9 +180,10 @@ fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
             .collect();
         let _ = writeln!(
             s,
-            "ranks:     {} — the gradients' all-reduce, {:.2} MB a step, as a ring (NCCL) would take: {}",
+            "ranks:     {} — the gradients' all-reduce ({:.2} MB a step){}, as a ring (NCCL) would take: {}",
             r.ranks,
             r.gradient_bytes as f64 / 1e6,
+            r.gather_words(),
             links.join(", ")
         );
     }

@@ -381,10 +381,16 @@ pub(crate) fn collectives(
     group: &Group,
     config: &RunConfig,
 ) -> Result<String, TrainError> {
-    let dtype = match config.precision.reduce_dtype {
+    let reduce_dtype = match config.precision.reduce_dtype {
         kiln_config::ReduceDtype::F32 => "",
         kiln_config::ReduceDtype::Bf16 => ", in bf16 (precision.reduce_dtype)",
     };
+    let zero = if config.optimization.zero_stage >= 1 {
+        "; ZeRO-1 (optimization.zero_stage): each rank updates its share of the parameters, and the weights are all-gathered"
+    } else {
+        ""
+    };
+    let dtype = format!("{reduce_dtype}{zero}");
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
         return Ok(match group.use_nccl(group.local_rank())? {
@@ -612,7 +618,7 @@ impl Session {
         let precision = run_precision(config, &device, hardware);
         crate::setup::check_attention_choice(config, &device, &precision)?;
         let mut model = init_model(config, &train_device, seed, |d| gpt.init(d));
-        let mut optim = AdamW::for_training(&config.training).with_kernels(kernels(config));
+        let mut optim = AdamW::for_run(config, &model, options.group.as_deref());
         let mut start = LoopPlanStart {
             first_step: 1,
             ..LoopPlanStart::default()
@@ -689,6 +695,9 @@ impl Session {
             c.effective_batch() * world * c.model.max_length
         ));
         lines.push(schedule_line(c, &p.schedule));
+        if let Some(shard) = &self.optim.shard {
+            lines.push(format!("optimizer: {}", shard.describe()));
+        }
         lines
     }
 
