@@ -14,7 +14,8 @@ export):
 - the model generates (greedy) from the line.
 
 Prints what it measured; exits 1 if a check fails. Not run by the tests or CI
-(which need no Python); see docs/EXPORT.md.
+(which have no torch); they run `scripts/gpt2_forward.py`, the same forward
+pass in plain Python. See docs/EXPORT.md.
 """
 
 import argparse

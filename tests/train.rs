@@ -972,6 +972,30 @@ fn export_writes_a_gpt2_folder_with_transformers_names_and_shapes() {
     for row in rows {
         assert_eq!(row.as_array().expect("row").len(), vocab);
     }
+    // The linear layers' biases trained (GPT-2's zero start once lost
+    // `require_grad`, and they stayed 0)...
+    let bias = st
+        .tensor("transformer.h.0.attn.c_attn.bias")
+        .expect("c_attn.bias");
+    assert!(
+        bias.data()
+            .chunks_exact(4)
+            .any(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != 0.0),
+        "c_attn.bias is all zeros"
+    );
+    // ...and GPT-2's forward pass as transformers computes it, in plain
+    // Python over the exported files, gives kiln's logits.
+    let check = std::process::Command::new("python3")
+        .arg(root().join("scripts/gpt2_forward.py"))
+        .arg(&out)
+        .output()
+        .expect("python3 runs scripts/gpt2_forward.py");
+    let said = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        check.status.success() && said.contains("-> ok"),
+        "{said}{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
 
     // An existing folder is left alone; a folder that is no run is named.
     kiln(&args)
