@@ -99,14 +99,20 @@ impl Wire {
         Ok(())
     }
 
-    /// Sends `values`; f32 without a copy on a little-endian machine.
-    fn write(self, stream: &mut TcpStream, values: &[f32]) -> std::io::Result<()> {
+    /// `values` as they travel: f32 as their own bytes on a
+    /// little-endian machine (no copy), else encoded into `buf`.
+    fn as_bytes<'a>(self, values: &'a [f32], buf: &'a mut Vec<u8>) -> &'a [u8] {
         if self == Wire::F32 && cfg!(target_endian = "little") {
-            return stream.write_all(bytemuck::cast_slice(values));
+            return bytemuck::cast_slice(values);
         }
-        let mut bytes = Vec::with_capacity(values.len() * self.bytes());
-        self.encode(&mut bytes, values);
-        stream.write_all(&bytes)
+        buf.clear();
+        self.encode(buf, values);
+        buf
+    }
+
+    /// Sends `values` ([`Wire::as_bytes`]).
+    fn write(self, stream: &mut TcpStream, values: &[f32]) -> std::io::Result<()> {
+        stream.write_all(self.as_bytes(values, &mut Vec::new()))
     }
 }
 
@@ -261,9 +267,8 @@ impl Group {
         match &mut *links {
             Links::Leaf { root, root_host } => {
                 let lost = |why: String| lost(0, root_host, during, why);
-                let mut header = vec![wire.op(), op as u8];
-                header.extend_from_slice(&(values.len() as u64).to_le_bytes());
-                root.write_all(&header).map_err(|e| lost(io_why(&e)))?;
+                root.write_all(&header(wire.op(), op as u8, values.len()))
+                    .map_err(|e| lost(io_why(&e)))?;
                 wire.write(root, values).map_err(|e| lost(io_why(&e)))?;
                 wire.read(root, values).map_err(|e| lost(io_why(&e)))?;
             }
@@ -299,18 +304,13 @@ impl Group {
                     let n = self.world as f32;
                     acc.iter_mut().for_each(|a| *a /= n);
                 }
-                let mut frame = Vec::new();
-                if wire != Wire::F32 {
-                    // Encoded once for every peer.
-                    wire.encode(&mut frame, &acc);
-                }
+                // Encoded once for every peer.
+                let mut buf = Vec::new();
+                let frame = wire.as_bytes(&acc, &mut buf);
                 for p in peers.iter_mut() {
-                    let sent = if wire == Wire::F32 {
-                        wire.write(&mut p.stream, &acc)
-                    } else {
-                        p.stream.write_all(&frame)
-                    };
-                    sent.map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
+                    p.stream
+                        .write_all(frame)
+                        .map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
                 }
                 // What the others decode.
                 for (v, a) in values.iter_mut().zip(&acc) {
@@ -345,9 +345,8 @@ impl Group {
         match &mut *links {
             Links::Leaf { root, root_host } => {
                 let lost = |why: String| lost(0, root_host, during, why);
-                let mut header = vec![OP_GATHER_F32, 0];
-                header.extend_from_slice(&(mine.len() as u64).to_le_bytes());
-                root.write_all(&header).map_err(|e| lost(io_why(&e)))?;
+                root.write_all(&header(OP_GATHER_F32, 0, mine.len()))
+                    .map_err(|e| lost(io_why(&e)))?;
                 Wire::F32.write(root, mine).map_err(|e| lost(io_why(&e)))?;
                 let mut all = vec![0f32; total];
                 Wire::F32
@@ -490,8 +489,7 @@ fn gather_at_root(
 ) -> Result<Option<Vec<Vec<u8>>>, DistError> {
     match links {
         Links::Leaf { root, root_host } => {
-            let mut frame = vec![op, 0];
-            frame.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+            let mut frame = header(op, 0, bytes.len()).to_vec();
             frame.extend_from_slice(bytes);
             root.write_all(&frame)
                 .map_err(|e| lost(0, root_host, during, io_why(&e)))?;
@@ -509,6 +507,17 @@ fn gather_at_root(
             Ok(Some(all))
         }
     }
+}
+
+/// A collective's frame header, as [`read_header`] reads it: the
+/// operation, its argument (a [`Reduce`]), and how many values or bytes
+/// follow.
+fn header(op: u8, arg: u8, n: usize) -> [u8; 10] {
+    let mut h = [0u8; 10];
+    h[0] = op;
+    h[1] = arg;
+    h[2..].copy_from_slice(&(n as u64).to_le_bytes());
+    h
 }
 
 fn read_header(stream: &mut TcpStream, expect: u8) -> std::io::Result<(u8, u64)> {

@@ -187,12 +187,8 @@ impl ZeroBias for Linear {
         // parameter's `require_grad`, or the bias is never trained.
         self.bias = self.bias.map(|b| {
             b.map(|t| {
-                let zeros = t.zeros_like();
-                if t.is_require_grad() {
-                    zeros.require_grad()
-                } else {
-                    zeros
-                }
+                let require_grad = t.is_require_grad();
+                t.zeros_like().set_require_grad(require_grad)
             })
         });
         self

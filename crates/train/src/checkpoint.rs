@@ -45,11 +45,14 @@ pub(crate) struct CheckpointState {
     pub(crate) moments: Vec<(String, Vec<f32>, Vec<f32>)>,
 }
 
-fn f32_bytes(values: &[f32]) -> Vec<u8> {
+/// f32 values as little-endian bytes (a checkpoint's tensors, a ZeRO
+/// rank's moments on their way to rank 0).
+pub(crate) fn f32_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-fn f32_values(bytes: &[u8]) -> Vec<f32> {
+/// [`f32_bytes`] read back.
+pub(crate) fn f32_values(bytes: &[u8]) -> Vec<f32> {
     bytes
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))

@@ -120,8 +120,9 @@ pub fn diagnose(
         }
     }
     let unsharded = memory.clone();
+    let sharded = memory.clone().sharded(ranks);
     if ranks > 1 && config.optimization.zero_stage >= 1 {
-        memory = memory.sharded(ranks);
+        memory = sharded.clone();
     }
     let mut findings = check_config(&CheckInput {
         config,
@@ -131,7 +132,6 @@ pub fn diagnose(
         memory: &memory,
         total_steps: schedule.total_steps as usize,
     });
-    let sharded = unsharded.clone().sharded(ranks);
     if ranks > 1 && config.optimization.zero_stage == 0 && !unsharded.fits() && sharded.fits() {
         findings.push(Finding {
             severity: Severity::Warning,

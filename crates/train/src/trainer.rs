@@ -328,8 +328,9 @@ fn save_checkpoint<M: Module>(
     config: &RunConfig,
     group: Option<&kiln_dist::Group>,
 ) -> Result<PathBuf, TrainError> {
-    let sharded = optim.shard.is_some() && group.is_some();
-    if !run.writes() && !sharded {
+    // ZeRO-1: every rank sends its share of the moments to rank 0.
+    let zero_group = group.filter(|_| optim.shard.is_some());
+    if !run.writes() && zero_group.is_none() {
         // Rank 0 writes the job's checkpoint; this rank names it.
         return Ok(checkpoint::path_for(&run.checkpoints(), step));
     }
@@ -342,9 +343,9 @@ fn save_checkpoint<M: Module>(
         .iter()
         .filter_map(|(id, (m, v))| ids.get(id).map(|p| (p.clone(), host(m), host(v))))
         .collect();
-    if let Some(group) = group.filter(|_| sharded) {
-        // ZeRO-1: rank 0 gathers every rank's moments, so that the
-        // checkpoint holds them all (a resume at any world size).
+    if let Some(group) = zero_group {
+        // Rank 0 gathers every rank's moments, so that the checkpoint
+        // holds them all (a resume at any world size).
         let Some(all) = group.gather_to_root(&crate::zero::encode_moments(&moments))? else {
             return Ok(checkpoint::path_for(&run.checkpoints(), step));
         };

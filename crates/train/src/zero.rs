@@ -17,15 +17,14 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 use kiln_dist::{DistError, Group};
 
-use crate::params::{host, param_entries, replaced, tensor_from};
+use crate::checkpoint::{f32_bytes, f32_values};
+use crate::params::{param_entries, replaced, tensor_from};
 
 /// Which rank updates each parameter.
 #[derive(Clone, Debug)]
 pub(crate) struct Shard {
     rank: usize,
-    /// Every float parameter in the module's visiting order: its id, its
-    /// number of values and the rank that owns it.
-    params: Vec<(ParamId, usize, usize)>,
+    /// The rank that owns each float parameter.
     owner: HashMap<ParamId, usize>,
     /// Values each rank owns.
     counts: Vec<usize>,
@@ -46,21 +45,14 @@ impl Shard {
         order.sort_by_key(|&i| std::cmp::Reverse(sizes[i].1));
         let world = world.max(1);
         let mut counts = vec![0usize; world];
-        let mut owners = vec![0usize; sizes.len()];
+        let mut owner = HashMap::with_capacity(sizes.len());
         for i in order {
             let r = (0..world).min_by_key(|&r| counts[r]).unwrap_or(0);
-            owners[i] = r;
+            owner.insert(sizes[i].0, r);
             counts[r] += sizes[i].1;
         }
-        let params: Vec<(ParamId, usize, usize)> = sizes
-            .iter()
-            .zip(&owners)
-            .map(|(&(id, n), &r)| (id, n, r))
-            .collect();
-        let owner = params.iter().map(|&(id, _, r)| (id, r)).collect();
         Self {
             rank,
-            params,
             owner,
             counts,
         }
@@ -79,11 +71,11 @@ impl Shard {
     /// The run's line about it: what this rank keeps.
     pub(crate) fn describe(&self) -> String {
         let total: usize = self.counts.iter().sum();
-        let mine = self.params.iter().filter(|p| p.2 == self.rank).count();
+        let mine = self.owner.values().filter(|&&r| r == self.rank).count();
         format!(
             "ZeRO-1: each rank keeps AdamW's moments for its share of the parameters (rank {}: {mine} of {} tensors, {:.2} M of {:.2} M values; the largest share {:.2} M); the updated weights are all-gathered every step",
             self.rank,
-            self.params.len(),
+            self.owner.len(),
             self.counts[self.rank] as f64 / 1e6,
             total as f64 / 1e6,
             self.counts.iter().copied().max().unwrap_or(0) as f64 / 1e6,
@@ -108,7 +100,7 @@ pub(crate) fn all_gather_weights<M: Module>(
     impl ModuleVisitor for Mine<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if self.shard.owns(param.id) {
-                self.values.extend(host(&param.val()));
+                self.values.extend(param.val().to_data().iter::<f32>());
             }
         }
     }
@@ -132,11 +124,12 @@ pub(crate) fn all_gather_weights<M: Module>(
             }
             let (id, tensor, mapper) = param.consume();
             // The values the optimizer updates: without autodiff's wrapper.
-            let inner = tensor.clone().inner();
+            let (device, dtype) = {
+                let inner = tensor.clone().inner();
+                (inner.device(), inner.dtype())
+            };
             let w: Tensor<1> =
-                tensor_from::<1>(self.all[from..from + n].to_vec(), &[n], &inner.device())
-                    .cast(inner.dtype());
-            drop(inner);
+                tensor_from::<1>(self.all[from..from + n].to_vec(), &[n], &device).cast(dtype);
             Param::from_mapped_value(id, replaced(&tensor, w), mapper)
         }
     }
@@ -177,9 +170,8 @@ pub(crate) fn encode_moments(moments: &[PathMoments]) -> Vec<u8> {
         b.extend_from_slice(&(path.len() as u32).to_le_bytes());
         b.extend_from_slice(path.as_bytes());
         b.extend_from_slice(&(m.len() as u64).to_le_bytes());
-        for x in m.iter().chain(v) {
-            b.extend_from_slice(&x.to_le_bytes());
-        }
+        b.extend(f32_bytes(m));
+        b.extend(f32_bytes(v));
     }
     b
 }
@@ -194,19 +186,13 @@ pub(crate) fn decode_moments(mut b: &[u8]) -> Option<Vec<PathMoments>> {
         *b = rest;
         Some(head)
     }
-    let floats = |bytes: &[u8]| -> Vec<f32> {
-        bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
-    };
     let mut out = Vec::new();
     while !b.is_empty() {
         let len = u32::from_le_bytes(take(&mut b, 4)?.try_into().ok()?) as usize;
         let path = String::from_utf8(take(&mut b, len)?.to_vec()).ok()?;
         let n = u64::from_le_bytes(take(&mut b, 8)?.try_into().ok()?) as usize;
-        let m = floats(take(&mut b, 4 * n)?);
-        let v = floats(take(&mut b, 4 * n)?);
+        let m = f32_values(take(&mut b, 4 * n)?);
+        let v = f32_values(take(&mut b, 4 * n)?);
         out.push((path, m, v));
     }
     Some(out)
