@@ -395,7 +395,7 @@ fn bad_input_exits_2_with_key_value_and_layer() {
             &["config", "optimization.zero_stage=3"],
             &[
                 "invalid value 3 for `optimization.zero_stage`",
-                "stages 2 and 3 are not built",
+                "stage 3 (the weights sharded too, FSDP) is not built",
             ],
         ),
         (

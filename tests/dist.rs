@@ -235,35 +235,73 @@ fn a_rank_killed_ends_the_job_and_the_resumed_job_matches_an_uninterrupted_one()
 }
 
 #[test]
-fn zero_1_keeps_a_share_of_the_moments_on_each_rank_and_takes_ddps_steps_bit_for_bit() {
+fn zero_1_and_2_keep_a_share_on_each_rank_and_take_ddps_steps_bit_for_bit() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let steps = 200;
-    let batch = "training.batch_size=4";
-    run(&launch_args(dir, "ddp", steps, 2, &[batch])).expect_code(0);
-    let zero = run(&launch_args(
-        dir,
-        "zero",
-        steps,
-        2,
-        &[batch, "optimization.zero_stage=1"],
-    ))
-    .expect_code(0);
-    zero.stdout_has(&[
+    // Clipping at every step: the norm ZeRO-2 adds up from the ranks'
+    // shares must be DDP's to the bit, or the updates differ.
+    let common = ["training.batch_size=4", "training.grad_clip=0.05"];
+    let job = |name: &str, stage: &str| {
+        let mut extra = common.to_vec();
+        extra.push(stage);
+        run(&launch_args(dir, name, steps, 2, &extra)).expect_code(0)
+    };
+    job("ddp", "optimization.zero_stage=0");
+    job("zero1", "optimization.zero_stage=1").stdout_has(&[
         "ZeRO-1: each rank keeps AdamW's moments for its share",
         "rank 0:",
         "the weights are all-gathered",
     ]);
+    job("zero2", "optimization.zero_stage=2").stdout_has(&[
+        "ZeRO-2: each rank keeps AdamW's moments for its share",
+        "the gradients are reduce-scattered",
+        "reduce-scattered, each rank receiving its share's average",
+    ]);
+    let norms = |name: &str| -> Vec<f64> {
+        std::fs::read_to_string(dir.join(name).join("metrics.jsonl"))
+            .expect("metrics")
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| v["grad_norm"].as_f64())
+            .collect()
+    };
+    let ddp_norms = norms("ddp");
+    assert!(
+        !ddp_norms.is_empty() && ddp_norms.iter().all(|&n| n > 0.05),
+        "clipping at every logged step: {ddp_norms:?}"
+    );
     // Each parameter updated by one rank with the same arithmetic, the
-    // weights gathered bit for bit, every moment gathered into rank 0's
-    // checkpoint: the checkpoints are DDP's, weights and moments alike.
-    for step in [100, steps] {
-        assert_eq!(
-            checkpoint_digest(&ckpt(&dir.join("zero"), step)),
-            checkpoint_digest(&ckpt(&dir.join("ddp"), step)),
-            "step {step}"
-        );
+    // norm the same bits, the weights gathered bit for bit, every moment
+    // gathered into rank 0's checkpoint: the checkpoints are DDP's,
+    // weights and moments alike.
+    for zero in ["zero1", "zero2"] {
+        assert_eq!(norms(zero), ddp_norms, "{zero}'s logged norms");
+        for step in [100, steps] {
+            assert_eq!(
+                checkpoint_digest(&ckpt(&dir.join(zero), step)),
+                checkpoint_digest(&ckpt(&dir.join("ddp"), step)),
+                "{zero} at step {step}"
+            );
+        }
     }
+    // With the gradients in bf16 (each rank's rounded, the average
+    // rounded), the reduce-scatter's part is the all-reduce's, bit for bit.
+    for (name, stage) in [("ddp-bf16", "0"), ("zero2-bf16", "2")] {
+        let mut extra = common.to_vec();
+        let stage = format!("optimization.zero_stage={stage}");
+        extra.extend(["precision.reduce_dtype=bf16", &stage]);
+        run(&launch_args(dir, name, 100, 2, &extra)).expect_code(0);
+    }
+    assert_eq!(
+        checkpoint_digest(&ckpt(&dir.join("zero2-bf16"), 100)),
+        checkpoint_digest(&ckpt(&dir.join("ddp-bf16"), 100)),
+    );
+    assert_ne!(
+        checkpoint_digest(&ckpt(&dir.join("ddp-bf16"), 100)),
+        checkpoint_digest(&ckpt(&dir.join("ddp"), 100)),
+        "bf16 gradients round"
+    );
     // Resumed: each rank takes its share of the checkpoint's moments and
     // goes on as the DDP job does.
     let more = |run_dir: &str| {
@@ -282,12 +320,16 @@ fn zero_1_keeps_a_share_of_the_moments_on_each_rank_and_takes_ddps_steps_bit_for
         .collect();
         run(&args).expect_code(0);
     };
-    more("zero");
-    more("ddp");
-    assert_eq!(
-        checkpoint_digest(&ckpt(&dir.join("zero"), 300)),
-        checkpoint_digest(&ckpt(&dir.join("ddp"), 300)),
-    );
+    for name in ["zero1", "zero2", "ddp"] {
+        more(name);
+    }
+    for zero in ["zero1", "zero2"] {
+        assert_eq!(
+            checkpoint_digest(&ckpt(&dir.join(zero), 300)),
+            checkpoint_digest(&ckpt(&dir.join("ddp"), 300)),
+            "{zero} resumed"
+        );
+    }
 }
 
 #[test]
@@ -371,27 +413,30 @@ fn a_job_benchmarks_the_language_model_step_over_every_rank() {
     let peak = b["mfu_peak"].as_str().expect("mfu_peak");
     assert!(peak.starts_with("2 × "), "{peak}");
     assert_eq!(b["phases"]["all_gather_ms"], 0.0, "DDP gathers no weights");
-    // ZeRO-1: the weights' all-gather timed, and counted as communication.
-    let mut zero = args.clone();
-    zero.push("optimization.zero_stage=1".into());
-    let v: serde_json::Value =
-        serde_json::from_str(&run(&zero).expect_code(0).stdout).expect("json");
-    let z = &v["bench"];
-    let how = z["collectives"].as_str().expect("collectives");
-    assert!(how.contains("ZeRO-1"), "{how}");
-    let gather = z["phases"]["all_gather_ms"]
-        .as_f64()
-        .expect("all_gather_ms");
-    let reduce = z["phases"]["all_reduce_ms"]
-        .as_f64()
-        .expect("all_reduce_ms");
-    let step = z["ms_per_step_median"].as_f64().expect("ms");
-    let comm = z["comm_pct"].as_f64().expect("comm_pct");
-    assert!(gather > 0.0, "{gather} ms");
-    assert!(
-        comm > 100.0 * reduce / step,
-        "comm_pct {comm} counts the gather ({gather} ms) besides the all-reduce ({reduce} ms of {step})"
-    );
+    // ZeRO-1 and ZeRO-2: the weights' all-gather timed, and counted as
+    // communication; ZeRO-2's reduce-scatter where the all-reduce was.
+    for stage in [1, 2] {
+        let mut zero = args.clone();
+        zero.push(format!("optimization.zero_stage={stage}"));
+        let v: serde_json::Value =
+            serde_json::from_str(&run(&zero).expect_code(0).stdout).expect("json");
+        let z = &v["bench"];
+        let how = z["collectives"].as_str().expect("collectives");
+        assert!(how.contains(&format!("ZeRO-{stage}")), "{how}");
+        let gather = z["phases"]["all_gather_ms"]
+            .as_f64()
+            .expect("all_gather_ms");
+        let reduce = z["phases"]["all_reduce_ms"]
+            .as_f64()
+            .expect("all_reduce_ms");
+        let step = z["ms_per_step_median"].as_f64().expect("ms");
+        let comm = z["comm_pct"].as_f64().expect("comm_pct");
+        assert!(gather > 0.0 && reduce > 0.0, "{gather} ms, {reduce} ms");
+        assert!(
+            comm > 100.0 * reduce / step,
+            "comm_pct {comm} counts the gather ({gather} ms) besides the reduction ({reduce} ms of {step})"
+        );
+    }
     // Alone, the same bench has no job.
     let alone: Vec<String> = args[5..].to_vec();
     let v: serde_json::Value =
@@ -524,6 +569,30 @@ fn one_rank_trains_in_place_and_planning_knows_the_world() {
         z["diagnosis"]["reduction"]["gather_bytes"].as_u64(),
         Some(params * 4)
     );
+    // ZeRO-2 reduce-scatters the gradients: with the all-gather, the
+    // per-link estimate is DDP's; the memory estimate is ZeRO-1's (Burn
+    // builds every gradient before the reduction).
+    let mut diag2 = diag.clone();
+    diag2.push("optimization.zero_stage=2".into());
+    let z2: serde_json::Value =
+        serde_json::from_str(&run(&diag2).expect_code(0).stdout).expect("json");
+    let r2 = &z2["diagnosis"]["reduction"];
+    assert_eq!(r2["zero_stage"], 2);
+    let ms = |r: &serde_json::Value| -> Vec<f64> {
+        r["per_link_ms"]
+            .as_array()
+            .expect("links")
+            .iter()
+            .map(|l| l[1].as_f64().expect("ms"))
+            .collect()
+    };
+    for (ddp_ms, zero_ms) in ms(r).iter().zip(ms(r2)) {
+        assert!(
+            (zero_ms / ddp_ms - 1.0).abs() < 1e-9,
+            "{zero_ms} vs {ddp_ms}"
+        );
+    }
+    assert_eq!(z2["diagnosis"]["memory"]["total"].as_u64(), Some(sharded));
     // A machine where all the moments do not fit on each rank, but a
     // quarter does: diagnose says so, and how.
     let mut machine: serde_json::Value = serde_json::from_str(
@@ -543,7 +612,7 @@ fn one_rank_trains_in_place_and_planning_knows_the_world() {
     // (The step does not fit as configured: an error, exit 2.)
     run(&on_tight).expect_code(2).stdout_has(&[
         "warning optimization.zero_stage: each of the 4 ranks would keep all of AdamW's moments",
-        "fix: optimization.zero_stage=1",
+        "fix: optimization.zero_stage=2",
     ]);
 }
 

@@ -102,7 +102,7 @@ pub(crate) fn step_line(m: &StepMetrics, total: u64) -> String {
         .map_or("MFU n/a".to_string(), |v| format!("MFU {:.1}%", v * 100.0));
     let comm = m
         .comm_pct
-        .map_or(String::new(), |c| format!(" | all-reduce {c:.1}%"));
+        .map_or(String::new(), |c| format!(" | comm {c:.1}%"));
     // A GPU run's memory is its allocator's on the GPU, not the process's RAM.
     let gpu = if m.device_memory { " on the GPU" } else { "" };
     format!(
@@ -144,7 +144,7 @@ pub(crate) fn summary_lines(s: &Summary) -> Vec<String> {
             "data-wait: {:.2}% of step time{}; peak memory {}{}",
             s.data_wait_pct,
             s.comm_pct.map_or(String::new(), |c| format!(
-                "; the gradients' all-reduce {c:.1}%"
+                "; communication (the gradients' reduction, ZeRO's all-gather) {c:.1}%"
             )),
             mib(s.peak_memory_bytes),
             if s.peak_memory_on_gpu {

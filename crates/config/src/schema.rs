@@ -367,7 +367,10 @@ pub struct OptimizationSection {
     /// `zero_optimization.stage`): `0`, every rank holds all of it, as
     /// DDP; `1`, each rank holds the moments of its share of the
     /// parameters, updates that share, and the ranks all-gather the
-    /// updated weights (ZeRO-1, PyTorch's `ZeroRedundancyOptimizer`).
+    /// updated weights (ZeRO-1, PyTorch's `ZeroRedundancyOptimizer`);
+    /// `2`, besides, the gradients are reduce-scattered, each rank
+    /// receiving the average of its share alone (ZeRO-2, FSDP's
+    /// `SHARD_GRAD_OP`).
     #[serde(default)]
     pub zero_stage: u8,
 }
@@ -556,9 +559,9 @@ impl RunConfig {
             "must be at least 1",
         );
         check(
-            self.optimization.zero_stage <= 1,
+            self.optimization.zero_stage <= 2,
             "optimization.zero_stage",
-            "must be 0 (every rank keeps all of AdamW's moments) or 1 (each keeps its share: ZeRO-1); stages 2 and 3 are not built",
+            "must be 0 (every rank keeps all of AdamW's moments), 1 (each keeps its share: ZeRO-1) or 2 (its share of the gradients too: ZeRO-2); stage 3 (the weights sharded too, FSDP) is not built",
         );
         let d = &self.data;
         check(!d.path.trim().is_empty(), "data.path", "must not be empty");

@@ -18,6 +18,8 @@ const OP_GATHER: u8 = 2;
 const OP_REDUCE_BF16: u8 = 3;
 const OP_GATHER_F32: u8 = 4;
 const OP_GATHER_ROOT: u8 = 5;
+const OP_REDUCE_SCATTER: u8 = 6;
+const OP_REDUCE_SCATTER_BF16: u8 = 7;
 
 /// How an all-reduce combines the ranks' values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,10 +41,13 @@ enum Wire {
 }
 
 impl Wire {
-    fn op(self) -> u8 {
-        match self {
-            Wire::F32 => OP_REDUCE,
-            Wire::Bf16 => OP_REDUCE_BF16,
+    /// The operation's code: an all-reduce, or a reduce-scatter (`scatter`).
+    fn op(self, scatter: bool) -> u8 {
+        match (self, scatter) {
+            (Wire::F32, false) => OP_REDUCE,
+            (Wire::Bf16, false) => OP_REDUCE_BF16,
+            (Wire::F32, true) => OP_REDUCE_SCATTER,
+            (Wire::Bf16, true) => OP_REDUCE_SCATTER_BF16,
         }
     }
 
@@ -240,7 +245,7 @@ impl Group {
         if let Some(nccl) = &*self.nccl.lock().unwrap_or_else(|e| e.into_inner()) {
             return nccl.all_reduce(values, op);
         }
-        self.reduce_over_sockets(values, op, Wire::F32)
+        self.reduce_over_sockets(values, op, Wire::F32, None)
     }
 
     /// [`all_reduce`](Self::all_reduce) with the values sent as bfloat16,
@@ -253,31 +258,107 @@ impl Group {
         if let Some(nccl) = &*self.nccl.lock().unwrap_or_else(|e| e.into_inner()) {
             return nccl.all_reduce_bf16(values, op);
         }
-        self.reduce_over_sockets(values, op, Wire::Bf16)
+        self.reduce_over_sockets(values, op, Wire::Bf16, None)
     }
 
+    /// [`all_reduce`](Self::all_reduce) of which each rank gets back only
+    /// its part (ZeRO-2's gradients): `values` holds every rank's part in
+    /// rank order, rank `r`'s `counts[r]` values, and every rank passes the
+    /// same `counts`. Returns this rank's part of the result, the same bits
+    /// as that part of an all-reduce of `values` (over the sockets; NCCL's
+    /// `ncclReduceScatter` reduces in its own order). Half an all-reduce's
+    /// traffic: what each rank receives is its part alone.
+    pub fn reduce_scatter(
+        &self,
+        values: &mut [f32],
+        counts: &[usize],
+        op: Reduce,
+    ) -> Result<Vec<f32>, DistError> {
+        self.check_parts(values, counts)?;
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = &*self.nccl.lock().unwrap_or_else(|e| e.into_inner()) {
+            return nccl.reduce_scatter(values, counts, op);
+        }
+        self.reduce_over_sockets(values, op, Wire::F32, Some(counts))?;
+        Ok(self.part(values, counts).to_vec())
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) with the values sent as
+    /// bfloat16, rounded as [`all_reduce_bf16`](Self::all_reduce_bf16)
+    /// rounds them.
+    pub fn reduce_scatter_bf16(
+        &self,
+        values: &mut [f32],
+        counts: &[usize],
+        op: Reduce,
+    ) -> Result<Vec<f32>, DistError> {
+        self.check_parts(values, counts)?;
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = &*self.nccl.lock().unwrap_or_else(|e| e.into_inner()) {
+            return nccl.reduce_scatter_bf16(values, counts, op);
+        }
+        self.reduce_over_sockets(values, op, Wire::Bf16, Some(counts))?;
+        Ok(self.part(values, counts).to_vec())
+    }
+
+    /// Refuses `counts` that are not one per rank adding up to `values`,
+    /// before anything travels.
+    fn check_parts(&self, values: &[f32], counts: &[usize]) -> Result<(), DistError> {
+        if counts.len() != self.world || counts.iter().sum::<usize>() != values.len() {
+            return Err(DistError::Diverged(format!(
+                "rank {} reduce-scatters {} values in parts of {counts:?} over {} ranks",
+                self.rank,
+                values.len(),
+                self.world
+            )));
+        }
+        Ok(())
+    }
+
+    /// This rank's part of `values`, laid out as `counts` says.
+    fn part<'a>(&self, values: &'a [f32], counts: &[usize]) -> &'a [f32] {
+        let start: usize = counts[..self.rank].iter().sum();
+        &values[start..start + counts[self.rank]]
+    }
+
+    /// Rank 0 combines every rank's `values` in rank order and sends each
+    /// rank the result: all of it, or with `parts` (a reduce-scatter) the
+    /// rank's part alone, which is all a rank's `values` then gets.
     fn reduce_over_sockets(
         &self,
         values: &mut [f32],
         op: Reduce,
         wire: Wire,
+        parts: Option<&[usize]>,
     ) -> Result<(), DistError> {
         let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
-        let during = "the all-reduce";
+        let during = if parts.is_some() {
+            "the reduce-scatter"
+        } else {
+            "the all-reduce"
+        };
+        let code = wire.op(parts.is_some());
+        // Where each rank's part of the result starts, and its length.
+        let part = |rank: usize| match parts {
+            Some(counts) => (counts[..rank].iter().sum(), counts[rank]),
+            None => (0, values.len()),
+        };
         match &mut *links {
             Links::Leaf { root, root_host } => {
                 let lost = |why: String| lost(0, root_host, during, why);
-                root.write_all(&header(wire.op(), op as u8, values.len()))
+                root.write_all(&header(code, op as u8, values.len()))
                     .map_err(|e| lost(io_why(&e)))?;
                 wire.write(root, values).map_err(|e| lost(io_why(&e)))?;
-                wire.read(root, values).map_err(|e| lost(io_why(&e)))?;
+                let (start, n) = part(self.rank);
+                wire.read(root, &mut values[start..start + n])
+                    .map_err(|e| lost(io_why(&e)))?;
             }
             Links::Root(peers) => {
                 // Rank 0's own values as they would travel.
                 let mut acc: Vec<f32> = values.iter().map(|&v| wire.round(v)).collect();
                 let mut theirs = vec![0f32; values.len()];
                 for p in peers.iter_mut() {
-                    let header = read_header(&mut p.stream, wire.op())
+                    let header = read_header(&mut p.stream, code)
                         .map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
                     let (their_op, n) = header;
                     if their_op != op as u8 || n != values.len() as u64 {
@@ -304,16 +385,30 @@ impl Group {
                     let n = self.world as f32;
                     acc.iter_mut().for_each(|a| *a /= n);
                 }
-                // Encoded once for every peer.
                 let mut buf = Vec::new();
-                let frame = wire.as_bytes(&acc, &mut buf);
-                for p in peers.iter_mut() {
+                let send = |p: &mut Peer, frame: &[u8]| {
                     p.stream
                         .write_all(frame)
-                        .map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
+                        .map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))
+                };
+                if parts.is_none() {
+                    // Encoded once for every peer.
+                    let frame = wire.as_bytes(&acc, &mut buf);
+                    for p in peers.iter_mut() {
+                        send(p, frame)?;
+                    }
+                } else {
+                    for p in peers.iter_mut() {
+                        let (start, n) = part(p.rank);
+                        send(p, wire.as_bytes(&acc[start..start + n], &mut buf))?;
+                    }
                 }
                 // What the others decode.
-                for (v, a) in values.iter_mut().zip(&acc) {
+                let (start, n) = part(0);
+                for (v, a) in values[start..start + n]
+                    .iter_mut()
+                    .zip(&acc[start..start + n])
+                {
                     *v = wire.round(*a);
                 }
             }
@@ -905,6 +1000,64 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn a_reduce_scatter_gives_each_rank_its_part_of_the_all_reduce() {
+        // Uneven parts, one empty; values whose sums round.
+        let counts = vec![3, 0, 2];
+        let out = on_ranks(3, move |g| {
+            let r = g.rank() as f32;
+            let values: Vec<f32> = (0..5)
+                .map(|i| 0.1 * (i as f32 + 1.0) + r / 3.0 + 1e-7 * r)
+                .collect();
+            let mut whole = values.clone();
+            g.all_reduce(&mut whole, Reduce::Mean).expect("reduces");
+            let mine = g
+                .reduce_scatter(&mut values.clone(), &counts, Reduce::Mean)
+                .expect("reduce-scatters");
+            let mut whole_bf16 = values.clone();
+            g.all_reduce_bf16(&mut whole_bf16, Reduce::Mean)
+                .expect("reduces");
+            let mine_bf16 = g
+                .reduce_scatter_bf16(&mut values.clone(), &counts, Reduce::Mean)
+                .expect("reduce-scatters");
+            let wrong = g
+                .reduce_scatter(&mut values.clone(), &[2, 2, 2], Reduce::Mean)
+                .map_err(|e| e.to_string());
+            (whole, mine, whole_bf16, mine_bf16, wrong)
+        });
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let starts = [0, 3, 3];
+        for (rank, (whole, mine, whole_bf16, mine_bf16, wrong)) in out.iter().enumerate() {
+            let n = [3, 0, 2][rank];
+            let range = starts[rank]..starts[rank] + n;
+            assert_eq!(bits(mine), bits(&whole[range.clone()]), "rank {rank}");
+            assert_eq!(bits(mine_bf16), bits(&whole_bf16[range]), "rank {rank}");
+            let e = wrong.as_ref().expect_err("6 values are not 5");
+            assert!(
+                e.contains(&format!("rank {rank} reduce-scatters 5 values")),
+                "{e}"
+            );
+        }
+        // The bf16 parts are rounded, the f32 ones are not.
+        assert_ne!(bits(&out[0].1), bits(&out[0].3));
+    }
+
+    #[test]
+    fn an_all_reduce_and_a_reduce_scatter_are_told_apart() {
+        let out = on_ranks(2, |g| {
+            let mut v = vec![1.0f32; 4];
+            if g.is_root() {
+                g.reduce_scatter(&mut v, &[2, 2], Reduce::Mean).map(drop)
+            } else {
+                g.all_reduce(&mut v, Reduce::Mean)
+            }
+        });
+        let err = out[0]
+            .as_ref()
+            .expect_err("rank 0 sees rank 1's all-reduce");
+        assert!(err.to_string().contains("out of step"), "{err}");
     }
 
     #[test]

@@ -135,6 +135,85 @@ impl Nccl {
             .collect())
     }
 
+    /// This rank's part of `values` (every rank's part in rank order,
+    /// `counts` of them) reduced by `ncclReduceScatter`, over parts each
+    /// padded to the largest.
+    pub(crate) fn reduce_scatter(
+        &self,
+        values: &[f32],
+        counts: &[usize],
+        op: Reduce,
+    ) -> Result<Vec<f32>, DistError> {
+        self.scatter_as(values, counts, op, |v| v, |v| v)
+    }
+
+    /// [`Nccl::reduce_scatter`] as bfloat16 (`ncclBfloat16`), the part
+    /// widened back to f32.
+    pub(crate) fn reduce_scatter_bf16(
+        &self,
+        values: &[f32],
+        counts: &[usize],
+        op: Reduce,
+    ) -> Result<Vec<f32>, DistError> {
+        self.scatter_as(values, counts, op, half::bf16::from_f32, half::bf16::to_f32)
+    }
+
+    fn scatter_as<T>(
+        &self,
+        values: &[f32],
+        counts: &[usize],
+        op: Reduce,
+        narrow: impl Fn(f32) -> T,
+        widen: impl Fn(T) -> f32,
+    ) -> Result<Vec<f32>, DistError>
+    where
+        T: cudarc::nccl::NcclType
+            + cudarc::driver::DeviceRepr
+            + cudarc::driver::ValidAsZeroBits
+            + Copy
+            + Default,
+    {
+        let widest = counts.iter().copied().max().unwrap_or(0);
+        if widest == 0 {
+            return Ok(Vec::new());
+        }
+        let cuda = |what: &str, e: cudarc::driver::DriverError| {
+            DistError::Nccl(format!("{what} of {widest} values a rank: {e}"))
+        };
+        let mut padded = vec![T::default(); widest * counts.len()];
+        let mut from = 0;
+        for (r, &n) in counts.iter().enumerate() {
+            for (dst, &v) in padded[r * widest..r * widest + n]
+                .iter_mut()
+                .zip(&values[from..from + n])
+            {
+                *dst = narrow(v);
+            }
+            from += n;
+        }
+        let send = self
+            .stream
+            .clone_htod(&padded)
+            .map_err(|e| cuda("copying to the device", e))?;
+        drop(padded);
+        let mut recv = self
+            .stream
+            .alloc_zeros::<T>(widest)
+            .map_err(|e| cuda("allocating the reduce-scatter", e))?;
+        self.comm
+            .reduce_scatter(&send, &mut recv, &reduce_op(op))
+            .map_err(|e| nccl_error("ncclReduceScatter", e))?;
+        let mut mine = vec![T::default(); widest];
+        self.stream
+            .memcpy_dtoh(&recv, &mut mine)
+            .map_err(|e| cuda("copying back", e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda("waiting for the reduce-scatter", e))?;
+        let rank = self.comm.rank();
+        Ok(mine[..counts[rank]].iter().map(|&v| widen(v)).collect())
+    }
+
     fn reduce<T>(&self, values: &mut [T], op: Reduce) -> Result<(), DistError>
     where
         T: cudarc::nccl::NcclType + cudarc::driver::DeviceRepr,
@@ -147,13 +226,8 @@ impl Nccl {
             .stream
             .clone_htod(&*values)
             .map_err(|e| cuda("copying to the device", e))?;
-        let op = match op {
-            Reduce::Sum => ReduceOp::Sum,
-            Reduce::Mean => ReduceOp::Avg,
-            Reduce::Max => ReduceOp::Max,
-        };
         self.comm
-            .all_reduce_in_place(&mut device, &op)
+            .all_reduce_in_place(&mut device, &reduce_op(op))
             .map_err(|e| nccl_error("ncclAllReduce", e))?;
         self.stream
             .memcpy_dtoh(&device, values)
@@ -161,5 +235,13 @@ impl Nccl {
         self.stream
             .synchronize()
             .map_err(|e| cuda("waiting for the all-reduce", e))
+    }
+}
+
+fn reduce_op(op: Reduce) -> ReduceOp {
+    match op {
+        Reduce::Sum => ReduceOp::Sum,
+        Reduce::Mean => ReduceOp::Avg,
+        Reduce::Max => ReduceOp::Max,
     }
 }

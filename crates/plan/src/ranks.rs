@@ -163,7 +163,7 @@ pub fn allgather_seconds(bytes: f64, ranks: usize, link: Link) -> f64 {
     allreduce_seconds(bytes, ranks, link) / 2.0
 }
 
-/// The gradients' all-reduce of a data-parallel job, per optimizer step,
+/// The gradients' reduction of a data-parallel job, per optimizer step,
 /// over each modelled link (`kiln diagnose`).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ReductionEstimate {
@@ -174,19 +174,24 @@ pub struct ReductionEstimate {
     pub gradient_bytes: u64,
     /// The type they travel in.
     pub reduce_dtype: ReduceDtype,
-    /// Under ZeRO-1 (`optimization.zero_stage = 1`): the f32 weights
+    /// `optimization.zero_stage`: 0 and 1 all-reduce the gradients, 2
+    /// reduce-scatters them (half an all-reduce: each rank receives its
+    /// share alone).
+    pub zero_stage: u8,
+    /// Under ZeRO (`optimization.zero_stage` 1 or 2): the f32 weights
     /// all-gathered after each update; 0 otherwise.
     pub gather_bytes: u64,
     /// Milliseconds per optimizer step over each link of [`LINKS`], the
-    /// all-reduce and the all-gather together.
+    /// gradients' reduction and the all-gather together.
     pub per_link_ms: Vec<(String, f64)>,
 }
 
 impl ReductionEstimate {
     /// The estimate for a model of `parameters` trainable parameters
-    /// among `ranks` ranks, its gradients averaged in `reduce_dtype` and,
-    /// with `zero_stage` 1, its weights all-gathered after each update
-    /// (`None` for one rank: nothing to reduce).
+    /// among `ranks` ranks, its gradients averaged in `reduce_dtype` (with
+    /// `zero_stage` 2, reduce-scattered) and, with `zero_stage` 1 or 2,
+    /// its weights all-gathered after each update (`None` for one rank:
+    /// nothing to reduce).
     pub fn new(
         parameters: usize,
         ranks: usize,
@@ -206,26 +211,42 @@ impl ReductionEstimate {
             ranks,
             gradient_bytes: bytes,
             reduce_dtype,
+            zero_stage,
             gather_bytes,
             per_link_ms: LINKS
                 .iter()
                 .map(|l| {
-                    let s = allreduce_seconds(bytes as f64, ranks, *l)
-                        + allgather_seconds(gather_bytes as f64, ranks, *l);
+                    // A ring reduce-scatter moves what an all-gather does.
+                    let reduce = if zero_stage >= 2 {
+                        allgather_seconds(bytes as f64, ranks, *l)
+                    } else {
+                        allreduce_seconds(bytes as f64, ranks, *l)
+                    };
+                    let s = reduce + allgather_seconds(gather_bytes as f64, ranks, *l);
                     (l.name.to_string(), 1e3 * s)
                 })
                 .collect(),
         })
     }
 
+    /// `"all-reduce"`, or `"reduce-scatter"` under ZeRO-2.
+    pub fn reduction(&self) -> &'static str {
+        if self.zero_stage >= 2 {
+            "reduce-scatter"
+        } else {
+            "all-reduce"
+        }
+    }
+
     /// `" and ZeRO-1's all-gather of the weights (496.0 MB)"` under
-    /// ZeRO-1, else nothing: what a step sends besides the gradients.
+    /// ZeRO, else nothing: what a step sends besides the gradients.
     pub fn gather_words(&self) -> String {
         if self.gather_bytes == 0 {
             return String::new();
         }
         format!(
-            " and ZeRO-1's all-gather of the weights ({:.1} MB)",
+            " and ZeRO-{}'s all-gather of the weights ({:.1} MB)",
+            self.zero_stage,
             self.gather_bytes as f64 / 1e6
         )
     }
@@ -247,8 +268,9 @@ impl ReductionEstimate {
             severity: Severity::Note,
             key: "training.gradient_accumulation_steps".into(),
             problem: format!(
-                "with {} ranks the gradients' all-reduce ({:.0} MB a step){gather} would take over half of the {step_ms:.0} ms step over: {}",
+                "with {} ranks the gradients' {} ({:.0} MB a step){gather} would take over half of the {step_ms:.0} ms step over: {}",
                 self.ranks,
+                self.reduction(),
                 self.gradient_bytes as f64 / 1e6,
                 slow.join(", ")
             ),
@@ -258,8 +280,8 @@ impl ReductionEstimate {
                     ReduceDtype::F32 => ", or set precision.reduce_dtype=bf16 (half the bytes)",
                     ReduceDtype::Bf16 => "",
                 },
-                if self.gather_bytes > 0 {
-                    "; optimization.zero_stage=0 drops the all-gather where every rank has room for all of AdamW's moments"
+                if self.zero_stage == 1 {
+                    "; optimization.zero_stage=2 reduce-scatters the gradients instead (with the all-gather, DDP's bytes)"
                 } else {
                     ""
                 }
@@ -332,7 +354,20 @@ mod tests {
             "{}",
             f.problem
         );
-        assert!(f.fix.contains("optimization.zero_stage=0"), "{}", f.fix);
+        assert!(f.fix.contains("optimization.zero_stage=2"), "{}", f.fix);
+        // ZeRO-2 reduce-scatters instead: with the all-gather, DDP's time.
+        let z2 = ReductionEstimate::new(124_000_000, 8, ReduceDtype::F32, 2).expect("8 ranks");
+        for ((_, ddp), (_, zero)) in e.per_link_ms.iter().zip(&z2.per_link_ms) {
+            assert!((zero / ddp - 1.0).abs() < 1e-9);
+        }
+        let f = z2.finding(31.0).expect("slow links");
+        assert!(
+            f.problem
+                .contains("the gradients' reduce-scatter (496 MB a step) and ZeRO-2's all-gather"),
+            "{}",
+            f.problem
+        );
+        assert!(!f.fix.contains("zero_stage"), "{}", f.fix);
     }
 
     const ALL: &[&str] = &["cuda", "rocm", "wgpu", "flex"];

@@ -137,12 +137,12 @@ pub fn diagnose(
             severity: Severity::Warning,
             key: "optimization.zero_stage".into(),
             problem: format!(
-                "each of the {ranks} ranks would keep all of AdamW's moments ({}); split between them (ZeRO-1), a rank's step needs about {} of its {}",
+                "each of the {ranks} ranks would keep all of AdamW's moments ({}); split between them (ZeRO), a rank's step needs about {} of its {}",
                 kiln_plan::gib(unsharded.optimizer),
                 kiln_plan::gib(sharded.total),
                 kiln_plan::gib(sharded.available)
             ),
-            fix: "optimization.zero_stage=1 (one all-gather of the weights a step besides the all-reduce)".into(),
+            fix: "optimization.zero_stage=2 (the gradients reduce-scattered and the weights all-gathered: DDP's bytes a step; or 1, an all-reduce and the all-gather)".into(),
         });
     }
     if let Some(why) = backend_error {

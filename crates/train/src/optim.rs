@@ -31,8 +31,8 @@ pub struct AdamW {
     /// The fused update where the device has it (flex; wgpu and CUDA
     /// without Burn's `fusion`), or the composition of Burn operations.
     pub kernels: Kernels,
-    /// ZeRO-1 in a job: the parameters this rank updates and keeps
-    /// moments for (`None`: all of them).
+    /// ZeRO-1 or ZeRO-2 in a job: the parameters this rank updates and
+    /// keeps moments for (`None`: all of them).
     pub(crate) shard: Option<crate::zero::Shard>,
 }
 
@@ -50,7 +50,7 @@ impl AdamW {
 
     /// The optimizer a run of `config` trains `model` with: its
     /// hyper-parameters and kernels, and in a job with
-    /// `optimization.zero_stage = 1`, this rank's share (ZeRO-1).
+    /// `optimization.zero_stage` 1 or 2, this rank's share (ZeRO).
     pub(crate) fn for_run<M: Module>(
         config: &kiln_config::RunConfig,
         model: &M,
@@ -60,13 +60,18 @@ impl AdamW {
             Self::for_training(&config.training).with_kernels(crate::translate::kernels(config));
         if let Some(g) = group.filter(|g| config.optimization.zero_stage >= 1 && g.world_size() > 1)
         {
-            optim.shard = Some(crate::zero::Shard::new(model, g.rank(), g.world_size()));
+            optim.shard = Some(crate::zero::Shard::new(
+                model,
+                g.rank(),
+                g.world_size(),
+                config.optimization.zero_stage,
+            ));
         }
         optim
     }
 
     /// Whether this optimizer updates `id` and keeps its moments (all
-    /// parameters, except under ZeRO-1).
+    /// parameters, except under ZeRO).
     pub(crate) fn keeps(&self, id: ParamId) -> bool {
         self.shard.as_ref().is_none_or(|s| s.owns(id))
     }
@@ -136,7 +141,7 @@ impl ModuleVisitor for Collect<'_> {
             return;
         };
         if !self.optim.keeps(param.id) {
-            // ZeRO-1: another rank updates it; the all-gather brings it.
+            // ZeRO: another rank updates it; the all-gather brings it.
             return;
         }
         let c = self.optim.config;
@@ -287,7 +292,7 @@ mod tests {
             eps: 1e-8,
             weight_decay: 0.1,
         });
-        let shard = Shard::new(&model, 1, 2);
+        let shard = Shard::new(&model, 1, 2, 1);
         optim.shard = Some(shard.clone());
         let tokens = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [1, 4]), &device);
         let loss = model.loss(tokens(vec![1, 2, 3, 4]), tokens(vec![2, 3, 4, 5]));

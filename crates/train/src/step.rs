@@ -28,12 +28,13 @@ pub(crate) enum Phase {
     Upload,
     Forward,
     Backward,
-    /// In a data-parallel job: the gradients' all-reduce (the wait for the
+    /// In a data-parallel job: the gradients' all-reduce, or ZeRO-2's
+    /// reduce-scatter and the norm's small all-reduce (the wait for the
     /// slowest rank included).
     Reduce,
     /// Norm, checks and the update.
     Optimizer,
-    /// ZeRO-1 in a job: the all-gather of the updated weights.
+    /// ZeRO-1 or ZeRO-2 in a job: the all-gather of the updated weights.
     Gather,
 }
 
@@ -157,7 +158,7 @@ pub(crate) struct StepReport {
     pub(crate) stop: bool,
     /// In a job: the time the gradients' all-reduce took (the wait for the
     /// slowest rank and the copies to and from the host included), and
-    /// under ZeRO-1 the all-gather of the updated weights.
+    /// under ZeRO the all-gather of the updated weights.
     pub(crate) reduced_in: Option<Duration>,
 }
 
@@ -231,18 +232,45 @@ pub(crate) fn train_step<T: Task>(
     let mut loss = loss_sum.map_or(f32::NAN, |l| l.into_scalar::<f32>()) / accum as f32;
     let mut stop = state.stop_asked;
     let mut reduced_in = None;
+    // ZeRO-2: the norm comes with the reduce-scatter, each rank holding
+    // its share of the gradients alone.
+    let mut scattered_norm = None;
     if let Some(group) = &state.group {
         let started = std::time::Instant::now();
         let mut extra = [loss, if stop { 1.0 } else { 0.0 }];
-        grads =
-            crate::params::all_reduce_grads(&model, grads, &mut extra, group, state.reduce_dtype)?;
+        match optim.shard.as_ref().filter(|s| s.scatters_grads()) {
+            Some(shard) => {
+                let (mine, norm) = crate::zero::reduce_scatter_grads(
+                    &model,
+                    grads,
+                    &mut extra,
+                    shard,
+                    group,
+                    state.reduce_dtype,
+                    optim.kernels,
+                )?;
+                grads = mine;
+                scattered_norm = Some(norm);
+            }
+            None => {
+                grads = crate::params::all_reduce_grads(
+                    &model,
+                    grads,
+                    &mut extra,
+                    group,
+                    state.reduce_dtype,
+                )?;
+            }
+        }
         loss = extra[0];
         stop = extra[1] > 0.0;
         reduced_in = Some(started.elapsed());
         work = work.times(group.world_size());
         timer.end(Phase::Reduce);
     }
-    let grad_norm = global_grad_norm(&model, &grads, optim.kernels) / loss_scale;
+    let grad_norm = scattered_norm
+        .unwrap_or_else(|| global_grad_norm(&model, &grads, optim.kernels))
+        / loss_scale;
     let verdict = match state.scaler.as_mut() {
         Some(scaler) if loss.is_finite() && !grad_norm.is_finite() && scaler.can_back_off() => {
             scaler.update(false);
@@ -263,7 +291,7 @@ pub(crate) fn train_step<T: Task>(
         let mut model = optim.step(model, grads, lr, clip / loss_scale);
         timer.end(Phase::Optimizer);
         if let (Some(shard), Some(group)) = (&optim.shard, &state.group) {
-            // ZeRO-1: this rank updated its share; every rank gets the rest.
+            // ZeRO: this rank updated its share; every rank gets the rest.
             let started = std::time::Instant::now();
             model = crate::zero::all_gather_weights(model, shard, group)?;
             reduced_in = reduced_in.map(|d| d + started.elapsed());

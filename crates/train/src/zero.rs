@@ -1,29 +1,40 @@
-//! ZeRO-1 (`optimization.zero_stage = 1`): in a data-parallel job each rank
-//! keeps AdamW's moments for its share of the parameters only and updates
-//! that share; the ranks then all-gather the updated weights, so that every
-//! rank holds the whole model again before the next forward pass (PyTorch's
-//! `ZeroRedundancyOptimizer`, DeepSpeed's stage 1). The gradients are still
-//! all-reduced whole: the norm and clipping see all of them, as in DDP.
+//! ZeRO-1 and ZeRO-2 (`optimization.zero_stage = 1 | 2`): in a
+//! data-parallel job each rank keeps AdamW's moments for its share of the
+//! parameters only and updates that share; the ranks then all-gather the
+//! updated weights, so that every rank holds the whole model again before
+//! the next forward pass (PyTorch's `ZeroRedundancyOptimizer`, DeepSpeed's
+//! stages 1 and 2). Under ZeRO-1 the gradients are all-reduced whole, as in
+//! DDP; under ZeRO-2 they are reduce-scattered, each rank receiving the
+//! average of its share alone (half an all-reduce's traffic, so the step
+//! moves DDP's bytes), and the global norm adds up each tensor's sum of
+//! squares from the rank that holds it ([`reduce_scatter_grads`]).
 //!
-//! A parameter's update is the same arithmetic whichever rank makes it, and
-//! the gather moves f32 bits unchanged, so a ZeRO-1 job takes exactly the
-//! steps of a DDP job of the same world size. Checkpoints hold every
-//! moment (gathered at rank 0), so a run resumes at any world size and
-//! with or without sharding.
+//! A parameter's update is the same arithmetic whichever rank makes it, the
+//! norm adds the same per-tensor sums in the same order as one process
+//! does, and the collectives move f32 bits unchanged, so a ZeRO job takes
+//! exactly the steps of a DDP job of the same world size (over the
+//! sockets). Checkpoints hold every moment (gathered at rank 0), so a run
+//! resumes at any world size and with or without sharding.
 
 use std::collections::HashMap;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
-use burn::tensor::Tensor;
-use kiln_dist::{DistError, Group};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, Device, Tensor};
+use kiln_config::ReduceDtype;
+use kiln_dist::{DistError, Group, Reduce};
+use kiln_model::kernels::{Kernels, sum_of_squares};
 
 use crate::checkpoint::{f32_bytes, f32_values};
 use crate::params::{param_entries, replaced, tensor_from};
 
-/// Which rank updates each parameter.
+/// Which rank updates each parameter, and whether the gradients are
+/// reduce-scattered (ZeRO-2) or all-reduced (ZeRO-1).
 #[derive(Clone, Debug)]
 pub(crate) struct Shard {
     rank: usize,
+    /// `optimization.zero_stage`: 1 or 2.
+    stage: u8,
     /// The rank that owns each float parameter.
     owner: HashMap<ParamId, usize>,
     /// Values each rank owns.
@@ -35,8 +46,8 @@ impl Shard {
     /// `ZeroRedundancyOptimizer` does: largest first, each to the rank
     /// that owns the fewest values so far (ties: the lower rank), so the
     /// shares are as even as whole tensors allow. Every rank computes the
-    /// same split.
-    pub(crate) fn new<M: Module>(module: &M, rank: usize, world: usize) -> Self {
+    /// same split. `stage` 2 reduce-scatters the gradients.
+    pub(crate) fn new<M: Module>(module: &M, rank: usize, world: usize, stage: u8) -> Self {
         let sizes: Vec<(ParamId, usize)> = param_entries(module)
             .into_iter()
             .map(|e| (e.id, e.shape.iter().product()))
@@ -53,9 +64,15 @@ impl Shard {
         }
         Self {
             rank,
+            stage,
             owner,
             counts,
         }
+    }
+
+    /// ZeRO-2: the gradients are reduce-scattered between the owners.
+    pub(crate) fn scatters_grads(&self) -> bool {
+        self.stage >= 2
     }
 
     /// Whether this rank updates `id` (and keeps its moments).
@@ -72,8 +89,16 @@ impl Shard {
     pub(crate) fn describe(&self) -> String {
         let total: usize = self.counts.iter().sum();
         let mine = self.owner.values().filter(|&&r| r == self.rank).count();
+        let (stage, grads) = if self.scatters_grads() {
+            (
+                "ZeRO-2",
+                "the gradients are reduce-scattered (each rank receives its share's average) and ",
+            )
+        } else {
+            ("ZeRO-1", "")
+        };
         format!(
-            "ZeRO-1: each rank keeps AdamW's moments for its share of the parameters (rank {}: {mine} of {} tensors, {:.2} M of {:.2} M values; the largest share {:.2} M); the updated weights are all-gathered every step",
+            "{stage}: each rank keeps AdamW's moments for its share of the parameters (rank {}: {mine} of {} tensors, {:.2} M of {:.2} M values; the largest share {:.2} M); {grads}the updated weights are all-gathered every step",
             self.rank,
             self.owner.len(),
             self.counts[self.rank] as f64 / 1e6,
@@ -157,6 +182,174 @@ pub(crate) fn all_gather_weights<M: Module>(
     }))
 }
 
+/// ZeRO-2's reduction of a step's gradients: every rank's gradients, laid
+/// out by owner (each rank's share in visiting order, as the weights'
+/// all-gather lays them out), reduce-scattered in `reduce_dtype`, so that
+/// each rank receives the average of its share alone and gives the others'
+/// gradients up (their device memory is freed before the update). Then
+/// one small f32 all-reduce sums `extra` (the loss, the stop flag: averaged
+/// here) and each gradient's sum of squares, computed by its owner; the
+/// global norm adds those in visiting order, as one process's
+/// `sum_of_squares` does on the CPU, so that the norm, clipping and every
+/// step are DDP's bit for bit over the sockets. Returns this rank's
+/// gradients and the global norm (loss scale not divided out).
+pub(crate) fn reduce_scatter_grads<M: Module>(
+    module: &M,
+    mut grads: GradientsParams,
+    extra: &mut [f32],
+    shard: &Shard,
+    group: &Group,
+    reduce_dtype: ReduceDtype,
+    kernels: Kernels,
+) -> Result<(GradientsParams, f64), DistError> {
+    /// A gradient's place: its owner and shape.
+    struct Slot {
+        id: ParamId,
+        owner: usize,
+        dims: Vec<usize>,
+        device: Device,
+        dtype: DType,
+    }
+    /// The parameters that have a gradient, in visiting order.
+    struct Slots<'a> {
+        shard: &'a Shard,
+        grads: &'a GradientsParams,
+        slots: Vec<Slot>,
+    }
+    impl ModuleVisitor for Slots<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let (Some(g), Some(&owner)) = (
+                self.grads.get::<D>(param.id),
+                self.shard.owner.get(&param.id),
+            ) else {
+                return;
+            };
+            if self.slots.iter().any(|s| s.id == param.id) {
+                // A parameter met twice (shared): reduced once.
+                return;
+            }
+            self.slots.push(Slot {
+                id: param.id,
+                owner,
+                dims: g.dims().to_vec(),
+                device: g.device(),
+                dtype: g.dtype(),
+            });
+        }
+    }
+    /// Takes each gradient off the device into its owner's part of `flat`.
+    struct Take<'a> {
+        grads: &'a mut GradientsParams,
+        flat: &'a mut [f32],
+        /// Where each owner's part is written next.
+        at: Vec<usize>,
+        owner: HashMap<ParamId, usize>,
+    }
+    impl ModuleVisitor for Take<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let (Some(&r), Some(g)) = (self.owner.get(&param.id), self.grads.remove::<D>(param.id))
+            else {
+                return;
+            };
+            let n = g.shape().num_elements();
+            let data = g.into_data();
+            for (dst, v) in self.flat[self.at[r]..self.at[r] + n]
+                .iter_mut()
+                .zip(data.iter::<f32>())
+            {
+                *dst = v;
+            }
+            self.at[r] += n;
+        }
+    }
+    /// Puts this rank's reduced share back, in visiting order.
+    struct Put<'a, I: Iterator<Item = &'a Slot>> {
+        grads: GradientsParams,
+        slots: std::iter::Peekable<I>,
+        values: &'a [f32],
+        squares: Vec<Tensor<1>>,
+        kernels: Kernels,
+    }
+    impl<'a, I: Iterator<Item = &'a Slot>> ModuleVisitor for Put<'a, I> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(s) = self.slots.next_if(|s| s.id == param.id) else {
+                return;
+            };
+            let n: usize = s.dims.iter().product();
+            let (values, rest) = self.values.split_at(n);
+            self.values = rest;
+            let g: Tensor<D> = tensor_from(values.to_vec(), &s.dims, &s.device).cast(s.dtype);
+            self.squares
+                .extend(sum_of_squares([g.clone().reshape([n])], self.kernels));
+            self.grads.register::<D>(s.id, g);
+        }
+    }
+    let mut found = Slots {
+        shard,
+        grads: &grads,
+        slots: Vec::new(),
+    };
+    module.visit(&mut found);
+    let slots = found.slots;
+    let size = |s: &Slot| s.dims.iter().product::<usize>();
+    let world = shard.counts.len();
+    let mut counts = vec![0usize; world];
+    for s in &slots {
+        counts[s.owner] += size(s);
+    }
+    let total: usize = counts.iter().sum();
+    let mut flat = vec![0f32; total];
+    let at = counts
+        .iter()
+        .scan(0, |start, &n| {
+            let here = *start;
+            *start += n;
+            Some(here)
+        })
+        .collect();
+    module.visit(&mut Take {
+        grads: &mut grads,
+        flat: &mut flat,
+        at,
+        owner: slots.iter().map(|s| (s.id, s.owner)).collect(),
+    });
+    let mine = match reduce_dtype {
+        ReduceDtype::F32 => group.reduce_scatter(&mut flat, &counts, Reduce::Mean)?,
+        ReduceDtype::Bf16 => group.reduce_scatter_bf16(&mut flat, &counts, Reduce::Mean)?,
+    };
+    drop(flat);
+    // This rank's share back on its device; each one's sum of squares.
+    let mut put = Put {
+        grads,
+        slots: slots.iter().filter(|s| s.owner == shard.rank).peekable(),
+        values: &mine,
+        squares: Vec::new(),
+        kernels,
+    };
+    module.visit(&mut put);
+    let Put { grads, squares, .. } = put;
+    let mut small = vec![0f32; extra.len() + slots.len()];
+    small[..extra.len()].copy_from_slice(extra);
+    if !squares.is_empty() {
+        let read: Vec<f32> = Tensor::cat(squares, 0).into_data().iter::<f32>().collect();
+        let mine_at = slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.owner == shard.rank)
+            .map(|(i, _)| extra.len() + i);
+        for (i, v) in mine_at.zip(read) {
+            small[i] = v;
+        }
+    }
+    group.all_reduce(&mut small, Reduce::Sum)?;
+    // The extras' mean as the all-reduce's: their sum divided by the ranks.
+    for (e, s) in extra.iter_mut().zip(&small) {
+        *e = s / world as f32;
+    }
+    let sum: f32 = small[extra.len()..].iter().fold(0.0, |total, s| total + s);
+    Ok((grads, f64::from(sum).sqrt()))
+}
+
 /// A parameter's AdamW moments as a checkpoint holds them: its path, `m`
 /// and `v`, flattened.
 pub(crate) type PathMoments = (String, Vec<f32>, Vec<f32>);
@@ -221,7 +414,9 @@ mod tests {
             .max()
             .unwrap_or(0);
         for world in [1, 2, 3, 5] {
-            let shards: Vec<Shard> = (0..world).map(|r| Shard::new(&model, r, world)).collect();
+            let shards: Vec<Shard> = (0..world)
+                .map(|r| Shard::new(&model, r, world, 1))
+                .collect();
             let counts = shards[0].counts().to_vec();
             assert_eq!(counts.iter().sum::<usize>(), total, "world {world}");
             // Greedy largest-first: no share exceeds the smallest by more
@@ -241,7 +436,12 @@ mod tests {
                 assert_eq!(s.counts(), &counts[..]);
             }
         }
-        assert!(Shard::new(&model, 1, 2).describe().contains("rank 1:"));
+        assert!(Shard::new(&model, 1, 2, 1).describe().contains("rank 1:"));
+        assert!(
+            Shard::new(&model, 0, 2, 2)
+                .describe()
+                .starts_with("ZeRO-2: each rank keeps AdamW's moments")
+        );
     }
 
     #[test]

@@ -273,10 +273,13 @@ fn bench_text(r: &kiln_train::BenchResult) -> String {
         p.host_to_device_ms,
         p.forward_ms,
         p.backward_ms,
-        if r.world_size > 1 {
-            format!("all-reduce {:.1}, ", p.all_reduce_ms)
-        } else {
-            String::new()
+        match (r.world_size > 1, p.all_gather_ms > 0.0) {
+            (false, _) => String::new(),
+            (true, false) => format!("gradients' reduction {:.1}, ", p.all_reduce_ms),
+            (true, true) => format!(
+                "gradients' reduction {:.1}, weights' all-gather {:.1}, ",
+                p.all_reduce_ms, p.all_gather_ms
+            ),
         },
         p.optimizer_ms,
         job_text(r),
@@ -291,13 +294,13 @@ fn bench_text(r: &kiln_train::BenchResult) -> String {
 }
 
 /// A data-parallel job's line: its ranks, what reduced the gradients, and
-/// the all-reduce's share of the step.
+/// the share of the step spent communicating.
 fn job_text(r: &kiln_train::BenchResult) -> String {
     let (Some(how), Some(comm)) = (&r.collectives, r.comm_pct) else {
         return String::new();
     };
     format!(
-        "job: {} ranks, the rates and MFU over all of them (memory and phases: rank 0's); all-reduce {comm:.1}% of the step; {how}\n",
+        "job: {} ranks, the rates and MFU over all of them (memory and phases: rank 0's); communication {comm:.1}% of the step; {how}\n",
         r.world_size
     )
 }

@@ -142,7 +142,11 @@ fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
         gib(m.gradients),
         gib(m.optimizer),
         if m.optimizer_ranks > 1 {
-            format!(" (a rank's share of {}, ZeRO-1)", m.optimizer_ranks)
+            format!(
+                " (a rank's share of {}, ZeRO-{})",
+                m.optimizer_ranks,
+                d.reduction.as_ref().map_or(1, |r| r.zero_stage)
+            )
         } else {
             String::new()
         },
@@ -180,8 +184,9 @@ fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
             .collect();
         let _ = writeln!(
             s,
-            "ranks:     {} — the gradients' all-reduce ({:.2} MB a step){}, as a ring (NCCL) would take: {}",
+            "ranks:     {} — the gradients' {} ({:.2} MB a step){}, as a ring (NCCL) would take: {}",
             r.ranks,
+            r.reduction(),
             r.gradient_bytes as f64 / 1e6,
             r.gather_words(),
             links.join(", ")

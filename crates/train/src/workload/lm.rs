@@ -385,10 +385,14 @@ pub(crate) fn collectives(
         kiln_config::ReduceDtype::F32 => "",
         kiln_config::ReduceDtype::Bf16 => ", in bf16 (precision.reduce_dtype)",
     };
-    let zero = if config.optimization.zero_stage >= 1 {
-        "; ZeRO-1 (optimization.zero_stage): each rank updates its share of the parameters, and the weights are all-gathered"
-    } else {
-        ""
+    let zero = match config.optimization.zero_stage {
+        0 => "",
+        1 => {
+            "; ZeRO-1 (optimization.zero_stage): each rank updates its share of the parameters, and the weights are all-gathered"
+        }
+        _ => {
+            "; ZeRO-2 (optimization.zero_stage): reduce-scattered, each rank receiving its share's average, which it updates, and the weights are all-gathered"
+        }
     };
     let dtype = format!("{reduce_dtype}{zero}");
     #[cfg(feature = "cuda")]
