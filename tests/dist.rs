@@ -232,6 +232,38 @@ fn a_rank_killed_ends_the_job_and_the_resumed_job_matches_an_uninterrupted_one()
         checkpoint_digest(&ckpt(&dir.join("whole"), steps)),
         "the resumed job's last checkpoint is the uninterrupted job's, bit for bit"
     );
+    // With --max-restarts the launcher does that itself: it fixes the
+    // folder the run.dir template names ({time} included) before the ranks
+    // start, and when a rank dies every rank resumes it from its last
+    // checkpoint.
+    let parent = dir.join("restarts");
+    let mut args = launch_args(dir, "unused", steps, 2, &batch);
+    args.splice(1..1, ["--max-restarts".to_string(), "2".into()]);
+    args.push(format!("run.dir={}/{{time}}-job", parent.display()));
+    let launcher = start_until(&args, &parent);
+    let run_dir = std::fs::read_dir(&parent)
+        .expect("the run's parent")
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.to_string_lossy().ends_with("-job"))
+        .expect("the run folder");
+    crate::support::wait_for(&ckpt(&run_dir, 100));
+    signal(rank_pid(launcher.id(), 1).expect("rank 1 runs"), "-KILL");
+    let out = launcher.wait_with_output().expect("launcher ends");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("rank 1")
+            && stderr.contains("SIGKILL")
+            && stderr.contains("restart 1 of 2: every rank resumes")
+            && stderr.contains("from its checkpoint of step"),
+        "{stderr}"
+    );
+    assert_eq!(
+        checkpoint_digest(&ckpt(&run_dir, steps)),
+        checkpoint_digest(&ckpt(&dir.join("whole"), steps)),
+        "the restarted job's last checkpoint is the uninterrupted job's, bit for bit"
+    );
 }
 
 #[test]
@@ -476,6 +508,16 @@ fn bad_launches_exit_2_with_the_reason() {
     run(&["launch".into(), "cv".into()])
         .expect_code(2)
         .stderr_has(&["cross-validation"]);
+    // Restarts resume a run: not a bench, and on several nodes only a
+    // folder every node names alike.
+    run(&["launch", "--max-restarts", "1", "bench", "lm"].map(String::from))
+        .expect_code(2)
+        .stderr_has(&["restarts `train` and `resume`, not `bench`"]);
+    let mut timed = with(&["launch", "--max-restarts", "1", "--nnodes", "2"]);
+    timed.push("run.dir=runs/{time}".into());
+    run(&timed)
+        .expect_code(2)
+        .stderr_has(&["needs a run directory every node names alike", "run.dir="]);
     // Only the language model's bench runs as a job, at the launcher or on
     // a rank torchrun started.
     run(&["launch", "--nproc-per-node", "2", "bench", "nli"].map(String::from))

@@ -235,7 +235,7 @@ fn spawn(args: &[String], out: fn() -> std::process::Stdio) -> std::process::Chi
 }
 
 /// Waits (5 minutes at most) until `marker` exists.
-fn wait_for(marker: &Path) {
+pub(crate) fn wait_for(marker: &Path) {
     use std::time::{Duration, Instant};
     let started = Instant::now();
     while !marker.exists() {

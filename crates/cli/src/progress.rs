@@ -144,7 +144,7 @@ pub(crate) fn summary_lines(s: &Summary) -> Vec<String> {
             "data-wait: {:.2}% of step time{}; peak memory {}{}",
             s.data_wait_pct,
             s.comm_pct.map_or(String::new(), |c| format!(
-                "; communication (the gradients' reduction, ZeRO's all-gather) {c:.1}%"
+                "; communication between the ranks {c:.1}%"
             )),
             mib(s.peak_memory_bytes),
             if s.peak_memory_on_gpu {

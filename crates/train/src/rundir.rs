@@ -34,11 +34,7 @@ impl RunDir {
     /// `{experiment}`). An existing folder that already holds a run is
     /// refused, so nothing saved is overwritten.
     pub fn create(template: &str, experiment: &str) -> Result<Self, TrainError> {
-        let path = PathBuf::from(
-            template
-                .replace("{time}", &utc_stamp(std::time::SystemTime::now()))
-                .replace("{experiment}", experiment),
-        );
+        let path = Self::path_of(template, experiment, std::time::SystemTime::now());
         // A file where a folder of the path should be: the user's input
         // (exit 2), not a failure to write.
         if let Some(file) = path
@@ -64,6 +60,17 @@ impl RunDir {
             source,
         })?;
         Ok(Self::at(path, true))
+    }
+
+    /// The folder the `run.dir` template names at time `now` (`{time}`,
+    /// `{experiment}` filled in). `kiln launch --max-restarts` fixes it
+    /// before the ranks start, so that it knows what to resume.
+    pub fn path_of(template: &str, experiment: &str, now: std::time::SystemTime) -> PathBuf {
+        PathBuf::from(
+            template
+                .replace("{time}", &utc_stamp(now))
+                .replace("{experiment}", experiment),
+        )
     }
 
     /// Creates the run folder of `config` and records what the run is made

@@ -2,11 +2,13 @@
 //! torchrun starts them (the same variables, so `torchrun --no-python kiln
 //! train …` and Slurm's `srun kiln train …` start the same ranks).
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use clap::Parser;
 use kiln_train::kiln_dist::{self, JobEnd, LaunchSpec};
 
 use super::{BadInput, Context};
@@ -29,6 +31,11 @@ pub(crate) struct Args {
     /// The rendezvous port on node 0
     #[arg(long, value_name = "PORT", default_value_t = kiln_dist::DEFAULT_PORT)]
     master_port: u16,
+    /// When a rank fails (not on bad input, exit 2), restart the job up to
+    /// N times, each time resuming the run from its last good checkpoint,
+    /// as torchrun's --max-restarts (`train` and `resume`)
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    max_restarts: u32,
     /// What every rank runs: `train [key=value ...]`, `resume RUN [key=value
     /// ...]` or `bench lm [--json] [key=value ...]`
     #[arg(
@@ -44,7 +51,7 @@ pub(crate) struct Args {
 /// where there is one GPU, or none) runs `single` with the command's
 /// arguments, in this process.
 pub(crate) fn run(
-    args: Args,
+    mut args: Args,
     ctx: &Context,
     single: impl FnOnce(Vec<String>) -> anyhow::Result<ExitCode>,
 ) -> anyhow::Result<ExitCode> {
@@ -77,6 +84,10 @@ pub(crate) fn run(
             .into());
         }
     }
+    let restart = match args.max_restarts {
+        0 => None,
+        _ => Some(Restart::plan(&mut args.command, ctx, args.nnodes)?),
+    };
     let planned = super::hardware::ranks(&ctx.report);
     let nproc = args.nproc_per_node.unwrap_or(planned.count);
     if args.nproc_per_node.is_none() {
@@ -85,7 +96,7 @@ pub(crate) fn run(
             planned.why
         );
     }
-    if nproc == 1 && args.nnodes == 1 {
+    if nproc == 1 && args.nnodes == 1 && restart.is_none() {
         let mut argv = vec!["kiln".to_string()];
         argv.extend(ctx.prefix());
         argv.extend(args.command);
@@ -138,40 +149,175 @@ pub(crate) fn run(
         );
     })?;
     let program = std::env::current_exe()?;
-    let mut rank_args = ctx.prefix();
-    rank_args.extend(args.command.iter().cloned());
-    let end = kiln_dist::launch(
-        &spec,
-        &program,
-        &rank_args,
-        &env,
-        &stop,
-        Duration::from_secs(10),
-    )
-    .map_err(|e| {
-        if e.is_bad_input() {
-            anyhow::Error::new(BadInput(e.to_string()))
-        } else {
-            anyhow::Error::new(e)
-        }
-    })?;
-    Ok(match end {
-        JobEnd::Finished => ExitCode::SUCCESS,
-        JobEnd::Interrupted => ExitCode::from(130),
-        JobEnd::RankFailed {
+    let mut command = args.command;
+    let mut restarts = 0;
+    loop {
+        let mut rank_args = ctx.prefix();
+        rank_args.extend(command.iter().cloned());
+        let end = kiln_dist::launch(
+            &spec,
+            &program,
+            &rank_args,
+            &env,
+            &stop,
+            Duration::from_secs(10),
+        )
+        .map_err(|e| {
+            if e.is_bad_input() {
+                anyhow::Error::new(BadInput(e.to_string()))
+            } else {
+                anyhow::Error::new(e)
+            }
+        })?;
+        let JobEnd::RankFailed {
             rank,
             host,
             pid,
             status,
             code,
-        } => {
-            eprintln!(
-                "kiln launch: rank {rank} ({host}, pid {pid}) failed: {status}; the other ranks were stopped.\n\
-                 Its own message, if it could write one, is above. To continue from the run's last checkpoint: kiln launch --nproc-per-node {nproc} resume <run directory>"
-            );
-            ExitCode::from(u8::try_from(code).unwrap_or(1))
+        } = end
+        else {
+            return Ok(if end == JobEnd::Finished {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(130)
+            });
+        };
+        let failed = format!("rank {rank} ({host}, pid {pid}) failed: {status}");
+        if let Some(r) = &restart {
+            match r.next(
+                code,
+                restarts,
+                args.max_restarts,
+                stop.load(Ordering::SeqCst),
+            ) {
+                Ok((step, resume)) => {
+                    restarts += 1;
+                    eprintln!(
+                        "kiln launch: {failed}; restart {restarts} of {}: every rank resumes `{}` from its checkpoint of step {step}",
+                        args.max_restarts,
+                        r.run.display()
+                    );
+                    command = resume;
+                    continue;
+                }
+                Err(why) => eprintln!("kiln launch: no restart: {why}"),
+            }
         }
-    })
+        eprintln!(
+            "kiln launch: {failed}; the other ranks were stopped.\n\
+             Its own message, if it could write one, is above. To continue from the run's last checkpoint: kiln launch --nproc-per-node {nproc} resume {}",
+            restart.as_ref().map_or("<run directory>".to_string(), |r| r
+                .run
+                .display()
+                .to_string())
+        );
+        return Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)));
+    }
+}
+
+/// What `--max-restarts` resumes: the run directory, fixed before the
+/// ranks start, and the command that continues it.
+#[derive(Debug)]
+struct Restart {
+    run: PathBuf,
+    /// `resume RUN [key=value ...]`.
+    resume: Vec<String>,
+}
+
+/// `train`'s arguments as the ranks parse them.
+#[derive(Debug, clap::Parser)]
+#[command(no_binary_name = true)]
+struct TrainLine {
+    #[command(flatten)]
+    args: super::train::TrainArgs,
+}
+
+/// `resume`'s arguments as the ranks parse them.
+#[derive(Debug, clap::Parser)]
+#[command(no_binary_name = true)]
+struct ResumeLine {
+    #[command(flatten)]
+    args: super::train::ResumeArgs,
+}
+
+impl Restart {
+    /// For `train`: the run directory its `run.dir` template names now
+    /// (the ranks get it as `run.dir=…`, so that the launcher knows what
+    /// to resume); for `resume RUN`: RUN, resumed the same way again
+    /// (without `--from`, which would go back again). A template with
+    /// `{time}` on several nodes is refused: each node's launcher would
+    /// name another folder.
+    fn plan(command: &mut Vec<String>, ctx: &Context, nnodes: usize) -> anyhow::Result<Self> {
+        let bad = |e: clap::Error| BadInput(format!("`kiln launch … {}`: {e}", command[0]));
+        match command[0].as_str() {
+            "train" => {
+                let line = TrainLine::try_parse_from(&command[1..]).map_err(bad)?;
+                let resolved = ctx.resolve(&line.args.layers)?;
+                let template = &resolved.config.run.dir;
+                if nnodes > 1 && template.contains("{time}") {
+                    return Err(BadInput(format!(
+                        "`kiln launch --max-restarts` on {nnodes} nodes needs a run directory every node names alike, but run.dir is `{template}` (each node's clock fills in {{time}}): set run.dir=<a folder on a shared filesystem> on every node"
+                    ))
+                    .into());
+                }
+                let run = kiln_train::RunDir::path_of(
+                    template,
+                    &resolved.config.experiment,
+                    std::time::SystemTime::now(),
+                );
+                command.push(format!("run.dir={}", run.display()));
+                Ok(Self {
+                    resume: vec!["resume".into(), run.display().to_string()],
+                    run,
+                })
+            }
+            "resume" => {
+                let line = ResumeLine::try_parse_from(&command[1..]).map_err(bad)?;
+                let run = line.args.run;
+                let mut resume = vec!["resume".into(), run.display().to_string()];
+                resume.extend(line.args.overrides);
+                Ok(Self { run, resume })
+            }
+            other => Err(BadInput(format!(
+                "`kiln launch --max-restarts` resumes a run from its last checkpoint: it restarts `train` and `resume`, not `{other}`"
+            ))
+            .into()),
+        }
+    }
+
+    /// After a rank failed with `code`, having restarted `done` of `max`
+    /// times: the step the job would resume from and the command that
+    /// does, or why it does not restart.
+    fn next(
+        &self,
+        code: i32,
+        done: u32,
+        max: u32,
+        stopping: bool,
+    ) -> Result<(u64, Vec<String>), String> {
+        if stopping {
+            return Err("the job was asked to stop".into());
+        }
+        if code == 2 {
+            return Err(
+                "the rank's input is at fault (exit code 2); a restart would fail alike".into(),
+            );
+        }
+        if done >= max {
+            return Err(format!(
+                "the job restarted {max} time(s) already (--max-restarts {max})"
+            ));
+        }
+        let checkpoints = self.run.join("checkpoints");
+        match kiln_train::latest_good_checkpoint(&checkpoints) {
+            Ok((info, _)) => Ok((info.step, self.resume.clone())),
+            Err(e) => Err(format!(
+                "nothing to resume from in `{}` ({e}); checkpoint.every_steps sets how often a run saves one",
+                checkpoints.display()
+            )),
+        }
+    }
 }
 
 /// On a machine with NVIDIA GPUs and a CUDA build, where the dynamic loader

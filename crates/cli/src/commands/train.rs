@@ -24,7 +24,7 @@ pub(crate) struct TrainArgs {
     #[arg(long)]
     tui: bool,
     #[command(flatten)]
-    layers: Layers,
+    pub(crate) layers: Layers,
 }
 
 #[derive(Debug, clap::Args)]
@@ -42,7 +42,7 @@ pub(crate) struct PredictArgs {
 #[derive(Debug, clap::Args)]
 pub(crate) struct ResumeArgs {
     /// The run directory (`runs/<time>-<experiment>`)
-    run: PathBuf,
+    pub(crate) run: PathBuf,
     /// Continue from the checkpoint of this step instead of the newest (a
     /// language model's run: to go back before a divergence); what the run
     /// wrote after it is kept in RUN/checkpoints/after-STEP/
@@ -58,7 +58,7 @@ pub(crate) struct ResumeArgs {
     /// evaluation; for any run precision, device, loader, logging and
     /// checkpoints. Not the model, the data or the seed
     #[arg(value_name = "KEY=VALUE")]
-    overrides: Vec<String>,
+    pub(crate) overrides: Vec<String>,
 }
 
 /// `kiln train`.
