@@ -274,13 +274,7 @@ impl Group {
         counts: &[usize],
         op: Reduce,
     ) -> Result<Vec<f32>, DistError> {
-        self.check_parts(values, counts)?;
-        #[cfg(feature = "nccl")]
-        if let Some(nccl) = &*self.nccl.lock().unwrap_or_else(|e| e.into_inner()) {
-            return nccl.reduce_scatter(values, counts, op);
-        }
-        self.reduce_over_sockets(values, op, Wire::F32, Some(counts))?;
-        Ok(self.part(values, counts).to_vec())
+        self.scatter(values, counts, op, Wire::F32)
     }
 
     /// [`reduce_scatter`](Self::reduce_scatter) with the values sent as
@@ -292,12 +286,24 @@ impl Group {
         counts: &[usize],
         op: Reduce,
     ) -> Result<Vec<f32>, DistError> {
+        self.scatter(values, counts, op, Wire::Bf16)
+    }
+
+    /// A reduce-scatter in `wire`: through NCCL where the group uses it,
+    /// else rank 0's sockets.
+    fn scatter(
+        &self,
+        values: &mut [f32],
+        counts: &[usize],
+        op: Reduce,
+        wire: Wire,
+    ) -> Result<Vec<f32>, DistError> {
         self.check_parts(values, counts)?;
         #[cfg(feature = "nccl")]
         if let Some(nccl) = &*self.nccl.lock().unwrap_or_else(|e| e.into_inner()) {
-            return nccl.reduce_scatter_bf16(values, counts, op);
+            return nccl.reduce_scatter(values, counts, op, wire == Wire::Bf16);
         }
-        self.reduce_over_sockets(values, op, Wire::Bf16, Some(counts))?;
+        self.reduce_over_sockets(values, op, wire, Some(counts))?;
         Ok(self.part(values, counts).to_vec())
     }
 

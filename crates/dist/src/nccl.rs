@@ -137,25 +137,20 @@ impl Nccl {
 
     /// This rank's part of `values` (every rank's part in rank order,
     /// `counts` of them) reduced by `ncclReduceScatter`, over parts each
-    /// padded to the largest.
+    /// padded to the largest; as bfloat16 (`ncclBfloat16`) with `bf16`,
+    /// the part widened back to f32.
     pub(crate) fn reduce_scatter(
         &self,
         values: &[f32],
         counts: &[usize],
         op: Reduce,
+        bf16: bool,
     ) -> Result<Vec<f32>, DistError> {
-        self.scatter_as(values, counts, op, |v| v, |v| v)
-    }
-
-    /// [`Nccl::reduce_scatter`] as bfloat16 (`ncclBfloat16`), the part
-    /// widened back to f32.
-    pub(crate) fn reduce_scatter_bf16(
-        &self,
-        values: &[f32],
-        counts: &[usize],
-        op: Reduce,
-    ) -> Result<Vec<f32>, DistError> {
-        self.scatter_as(values, counts, op, half::bf16::from_f32, half::bf16::to_f32)
+        if bf16 {
+            self.scatter_as(values, counts, op, half::bf16::from_f32, half::bf16::to_f32)
+        } else {
+            self.scatter_as(values, counts, op, |v| v, |v| v)
+        }
     }
 
     fn scatter_as<T>(
