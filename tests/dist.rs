@@ -17,7 +17,13 @@ fn free_port() -> String {
 }
 
 /// `kiln launch --nproc-per-node n` of the tiny run with `extra` overrides.
-fn launch_args(dir: &Path, run: &str, steps: u32, n: usize, extra: &[&str]) -> Vec<String> {
+pub(crate) fn launch_args(
+    dir: &Path,
+    run: &str,
+    steps: u32,
+    n: usize,
+    extra: &[&str],
+) -> Vec<String> {
     let mut args = vec![
         "launch".to_string(),
         "--nproc-per-node".into(),

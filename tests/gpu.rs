@@ -585,3 +585,69 @@ fn cuda_without_an_nvidia_driver_is_a_clear_error() {
     run.stderr_has(&["backend `cuda` is not available", why]);
     assert!(!run_dir.exists(), "a refused run leaves no run folder");
 }
+
+/// ZeRO-2 on wgpu (each gradient's sum of squares by the fused kernel, the
+/// reduce-scattered share put back on the device, the weights gathered
+/// into device tensors): two ranks follow DDP's two ranks to rounding
+/// (the per-tensor sums add in another order than one launch's), and each
+/// keeps less on the device.
+#[test]
+fn zero_2_on_wgpu_follows_ddp_with_less_on_the_device() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let job = |name: &str, stage: &str| {
+        let args = crate::dist::launch_args(
+            dir,
+            name,
+            20,
+            2,
+            &[
+                "device.backend=wgpu",
+                "training.batch_size=4",
+                "logging.logging_steps=10",
+                stage,
+            ],
+        );
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        kiln(&refs).run().expect_code(0)
+    };
+    job("ddp", "optimization.zero_stage=0");
+    job("zero2", "optimization.zero_stage=2").stdout_has(&[
+        "ZeRO-2: each rank keeps AdamW's moments for its share",
+        "(GPU",
+    ]);
+    let steps = |name: &str| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(dir.join(name).join("metrics.jsonl"))
+            .expect("metrics")
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["kind"] == "step")
+            .collect()
+    };
+    let (ddp, zero) = (steps("ddp"), steps("zero2"));
+    assert_eq!(ddp.len(), zero.len());
+    assert!(!ddp.is_empty());
+    for (d, z) in ddp.iter().zip(&zero) {
+        let (dn, zn) = (
+            d["grad_norm"].as_f64().expect("norm"),
+            z["grad_norm"].as_f64().expect("norm"),
+        );
+        assert!(
+            (dn - zn).abs() <= 1e-5 * dn,
+            "step {}: {dn} vs {zn}",
+            d["step"]
+        );
+    }
+    let (a, b) = (
+        final_val_loss(&dir.join("ddp")),
+        final_val_loss(&dir.join("zero2")),
+    );
+    assert!((a - b).abs() < 1e-4, "DDP {a}, ZeRO-2 {b}");
+    // Half the moments and half the gradients leave the device.
+    let memory = |v: &[serde_json::Value]| v.last().and_then(|s| s["memory_bytes"].as_u64());
+    let (dm, zm) = (memory(&ddp), memory(&zero));
+    assert!(
+        dm.zip(zm).is_some_and(|(d, z)| z < d),
+        "device memory: DDP {dm:?}, ZeRO-2 {zm:?}"
+    );
+}
