@@ -166,20 +166,24 @@ pub(crate) fn all_gather_weights<M: Module>(
     let all = group.all_gather_f32(&mine.values, shard.counts())?;
     drop(mine);
     // Where each rank's share starts in `all`.
-    let at = shard
-        .counts
+    let at = starts(&shard.counts);
+    Ok(module.map(&mut Theirs {
+        shard,
+        all: &all,
+        at,
+    }))
+}
+
+/// Where each part of `counts` starts when the parts are laid end to end.
+fn starts(counts: &[usize]) -> Vec<usize> {
+    counts
         .iter()
         .scan(0, |start, &n| {
             let here = *start;
             *start += n;
             Some(here)
         })
-        .collect();
-    Ok(module.map(&mut Theirs {
-        shard,
-        all: &all,
-        at,
-    }))
+        .collect()
 }
 
 /// ZeRO-2's reduction of a step's gradients: every rank's gradients, laid
@@ -243,7 +247,7 @@ pub(crate) fn reduce_scatter_grads<M: Module>(
         flat: &'a mut [f32],
         /// Where each owner's part is written next.
         at: Vec<usize>,
-        owner: HashMap<ParamId, usize>,
+        owner: &'a HashMap<ParamId, usize>,
     }
     impl ModuleVisitor for Take<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -299,19 +303,12 @@ pub(crate) fn reduce_scatter_grads<M: Module>(
     }
     let total: usize = counts.iter().sum();
     let mut flat = vec![0f32; total];
-    let at = counts
-        .iter()
-        .scan(0, |start, &n| {
-            let here = *start;
-            *start += n;
-            Some(here)
-        })
-        .collect();
+    let at = starts(&counts);
     module.visit(&mut Take {
         grads: &mut grads,
         flat: &mut flat,
         at,
-        owner: slots.iter().map(|s| (s.id, s.owner)).collect(),
+        owner: &shard.owner,
     });
     let mine = match reduce_dtype {
         ReduceDtype::F32 => group.reduce_scatter(&mut flat, &counts, Reduce::Mean)?,
