@@ -399,6 +399,13 @@ fn bad_input_exits_2_with_key_value_and_layer() {
             ],
         ),
         (
+            &["config", "experiment=nli_snli", "model.init_from=gpt2"],
+            &[
+                "`model.init_from`",
+                "loads GPT-2 weights into the language model (workload lm)",
+            ],
+        ),
+        (
             &["config", "optimization.kernels=fast"],
             &[
                 "invalid value \"fast\" for `optimization.kernels`",

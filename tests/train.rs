@@ -1008,3 +1008,145 @@ fn export_writes_a_gpt2_folder_with_transformers_names_and_shapes() {
         .expect_code(2)
         .stderr_has(&["is not a kiln run directory"]);
 }
+
+/// `model.init_from`: a run starts from a `transformers` GPT-2 folder's
+/// weights, both as `kiln export` writes it and in the Hub's layout (names
+/// without `transformer.`, the causal-mask buffers, `lm_head.weight`
+/// written out, `vocab.json` instead of `tokenizer.json`); a run whose
+/// shape or tokenizer does not fit is refused before it writes anything.
+#[test]
+fn init_from_starts_a_run_from_a_gpt2_folders_weights() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    train_tiny(tmp.path(), "source", 10, &["model.vocab_multiple=64"]).expect_code(0);
+    let source_loss = final_val_loss(&tmp.path().join("source"));
+    let export = tmp.path().join("hf");
+    kiln(&[
+        "export",
+        tmp.path().join("source").to_str().expect("utf-8"),
+        "--out",
+        export.to_str().expect("utf-8"),
+    ])
+    .run()
+    .expect_code(0);
+
+    // The Hub's layout of the same weights.
+    let hub = tmp.path().join("hub");
+    std::fs::create_dir(&hub).expect("mkdir");
+    std::fs::copy(export.join("config.json"), hub.join("config.json")).expect("config");
+    let tokenizer: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(export.join("tokenizer.json")).expect("tokenizer"),
+    )
+    .expect("json");
+    let vocab = tokenizer["model"]["vocab"].clone();
+    std::fs::write(hub.join("vocab.json"), vocab.to_string()).expect("vocab.json");
+    let bytes = std::fs::read(export.join("model.safetensors")).expect("weights");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let name = name.trim_start_matches("transformer.").to_string();
+            (name, view.shape().to_vec(), view.data().to_vec())
+        })
+        .collect();
+    let wte = tensors
+        .iter()
+        .find(|t| t.0 == "wte.weight")
+        .expect("wte")
+        .clone();
+    tensors.push(("lm_head.weight".into(), wte.1, wte.2));
+    for layer in 0..2 {
+        tensors.push((
+            format!("h.{layer}.attn.bias"),
+            vec![1, 1, 32, 32],
+            vec![0; 32 * 32 * 4],
+        ));
+    }
+    let views = tensors.iter().map(|(name, shape, data)| {
+        let view = safetensors::tensor::TensorView::new(
+            safetensors::tensor::Dtype::F32,
+            shape.clone(),
+            data,
+        )
+        .expect("view");
+        (name.clone(), view)
+    });
+    std::fs::write(
+        hub.join("model.safetensors"),
+        safetensors::serialize(views, None).expect("serialize"),
+    )
+    .expect("write");
+
+    // One step at a learning rate far below f32's resolution leaves the
+    // weights as loaded: the run's validation loss is the source's final
+    // one, on the same windows. A run from random weights of the same seed
+    // has another.
+    let still = [
+        "training.learning_rate=1e-12",
+        "training.min_lr=0",
+        "model.vocab_multiple=64",
+    ];
+    for (name, folder) in [("from-export", &export), ("from-hub", &hub)] {
+        let from = format!("model.init_from={}", folder.display());
+        let mut extra = still.to_vec();
+        extra.push(&from);
+        let run = train_tiny(tmp.path(), name, 1, &extra).expect_code(0);
+        let said = format!("{}{}", run.stdout, run.stderr);
+        assert!(
+            said.contains(&format!("weights: from {}", folder.display()))
+                && said.contains("vocabulary rows"),
+            "{said}"
+        );
+        let loss = final_val_loss(&tmp.path().join(name));
+        assert!(
+            (loss - source_loss).abs() < 1e-6,
+            "{name}: validation loss {loss}, the source's {source_loss}"
+        );
+    }
+    // A run that lost every checkpoint starts again from the folder.
+    let again = tmp.path().join("from-hub");
+    std::fs::remove_dir_all(again.join("checkpoints")).expect("rm checkpoints");
+    kiln(&["resume", again.to_str().expect("utf-8")])
+        .run()
+        .expect_code(0)
+        .stdout_has(&["weights: from", "starting the run again from step 0"]);
+    let loss = final_val_loss(&again);
+    assert!(
+        (loss - source_loss).abs() < 1e-6,
+        "resumed from step 0: validation loss {loss}, the source's {source_loss}"
+    );
+    train_tiny(tmp.path(), "fresh", 1, &still).expect_code(0);
+    let fresh = final_val_loss(&tmp.path().join("fresh"));
+    assert!(
+        (fresh - source_loss).abs() > 1e-3,
+        "random weights' loss {fresh} too close to the source's {source_loss}"
+    );
+
+    // Another shape: every key to set is named, and no run directory made.
+    let from = format!("model.init_from={}", hub.display());
+    train_tiny(
+        tmp.path(),
+        "layers",
+        1,
+        &[&from, "model.layers=3", "model.gelu=tanh"],
+    )
+    .expect_code(2)
+    .stderr_has(&[
+        "model.layers = 3 where its n_layer is 2",
+        "model.layers=2 model.gelu=exact",
+    ]);
+    assert!(!tmp.path().join("layers").exists());
+    // Another tokenizer with the same number of tokens: two ids swapped.
+    let mut swapped = vocab.clone();
+    let (a, b) = (swapped["a"].clone(), swapped["b"].clone());
+    (swapped["a"], swapped["b"]) = (b, a);
+    std::fs::write(hub.join("vocab.json"), swapped.to_string()).expect("vocab.json");
+    train_tiny(tmp.path(), "tokens", 1, &[&from])
+        .expect_code(2)
+        .stderr_has(&[
+            "vocab.json` is another tokenizer than the run's",
+            "2 of its",
+            "data.tokenizer=gpt2",
+        ]);
+    assert!(!tmp.path().join("tokens").exists());
+}

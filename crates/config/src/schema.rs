@@ -94,6 +94,14 @@ pub struct ModelSection {
     /// before this key existed resumes with 1.
     #[serde(default = "no_vocab_padding")]
     pub vocab_multiple: usize,
+    /// Language models: start from the weights of a Hugging Face
+    /// `transformers` GPT-2 folder (`config.json`, `model.safetensors`:
+    /// OpenAI's GPT-2 from the Hub, or a `kiln export`) instead of random
+    /// ones, to fine-tune them; `None` (`"none"` in TOML) starts from
+    /// random weights. The folder's shape, GELU and tokenizer must be the
+    /// run's.
+    #[serde(default, with = "none::text")]
+    pub init_from: Option<String>,
 }
 
 fn no_vocab_padding() -> usize {
@@ -114,9 +122,10 @@ pub enum Pooling {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Gelu {
-    /// The exact erf form, as GPT-2 and BERT were trained.
+    /// The exact erf form, as BERT was trained (`transformers`' `gelu`).
     Exact,
-    /// The tanh approximation.
+    /// The tanh approximation, as OpenAI's GPT-2 was trained
+    /// (`transformers`' `gelu_new`).
     Tanh,
 }
 
@@ -542,6 +551,16 @@ impl RunConfig {
             (1..=4096).contains(&m.vocab_multiple),
             "model.vocab_multiple",
             "must be between 1 (no padding) and 4096",
+        );
+        check(
+            self.workload == Workload::Lm || m.init_from.is_none(),
+            "model.init_from",
+            "loads GPT-2 weights into the language model (workload lm); the sentence-pair encoder starts from random weights (set it to \"none\")",
+        );
+        check(
+            m.init_from.as_deref().is_none_or(|p| !p.trim().is_empty()),
+            "model.init_from",
+            "must be a folder (a transformers GPT-2 folder: config.json and model.safetensors), or \"none\"",
         );
         check(
             self.precision.max_bad_steps >= 1,

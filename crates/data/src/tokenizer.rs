@@ -282,6 +282,11 @@ impl Tokenizer {
         })
     }
 
+    /// Every token and its id, special tokens included.
+    pub fn vocab(&self) -> std::collections::HashMap<String, u32> {
+        self.inner.get_vocab(true)
+    }
+
     /// Tokens in the vocabulary, special tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

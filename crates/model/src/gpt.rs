@@ -16,7 +16,7 @@ use crate::precision::{self, ComputeDtype};
 /// GELU: exact (erf) or the tanh approximation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GeluKind {
-    /// `x·Φ(x)` with the error function, as GPT-2 and BERT were trained.
+    /// `x·Φ(x)` with the error function, as BERT was trained (OpenAI's GPT-2 used the tanh form).
     Exact,
     /// The tanh approximation (`gelu_new` in Hugging Face's names).
     Tanh,

@@ -272,6 +272,9 @@ fn measure(
     match config.workload {
         Workload::Lm => {
             let p = lm::prepare(config, lm::TokenizerFrom::Config)?;
+            // The weights `model.init_from` names fit the run (everything
+            // but their values, which the run reads).
+            crate::pretrained::open(config, &p.tokenizer)?;
             Ok((
                 p.data_size(config),
                 p.schedule,

@@ -113,6 +113,15 @@ pub enum TrainError {
         why: String,
     },
 
+    /// `model.init_from` names weights the run cannot start from.
+    #[error("model.init_from: `{}` {why}", path.display())]
+    Pretrained {
+        /// The folder (or the file in it at fault).
+        path: PathBuf,
+        /// What is wrong, and the fix.
+        why: String,
+    },
+
     /// The backend asked for is not built in or has no device.
     #[error("backend `{backend}` is not available: {why}")]
     Backend {
@@ -198,6 +207,7 @@ impl TrainError {
                 | Self::RunInUse { .. }
                 | Self::NoCheckpoint { .. }
                 | Self::CheckpointMismatch { .. }
+                | Self::Pretrained { .. }
                 | Self::Backend { .. }
                 | Self::FlashAttentionNotHere { .. }
                 | Self::ExportExists { .. }

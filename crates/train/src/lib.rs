@@ -45,6 +45,7 @@ mod optim;
 mod options;
 mod params;
 mod precision;
+mod pretrained;
 mod records;
 mod report;
 mod run;

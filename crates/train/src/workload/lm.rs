@@ -603,6 +603,8 @@ struct Session {
     task: LmTask,
     start: LoopPlanStart,
     precision: crate::precision::PrecisionChoice,
+    /// Where the weights came from (`model.init_from`), for the start lines.
+    init_note: Option<String>,
 }
 
 impl Session {
@@ -622,6 +624,15 @@ impl Session {
         let precision = run_precision(config, &device, hardware);
         crate::setup::check_attention_choice(config, &device, &precision)?;
         let mut model = init_model(config, &train_device, seed, |d| gpt.init(d));
+        // A fresh start from `model.init_from`'s weights (a resume's
+        // checkpoint holds every weight).
+        let mut init_note = None;
+        if resume_from.is_none()
+            && let Some(pretrained) = crate::pretrained::open(config, &prepared.tokenizer)?
+        {
+            model = pretrained.load_into(model, &train_device)?;
+            init_note = Some(pretrained.describe(config, gpt.padded_vocab()));
+        }
         let mut optim = AdamW::for_run(config, &model, options.group.as_deref());
         let mut start = LoopPlanStart {
             first_step: 1,
@@ -650,6 +661,7 @@ impl Session {
             optim,
             task,
             start,
+            init_note,
         };
         Ok((session, model))
     }
@@ -677,6 +689,7 @@ impl Session {
                 gpt.flops_per_token() / 1e6
             ),
         ];
+        lines.extend(self.init_note.clone());
         lines.extend(device_lines(
             c,
             &self.device,
