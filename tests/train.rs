@@ -1150,3 +1150,68 @@ fn init_from_starts_a_run_from_a_gpt2_folders_weights() {
         ]);
     assert!(!tmp.path().join("tokens").exists());
 }
+
+/// `kiln sample`: from a run, with the run's settings and seed, the texts
+/// of its `samples.txt` again; from the run's export (a GPT-2 folder), the
+/// run's texts for any seed; a prompt outside the vocabulary is named.
+#[test]
+fn sample_gives_the_runs_samples_again_and_reads_gpt2_folders() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    train_tiny(tmp.path(), "run", 10, &["sample.count=2"]).expect_code(0);
+    let run = tmp.path().join("run");
+    let written = std::fs::read_to_string(run.join("samples.txt")).expect("samples.txt");
+    let mut texts: Vec<String> = Vec::new();
+    for line in written.lines() {
+        if line.starts_with("--- sample ") {
+            texts.push(String::new());
+        } else if let Some(text) = texts.last_mut() {
+            if !text.is_empty() {
+                text.push('\n');
+            }
+            text.push_str(line);
+        }
+    }
+    assert_eq!(texts.len(), 2, "{written}");
+    let json = |args: &[&str]| -> serde_json::Value {
+        let mut all = vec!["sample"];
+        all.extend_from_slice(args);
+        all.push("--json");
+        serde_json::from_str(&kiln(&all).run().expect_code(0).stdout).expect("json")
+    };
+    let run_str = run.to_str().expect("utf-8");
+    let again = json(&[run_str]);
+    let continuations: Vec<String> =
+        serde_json::from_value(again["continuations"].clone()).expect("continuations");
+    assert_eq!(continuations, texts);
+    assert_eq!(again["source"], format!("step 10 of `{run_str}`"));
+
+    let hf = tmp.path().join("hf");
+    let hf_str = hf.to_str().expect("utf-8");
+    kiln(&["export", run_str, "--out", hf_str])
+        .run()
+        .expect_code(0);
+    let settings = ["--seed", "7", "-n", "3", "--tokens", "15", "--top-k", "5"];
+    let from_run = json(&[&[run_str][..], &settings[..]].concat());
+    let from_hf = json(&[&[hf_str][..], &settings[..]].concat());
+    assert_eq!(from_run["continuations"], from_hf["continuations"]);
+    assert_ne!(from_run["continuations"], again["continuations"]);
+    assert_eq!(from_hf["source"], format!("the GPT-2 folder `{hf_str}`"));
+
+    // Plain text: the prompt, then what follows it.
+    let out = kiln(&["sample", run_str, "--prompt", "ROMEO:", "-n", "1"])
+        .run()
+        .expect_code(0);
+    assert!(
+        out.stdout.starts_with("--- sample 1\nROMEO:"),
+        "{}",
+        out.stdout
+    );
+    kiln(&["sample", run_str, "--prompt", "Zebra €"])
+        .run()
+        .expect_code(2)
+        .stderr_has(&["'€'", "not in the model's vocabulary"]);
+    kiln(&["sample", tmp.path().to_str().expect("utf-8")])
+        .run()
+        .expect_code(2)
+        .stderr_has(&["neither config.toml (a kiln run) nor config.json"]);
+}

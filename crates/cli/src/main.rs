@@ -18,7 +18,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use commands::{
-    Context, bench, config, diagnose, export, hardware, kernels, launch, prepare, train, tune,
+    Context, bench, config, diagnose, export, hardware, kernels, launch, prepare, sample, train,
+    tune,
 };
 use kiln_config::ConfigError;
 
@@ -102,6 +103,10 @@ enum Command {
     /// Write a trained GPT as a Hugging Face `transformers` GPT-2 folder
     /// (config.json, model.safetensors, tokenizer)
     Export(export::Args),
+    /// Text from a trained GPT: a language-model run's newest checkpoint, or
+    /// a transformers GPT-2 folder (`kiln sample runs/<run> --prompt
+    /// "ROMEO:"`)
+    Sample(sample::Args),
     /// Time training steps: tokens/s, ms/step, MFU, data-wait, peak memory,
     /// the step's phases; or the loader alone
     Bench(bench::Args),
@@ -171,6 +176,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             run(cli)
         }),
         Command::Export(args) => export::run(args),
+        Command::Sample(args) => sample::run(args, &ctx),
         Command::Bench(args) => bench::run(args, &ctx),
         Command::Diagnose(args) => diagnose::run(args, &ctx),
         Command::Tune(args) => tune::run(args, &ctx),

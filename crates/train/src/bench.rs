@@ -421,7 +421,7 @@ fn result(
         .iter()
         .zip(&t.phases[6])
         .zip(&t.step_s)
-        .map(|((reduce, gather), s)| (reduce + gather) / (10.0 * s))
+        .map(|((reduce, gather), s)| comm_share(*reduce, *gather, *s))
         .collect();
     let comm_pct = job.is_some().then(|| median(&mut comm));
     let tokens_per_s_median = median(&mut tps);
@@ -701,9 +701,21 @@ pub fn bench_nli(
     ))
 }
 
+/// The percentage of a step of `step_s` seconds spent between the ranks:
+/// the gradients' reduction and ZeRO's weights' all-gather (each in ms).
+fn comm_share(reduce_ms: f64, gather_ms: f64, step_s: f64) -> f64 {
+    (reduce_ms + gather_ms) / (10.0 * step_s)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn communication_counts_the_reduction_and_the_gather() {
+        assert_eq!(comm_share(30.0, 0.0, 0.1), 30.0);
+        assert_eq!(comm_share(30.0, 20.0, 0.1), 50.0);
+    }
 
     /// A tiny model on a slice of the shipped corpus, with `extra` overrides.
     fn tiny(cache: &std::path::Path, extra: &[&str]) -> RunConfig {

@@ -122,6 +122,13 @@ pub enum TrainError {
         why: String,
     },
 
+    /// A prompt the tokenizer cannot encode (`kiln sample`).
+    #[error("the prompt cannot be encoded: {why}")]
+    Prompt {
+        /// Which characters, and why.
+        why: String,
+    },
+
     /// The backend asked for is not built in or has no device.
     #[error("backend `{backend}` is not available: {why}")]
     Backend {
@@ -208,6 +215,7 @@ impl TrainError {
                 | Self::NoCheckpoint { .. }
                 | Self::CheckpointMismatch { .. }
                 | Self::Pretrained { .. }
+                | Self::Prompt { .. }
                 | Self::Backend { .. }
                 | Self::FlashAttentionNotHere { .. }
                 | Self::ExportExists { .. }

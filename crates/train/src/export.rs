@@ -78,6 +78,27 @@ pub fn hf_name(path: &str) -> Option<String> {
     Some(format!("transformer.h.{layer}.{module}.{param}"))
 }
 
+/// The language-model run `run` and its configuration; a cross-validation
+/// run of the encoder is refused as `what`, with `instead`.
+pub(crate) fn open_lm_run(
+    run: &Path,
+    what: &'static str,
+    instead: &str,
+) -> Result<(RunDir, RunConfig), TrainError> {
+    let dir = RunDir::open(run)?;
+    let config = kiln_config::read_run_config(&dir.file("config.toml"))?;
+    if config.workload != Workload::Lm {
+        return Err(TrainError::Unsupported(
+            what,
+            format!(
+                "`{}` is a cross-validation run of the nli encoder; {instead}",
+                run.display()
+            ),
+        ));
+    }
+    Ok((dir, config))
+}
+
 /// `transformers`' `config.json` for a GPT-2 of the run's shape.
 fn config_json(config: &RunConfig, vocab_size: usize) -> serde_json::Value {
     let m = &config.model;
@@ -117,17 +138,11 @@ fn config_json(config: &RunConfig, vocab_size: usize) -> serde_json::Value {
 /// `transformers` GPT-2 folder at `out`, which must not exist yet (nothing
 /// is overwritten; the folder appears whole or not at all).
 pub fn export_hf(run: &Path, out: &Path) -> Result<Exported, TrainError> {
-    let dir = RunDir::open(run)?;
-    let config = kiln_config::read_run_config(&dir.file("config.toml"))?;
-    if config.workload != Workload::Lm {
-        return Err(TrainError::Unsupported(
-            "exporting a sentence-pair classifier",
-            format!(
-                "`{}` is a cross-validation run of the nli encoder; `kiln export` writes GPT language models (lm runs) as GPT-2",
-                run.display()
-            ),
-        ));
-    }
+    let (dir, config) = open_lm_run(
+        run,
+        "exporting a sentence-pair classifier",
+        "`kiln export` writes GPT language models (lm runs) as GPT-2",
+    )?;
     if out.exists() {
         return Err(TrainError::ExportExists {
             path: out.to_path_buf(),

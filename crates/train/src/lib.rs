@@ -39,6 +39,7 @@ mod device;
 mod diagnose;
 mod error;
 mod export;
+mod generate;
 mod kernel_profile;
 mod memory;
 mod optim;
@@ -70,6 +71,7 @@ pub use device::{BACKENDS_BUILT_IN, DeviceChoice, backend_for_vendor, select_dev
 pub use diagnose::{Diagnosis, diagnose};
 pub use error::TrainError;
 pub use export::{Exported, export_hf, hf_name};
+pub use generate::{SampleRequest, Samples, sample};
 pub use kernel_profile::{KernelProfile, KernelRow};
 pub use kiln_data::{PrepareOutcome, PrepareProgress};
 pub use memory::MemoryTracker;

@@ -91,12 +91,7 @@ pub(crate) fn open(
              `kiln export` of a run",
         ));
     }
-    let config_path = folder.join("config.json");
-    let text = std::fs::read_to_string(&config_path)
-        .map_err(|e| fail(&config_path, format!("cannot be read: {e}")))?;
-    let json: Value =
-        serde_json::from_str(&text).map_err(|e| fail(&config_path, format!("is not JSON: {e}")))?;
-    let shape = Gpt2Shape::from_json(&json).map_err(|why| fail(&config_path, why))?;
+    let (config_path, shape) = read_shape(&folder)?;
     shape.check(config).map_err(|why| fail(&config_path, why))?;
     if tokenizer.vocab_size() != shape.vocab_size {
         return Err(fail(
@@ -136,6 +131,42 @@ pub(crate) fn open(
         vocab_size: shape.vocab_size,
         tokenizer: tokenizer_file,
     }))
+}
+
+/// A run configuration for the GPT-2 folder `folder` on its own (`kiln
+/// sample`): the built-in defaults with the folder's shape, its full
+/// context as the block, its tokenizer, and `model.init_from` set to it.
+pub(crate) fn config_for_folder(
+    folder: &Path,
+    hardware: &kiln_hwdetect::HardwareReport,
+) -> Result<RunConfig, TrainError> {
+    let (_, shape) = read_shape(folder)?;
+    let mut config =
+        kiln_config::resolve_overrides(&kiln_config::Presets::built_in(), &[], hardware)?.config;
+    let m = &mut config.model;
+    (m.layers, m.heads, m.hidden, m.intermediate, m.gelu) = (
+        shape.layers,
+        shape.heads,
+        shape.hidden,
+        shape.intermediate,
+        shape.gelu,
+    );
+    (m.max_length, m.vocab_multiple, m.dropout) = (shape.positions, 1, 0.0);
+    m.init_from = Some(folder.display().to_string());
+    config.data.tokenizer_file = Some(folder.join("tokenizer.json").display().to_string());
+    Ok(config)
+}
+
+/// The folder's `config.json` (its path, for messages) and the shape it
+/// describes.
+fn read_shape(folder: &Path) -> Result<(PathBuf, Gpt2Shape), TrainError> {
+    let config_path = folder.join("config.json");
+    let text = std::fs::read_to_string(&config_path)
+        .map_err(|e| fail(&config_path, format!("cannot be read: {e}")))?;
+    let json: Value =
+        serde_json::from_str(&text).map_err(|e| fail(&config_path, format!("is not JSON: {e}")))?;
+    let shape = Gpt2Shape::from_json(&json).map_err(|why| fail(&config_path, why))?;
+    Ok((config_path, shape))
 }
 
 fn tokenizer_name(config: &RunConfig) -> String {

@@ -10,6 +10,7 @@ pub(crate) mod hardware;
 pub(crate) mod kernels;
 pub(crate) mod launch;
 pub(crate) mod prepare;
+pub(crate) mod sample;
 pub(crate) mod train;
 pub(crate) mod tune;
 

@@ -17,7 +17,6 @@ use kiln_dist::Group;
 use kiln_hwdetect::HardwareReport;
 use kiln_model::{Gpt, GptConfig};
 use kiln_plan::{DataSize, ModelSize, Schedule};
-use rand::SeedableRng;
 
 use crate::checkpoint::{self, CheckpointState};
 use crate::optim::AdamW;
@@ -793,21 +792,16 @@ impl Session {
 
     fn write_samples(&self, model: &Gpt, run: &RunDir) -> Result<(), TrainError> {
         let s = &self.config.sample;
-        let model = model.valid();
-        let prompt = self.prepared.tokenizer.encode("\n").unwrap_or_default();
-        let prompt = if prompt.is_empty() { vec![0] } else { prompt };
-        let mut rng = rand::rngs::StdRng::seed_from_u64(self.config.training.seed);
+        let (_, texts) = crate::generate::generate_texts(
+            model,
+            &self.prepared.tokenizer,
+            "\n",
+            s,
+            self.config.training.seed,
+            &self.device.device,
+        )?;
         let mut text = String::new();
-        for i in 0..s.count {
-            let ids = model.generate(
-                &prompt,
-                s.tokens,
-                s.temperature,
-                s.top_k,
-                &mut rng,
-                &self.device.device,
-            );
-            let sample = self.prepared.tokenizer.decode(&ids[prompt.len()..])?;
+        for (i, sample) in texts.iter().enumerate() {
             text.push_str(&format!(
                 "--- sample {} (temperature {}, top-k {})\n{sample}\n",
                 i + 1,

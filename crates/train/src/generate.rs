@@ -1,0 +1,221 @@
+//! `kiln sample`: text from a trained GPT, as nanoGPT's `sample.py` — from
+//! a language-model run's newest good checkpoint, or from a `transformers`
+//! GPT-2 folder (OpenAI's GPT-2, a `kiln export`) read as
+//! `model.init_from` reads it. The run's own `samples.txt` is written by
+//! the same code ([`generate_texts`]): with the run's settings and seed,
+//! `kiln sample RUN` gives its texts again.
+
+use std::path::Path;
+
+use burn::module::Module;
+use burn::tensor::Device;
+use kiln_config::{RunConfig, SampleSection};
+use kiln_data::Tokenizer;
+use kiln_model::Gpt;
+use rand::SeedableRng;
+use serde::Serialize;
+
+use crate::checkpoint;
+use crate::device::select_device;
+use crate::error::TrainError;
+
+/// What to generate; `None` takes the run's `sample.*` (a GPT-2 folder:
+/// the built-in defaults) and its `training.seed`.
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct SampleRequest {
+    /// The text the samples continue; `None`: a newline, as the run's own.
+    pub prompt: Option<String>,
+    /// Texts to generate.
+    pub count: Option<usize>,
+    /// Tokens each.
+    pub tokens: Option<usize>,
+    /// Sampling temperature (above 0).
+    pub temperature: Option<f64>,
+    /// Among the k most likely tokens; 0: among all.
+    pub top_k: Option<usize>,
+    /// The random stream's seed.
+    pub seed: Option<u64>,
+}
+
+/// What [`sample`] generated.
+#[derive(Clone, Debug, Serialize)]
+#[non_exhaustive]
+pub struct Samples {
+    /// What the weights came from: a run's checkpoint or a GPT-2 folder.
+    pub source: String,
+    /// The device it ran on.
+    pub device: String,
+    /// The prompt, and its length in tokens.
+    pub prompt: String,
+    /// The prompt's tokens.
+    pub prompt_tokens: usize,
+    /// The settings used.
+    pub tokens: usize,
+    /// Sampling temperature.
+    pub temperature: f64,
+    /// Top-k (0: all).
+    pub top_k: usize,
+    /// The seed.
+    pub seed: u64,
+    /// Each text after the prompt.
+    pub continuations: Vec<String>,
+    /// Notes on damaged checkpoints skipped on the way.
+    pub notes: Vec<String>,
+}
+
+/// `count` continuations of `prompt` (a newline where empty) by `model`,
+/// from one random stream seeded with `seed`.
+pub(crate) fn generate_texts(
+    model: &Gpt,
+    tokenizer: &Tokenizer,
+    prompt: &str,
+    settings: &SampleSection,
+    seed: u64,
+    device: &Device,
+) -> Result<(usize, Vec<String>), TrainError> {
+    let model = model.valid();
+    let prompt = if prompt.is_empty() { "\n" } else { prompt };
+    let ids = tokenizer.encode(prompt).map_err(|e| {
+        let mut unknown: Vec<char> = prompt
+            .chars()
+            .filter(|c| tokenizer.token_id(&c.to_string()).is_none())
+            .collect();
+        unknown.sort_unstable();
+        unknown.dedup();
+        let why = if unknown.is_empty() {
+            e.to_string()
+        } else {
+            format!(
+                "{} are not in the model's vocabulary ({} tokens; a character-level one holds its corpus's characters only)",
+                unknown
+                    .iter()
+                    .map(|c| format!("{c:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                tokenizer.vocab_size()
+            )
+        };
+        TrainError::Prompt { why }
+    })?;
+    let ids = if ids.is_empty() { vec![0] } else { ids };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut texts = Vec::with_capacity(settings.count);
+    for _ in 0..settings.count {
+        let out = model.generate(
+            &ids,
+            settings.tokens,
+            settings.temperature,
+            settings.top_k,
+            &mut rng,
+            device,
+        );
+        texts.push(tokenizer.decode(&out[ids.len()..])?);
+    }
+    Ok((ids.len(), texts))
+}
+
+/// Generates from `from`: a language-model run directory (its newest good
+/// checkpoint) or a `transformers` GPT-2 folder (`config.json`,
+/// `model.safetensors`, `tokenizer.json`), on the device the run's
+/// `device.*` chooses (a folder: the defaults').
+pub fn sample(
+    from: &Path,
+    request: &SampleRequest,
+    hardware: &kiln_hwdetect::HardwareReport,
+) -> Result<Samples, TrainError> {
+    let (config, tokenizer, source, notes, load): (_, _, _, _, Loader) = if from
+        .join("config.toml")
+        .is_file()
+    {
+        from_run(from)?
+    } else if from.join("config.json").is_file() {
+        from_folder(from, hardware)?
+    } else {
+        return Err(TrainError::NotARun {
+                path: from.to_path_buf(),
+                why: "it has neither config.toml (a kiln run) nor config.json (a transformers GPT-2 folder)"
+                    .into(),
+            });
+    };
+    let device = select_device(&config.device, hardware.gpu_vendor())?;
+    let gpt = crate::translate::gpt_config(&config, tokenizer.vocab_size());
+    let model = load(gpt.init(&device.device), &device.device)?
+        .with_kernels(crate::translate::kernels(&config))
+        .with_attention(crate::translate::attention(&config));
+    let mut settings = config.sample.clone();
+    settings.count = request.count.unwrap_or(settings.count);
+    settings.tokens = request.tokens.unwrap_or(settings.tokens);
+    settings.temperature = request.temperature.unwrap_or(settings.temperature);
+    settings.top_k = request.top_k.unwrap_or(settings.top_k);
+    let seed = request.seed.unwrap_or(config.training.seed);
+    let prompt = request.prompt.clone().unwrap_or_default();
+    let (prompt_tokens, continuations) =
+        generate_texts(&model, &tokenizer, &prompt, &settings, seed, &device.device)?;
+    Ok(Samples {
+        source,
+        device: device.name,
+        prompt: if prompt.is_empty() {
+            "\n".into()
+        } else {
+            prompt
+        },
+        prompt_tokens,
+        tokens: settings.tokens,
+        temperature: settings.temperature,
+        top_k: settings.top_k,
+        seed,
+        continuations,
+        notes,
+    })
+}
+
+/// Fills a freshly built GPT with the weights.
+type Loader = Box<dyn FnOnce(Gpt, &Device) -> Result<Gpt, TrainError>>;
+
+fn from_run(
+    from: &Path,
+) -> Result<(RunConfig, Tokenizer, String, Vec<String>, Loader), TrainError> {
+    let (dir, config) = crate::export::open_lm_run(
+        from,
+        "sampling from a sentence-pair classifier",
+        "`kiln predict` labels pairs with it",
+    )?;
+    let tokenizer = Tokenizer::load(&dir.file("tokenizer.json"))?;
+    let (info, state, notes) = checkpoint::latest_good(&dir.checkpoints())?;
+    let source = format!("step {} of `{}`", info.step, from.display());
+    let path = info.path;
+    let load: Loader = Box::new(move |model, device| {
+        let values = state
+            .params
+            .into_iter()
+            .map(|(p, s, v)| (p, (s, v)))
+            .collect();
+        crate::params::load_values(model, values, device)
+            .map_err(|why| TrainError::CheckpointMismatch { path, why })
+    });
+    Ok((config, tokenizer, source, notes, load))
+}
+
+fn from_folder(
+    from: &Path,
+    hardware: &kiln_hwdetect::HardwareReport,
+) -> Result<(RunConfig, Tokenizer, String, Vec<String>, Loader), TrainError> {
+    let tokenizer_file = from.join("tokenizer.json");
+    if !tokenizer_file.is_file() {
+        return Err(TrainError::Pretrained {
+            path: from.to_path_buf(),
+            why: "has no tokenizer.json, which encodes the prompt and decodes the samples".into(),
+        });
+    }
+    let tokenizer = Tokenizer::load(&tokenizer_file)?;
+    let config = crate::pretrained::config_for_folder(from, hardware)?;
+    let pretrained =
+        crate::pretrained::open(&config, &tokenizer)?.ok_or_else(|| TrainError::Pretrained {
+            path: from.to_path_buf(),
+            why: "was not read".into(),
+        })?;
+    let source = format!("the GPT-2 folder `{}`", from.display());
+    let load: Loader = Box::new(move |model, device| pretrained.load_into(model, device));
+    Ok((config, tokenizer, source, Vec::new(), load))
+}
