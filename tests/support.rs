@@ -38,13 +38,19 @@ pub(crate) fn kiln_bin() -> &'static Path {
         } else {
             &[]
         };
-        built("kiln-cli", "kiln", features)
+        built("kiln", features)
     })
 }
 
-/// Binary `bin` of `package`, built (with `extra` arguments) in the tests'
-/// own profile and target directory, and its path there.
-pub(crate) fn built(package: &str, bin: &str, extra: &[&str]) -> PathBuf {
+/// Binary `bin` of the workspace, built (with `extra` arguments) in the
+/// tests' own profile and target directory, and its path there. Built with
+/// `--workspace`, as `cargo test --workspace` builds the libraries: the
+/// features are unified over every member there (kiln-model and kiln-train
+/// with their `default`), so the binary reuses the test build's units;
+/// `--package kiln-cli` alone resolved other features and compiled
+/// kiln-model, kiln-train and kiln-cli again, about 100 s of CI's test
+/// step with every test waiting on it (2026-12-03).
+pub(crate) fn built(bin: &str, extra: &[&str]) -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     // target/<profile>/deps/tests-<hash> → target/<profile>/<bin>
     let profile_dir = exe
@@ -58,7 +64,7 @@ pub(crate) fn built(package: &str, bin: &str, extra: &[&str]) -> PathBuf {
         .unwrap_or("debug");
     let profile = if profile == "debug" { "dev" } else { profile };
     let status = Command::new(cargo)
-        .args(["build", "--quiet", "--package", package, "--bin", bin])
+        .args(["build", "--quiet", "--workspace", "--bin", bin])
         .args(["--profile", profile])
         .args(extra)
         .current_dir(root())

@@ -14,7 +14,7 @@ use crate::support::{Run, fake_report, root};
 
 /// xtask's binary, built in the tests' profile.
 fn xtask_bin() -> PathBuf {
-    crate::support::built("xtask", "xtask", &["--locked"])
+    crate::support::built("xtask", &["--locked"])
 }
 
 /// The stand-in for cargo: every command goes to `$XTASK_TEST_LOG` as
