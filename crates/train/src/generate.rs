@@ -64,8 +64,8 @@ pub struct Samples {
     pub notes: Vec<String>,
 }
 
-/// `count` continuations of `prompt` (a newline where empty) by `model`,
-/// from one random stream seeded with `seed`.
+/// `count` continuations of `prompt` by `model`, from one random stream
+/// seeded with `seed`.
 pub(crate) fn generate_texts(
     model: &Gpt,
     tokenizer: &Tokenizer,
@@ -75,7 +75,6 @@ pub(crate) fn generate_texts(
     device: &Device,
 ) -> Result<(usize, Vec<String>), TrainError> {
     let model = model.valid();
-    let prompt = if prompt.is_empty() { "\n" } else { prompt };
     let ids = tokenizer.encode(prompt).map_err(|e| {
         let mut unknown: Vec<char> = prompt
             .chars()
@@ -124,10 +123,7 @@ pub fn sample(
     request: &SampleRequest,
     hardware: &kiln_hwdetect::HardwareReport,
 ) -> Result<Samples, TrainError> {
-    let (config, tokenizer, source, notes, load): (_, _, _, _, Loader) = if from
-        .join("config.toml")
-        .is_file()
-    {
+    let (config, tokenizer, source, notes, weights) = if from.join("config.toml").is_file() {
         from_run(from)?
     } else if from.join("config.json").is_file() {
         from_folder(from, hardware)?
@@ -140,7 +136,8 @@ pub fn sample(
     };
     let device = select_device(&config.device, hardware.gpu_vendor())?;
     let gpt = crate::translate::gpt_config(&config, tokenizer.vocab_size());
-    let model = load(gpt.init(&device.device), &device.device)?
+    let model = weights
+        .load_into(gpt.init(&device.device), &device.device)?
         .with_kernels(crate::translate::kernels(&config))
         .with_attention(crate::translate::attention(&config));
     let mut settings = config.sample.clone();
@@ -149,17 +146,15 @@ pub fn sample(
     settings.temperature = request.temperature.unwrap_or(settings.temperature);
     settings.top_k = request.top_k.unwrap_or(settings.top_k);
     let seed = request.seed.unwrap_or(config.training.seed);
-    let prompt = request.prompt.clone().unwrap_or_default();
+    let prompt = (request.prompt.clone())
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "\n".into());
     let (prompt_tokens, continuations) =
         generate_texts(&model, &tokenizer, &prompt, &settings, seed, &device.device)?;
     Ok(Samples {
         source,
         device: device.name,
-        prompt: if prompt.is_empty() {
-            "\n".into()
-        } else {
-            prompt
-        },
+        prompt,
         prompt_tokens,
         tokens: settings.tokens,
         temperature: settings.temperature,
@@ -170,12 +165,37 @@ pub fn sample(
     })
 }
 
-/// Fills a freshly built GPT with the weights.
-type Loader = Box<dyn FnOnce(Gpt, &Device) -> Result<Gpt, TrainError>>;
+/// Where the weights come from.
+enum Weights {
+    /// A run's checkpoint (its path, for messages).
+    Checkpoint(std::path::PathBuf, checkpoint::CheckpointState),
+    /// A GPT-2 folder, checked.
+    Folder(crate::pretrained::Pretrained),
+}
 
-fn from_run(
-    from: &Path,
-) -> Result<(RunConfig, Tokenizer, String, Vec<String>, Loader), TrainError> {
+impl Weights {
+    /// A freshly built GPT filled with the weights.
+    fn load_into(self, model: Gpt, device: &Device) -> Result<Gpt, TrainError> {
+        match self {
+            Self::Checkpoint(path, state) => {
+                let values = state
+                    .params
+                    .into_iter()
+                    .map(|(p, s, v)| (p, (s, v)))
+                    .collect();
+                crate::params::load_values(model, values, device)
+                    .map_err(|why| TrainError::CheckpointMismatch { path, why })
+            }
+            Self::Folder(pretrained) => pretrained.load_into(model, device),
+        }
+    }
+}
+
+/// What the weights are read with: the configuration, the tokenizer, where
+/// they come from (for messages), notes on skipped checkpoints.
+type Source = (RunConfig, Tokenizer, String, Vec<String>, Weights);
+
+fn from_run(from: &Path) -> Result<Source, TrainError> {
     let (dir, config) = crate::export::open_lm_run(
         from,
         "sampling from a sentence-pair classifier",
@@ -184,23 +204,19 @@ fn from_run(
     let tokenizer = Tokenizer::load(&dir.file("tokenizer.json"))?;
     let (info, state, notes) = checkpoint::latest_good(&dir.checkpoints())?;
     let source = format!("step {} of `{}`", info.step, from.display());
-    let path = info.path;
-    let load: Loader = Box::new(move |model, device| {
-        let values = state
-            .params
-            .into_iter()
-            .map(|(p, s, v)| (p, (s, v)))
-            .collect();
-        crate::params::load_values(model, values, device)
-            .map_err(|why| TrainError::CheckpointMismatch { path, why })
-    });
-    Ok((config, tokenizer, source, notes, load))
+    Ok((
+        config,
+        tokenizer,
+        source,
+        notes,
+        Weights::Checkpoint(info.path, state),
+    ))
 }
 
 fn from_folder(
     from: &Path,
     hardware: &kiln_hwdetect::HardwareReport,
-) -> Result<(RunConfig, Tokenizer, String, Vec<String>, Loader), TrainError> {
+) -> Result<Source, TrainError> {
     let tokenizer_file = from.join("tokenizer.json");
     if !tokenizer_file.is_file() {
         return Err(TrainError::Pretrained {
@@ -210,12 +226,13 @@ fn from_folder(
     }
     let tokenizer = Tokenizer::load(&tokenizer_file)?;
     let config = crate::pretrained::config_for_folder(from, hardware)?;
-    let pretrained =
-        crate::pretrained::open(&config, &tokenizer)?.ok_or_else(|| TrainError::Pretrained {
-            path: from.to_path_buf(),
-            why: "was not read".into(),
-        })?;
+    let pretrained = crate::pretrained::open_folder(from, &config, &tokenizer)?;
     let source = format!("the GPT-2 folder `{}`", from.display());
-    let load: Loader = Box::new(move |model, device| pretrained.load_into(model, device));
-    Ok((config, tokenizer, source, Vec::new(), load))
+    Ok((
+        config,
+        tokenizer,
+        source,
+        Vec::new(),
+        Weights::Folder(pretrained),
+    ))
 }

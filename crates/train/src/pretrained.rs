@@ -82,7 +82,17 @@ pub(crate) fn open(
     let Some(folder) = config.model.init_from.as_deref() else {
         return Ok(None);
     };
-    let folder = PathBuf::from(folder);
+    open_folder(Path::new(folder), config, tokenizer).map(Some)
+}
+
+/// The GPT-2 folder `folder`, checked against `config` and the run's
+/// `tokenizer` (everything but the weights' values).
+pub(crate) fn open_folder(
+    folder: &Path,
+    config: &RunConfig,
+    tokenizer: &Tokenizer,
+) -> Result<Pretrained, TrainError> {
+    let folder = folder.to_path_buf();
     if !folder.is_dir() {
         return Err(fail(
             &folder,
@@ -122,7 +132,7 @@ pub(crate) fn open(
         return Err(fail(&folder, why));
     }
     let (data_start, tensors) = read_header(&weights)?;
-    Ok(Some(Pretrained {
+    Ok(Pretrained {
         folder,
         weights,
         tensors,
@@ -130,7 +140,7 @@ pub(crate) fn open(
         positions: shape.positions,
         vocab_size: shape.vocab_size,
         tokenizer: tokenizer_file,
-    }))
+    })
 }
 
 /// A run configuration for the GPT-2 folder `folder` on its own (`kiln
@@ -590,23 +600,21 @@ impl Pretrained {
                 ));
             }
             if name == "wte.weight" {
-                wte = Some((entry.shape.clone(), v.clone()));
+                wte = Some(entry);
             }
             values.insert(param.path, (want.clone(), v));
         }
         // The output projection is the token embedding in both models; a
         // file that writes it out must hold the same values.
         if let Some(head) = file.remove("lm_head.weight")
-            && let Some((shape, wte)) = &wte
+            && let Some(wte) = wte
+            && (head.shape != wte.shape
+                || read("lm_head.weight", head)? != read("wte.weight", wte)?)
         {
-            let head_values = read("lm_head.weight", head)?;
-            let rows = shape.first().copied().unwrap_or(0) * shape.get(1).copied().unwrap_or(0);
-            if head.shape != *shape || head_values[..] != wte[..rows.min(wte.len())] {
-                return Err(fail(
-                    &self.weights,
-                    "has an lm_head.weight other than its token embedding; kiln's GPT ties the two, as GPT-2 does",
-                ));
-            }
+            return Err(fail(
+                &self.weights,
+                "has an lm_head.weight other than its token embedding; kiln's GPT ties the two, as GPT-2 does",
+            ));
         }
         if let Some(extra) = file.keys().min() {
             return Err(fail(
