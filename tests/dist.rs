@@ -247,12 +247,14 @@ fn a_rank_killed_ends_the_job_and_the_resumed_job_matches_an_uninterrupted_one()
     args.splice(1..1, ["--max-restarts".to_string(), "2".into()]);
     args.push(format!("run.dir={}/{{time}}-job", parent.display()));
     let launcher = start_until(&args, &parent);
-    let run_dir = std::fs::read_dir(&parent)
-        .expect("the run's parent")
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| p.to_string_lossy().ends_with("-job"))
-        .expect("the run folder");
+    // Rank 0 makes the parent, then the run folder in it.
+    let run_dir = crate::support::poll("the run folder", || {
+        std::fs::read_dir(&parent)
+            .ok()?
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.to_string_lossy().ends_with("-job"))
+    });
     crate::support::wait_for(&ckpt(&run_dir, 100));
     signal(rank_pid(launcher.id(), 1).expect("rank 1 runs"), "-KILL");
     let out = launcher.wait_with_output().expect("launcher ends");

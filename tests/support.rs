@@ -242,13 +242,23 @@ fn spawn(args: &[String], out: fn() -> std::process::Stdio) -> std::process::Chi
 
 /// Waits (5 minutes at most) until `marker` exists.
 pub(crate) fn wait_for(marker: &Path) {
+    poll(&marker.display().to_string(), || {
+        marker.exists().then_some(())
+    });
+}
+
+/// Calls `what` every millisecond until it gives `Some` (5 minutes at
+/// most, then fails naming `waiting_for`).
+pub(crate) fn poll<T>(waiting_for: &str, mut what: impl FnMut() -> Option<T>) -> T {
     use std::time::{Duration, Instant};
     let started = Instant::now();
-    while !marker.exists() {
+    loop {
+        if let Some(found) = what() {
+            return found;
+        }
         assert!(
             started.elapsed() < Duration::from_secs(300),
-            "{} never appeared",
-            marker.display()
+            "{waiting_for} never appeared"
         );
         std::thread::sleep(Duration::from_millis(1));
     }
