@@ -7,7 +7,7 @@ use burn::nn::{
     Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
     Linear, LinearConfig,
 };
-use burn::tensor::{Device, Int, Tensor, TensorData, activation};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData, activation};
 use rand::RngExt;
 
 use crate::kernels::{self, AttentionKernel, Kernels, LAYER_NORM_EPSILON};
@@ -247,17 +247,76 @@ impl Block {
             a,
         );
         let x = x + self.dropout.forward(y);
-        let hidden =
-            precision::linear(&self.fc, kernels::layer_norm(&self.ln2, x.clone(), k), c, k);
+        x.clone() + self.dropout.forward(self.mlp(x, c, k))
+    }
+
+    /// The MLP branch of `x`: `mlp_proj(gelu(fc(ln2(x))))`.
+    fn mlp(&self, x: Tensor<3>, c: ComputeDtype, k: Kernels) -> Tensor<3> {
+        let hidden = precision::linear(&self.fc, kernels::layer_norm(&self.ln2, x, k), c, k);
         let hidden = if self.gelu {
             activation::gelu_approximate(hidden)
         } else {
             kernels::gelu(hidden, k)
         };
-        x + self
-            .dropout
-            .forward(precision::linear(&self.mlp_proj, hidden, c, k))
+        precision::linear(&self.mlp_proj, hidden, c, k)
     }
+
+    /// [`Block::forward`] without dropout, for the positions after those
+    /// whose keys and values `past` holds (`[b, heads, p, head]` each): the
+    /// new positions' output, and the keys and values of all of them. Each
+    /// new position attends to the past and to the new ones up to itself;
+    /// the attention is Burn's composition, its products in `c`.
+    fn forward_cached(
+        &self,
+        x: Tensor<3>,
+        past: Option<[Tensor<4>; 2]>,
+        c: ComputeDtype,
+        k: Kernels,
+    ) -> (Tensor<3>, [Tensor<4>; 2]) {
+        let packed = precision::linear(
+            &self.qkv,
+            kernels::layer_norm(&self.ln1, x.clone(), k),
+            c,
+            k,
+        );
+        let [q, key, value] = kernels::split_heads(packed, self.heads);
+        let [key, value] = match past {
+            Some([past_key, past_value]) => [
+                Tensor::cat(vec![past_key, key], 2),
+                Tensor::cat(vec![past_value, value], 2),
+            ],
+            None => [key, value],
+        };
+        let [b, h, t, d] = q.dims();
+        let total = key.dims()[2];
+        let scores = precision::matmul(q, key.clone().swap_dims(2, 3), c)
+            .mul_scalar(1.0 / (d as f64).sqrt());
+        let scores = if t > 1 {
+            // New position i is position `total - t + i`: the keys after it are masked.
+            let future =
+                Tensor::<2, Bool>::tril_mask([t, total], (total - t) as i64, &scores.device())
+                    .reshape([1, 1, t, total])
+                    .expand([b, h, t, total]);
+            scores.mask_fill(future, f32::NEG_INFINITY)
+        } else {
+            scores
+        };
+        let y = precision::matmul(activation::softmax(scores, 3), value.clone(), c)
+            .swap_dims(1, 2)
+            .reshape([b, t, h * d]);
+        let x = x + precision::linear(&self.attn_proj, y, c, k);
+        (x.clone() + self.mlp(x, c, k), [key, value])
+    }
+}
+
+/// The keys and values of the positions a [`Gpt`] has read, one pair per
+/// block (Hugging Face's `past_key_values`): with them, each new token
+/// costs one position's forward pass instead of the whole context's.
+#[derive(Default)]
+struct KvCache {
+    blocks: Vec<[Tensor<4>; 2]>,
+    /// Positions held.
+    len: usize,
 }
 
 impl Gpt {
@@ -348,6 +407,11 @@ impl Gpt {
     /// Samples `new_tokens` tokens after `prompt`: logits of the last position
     /// divided by `temperature`, cut to the `top_k` largest (0: all), drawn
     /// from `rng`. The context is cropped to the block size.
+    ///
+    /// The keys and values of the context are kept between tokens (a KV
+    /// cache), so that each new token runs the model on one position. Past
+    /// the block size the context's positions shift, and each token reads
+    /// the last `block_size` tokens anew, as nanoGPT does.
     pub fn generate(
         &self,
         prompt: &[u32],
@@ -358,16 +422,46 @@ impl Gpt {
         device: &Device,
     ) -> Vec<u32> {
         let mut ids: Vec<u32> = prompt.to_vec();
+        let mut cache = KvCache::default();
         for _ in 0..new_tokens {
-            let start = ids.len().saturating_sub(self.block_size);
-            let context: Vec<i64> = ids[start..].iter().map(|&i| i64::from(i)).collect();
-            let t = context.len();
-            let idx = Tensor::<2, Int>::from_data(TensorData::new(context, [1, t]), device);
-            let logits = self.forward(idx).narrow(1, t - 1, 1).reshape([-1]);
+            let fits = ids.len() <= self.block_size;
+            let start = if fits && cache.len > 0 && cache.len + 1 == ids.len() {
+                cache.len
+            } else {
+                cache = KvCache::default();
+                ids.len().saturating_sub(self.block_size)
+            };
+            let fed: Vec<i64> = ids[start..].iter().map(|&i| i64::from(i)).collect();
+            let t = fed.len();
+            let idx = Tensor::<2, Int>::from_data(TensorData::new(fed, [1, t]), device);
+            let logits = self.next_logits(idx, &mut cache).reshape([-1]);
             let logits: Vec<f32> = logits.into_data().iter::<f32>().collect();
             ids.push(sample(&logits, temperature, top_k, rng));
         }
         ids
+    }
+
+    /// The logits `[batch, vocab]` of the last of `idx`'s positions
+    /// (`[batch, time]`), which follow the positions `cache` holds; their
+    /// keys and values go into `cache`. Inference: no dropout.
+    fn next_logits(&self, idx: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<2> {
+        let [b, t] = idx.dims();
+        let device = idx.device();
+        let pos = Tensor::<1, Int>::arange(cache.len as i64..(cache.len + t) as i64, &device)
+            .reshape([1, t])
+            .expand([b, t]);
+        let mut x = self.wte.forward(idx) + self.wpe.forward(pos);
+        let mut past = std::mem::take(&mut cache.blocks).into_iter();
+        for block in &self.blocks {
+            let (y, kv) = block.forward_cached(x, past.next(), self.compute, self.kernels);
+            x = y;
+            cache.blocks.push(kv);
+        }
+        cache.len += t;
+        let last = kernels::layer_norm(&self.ln_f, x.narrow(1, t - 1, 1), self.kernels);
+        let wte = self.wte.weight.val().transpose().unsqueeze::<3>();
+        let logits = precision::matmul(last, wte, self.compute).reshape([b as i64, -1]);
+        logits.narrow(1, 0, self.vocab)
     }
 }
 
@@ -631,6 +725,80 @@ mod tests {
         // inputs and their logits' softmax is exactly 0.
         assert!(grad[65 * 128..].iter().all(|&g| g == 0.0));
         assert!(grad[..65 * 128].iter().any(|&g| g != 0.0));
+    }
+
+    #[test]
+    fn the_kv_cache_gives_the_whole_contexts_logits() {
+        let c = GptConfig {
+            block_size: 8,
+            ..peers_shape()
+        }
+        .with_vocab_multiple(64);
+        let device = Device::flex();
+        device.seed(5);
+        let model = c.init(&device);
+        let ids: Vec<i64> = (0..8).map(|i| (i * 11 + 3) % 65).collect();
+        let tensor = |v: &[i64]| {
+            Tensor::<2, Int>::from_data(TensorData::new(v.to_vec(), [1, v.len()]), &device)
+        };
+        // f32 differs in the order of its sums only; bf16 rounds the
+        // products' inputs (2^-8 relative) on two paths.
+        for (dtype, tolerance) in [(ComputeDtype::F32, 1e-5), (ComputeDtype::Bf16, 3e-2)] {
+            let model = model.clone().with_compute(dtype);
+            let mut cache = KvCache::default();
+            // A prompt of 3 in one pass, two positions after a past (the
+            // causal mask's offset), then a position at a time.
+            for (begin, end) in [(0, 3), (3, 5), (5, 6), (6, 7), (7, 8)] {
+                let fed = &ids[begin..end];
+                let cached = model.next_logits(tensor(fed), &mut cache);
+                assert_eq!(cache.len, end);
+                let whole = model
+                    .forward(tensor(&ids[..end]))
+                    .narrow(1, end - 1, 1)
+                    .reshape([1, -1]);
+                assert_eq!(cached.dims(), [1, 65], "the true vocabulary");
+                let diff: f32 = (cached - whole.clone()).abs().max().into_scalar();
+                let scale: f32 = whole.abs().max().into_scalar();
+                assert!(
+                    diff <= tolerance * scale,
+                    "{dtype:?}, position {end}: {diff} of {scale}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn generation_with_the_cache_draws_what_the_whole_context_draws() {
+        let c = GptConfig {
+            block_size: 8,
+            ..peers_shape()
+        };
+        let device = Device::flex();
+        device.seed(6);
+        let model = c.init(&device);
+        let prompt = [1u32, 2, 3];
+        // nanoGPT's loop: the whole context, cropped to the block, every token.
+        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(4);
+        let mut reference = prompt.to_vec();
+        for _ in 0..20 {
+            let start = reference.len().saturating_sub(8);
+            let context: Vec<i64> = reference[start..].iter().map(|&i| i64::from(i)).collect();
+            let t = context.len();
+            let idx = Tensor::<2, Int>::from_data(TensorData::new(context, [1, t]), &device);
+            let logits: Vec<f32> = model
+                .forward(idx)
+                .narrow(1, t - 1, 1)
+                .into_data()
+                .iter::<f32>()
+                .collect();
+            reference.push(sample(&logits, 1.0, 0, &mut rng));
+        }
+        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(4);
+        // 23 tokens: the cache up to the block, then the cropped context.
+        assert_eq!(
+            model.generate(&prompt, 20, 1.0, 0, &mut rng, &device),
+            reference
+        );
     }
 
     #[test]
