@@ -338,6 +338,7 @@ mod tests {
 
     #[test]
     fn every_gpt_parameter_has_its_gpt2_name() {
+        let _rng = crate::tests::flex_rng();
         let config = crate::tests::config(&["model.layers=2"]);
         let gpt = crate::translate::gpt_config(&config, 65);
         let model = gpt.init(&burn::tensor::Device::flex());

@@ -95,6 +95,21 @@ pub use workload::nli::{Prediction, predict};
 pub(crate) mod tests {
     use kiln_config::RunConfig;
 
+    /// Flex's random generator is one for the whole process (burn-flex's
+    /// `SEED`), and the tests run on threads side by side. A test that
+    /// seeds it and compares what it draws holds this lock, and so does
+    /// every test that draws from it (a model's first use draws its
+    /// weights), so that nothing draws in between. (CI once saw
+    /// `initial_weights_come_from_the_seed_not_the_first_step` get another
+    /// test's draw.)
+    pub(crate) fn flex_rng() -> std::sync::MutexGuard<'static, ()> {
+        static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        // A test that failed holding it leaves it poisoned: the lock is
+        // still good for the others.
+        RNG.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// The configuration the shipped presets resolve to on a machine without
     /// a GPU, with `overrides`.
     pub(crate) fn config(overrides: &[&str]) -> RunConfig {

@@ -235,6 +235,7 @@ mod tests {
     /// w₂ = (w₀·0.99 − 0.1)·0.99 − 0.1 → 0.29105 and −1.1791; b₂ = 0.25 − 0.2.
     #[test]
     fn two_steps_with_constant_gradient() {
+        let _rng = crate::tests::flex_rng();
         let device = Device::flex().autodiff();
         let mut lin: Linear = LinearConfig::new(2, 1).init(&device);
         lin.weight = lin.weight.map(|w| {
@@ -273,6 +274,7 @@ mod tests {
 
     #[test]
     fn under_zero_1_a_rank_updates_and_keeps_moments_for_its_share_alone() {
+        let _rng = crate::tests::flex_rng();
         use burn::optim::GradientsParams;
         use burn::tensor::{Int, TensorData};
 
@@ -317,6 +319,7 @@ mod tests {
 
     #[test]
     fn grad_norm_is_global() {
+        let _rng = crate::tests::flex_rng();
         let device = Device::flex().autodiff();
         let lin: Linear = LinearConfig::new(3, 1).init(&device);
         let x = Tensor::<2>::from_data(TensorData::new(vec![1.0f32, 2.0, 2.0], [1, 3]), &device);

@@ -288,6 +288,7 @@ mod tests {
 
     #[test]
     fn every_parameter_has_a_unique_path() {
+        let _rng = crate::tests::flex_rng();
         let device = Device::flex();
         let m = model(&device);
         let entries = param_entries(&m);
@@ -303,6 +304,7 @@ mod tests {
 
     #[test]
     fn values_load_back_exactly() {
+        let _rng = crate::tests::flex_rng();
         let device = Device::flex();
         device.seed(1);
         let a = model(&device);

@@ -378,6 +378,7 @@ mod tests {
 
     #[test]
     fn initial_weights_come_from_the_seed_not_the_first_step() {
+        let _rng = crate::tests::flex_rng();
         let config = crate::tests::config(&[]);
         let gpt = kiln_model::GptConfig::new(11, 8, 1, 2, 8).with_intermediate(16);
         let draw = |reseed: bool| {

@@ -396,6 +396,7 @@ mod tests {
 
     #[test]
     fn shares_are_whole_tensors_as_even_as_they_allow() {
+        let _rng = crate::tests::flex_rng();
         let device = Device::flex();
         let model = GptConfig::new(10, 4, 2, 2, 8)
             .with_intermediate(16)
