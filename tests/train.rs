@@ -1136,6 +1136,17 @@ fn init_from_starts_a_run_from_a_gpt2_folders_weights() {
         "model.layers=2 model.gelu=exact",
     ]);
     assert!(!tmp.path().join("layers").exists());
+    // `kiln diagnose` lists it among the problems, with the rest of its
+    // report (the data, the memory), and exits 2.
+    let mut args = tiny(tmp.path(), "layers", 1);
+    args.splice(0..1, ["diagnose".to_string(), "--burst=0".into()]);
+    args.extend([from.clone(), "model.layers=3".into()]);
+    run_kiln(&args).expect_code(2).stdout_has(&[
+        "model.init_from",
+        "model.layers = 3 where its n_layer is 2",
+        "model.layers=2",
+        "memory",
+    ]);
     // Another tokenizer with the same number of tokens: two ids swapped.
     let mut swapped = vocab.clone();
     let (a, b) = (swapped["a"].clone(), swapped["b"].clone());

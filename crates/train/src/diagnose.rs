@@ -107,7 +107,14 @@ pub fn diagnose(
             LogitsMemory::All,
         ),
     };
-    let (data, schedule, vocab, size, store) = measure(config)?;
+    let Measured {
+        data,
+        schedule,
+        vocab,
+        size,
+        store,
+        init_from,
+    } = measure(config)?;
     let mut memory = estimate_memory_with(config, vocab, size, attention, logits);
     match gpu.filter(|_| is_gpu) {
         Some(g) => {
@@ -145,6 +152,7 @@ pub fn diagnose(
             fix: "optimization.zero_stage=2 (the gradients reduce-scattered and the weights all-gathered: DDP's bytes a step; or 1, an all-reduce and the all-gather)".into(),
         });
     }
+    findings.extend(init_from);
     if let Some(why) = backend_error {
         findings.insert(
             0,
@@ -253,37 +261,47 @@ fn measure_burst(
     ))
 }
 
+/// What [`measure`] found of the workload.
+struct Measured {
+    data: DataSize,
+    schedule: Schedule,
+    vocab: usize,
+    size: ModelSize,
+    store: Option<crate::tokens::StoreRead>,
+    /// Why the weights `model.init_from` names cannot start the run.
+    init_from: Option<Finding>,
+}
+
 /// Prepares the workload as the run does and measures it: the data against
-/// the config, the run's schedule, the vocabulary, the model's size and,
-/// from a token store, its read rate.
-#[allow(clippy::type_complexity)] // one private caller, which takes it apart at once
-fn measure(
-    config: &RunConfig,
-) -> Result<
-    (
-        DataSize,
-        Schedule,
-        usize,
-        ModelSize,
-        Option<crate::tokens::StoreRead>,
-    ),
-    TrainError,
-> {
+/// the config, the run's schedule, the vocabulary, the model's size, from
+/// a token store its read rate, and the weights `model.init_from` names
+/// against the run (everything but their values, which the run reads): a
+/// mismatch is a finding, so that the rest is still diagnosed.
+fn measure(config: &RunConfig) -> Result<Measured, TrainError> {
     match config.workload {
         Workload::Lm => {
             let p = lm::prepare(config, lm::TokenizerFrom::Config)?;
-            // The weights `model.init_from` names fit the run (everything
-            // but their values, which the run reads).
-            crate::pretrained::open(config, &p.tokenizer)?;
-            Ok((
-                p.data_size(config),
-                p.schedule,
-                p.tokenizer.vocab_size(),
-                p.model_size(),
-                p.store
+            let init_from = match crate::pretrained::open(config, &p.tokenizer) {
+                Ok(_) => None,
+                Err(TrainError::Pretrained { path, why }) => Some(Finding {
+                    severity: Severity::Error,
+                    key: "model.init_from".into(),
+                    problem: format!("`{}` {why}", path.display()),
+                    fix: "set the run's keys to the weights' as the problem says, or name another folder (model.init_from=none: random weights)".into(),
+                }),
+                Err(other) => return Err(other),
+            };
+            Ok(Measured {
+                data: p.data_size(config),
+                schedule: p.schedule,
+                vocab: p.tokenizer.vocab_size(),
+                size: p.model_size(),
+                store: p
+                    .store
                     .as_ref()
                     .map(|store| crate::tokens::measure_store_read(store, config.model.max_length)),
-            ))
+                init_from,
+            })
         }
         Workload::Nli => {
             let pairs = nli::read(config)?;
@@ -312,13 +330,14 @@ fn measure(
                 truncated: lengths.iter().filter(|l| **l > max_len).count(),
                 p99_length: lengths.get((n.saturating_sub(1)) * 99 / 100).copied(),
             };
-            Ok((
-                size,
-                p.schedule,
-                p.tokenizer.vocab_size(),
-                p.model_size(config),
-                None,
-            ))
+            Ok(Measured {
+                data: size,
+                schedule: p.schedule,
+                vocab: p.tokenizer.vocab_size(),
+                size: p.model_size(config),
+                store: None,
+                init_from: None,
+            })
         }
     }
 }
