@@ -249,18 +249,27 @@ pub(crate) fn wait_for(marker: &Path) {
 
 /// Calls `what` every millisecond until it gives `Some` (5 minutes at
 /// most, then fails naming `waiting_for`).
-pub(crate) fn poll<T>(waiting_for: &str, mut what: impl FnMut() -> Option<T>) -> T {
-    use std::time::{Duration, Instant};
-    let started = Instant::now();
+pub(crate) fn poll<T>(waiting_for: &str, what: impl FnMut() -> Option<T>) -> T {
+    use std::time::Duration;
+    poll_for(Duration::from_secs(300), Duration::from_millis(1), what)
+        .unwrap_or_else(|| panic!("{waiting_for} never appeared"))
+}
+
+/// Calls `what` every `every` until it gives `Some`, for `limit` at most.
+pub(crate) fn poll_for<T>(
+    limit: std::time::Duration,
+    every: std::time::Duration,
+    mut what: impl FnMut() -> Option<T>,
+) -> Option<T> {
+    let started = std::time::Instant::now();
     loop {
         if let Some(found) = what() {
-            return found;
+            return Some(found);
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(300),
-            "{waiting_for} never appeared"
-        );
-        std::thread::sleep(Duration::from_millis(1));
+        if started.elapsed() >= limit {
+            return None;
+        }
+        std::thread::sleep(every);
     }
 }
 

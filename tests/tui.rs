@@ -4,7 +4,7 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::support::kiln_bin;
 
@@ -17,16 +17,10 @@ fn tmux(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Polls `what` every 200 ms until it returns `Some`, for up to `limit`.
-fn wait_for<T>(limit: Duration, mut what: impl FnMut() -> Option<T>) -> Option<T> {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if let Some(v) = what() {
-            return Some(v);
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    None
+/// Polls `what` every 200 ms (a tmux command each) until it returns
+/// `Some`, for up to `limit`.
+fn wait_for<T>(limit: Duration, what: impl FnMut() -> Option<T>) -> Option<T> {
+    crate::support::poll_for(limit, Duration::from_millis(200), what)
 }
 
 /// Ends the tmux session when the test ends, passed or not.

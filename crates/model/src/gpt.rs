@@ -7,7 +7,7 @@ use burn::nn::{
     Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
     Linear, LinearConfig,
 };
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData, activation};
+use burn::tensor::{Device, Int, Tensor, TensorData, activation};
 use rand::RngExt;
 
 use crate::kernels::{self, AttentionKernel, Kernels, LAYER_NORM_EPSILON};
@@ -264,8 +264,8 @@ impl Block {
     /// [`Block::forward`] without dropout, for the positions after those
     /// whose keys and values `past` holds (`[b, heads, p, head]` each): the
     /// new positions' output, and the keys and values of all of them. Each
-    /// new position attends to the past and to the new ones up to itself;
-    /// the attention is Burn's composition, its products in `c`.
+    /// new position attends to the past and to the new ones up to itself,
+    /// by [`precision::attend`] (its products in `c`).
     fn forward_cached(
         &self,
         x: Tensor<3>,
@@ -287,23 +287,7 @@ impl Block {
             ],
             None => [key, value],
         };
-        let [b, h, t, d] = q.dims();
-        let total = key.dims()[2];
-        let scores = precision::matmul(q, key.clone().swap_dims(2, 3), c)
-            .mul_scalar(1.0 / (d as f64).sqrt());
-        let scores = if t > 1 {
-            // New position i is position `total - t + i`: the keys after it are masked.
-            let future =
-                Tensor::<2, Bool>::tril_mask([t, total], (total - t) as i64, &scores.device())
-                    .reshape([1, 1, t, total])
-                    .expand([b, h, t, total]);
-            scores.mask_fill(future, f32::NEG_INFINITY)
-        } else {
-            scores
-        };
-        let y = precision::matmul(activation::softmax(scores, 3), value.clone(), c)
-            .swap_dims(1, 2)
-            .reshape([b, t, h * d]);
+        let y = precision::attend(q, key.clone(), value.clone(), None, true, c);
         let x = x + precision::linear(&self.attn_proj, y, c, k);
         (x.clone() + self.mlp(x, c, k), [key, value])
     }
@@ -333,22 +317,31 @@ impl Gpt {
 
     /// Logits over the padded vocabulary, `[batch, time, padded]`.
     fn padded_logits(&self, idx: Tensor<2, Int>) -> Tensor<3> {
-        // Weight tying: the output projection is the token embedding.
+        self.head(self.hidden_states(idx))
+    }
+
+    /// The LM head: logits over the padded vocabulary of `hidden`
+    /// (`[batch, time, hidden]`). Weight tying: the output projection is
+    /// the token embedding.
+    fn head(&self, hidden: Tensor<3>) -> Tensor<3> {
         let wte = self.wte.weight.val().transpose().unsqueeze::<3>();
-        precision::matmul(self.hidden_states(idx), wte, self.compute)
+        precision::matmul(hidden, wte, self.compute)
+    }
+
+    /// Token plus position embeddings of `idx` (`[batch, time]`), its
+    /// first token at position `start`.
+    fn embed(&self, idx: Tensor<2, Int>, start: usize) -> Tensor<3> {
+        let [b, t] = idx.dims();
+        let pos = Tensor::<1, Int>::arange(start as i64..(start + t) as i64, &idx.device())
+            .reshape([1, t])
+            .expand([b, t]);
+        self.wte.forward(idx) + self.wpe.forward(pos)
     }
 
     /// The final LayerNorm's output, `[batch, time, hidden]`: what the LM
     /// head multiplies by the token embedding.
     fn hidden_states(&self, idx: Tensor<2, Int>) -> Tensor<3> {
-        let [b, t] = idx.dims();
-        let device = idx.device();
-        let pos = Tensor::<1, Int>::arange(0..t as i64, &device)
-            .reshape([1, t])
-            .expand([b, t]);
-        let mut x = self
-            .dropout
-            .forward(self.wte.forward(idx) + self.wpe.forward(pos));
+        let mut x = self.dropout.forward(self.embed(idx, 0));
         for block in &self.blocks {
             x = block.forward(x, self.compute, self.kernels, self.attention);
         }
@@ -424,8 +417,8 @@ impl Gpt {
         let mut ids: Vec<u32> = prompt.to_vec();
         let mut cache = KvCache::default();
         for _ in 0..new_tokens {
-            let fits = ids.len() <= self.block_size;
-            let start = if fits && cache.len > 0 && cache.len + 1 == ids.len() {
+            // The cache holds all but the newest token, in the block.
+            let start = if ids.len() <= self.block_size && cache.len + 1 == ids.len() {
                 cache.len
             } else {
                 cache = KvCache::default();
@@ -446,11 +439,7 @@ impl Gpt {
     /// keys and values go into `cache`. Inference: no dropout.
     fn next_logits(&self, idx: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<2> {
         let [b, t] = idx.dims();
-        let device = idx.device();
-        let pos = Tensor::<1, Int>::arange(cache.len as i64..(cache.len + t) as i64, &device)
-            .reshape([1, t])
-            .expand([b, t]);
-        let mut x = self.wte.forward(idx) + self.wpe.forward(pos);
+        let mut x = self.embed(idx, cache.len);
         let mut past = std::mem::take(&mut cache.blocks).into_iter();
         for block in &self.blocks {
             let (y, kv) = block.forward_cached(x, past.next(), self.compute, self.kernels);
@@ -459,9 +448,9 @@ impl Gpt {
         }
         cache.len += t;
         let last = kernels::layer_norm(&self.ln_f, x.narrow(1, t - 1, 1), self.kernels);
-        let wte = self.wte.weight.val().transpose().unsqueeze::<3>();
-        let logits = precision::matmul(last, wte, self.compute).reshape([b as i64, -1]);
-        logits.narrow(1, 0, self.vocab)
+        self.head(last)
+            .reshape([b as i64, -1])
+            .narrow(1, 0, self.vocab)
     }
 }
 

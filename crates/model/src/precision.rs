@@ -133,8 +133,7 @@ pub(crate) fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>, dtype: ComputeD
 /// Multi-head self-attention of a packed `[b, t, 3·d]` projection (see
 /// [`kernels::self_attention`]), heads merged in the `[b, t, d]` result, for
 /// [`attention`] in a reduced dtype where the memory-efficient kernels do
-/// not take it: the two products run in `dtype`, the scores are masked and
-/// soft-maxed in f32. `key_pad` (`[b, t]`) is true where a key is padding.
+/// not take it: [`attend`] on its heads.
 fn reduced_attention(
     qkv: Tensor<3>,
     heads: usize,
@@ -143,20 +142,39 @@ fn reduced_attention(
     dtype: ComputeDtype,
 ) -> Tensor<3> {
     let [q, k, v] = kernels::split_heads(qkv, heads);
+    attend(q, k, v, key_pad, causal, dtype)
+}
+
+/// Attention of queries `q` (`[b, h, t, d]`) over keys `k` and values `v`
+/// (`[b, h, s, d]`, `s ≥ t`), heads merged in the `[b, t, h·d]` result:
+/// the two products run in `dtype`, the scores are masked and soft-maxed
+/// in f32. `key_pad` (`[b, s]`) is true where a key is padding. With
+/// `causal`, the queries are the last `t` of the `s` positions (the
+/// earlier ones a KV cache's), each seeing the keys up to its own.
+pub(crate) fn attend(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    key_pad: Option<Tensor<2, Bool>>,
+    causal: bool,
+    dtype: ComputeDtype,
+) -> Tensor<3> {
     let [b, h, t, d] = q.dims();
+    let s = k.dims()[2];
     let scale = 1.0 / (d as f64).sqrt();
     let scores = matmul(q, k.swap_dims(2, 3), dtype).mul_scalar(scale);
     let scores = match key_pad {
         Some(pad) => scores.mask_fill(
-            pad.reshape([b, 1, 1, t]).expand([b, h, t, t]),
+            pad.reshape([b, 1, 1, s]).expand([b, h, t, s]),
             f32::NEG_INFINITY,
         ),
         None => scores,
     };
     let scores = if causal {
-        let future = Tensor::<2, Bool>::tril_mask([t, t], 0, &scores.device())
-            .reshape([1, 1, t, t])
-            .expand([b, h, t, t]);
+        // Query i is position `s - t + i`: the keys after it are masked.
+        let future = Tensor::<2, Bool>::tril_mask([t, s], (s - t) as i64, &scores.device())
+            .reshape([1, 1, t, s])
+            .expand([b, h, t, s]);
         scores.mask_fill(future, f32::NEG_INFINITY)
     } else {
         scores
