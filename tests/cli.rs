@@ -399,10 +399,10 @@ fn bad_input_exits_2_with_key_value_and_layer() {
             ],
         ),
         (
-            &["config", "experiment=nli_snli", "model.init_from=gpt2"],
+            &["config", "model.layer_norm_eps=0"],
             &[
-                "`model.init_from`",
-                "loads GPT-2 weights into the language model (workload lm)",
+                "invalid value 0 for `model.layer_norm_eps`",
+                "must be in (0, 1)",
             ],
         ),
         (

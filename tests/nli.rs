@@ -329,3 +329,270 @@ fn diagnose_predicts_each_folds_steps_with_accumulation_and_epochs() {
         .count();
     assert!(evals >= 3, "{evals} evaluations");
 }
+
+/// A `transformers` BERT folder as `save_pretrained` writes a
+/// `BertForSequenceClassification` (`bert.`-prefixed names, PyTorch's `[out,
+/// in]` weights, a classifier for `labels`), its weights drawn from a fixed
+/// sequence, its tokenizer a WordPiece of `texts`: 1 layer, 2 heads, 16
+/// wide, 32 inner, 40 positions, BERT's ε.
+fn write_bert(dir: &Path, texts: &[&str], labels: &[&str]) {
+    let tokenizer =
+        kiln_data::Tokenizer::wordpiece(texts.iter().copied(), 300, 32).expect("wordpiece");
+    std::fs::create_dir_all(dir).expect("mkdir");
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        tokenizer.to_json().expect("json"),
+    )
+    .expect("tokenizer.json");
+    let (d, f, vocab, positions) = (16usize, 32usize, tokenizer.vocab_size(), 40usize);
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut draw = |n: usize, scale: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
+            })
+            .collect()
+    };
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = vec![
+        (
+            "bert.embeddings.word_embeddings.weight".into(),
+            vec![vocab, d],
+            draw(vocab * d, 0.5),
+        ),
+        (
+            "bert.embeddings.position_embeddings.weight".into(),
+            vec![positions, d],
+            draw(positions * d, 0.5),
+        ),
+        (
+            "bert.embeddings.token_type_embeddings.weight".into(),
+            vec![2, d],
+            draw(2 * d, 0.5),
+        ),
+    ];
+    let mut norm = |name: &str, tensors: &mut Vec<(String, Vec<usize>, Vec<f32>)>| {
+        let gain = draw(d, 0.2).iter().map(|g| 1.0 + g).collect();
+        tensors.push((format!("{name}.LayerNorm.weight"), vec![d], gain));
+        tensors.push((format!("{name}.LayerNorm.bias"), vec![d], draw(d, 0.1)));
+    };
+    norm("bert.embeddings", &mut tensors);
+    let layer = "bert.encoder.layer.0";
+    norm(&format!("{layer}.attention.output"), &mut tensors);
+    norm(&format!("{layer}.output"), &mut tensors);
+    let mut linears = vec![
+        (format!("{layer}.attention.self.query"), d, d),
+        (format!("{layer}.attention.self.key"), d, d),
+        (format!("{layer}.attention.self.value"), d, d),
+        (format!("{layer}.attention.output.dense"), d, d),
+        (format!("{layer}.intermediate.dense"), d, f),
+        (format!("{layer}.output.dense"), f, d),
+        ("bert.pooler.dense".to_string(), d, d),
+    ];
+    linears.push(("classifier".into(), d, labels.len()));
+    for (name, inputs, outputs) in linears {
+        tensors.push((
+            format!("{name}.weight"),
+            vec![outputs, inputs],
+            draw(outputs * inputs, 0.5),
+        ));
+        tensors.push((format!("{name}.bias"), vec![outputs], draw(outputs, 0.1)));
+    }
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .into_iter()
+        .map(|(n, s, v)| (n, s, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .collect();
+    let views = bytes.iter().map(|(n, s, b)| {
+        (
+            n.clone(),
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .expect("view"),
+        )
+    });
+    let file = safetensors::serialize(views, None).expect("serialize");
+    std::fs::write(dir.join("model.safetensors"), file).expect("model.safetensors");
+    let id2label: serde_json::Map<String, serde_json::Value> = labels
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (i.to_string(), serde_json::Value::from(*l)))
+        .collect();
+    let config = serde_json::json!({
+        "architectures": ["BertForSequenceClassification"],
+        "model_type": "bert",
+        "hidden_size": d,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": f,
+        "hidden_act": "gelu",
+        "max_position_embeddings": positions,
+        "type_vocab_size": 2,
+        "vocab_size": vocab,
+        "layer_norm_eps": 1e-12,
+        "id2label": id2label,
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).expect("config.json");
+}
+
+/// `model.init_from` on the encoder: every fold starts from a BERT
+/// folder's weights (its classifier too, trained for these labels) and
+/// tokenizes with its tokenizer. With the learning rate at 1e-12 the folds
+/// are the folder's model: the same predictions whatever the seed, which
+/// random weights are not; what does not fit exits 2 before the run
+/// directory is made, and `kiln diagnose` lists it.
+#[test]
+fn init_from_starts_every_fold_from_a_bert_folders_weights() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let folder = tmp.path().join("bert");
+    let data = write_pairs(tmp.path());
+    let text = std::fs::read_to_string(&data).expect("pairs");
+    let pairs: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect();
+    let texts: Vec<&str> = pairs
+        .iter()
+        .flat_map(|p| [p["premise"].as_str(), p["hypothesis"].as_str()])
+        .flatten()
+        .collect();
+    write_bert(&folder, &texts, &["entailment", "neutral", "contradiction"]);
+    let from = format!("model.init_from={}", folder.display());
+    let run = |name: &str, extra: &[&str]| -> (crate::support::Run, Vec<serde_json::Value>) {
+        let mut args = tiny(tmp.path(), name, 1);
+        args.extend(
+            [
+                "model.pooling=pooler",
+                "model.layer_norm_eps=1e-12",
+                "model.dropout=0.0",
+                "training.learning_rate=1e-12",
+                "training.min_lr=1e-12",
+                "training.warmup_steps=0",
+            ]
+            .iter()
+            .chain(extra)
+            .map(ToString::to_string),
+        );
+        let out = run_kiln(&args).expect_code(0);
+        let dir = tmp.path().join(name);
+        kiln(&[
+            "predict",
+            dir.to_str().expect("utf-8"),
+            "--data",
+            data.to_str().expect("utf-8"),
+        ])
+        .run()
+        .expect_code(0);
+        let predictions = std::fs::read_to_string(dir.join("predictions-pairs.jsonl"))
+            .expect("predictions")
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("json"))
+            .collect();
+        (out, predictions)
+    };
+    let probabilities = |p: &[serde_json::Value]| -> Vec<f64> {
+        p.iter()
+            .flat_map(|line| {
+                ["entailment", "neutral", "contradiction"]
+                    .map(|l| line["probabilities"][l].as_f64().expect("a probability"))
+            })
+            .collect()
+    };
+    let largest_difference = |a: &[f64], b: &[f64]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max)
+    };
+
+    let (first, a) = run("seed1", &[&from, "training.seed=1"]);
+    first.stdout_has(&[
+        "weights: from",
+        "(BERT; tokenizer.json",
+        "position embeddings cropped 40 → 32",
+        "its classifier, trained for these labels",
+        "(the weights' own)",
+    ]);
+    let folder_vocab = std::fs::read_to_string(folder.join("tokenizer.json")).expect("read");
+    for k in 1..=3 {
+        let fold =
+            std::fs::read_to_string(tmp.path().join(format!("seed1/fold-{k}/tokenizer.json")))
+                .expect("fold tokenizer");
+        let vocab = |json: &str| {
+            serde_json::from_str::<serde_json::Value>(json).expect("json")["model"]["vocab"].clone()
+        };
+        assert_eq!(vocab(&fold), vocab(&folder_vocab), "fold {k}'s vocabulary");
+    }
+    let (_, b) = run("seed2", &[&from, "training.seed=2"]);
+    let (_, random) = run("random", &["training.seed=1"]);
+    let (a, b, random) = (probabilities(&a), probabilities(&b), probabilities(&random));
+    assert_eq!(a.len(), 540);
+    assert!(
+        largest_difference(&a, &b) < 1e-5,
+        "two seeds from one folder: {}",
+        largest_difference(&a, &b)
+    );
+    assert!(
+        largest_difference(&a, &random) > 1e-2,
+        "the folder's model against random weights: {}",
+        largest_difference(&a, &random)
+    );
+
+    // `kiln export` writes the random run's best fold as a BERT folder
+    // (kiln's own WordPiece, its labels as id2label), which starts a run
+    // again: the same predictions.
+    let random_dir = tmp.path().join("random");
+    let exported = tmp.path().join("exported");
+    kiln(&[
+        "export",
+        random_dir.to_str().expect("utf-8"),
+        "--out",
+        exported.to_str().expect("utf-8"),
+    ])
+    .run()
+    .expect_code(0)
+    .stdout_has(&["as transformers' BertForSequenceClassification", "fold "]);
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(exported.join("config.json")).expect("config.json"),
+    )
+    .expect("json");
+    assert_eq!(config["id2label"]["2"], "contradiction");
+    assert_eq!(config["layer_norm_eps"], 1e-12);
+    let from_export = format!("model.init_from={}", exported.display());
+    let (again, c) = run("again", &[&from_export, "training.seed=3"]);
+    again.stdout_has(&["its classifier, trained for these labels"]);
+    let c = probabilities(&c);
+    assert!(
+        largest_difference(&c, &random) < 1e-5,
+        "exported and read back: {}",
+        largest_difference(&c, &random)
+    );
+    // An encoder without BERT's pooler has no BertForSequenceClassification.
+    let mut cls = tiny(tmp.path(), "cls", 1);
+    cls.push("training.max_steps=2".into());
+    run_kiln(&cls).expect_code(0);
+    kiln(&["export", tmp.path().join("cls").to_str().expect("utf-8")])
+        .run()
+        .expect_code(2)
+        .stderr_has(&["model.pooling=pooler"]);
+
+    // A shape the weights do not have: exit 2 with the fix, no run directory.
+    let mut args = tiny(tmp.path(), "wrong", 1);
+    args.extend([from.clone(), "model.layers=2".into()]);
+    run_kiln(&args).expect_code(2).stderr_has(&[
+        "model.init_from",
+        "model.layers = 2 where its num_hidden_layers is 1",
+        "model.layers=1 model.layer_norm_eps=1e-12",
+    ]);
+    assert!(!tmp.path().join("wrong").exists());
+    // `kiln diagnose` lists it among the problems, with the rest of its
+    // report, and exits 2.
+    let mut diagnose = args.clone();
+    diagnose.splice(0..1, ["diagnose".to_string(), "--burst=0".into()]);
+    diagnose.push("experiment=nli_snli".into());
+    run_kiln(&diagnose).expect_code(2).stdout_has(&[
+        "model.init_from",
+        "num_hidden_layers is 1",
+        "memory",
+    ]);
+}

@@ -249,4 +249,14 @@ fn bad_store_input_is_named_with_exit_2() {
     )
     .expect_code(2)
     .stderr_has(&["other inputs or settings", "--out"]);
+    // Documents that give no token (every row lacks the field): `kiln
+    // diagnose` lists what that leaves short, and exits 2 (it panicked
+    // timing reads from the empty store).
+    let mut args = tiny_on(dir, "none", 10, &docs, &["data.text_field=body"]);
+    args.splice(0..1, ["diagnose".to_string(), "--burst=0".into()]);
+    run(&args).expect_code(2).stdout_has(&[
+        "0 training tokens",
+        "problems:",
+        "training.batch_size",
+    ]);
 }

@@ -100,8 +100,9 @@ enum Command {
     /// their gradients every optimizer step. `kiln launch --nproc-per-node 4
     /// train experiment=gpt2_small`
     Launch(launch::Args),
-    /// Write a trained GPT as a Hugging Face `transformers` GPT-2 folder
-    /// (config.json, model.safetensors, tokenizer)
+    /// Write a trained model as a Hugging Face `transformers` folder
+    /// (config.json, model.safetensors, tokenizer): a GPT as GPT-2, a
+    /// cross-validation run's best fold as BertForSequenceClassification
     Export(export::Args),
     /// Text from a trained GPT: a language-model run's newest checkpoint, or
     /// a transformers GPT-2 folder (`kiln sample runs/<run> --prompt

@@ -16,6 +16,10 @@ const BUILT_IN: &[(&str, &str)] = &[
         include_str!("../presets/experiment/bert_base.toml"),
     ),
     (
+        "experiment/bert_finetune",
+        include_str!("../presets/experiment/bert_finetune.toml"),
+    ),
+    (
         "experiment/gpt2_finetune",
         include_str!("../presets/experiment/gpt2_finetune.toml"),
     ),

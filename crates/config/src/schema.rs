@@ -83,8 +83,13 @@ pub struct ModelSection {
     pub gradient_checkpointing: bool,
     /// Train only the classification head (encoder workloads).
     pub freeze_encoder: bool,
-    /// Encoder workloads: `cls` (the [CLS] token) or `mean` (mean over real tokens).
+    /// Encoder workloads: `cls` (the [CLS] token), `pooler` (BERT's dense
+    /// layer and tanh on it) or `mean` (mean over real tokens).
     pub pooling: Pooling,
+    /// Encoder workloads: every LayerNorm's ε (PyTorch's 1e-5; BERT's
+    /// 1e-12). A run saved before this key existed resumes with 1e-5.
+    #[serde(default = "torch_layer_norm_eps")]
+    pub layer_norm_eps: f64,
     /// `exact` (erf) or `tanh` (the approximation); never switched silently.
     pub gelu: Gelu,
     /// Language models: the embedding and the logits padded to a multiple
@@ -94,12 +99,13 @@ pub struct ModelSection {
     /// before this key existed resumes with 1.
     #[serde(default = "no_vocab_padding")]
     pub vocab_multiple: usize,
-    /// Language models: start from the weights of a Hugging Face
-    /// `transformers` GPT-2 folder (`config.json`, `model.safetensors`:
-    /// OpenAI's GPT-2 from the Hub, or a `kiln export`) instead of random
-    /// ones, to fine-tune them; `None` (`"none"` in TOML) starts from
-    /// random weights. The folder's shape, GELU and tokenizer must be the
-    /// run's.
+    /// Start from the weights of a Hugging Face `transformers` folder
+    /// (`config.json`, `model.safetensors`) instead of random ones, to
+    /// fine-tune them: a GPT-2 for language models (OpenAI's from the Hub,
+    /// or a `kiln export`), a BERT for the sentence-pair encoder
+    /// (`bert-base-uncased` and its kin); `None` (`"none"` in TOML) starts
+    /// from random weights. The folder's shape, GELU and tokenizer must be
+    /// the run's.
     #[serde(default, with = "none::text")]
     pub init_from: Option<String>,
 }
@@ -108,12 +114,19 @@ fn no_vocab_padding() -> usize {
     1
 }
 
+fn torch_layer_norm_eps() -> f64 {
+    1e-5
+}
+
 /// How the encoder pools a sequence for the classifier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Pooling {
-    /// The `[CLS]` token's state, as BERT does.
+    /// The `[CLS]` token's state.
     Cls,
+    /// BERT's pooler (a dense layer and tanh on the `[CLS]` state), as
+    /// `BertForSequenceClassification` classifies.
+    Pooler,
     /// The mean over the real (unpadded) tokens.
     Mean,
 }
@@ -553,14 +566,14 @@ impl RunConfig {
             "must be between 1 (no padding) and 4096",
         );
         check(
-            self.workload == Workload::Lm || m.init_from.is_none(),
-            "model.init_from",
-            "loads GPT-2 weights into the language model (workload lm); the sentence-pair encoder starts from random weights (set it to \"none\")",
+            m.layer_norm_eps > 0.0 && m.layer_norm_eps < 1.0,
+            "model.layer_norm_eps",
+            "must be in (0, 1): PyTorch's 1e-5, BERT's 1e-12",
         );
         check(
             m.init_from.as_deref().is_none_or(|p| !p.trim().is_empty()),
             "model.init_from",
-            "must be a folder (a transformers GPT-2 folder: config.json and model.safetensors), or \"none\"",
+            "must be a folder (a transformers GPT-2 or BERT folder: config.json and model.safetensors), or \"none\"",
         );
         check(
             self.precision.max_bad_steps >= 1,

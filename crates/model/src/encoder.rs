@@ -1,7 +1,8 @@
 //! A BERT-style encoder classifier for sentence pairs: token, position and
 //! segment embeddings, post-LayerNorm blocks with padding-masked
-//! self-attention and a GELU MLP, [CLS] or mean pooling, dropout and a
-//! linear head.
+//! self-attention and a GELU MLP, [CLS], BERT's pooler or mean pooling,
+//! dropout and a linear head: with the pooler and LayerNorm's ε at 1e-12,
+//! `transformers`' `BertForSequenceClassification`, tensor for tensor.
 
 use burn::module::Module;
 use burn::nn::{
@@ -19,6 +20,9 @@ use crate::precision::{self, ComputeDtype};
 pub enum PoolingKind {
     /// The first token's ([CLS]) output.
     Cls,
+    /// BERT's pooler: a dense layer and tanh on the [CLS] token's output
+    /// (what `BertForSequenceClassification` classifies).
+    Pooler,
     /// The mean over non-padding tokens.
     Mean,
 }
@@ -55,6 +59,9 @@ pub struct EncoderConfig {
     pub pooling: PoolingKind,
     /// The MLP's GELU.
     pub gelu: GeluKind,
+    /// Every LayerNorm's ε ([`LAYER_NORM_EPSILON`] unless set; BERT's is
+    /// 1e-12).
+    pub layer_norm_eps: f64,
 }
 
 impl EncoderConfig {
@@ -80,6 +87,7 @@ impl EncoderConfig {
             classes,
             pooling: PoolingKind::Cls,
             gelu: GeluKind::Exact,
+            layer_norm_eps: LAYER_NORM_EPSILON,
         }
     }
 
@@ -92,6 +100,8 @@ impl EncoderConfig {
         with_pooling: pooling: PoolingKind;
         /// The MLP's GELU.
         with_gelu: gelu: GeluKind;
+        /// Every LayerNorm's ε.
+        with_layer_norm_eps: layer_norm_eps: f64;
     }
 
     /// Parameters in the transformer blocks (no embeddings, no head).
@@ -100,9 +110,15 @@ impl EncoderConfig {
         self.layers * (d * 3 * d + 3 * d + d * d + d + d * f + f + f * d + d + 4 * d)
     }
 
-    /// Parameters of the classification head.
+    /// Parameters of the classification head: the linear layer, and BERT's
+    /// pooler where there is one (both train with a frozen encoder).
     pub fn head_params(&self) -> usize {
-        self.hidden * self.classes + self.classes
+        let pooler = if self.pooling == PoolingKind::Pooler {
+            self.hidden * self.hidden + self.hidden
+        } else {
+            0
+        };
+        pooler + self.hidden * self.classes + self.classes
     }
 
     /// All parameters.
@@ -142,6 +158,11 @@ impl EncoderConfig {
                 .with_initializer(normal.clone())
                 .init(device)
         };
+        let layer_norm = || {
+            LayerNormConfig::new(self.hidden)
+                .with_epsilon(self.layer_norm_eps)
+                .init(device)
+        };
         let embedding = |n: usize| {
             EmbeddingConfig::new(n, self.hidden)
                 .with_initializer(normal.clone())
@@ -151,29 +172,26 @@ impl EncoderConfig {
             tokens: embedding(self.vocab_size),
             positions: embedding(self.max_positions),
             segments: embedding(2),
-            ln_embed: LayerNormConfig::new(self.hidden)
-                .with_epsilon(LAYER_NORM_EPSILON)
-                .init(device),
+            ln_embed: layer_norm(),
             blocks: (0..self.layers)
                 .map(|_| EncoderBlock {
                     qkv: linear(self.hidden, 3 * self.hidden),
                     attn_out: linear(self.hidden, self.hidden),
-                    ln1: LayerNormConfig::new(self.hidden)
-                        .with_epsilon(LAYER_NORM_EPSILON)
-                        .init(device),
+                    ln1: layer_norm(),
                     fc: linear(self.hidden, self.intermediate),
                     fc_out: linear(self.intermediate, self.hidden),
-                    ln2: LayerNormConfig::new(self.hidden)
-                        .with_epsilon(LAYER_NORM_EPSILON)
-                        .init(device),
+                    ln2: layer_norm(),
                     dropout: DropoutConfig::new(self.dropout).init(),
                     heads: self.heads,
                     tanh_gelu: self.gelu == GeluKind::Tanh,
+                    ln_eps: self.layer_norm_eps,
                 })
                 .collect(),
             dropout: DropoutConfig::new(self.dropout).init(),
+            pooler: (self.pooling == PoolingKind::Pooler).then(|| linear(self.hidden, self.hidden)),
             head: linear(self.hidden, self.classes),
             mean_pooling: self.pooling == PoolingKind::Mean,
+            ln_eps: self.layer_norm_eps,
             compute: ComputeDtype::F32,
             kernels: Kernels::Fused,
             attention: AttentionKernel::Auto,
@@ -190,9 +208,12 @@ pub struct EncoderClassifier {
     ln_embed: LayerNorm,
     blocks: Vec<EncoderBlock>,
     dropout: Dropout,
+    pooler: Option<Linear>,
     head: Linear,
     #[module(skip)]
     mean_pooling: bool,
+    #[module(skip)]
+    ln_eps: f64,
     #[module(skip)]
     compute: ComputeDtype,
     #[module(skip)]
@@ -214,6 +235,8 @@ struct EncoderBlock {
     heads: usize,
     #[module(skip)]
     tanh_gelu: bool,
+    #[module(skip)]
+    ln_eps: f64,
 }
 
 impl EncoderBlock {
@@ -238,18 +261,19 @@ impl EncoderBlock {
             k,
             a,
         );
-        let x = kernels::layer_norm(&self.ln1, x + self.dropout.forward(y), k);
+        let x = kernels::layer_norm_with(&self.ln1, x + self.dropout.forward(y), self.ln_eps, k);
         let hidden = precision::linear(&self.fc, x.clone(), c, k);
         let hidden = if self.tanh_gelu {
             activation::gelu_approximate(hidden)
         } else {
             kernels::gelu(hidden, k)
         };
-        kernels::layer_norm(
+        kernels::layer_norm_with(
             &self.ln2,
             x + self
                 .dropout
                 .forward(precision::linear(&self.fc_out, hidden, c, k)),
+            self.ln_eps,
             k,
         )
     }
@@ -272,9 +296,12 @@ impl EncoderClassifier {
         let x = self.tokens.forward(ids)
             + self.positions.forward(pos)
             + self.segments.forward(segments);
-        let mut x = self
-            .dropout
-            .forward(kernels::layer_norm(&self.ln_embed, x, self.kernels));
+        let mut x = self.dropout.forward(kernels::layer_norm_with(
+            &self.ln_embed,
+            x,
+            self.ln_eps,
+            self.kernels,
+        ));
         let pad = mask.clone().bool_not();
         for block in &self.blocks {
             x = block.forward(x, pad.clone(), self.compute, self.kernels, self.attention);
@@ -285,7 +312,11 @@ impl EncoderClassifier {
             let count = keep.clone().sum_dim(1).reshape([b, 1]).clamp_min(1.0);
             (x * keep).sum_dim(1).reshape([b, d]) / count
         } else {
-            x.narrow(1, 0, 1).reshape([b, d])
+            let cls = x.narrow(1, 0, 1).reshape([b, d]);
+            match &self.pooler {
+                Some(pooler) => precision::linear(pooler, cls, self.compute, self.kernels).tanh(),
+                None => cls,
+            }
         };
         precision::linear(
             &self.head,
@@ -371,6 +402,7 @@ mod tests {
             classes: 3,
             pooling: PoolingKind::Cls,
             gelu: GeluKind::Exact,
+            layer_norm_eps: LAYER_NORM_EPSILON,
         }
     }
 

@@ -283,29 +283,32 @@ fn measure(config: &RunConfig) -> Result<Measured, TrainError> {
             let p = lm::prepare(config, lm::TokenizerFrom::Config)?;
             let init_from = match crate::pretrained::open(config, &p.tokenizer) {
                 Ok(_) => None,
-                Err(TrainError::Pretrained { path, why }) => Some(Finding {
-                    severity: Severity::Error,
-                    key: "model.init_from".into(),
-                    problem: format!("`{}` {why}", path.display()),
-                    fix: "set the run's keys to the weights' as the problem says, or name another folder (model.init_from=none: random weights)".into(),
-                }),
-                Err(other) => return Err(other),
+                Err(e) => Some(init_from_finding(e)?),
             };
             Ok(Measured {
                 data: p.data_size(config),
                 schedule: p.schedule,
                 vocab: p.tokenizer.vocab_size(),
                 size: p.model_size(),
-                store: p
-                    .store
-                    .as_ref()
-                    .map(|store| crate::tokens::measure_store_read(store, config.model.max_length)),
+                store: p.store.as_ref().and_then(|store| {
+                    crate::tokens::measure_store_read(store, config.model.max_length)
+                }),
                 init_from,
             })
         }
         Workload::Nli => {
             let pairs = nli::read(config)?;
-            let p = nli::prepare(config, &pairs, 0, None)?;
+            // Weights that do not fit are a finding; the rest is measured
+            // as a run from random weights would be.
+            let (bert, init_from) = match crate::pretrained::bert::open(config) {
+                Ok(bert) => (bert, None),
+                Err(e) => (None, Some(init_from_finding(e)?)),
+            };
+            let mut usable = config.clone();
+            if init_from.is_some() {
+                usable.model.init_from = None;
+            }
+            let p = nli::prepare(&usable, &pairs, 0, None)?;
             let data = &pairs.data;
             // Lengths before truncation: a vocabulary without a length limit.
             let texts = || {
@@ -313,7 +316,14 @@ fn measure(config: &RunConfig) -> Result<Measured, TrainError> {
                     .iter()
                     .flat_map(|p| [p.premise.as_str(), p.hypothesis.as_str()])
             };
-            let untruncated = Tokenizer::wordpiece(texts(), config.data.vocab_size, 1 << 20)?;
+            let untruncated = match bert {
+                Some(bert) => {
+                    let mut tokenizer = bert.tokenizer;
+                    tokenizer.set_pair_template(1 << 20)?;
+                    tokenizer
+                }
+                None => Tokenizer::wordpiece(texts(), config.data.vocab_size, 1 << 20)?,
+            };
             let mut lengths: Vec<usize> = encode_dataset(&untruncated, data)?
                 .iter()
                 .map(|p| p.ids.len())
@@ -336,8 +346,22 @@ fn measure(config: &RunConfig) -> Result<Measured, TrainError> {
                 vocab: p.tokenizer.vocab_size(),
                 size: p.model_size(config),
                 store: None,
-                init_from: None,
+                init_from,
             })
         }
+    }
+}
+
+/// A `model.init_from` folder that cannot start the run, as a finding;
+/// any other error stays one.
+fn init_from_finding(e: TrainError) -> Result<Finding, TrainError> {
+    match e {
+        TrainError::Pretrained { path, why } => Ok(Finding {
+            severity: Severity::Error,
+            key: "model.init_from".into(),
+            problem: format!("`{}` {why}", path.display()),
+            fix: "set the run's keys to the weights' as the problem says, or name another folder (model.init_from=none: random weights)".into(),
+        }),
+        other => Err(other),
     }
 }

@@ -10,7 +10,13 @@
 //! `Conv1D` does, LayerNorm's `gamma`/`beta` are `weight`/`bias`, and the
 //! output projection is tied to the token embedding in both. kiln's exact
 //! erf GELU is `activation_function = "gelu"`, its tanh approximation
-//! GPT-2's own `"gelu_new"`. The sentence-pair encoder is not exported.
+//! GPT-2's own `"gelu_new"`.
+//!
+//! A cross-validation run of the sentence-pair encoder is written as
+//! `BertForSequenceClassification` (its best fold, as `kiln predict`
+//! chooses): the mapping is `model.init_from`'s read backwards
+//! ([`crate::pretrained::bert::hf_tensors`]), so that the folder also starts
+//! a kiln run again.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -39,6 +45,12 @@ pub struct Exported {
     pub tensors: usize,
     /// The model's parameters (the tied embedding once).
     pub parameters: usize,
+    /// The `transformers` class that loads it: `GPT2LMHeadModel` or
+    /// `BertForSequenceClassification`.
+    pub class: &'static str,
+    /// Of a cross-validation run: the fold written (1-based, the best by
+    /// macro-F1).
+    pub fold: Option<usize>,
     /// Notes on damaged checkpoints skipped on the way.
     pub notes: Vec<String>,
 }
@@ -134,20 +146,25 @@ fn config_json(config: &RunConfig, vocab_size: usize) -> serde_json::Value {
     })
 }
 
-/// Writes the newest good checkpoint of the language-model run `run` as a
-/// `transformers` GPT-2 folder at `out`, which must not exist yet (nothing
-/// is overwritten; the folder appears whole or not at all).
+/// Writes the run `run` as a `transformers` folder at `out`, which must not
+/// exist yet (nothing is overwritten; the folder appears whole or not at
+/// all): a language model's newest good checkpoint as GPT-2, a
+/// cross-validation run's best fold as `BertForSequenceClassification`.
 pub fn export_hf(run: &Path, out: &Path) -> Result<Exported, TrainError> {
-    let (dir, config) = open_lm_run(
-        run,
-        "exporting a sentence-pair classifier",
-        "`kiln export` writes GPT language models (lm runs) as GPT-2",
-    )?;
+    let dir = RunDir::open(run)?;
+    let config = kiln_config::read_run_config(&dir.file("config.toml"))?;
     if out.exists() {
         return Err(TrainError::ExportExists {
             path: out.to_path_buf(),
         });
     }
+    match config.workload {
+        Workload::Lm => export_gpt2(&dir, &config, out),
+        Workload::Nli => export_bert(run, out),
+    }
+}
+
+fn export_gpt2(dir: &RunDir, config: &RunConfig, out: &Path) -> Result<Exported, TrainError> {
     let tokenizer_path = dir.file("tokenizer.json");
     let tokenizer = Tokenizer::load(&tokenizer_path)?;
     let (info, state, notes) = checkpoint::latest_good(&dir.checkpoints())?;
@@ -167,8 +184,7 @@ pub fn export_hf(run: &Path, out: &Path) -> Result<Exported, TrainError> {
             [rows, width]
                 if name == "transformer.wte.weight"
                     && *rows > vocab_size
-                    && *rows
-                        == crate::translate::gpt_config(&config, vocab_size).padded_vocab() =>
+                    && *rows == crate::translate::gpt_config(config, vocab_size).padded_vocab() =>
             {
                 (vec![vocab_size, *width], &values[..vocab_size * width])
             }
@@ -192,6 +208,47 @@ pub fn export_hf(run: &Path, out: &Path) -> Result<Exported, TrainError> {
             ),
         });
     }
+    let model = safetensors_bytes(&tensors, out)?;
+    let json = |v: &serde_json::Value| serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
+    let tokenizer_config = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": config.model.max_length,
+        "clean_up_tokenization_spaces": false,
+    });
+    let mut files = vec![
+        ("model.safetensors", model),
+        (
+            "config.json",
+            json(&config_json(config, vocab_size)).into_bytes(),
+        ),
+        ("tokenizer.json", tokenizer.to_json()?.into_bytes()),
+        (
+            "tokenizer_config.json",
+            json(&tokenizer_config).into_bytes(),
+        ),
+    ];
+    if let Some(reference) = reference(config, &tokenizer, &state.params, dir)? {
+        files.push(("kiln_reference.json", json(&reference).into_bytes()));
+    }
+    write_folder(out, &files)?;
+    Ok(Exported {
+        out: out.to_path_buf(),
+        checkpoint: info.path,
+        step: info.step,
+        tensors: tensors.len(),
+        parameters,
+        class: "GPT2LMHeadModel",
+        fold: None,
+        notes,
+    })
+}
+
+/// `tensors` (name, shape, little-endian f32 bytes) as a safetensors file
+/// with `format = "pt"`, as `transformers` expects.
+fn safetensors_bytes(
+    tensors: &[(String, Vec<usize>, Vec<u8>)],
+    out: &Path,
+) -> Result<Vec<u8>, TrainError> {
     let views = tensors
         .iter()
         .map(|(name, shape, bytes)| {
@@ -200,10 +257,12 @@ pub fn export_hf(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| write_error(out, e.to_string()))?;
     let metadata: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-    let model = safetensors::serialize(views, Some(metadata))
-        .map_err(|e| write_error(out, e.to_string()))?;
+    safetensors::serialize(views, Some(metadata)).map_err(|e| write_error(out, e.to_string()))
+}
 
-    // Everything is written into a sibling folder that is renamed into place.
+/// Writes `files` into a folder beside `out` that is then renamed into
+/// place: `out` appears whole or not at all.
+fn write_folder(out: &Path, files: &[(&str, Vec<u8>)]) -> Result<(), TrainError> {
     let parent = out
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -219,22 +278,8 @@ pub fn export_hf(run: &Path, out: &Path) -> Result<Exported, TrainError> {
             path: parent.to_path_buf(),
             source,
         })?;
-    let put = |name: &str, bytes: &[u8]| write_atomic(&staging.path().join(name), bytes);
-    put("model.safetensors", &model)?;
-    let json = |v: &serde_json::Value| serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
-    put(
-        "config.json",
-        json(&config_json(&config, vocab_size)).as_bytes(),
-    )?;
-    put("tokenizer.json", tokenizer.to_json()?.as_bytes())?;
-    let tokenizer_config = serde_json::json!({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": config.model.max_length,
-        "clean_up_tokenization_spaces": false,
-    });
-    put("tokenizer_config.json", json(&tokenizer_config).as_bytes())?;
-    if let Some(reference) = reference(&config, &tokenizer, &state.params, &dir)? {
-        put("kiln_reference.json", json(&reference).as_bytes())?;
+    for (name, bytes) in files {
+        write_atomic(&staging.path().join(name), bytes)?;
     }
     let staged = staging.keep();
     std::fs::rename(&staged, out).map_err(|source| {
@@ -243,14 +288,119 @@ pub fn export_hf(run: &Path, out: &Path) -> Result<Exported, TrainError> {
             path: out.to_path_buf(),
             source,
         }
+    })
+}
+
+/// The best fold of the cross-validation run `run` as a `transformers`
+/// `BertForSequenceClassification` folder: its weights under BERT's
+/// names, `config.json` with the run's shape and labels, the fold's
+/// tokenizer.
+fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
+    let best = crate::workload::nli::best_fold(run, "be exported")?;
+    let config = &best.config;
+    let tensors = crate::pretrained::bert::hf_tensors(&best.params).map_err(|why| {
+        TrainError::Unsupported(
+            "exporting an encoder without BERT's pooler",
+            format!(
+                "{why}: train with model.pooling=pooler (the default pooling, \"cls\", classifies the [CLS] state itself)"
+            ),
+        )
     })?;
+    let parameters = tensors.iter().map(|t| t.2.len()).sum();
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, s, v)| {
+            (
+                n.clone(),
+                s.clone(),
+                v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )
+        })
+        .collect();
+    let model = safetensors_bytes(&bytes, out)?;
+    let tokenizer = &best.tokenizer;
+    let m = &config.model;
+    let labels = &config.data.labels;
+    let id2label: serde_json::Map<String, serde_json::Value> = labels
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (i.to_string(), serde_json::Value::from(l.as_str())))
+        .collect();
+    let label2id: serde_json::Map<String, serde_json::Value> = labels
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (l.clone(), serde_json::Value::from(i)))
+        .collect();
+    let bert_config = serde_json::json!({
+        "architectures": ["BertForSequenceClassification"],
+        "model_type": "bert",
+        "vocab_size": tokenizer.vocab_size(),
+        "hidden_size": m.hidden,
+        "num_hidden_layers": m.layers,
+        "num_attention_heads": m.heads,
+        "intermediate_size": m.intermediate,
+        "hidden_act": match m.gelu {
+            Gelu::Exact => "gelu",
+            Gelu::Tanh => "gelu_new",
+        },
+        "hidden_dropout_prob": m.dropout,
+        "attention_probs_dropout_prob": m.dropout,
+        "max_position_embeddings": m.max_length,
+        "type_vocab_size": 2,
+        "layer_norm_eps": m.layer_norm_eps,
+        "position_embedding_type": "absolute",
+        "initializer_range": 0.02,
+        "pad_token_id": tokenizer.token_id("[PAD]").unwrap_or(0),
+        "id2label": id2label,
+        "label2id": label2id,
+        "problem_type": "single_label_classification",
+        "torch_dtype": "float32",
+        "kiln": {
+            "experiment": config.experiment,
+            "fold": best.fold,
+        },
+    });
+    // The segment ids are an input: `transformers`' generic fast tokenizer
+    // returns them only when told.
+    let mut tokenizer_config = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": m.max_length,
+        "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
+        "clean_up_tokenization_spaces": false,
+    });
+    for (key, token) in [
+        ("cls_token", "[CLS]"),
+        ("sep_token", "[SEP]"),
+        ("pad_token", "[PAD]"),
+        ("unk_token", "[UNK]"),
+        ("mask_token", "[MASK]"),
+    ] {
+        if tokenizer.token_id(token).is_some() {
+            tokenizer_config[key] = token.into();
+        }
+    }
+    let json = |v: &serde_json::Value| serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
+    write_folder(
+        out,
+        &[
+            ("model.safetensors", model),
+            ("config.json", json(&bert_config).into_bytes()),
+            ("tokenizer.json", tokenizer.to_json()?.into_bytes()),
+            (
+                "tokenizer_config.json",
+                json(&tokenizer_config).into_bytes(),
+            ),
+        ],
+    )?;
     Ok(Exported {
         out: out.to_path_buf(),
-        checkpoint: info.path,
-        step: info.step,
+        checkpoint: best.model_path.clone(),
+        step: best.step,
         tensors: tensors.len(),
         parameters,
-        notes,
+        class: "BertForSequenceClassification",
+        fold: Some(best.fold),
+        notes: Vec::new(),
     })
 }
 

@@ -67,8 +67,11 @@ pub(crate) fn param_entries<M: Module>(module: &M) -> Vec<ParamEntry> {
         .collect()
 }
 
+/// A parameter's path (or a file's tensor name), its shape and values.
+pub(crate) type NamedValues = (String, Vec<usize>, Vec<f32>);
+
 /// Every float parameter's values on the host, by path.
-pub(crate) fn param_values<M: Module>(module: &M) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+pub(crate) fn param_values<M: Module>(module: &M) -> Vec<NamedValues> {
     visit_paths(module, true)
         .into_iter()
         .map(|(e, v)| (e.path, e.shape, v))

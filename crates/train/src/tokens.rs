@@ -320,11 +320,16 @@ pub struct StoreRead {
     pub needed_mb_per_s: Option<f64>,
 }
 
-/// Times random windows read from the store for about a quarter of a second.
-pub(crate) fn measure_store_read(store: &TokenStore, block: usize) -> StoreRead {
+/// Times random windows read from the store for about a quarter of a
+/// second; `None` where its training split has no window of `block`
+/// tokens to read (the run refuses such a store: that is the finding).
+pub(crate) fn measure_store_read(store: &TokenStore, block: usize) -> Option<StoreRead> {
     use kiln_data::TokenSpan;
     let split = &store.train;
-    let window = (block + 1).min(split.len().max(1));
+    if split.len() <= block {
+        return None;
+    }
+    let window = block + 1;
     let mut out = vec![0u32; window];
     let span = split.len().saturating_sub(window).max(1);
     let started = std::time::Instant::now();
@@ -340,11 +345,11 @@ pub(crate) fn measure_store_read(store: &TokenStore, block: usize) -> StoreRead 
     }
     let seconds = started.elapsed().as_secs_f64().max(1e-9);
     let bytes_per_token = store.width().bytes();
-    StoreRead {
+    Some(StoreRead {
         path: store.path.clone(),
         shards: store.train.shards().len() + store.val.shards().len(),
         bytes_per_token,
         disk_mb_per_s: (reads as usize * window * bytes_per_token) as f64 / seconds / 1e6,
         needed_mb_per_s: None,
-    }
+    })
 }

@@ -61,9 +61,11 @@ pub(crate) fn encoder_config(config: &RunConfig, vocab_size: usize) -> EncoderCo
     .with_dropout(m.dropout)
     .with_pooling(match m.pooling {
         Pooling::Cls => PoolingKind::Cls,
+        Pooling::Pooler => PoolingKind::Pooler,
         Pooling::Mean => PoolingKind::Mean,
     })
     .with_gelu(gelu(m.gelu))
+    .with_layer_norm_eps(m.layer_norm_eps)
 }
 
 /// The kernels `optimization.kernels` asks the models to run.

@@ -1,5 +1,6 @@
 //! `kiln export RUN [--out DIR]`: a trained GPT as a Hugging Face
-//! `transformers` GPT-2 folder (kiln-train's `export_hf`).
+//! `transformers` GPT-2 folder, a cross-validation run's best fold as a
+//! `BertForSequenceClassification` (kiln-train's `export_hf`).
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -9,7 +10,8 @@ use super::train_error;
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
-    /// The run directory of a language-model run (`runs/<time>-<experiment>`)
+    /// The run directory (`runs/<time>-<experiment>`): a language model, or
+    /// a finished cross-validation run trained with `model.pooling=pooler`
     run: PathBuf,
     /// The folder to write; it must not exist [default: RUN/hf]
     #[arg(long, value_name = "DIR")]
@@ -23,19 +25,31 @@ pub(crate) fn run(args: Args) -> anyhow::Result<ExitCode> {
     for note in &e.notes {
         writeln!(stdout, "note: {note}")?;
     }
+    let what = match e.fold {
+        Some(fold) => format!("fold {fold}'s best model (step {})", e.step),
+        None => format!("step {}", e.step),
+    };
+    let (tokenizer, check) = match e.fold {
+        Some(_) => (
+            "AutoTokenizer",
+            "python3 scripts/check_bert_init.py (docs/NLI.md)".to_string(),
+        ),
+        None => (
+            "PreTrainedTokenizerFast",
+            format!("python3 scripts/check_hf_export.py {}", e.out.display()),
+        ),
+    };
     writeln!(
         stdout,
-        "exported step {} ({}) to `{}`: {} tensors, {:.2} M parameters, as transformers' GPT2LMHeadModel\n\
-         load it with: GPT2LMHeadModel.from_pretrained(\"{}\") and PreTrainedTokenizerFast.from_pretrained(\"{}\")\n\
-         check it with: python3 scripts/check_hf_export.py {}",
-        e.step,
+        "exported {what} ({}) to `{}`: {} tensors, {:.2} M parameters, as transformers' {class}\n\
+         load it with: {class}.from_pretrained(\"{out}\") and {tokenizer}.from_pretrained(\"{out}\")\n\
+         check it with: {check}",
         e.checkpoint.display(),
         e.out.display(),
         e.tensors,
         e.parameters as f64 / 1e6,
-        e.out.display(),
-        e.out.display(),
-        e.out.display()
+        class = e.class,
+        out = e.out.display(),
     )?;
     Ok(ExitCode::SUCCESS)
 }

@@ -402,9 +402,9 @@ pub fn lm_head_keeps_logits(device: &burn::tensor::Device, kernels: Kernels) -> 
     }
 }
 
-/// The epsilon of every LayerNorm in kiln's models (Burn's and PyTorch's
-/// default); the models build their LayerNorms with it and the fused kernel
-/// uses it.
+/// The epsilon of kiln's LayerNorms (Burn's, PyTorch's and GPT-2's
+/// default): the GPT's always, the encoder's unless its config says
+/// otherwise ([`layer_norm_with`]).
 pub const LAYER_NORM_EPSILON: f64 = 1e-5;
 
 /// `ln`'s LayerNorm of `x` over the last dimension. The fused kernel (one
@@ -412,21 +412,33 @@ pub const LAYER_NORM_EPSILON: f64 = 1e-5;
 /// needs a bias and `ln` built with [`LAYER_NORM_EPSILON`]; the reference
 /// is `ln.forward(x)`.
 pub fn layer_norm<const D: usize>(ln: &LayerNorm, x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
+    layer_norm_with(ln, x, LAYER_NORM_EPSILON, kernels)
+}
+
+/// [`layer_norm`] for `ln` built with another `epsilon` (BERT's 1e-12):
+/// the fused kernel takes it from here, since Burn's `LayerNorm` keeps its
+/// own private.
+pub fn layer_norm_with<const D: usize>(
+    ln: &LayerNorm,
+    x: Tensor<D>,
+    epsilon: f64,
+    kernels: Kernels,
+) -> Tensor<D> {
     #[cfg(feature = "flex")]
     if kernels == Kernels::Fused
         && flex::runs_fused(&x)
         && let Some(beta) = &ln.beta
     {
-        return flex::layer_norm(x, ln.gamma.val(), beta.val(), LAYER_NORM_EPSILON);
+        return flex::layer_norm(x, ln.gamma.val(), beta.val(), epsilon);
     }
     #[cfg(all(feature = "cube", not(feature = "fusion")))]
     if kernels == Kernels::Fused
         && let Some(beta) = &ln.beta
         && cube::layer_norm::runs(&x, &ln.gamma.val(), &beta.val())
     {
-        return cube::layer_norm::layer_norm(x, ln.gamma.val(), beta.val(), LAYER_NORM_EPSILON);
+        return cube::layer_norm::layer_norm(x, ln.gamma.val(), beta.val(), epsilon);
     }
-    let _ = kernels;
+    let _ = (kernels, epsilon);
     ln.forward(x)
 }
 

@@ -79,8 +79,9 @@ pub(crate) struct Prepared {
 }
 
 /// Prepares fold `fold` (0-based) of `pairs`: the tokenizer learns from the
-/// fold's training pairs only (or is `data.tokenizer_file`); with
-/// `tokenizer_at`, a tokenizer saved there is used, and a new one saved.
+/// fold's training pairs only (or is `data.tokenizer_file`, or the BERT
+/// folder's of `model.init_from`); with `tokenizer_at`, a tokenizer saved
+/// there is used, and a new one saved.
 pub(crate) fn prepare(
     config: &RunConfig,
     pairs: &Pairs,
@@ -99,7 +100,9 @@ pub(crate) fn prepare(
             t
         }
         None => {
-            let mut tokenizer = if let Some(file) = &config.data.tokenizer_file {
+            let mut tokenizer = if let Some(bert) = crate::pretrained::bert::open(config)? {
+                bert.tokenizer
+            } else if let Some(file) = &config.data.tokenizer_file {
                 Tokenizer::load(Path::new(file))?
             } else {
                 let texts = train_idx.iter().flat_map(|&i| {
@@ -335,6 +338,8 @@ pub(crate) fn train_cv(
     refuse_ranks(options)?;
     let device = open_device(config, options.hardware.gpu_vendor())?;
     let pairs = read(config)?;
+    // The weights `model.init_from` names are checked before anything is written.
+    crate::pretrained::bert::open(config)?;
     let run = RunDir::start(config, options)?;
     let _lock = run.lock()?;
     run_cv(config, &run, &device, &pairs, options, observer)
@@ -526,9 +531,7 @@ fn train_fold(
     let precision = run_precision(config, device, &options.hardware);
     crate::setup::check_attention_choice(config, device, &precision)?;
     let mut model = init_model(config, &train_device, p.seed, |d| encoder.init(d));
-    if config.model.freeze_encoder {
-        model = model.freeze_encoder();
-    }
+    let mut weights_note = None;
     let mut optim = AdamW::for_training(t).with_kernels(kernels(config));
     let mut start = LoopPlanStart {
         first_step: 1,
@@ -554,7 +557,18 @@ fn train_fold(
                 &device.device,
             )?;
         }
-        Err(_) => dir.records_go_on_after(config, 0)?,
+        Err(_) => {
+            dir.records_go_on_after(config, 0)?;
+            // A fresh fold starts from `model.init_from`'s weights (a
+            // resumed one from its checkpoint).
+            if let Some(bert) = crate::pretrained::bert::open(config)? {
+                model = bert.load_into(model, &train_device)?;
+                weights_note = Some(bert.describe(config));
+            }
+        }
+    }
+    if config.model.freeze_encoder {
+        model = model.freeze_encoder();
     }
     let model = model
         .with_compute(precision.compute)
@@ -565,12 +579,19 @@ fn train_fold(
     let (peak, peak_name) = mfu_peak(config, device, &precision, &options.hardware);
     let mut lines = vec![
         format!(
-            "fold {}/{}: {} training pairs, {} held out; WordPiece vocabulary {} (trained on this fold's training pairs)",
+            "fold {}/{}: {} training pairs, {} held out; WordPiece vocabulary {} ({})",
             fold + 1,
             config.cv.folds,
             p.train_pairs,
             p.held_out_pairs,
-            p.tokenizer.vocab_size()
+            p.tokenizer.vocab_size(),
+            if config.model.init_from.is_some() {
+                "the weights' own"
+            } else if config.data.tokenizer_file.is_some() {
+                "data.tokenizer_file"
+            } else {
+                "trained on this fold's training pairs"
+            }
         ),
         format!(
             "model: encoder, {} layers × {} heads × {} wide, max length {}, {:.2} M parameters{}",
@@ -586,6 +607,7 @@ fn train_fold(
             }
         ),
     ];
+    lines.extend(weights_note);
     lines.extend(device_lines(
         config, device, &precision, options, &peak_name,
     ));
@@ -702,14 +724,25 @@ pub struct Prediction {
     pub skipped: Option<String>,
 }
 
-/// Predicts a pairs file with the best fold's model and tokenizer of a CV
-/// run, writing one JSON line per input row to `output`.
-pub fn predict(
-    run_dir: &Path,
-    data_path: &Path,
-    output: Option<&Path>,
-    hardware: &kiln_hwdetect::HardwareReport,
-) -> Result<Prediction, TrainError> {
+/// The fold of a finished CV run whose macro-F1 was best: what `kiln
+/// predict` predicts with and `kiln export` writes.
+pub(crate) struct BestFold {
+    pub(crate) run: RunDir,
+    pub(crate) config: RunConfig,
+    /// 1-based.
+    pub(crate) fold: usize,
+    /// The optimizer step its best model is from.
+    pub(crate) step: u64,
+    /// Its tokenizer, with the pair template at the run's length.
+    pub(crate) tokenizer: Tokenizer,
+    /// Its best model's file and parameters.
+    pub(crate) model_path: PathBuf,
+    pub(crate) params: Vec<crate::params::NamedValues>,
+}
+
+/// The best fold of the CV run `run_dir`; `to` names what needs it in
+/// the error for a run that has not finished.
+pub(crate) fn best_fold(run_dir: &Path, to: &str) -> Result<BestFold, TrainError> {
     let run = RunDir::open(run_dir)?;
     let config = kiln_config::read_run_config(&run.file("config.toml"))?;
     let summary: CvSummary = std::fs::read_to_string(run.file("cv_summary.json"))
@@ -717,8 +750,9 @@ pub fn predict(
         .and_then(|t| serde_json::from_str(&t).ok())
         .ok_or_else(|| TrainError::NotARun {
             path: run.path.clone(),
-            why: "it has no cv_summary.json: only a finished cross-validation run can predict"
-                .into(),
+            why: format!(
+                "it has no cv_summary.json: only a finished cross-validation run can {to}"
+            ),
         })?;
     let best = summary
         .folds
@@ -731,16 +765,40 @@ pub fn predict(
     let fold_dir = run.path.join(format!("fold-{}", best.fold));
     let mut tokenizer = Tokenizer::load(&fold_dir.join("tokenizer.json"))?;
     tokenizer.set_pair_template(config.model.max_length)?;
-    let data = read_pairs(data_path, &schema(&config, false))
-        .map_err(|e| crate::translate::with_config_keys(e, &config))?;
-    let device = select_device(&config.device, hardware.gpu_vendor())?;
-    let encoder = encoder_config(&config, tokenizer.vocab_size());
     let model_path = fold_dir.join(BEST_MODEL);
     let state = checkpoint::load(&model_path).map_err(|why| TrainError::CheckpointMismatch {
         path: model_path.clone(),
         why,
     })?;
-    let values = state
+    let (fold, step) = (best.fold, best.best_step);
+    Ok(BestFold {
+        run,
+        config,
+        fold,
+        step,
+        tokenizer,
+        model_path,
+        params: state.params,
+    })
+}
+
+/// Predicts a pairs file with the best fold's model and tokenizer of a CV
+/// run, writing one JSON line per input row to `output`.
+pub fn predict(
+    run_dir: &Path,
+    data_path: &Path,
+    output: Option<&Path>,
+    hardware: &kiln_hwdetect::HardwareReport,
+) -> Result<Prediction, TrainError> {
+    let best = best_fold(run_dir, "predict")?;
+    let config = best.config;
+    let tokenizer = best.tokenizer;
+    let data = read_pairs(data_path, &schema(&config, false))
+        .map_err(|e| crate::translate::with_config_keys(e, &config))?;
+    let device = select_device(&config.device, hardware.gpu_vendor())?;
+    let encoder = encoder_config(&config, tokenizer.vocab_size());
+    let model_path = best.model_path;
+    let values = best
         .params
         .into_iter()
         .map(|(p, s, v)| (p, (s, v)))
@@ -791,7 +849,7 @@ pub fn predict(
             let stem = data_path
                 .file_stem()
                 .map_or("data".into(), |s| s.to_string_lossy().into_owned());
-            run.file(&format!("predictions-{stem}.jsonl"))
+            best.run.file(&format!("predictions-{stem}.jsonl"))
         },
         Path::to_path_buf,
     );

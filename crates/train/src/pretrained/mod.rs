@@ -17,6 +17,10 @@
 //! token (weights learnt for other ids would train, but on nonsense). A
 //! padded vocabulary's extra rows (`model.vocab_multiple`) start at zero:
 //! those ids never occur and their logits are masked out of the loss.
+//!
+//! [`bert`] does the same for the sentence-pair encoder from a BERT folder,
+//! and gives `kiln export` BERT's names for an encoder; the safetensors
+//! header reader and the dtype conversions here serve both.
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -29,6 +33,8 @@ use serde_json::Value;
 
 use crate::error::TrainError;
 use crate::params::{load_values, param_entries};
+
+pub(crate) mod bert;
 
 /// The GPT-2 folder `model.init_from` names, checked against the run: its
 /// weights are read when they are loaded ([`Pretrained::load_into`]).
@@ -119,18 +125,7 @@ pub(crate) fn open_folder(
     }
     let tokenizer_file = check_tokenizer(&folder, config, tokenizer)?;
 
-    let weights = folder.join("model.safetensors");
-    if !weights.is_file() {
-        let why = if folder.join("model.safetensors.index.json").is_file() {
-            "holds its weights in several safetensors files (model.safetensors.index.json); kiln reads one model.safetensors"
-        } else if folder.join("pytorch_model.bin").is_file() {
-            "holds its weights as pytorch_model.bin (a Python pickle), which kiln does not read: save them as \
-             safetensors (`GPT2LMHeadModel.from_pretrained(folder).save_pretrained(folder, safe_serialization=True)`)"
-        } else {
-            "has no model.safetensors"
-        };
-        return Err(fail(&folder, why));
-    }
+    let weights = weights_file(&folder, "GPT2LMHeadModel")?;
     let (data_start, tensors) = read_header(&weights)?;
     Ok(Pretrained {
         folder,
@@ -165,6 +160,27 @@ pub(crate) fn config_for_folder(
     m.init_from = Some(folder.display().to_string());
     config.data.tokenizer_file = Some(folder.join("tokenizer.json").display().to_string());
     Ok(config)
+}
+
+/// The folder's `model.safetensors`; where it holds its weights otherwise,
+/// the error says how to save them as kiln reads them (`class` is the
+/// `transformers` class that loads them).
+fn weights_file(folder: &Path, class: &str) -> Result<PathBuf, TrainError> {
+    let weights = folder.join("model.safetensors");
+    if weights.is_file() {
+        return Ok(weights);
+    }
+    let why = if folder.join("model.safetensors.index.json").is_file() {
+        "holds its weights in several safetensors files (model.safetensors.index.json); kiln reads one model.safetensors".to_string()
+    } else if folder.join("pytorch_model.bin").is_file() {
+        format!(
+            "holds its weights as pytorch_model.bin (a Python pickle), which kiln does not read: save them as \
+             safetensors (`{class}.from_pretrained(folder).save_pretrained(folder, safe_serialization=True)`)"
+        )
+    } else {
+        "has no model.safetensors".to_string()
+    };
+    Err(fail(folder, why))
 }
 
 /// The folder's `config.json` (its path, for messages) and the shape it
@@ -634,7 +650,10 @@ impl Pretrained {
 mod tests {
     use super::*;
 
-    fn safetensors_file(dir: &Path, tensors: &[(&str, &str, Vec<usize>, Vec<u8>)]) -> PathBuf {
+    pub(super) fn safetensors_file(
+        dir: &Path,
+        tensors: &[(&str, &str, Vec<usize>, Vec<u8>)],
+    ) -> PathBuf {
         let mut header = serde_json::Map::new();
         let mut data = Vec::new();
         for (name, dtype, shape, bytes) in tensors {

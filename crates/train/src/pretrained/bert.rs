@@ -1,0 +1,1082 @@
+//! `model.init_from` for the sentence-pair encoder: a fold starts from the
+//! weights of a Hugging Face `transformers` BERT folder (`config.json`,
+//! `model.safetensors`, `tokenizer.json`: `google-bert/bert-base-uncased`
+//! and its kin, a `BertModel`, `BertForPreTraining` or
+//! `BertForSequenceClassification`) instead of random ones, as
+//! `BertForSequenceClassification.from_pretrained` does: the encoder and
+//! the pooler from the folder, the classifier new unless the folder's was
+//! trained for the run's labels.
+//!
+//! kiln's encoder is BERT's architecture (post-LayerNorm blocks, token,
+//! position and segment embeddings, `model.pooling = "pooler"` for BERT's
+//! pooler), so every tensor has one counterpart: the query, key and value
+//! matrices are packed into kiln's one projection, and PyTorch's `[out,
+//! in]` linear weights are transposed to Burn's `[in, out]`. What the
+//! weights need of the run is checked before anything is written, each
+//! mismatch named with its fix: the shape, the GELU, LayerNorm's ε
+//! (`model.layer_norm_eps`), the positions (`model.max_length` within
+//! `max_position_embeddings`: cropped) and the tokenizer: each fold
+//! tokenizes with the folder's `tokenizer.json` instead of training one.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use burn::tensor::Device;
+use kiln_config::{Gelu, Pooling, RunConfig, Workload};
+use kiln_data::Tokenizer;
+use kiln_model::EncoderClassifier;
+use serde_json::Value;
+
+use super::{Entry, fail, read_header, to_f32, weights_file};
+use crate::error::TrainError;
+use crate::params::{NamedValues, load_values, param_entries, param_values};
+
+/// The BERT folder `model.init_from` names for an NLI run, checked against
+/// it: its tokenizer, and the header of its weights (read when they are
+/// loaded, [`BertFolder::load_into`]).
+#[derive(Debug)]
+pub(crate) struct BertFolder {
+    folder: PathBuf,
+    weights: PathBuf,
+    /// Each tensor's name (`bert.` dropped), dtype, shape and byte range.
+    tensors: Vec<(String, Entry)>,
+    data_start: usize,
+    shape: BertShape,
+    /// The folder's tokenizer, which every fold tokenizes with.
+    pub(crate) tokenizer: Tokenizer,
+    /// Whether the folder's classifier is loaded: trained for the run's
+    /// labels, in their order (its `id2label`); else the reason it is not.
+    classifier: Result<(), String>,
+}
+
+/// BERT's shape as its `config.json` says, with `transformers`' defaults.
+#[derive(Debug, PartialEq)]
+struct BertShape {
+    layers: usize,
+    heads: usize,
+    hidden: usize,
+    intermediate: usize,
+    positions: usize,
+    vocab_size: usize,
+    gelu: Gelu,
+    layer_norm_eps: f64,
+    /// `id2label`'s names by id, where the config has them.
+    labels: Option<Vec<String>>,
+}
+
+/// The BERT folder of an NLI run's `model.init_from`, checked against
+/// `config`; `None` where the key is unset or the run is a language model.
+pub(crate) fn open(config: &RunConfig) -> Result<Option<BertFolder>, TrainError> {
+    match (&config.model.init_from, config.workload) {
+        (Some(folder), Workload::Nli) => open_folder(Path::new(folder), config).map(Some),
+        _ => Ok(None),
+    }
+}
+
+fn open_folder(folder: &Path, config: &RunConfig) -> Result<BertFolder, TrainError> {
+    if !folder.is_dir() {
+        return Err(fail(
+            folder,
+            "is not a folder: it names a transformers BERT folder (config.json, model.safetensors and tokenizer.json): \
+             `huggingface-cli download google-bert/bert-base-uncased config.json model.safetensors tokenizer.json --local-dir bert-base-uncased`",
+        ));
+    }
+    let config_path = folder.join("config.json");
+    let text = std::fs::read_to_string(&config_path)
+        .map_err(|e| fail(&config_path, format!("cannot be read: {e}")))?;
+    let json: Value =
+        serde_json::from_str(&text).map_err(|e| fail(&config_path, format!("is not JSON: {e}")))?;
+    let shape = BertShape::from_json(&json).map_err(|why| fail(&config_path, why))?;
+    shape.check(config).map_err(|why| fail(&config_path, why))?;
+
+    let tokenizer_path = folder.join("tokenizer.json");
+    if !tokenizer_path.is_file() {
+        return Err(fail(
+            folder,
+            "has no tokenizer.json, which the folds tokenize with: `AutoTokenizer.from_pretrained(folder).save_pretrained(folder)` writes one",
+        ));
+    }
+    let tokenizer =
+        Tokenizer::load(&tokenizer_path).map_err(|e| fail(&tokenizer_path, e.to_string()))?;
+    if tokenizer.vocab_size() > shape.vocab_size {
+        return Err(fail(
+            &tokenizer_path,
+            format!(
+                "has {} tokens, more than the {} rows of the weights' embedding (config.json's vocab_size)",
+                tokenizer.vocab_size(),
+                shape.vocab_size
+            ),
+        ));
+    }
+    if let Some(file) = &config.data.tokenizer_file {
+        let other = Tokenizer::load(Path::new(file))?;
+        if other.vocab() != tokenizer.vocab() {
+            return Err(fail(
+                &tokenizer_path,
+                format!(
+                    "is another tokenizer than data.tokenizer_file ({file}); the weights need theirs, \
+                     which the folds use: set data.tokenizer_file=none"
+                ),
+            ));
+        }
+    }
+
+    let weights = weights_file(folder, "BertForSequenceClassification")?;
+    let (data_start, tensors) = read_header(&weights)?;
+    let tensors: Vec<(String, Entry)> = tensors
+        .into_iter()
+        .map(|(name, entry)| {
+            let name = name
+                .strip_prefix("bert.")
+                .map_or(name.clone(), str::to_string);
+            (name, entry)
+        })
+        .collect();
+    let classes = config.data.labels.len();
+    let has_classifier = tensors.iter().any(|(n, _)| n == "classifier.weight");
+    let classifier = match &shape.labels {
+        _ if !has_classifier => Err("none in the folder".to_string()),
+        Some(theirs)
+            if theirs.len() == classes
+                && theirs
+                    .iter()
+                    .zip(&config.data.labels)
+                    .all(|(a, b)| a.eq_ignore_ascii_case(b)) =>
+        {
+            Ok(())
+        }
+        Some(theirs) => Err(format!(
+            "the folder's was trained for the labels [{}], the run's are [{}]",
+            theirs.join(", "),
+            config.data.labels.join(", ")
+        )),
+        None => Err("the folder's config.json has no id2label".to_string()),
+    };
+    Ok(BertFolder {
+        folder: folder.to_path_buf(),
+        weights,
+        tensors,
+        data_start,
+        shape,
+        tokenizer,
+        classifier,
+    })
+}
+
+impl BertShape {
+    fn from_json(json: &Value) -> Result<Self, String> {
+        let model_type = json.get("model_type").and_then(Value::as_str);
+        if model_type != Some("bert") {
+            return Err(format!(
+                "describes a `{}` model; kiln's encoder loads BERT's architecture (model_type \"bert\")",
+                model_type.unwrap_or("(no model_type)")
+            ));
+        }
+        let count = |key: &str| -> Result<usize, String> {
+            json.get(key)
+                .and_then(Value::as_u64)
+                .and_then(|v| usize::try_from(v).ok())
+                .filter(|v| *v > 0)
+                .ok_or_else(|| format!("has no positive integer `{key}`"))
+        };
+        let gelu = match json
+            .get("hidden_act")
+            .and_then(Value::as_str)
+            .unwrap_or("gelu")
+        {
+            "gelu" => Gelu::Exact,
+            "gelu_new" | "gelu_pytorch_tanh" => Gelu::Tanh,
+            other => {
+                return Err(format!(
+                    "has hidden_act \"{other}\"; kiln's encoder has GELU, exact (\"gelu\") or tanh (\"gelu_new\")"
+                ));
+            }
+        };
+        if let Some(kind) = json.get("position_embedding_type").and_then(Value::as_str)
+            && kind != "absolute"
+        {
+            return Err(format!(
+                "has position_embedding_type \"{kind}\"; kiln's encoder has BERT's absolute position embeddings"
+            ));
+        }
+        let segments = match json.get("type_vocab_size") {
+            None => 2,
+            Some(_) => count("type_vocab_size")?,
+        };
+        if segments != 2 {
+            return Err(format!(
+                "has type_vocab_size {segments}; kiln's encoder has BERT's two segments (premise, hypothesis)"
+            ));
+        }
+        let labels = json.get("id2label").and_then(Value::as_object).map(|map| {
+            let mut by_id: Vec<(u64, String)> = map
+                .iter()
+                .filter_map(|(id, name)| Some((id.parse().ok()?, name.as_str()?.to_string())))
+                .collect();
+            by_id.sort();
+            by_id.into_iter().map(|(_, name)| name).collect()
+        });
+        Ok(Self {
+            layers: count("num_hidden_layers")?,
+            heads: count("num_attention_heads")?,
+            hidden: count("hidden_size")?,
+            intermediate: count("intermediate_size")?,
+            positions: count("max_position_embeddings")?,
+            vocab_size: count("vocab_size")?,
+            gelu,
+            layer_norm_eps: json
+                .get("layer_norm_eps")
+                .and_then(Value::as_f64)
+                .unwrap_or(1e-12),
+            labels,
+        })
+    }
+
+    /// Every key of the run's model that the weights need otherwise, in one
+    /// message with the overrides that fix them.
+    fn check(&self, config: &RunConfig) -> Result<(), String> {
+        let m = &config.model;
+        let gelu = |g: Gelu| match g {
+            Gelu::Exact => "exact",
+            Gelu::Tanh => "tanh",
+        };
+        let mut wrong: Vec<(String, String)> = Vec::new();
+        for (key, run, field, theirs) in [
+            ("layers", m.layers, "num_hidden_layers", self.layers),
+            ("heads", m.heads, "num_attention_heads", self.heads),
+            ("hidden", m.hidden, "hidden_size", self.hidden),
+            (
+                "intermediate",
+                m.intermediate,
+                "intermediate_size",
+                self.intermediate,
+            ),
+        ] {
+            if run != theirs {
+                wrong.push((
+                    format!("model.{key} = {run} where its {field} is {theirs}"),
+                    format!("model.{key}={theirs}"),
+                ));
+            }
+        }
+        if m.gelu != self.gelu {
+            wrong.push((
+                format!(
+                    "model.gelu = \"{}\" where it was trained with the {} GELU",
+                    gelu(m.gelu),
+                    gelu(self.gelu)
+                ),
+                format!("model.gelu={}", gelu(self.gelu)),
+            ));
+        }
+        if (m.layer_norm_eps - self.layer_norm_eps).abs() > 1e-3 * self.layer_norm_eps {
+            wrong.push((
+                format!(
+                    "model.layer_norm_eps = {:e} where its layer_norm_eps is {:e}",
+                    m.layer_norm_eps, self.layer_norm_eps
+                ),
+                format!("model.layer_norm_eps={:e}", self.layer_norm_eps),
+            ));
+        }
+        if m.max_length > self.positions {
+            wrong.push((
+                format!(
+                    "model.max_length = {} is longer than its {} positions (max_position_embeddings)",
+                    m.max_length, self.positions
+                ),
+                format!("model.max_length={}", self.positions),
+            ));
+        }
+        if wrong.is_empty() {
+            return Ok(());
+        }
+        let what: Vec<&str> = wrong.iter().map(|w| w.0.as_str()).collect();
+        let fix: Vec<&str> = wrong.iter().map(|w| w.1.as_str()).collect();
+        Err(format!(
+            "holds a BERT the run's model does not match: {}. Set the run's to the weights': {}",
+            what.join("; "),
+            fix.join(" ")
+        ))
+    }
+}
+
+/// Where a kiln encoder parameter comes from in a BERT file.
+#[derive(Debug, PartialEq)]
+enum Source {
+    /// One tensor as it is (embeddings, biases, LayerNorms).
+    Same(String),
+    /// A PyTorch linear weight (`[out, in]`), transposed to Burn's `[in, out]`.
+    Transposed(String),
+    /// An embedding cropped to the run's rows: the positions to
+    /// `model.max_length`, the tokens to the tokenizer's (a file may have
+    /// rows no token has).
+    Cropped(String),
+    /// The query, key and value of layer `i` packed in kiln's one
+    /// projection (`weight`: transposed side by side; `bias`: end to end).
+    Packed { layer: usize, weight: bool },
+    /// The classifier (`[classes, hidden]`), where the folder's fits.
+    Classifier { weight: bool },
+}
+
+/// The BERT source of the kiln parameter `path`, `None` for none.
+fn source(path: &str) -> Option<Source> {
+    let norm = |prefix: &str, what: &str| {
+        let field = match what {
+            "gamma" => "weight",
+            "beta" => "bias",
+            _ => return None,
+        };
+        Some(Source::Same(format!("{prefix}.LayerNorm.{field}")))
+    };
+    let linear = |name: &str, what: &str| match what {
+        "weight" => Some(Source::Transposed(format!("{name}.weight"))),
+        "bias" => Some(Source::Same(format!("{name}.bias"))),
+        _ => None,
+    };
+    let parts: Vec<&str> = path.split('.').collect();
+    match parts.as_slice() {
+        ["tokens", "weight"] => Some(Source::Cropped("embeddings.word_embeddings.weight".into())),
+        ["positions", "weight"] => Some(Source::Cropped(
+            "embeddings.position_embeddings.weight".into(),
+        )),
+        ["segments", "weight"] => Some(Source::Same(
+            "embeddings.token_type_embeddings.weight".into(),
+        )),
+        ["ln_embed", what] => norm("embeddings", what),
+        ["pooler", what] => linear("pooler.dense", what),
+        ["head", what] => Some(Source::Classifier {
+            weight: *what == "weight",
+        }),
+        ["blocks", i, module, what] => {
+            let i: usize = i.parse().ok()?;
+            let layer = format!("encoder.layer.{i}");
+            match *module {
+                "qkv" => Some(Source::Packed {
+                    layer: i,
+                    weight: *what == "weight",
+                }),
+                "attn_out" => linear(&format!("{layer}.attention.output.dense"), what),
+                "ln1" => norm(&format!("{layer}.attention.output"), what),
+                "fc" => linear(&format!("{layer}.intermediate.dense"), what),
+                "fc_out" => linear(&format!("{layer}.output.dense"), what),
+                "ln2" => norm(&format!("{layer}.output"), what),
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
+/// An encoder's parameters (path, shape, values) as the tensors of
+/// `transformers`' `BertForSequenceClassification` (`kiln export`): each
+/// under the name [`source`] reads it from, PyTorch's linear weights
+/// transposed back to `[out, in]`, the packed projection split into query,
+/// key and value. Fails, naming it, on a parameter BERT has no place for
+/// (an encoder without the pooler is not a `BertForSequenceClassification`).
+pub(crate) fn hf_tensors(params: &[NamedValues]) -> Result<Vec<NamedValues>, String> {
+    let mut out = Vec::new();
+    for (path, shape, v) in params {
+        let source = source(path).ok_or_else(|| format!("`{path}` has no BERT counterpart"))?;
+        let bert = |name: &str| format!("bert.{name}");
+        match (source, shape.as_slice()) {
+            (Source::Same(name) | Source::Cropped(name), _) => {
+                out.push((bert(&name), shape.clone(), v.clone()));
+            }
+            (Source::Transposed(name), [i, o]) => {
+                out.push((bert(&name), vec![*o, *i], transpose(v, *i, *o)));
+            }
+            (Source::Packed { layer, weight }, dims) => {
+                let d = dims[dims.len() - 1] / 3;
+                for (k, part) in ["query", "key", "value"].iter().enumerate() {
+                    let field = if weight { "weight" } else { "bias" };
+                    let name = bert(&format!(
+                        "encoder.layer.{layer}.attention.self.{part}.{field}"
+                    ));
+                    if weight {
+                        let mut t = vec![0.0; d * d];
+                        for r in 0..d {
+                            for c in 0..d {
+                                t[c * d + r] = v[r * 3 * d + k * d + c];
+                            }
+                        }
+                        out.push((name, vec![d, d], t));
+                    } else {
+                        out.push((name, vec![d], v[k * d..(k + 1) * d].to_vec()));
+                    }
+                }
+            }
+            (Source::Classifier { weight: true }, [d, c]) => {
+                out.push((
+                    "classifier.weight".into(),
+                    vec![*c, *d],
+                    transpose(v, *d, *c),
+                ));
+            }
+            (Source::Classifier { weight: false }, _) => {
+                out.push(("classifier.bias".into(), shape.clone(), v.clone()));
+            }
+            (_, dims) => return Err(format!("`{path}` has an unexpected shape {dims:?}")),
+        }
+    }
+    if !out.iter().any(|(n, _, _)| n == "bert.pooler.dense.weight") {
+        return Err(
+            "the encoder has no pooler (model.pooling is not \"pooler\"), which BertForSequenceClassification classifies"
+                .into(),
+        );
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+/// Tensors a BERT file may hold that kiln's classifier may not use: the
+/// pre-training heads, the position-id buffer older files saved, the
+/// pooler (`model.pooling` other than `"pooler"`) and the classifier
+/// (trained for other labels).
+fn may_go_unused(name: &str) -> bool {
+    name.starts_with("cls.")
+        || name == "embeddings.position_ids"
+        || name.starts_with("pooler.")
+        || name.starts_with("classifier.")
+}
+
+/// `[rows, cols]` values transposed.
+fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; v.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = v[r * cols + c];
+        }
+    }
+    out
+}
+
+impl BertFolder {
+    /// The start line: where the weights came from and what was adapted.
+    pub(crate) fn describe(&self, config: &RunConfig) -> String {
+        let mut notes = vec![format!(
+            "tokenizer.json ({} tokens) for every fold",
+            self.tokenizer.vocab_size()
+        )];
+        if config.model.max_length < self.shape.positions {
+            notes.push(format!(
+                "position embeddings cropped {} → {}",
+                self.shape.positions, config.model.max_length
+            ));
+        }
+        if config.model.pooling != Pooling::Pooler && self.has("pooler.dense.weight") {
+            notes.push("its pooler unused (model.pooling is not \"pooler\")".into());
+        }
+        match &self.classifier {
+            Ok(()) => notes.push("its classifier, trained for these labels".into()),
+            Err(why) => notes.push(format!("a new classifier ({why})")),
+        }
+        format!(
+            "weights: from {} (BERT; {})",
+            self.folder.display(),
+            notes.join("; ")
+        )
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.tensors.iter().any(|(n, _)| n == name)
+    }
+
+    /// `model` with its parameters replaced by the folder's (the classifier
+    /// kept where the folder's is not loaded). Fails, naming the tensor,
+    /// where the file lacks one, has another shape, or holds a tensor the
+    /// model does not have.
+    pub(crate) fn load_into(
+        &self,
+        model: EncoderClassifier,
+        device: &Device,
+    ) -> Result<EncoderClassifier, TrainError> {
+        let bytes = std::fs::read(&self.weights)
+            .map_err(|e| fail(&self.weights, format!("cannot be read: {e}")))?;
+        let data = &bytes[self.data_start.min(bytes.len())..];
+        let file: HashMap<&str, &Entry> = self
+            .tensors
+            .iter()
+            .map(|(name, entry)| (name.as_str(), entry))
+            .collect();
+        let mut used: HashSet<String> = HashSet::new();
+        // A tensor by name (LayerNorms also under TensorFlow's gamma and
+        // beta, as the original checkpoints have them), with its shape.
+        let mut read = |name: &str| -> Result<(Vec<usize>, Vec<f32>), TrainError> {
+            let legacy = name
+                .strip_suffix("LayerNorm.weight")
+                .map(|p| format!("{p}LayerNorm.gamma"))
+                .or_else(|| {
+                    name.strip_suffix("LayerNorm.bias")
+                        .map(|p| format!("{p}LayerNorm.beta"))
+                });
+            let (name, entry) = match (file.get(name), &legacy) {
+                (Some(entry), _) => (name, *entry),
+                (None, Some(old)) if file.contains_key(old.as_str()) => {
+                    (old.as_str(), file[old.as_str()])
+                }
+                _ => return Err(fail(&self.weights, format!("has no `{name}`"))),
+            };
+            used.insert(name.to_string());
+            let values = data
+                .get(entry.start..entry.end)
+                .and_then(|b| to_f32(b, &entry.dtype))
+                .ok_or_else(|| {
+                    fail(
+                        &self.weights,
+                        format!(
+                            "holds `{name}` as {}; kiln reads F32, F16, BF16 and F64",
+                            entry.dtype
+                        ),
+                    )
+                })?;
+            if values.len() != entry.shape.iter().product::<usize>() {
+                return Err(fail(
+                    &self.weights,
+                    format!(
+                        "holds {} values for `{name}` of shape {:?}",
+                        values.len(),
+                        entry.shape
+                    ),
+                ));
+            }
+            Ok((entry.shape.clone(), values))
+        };
+        let mismatch = |name: &str, have: &[usize], want: &[usize], path: &str| {
+            fail(
+                &self.weights,
+                format!("holds `{name}` as {have:?}; the run's model needs {want:?} for `{path}`"),
+            )
+        };
+        let own: HashMap<String, Vec<f32>> = param_values(&model)
+            .into_iter()
+            .filter(|(path, _, _)| path.starts_with("head."))
+            .map(|(path, _, values)| (path, values))
+            .collect();
+        let mut values = HashMap::new();
+        for param in param_entries(&model) {
+            let want = param.shape.clone();
+            let source = source(&param.path).ok_or_else(|| {
+                fail(
+                    &self.weights,
+                    format!("cannot fill `{}`: kiln has no BERT name for it", param.path),
+                )
+            })?;
+            let v = match source {
+                Source::Same(name) => {
+                    let (shape, v) = read(&name)?;
+                    if shape != want {
+                        return Err(mismatch(&name, &shape, &want, &param.path));
+                    }
+                    v
+                }
+                Source::Transposed(name) => {
+                    let (shape, v) = read(&name)?;
+                    match (shape.as_slice(), want.as_slice()) {
+                        ([out, inp], [i, o]) if out == o && inp == i => transpose(&v, *out, *inp),
+                        _ => return Err(mismatch(&name, &shape, &[want[1], want[0]], &param.path)),
+                    }
+                }
+                Source::Cropped(name) => {
+                    let (shape, mut v) = read(&name)?;
+                    match (shape.as_slice(), want.as_slice()) {
+                        ([rows, d], [keep, width]) if d == width && keep <= rows => {
+                            v.truncate(keep * width);
+                            v
+                        }
+                        _ => return Err(mismatch(&name, &shape, &want, &param.path)),
+                    }
+                }
+                Source::Packed { layer, weight } => {
+                    let d = want[want.len() - 1] / 3;
+                    let parts = ["query", "key", "value"].map(|p| {
+                        let field = if weight { "weight" } else { "bias" };
+                        format!("encoder.layer.{layer}.attention.self.{p}.{field}")
+                    });
+                    let mut out = vec![0.0; want.iter().product()];
+                    for (k, name) in parts.iter().enumerate() {
+                        let (shape, v) = read(name)?;
+                        let fits = if weight {
+                            shape == [d, d] && want == [d, 3 * d]
+                        } else {
+                            shape == [d]
+                        };
+                        if !fits {
+                            let part = if weight { vec![d, d] } else { vec![d] };
+                            return Err(mismatch(name, &shape, &part, &param.path));
+                        }
+                        if weight {
+                            // kiln's [in, 3·out]: row r holds query, key
+                            // and value's column r side by side.
+                            for r in 0..d {
+                                for c in 0..d {
+                                    out[r * 3 * d + k * d + c] = v[c * d + r];
+                                }
+                            }
+                        } else {
+                            out[k * d..(k + 1) * d].copy_from_slice(&v);
+                        }
+                    }
+                    out
+                }
+                Source::Classifier { weight } => {
+                    if self.classifier.is_ok() {
+                        let name = if weight {
+                            "classifier.weight"
+                        } else {
+                            "classifier.bias"
+                        };
+                        let (shape, v) = read(name)?;
+                        match (shape.as_slice(), want.as_slice()) {
+                            ([c, d], [d2, c2]) if c == c2 && d == d2 => transpose(&v, *c, *d),
+                            ([c], [c2]) if c == c2 => v,
+                            _ => return Err(mismatch(name, &shape, &want, &param.path)),
+                        }
+                    } else {
+                        own.get(&param.path).cloned().unwrap_or_default()
+                    }
+                }
+            };
+            values.insert(param.path, (want, v));
+        }
+        let mut extra: Vec<&str> = self
+            .tensors
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .filter(|n| !used.contains(*n) && !may_go_unused(n))
+            .collect();
+        extra.sort_unstable();
+        if let Some(first) = extra.first() {
+            return Err(fail(
+                &self.weights,
+                format!(
+                    "holds `{first}`, which kiln's encoder has no parameter for ({} such tensors): \
+                     is it a BERT?",
+                    extra.len()
+                ),
+            ));
+        }
+        drop(bytes);
+        load_values(model, values, device).map_err(|why| fail(&self.weights, why))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Bool, Int, Tensor, TensorData};
+
+    use super::*;
+    use crate::translate::encoder_config;
+
+    /// An NLI run of a tiny BERT shape with BERT's pooler and ε.
+    fn run_config(folder: &Path, extra: &[&str]) -> RunConfig {
+        let init = format!("model.init_from={}", folder.display());
+        let mut overrides = vec![
+            "hardware=cpu",
+            "experiment=nli_snli",
+            "model.layers=2",
+            "model.heads=2",
+            "model.hidden=8",
+            "model.intermediate=16",
+            "model.max_length=12",
+            "model.pooling=pooler",
+            "model.layer_norm_eps=1e-12",
+            init.as_str(),
+        ];
+        overrides.extend_from_slice(extra);
+        crate::tests::config(&overrides)
+    }
+
+    fn f32_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    /// Writes `model`'s parameters to `dir` as `transformers` saves a
+    /// `BertForSequenceClassification` (or, `legacy`, a TensorFlow-converted
+    /// `BertModel`: no `bert.` prefix, LayerNorms' gamma and beta, no
+    /// classifier), the position embeddings with 4 rows more than the run
+    /// has and the word embeddings with 3: written here element by element,
+    /// apart from the loader's mapping.
+    fn write_bert(
+        dir: &Path,
+        model: &EncoderClassifier,
+        tokenizer: &Tokenizer,
+        labels: Option<&[&str]>,
+        legacy: bool,
+    ) {
+        let values: HashMap<String, (Vec<usize>, Vec<f32>)> = param_values(model)
+            .into_iter()
+            .map(|(path, shape, v)| (path, (shape, v)))
+            .collect();
+        let get = |path: &str| values.get(path).cloned().expect(path);
+        let prefix = if legacy { "" } else { "bert." };
+        let (ln_w, ln_b) = if legacy {
+            ("gamma", "beta")
+        } else {
+            ("weight", "bias")
+        };
+        let mut out: Vec<NamedValues> = Vec::new();
+        let mut put = |name: String, shape: Vec<usize>, v: Vec<f32>| out.push((name, shape, v));
+        // `[in, out]` → PyTorch's `[out, in]`.
+        let torch = |shape: &[usize], v: &[f32]| -> (Vec<usize>, Vec<f32>) {
+            let (i, o) = (shape[0], shape[1]);
+            let mut t = vec![0.0; v.len()];
+            for a in 0..i {
+                for b in 0..o {
+                    t[b * i + a] = v[a * o + b];
+                }
+            }
+            (vec![o, i], t)
+        };
+        let (shape, mut v) = get("tokens.weight");
+        v.extend(std::iter::repeat_n(9.0, 3 * shape[1]));
+        put(
+            format!("{prefix}embeddings.word_embeddings.weight"),
+            vec![shape[0] + 3, shape[1]],
+            v,
+        );
+        let (shape, mut v) = get("positions.weight");
+        v.extend(std::iter::repeat_n(7.0, 4 * shape[1]));
+        put(
+            format!("{prefix}embeddings.position_embeddings.weight"),
+            vec![shape[0] + 4, shape[1]],
+            v,
+        );
+        let (shape, v) = get("segments.weight");
+        put(
+            format!("{prefix}embeddings.token_type_embeddings.weight"),
+            shape,
+            v,
+        );
+        put(
+            format!("{prefix}embeddings.position_ids"),
+            vec![1],
+            vec![0.0],
+        );
+        for (kiln, hf) in [
+            ("ln_embed", "embeddings.LayerNorm".to_string()),
+            (
+                "blocks.0.ln1",
+                "encoder.layer.0.attention.output.LayerNorm".into(),
+            ),
+            (
+                "blocks.1.ln1",
+                "encoder.layer.1.attention.output.LayerNorm".into(),
+            ),
+            ("blocks.0.ln2", "encoder.layer.0.output.LayerNorm".into()),
+            ("blocks.1.ln2", "encoder.layer.1.output.LayerNorm".into()),
+        ] {
+            let (shape, v) = get(&format!("{kiln}.gamma"));
+            put(format!("{prefix}{hf}.{ln_w}"), shape, v);
+            let (shape, v) = get(&format!("{kiln}.beta"));
+            put(format!("{prefix}{hf}.{ln_b}"), shape, v);
+        }
+        let mut linears = vec![("pooler".to_string(), "pooler.dense".to_string())];
+        for l in 0..2 {
+            let layer = format!("encoder.layer.{l}");
+            linears.push((
+                format!("blocks.{l}.attn_out"),
+                format!("{layer}.attention.output.dense"),
+            ));
+            linears.push((
+                format!("blocks.{l}.fc"),
+                format!("{layer}.intermediate.dense"),
+            ));
+            linears.push((
+                format!("blocks.{l}.fc_out"),
+                format!("{layer}.output.dense"),
+            ));
+            // The packed projection's thirds: query, key, value.
+            let (shape, w) = get(&format!("blocks.{l}.qkv.weight"));
+            let (_, b) = get(&format!("blocks.{l}.qkv.bias"));
+            let d = shape[0];
+            for (k, part) in ["query", "key", "value"].iter().enumerate() {
+                let mut t = vec![0.0; d * d];
+                for out_j in 0..d {
+                    for in_r in 0..d {
+                        t[out_j * d + in_r] = w[in_r * 3 * d + k * d + out_j];
+                    }
+                }
+                let name = format!("{prefix}{layer}.attention.self.{part}");
+                put(format!("{name}.weight"), vec![d, d], t);
+                put(
+                    format!("{name}.bias"),
+                    vec![d],
+                    b[k * d..(k + 1) * d].to_vec(),
+                );
+            }
+        }
+        for (kiln, hf) in linears {
+            let (shape, v) = get(&format!("{kiln}.weight"));
+            let (shape, v) = torch(&shape, &v);
+            put(format!("{prefix}{hf}.weight"), shape, v);
+            let (shape, v) = get(&format!("{kiln}.bias"));
+            put(format!("{prefix}{hf}.bias"), shape, v);
+        }
+        if !legacy {
+            let (shape, v) = get("head.weight");
+            let (shape, v) = torch(&shape, &v);
+            put("classifier.weight".into(), shape, v);
+            let (shape, v) = get("head.bias");
+            put("classifier.bias".into(), shape, v);
+            put("cls.predictions.bias".into(), vec![2], vec![0.0, 0.0]);
+        }
+        let tensors: Vec<(&str, &str, Vec<usize>, Vec<u8>)> = out
+            .iter()
+            .map(|(n, s, v)| (n.as_str(), "F32", s.clone(), f32_bytes(v)))
+            .collect();
+        super::super::tests::safetensors_file(dir, &tensors);
+        let mut config = serde_json::json!({
+            "model_type": "bert",
+            "architectures": ["BertForSequenceClassification"],
+            "hidden_size": 8,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "intermediate_size": 16,
+            "hidden_act": "gelu",
+            "max_position_embeddings": 16,
+            "type_vocab_size": 2,
+            "vocab_size": tokenizer.vocab_size() + 3,
+            "layer_norm_eps": 1e-12,
+        });
+        if let Some(labels) = labels {
+            let map: serde_json::Map<String, Value> = labels
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (i.to_string(), Value::from(*l)))
+                .collect();
+            config["id2label"] = Value::Object(map);
+        }
+        std::fs::write(dir.join("config.json"), config.to_string()).expect("config.json");
+        std::fs::write(
+            dir.join("tokenizer.json"),
+            tokenizer.to_json().expect("tokenizer json"),
+        )
+        .expect("tokenizer.json");
+    }
+
+    fn tokenizer() -> Tokenizer {
+        let texts = [
+            "a man plays a guitar on stage",
+            "the woman is sleeping",
+            "two dogs run in a park",
+        ];
+        Tokenizer::wordpiece(texts.iter().copied(), 64, 12).expect("wordpiece")
+    }
+
+    fn logits(model: &EncoderClassifier, device: &Device) -> Vec<f32> {
+        let ids = Tensor::<2, Int>::from_data(
+            TensorData::new(vec![2i64, 7, 3, 9, 3, 0, 2, 5, 3, 11, 12, 3], [2, 6]),
+            device,
+        );
+        let seg = Tensor::<2, Int>::from_data(
+            TensorData::new(vec![0i64, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1], [2, 6]),
+            device,
+        );
+        let mask = Tensor::<2, Bool>::from_data(
+            TensorData::new(
+                vec![
+                    true, true, true, true, true, false, true, true, true, true, true, true,
+                ],
+                [2, 6],
+            ),
+            device,
+        );
+        model
+            .forward(ids, seg, mask)
+            .into_data()
+            .iter::<f32>()
+            .collect()
+    }
+
+    #[test]
+    fn a_bert_folder_fills_every_parameter_as_transformers_names_it() {
+        let _rng = crate::tests::flex_rng();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let device = Device::flex();
+        let tokenizer = tokenizer();
+        let config = run_config(dir.path(), &[]);
+        let shape = encoder_config(&config, tokenizer.vocab_size());
+        device.seed(11);
+        let source = shape.init(&device);
+        let labels = ["entailment", "neutral", "contradiction"];
+        write_bert(dir.path(), &source, &tokenizer, Some(&labels), false);
+
+        let bert = open(&config).expect("opens").expect("init_from set");
+        assert_eq!(bert.classifier, Ok(()));
+        let description = bert.describe(&config);
+        assert!(
+            description.contains("position embeddings cropped 16 → 12")
+                && description.contains("its classifier, trained for these labels"),
+            "{description}"
+        );
+        device.seed(12);
+        let fresh = shape.init(&device);
+        assert_ne!(logits(&fresh, &device), logits(&source, &device));
+        let loaded = bert.load_into(fresh, &device).expect("loads");
+        // Every value lands where it came from: the same function, bit for bit.
+        assert_eq!(logits(&loaded, &device), logits(&source, &device));
+
+        // Labels in another order: the classifier stays the run's own.
+        write_bert(
+            dir.path(),
+            &source,
+            &tokenizer,
+            Some(&["contradiction", "neutral", "entailment"]),
+            false,
+        );
+        let bert = open(&config).expect("opens").expect("init_from set");
+        assert!(
+            bert.describe(&config).contains(
+                "a new classifier (the folder's was trained for the labels [contradiction, neutral, entailment]"
+            ),
+            "{}",
+            bert.describe(&config)
+        );
+        device.seed(12);
+        let fresh = shape.init(&device);
+        let head = |m: &EncoderClassifier| -> Vec<Vec<f32>> {
+            param_values(m)
+                .into_iter()
+                .filter(|(p, _, _)| p.starts_with("head."))
+                .map(|(_, _, v)| v)
+                .collect()
+        };
+        let own_head = head(&fresh);
+        let loaded = bert.load_into(fresh, &device).expect("loads");
+        assert_eq!(head(&loaded), own_head);
+        assert_ne!(head(&loaded), head(&source));
+        for (path, _, v) in param_values(&loaded) {
+            if !path.starts_with("head.") {
+                let theirs = param_values(&source)
+                    .into_iter()
+                    .find(|(p, _, _)| *p == path)
+                    .expect("same paths");
+                assert_eq!(v, theirs.2, "{path}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_tensorflow_converted_bert_model_loads_and_cls_pooling_leaves_the_pooler() {
+        let _rng = crate::tests::flex_rng();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let device = Device::flex();
+        let tokenizer = tokenizer();
+        let config = run_config(dir.path(), &[]);
+        let shape = encoder_config(&config, tokenizer.vocab_size());
+        device.seed(21);
+        let source = shape.init(&device);
+        write_bert(dir.path(), &source, &tokenizer, None, true);
+        let bert = open(&config).expect("opens").expect("set");
+        assert_eq!(
+            bert.classifier,
+            Err("none in the folder".to_string()),
+            "a BertModel has no classifier"
+        );
+        device.seed(22);
+        let loaded = bert
+            .load_into(shape.init(&device), &device)
+            .expect("gamma and beta read as weight and bias");
+        let ours = param_values(&loaded);
+        let theirs = param_values(&source);
+        for ((path, _, a), (_, _, b)) in ours.iter().zip(&theirs) {
+            assert_eq!(a == b, !path.starts_with("head."), "{path}");
+        }
+
+        let cls = run_config(dir.path(), &["model.pooling=cls"]);
+        let bert = open(&cls).expect("opens").expect("set");
+        assert!(bert.describe(&cls).contains("its pooler unused"));
+        let shape = encoder_config(&cls, tokenizer.vocab_size());
+        bert.load_into(shape.init(&device), &device)
+            .expect("the pooler's tensors may go unused");
+    }
+
+    #[test]
+    fn what_does_not_fit_is_named_with_its_fix() {
+        let _rng = crate::tests::flex_rng();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let device = Device::flex();
+        let tokenizer = tokenizer();
+        let config = run_config(dir.path(), &[]);
+        let shape = encoder_config(&config, tokenizer.vocab_size());
+        device.seed(31);
+        write_bert(dir.path(), &shape.init(&device), &tokenizer, None, false);
+
+        let err = |overrides: &[&str]| -> String {
+            open(&run_config(dir.path(), overrides))
+                .expect_err("refused")
+                .to_string()
+        };
+        let wrong = err(&[
+            "model.layers=3",
+            "model.layer_norm_eps=1e-5",
+            "model.max_length=32",
+        ]);
+        for part in [
+            "config.json",
+            "model.layers = 3 where its num_hidden_layers is 2",
+            "model.layer_norm_eps = 1e-5 where its layer_norm_eps is 1e-12",
+            "longer than its 16 positions",
+            "model.layers=2 model.layer_norm_eps=1e-12 model.max_length=16",
+        ] {
+            assert!(wrong.contains(part), "{part} in {wrong}");
+        }
+        let other = dir.path().join("other.json");
+        std::fs::write(
+            &other,
+            Tokenizer::wordpiece(["other words entirely"].into_iter(), 40, 12)
+                .expect("wordpiece")
+                .to_json()
+                .expect("json"),
+        )
+        .expect("write");
+        let tokenizer_file = format!("data.tokenizer_file={}", other.display());
+        assert!(err(&[&tokenizer_file]).contains("set data.tokenizer_file=none"));
+
+        // A RoBERTa is not a BERT; a folder without tokenizer.json is refused.
+        let json = std::fs::read_to_string(dir.path().join("config.json")).expect("read");
+        std::fs::write(
+            dir.path().join("config.json"),
+            json.replace("\"bert\"", "\"roberta\""),
+        )
+        .expect("write");
+        assert!(err(&[]).contains("describes a `roberta` model"));
+        std::fs::write(dir.path().join("config.json"), json).expect("write");
+        std::fs::remove_file(dir.path().join("tokenizer.json")).expect("rm");
+        assert!(err(&[]).contains("has no tokenizer.json"));
+
+        // A tensor kiln has no place for is named.
+        write_bert(dir.path(), &shape.init(&device), &tokenizer, None, false);
+        let weights = dir.path().join("model.safetensors");
+        let (_, tensors) = read_header(&weights).expect("header");
+        let mut kept: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        let bytes = std::fs::read(&weights).expect("read");
+        let (start, _) = read_header(&weights).expect("header");
+        for (name, e) in &tensors {
+            kept.push((
+                name.clone(),
+                e.shape.clone(),
+                bytes[start + e.start..start + e.end].to_vec(),
+            ));
+        }
+        kept.push((
+            "bert.encoder.layer.0.attention.self.distance_embedding.weight".into(),
+            vec![1],
+            f32_bytes(&[0.0]),
+        ));
+        let refs: Vec<(&str, &str, Vec<usize>, Vec<u8>)> = kept
+            .iter()
+            .map(|(n, s, b)| (n.as_str(), "F32", s.clone(), b.clone()))
+            .collect();
+        super::super::tests::safetensors_file(dir.path(), &refs);
+        let bert = open(&config).expect("opens").expect("set");
+        let err = bert
+            .load_into(shape.init(&device), &device)
+            .expect_err("an extra tensor")
+            .to_string();
+        assert!(
+            err.contains("`encoder.layer.0.attention.self.distance_embedding.weight`"),
+            "{err}"
+        );
+    }
+}

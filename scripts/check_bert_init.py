@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Checks `model.init_from` on the sentence-pair encoder against Hugging Face's own BERT.
+
+    python3 scripts/check_bert_init.py --kiln target/release/kiln [--folder bert-base-uncased]
+
+Needs `torch` and `transformers` (pip install torch transformers). Without
+--folder it makes a small random `BertForSequenceClassification` (2 layers,
+64 wide, BERT's pooler and ε, its WordPiece tokenizer trained on the pairs)
+with id2label = the run's labels, so that kiln loads its classifier too;
+with --folder (a real BERT whose config.json has id2label for
+entailment / neutral / contradiction, or any BERT: then the classifier is
+new and only the encoder can be compared, see --features) it uses that.
+
+It then runs, in a temporary folder:
+
+    kiln cv model.init_from=FOLDER <the folder's shape> training.learning_rate=1e-12 ...
+    kiln predict RUN --data PAIRS
+
+(one optimizer step at a learning rate of 1e-12, which moves no weight by
+more than about 1e-12) and compares kiln's class probabilities for every
+pair with `transformers`' for the same pairs, tokenized by the folder's
+tokenizer as kiln does (`[CLS] a [SEP] b [SEP]`, cut longest-first to
+max_length). Then `kiln export RUN` writes the run's best fold as a
+`BertForSequenceClassification`, and `transformers` loads it and its
+tokenizer from that folder alone: its probabilities against kiln's too.
+With --scratch there is no BERT folder: a 2 × 64 encoder trains 30
+steps from random weights with kiln's own WordPiece, and only its export
+is compared. Prints the largest differences; exits 1 above --tolerance.
+Not run by the tests or CI (which have no torch); see docs/NLI.md,
+"Fine-tuning BERT".
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+LABELS = ["entailment", "neutral", "contradiction"]
+
+
+def make_bert(folder: Path, pairs: list, max_length: int) -> None:
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    wordpiece = BertWordPieceTokenizer(lowercase=True)
+    texts = [p["premise"] for p in pairs] + [p["hypothesis"] for p in pairs]
+    wordpiece.train_from_iterator(texts, vocab_size=2000, min_frequency=1)
+    tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer)
+    tokenizer.save_pretrained(folder)
+    config = BertConfig(
+        vocab_size=wordpiece.get_vocab_size(),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=max_length + 16,
+        id2label=dict(enumerate(LABELS)),
+        label2id={l: i for i, l in enumerate(LABELS)},
+    )
+    import torch
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config)
+    # Random weights at BERT's scale make a near-uniform classifier; a wider
+    # spread makes the probabilities differ from pair to pair.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kiln", type=Path, required=True)
+    parser.add_argument("--folder", type=Path)
+    parser.add_argument("--data", type=Path, default=Path("data/snli_sample.jsonl"))
+    parser.add_argument("--pairs", type=int, default=200)
+    parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument(
+        "--scratch",
+        action="store_true",
+        help="no BERT folder: a small encoder trained from random weights with kiln's own "
+        "WordPiece for 30 steps, then only its export is compared",
+    )
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    lines = args.data.read_text().splitlines()[: args.pairs]
+    pairs = [json.loads(l) for l in lines]
+    work = Path(tempfile.mkdtemp(prefix="kiln-bert-"))
+    data = work / "pairs.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    folder = args.folder
+    if folder is None and not args.scratch:
+        folder = work / "bert"
+        make_bert(folder, pairs, args.max_length)
+    if args.scratch:
+        bert = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64,
+                "intermediate_size": 128, "layer_norm_eps": 1e-5}
+    else:
+        bert = json.loads((folder / "config.json").read_text())
+
+    overrides = [
+        "experiment=nli_snli",
+        f"data.path={data}",
+        f"model.init_from={folder or 'none'}",
+        f"model.layers={bert['num_hidden_layers']}",
+        f"model.heads={bert['num_attention_heads']}",
+        f"model.hidden={bert['hidden_size']}",
+        f"model.intermediate={bert['intermediate_size']}",
+        f"model.max_length={args.max_length}",
+        f"model.layer_norm_eps={bert.get('layer_norm_eps', 1e-12)}",
+        "model.pooling=pooler",
+        "model.dropout=0.0",
+        "cv.folds=2",
+        "training.epochs=0",
+        "training.warmup_steps=0",
+        "training.weight_decay=0.0",
+        *(
+            ["training.max_steps=30", "training.learning_rate=1e-3", "training.min_lr=1e-4"]
+            if args.scratch
+            else ["training.max_steps=1", "training.learning_rate=1e-12", "training.min_lr=1e-12"]
+        ),
+        f"run.dir={work}/run",
+    ]
+    subprocess.run([str(args.kiln), "cv", *overrides], check=True)
+    subprocess.run(
+        [str(args.kiln), "predict", f"{work}/run", "--data", str(data), "--out", str(work / "p.jsonl")],
+        check=True,
+    )
+    kiln = [json.loads(l) for l in (work / "p.jsonl").read_text().splitlines()]
+
+    tokenizer = model = None
+    worst = 0.0
+    agree = 0
+    with torch.no_grad():
+        for pair, ours in zip(pairs if folder else [], kiln):
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(folder)
+            model = model or BertForSequenceClassification.from_pretrained(folder).eval()
+            enc = tokenizer(
+                pair["premise"],
+                pair["hypothesis"],
+                truncation="longest_first",
+                max_length=args.max_length,
+                return_tensors="pt",
+            )
+            probs = torch.softmax(model(**enc).logits[0], dim=-1).tolist()
+            theirs_by_label = dict(zip([model.config.id2label[i] for i in range(len(probs))], probs))
+            mine = ours["probabilities"]
+            for label in LABELS:
+                worst = max(worst, abs(mine[label] - theirs_by_label[label]))
+            agree += max(mine, key=mine.get) == max(theirs_by_label, key=theirs_by_label.get)
+    export_agree = 0
+    # The run's best fold exported as a BertForSequenceClassification: the
+    # probabilities of `transformers` on it against kiln's.
+    subprocess.run([str(args.kiln), "export", f"{work}/run", "--out", str(work / "hf")], check=True)
+    exported = BertForSequenceClassification.from_pretrained(work / "hf")
+    exported.eval()
+    export_tokenizer = AutoTokenizer.from_pretrained(work / "hf")
+    export_worst = 0.0
+    with torch.no_grad():
+        for pair, ours in zip(pairs, kiln):
+            enc = export_tokenizer(
+                pair["premise"],
+                pair["hypothesis"],
+                truncation="longest_first",
+                max_length=args.max_length,
+                return_tensors="pt",
+            )
+            probs = torch.softmax(exported(**enc).logits[0], dim=-1).tolist()
+            mine = ours["probabilities"]
+            export_agree += max(mine, key=mine.get) == exported.config.id2label[
+                max(range(len(probs)), key=probs.__getitem__)
+            ]
+            for i, p in enumerate(probs):
+                export_worst = max(
+                    export_worst, abs(ours["probabilities"][exported.config.id2label[i]] - p)
+                )
+    print(
+        json.dumps(
+            {
+                "pairs": len(kiln),
+                "largest_probability_difference": worst,
+                "exported_largest_probability_difference": export_worst,
+                "same_prediction": agree,
+                "exported_same_prediction": export_agree,
+                "folder": str(folder) if folder else "(trained from scratch)",
+                "torch": torch.__version__,
+            }
+        )
+    )
+    return 0 if max(worst, export_worst) <= args.tolerance else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
