@@ -136,52 +136,34 @@ def main() -> int:
     )
     kiln = [json.loads(l) for l in (work / "p.jsonl").read_text().splitlines()]
 
-    tokenizer = model = None
-    worst = 0.0
-    agree = 0
-    with torch.no_grad():
-        for pair, ours in zip(pairs if folder else [], kiln):
-            tokenizer = tokenizer or AutoTokenizer.from_pretrained(folder)
-            model = model or BertForSequenceClassification.from_pretrained(folder).eval()
-            enc = tokenizer(
-                pair["premise"],
-                pair["hypothesis"],
-                truncation="longest_first",
-                max_length=args.max_length,
-                return_tensors="pt",
-            )
-            probs = torch.softmax(model(**enc).logits[0], dim=-1).tolist()
-            theirs_by_label = dict(zip([model.config.id2label[i] for i in range(len(probs))], probs))
-            mine = ours["probabilities"]
-            for label in LABELS:
-                worst = max(worst, abs(mine[label] - theirs_by_label[label]))
-            agree += max(mine, key=mine.get) == max(theirs_by_label, key=theirs_by_label.get)
-    export_agree = 0
-    # The run's best fold exported as a BertForSequenceClassification: the
-    # probabilities of `transformers` on it against kiln's.
-    subprocess.run([str(args.kiln), "export", f"{work}/run", "--out", str(work / "hf")], check=True)
-    exported = BertForSequenceClassification.from_pretrained(work / "hf")
-    exported.eval()
-    export_tokenizer = AutoTokenizer.from_pretrained(work / "hf")
-    export_worst = 0.0
-    with torch.no_grad():
-        for pair, ours in zip(pairs, kiln):
-            enc = export_tokenizer(
-                pair["premise"],
-                pair["hypothesis"],
-                truncation="longest_first",
-                max_length=args.max_length,
-                return_tensors="pt",
-            )
-            probs = torch.softmax(exported(**enc).logits[0], dim=-1).tolist()
-            mine = ours["probabilities"]
-            export_agree += max(mine, key=mine.get) == exported.config.id2label[
-                max(range(len(probs)), key=probs.__getitem__)
-            ]
-            for i, p in enumerate(probs):
-                export_worst = max(
-                    export_worst, abs(ours["probabilities"][exported.config.id2label[i]] - p)
+    def compare(folder: Path) -> tuple:
+        """transformers on `folder` against kiln's probabilities: the largest
+        difference, and how many predictions are the same."""
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = BertForSequenceClassification.from_pretrained(folder).eval()
+        worst, agree = 0.0, 0
+        with torch.no_grad():
+            for pair, ours in zip(pairs, kiln):
+                enc = tokenizer(
+                    pair["premise"],
+                    pair["hypothesis"],
+                    truncation="longest_first",
+                    max_length=args.max_length,
+                    return_tensors="pt",
                 )
+                probs = torch.softmax(model(**enc).logits[0], dim=-1).tolist()
+                theirs = {model.config.id2label[i]: p for i, p in enumerate(probs)}
+                mine = ours["probabilities"]
+                for label in LABELS:
+                    worst = max(worst, abs(mine[label] - theirs[label]))
+                agree += max(mine, key=mine.get) == max(theirs, key=theirs.get)
+        return worst, agree
+
+    # The folder the run started from, where there is one.
+    worst, agree = compare(folder) if folder else (0.0, 0)
+    # The run's best fold exported as a BertForSequenceClassification.
+    subprocess.run([str(args.kiln), "export", f"{work}/run", "--out", str(work / "hf")], check=True)
+    export_worst, export_agree = compare(work / "hf")
     print(
         json.dumps(
             {

@@ -27,7 +27,7 @@ use kiln_data::Tokenizer;
 use kiln_model::EncoderClassifier;
 use serde_json::Value;
 
-use super::{Entry, fail, read_header, to_f32, weights_file};
+use super::{Entry, fail, read_header, tensor_values, weights_file};
 use crate::error::TrainError;
 use crate::params::{NamedValues, load_values, param_entries, param_values};
 
@@ -517,28 +517,7 @@ impl BertFolder {
                 _ => return Err(fail(&self.weights, format!("has no `{name}`"))),
             };
             used.insert(name.to_string());
-            let values = data
-                .get(entry.start..entry.end)
-                .and_then(|b| to_f32(b, &entry.dtype))
-                .ok_or_else(|| {
-                    fail(
-                        &self.weights,
-                        format!(
-                            "holds `{name}` as {}; kiln reads F32, F16, BF16 and F64",
-                            entry.dtype
-                        ),
-                    )
-                })?;
-            if values.len() != entry.shape.iter().product::<usize>() {
-                return Err(fail(
-                    &self.weights,
-                    format!(
-                        "holds {} values for `{name}` of shape {:?}",
-                        values.len(),
-                        entry.shape
-                    ),
-                ));
-            }
+            let values = tensor_values(&self.weights, data, name, entry)?;
             Ok((entry.shape.clone(), values))
         };
         let mismatch = |name: &str, have: &[usize], want: &[usize], path: &str| {
@@ -888,16 +867,46 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn a_bert_folder_fills_every_parameter_as_transformers_names_it() {
-        let _rng = crate::tests::flex_rng();
+    /// A test's folder, run and a model drawn with `seed` (under the
+    /// caller's hold of flex's generator).
+    struct Fixture {
+        dir: tempfile::TempDir,
+        device: Device,
+        tokenizer: Tokenizer,
+        config: RunConfig,
+        shape: kiln_model::EncoderConfig,
+        source: EncoderClassifier,
+    }
+
+    fn fixture(seed: u64) -> Fixture {
         let dir = tempfile::tempdir().expect("tempdir");
         let device = Device::flex();
         let tokenizer = tokenizer();
         let config = run_config(dir.path(), &[]);
         let shape = encoder_config(&config, tokenizer.vocab_size());
-        device.seed(11);
+        device.seed(seed);
         let source = shape.init(&device);
+        Fixture {
+            dir,
+            device,
+            tokenizer,
+            config,
+            shape,
+            source,
+        }
+    }
+
+    #[test]
+    fn a_bert_folder_fills_every_parameter_as_transformers_names_it() {
+        let _rng = crate::tests::flex_rng();
+        let Fixture {
+            dir,
+            device,
+            tokenizer,
+            config,
+            shape,
+            source,
+        } = fixture(11);
         let labels = ["entailment", "neutral", "contradiction"];
         write_bert(dir.path(), &source, &tokenizer, Some(&labels), false);
 
@@ -959,13 +968,14 @@ mod tests {
     #[test]
     fn a_tensorflow_converted_bert_model_loads_and_cls_pooling_leaves_the_pooler() {
         let _rng = crate::tests::flex_rng();
-        let dir = tempfile::tempdir().expect("tempdir");
-        let device = Device::flex();
-        let tokenizer = tokenizer();
-        let config = run_config(dir.path(), &[]);
-        let shape = encoder_config(&config, tokenizer.vocab_size());
-        device.seed(21);
-        let source = shape.init(&device);
+        let Fixture {
+            dir,
+            device,
+            tokenizer,
+            config,
+            shape,
+            source,
+        } = fixture(21);
         write_bert(dir.path(), &source, &tokenizer, None, true);
         let bert = open(&config).expect("opens").expect("set");
         assert_eq!(
@@ -994,13 +1004,15 @@ mod tests {
     #[test]
     fn what_does_not_fit_is_named_with_its_fix() {
         let _rng = crate::tests::flex_rng();
-        let dir = tempfile::tempdir().expect("tempdir");
-        let device = Device::flex();
-        let tokenizer = tokenizer();
-        let config = run_config(dir.path(), &[]);
-        let shape = encoder_config(&config, tokenizer.vocab_size());
-        device.seed(31);
-        write_bert(dir.path(), &shape.init(&device), &tokenizer, None, false);
+        let Fixture {
+            dir,
+            device,
+            tokenizer,
+            config,
+            shape,
+            source,
+        } = fixture(31);
+        write_bert(dir.path(), &source, &tokenizer, None, false);
 
         let err = |overrides: &[&str]| -> String {
             open(&run_config(dir.path(), overrides))

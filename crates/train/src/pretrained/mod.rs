@@ -468,6 +468,40 @@ fn read_header(path: &Path) -> Result<(usize, Vec<(String, Entry)>), TrainError>
     Ok((8 + len as usize, tensors))
 }
 
+/// The values of the tensor `name` (`entry` in the header of `weights`,
+/// whose data is `data`) as f32; an unread dtype or a size that is not its
+/// shape's is an error naming it.
+fn tensor_values(
+    weights: &Path,
+    data: &[u8],
+    name: &str,
+    entry: &Entry,
+) -> Result<Vec<f32>, TrainError> {
+    let values = data
+        .get(entry.start..entry.end)
+        .and_then(|b| to_f32(b, &entry.dtype))
+        .ok_or_else(|| {
+            fail(
+                weights,
+                format!(
+                    "holds `{name}` as {}; kiln reads F32, F16, BF16 and F64",
+                    entry.dtype
+                ),
+            )
+        })?;
+    if values.len() != entry.shape.iter().product::<usize>() {
+        return Err(fail(
+            weights,
+            format!(
+                "holds {} values for `{name}` of shape {:?}",
+                values.len(),
+                entry.shape
+            ),
+        ));
+    }
+    Ok(values)
+}
+
 /// A tensor's bytes as f32 (F32, F16, BF16 and F64 read).
 fn to_f32(bytes: &[u8], dtype: &str) -> Option<Vec<f32>> {
     Some(match dtype {
@@ -547,31 +581,7 @@ impl Pretrained {
             .filter(|(name, _)| !is_buffer(name))
             .map(|(name, entry)| (name.as_str(), entry))
             .collect();
-        let read = |name: &str, entry: &Entry| -> Result<Vec<f32>, TrainError> {
-            let values = data
-                .get(entry.start..entry.end)
-                .and_then(|b| to_f32(b, &entry.dtype))
-                .ok_or_else(|| {
-                    fail(
-                        &self.weights,
-                        format!(
-                            "holds `{name}` as {}; kiln reads F32, F16, BF16 and F64",
-                            entry.dtype
-                        ),
-                    )
-                })?;
-            if values.len() != entry.shape.iter().product::<usize>() {
-                return Err(fail(
-                    &self.weights,
-                    format!(
-                        "holds {} values for `{name}` of shape {:?}",
-                        values.len(),
-                        entry.shape
-                    ),
-                ));
-            }
-            Ok(values)
-        };
+        let read = |name: &str, entry: &Entry| tensor_values(&self.weights, data, name, entry);
         let mut values = HashMap::new();
         let mut wte = None;
         for param in param_entries(&model) {
