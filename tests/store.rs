@@ -249,10 +249,26 @@ fn bad_store_input_is_named_with_exit_2() {
     )
     .expect_code(2)
     .stderr_has(&["other inputs or settings", "--out"]);
-    // Documents that give no token (every row lacks the field): `kiln
-    // diagnose` lists what that leaves short, and exits 2 (it panicked
-    // timing reads from the empty store).
-    let mut args = tiny_on(dir, "none", 10, &docs, &["data.text_field=body"]);
+    // Documents none of whose rows has the field: refused where the rows
+    // are read, with the first one.
+    run(&tiny_on(dir, "none", 10, &docs, &["data.text_field=body"]))
+        .expect_code(2)
+        .stderr_has(&[
+            "data.text_field",
+            "every one of the",
+            "speeches.jsonl` line 1: no field `body`",
+        ]);
+    // One document, all of it in the validation split: `kiln diagnose`
+    // lists what that leaves short, and exits 2 (it panicked timing reads
+    // from the empty training split).
+    let one = dir.join("one");
+    std::fs::create_dir_all(&one).expect("mkdir");
+    std::fs::write(
+        one.join("a.jsonl"),
+        "{\"text\": \"a tiny document of a few words\"}\n",
+    )
+    .expect("write");
+    let mut args = tiny_on(dir, "one", 10, &one, &["data.val_fraction=0.9"]);
     args.splice(0..1, ["diagnose".to_string(), "--burst=0".into()]);
     run(&args).expect_code(2).stdout_has(&[
         "0 training tokens",

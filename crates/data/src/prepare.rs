@@ -430,6 +430,19 @@ fn run(
         }
         written
     })?;
+    // Rows skipped one by one (`data.bad_rows = "skip"`) can add up to
+    // every row: a store of nothing, which no run can train on, is refused
+    // here, where the reason is known.
+    if documents == 0 && skipped.count > 0 {
+        return Err(DataError::InvalidArgument {
+            what: "data.text_field",
+            why: format!(
+                "no document has text: every one of the {} rows read was skipped, the first {}",
+                skipped.count,
+                skipped.first.first().map_or("", String::as_str)
+            ),
+        });
+    }
     train.finish(&mut shards)?;
     val.finish(&mut shards)?;
     // The last shards are whole: a run stopped before the manifest is
