@@ -40,29 +40,61 @@ from pathlib import Path
 LABELS = ["entailment", "neutral", "contradiction"]
 
 
-def make_bert(folder: Path, pairs: list, max_length: int) -> None:
-    from tokenizers import BertWordPieceTokenizer
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+def make_bert(folder: Path, pairs: list, max_length: int, family: str) -> None:
+    import torch
+    from tokenizers import BertWordPieceTokenizer, ByteLevelBPETokenizer
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        BertTokenizerFast,
+        RobertaConfig,
+        RobertaForSequenceClassification,
+        RobertaTokenizerFast,
+    )
 
-    wordpiece = BertWordPieceTokenizer(lowercase=True)
     texts = [p["premise"] for p in pairs] + [p["hypothesis"] for p in pairs]
-    wordpiece.train_from_iterator(texts, vocab_size=2000, min_frequency=1)
-    tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer)
-    tokenizer.save_pretrained(folder)
-    config = BertConfig(
-        vocab_size=wordpiece.get_vocab_size(),
+    shape = dict(
         hidden_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=128,
-        max_position_embeddings=max_length + 16,
         id2label=dict(enumerate(LABELS)),
         label2id={l: i for i, l in enumerate(LABELS)},
     )
-    import torch
-
+    if family == "bert":
+        wordpiece = BertWordPieceTokenizer(lowercase=True)
+        wordpiece.train_from_iterator(texts, vocab_size=2000, min_frequency=1)
+        tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer)
+        config = BertConfig(
+            vocab_size=wordpiece.get_vocab_size(),
+            max_position_embeddings=max_length + 16,
+            **shape,
+        )
+        new = BertForSequenceClassification
+    else:
+        # RoBERTa's byte-level BPE and specials (<s>=0, <pad>=1, </s>=2), its
+        # positions after the padding id, one segment.
+        bpe = ByteLevelBPETokenizer()
+        bpe.train_from_iterator(
+            texts,
+            vocab_size=2000,
+            min_frequency=1,
+            special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+        )
+        tokenizer = RobertaTokenizerFast(tokenizer_object=bpe._tokenizer)
+        config = RobertaConfig(
+            vocab_size=bpe.get_vocab_size(),
+            max_position_embeddings=max_length + 2 + 16,
+            type_vocab_size=1,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            **shape,
+        )
+        new = RobertaForSequenceClassification
+    tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
-    model = BertForSequenceClassification(config)
+    model = new(config)
     # Random weights at BERT's scale make a near-uniform classifier; a wider
     # spread makes the probabilities differ from pair to pair.
     with torch.no_grad():
@@ -81,6 +113,12 @@ def main() -> int:
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--tolerance", type=float, default=1e-4)
     parser.add_argument(
+        "--family",
+        choices=["bert", "roberta"],
+        default="bert",
+        help="the random folder's architecture (without --folder)",
+    )
+    parser.add_argument(
         "--scratch",
         action="store_true",
         help="no BERT folder: a small encoder trained from random weights with kiln's own "
@@ -89,7 +127,7 @@ def main() -> int:
     args = parser.parse_args()
 
     import torch
-    from transformers import AutoTokenizer, BertForSequenceClassification
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     lines = args.data.read_text().splitlines()[: args.pairs]
     pairs = [json.loads(l) for l in lines]
@@ -99,7 +137,7 @@ def main() -> int:
     folder = args.folder
     if folder is None and not args.scratch:
         folder = work / "bert"
-        make_bert(folder, pairs, args.max_length)
+        make_bert(folder, pairs, args.max_length, args.family)
     if args.scratch:
         bert = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64,
                 "intermediate_size": 128, "layer_norm_eps": 1e-5}
@@ -115,7 +153,7 @@ def main() -> int:
         f"model.hidden={bert['hidden_size']}",
         f"model.intermediate={bert['intermediate_size']}",
         f"model.max_length={args.max_length}",
-        f"model.layer_norm_eps={bert.get('layer_norm_eps', 1e-12)}",
+        f"model.layer_norm_eps={bert.get('layer_norm_eps', 1e-12 if bert.get('model_type') == 'bert' else 1e-5)}",
         "model.pooling=pooler",
         "model.dropout=0.0",
         "cv.folds=2",
@@ -140,7 +178,7 @@ def main() -> int:
         """transformers on `folder` against kiln's probabilities: the largest
         difference, and how many predictions are the same."""
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = BertForSequenceClassification.from_pretrained(folder).eval()
+        model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
         worst, agree = 0.0, 0
         with torch.no_grad():
             for pair, ours in zip(pairs, kiln):

@@ -511,7 +511,7 @@ fn init_from_starts_every_fold_from_a_bert_folders_weights() {
         "(BERT; tokenizer.json",
         "position embeddings cropped 40 → 32",
         "its classifier, trained for these labels",
-        "(the weights' own)",
+        "(the weights' tokenizer)",
     ]);
     let folder_vocab = std::fs::read_to_string(folder.join("tokenizer.json")).expect("read");
     for k in 1..=3 {

@@ -102,8 +102,8 @@ pub struct ModelSection {
     /// Start from the weights of a Hugging Face `transformers` folder
     /// (`config.json`, `model.safetensors`) instead of random ones, to
     /// fine-tune them: a GPT-2 for language models (OpenAI's from the Hub,
-    /// or a `kiln export`), a BERT for the sentence-pair encoder
-    /// (`bert-base-uncased` and its kin); `None` (`"none"` in TOML) starts
+    /// or a `kiln export`), a BERT or RoBERTa for the sentence-pair encoder
+    /// (`bert-base-uncased`, `roberta-base` and their kin); `None` (`"none"` in TOML) starts
     /// from random weights. The folder's shape, GELU and tokenizer must be
     /// the run's.
     #[serde(default, with = "none::text")]

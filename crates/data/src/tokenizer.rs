@@ -194,19 +194,34 @@ impl Tokenizer {
         Ok(t)
     }
 
-    /// `[CLS] a [SEP] b [SEP]` for pairs, longest-first truncation to `max_length`.
+    /// `[CLS] a [SEP] b [SEP]` for pairs (BERT's; RoBERTa's `<s> a </s></s>
+    /// b </s>` for a vocabulary with `<s>` and `</s>` but no `[CLS]`), the
+    /// second sentence's tokens in segment 1, longest-first truncation to
+    /// `max_length`.
     pub fn set_pair_template(&mut self, max_length: usize) -> Result<(), DataError> {
-        let id = |t: &str| {
-            self.inner
-                .token_to_id(t)
-                .ok_or_else(|| DataError::Tokenizer(format!("the vocabulary has no {t}")))
+        let id = |t: &str| self.inner.token_to_id(t);
+        let (single, pair, specials) = match (id("[CLS]"), id("[SEP]"), id("<s>"), id("</s>")) {
+            (Some(cls), Some(sep), _, _) => (
+                "[CLS] $A [SEP]",
+                "[CLS] $A [SEP] $B:1 [SEP]:1",
+                vec![("[CLS]", cls), ("[SEP]", sep)],
+            ),
+            (None, _, Some(bos), Some(eos)) => (
+                "<s> $A </s>",
+                "<s> $A </s> </s>:1 $B:1 </s>:1",
+                vec![("<s>", bos), ("</s>", eos)],
+            ),
+            _ => {
+                return Err(DataError::Tokenizer(
+                    "the vocabulary has neither BERT's [CLS] and [SEP] nor RoBERTa's <s> and </s> to mark a pair's sentences".into(),
+                ));
+            }
         };
-        let (cls, sep) = (id("[CLS]")?, id("[SEP]")?);
         let template = TemplateProcessing::builder()
-            .try_single("[CLS] $A [SEP]")
-            .and_then(|b| b.try_pair("[CLS] $A [SEP] $B:1 [SEP]:1"))
+            .try_single(single)
+            .and_then(|b| b.try_pair(pair))
             .map_err(|e| DataError::Tokenizer(e.to_string()))?
-            .special_tokens(vec![("[CLS]", cls), ("[SEP]", sep)])
+            .special_tokens(specials)
             .build()
             .map_err(|e| DataError::Tokenizer(e.to_string()))?;
         self.inner.with_post_processor(Some(template));
@@ -495,6 +510,44 @@ mod tests {
         assert!(
             long[0].0.contains(&t.encode("dogs").expect("dogs")[0]),
             "the short side is kept"
+        );
+    }
+
+    /// A word-level tokenizer of `tokens` (ids in order), whitespace split.
+    fn word_level(tokens: &[&str]) -> Tokenizer {
+        let vocab: serde_json::Map<String, serde_json::Value> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.to_string(), serde_json::Value::from(i)))
+            .collect();
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": { "type": "Whitespace" },
+            "post_processor": null, "decoder": null,
+            "model": { "type": "WordLevel", "vocab": vocab, "unk_token": tokens[0] }
+        });
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, json.to_string()).expect("write");
+        Tokenizer::load(&path).expect("loads")
+    }
+
+    #[test]
+    fn robertas_specials_mark_a_pair_where_berts_are_missing() {
+        let mut t = word_level(&["<s>", "<pad>", "</s>", "a", "man", "person"]);
+        t.set_pair_template(16).expect("RoBERTa's template");
+        let enc = t.encode_pairs(&[("a man", "person")]).expect("encodes");
+        // <s> a man </s> </s> person </s>, the second sentence in segment 1.
+        assert_eq!(enc[0].0, [0, 3, 4, 2, 2, 5, 2]);
+        assert_eq!(enc[0].1, [0, 0, 0, 0, 1, 1, 1]);
+        let mut none = word_level(&["<unk>", "a", "man"]);
+        let err = none
+            .set_pair_template(16)
+            .expect_err("no specials")
+            .to_string();
+        assert!(
+            err.contains("neither BERT's [CLS] and [SEP] nor RoBERTa's <s> and </s>"),
+            "{err}"
         );
     }
 

@@ -28,6 +28,7 @@ use serde::Serialize;
 
 use crate::checkpoint;
 use crate::error::TrainError;
+use crate::pretrained::hf_name;
 use crate::rundir::{RunDir, write_atomic};
 
 /// What [`export_hf`] wrote.
@@ -53,62 +54,6 @@ pub struct Exported {
     pub fold: Option<usize>,
     /// Notes on damaged checkpoints skipped on the way.
     pub notes: Vec<String>,
-}
-
-/// kiln's parameter path → GPT-2's name in `GPT2LMHeadModel`'s state dict.
-pub fn hf_name(path: &str) -> Option<String> {
-    let top = match path {
-        "wte.weight" => Some("transformer.wte.weight"),
-        "wpe.weight" => Some("transformer.wpe.weight"),
-        "ln_f.gamma" => Some("transformer.ln_f.weight"),
-        "ln_f.beta" => Some("transformer.ln_f.bias"),
-        _ => None,
-    };
-    if let Some(name) = top {
-        return Some(name.to_string());
-    }
-    let rest = path.strip_prefix("blocks.")?;
-    let (layer, rest) = rest.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let (module, param) = rest.split_once('.')?;
-    let module = match module {
-        "ln1" => "ln_1",
-        "ln2" => "ln_2",
-        "qkv" => "attn.c_attn",
-        "attn_proj" => "attn.c_proj",
-        "fc" => "mlp.c_fc",
-        "mlp_proj" => "mlp.c_proj",
-        _ => return None,
-    };
-    let param = match (module, param) {
-        ("ln_1" | "ln_2", "gamma") => "weight",
-        ("ln_1" | "ln_2", "beta") => "bias",
-        (_, "weight") => "weight",
-        (_, "bias") => "bias",
-        _ => return None,
-    };
-    Some(format!("transformer.h.{layer}.{module}.{param}"))
-}
-
-/// The language-model run `run` and its configuration; a cross-validation
-/// run of the encoder is refused as `what`, with `instead`.
-pub(crate) fn open_lm_run(
-    run: &Path,
-    what: &'static str,
-    instead: &str,
-) -> Result<(RunDir, RunConfig), TrainError> {
-    let dir = RunDir::open(run)?;
-    let config = kiln_config::read_run_config(&dir.file("config.toml"))?;
-    if config.workload != Workload::Lm {
-        return Err(TrainError::Unsupported(
-            what,
-            format!(
-                "`{}` is a cross-validation run of the nli encoder; {instead}",
-                run.display()
-            ),
-        ));
-    }
-    Ok((dir, config))
 }
 
 /// `transformers`' `config.json` for a GPT-2 of the run's shape.
@@ -350,7 +295,10 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         "layer_norm_eps": m.layer_norm_eps,
         "position_embedding_type": "absolute",
         "initializer_range": 0.02,
-        "pad_token_id": tokenizer.token_id("[PAD]").unwrap_or(0),
+        "pad_token_id": tokenizer
+            .token_id("[PAD]")
+            .or_else(|| tokenizer.token_id("<pad>"))
+            .unwrap_or(0),
         "id2label": id2label,
         "label2id": label2id,
         "problem_type": "single_label_classification",
@@ -368,15 +316,16 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
         "clean_up_tokenization_spaces": false,
     });
-    for (key, token) in [
-        ("cls_token", "[CLS]"),
-        ("sep_token", "[SEP]"),
-        ("pad_token", "[PAD]"),
-        ("unk_token", "[UNK]"),
-        ("mask_token", "[MASK]"),
+    // BERT's special tokens, or RoBERTa's where the fold tokenized as it.
+    for (key, tokens) in [
+        ("cls_token", ["[CLS]", "<s>"]),
+        ("sep_token", ["[SEP]", "</s>"]),
+        ("pad_token", ["[PAD]", "<pad>"]),
+        ("unk_token", ["[UNK]", "<unk>"]),
+        ("mask_token", ["[MASK]", "<mask>"]),
     ] {
-        if tokenizer.token_id(token).is_some() {
-            tokenizer_config[key] = token.into();
+        if let Some(token) = tokens.iter().find(|t| tokenizer.token_id(t).is_some()) {
+            tokenizer_config[key] = (*token).into();
         }
     }
     let json = |v: &serde_json::Value| serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
@@ -480,26 +429,4 @@ fn reference(
     _: &RunDir,
 ) -> Result<Option<serde_json::Value>, TrainError> {
     Ok(None)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_gpt_parameter_has_its_gpt2_name() {
-        let _rng = crate::tests::flex_rng();
-        let config = crate::tests::config(&["model.layers=2"]);
-        let gpt = crate::translate::gpt_config(&config, 65);
-        let model = gpt.init(&burn::tensor::Device::flex());
-        let names: Vec<String> = crate::params::param_entries(&model)
-            .iter()
-            .map(|e| hf_name(&e.path).unwrap_or_else(|| panic!("{} unmapped", e.path)))
-            .collect();
-        assert_eq!(names.len(), 4 + 2 * 12);
-        assert!(names.contains(&"transformer.h.1.attn.c_attn.weight".to_string()));
-        assert!(names.contains(&"transformer.h.0.ln_2.bias".to_string()));
-        assert_eq!(hf_name("blocks.0.dropout.x"), None);
-        assert_eq!(hf_name("blocks.x.fc.weight"), None);
-    }
 }

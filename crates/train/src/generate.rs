@@ -9,7 +9,7 @@ use std::path::Path;
 
 use burn::module::Module;
 use burn::tensor::Device;
-use kiln_config::{RunConfig, SampleSection};
+use kiln_config::{RunConfig, SampleSection, Workload};
 use kiln_data::Tokenizer;
 use kiln_model::Gpt;
 use rand::SeedableRng;
@@ -18,6 +18,7 @@ use serde::Serialize;
 use crate::checkpoint;
 use crate::device::select_device;
 use crate::error::TrainError;
+use crate::rundir::RunDir;
 
 /// What to generate; `None` takes the run's `sample.*` (a GPT-2 folder:
 /// the built-in defaults) and its `training.seed`.
@@ -196,7 +197,7 @@ impl Weights {
 type Source = (RunConfig, Tokenizer, String, Vec<String>, Weights);
 
 fn from_run(from: &Path) -> Result<Source, TrainError> {
-    let (dir, config) = crate::export::open_lm_run(
+    let (dir, config) = open_lm_run(
         from,
         "sampling from a sentence-pair classifier",
         "`kiln predict` labels pairs with it",
@@ -235,4 +236,25 @@ fn from_folder(
         Vec::new(),
         Weights::Folder(pretrained),
     ))
+}
+
+/// The language-model run `run` and its configuration; a cross-validation
+/// run of the encoder is refused as `what`, with `instead`.
+fn open_lm_run(
+    run: &Path,
+    what: &'static str,
+    instead: &str,
+) -> Result<(RunDir, RunConfig), TrainError> {
+    let dir = RunDir::open(run)?;
+    let config = kiln_config::read_run_config(&dir.file("config.toml"))?;
+    if config.workload != Workload::Lm {
+        return Err(TrainError::Unsupported(
+            what,
+            format!(
+                "`{}` is a cross-validation run of the nli encoder; {instead}",
+                run.display()
+            ),
+        ));
+    }
+    Ok((dir, config))
 }

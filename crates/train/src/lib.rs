@@ -70,7 +70,7 @@ pub use compile::{FUSION_BUILT_IN, apply_compile, autotune_level};
 pub use device::{BACKENDS_BUILT_IN, DeviceChoice, backend_for_vendor, select_device};
 pub use diagnose::{Diagnosis, diagnose};
 pub use error::TrainError;
-pub use export::{Exported, export_hf, hf_name};
+pub use export::{Exported, export_hf};
 pub use generate::{SampleRequest, Samples, sample};
 pub use kernel_profile::{KernelProfile, KernelRow};
 pub use kiln_data::{PrepareOutcome, PrepareProgress};
@@ -80,6 +80,7 @@ pub use options::{Outcome, TrainOptions};
 pub use precision::{
     LossScaler, PrecisionChoice, ScaleVerdict, choose_precision, choose_precision_with,
 };
+pub use pretrained::hf_name;
 pub use records::{
     ClassMetrics, CvSummary, EvalMetrics, EvalRecord, FoldResult, Record, Scores, Skipped,
     StepMetrics,

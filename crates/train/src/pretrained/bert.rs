@@ -5,7 +5,10 @@
 //! `BertForSequenceClassification`) instead of random ones, as
 //! `BertForSequenceClassification.from_pretrained` does: the encoder and
 //! the pooler from the folder, the classifier new unless the folder's was
-//! trained for the run's labels.
+//! trained for the run's labels. RoBERTa folders (`roberta-base` and its
+//! kin) load too ([`Family::Roberta`]): positions after its padding id, its
+//! one segment embedding for both of kiln's, its classification head
+//! (`classifier.dense`, `classifier.out_proj`) as the pooler and the head.
 //!
 //! kiln's encoder is BERT's architecture (post-LayerNorm blocks, token,
 //! position and segment embeddings, `model.pooling = "pooler"` for BERT's
@@ -49,9 +52,54 @@ pub(crate) struct BertFolder {
     classifier: Result<(), String>,
 }
 
+/// The architectures kiln's encoder is, tensor for tensor.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Family {
+    /// BERT (`model_type` "bert").
+    Bert,
+    /// RoBERTa and its kin ("roberta", "xlm-roberta", "camembert"): BERT's
+    /// blocks, positions counted from after the padding id, one segment,
+    /// and a classification head of its own (`classifier.dense`, which is
+    /// BERT's pooler in all but dropout, and `classifier.out_proj`).
+    Roberta,
+}
+
+impl Family {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Bert => "BERT",
+            Self::Roberta => "RoBERTa",
+        }
+    }
+
+    /// The prefix `transformers` gives the encoder's tensors.
+    fn prefix(self) -> &'static str {
+        match self {
+            Self::Bert => "bert.",
+            Self::Roberta => "roberta.",
+        }
+    }
+
+    /// The file's name for the tensor BERT calls `name` (the classification
+    /// head's differ).
+    fn file_name(self, name: &str) -> String {
+        match (self, name) {
+            (Self::Roberta, "pooler.dense.weight") => "classifier.dense.weight".into(),
+            (Self::Roberta, "pooler.dense.bias") => "classifier.dense.bias".into(),
+            (Self::Roberta, "classifier.weight") => "classifier.out_proj.weight".into(),
+            (Self::Roberta, "classifier.bias") => "classifier.out_proj.bias".into(),
+            _ => name.to_string(),
+        }
+    }
+}
+
 /// BERT's shape as its `config.json` says, with `transformers`' defaults.
 #[derive(Debug, PartialEq)]
 struct BertShape {
+    family: Family,
+    /// The first position row a sequence uses (RoBERTa's rows up to its
+    /// padding id are unused: 2 for RoBERTa, 0 for BERT).
+    position_offset: usize,
     layers: usize,
     heads: usize,
     hidden: usize,
@@ -127,13 +175,14 @@ fn open_folder(folder: &Path, config: &RunConfig) -> Result<BertFolder, TrainErr
         .into_iter()
         .map(|(name, entry)| {
             let name = name
-                .strip_prefix("bert.")
+                .strip_prefix(shape.family.prefix())
                 .map_or(name.clone(), str::to_string);
             (name, entry)
         })
         .collect();
     let classes = config.data.labels.len();
-    let has_classifier = tensors.iter().any(|(n, _)| n == "classifier.weight");
+    let head = shape.family.file_name("classifier.weight");
+    let has_classifier = tensors.iter().any(|(n, _)| *n == head);
     let classifier = match &shape.labels {
         _ if !has_classifier => Err("none in the folder".to_string()),
         Some(theirs)
@@ -166,12 +215,16 @@ fn open_folder(folder: &Path, config: &RunConfig) -> Result<BertFolder, TrainErr
 impl BertShape {
     fn from_json(json: &Value) -> Result<Self, String> {
         let model_type = json.get("model_type").and_then(Value::as_str);
-        if model_type != Some("bert") {
-            return Err(format!(
-                "describes a `{}` model; kiln's encoder loads BERT's architecture (model_type \"bert\")",
-                model_type.unwrap_or("(no model_type)")
-            ));
-        }
+        let family = match model_type {
+            Some("bert") => Family::Bert,
+            Some("roberta" | "xlm-roberta" | "camembert") => Family::Roberta,
+            _ => {
+                return Err(format!(
+                    "describes a `{}` model; kiln's encoder loads BERT's architecture (model_type \"bert\") and RoBERTa's (\"roberta\", \"xlm-roberta\", \"camembert\")",
+                    model_type.unwrap_or("(no model_type)")
+                ));
+            }
+        };
         let count = |key: &str| -> Result<usize, String> {
             json.get(key)
                 .and_then(Value::as_u64)
@@ -203,9 +256,25 @@ impl BertShape {
             None => 2,
             Some(_) => count("type_vocab_size")?,
         };
-        if segments != 2 {
+        if segments > 2 {
             return Err(format!(
                 "has type_vocab_size {segments}; kiln's encoder has BERT's two segments (premise, hypothesis)"
+            ));
+        }
+        // RoBERTa's position ids start after its padding id.
+        let position_offset = match family {
+            Family::Bert => 0,
+            Family::Roberta => {
+                json.get("pad_token_id")
+                    .and_then(Value::as_u64)
+                    .map_or(1, |p| p as usize)
+                    + 1
+            }
+        };
+        let positions = count("max_position_embeddings")?;
+        if positions <= position_offset {
+            return Err(format!(
+                "has max_position_embeddings {positions}, no more than RoBERTa's padding offset {position_offset}"
             ));
         }
         let labels = json.get("id2label").and_then(Value::as_object).map(|map| {
@@ -221,7 +290,9 @@ impl BertShape {
             heads: count("num_attention_heads")?,
             hidden: count("hidden_size")?,
             intermediate: count("intermediate_size")?,
-            positions: count("max_position_embeddings")?,
+            family,
+            position_offset,
+            positions: positions - position_offset,
             vocab_size: count("vocab_size")?,
             gelu,
             layer_norm_eps: json
@@ -279,9 +350,17 @@ impl BertShape {
             ));
         }
         if m.max_length > self.positions {
+            let offset = if self.position_offset > 0 {
+                format!(
+                    " after RoBERTa's first {} rows, the padding's",
+                    self.position_offset
+                )
+            } else {
+                String::new()
+            };
             wrong.push((
                 format!(
-                    "model.max_length = {} is longer than its {} positions (max_position_embeddings)",
+                    "model.max_length = {} is longer than its {} positions (max_position_embeddings{offset})",
                     m.max_length, self.positions
                 ),
                 format!("model.max_length={}", self.positions),
@@ -293,7 +372,8 @@ impl BertShape {
         let what: Vec<&str> = wrong.iter().map(|w| w.0.as_str()).collect();
         let fix: Vec<&str> = wrong.iter().map(|w| w.1.as_str()).collect();
         Err(format!(
-            "holds a BERT the run's model does not match: {}. Set the run's to the weights': {}",
+            "holds a {} the run's model does not match: {}. Set the run's to the weights': {}",
+            self.family.name(),
             what.join("; "),
             fix.join(" ")
         ))
@@ -429,11 +509,13 @@ pub(crate) fn hf_tensors(params: &[NamedValues]) -> Result<Vec<NamedValues>, Str
 }
 
 /// Tensors a BERT file may hold that kiln's classifier may not use: the
-/// pre-training heads, the position-id buffer older files saved, the
-/// pooler (`model.pooling` other than `"pooler"`) and the classifier
-/// (trained for other labels).
+/// pre-training heads (BERT's `cls.`, RoBERTa's `lm_head.`), the position-id
+/// buffer older files saved, the pooler (`model.pooling` other than
+/// `"pooler"`, or RoBERTa's, which its classification models do not use)
+/// and the classifier (trained for other labels).
 fn may_go_unused(name: &str) -> bool {
     name.starts_with("cls.")
+        || name.starts_with("lm_head.")
         || name == "embeddings.position_ids"
         || name.starts_with("pooler.")
         || name.starts_with("classifier.")
@@ -463,22 +545,45 @@ impl BertFolder {
                 self.shape.positions, config.model.max_length
             ));
         }
-        if config.model.pooling != Pooling::Pooler && self.has("pooler.dense.weight") {
-            notes.push("its pooler unused (model.pooling is not \"pooler\")".into());
+        let family = self.shape.family;
+        match (
+            config.model.pooling == Pooling::Pooler,
+            self.pooler_from_file(),
+        ) {
+            (false, true) => {
+                notes.push("its pooler unused (model.pooling is not \"pooler\")".into());
+            }
+            (true, false) => notes.push("a new pooler".into()),
+            _ => {}
+        }
+        if self.shape.position_offset > 0 {
+            notes.push(format!(
+                "positions from row {} (RoBERTa's)",
+                self.shape.position_offset
+            ));
         }
         match &self.classifier {
             Ok(()) => notes.push("its classifier, trained for these labels".into()),
             Err(why) => notes.push(format!("a new classifier ({why})")),
         }
         format!(
-            "weights: from {} (BERT; {})",
+            "weights: from {} ({}; {})",
             self.folder.display(),
+            family.name(),
             notes.join("; ")
         )
     }
 
     fn has(&self, name: &str) -> bool {
         self.tensors.iter().any(|(n, _)| n == name)
+    }
+
+    /// Whether the pooler comes from the file: BERT's where it has one;
+    /// RoBERTa's (`classifier.dense`) with the classifier it belongs to.
+    fn pooler_from_file(&self) -> bool {
+        let family = self.shape.family;
+        self.has(&family.file_name("pooler.dense.weight"))
+            && (family == Family::Bert || self.classifier.is_ok())
     }
 
     /// `model` with its parameters replaced by the folder's (the classifier
@@ -526,14 +631,32 @@ impl BertFolder {
                 format!("holds `{name}` as {have:?}; the run's model needs {want:?} for `{path}`"),
             )
         };
+        let family = self.shape.family;
+        // The head (and RoBERTa's pooler, part of its classification head)
+        // comes from the file only where the folder's classifier fits the
+        // run; else the model keeps its own, as `from_pretrained` starts a
+        // new head.
+        let from_file = |path: &str| {
+            if path.starts_with("head.") {
+                self.classifier.is_ok()
+            } else if path.starts_with("pooler.") {
+                self.pooler_from_file()
+            } else {
+                true
+            }
+        };
         let own: HashMap<String, Vec<f32>> = param_values(&model)
             .into_iter()
-            .filter(|(path, _, _)| path.starts_with("head."))
+            .filter(|(path, _, _)| !from_file(path))
             .map(|(path, _, values)| (path, values))
             .collect();
         let mut values = HashMap::new();
         for param in param_entries(&model) {
             let want = param.shape.clone();
+            if let Some(v) = own.get(&param.path) {
+                values.insert(param.path, (want, v.clone()));
+                continue;
+            }
             let source = source(&param.path).ok_or_else(|| {
                 fail(
                     &self.weights,
@@ -542,13 +665,17 @@ impl BertFolder {
             })?;
             let v = match source {
                 Source::Same(name) => {
+                    let name = family.file_name(&name);
                     let (shape, v) = read(&name)?;
-                    if shape != want {
-                        return Err(mismatch(&name, &shape, &want, &param.path));
+                    match (shape.as_slice(), want.as_slice()) {
+                        _ if shape == want => v,
+                        // RoBERTa's one segment, for both of kiln's.
+                        ([1, d], [2, width]) if d == width => v.repeat(2),
+                        _ => return Err(mismatch(&name, &shape, &want, &param.path)),
                     }
-                    v
                 }
                 Source::Transposed(name) => {
+                    let name = family.file_name(&name);
                     let (shape, v) = read(&name)?;
                     match (shape.as_slice(), want.as_slice()) {
                         ([out, inp], [i, o]) if out == o && inp == i => transpose(&v, *out, *inp),
@@ -556,11 +683,15 @@ impl BertFolder {
                     }
                 }
                 Source::Cropped(name) => {
-                    let (shape, mut v) = read(&name)?;
+                    let (shape, v) = read(&name)?;
+                    let skip = if name.contains("position") {
+                        self.shape.position_offset
+                    } else {
+                        0
+                    };
                     match (shape.as_slice(), want.as_slice()) {
-                        ([rows, d], [keep, width]) if d == width && keep <= rows => {
-                            v.truncate(keep * width);
-                            v
+                        ([rows, d], [keep, width]) if d == width && skip + keep <= *rows => {
+                            v[skip * width..(skip + keep) * width].to_vec()
                         }
                         _ => return Err(mismatch(&name, &shape, &want, &param.path)),
                     }
@@ -598,20 +729,16 @@ impl BertFolder {
                     out
                 }
                 Source::Classifier { weight } => {
-                    if self.classifier.is_ok() {
-                        let name = if weight {
-                            "classifier.weight"
-                        } else {
-                            "classifier.bias"
-                        };
-                        let (shape, v) = read(name)?;
-                        match (shape.as_slice(), want.as_slice()) {
-                            ([c, d], [d2, c2]) if c == c2 && d == d2 => transpose(&v, *c, *d),
-                            ([c], [c2]) if c == c2 => v,
-                            _ => return Err(mismatch(name, &shape, &want, &param.path)),
-                        }
+                    let name = family.file_name(if weight {
+                        "classifier.weight"
                     } else {
-                        own.get(&param.path).cloned().unwrap_or_default()
+                        "classifier.bias"
+                    });
+                    let (shape, v) = read(&name)?;
+                    match (shape.as_slice(), want.as_slice()) {
+                        ([c, d], [d2, c2]) if c == c2 && d == d2 => transpose(&v, *c, *d),
+                        ([c], [c2]) if c == c2 => v,
+                        _ => return Err(mismatch(&name, &shape, &want, &param.path)),
                     }
                 }
             };
@@ -843,14 +970,15 @@ mod tests {
     }
 
     fn logits(model: &EncoderClassifier, device: &Device) -> Vec<f32> {
+        logits_in(model, device, [0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1])
+    }
+
+    fn logits_in(model: &EncoderClassifier, device: &Device, segments: [i64; 12]) -> Vec<f32> {
         let ids = Tensor::<2, Int>::from_data(
             TensorData::new(vec![2i64, 7, 3, 9, 3, 0, 2, 5, 3, 11, 12, 3], [2, 6]),
             device,
         );
-        let seg = Tensor::<2, Int>::from_data(
-            TensorData::new(vec![0i64, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1], [2, 6]),
-            device,
-        );
+        let seg = Tensor::<2, Int>::from_data(TensorData::new(segments.to_vec(), [2, 6]), device);
         let mask = Tensor::<2, Bool>::from_data(
             TensorData::new(
                 vec![
@@ -1045,14 +1173,14 @@ mod tests {
         let tokenizer_file = format!("data.tokenizer_file={}", other.display());
         assert!(err(&[&tokenizer_file]).contains("set data.tokenizer_file=none"));
 
-        // A RoBERTa is not a BERT; a folder without tokenizer.json is refused.
+        // A DistilBERT is not a BERT; a folder without tokenizer.json is refused.
         let json = std::fs::read_to_string(dir.path().join("config.json")).expect("read");
         std::fs::write(
             dir.path().join("config.json"),
-            json.replace("\"bert\"", "\"roberta\""),
+            json.replace("\"bert\"", "\"distilbert\""),
         )
         .expect("write");
-        assert!(err(&[]).contains("describes a `roberta` model"));
+        assert!(err(&[]).contains("describes a `distilbert` model"));
         std::fs::write(dir.path().join("config.json"), json).expect("write");
         std::fs::remove_file(dir.path().join("tokenizer.json")).expect("rm");
         assert!(err(&[]).contains("has no tokenizer.json"));
@@ -1088,6 +1216,125 @@ mod tests {
             .to_string();
         assert!(
             err.contains("`encoder.layer.0.attention.self.distance_embedding.weight`"),
+            "{err}"
+        );
+    }
+
+    /// Rewrites the `BertForSequenceClassification` folder `write_bert` made
+    /// in `dir` as `transformers` saves a `RobertaForSequenceClassification`
+    /// (`roberta.` names, two padding rows before the positions, one
+    /// segment: the first of kiln's, the classification head's
+    /// `classifier.dense` and `classifier.out_proj`, a masked-LM head's
+    /// tensor besides).
+    fn as_roberta(dir: &Path) {
+        let weights = dir.join("model.safetensors");
+        let (start, tensors) = read_header(&weights).expect("header");
+        let bytes = std::fs::read(&weights).expect("read");
+        let mut out: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        for (name, e) in &tensors {
+            let mut data = bytes[start + e.start..start + e.end].to_vec();
+            let mut shape = e.shape.clone();
+            let name = match name.as_str() {
+                "bert.embeddings.position_embeddings.weight" => {
+                    let mut padded = f32_bytes(&vec![5.0; 2 * shape[1]]);
+                    padded.extend_from_slice(&data);
+                    data = padded;
+                    shape[0] += 2;
+                    "roberta.embeddings.position_embeddings.weight".to_string()
+                }
+                "bert.embeddings.token_type_embeddings.weight" => {
+                    data.truncate(shape[1] * 4);
+                    shape[0] = 1;
+                    "roberta.embeddings.token_type_embeddings.weight".to_string()
+                }
+                "cls.predictions.bias" => "lm_head.bias".to_string(),
+                "classifier.weight" => "classifier.out_proj.weight".to_string(),
+                "classifier.bias" => "classifier.out_proj.bias".to_string(),
+                other => match other.strip_prefix("bert.pooler.dense.") {
+                    Some(field) => format!("classifier.dense.{field}"),
+                    None => other.replacen("bert.", "roberta.", 1),
+                },
+            };
+            out.push((name, shape, data));
+        }
+        let refs: Vec<(&str, &str, Vec<usize>, Vec<u8>)> = out
+            .iter()
+            .map(|(n, s, b)| (n.as_str(), "F32", s.clone(), b.clone()))
+            .collect();
+        super::super::tests::safetensors_file(dir, &refs);
+        let path = dir.join("config.json");
+        let mut config: Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+        config["model_type"] = "roberta".into();
+        config["pad_token_id"] = 1.into();
+        config["type_vocab_size"] = 1.into();
+        config["max_position_embeddings"] = 18.into();
+        std::fs::write(&path, config.to_string()).expect("write");
+    }
+
+    #[test]
+    fn a_roberta_folder_loads_with_its_offset_positions_one_segment_and_its_head() {
+        let _rng = crate::tests::flex_rng();
+        let Fixture {
+            dir,
+            device,
+            tokenizer,
+            config,
+            shape,
+            source,
+        } = fixture(41);
+        let labels = ["entailment", "neutral", "contradiction"];
+        write_bert(dir.path(), &source, &tokenizer, Some(&labels), false);
+        as_roberta(dir.path());
+        let bert = open(&config).expect("opens").expect("set");
+        let description = bert.describe(&config);
+        assert!(
+            description.contains("(RoBERTa;")
+                && description.contains("positions from row 2")
+                && description.contains("its classifier, trained for these labels"),
+            "{description}"
+        );
+        device.seed(42);
+        let loaded = bert.load_into(shape.init(&device), &device).expect("loads");
+        // One segment for both sentences: the same function where the
+        // input has the first only.
+        let first_only = [0; 12];
+        assert_eq!(
+            logits_in(&loaded, &device, first_only),
+            logits_in(&source, &device, first_only)
+        );
+        assert_ne!(logits(&loaded, &device), logits(&source, &device));
+
+        // Without id2label the classification head (pooler included) is new.
+        let path = dir.path().join("config.json");
+        let mut json: Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+        json.as_object_mut().map(|m| m.remove("id2label"));
+        std::fs::write(&path, json.to_string()).expect("write");
+        let bert = open(&config).expect("opens").expect("set");
+        assert!(bert.describe(&config).contains("a new pooler"));
+        device.seed(43);
+        let fresh = shape.init(&device);
+        let pooler = |m: &EncoderClassifier| -> Vec<f32> {
+            param_values(m)
+                .into_iter()
+                .find(|(p, _, _)| p == "pooler.weight")
+                .expect("a pooler")
+                .2
+        };
+        let own = pooler(&fresh);
+        let loaded = bert.load_into(fresh, &device).expect("loads");
+        assert_eq!(pooler(&loaded), own);
+        assert_ne!(pooler(&loaded), pooler(&source));
+
+        // A position beyond its 16 (18 less RoBERTa's 2) is named.
+        let err = open(&run_config(dir.path(), &["model.max_length=17"]))
+            .expect_err("too long")
+            .to_string();
+        assert!(
+            err.contains(
+                "longer than its 16 positions (max_position_embeddings after RoBERTa's first 2 rows"
+            ),
             "{err}"
         );
     }

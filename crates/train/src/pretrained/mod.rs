@@ -6,7 +6,7 @@
 //! or what `kiln export` writes: `config.json` and `model.safetensors`, and
 //! the tokenizer (`tokenizer.json` or `vocab.json`).
 //!
-//! kiln's GPT is GPT-2's architecture ([`crate::export`] maps one onto the
+//! kiln's GPT is GPT-2's architecture ([`hf_name`] maps one onto the
 //! other), so loading changes no value. What the weights need of the run
 //! is checked before anything is written, each mismatch named with its
 //! fix: the shape (`model.layers`, `heads`, `hidden`, `intermediate`
@@ -35,6 +35,41 @@ use crate::error::TrainError;
 use crate::params::{load_values, param_entries};
 
 pub(crate) mod bert;
+
+/// kiln's parameter path → GPT-2's name in `GPT2LMHeadModel`'s state dict.
+pub fn hf_name(path: &str) -> Option<String> {
+    let top = match path {
+        "wte.weight" => Some("transformer.wte.weight"),
+        "wpe.weight" => Some("transformer.wpe.weight"),
+        "ln_f.gamma" => Some("transformer.ln_f.weight"),
+        "ln_f.beta" => Some("transformer.ln_f.bias"),
+        _ => None,
+    };
+    if let Some(name) = top {
+        return Some(name.to_string());
+    }
+    let rest = path.strip_prefix("blocks.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (module, param) = rest.split_once('.')?;
+    let module = match module {
+        "ln1" => "ln_1",
+        "ln2" => "ln_2",
+        "qkv" => "attn.c_attn",
+        "attn_proj" => "attn.c_proj",
+        "fc" => "mlp.c_fc",
+        "mlp_proj" => "mlp.c_proj",
+        _ => return None,
+    };
+    let param = match (module, param) {
+        ("ln_1" | "ln_2", "gamma") => "weight",
+        ("ln_1" | "ln_2", "beta") => "bias",
+        (_, "weight") => "weight",
+        (_, "bias") => "bias",
+        _ => return None,
+    };
+    Some(format!("transformer.h.{layer}.{module}.{param}"))
+}
 
 /// The GPT-2 folder `model.init_from` names, checked against the run: its
 /// weights are read when they are loaded ([`Pretrained::load_into`]).
@@ -563,7 +598,7 @@ impl Pretrained {
     }
 
     /// `model` (a GPT) with every parameter replaced by the folder's: each
-    /// kiln parameter under its GPT-2 name (`export::hf_name`), the
+    /// kiln parameter under its GPT-2 name ([`hf_name`]), the
     /// position embeddings cropped to the block, a padded vocabulary's
     /// rows at zero. Fails, naming the tensor, where the file lacks one,
     /// has another shape, or holds a tensor the model does not have.
@@ -585,7 +620,7 @@ impl Pretrained {
         let mut values = HashMap::new();
         let mut wte = None;
         for param in param_entries(&model) {
-            let hf = crate::export::hf_name(&param.path).ok_or_else(|| {
+            let hf = hf_name(&param.path).ok_or_else(|| {
                 fail(
                     &self.weights,
                     format!(
@@ -684,6 +719,23 @@ mod tests {
         let path = dir.join("model.safetensors");
         std::fs::write(&path, out).expect("write");
         path
+    }
+
+    #[test]
+    fn every_gpt_parameter_has_its_gpt2_name() {
+        let _rng = crate::tests::flex_rng();
+        let config = crate::tests::config(&["model.layers=2"]);
+        let gpt = crate::translate::gpt_config(&config, 65);
+        let model = gpt.init(&burn::tensor::Device::flex());
+        let names: Vec<String> = crate::params::param_entries(&model)
+            .iter()
+            .map(|e| hf_name(&e.path).unwrap_or_else(|| panic!("{} unmapped", e.path)))
+            .collect();
+        assert_eq!(names.len(), 4 + 2 * 12);
+        assert!(names.contains(&"transformer.h.1.attn.c_attn.weight".to_string()));
+        assert!(names.contains(&"transformer.h.0.ln_2.bias".to_string()));
+        assert_eq!(hf_name("blocks.0.dropout.x"), None);
+        assert_eq!(hf_name("blocks.x.fc.weight"), None);
     }
 
     #[test]

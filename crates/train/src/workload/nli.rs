@@ -579,14 +579,19 @@ fn train_fold(
     let (peak, peak_name) = mfu_peak(config, device, &precision, &options.hardware);
     let mut lines = vec![
         format!(
-            "fold {}/{}: {} training pairs, {} held out; WordPiece vocabulary {} ({})",
+            "fold {}/{}: {} training pairs, {} held out; {} {} ({})",
             fold + 1,
             config.cv.folds,
             p.train_pairs,
             p.held_out_pairs,
+            if config.model.init_from.is_some() || config.data.tokenizer_file.is_some() {
+                "vocabulary"
+            } else {
+                "WordPiece vocabulary"
+            },
             p.tokenizer.vocab_size(),
             if config.model.init_from.is_some() {
-                "the weights' own"
+                "the weights' tokenizer"
             } else if config.data.tokenizer_file.is_some() {
                 "data.tokenizer_file"
             } else {
