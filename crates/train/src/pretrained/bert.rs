@@ -30,7 +30,7 @@ use kiln_data::Tokenizer;
 use kiln_model::EncoderClassifier;
 use serde_json::Value;
 
-use super::{Entry, fail, read_header, tensor_values, weights_file};
+use super::{Entry, Fit, fail, gelu_named, positive, read_header, tensor_values, weights_file};
 use crate::error::TrainError;
 use crate::params::{NamedValues, load_values, param_entries, param_values};
 
@@ -225,26 +225,12 @@ impl BertShape {
                 ));
             }
         };
-        let count = |key: &str| -> Result<usize, String> {
-            json.get(key)
-                .and_then(Value::as_u64)
-                .and_then(|v| usize::try_from(v).ok())
-                .filter(|v| *v > 0)
-                .ok_or_else(|| format!("has no positive integer `{key}`"))
-        };
-        let gelu = match json
+        let count = |key: &str| positive(json, key);
+        let activation = json
             .get("hidden_act")
             .and_then(Value::as_str)
-            .unwrap_or("gelu")
-        {
-            "gelu" => Gelu::Exact,
-            "gelu_new" | "gelu_pytorch_tanh" => Gelu::Tanh,
-            other => {
-                return Err(format!(
-                    "has hidden_act \"{other}\"; kiln's encoder has GELU, exact (\"gelu\") or tanh (\"gelu_new\")"
-                ));
-            }
-        };
+            .unwrap_or("gelu");
+        let gelu = gelu_named(activation, "hidden_act", "encoder")?;
         if let Some(kind) = json.get("position_embedding_type").and_then(Value::as_str)
             && kind != "absolute"
         {
@@ -306,77 +292,32 @@ impl BertShape {
     /// Every key of the run's model that the weights need otherwise, in one
     /// message with the overrides that fix them.
     fn check(&self, config: &RunConfig) -> Result<(), String> {
-        let m = &config.model;
-        let gelu = |g: Gelu| match g {
-            Gelu::Exact => "exact",
-            Gelu::Tanh => "tanh",
-        };
-        let mut wrong: Vec<(String, String)> = Vec::new();
-        for (key, run, field, theirs) in [
-            ("layers", m.layers, "num_hidden_layers", self.layers),
-            ("heads", m.heads, "num_attention_heads", self.heads),
-            ("hidden", m.hidden, "hidden_size", self.hidden),
-            (
-                "intermediate",
-                m.intermediate,
-                "intermediate_size",
-                self.intermediate,
-            ),
-        ] {
-            if run != theirs {
-                wrong.push((
-                    format!("model.{key} = {run} where its {field} is {theirs}"),
-                    format!("model.{key}={theirs}"),
-                ));
-            }
-        }
-        if m.gelu != self.gelu {
-            wrong.push((
+        let mut fit = Fit::new(config);
+        fit.shape([
+            ("layers", "num_hidden_layers", self.layers),
+            ("heads", "num_attention_heads", self.heads),
+            ("hidden", "hidden_size", self.hidden),
+            ("intermediate", "intermediate_size", self.intermediate),
+        ]);
+        fit.gelu(self.gelu);
+        let eps = config.model.layer_norm_eps;
+        if (eps - self.layer_norm_eps).abs() > 1e-3 * self.layer_norm_eps {
+            fit.push(
                 format!(
-                    "model.gelu = \"{}\" where it was trained with the {} GELU",
-                    gelu(m.gelu),
-                    gelu(self.gelu)
-                ),
-                format!("model.gelu={}", gelu(self.gelu)),
-            ));
-        }
-        if (m.layer_norm_eps - self.layer_norm_eps).abs() > 1e-3 * self.layer_norm_eps {
-            wrong.push((
-                format!(
-                    "model.layer_norm_eps = {:e} where its layer_norm_eps is {:e}",
-                    m.layer_norm_eps, self.layer_norm_eps
+                    "model.layer_norm_eps = {eps:e} where its layer_norm_eps is {:e}",
+                    self.layer_norm_eps
                 ),
                 format!("model.layer_norm_eps={:e}", self.layer_norm_eps),
-            ));
+            );
         }
-        if m.max_length > self.positions {
-            let offset = if self.position_offset > 0 {
-                format!(
-                    " after RoBERTa's first {} rows, the padding's",
-                    self.position_offset
-                )
-            } else {
-                String::new()
-            };
-            wrong.push((
-                format!(
-                    "model.max_length = {} is longer than its {} positions (max_position_embeddings{offset})",
-                    m.max_length, self.positions
-                ),
-                format!("model.max_length={}", self.positions),
-            ));
-        }
-        if wrong.is_empty() {
-            return Ok(());
-        }
-        let what: Vec<&str> = wrong.iter().map(|w| w.0.as_str()).collect();
-        let fix: Vec<&str> = wrong.iter().map(|w| w.1.as_str()).collect();
-        Err(format!(
-            "holds a {} the run's model does not match: {}. Set the run's to the weights': {}",
-            self.family.name(),
-            what.join("; "),
-            fix.join(" ")
-        ))
+        let field = match self.position_offset {
+            0 => "max_position_embeddings".to_string(),
+            rows => {
+                format!("max_position_embeddings after RoBERTa's first {rows} rows, the padding's")
+            }
+        };
+        fit.positions(self.positions, &field);
+        fit.into_result(self.family.name())
     }
 }
 
@@ -995,18 +936,18 @@ mod tests {
             .collect()
     }
 
-    /// A test's folder, run and a model drawn with `seed` (under the
-    /// caller's hold of flex's generator).
-    struct Fixture {
-        dir: tempfile::TempDir,
-        device: Device,
-        tokenizer: Tokenizer,
-        config: RunConfig,
-        shape: kiln_model::EncoderConfig,
-        source: EncoderClassifier,
-    }
-
-    fn fixture(seed: u64) -> Fixture {
+    /// A test's folder, device, tokenizer, run, encoder shape and a model
+    /// of it drawn with `seed` (under the caller's hold of flex's generator).
+    fn fixture(
+        seed: u64,
+    ) -> (
+        tempfile::TempDir,
+        Device,
+        Tokenizer,
+        RunConfig,
+        kiln_model::EncoderConfig,
+        EncoderClassifier,
+    ) {
         let dir = tempfile::tempdir().expect("tempdir");
         let device = Device::flex();
         let tokenizer = tokenizer();
@@ -1014,27 +955,13 @@ mod tests {
         let shape = encoder_config(&config, tokenizer.vocab_size());
         device.seed(seed);
         let source = shape.init(&device);
-        Fixture {
-            dir,
-            device,
-            tokenizer,
-            config,
-            shape,
-            source,
-        }
+        (dir, device, tokenizer, config, shape, source)
     }
 
     #[test]
     fn a_bert_folder_fills_every_parameter_as_transformers_names_it() {
         let _rng = crate::tests::flex_rng();
-        let Fixture {
-            dir,
-            device,
-            tokenizer,
-            config,
-            shape,
-            source,
-        } = fixture(11);
+        let (dir, device, tokenizer, config, shape, source) = fixture(11);
         let labels = ["entailment", "neutral", "contradiction"];
         write_bert(dir.path(), &source, &tokenizer, Some(&labels), false);
 
@@ -1096,14 +1023,7 @@ mod tests {
     #[test]
     fn a_tensorflow_converted_bert_model_loads_and_cls_pooling_leaves_the_pooler() {
         let _rng = crate::tests::flex_rng();
-        let Fixture {
-            dir,
-            device,
-            tokenizer,
-            config,
-            shape,
-            source,
-        } = fixture(21);
+        let (dir, device, tokenizer, config, shape, source) = fixture(21);
         write_bert(dir.path(), &source, &tokenizer, None, true);
         let bert = open(&config).expect("opens").expect("set");
         assert_eq!(
@@ -1132,14 +1052,7 @@ mod tests {
     #[test]
     fn what_does_not_fit_is_named_with_its_fix() {
         let _rng = crate::tests::flex_rng();
-        let Fixture {
-            dir,
-            device,
-            tokenizer,
-            config,
-            shape,
-            source,
-        } = fixture(31);
+        let (dir, device, tokenizer, config, shape, source) = fixture(31);
         write_bert(dir.path(), &source, &tokenizer, None, false);
 
         let err = |overrides: &[&str]| -> String {
@@ -1275,14 +1188,7 @@ mod tests {
     #[test]
     fn a_roberta_folder_loads_with_its_offset_positions_one_segment_and_its_head() {
         let _rng = crate::tests::flex_rng();
-        let Fixture {
-            dir,
-            device,
-            tokenizer,
-            config,
-            shape,
-            source,
-        } = fixture(41);
+        let (dir, device, tokenizer, config, shape, source) = fixture(41);
         let labels = ["entailment", "neutral", "contradiction"];
         write_bert(dir.path(), &source, &tokenizer, Some(&labels), false);
         as_roberta(dir.path());

@@ -258,13 +258,7 @@ impl Gpt2Shape {
                 model_type.unwrap_or("(no model_type)")
             ));
         }
-        let count = |key: &str| -> Result<usize, String> {
-            json.get(key)
-                .and_then(Value::as_u64)
-                .and_then(|v| usize::try_from(v).ok())
-                .filter(|v| *v > 0)
-                .ok_or_else(|| format!("has no positive integer `{key}`"))
-        };
+        let count = |key: &str| positive(json, key);
         let hidden = count("n_embd")?;
         let intermediate = match json.get("n_inner") {
             None | Some(Value::Null) => 4 * hidden,
@@ -274,15 +268,7 @@ impl Gpt2Shape {
             .get("activation_function")
             .and_then(Value::as_str)
             .unwrap_or("gelu_new");
-        let gelu = match activation {
-            "gelu_new" | "gelu_pytorch_tanh" => Gelu::Tanh,
-            "gelu" => Gelu::Exact,
-            other => {
-                return Err(format!(
-                    "has activation_function \"{other}\"; kiln's GPT has GELU, exact (\"gelu\") or tanh (\"gelu_new\")"
-                ));
-            }
-        };
+        let gelu = gelu_named(activation, "activation_function", "GPT")?;
         let epsilon = json
             .get("layer_norm_epsilon")
             .and_then(Value::as_f64)
@@ -332,57 +318,121 @@ impl Gpt2Shape {
     /// Every key of the run's model that the weights need otherwise, in one
     /// message with the overrides that fix them.
     fn check(&self, config: &RunConfig) -> Result<(), String> {
-        let m = &config.model;
-        let gelu = |g: Gelu| match g {
+        let mut fit = Fit::new(config);
+        fit.shape([
+            ("layers", "n_layer", self.layers),
+            ("heads", "n_head", self.heads),
+            ("hidden", "n_embd", self.hidden),
+            ("intermediate", "n_inner", self.intermediate),
+        ]);
+        fit.gelu(self.gelu);
+        fit.positions(self.positions, "n_positions");
+        fit.into_result("GPT-2")
+    }
+}
+
+/// The keys of the run's `model.*` a folder's weights need otherwise, each
+/// with the override that fixes it, gathered into one message.
+pub(super) struct Fit<'a> {
+    config: &'a RunConfig,
+    /// What differs, and its fix.
+    wrong: Vec<(String, String)>,
+}
+
+impl<'a> Fit<'a> {
+    pub(super) fn new(config: &'a RunConfig) -> Self {
+        Self {
+            config,
+            wrong: Vec::new(),
+        }
+    }
+
+    /// A mismatch: what differs, and the override that fixes it.
+    pub(super) fn push(&mut self, what: String, fix: String) {
+        self.wrong.push((what, fix));
+    }
+
+    /// `model.<key>` against the folder's `<field>` for each `(key, field,
+    /// theirs)` of layers, heads, hidden and intermediate.
+    pub(super) fn shape(&mut self, fields: [(&str, &str, usize); 4]) {
+        let m = &self.config.model;
+        let runs = [m.layers, m.heads, m.hidden, m.intermediate];
+        for ((key, field, theirs), run) in fields.into_iter().zip(runs) {
+            if run != theirs {
+                self.push(
+                    format!("model.{key} = {run} where its {field} is {theirs}"),
+                    format!("model.{key}={theirs}"),
+                );
+            }
+        }
+    }
+
+    /// `model.gelu` against the GELU the weights were trained with.
+    pub(super) fn gelu(&mut self, theirs: Gelu) {
+        let name = |g: Gelu| match g {
             Gelu::Exact => "exact",
             Gelu::Tanh => "tanh",
         };
-        let mut wrong: Vec<(String, String, String)> = Vec::new();
-        for (key, run, field, theirs) in [
-            ("layers", m.layers, "n_layer", self.layers),
-            ("heads", m.heads, "n_head", self.heads),
-            ("hidden", m.hidden, "n_embd", self.hidden),
-            ("intermediate", m.intermediate, "n_inner", self.intermediate),
-        ] {
-            if run != theirs {
-                wrong.push((
-                    format!("model.{key} = {run} where its {field} is {theirs}"),
-                    format!("model.{key}={theirs}"),
-                    String::new(),
-                ));
-            }
-        }
-        if m.gelu != self.gelu {
-            wrong.push((
+        let run = self.config.model.gelu;
+        if run != theirs {
+            self.push(
                 format!(
                     "model.gelu = \"{}\" where it was trained with the {} GELU",
-                    gelu(m.gelu),
-                    gelu(self.gelu)
+                    name(run),
+                    name(theirs)
                 ),
-                format!("model.gelu={}", gelu(self.gelu)),
-                String::new(),
-            ));
+                format!("model.gelu={}", name(theirs)),
+            );
         }
-        if m.max_length > self.positions {
-            wrong.push((
+    }
+
+    /// `model.max_length` within the folder's `positions` (`field` says
+    /// where they come from).
+    pub(super) fn positions(&mut self, positions: usize, field: &str) {
+        let run = self.config.model.max_length;
+        if run > positions {
+            self.push(
                 format!(
-                    "model.max_length = {} is longer than its {} positions (n_positions)",
-                    m.max_length, self.positions
+                    "model.max_length = {run} is longer than its {positions} positions ({field})"
                 ),
-                format!("model.max_length={}", self.positions),
-                String::new(),
-            ));
+                format!("model.max_length={positions}"),
+            );
         }
-        if wrong.is_empty() {
+    }
+
+    /// `Ok` where nothing differs; else one message naming every mismatch
+    /// of the `architecture`'s weights, and all the fixes.
+    pub(super) fn into_result(self, architecture: &str) -> Result<(), String> {
+        if self.wrong.is_empty() {
             return Ok(());
         }
-        let what: Vec<&str> = wrong.iter().map(|w| w.0.as_str()).collect();
-        let fix: Vec<&str> = wrong.iter().map(|w| w.1.as_str()).collect();
+        let what: Vec<&str> = self.wrong.iter().map(|w| w.0.as_str()).collect();
+        let fix: Vec<&str> = self.wrong.iter().map(|w| w.1.as_str()).collect();
         Err(format!(
-            "holds a GPT-2 the run's model does not match: {}. Set the run's to the weights': {}",
+            "holds a {architecture} the run's model does not match: {}. Set the run's to the weights': {}",
             what.join("; "),
             fix.join(" ")
         ))
+    }
+}
+
+/// The positive integer `key` of a `config.json`.
+pub(super) fn positive(json: &Value, key: &str) -> Result<usize, String> {
+    json.get(key)
+        .and_then(Value::as_u64)
+        .and_then(|v| usize::try_from(v).ok())
+        .filter(|v| *v > 0)
+        .ok_or_else(|| format!("has no positive integer `{key}`"))
+}
+
+/// `transformers`' activation name as kiln's GELU.
+pub(super) fn gelu_named(activation: &str, key: &str, model: &str) -> Result<Gelu, String> {
+    match activation {
+        "gelu" => Ok(Gelu::Exact),
+        "gelu_new" | "gelu_pytorch_tanh" => Ok(Gelu::Tanh),
+        other => Err(format!(
+            "has {key} \"{other}\"; kiln's {model} has GELU, exact (\"gelu\") or tanh (\"gelu_new\")"
+        )),
     }
 }
 
