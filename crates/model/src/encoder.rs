@@ -149,9 +149,24 @@ impl EncoderConfig {
     /// Builds the model on `device`: embeddings and linear layers drawn
     /// from N(0, 0.02), BERT's scale; LayerNorms start at one and zero.
     pub fn init(&self, device: &Device) -> EncoderClassifier {
-        let normal = Initializer::Normal {
-            mean: 0.0,
-            std: 0.02,
+        self.build(device, true)
+    }
+
+    /// The model with every weight zero, for weights about to be loaded
+    /// into it: nothing is drawn (quicker than [`EncoderConfig::init`], and
+    /// the device's random generator is left as it was).
+    pub fn init_unset(&self, device: &Device) -> EncoderClassifier {
+        self.build(device, false)
+    }
+
+    fn build(&self, device: &Device, draw: bool) -> EncoderClassifier {
+        let normal = if draw {
+            Initializer::Normal {
+                mean: 0.0,
+                std: 0.02,
+            }
+        } else {
+            Initializer::Zeros
         };
         let linear = |i: usize, o: usize| {
             LinearConfig::new(i, o)

@@ -188,6 +188,19 @@ pub(crate) fn list(dir: &Path) -> Vec<CheckpointInfo> {
 
 /// Reads and verifies one checkpoint.
 pub(crate) fn load(path: &Path) -> Result<CheckpointState, String> {
+    read_checked(path, true)
+}
+
+/// The parameters of the checkpoint at `path`, checked whole as [`load`]
+/// checks it; the optimizer's moments are hashed, not read out (two thirds
+/// of an AdamW checkpoint): what sampling, prediction and export need.
+pub(crate) fn load_params(path: &Path) -> Result<Vec<crate::params::NamedValues>, String> {
+    read_checked(path, false).map(|state| state.params)
+}
+
+/// [`load`], the moments read out or (`moments` false) only hashed: then
+/// the state's `moments` are empty.
+fn read_checked(path: &Path, moments: bool) -> Result<CheckpointState, String> {
     let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
     let (_, meta) =
         SafeTensors::read_metadata(&bytes).map_err(|e| format!("unreadable header ({e})"))?;
@@ -209,13 +222,18 @@ pub(crate) fn load(path: &Path) -> Result<CheckpointState, String> {
             return Err(format!("`{name}` is not f32"));
         }
         hasher.update(view.data());
-        let values = f32_values(view.data());
         if let Some(p) = name.strip_prefix("model/") {
-            params.push((p.to_string(), view.shape().to_vec(), values));
+            params.push((
+                p.to_string(),
+                view.shape().to_vec(),
+                f32_values(view.data()),
+            ));
+        } else if !moments {
+            continue;
         } else if let Some(p) = name.strip_prefix("adam_m/") {
-            m.insert(p.to_string(), values);
+            m.insert(p.to_string(), f32_values(view.data()));
         } else if let Some(p) = name.strip_prefix("adam_v/") {
-            v.insert(p.to_string(), values);
+            v.insert(p.to_string(), f32_values(view.data()));
         }
     }
     let digest: String = hasher
@@ -335,13 +353,27 @@ pub(crate) fn set_aside_after(run: &RunDir, step: u64) -> Result<Option<PathBuf>
 /// The newest checkpoint in `dir` that verifies, and a note for each newer
 /// one that did not.
 pub fn latest_good_checkpoint(dir: &Path) -> Result<(CheckpointInfo, Vec<String>), TrainError> {
-    let (info, _, notes) = latest_good(dir)?;
+    let (info, _, notes) = latest_good_params(dir)?;
     Ok((info, notes))
 }
 
 pub(crate) fn latest_good(
     dir: &Path,
 ) -> Result<(CheckpointInfo, CheckpointState, Vec<String>), TrainError> {
+    latest_good_by(dir, load)
+}
+
+/// [`latest_good`]'s parameters alone ([`load_params`]).
+pub(crate) fn latest_good_params(
+    dir: &Path,
+) -> Result<(CheckpointInfo, Vec<crate::params::NamedValues>, Vec<String>), TrainError> {
+    latest_good_by(dir, load_params)
+}
+
+fn latest_good_by<T>(
+    dir: &Path,
+    load: impl Fn(&Path) -> Result<T, String>,
+) -> Result<(CheckpointInfo, T, Vec<String>), TrainError> {
     let mut notes = Vec::new();
     let all = list(dir);
     if all.is_empty() {
@@ -410,6 +442,10 @@ mod tests {
         let mut got = back;
         got.params.sort_by(|a, b| a.0.cmp(&b.0));
         assert_eq!(got, want);
+        // The parameters alone, as sampling and export read them.
+        let (info, mut params, _) = latest_good_params(dir.path()).expect("loads");
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!((info.step, params), (30, want.params));
     }
 
     #[test]
@@ -423,6 +459,30 @@ mod tests {
         bytes[last] ^= 0xff;
         std::fs::write(&newest, &bytes).expect("write");
         let (info, _, notes) = latest_good(dir.path()).expect("falls back");
+        assert_eq!(info.step, 10);
+        assert!(notes[0].contains("checksum mismatch"), "{notes:?}");
+        // A byte of an optimizer moment: the parameters alone are not
+        // trusted either.
+        let mut bytes = std::fs::read(&newest).expect("read");
+        bytes[last] ^= 0xff;
+        let (header, _) = SafeTensors::read_metadata(&bytes).expect("header");
+        let start = 8 + header;
+        let moment = SafeTensors::deserialize(&bytes)
+            .expect("reads")
+            .names()
+            .into_iter()
+            .find(|n| n.starts_with("adam_v/"))
+            .map(str::to_string)
+            .expect("a moment");
+        let at = {
+            let file = SafeTensors::deserialize(&bytes).expect("reads");
+            let view = file.tensor(&moment).expect("tensor");
+            view.data().as_ptr() as usize - bytes.as_ptr() as usize
+        };
+        assert!(at >= start);
+        bytes[at] ^= 0x01;
+        std::fs::write(&newest, &bytes).expect("write");
+        let (info, _, notes) = latest_good_params(dir.path()).expect("falls back");
         assert_eq!(info.step, 10);
         assert!(notes[0].contains("checksum mismatch"), "{notes:?}");
         // A truncated file is caught too.

@@ -112,12 +112,12 @@ pub fn export_hf(run: &Path, out: &Path) -> Result<Exported, TrainError> {
 fn export_gpt2(dir: &RunDir, config: &RunConfig, out: &Path) -> Result<Exported, TrainError> {
     let tokenizer_path = dir.file("tokenizer.json");
     let tokenizer = Tokenizer::load(&tokenizer_path)?;
-    let (info, state, notes) = checkpoint::latest_good(&dir.checkpoints())?;
+    let (info, params, notes) = checkpoint::latest_good_params(&dir.checkpoints())?;
     let vocab_size = tokenizer.vocab_size();
 
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     let mut parameters = 0;
-    for (path, shape, values) in &state.params {
+    for (path, shape, values) in &params {
         let name = hf_name(path).ok_or_else(|| TrainError::CheckpointMismatch {
             path: info.path.clone(),
             why: format!("parameter `{path}` has no GPT-2 counterpart"),
@@ -172,7 +172,7 @@ fn export_gpt2(dir: &RunDir, config: &RunConfig, out: &Path) -> Result<Exported,
             json(&tokenizer_config).into_bytes(),
         ),
     ];
-    if let Some(reference) = reference(config, &tokenizer, &state.params, dir)? {
+    if let Some(reference) = reference(config, &tokenizer, &params, dir)? {
         files.push(("kiln_reference.json", json(&reference).into_bytes()));
     }
     write_folder(out, &files)?;
@@ -379,7 +379,7 @@ fn reference(
         .iter()
         .map(|(p, s, v)| (p.clone(), (s.clone(), v.clone())))
         .collect();
-    let model = crate::params::load_values(gpt.init(&device), values, &device)
+    let model = crate::params::load_values(gpt.init_unset(&device), values, &device)
         .map_err(|why| TrainError::CheckpointMismatch {
             path: dir.checkpoints(),
             why,

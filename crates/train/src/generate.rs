@@ -138,7 +138,7 @@ pub fn sample(
     let device = select_device(&config.device, hardware.gpu_vendor())?;
     let gpt = crate::translate::gpt_config(&config, tokenizer.vocab_size());
     let model = weights
-        .load_into(gpt.init(&device.device), &device.device)?
+        .load_into(gpt.init_unset(&device.device), &device.device)?
         .with_kernels(crate::translate::kernels(&config))
         .with_attention(crate::translate::attention(&config));
     let mut settings = config.sample.clone();
@@ -168,8 +168,8 @@ pub fn sample(
 
 /// Where the weights come from.
 enum Weights {
-    /// A run's checkpoint (its path, for messages).
-    Checkpoint(std::path::PathBuf, checkpoint::CheckpointState),
+    /// A run's checkpoint's parameters (its path, for messages).
+    Checkpoint(std::path::PathBuf, Vec<crate::params::NamedValues>),
     /// A GPT-2 folder, checked.
     Folder(crate::pretrained::Pretrained),
 }
@@ -178,12 +178,8 @@ impl Weights {
     /// A freshly built GPT filled with the weights.
     fn load_into(self, model: Gpt, device: &Device) -> Result<Gpt, TrainError> {
         match self {
-            Self::Checkpoint(path, state) => {
-                let values = state
-                    .params
-                    .into_iter()
-                    .map(|(p, s, v)| (p, (s, v)))
-                    .collect();
+            Self::Checkpoint(path, params) => {
+                let values = params.into_iter().map(|(p, s, v)| (p, (s, v))).collect();
                 crate::params::load_values(model, values, device)
                     .map_err(|why| TrainError::CheckpointMismatch { path, why })
             }
@@ -203,14 +199,14 @@ fn from_run(from: &Path) -> Result<Source, TrainError> {
         "`kiln predict` labels pairs with it",
     )?;
     let tokenizer = Tokenizer::load(&dir.file("tokenizer.json"))?;
-    let (info, state, notes) = checkpoint::latest_good(&dir.checkpoints())?;
+    let (info, params, notes) = checkpoint::latest_good_params(&dir.checkpoints())?;
     let source = format!("step {} of `{}`", info.step, from.display());
     Ok((
         config,
         tokenizer,
         source,
         notes,
-        Weights::Checkpoint(info.path, state),
+        Weights::Checkpoint(info.path, params),
     ))
 }
 

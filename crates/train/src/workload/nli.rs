@@ -771,10 +771,11 @@ pub(crate) fn best_fold(run_dir: &Path, to: &str) -> Result<BestFold, TrainError
     let mut tokenizer = Tokenizer::load(&fold_dir.join("tokenizer.json"))?;
     tokenizer.set_pair_template(config.model.max_length)?;
     let model_path = fold_dir.join(BEST_MODEL);
-    let state = checkpoint::load(&model_path).map_err(|why| TrainError::CheckpointMismatch {
-        path: model_path.clone(),
-        why,
-    })?;
+    let params =
+        checkpoint::load_params(&model_path).map_err(|why| TrainError::CheckpointMismatch {
+            path: model_path.clone(),
+            why,
+        })?;
     let (fold, step) = (best.fold, best.best_step);
     Ok(BestFold {
         run,
@@ -783,7 +784,7 @@ pub(crate) fn best_fold(run_dir: &Path, to: &str) -> Result<BestFold, TrainError
         step,
         tokenizer,
         model_path,
-        params: state.params,
+        params,
     })
 }
 
@@ -808,11 +809,12 @@ pub fn predict(
         .into_iter()
         .map(|(p, s, v)| (p, (s, v)))
         .collect();
-    let model = crate::params::load_values(encoder.init(&device.device), values, &device.device)
-        .map_err(|why| TrainError::CheckpointMismatch {
-            path: model_path.clone(),
-            why,
-        })?;
+    let model =
+        crate::params::load_values(encoder.init_unset(&device.device), values, &device.device)
+            .map_err(|why| TrainError::CheckpointMismatch {
+                path: model_path.clone(),
+                why,
+            })?;
     let encoded = encode_dataset(&tokenizer, &data)?;
     let refs: Vec<&EncodedPair> = encoded.iter().collect();
     let mut lines = String::new();
