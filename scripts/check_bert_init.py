@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
-"""Checks `model.init_from` on the sentence-pair encoder against Hugging Face's own BERT.
+"""Checks `model.init_from` on the sentence-pair encoder against Hugging Face's own BERT and RoBERTa.
 
-    python3 scripts/check_bert_init.py --kiln target/release/kiln [--folder bert-base-uncased]
+    python3 scripts/check_bert_init.py --kiln target/release/kiln [--family roberta] [--folder FOLDER] [--scratch]
 
 Needs `torch` and `transformers` (pip install torch transformers). Without
 --folder it makes a small random `BertForSequenceClassification` (2 layers,
-64 wide, BERT's pooler and ε, its WordPiece tokenizer trained on the pairs)
-with id2label = the run's labels, so that kiln loads its classifier too;
-with --folder (a real BERT whose config.json has id2label for
-entailment / neutral / contradiction, or any BERT: then the classifier is
-new and only the encoder can be compared, see --features) it uses that.
+64 wide, BERT's pooler and ε, its WordPiece tokenizer trained on the pairs;
+with --family roberta a `RobertaForSequenceClassification` with a
+byte-level BPE) with id2label = the run's labels, so that kiln loads its
+classifier too. --folder takes a real one instead, whose config.json's
+id2label must be entailment / neutral / contradiction in that order (a
+model fine-tuned on MultiNLI with those names): for a base model such as
+bert-base-uncased kiln's new classifier and transformers' are drawn apart,
+so their probabilities cannot be compared (the export's still are).
 
 It then runs, in a temporary folder:
 
@@ -27,7 +30,7 @@ With --scratch there is no BERT folder: a 2 × 64 encoder trains 30
 steps from random weights with kiln's own WordPiece, and only its export
 is compared. Prints the largest differences; exits 1 above --tolerance.
 Not run by the tests or CI (which have no torch); see docs/NLI.md,
-"Fine-tuning BERT".
+"Fine-tuning BERT or RoBERTa".
 """
 
 import argparse
