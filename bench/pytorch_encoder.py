@@ -78,18 +78,25 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--avx2", action="store_true",
                     help="CPU kernels at AVX2 at most (set before torch is imported, above)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--intermediate", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=8000,
+                    help="the shape's defaults are PEERS.md's; BERT-base: --layers 12 --heads 12 "
+                    "--hidden 768 --intermediate 3072 --vocab 30522 (kiln's bert_base experiment)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = Encoder(8000, args.max_len, 4, 4, 256, 1024, 3)
+    model = Encoder(args.vocab, args.max_len, args.layers, args.heads, args.hidden, args.intermediate, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
     times = []
     for i in range(args.warmup + args.steps):
         lengths = torch.clamp(torch.poisson(torch.full((args.batch,), float(args.mean_len))), 4, args.max_len).long()
         pad = torch.arange(args.max_len)[None, :] >= lengths[:, None]
-        ids = torch.randint(5, 8000, (args.batch, args.max_len)).masked_fill(pad, 0)
+        ids = torch.randint(5, args.vocab, (args.batch, args.max_len)).masked_fill(pad, 0)
         seg = torch.zeros_like(ids)
         labels = torch.randint(0, 3, (args.batch,))
         start = time.perf_counter()
@@ -107,6 +114,7 @@ def main():
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "batch": args.batch,
         "max_len": args.max_len,
+        "shape": [args.layers, args.heads, args.hidden, args.intermediate, args.vocab],
         "samples_per_s_median": statistics.median(sps),
         "samples_per_s_min": sps[0],
         "samples_per_s_max": sps[-1],
