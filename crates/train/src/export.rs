@@ -28,6 +28,7 @@ use serde::Serialize;
 
 use crate::checkpoint;
 use crate::error::TrainError;
+use crate::params::NamedValues;
 use crate::pretrained::hf_name;
 use crate::rundir::{RunDir, write_atomic};
 
@@ -69,10 +70,7 @@ fn config_json(config: &RunConfig, vocab_size: usize) -> serde_json::Value {
         "n_layer": m.layers,
         "n_head": m.heads,
         "n_inner": m.intermediate,
-        "activation_function": match m.gelu {
-            Gelu::Exact => "gelu",
-            Gelu::Tanh => "gelu_new",
-        },
+        "activation_function": activation(m.gelu),
         "layer_norm_epsilon": kiln_model::kernels::LAYER_NORM_EPSILON,
         "resid_pdrop": m.dropout,
         "embd_pdrop": m.dropout,
@@ -115,8 +113,7 @@ fn export_gpt2(dir: &RunDir, config: &RunConfig, out: &Path) -> Result<Exported,
     let (info, params, notes) = checkpoint::latest_good_params(&dir.checkpoints())?;
     let vocab_size = tokenizer.vocab_size();
 
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    let mut parameters = 0;
+    let mut tensors: Vec<NamedValues> = Vec::new();
     for (path, shape, values) in &params {
         let name = hf_name(path).ok_or_else(|| TrainError::CheckpointMismatch {
             path: info.path.clone(),
@@ -135,9 +132,7 @@ fn export_gpt2(dir: &RunDir, config: &RunConfig, out: &Path) -> Result<Exported,
             }
             _ => (shape.clone(), &values[..]),
         };
-        parameters += values.len();
-        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        tensors.push((name, shape, bytes));
+        tensors.push((name, shape, values.to_vec()));
     }
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let wte = tensors
@@ -153,27 +148,17 @@ fn export_gpt2(dir: &RunDir, config: &RunConfig, out: &Path) -> Result<Exported,
             ),
         });
     }
-    let model = safetensors_bytes(&tensors, out)?;
-    let json = |v: &serde_json::Value| serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
-    let tokenizer_config = serde_json::json!({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": config.model.max_length,
-        "clean_up_tokenization_spaces": false,
-    });
     let mut files = vec![
-        ("model.safetensors", model),
-        (
-            "config.json",
-            json(&config_json(config, vocab_size)).into_bytes(),
-        ),
+        ("model.safetensors", safetensors_bytes(&tensors, out)?),
+        ("config.json", pretty(&config_json(config, vocab_size))),
         ("tokenizer.json", tokenizer.to_json()?.into_bytes()),
         (
             "tokenizer_config.json",
-            json(&tokenizer_config).into_bytes(),
+            pretty(&tokenizer_config(config.model.max_length)),
         ),
     ];
     if let Some(reference) = reference(config, &tokenizer, &params, dir)? {
-        files.push(("kiln_reference.json", json(&reference).into_bytes()));
+        files.push(("kiln_reference.json", pretty(&reference)));
     }
     write_folder(out, &files)?;
     Ok(Exported {
@@ -181,22 +166,47 @@ fn export_gpt2(dir: &RunDir, config: &RunConfig, out: &Path) -> Result<Exported,
         checkpoint: info.path,
         step: info.step,
         tensors: tensors.len(),
-        parameters,
+        parameters: tensors.iter().map(|t| t.2.len()).sum(),
         class: "GPT2LMHeadModel",
         fold: None,
         notes,
     })
 }
 
-/// `tensors` (name, shape, little-endian f32 bytes) as a safetensors file
-/// with `format = "pt"`, as `transformers` expects.
-fn safetensors_bytes(
-    tensors: &[(String, Vec<usize>, Vec<u8>)],
-    out: &Path,
-) -> Result<Vec<u8>, TrainError> {
+/// `value` as pretty JSON with a final newline.
+fn pretty(value: &serde_json::Value) -> Vec<u8> {
+    (serde_json::to_string_pretty(value).unwrap_or_default() + "\n").into_bytes()
+}
+
+/// `transformers`' name for kiln's GELU.
+fn activation(gelu: Gelu) -> &'static str {
+    match gelu {
+        Gelu::Exact => "gelu",
+        Gelu::Tanh => "gelu_new",
+    }
+}
+
+/// `tokenizer_config.json` for a `tokenizer.json` read as
+/// `PreTrainedTokenizerFast`, inputs up to `max_length` tokens.
+fn tokenizer_config(max_length: usize) -> serde_json::Value {
+    serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": false,
+    })
+}
+
+/// `tensors` (name, shape, f32 values) as a safetensors file with
+/// `format = "pt"`, as `transformers` expects.
+fn safetensors_bytes(tensors: &[NamedValues], out: &Path) -> Result<Vec<u8>, TrainError> {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, values)| values.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
     let views = tensors
         .iter()
-        .map(|(name, shape, bytes)| {
+        .zip(&bytes)
+        .map(|((name, shape, _), bytes)| {
             TensorView::new(Dtype::F32, shape.clone(), bytes).map(|v| (name.clone(), v))
         })
         .collect::<Result<Vec<_>, _>>()
@@ -251,18 +261,6 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
             ),
         )
     })?;
-    let parameters = tensors.iter().map(|t| t.2.len()).sum();
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-        .iter()
-        .map(|(n, s, v)| {
-            (
-                n.clone(),
-                s.clone(),
-                v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            )
-        })
-        .collect();
-    let model = safetensors_bytes(&bytes, out)?;
     let tokenizer = &best.tokenizer;
     let m = &config.model;
     let labels = &config.data.labels;
@@ -284,10 +282,7 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         "num_hidden_layers": m.layers,
         "num_attention_heads": m.heads,
         "intermediate_size": m.intermediate,
-        "hidden_act": match m.gelu {
-            Gelu::Exact => "gelu",
-            Gelu::Tanh => "gelu_new",
-        },
+        "hidden_act": activation(m.gelu),
         "hidden_dropout_prob": m.dropout,
         "attention_probs_dropout_prob": m.dropout,
         "max_position_embeddings": m.max_length,
@@ -310,12 +305,9 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
     });
     // The segment ids are an input: `transformers`' generic fast tokenizer
     // returns them only when told.
-    let mut tokenizer_config = serde_json::json!({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": m.max_length,
-        "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
-        "clean_up_tokenization_spaces": false,
-    });
+    let mut tokenizer_config = tokenizer_config(m.max_length);
+    tokenizer_config["model_input_names"] =
+        serde_json::json!(["input_ids", "token_type_ids", "attention_mask"]);
     // BERT's special tokens, or RoBERTa's where the fold tokenized as it.
     for (key, tokens) in [
         ("cls_token", ["[CLS]", "<s>"]),
@@ -328,17 +320,13 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
             tokenizer_config[key] = (*token).into();
         }
     }
-    let json = |v: &serde_json::Value| serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
     write_folder(
         out,
         &[
-            ("model.safetensors", model),
-            ("config.json", json(&bert_config).into_bytes()),
+            ("model.safetensors", safetensors_bytes(&tensors, out)?),
+            ("config.json", pretty(&bert_config)),
             ("tokenizer.json", tokenizer.to_json()?.into_bytes()),
-            (
-                "tokenizer_config.json",
-                json(&tokenizer_config).into_bytes(),
-            ),
+            ("tokenizer_config.json", pretty(&tokenizer_config)),
         ],
     )?;
     Ok(Exported {
@@ -346,7 +334,7 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         checkpoint: best.model_path.clone(),
         step: best.step,
         tensors: tensors.len(),
-        parameters,
+        parameters: tensors.iter().map(|t| t.2.len()).sum(),
         class: "BertForSequenceClassification",
         fold: Some(best.fold),
         notes: Vec::new(),

@@ -329,14 +329,12 @@ enum Source {
     /// A PyTorch linear weight (`[out, in]`), transposed to Burn's `[in, out]`.
     Transposed(String),
     /// An embedding cropped to the run's rows: the positions to
-    /// `model.max_length`, the tokens to the tokenizer's (a file may have
-    /// rows no token has).
-    Cropped(String),
+    /// `model.max_length` (`positions`: from the family's first row), the
+    /// tokens to the tokenizer's (a file may have rows no token has).
+    Cropped { name: String, positions: bool },
     /// The query, key and value of layer `i` packed in kiln's one
     /// projection (`weight`: transposed side by side; `bias`: end to end).
     Packed { layer: usize, weight: bool },
-    /// The classifier (`[classes, hidden]`), where the folder's fits.
-    Classifier { weight: bool },
 }
 
 /// The BERT source of the kiln parameter `path`, `None` for none.
@@ -356,18 +354,20 @@ fn source(path: &str) -> Option<Source> {
     };
     let parts: Vec<&str> = path.split('.').collect();
     match parts.as_slice() {
-        ["tokens", "weight"] => Some(Source::Cropped("embeddings.word_embeddings.weight".into())),
-        ["positions", "weight"] => Some(Source::Cropped(
-            "embeddings.position_embeddings.weight".into(),
-        )),
+        ["tokens", "weight"] => Some(Source::Cropped {
+            name: "embeddings.word_embeddings.weight".into(),
+            positions: false,
+        }),
+        ["positions", "weight"] => Some(Source::Cropped {
+            name: "embeddings.position_embeddings.weight".into(),
+            positions: true,
+        }),
         ["segments", "weight"] => Some(Source::Same(
             "embeddings.token_type_embeddings.weight".into(),
         )),
         ["ln_embed", what] => norm("embeddings", what),
         ["pooler", what] => linear("pooler.dense", what),
-        ["head", what] => Some(Source::Classifier {
-            weight: *what == "weight",
-        }),
+        ["head", what] => linear("classifier", what),
         ["blocks", i, module, what] => {
             let i: usize = i.parse().ok()?;
             let layer = format!("encoder.layer.{i}");
@@ -398,9 +398,13 @@ pub(crate) fn hf_tensors(params: &[NamedValues]) -> Result<Vec<NamedValues>, Str
     let mut out = Vec::new();
     for (path, shape, v) in params {
         let source = source(path).ok_or_else(|| format!("`{path}` has no BERT counterpart"))?;
-        let bert = |name: &str| format!("bert.{name}");
+        // The classifier is the model's own, beside `bert`.
+        let bert = |name: &str| match name.starts_with("classifier.") {
+            true => name.to_string(),
+            false => format!("bert.{name}"),
+        };
         match (source, shape.as_slice()) {
-            (Source::Same(name) | Source::Cropped(name), _) => {
+            (Source::Same(name) | Source::Cropped { name, .. }, _) => {
                 out.push((bert(&name), shape.clone(), v.clone()));
             }
             (Source::Transposed(name), [i, o]) => {
@@ -414,27 +418,17 @@ pub(crate) fn hf_tensors(params: &[NamedValues]) -> Result<Vec<NamedValues>, Str
                         "encoder.layer.{layer}.attention.self.{part}.{field}"
                     ));
                     if weight {
-                        let mut t = vec![0.0; d * d];
-                        for r in 0..d {
-                            for c in 0..d {
-                                t[c * d + r] = v[r * 3 * d + k * d + c];
-                            }
-                        }
-                        out.push((name, vec![d, d], t));
+                        // Its third of each row, then PyTorch's [out, in].
+                        let part: Vec<f32> = v
+                            .chunks(3 * d)
+                            .flat_map(|row| &row[k * d..(k + 1) * d])
+                            .copied()
+                            .collect();
+                        out.push((name, vec![d, d], transpose(&part, d, d)));
                     } else {
                         out.push((name, vec![d], v[k * d..(k + 1) * d].to_vec()));
                     }
                 }
-            }
-            (Source::Classifier { weight: true }, [d, c]) => {
-                out.push((
-                    "classifier.weight".into(),
-                    vec![*c, *d],
-                    transpose(v, *d, *c),
-                ));
-            }
-            (Source::Classifier { weight: false }, _) => {
-                out.push(("classifier.bias".into(), shape.clone(), v.clone()));
             }
             (_, dims) => return Err(format!("`{path}` has an unexpected shape {dims:?}")),
         }
@@ -623,9 +617,9 @@ impl BertFolder {
                         _ => return Err(mismatch(&name, &shape, &[want[1], want[0]], &param.path)),
                     }
                 }
-                Source::Cropped(name) => {
+                Source::Cropped { name, positions } => {
                     let (shape, v) = read(&name)?;
-                    let skip = if name.contains("position") {
+                    let skip = if positions {
                         self.shape.position_offset
                     } else {
                         0
@@ -656,31 +650,17 @@ impl BertFolder {
                             return Err(mismatch(name, &shape, &part, &param.path));
                         }
                         if weight {
-                            // kiln's [in, 3·out]: row r holds query, key
-                            // and value's column r side by side.
-                            for r in 0..d {
-                                for c in 0..d {
-                                    out[r * 3 * d + k * d + c] = v[c * d + r];
-                                }
+                            // kiln's [in, 3·out]: each row holds query, key
+                            // and value's (transposed) side by side.
+                            let part = transpose(&v, d, d);
+                            for (row, from) in out.chunks_mut(3 * d).zip(part.chunks(d)) {
+                                row[k * d..(k + 1) * d].copy_from_slice(from);
                             }
                         } else {
                             out[k * d..(k + 1) * d].copy_from_slice(&v);
                         }
                     }
                     out
-                }
-                Source::Classifier { weight } => {
-                    let name = family.file_name(if weight {
-                        "classifier.weight"
-                    } else {
-                        "classifier.bias"
-                    });
-                    let (shape, v) = read(&name)?;
-                    match (shape.as_slice(), want.as_slice()) {
-                        ([c, d], [d2, c2]) if c == c2 && d == d2 => transpose(&v, *c, *d),
-                        ([c], [c2]) if c == c2 => v,
-                        _ => return Err(mismatch(&name, &shape, &want, &param.path)),
-                    }
                 }
             };
             values.insert(param.path, (want, v));
