@@ -1,18 +1,25 @@
 #!/usr/bin/env python3
 """Checks `model.init_from` on the sentence-pair encoder against Hugging Face's own BERT and RoBERTa.
 
-    python3 scripts/check_bert_init.py --kiln target/release/kiln [--family roberta] [--folder FOLDER] [--scratch]
+    python3 scripts/check_bert_init.py --kiln target/release/kiln [--family roberta] [--labels mnli|generic]
+        [--folder FOLDER [--init-labels a,b,c]] [--scratch]
 
 Needs `torch` and `transformers` (pip install torch transformers). Without
 --folder it makes a small random `BertForSequenceClassification` (2 layers,
 64 wide, BERT's pooler and ε, its WordPiece tokenizer trained on the pairs;
 with --family roberta a `RobertaForSequenceClassification` with a
-byte-level BPE) with id2label = the run's labels, so that kiln loads its
-classifier too. --folder takes a real one instead, whose config.json's
-id2label must be entailment / neutral / contradiction in that order (a
-model fine-tuned on MultiNLI with those names): for a base model such as
-bert-base-uncased kiln's new classifier and transformers' are drawn apart,
-so their probabilities cannot be compared (the export's still are).
+byte-level BPE) whose classifier is trained for the run's labels, so that
+kiln loads it too: named as the run names them (--labels run), in another
+order and in capitals as `roberta-large-mnli` names them (--labels mnli:
+kiln reorders the outputs), or `LABEL_0`, `LABEL_1`, `LABEL_2` meaning
+contradiction, entailment, neutral (--labels generic: kiln is told so by
+`model.init_labels`). --folder takes a real one instead, whose
+config.json's id2label must name entailment, neutral and contradiction in
+any order and letter case (a model fine-tuned on MultiNLI), or whose
+outputs --init-labels names (passed to kiln as model.init_labels): for a
+base model such as bert-base-uncased kiln's new classifier and
+transformers' are drawn apart, so their probabilities cannot be compared
+(the export's still are).
 
 It then runs, in a temporary folder:
 
@@ -42,8 +49,22 @@ from pathlib import Path
 
 LABELS = ["entailment", "neutral", "contradiction"]
 
+# What the random folder's classifier outputs mean, in its order, and the
+# names its id2label gives them (--labels).
+LABELINGS = {
+    "run": (LABELS, LABELS),
+    "mnli": (
+        ["contradiction", "neutral", "entailment"],
+        ["CONTRADICTION", "NEUTRAL", "ENTAILMENT"],
+    ),
+    "generic": (
+        ["contradiction", "entailment", "neutral"],
+        ["LABEL_0", "LABEL_1", "LABEL_2"],
+    ),
+}
 
-def make_bert(folder: Path, pairs: list, max_length: int, family: str) -> None:
+
+def make_bert(folder: Path, pairs: list, max_length: int, family: str, names: list) -> None:
     import torch
     from tokenizers import BertWordPieceTokenizer, ByteLevelBPETokenizer
     from transformers import (
@@ -61,8 +82,8 @@ def make_bert(folder: Path, pairs: list, max_length: int, family: str) -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=128,
-        id2label=dict(enumerate(LABELS)),
-        label2id={l: i for i, l in enumerate(LABELS)},
+        id2label=dict(enumerate(names)),
+        label2id={l: i for i, l in enumerate(names)},
     )
     if family == "bert":
         wordpiece = BertWordPieceTokenizer(lowercase=True)
@@ -122,6 +143,17 @@ def main() -> int:
         help="the random folder's architecture (without --folder)",
     )
     parser.add_argument(
+        "--labels",
+        choices=sorted(LABELINGS),
+        default="run",
+        help="how the random folder's id2label names its classifier outputs (without --folder)",
+    )
+    parser.add_argument(
+        "--init-labels",
+        help="with --folder: what its classifier outputs mean, in order, comma-separated "
+        "(model.init_labels), where its id2label says LABEL_0, ...",
+    )
+    parser.add_argument(
         "--scratch",
         action="store_true",
         help="no BERT folder: a small encoder trained from random weights with kiln's own "
@@ -138,14 +170,24 @@ def main() -> int:
     data = work / "pairs.jsonl"
     data.write_text("\n".join(lines) + "\n")
     folder = args.folder
+    # What the folder's classifier outputs mean, in its order; and what kiln
+    # is told of them (model.init_labels), where its id2label does not say.
+    meaning, init_labels = None, []
     if folder is None and not args.scratch:
         folder = work / "bert"
-        make_bert(folder, pairs, args.max_length, args.family)
+        meaning, names = LABELINGS[args.labels]
+        make_bert(folder, pairs, args.max_length, args.family, names)
+        if args.labels == "generic":
+            init_labels = meaning
+    elif args.init_labels:
+        init_labels = meaning = args.init_labels.split(",")
     if args.scratch:
         bert = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64,
                 "intermediate_size": 128, "layer_norm_eps": 1e-5}
     else:
         bert = json.loads((folder / "config.json").read_text())
+        if meaning is None:
+            meaning = [bert["id2label"][str(i)].lower() for i in range(len(bert["id2label"]))]
 
     overrides = [
         "experiment=nli_snli",
@@ -158,6 +200,7 @@ def main() -> int:
         f"model.max_length={args.max_length}",
         f"model.layer_norm_eps={bert.get('layer_norm_eps', 1e-12 if bert.get('model_type') == 'bert' else 1e-5)}",
         "model.pooling=pooler",
+        f"model.init_labels={json.dumps(init_labels)}",
         "model.dropout=0.0",
         "cv.folds=2",
         "training.epochs=0",
@@ -177,9 +220,10 @@ def main() -> int:
     )
     kiln = [json.loads(l) for l in (work / "p.jsonl").read_text().splitlines()]
 
-    def compare(folder: Path) -> tuple:
-        """transformers on `folder` against kiln's probabilities: the largest
-        difference, and how many predictions are the same."""
+    def compare(folder: Path, meaning: list) -> tuple:
+        """transformers on `folder`, whose outputs mean `meaning`, against
+        kiln's probabilities: the largest difference, and how many
+        predictions are the same."""
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
         worst, agree = 0.0, 0
@@ -193,7 +237,7 @@ def main() -> int:
                     return_tensors="pt",
                 )
                 probs = torch.softmax(model(**enc).logits[0], dim=-1).tolist()
-                theirs = {model.config.id2label[i]: p for i, p in enumerate(probs)}
+                theirs = dict(zip(meaning, probs))
                 mine = ours["probabilities"]
                 for label in LABELS:
                     worst = max(worst, abs(mine[label] - theirs[label]))
@@ -201,10 +245,10 @@ def main() -> int:
         return worst, agree
 
     # The folder the run started from, where there is one.
-    worst, agree = compare(folder) if folder else (0.0, 0)
+    worst, agree = compare(folder, meaning) if folder else (0.0, 0)
     # The run's best fold exported as a BertForSequenceClassification.
     subprocess.run([str(args.kiln), "export", f"{work}/run", "--out", str(work / "hf")], check=True)
-    export_worst, export_agree = compare(work / "hf")
+    export_worst, export_agree = compare(work / "hf", LABELS)
     print(
         json.dumps(
             {
@@ -214,6 +258,7 @@ def main() -> int:
                 "same_prediction": agree,
                 "exported_same_prediction": export_agree,
                 "folder": str(folder) if folder else "(trained from scratch)",
+                "folder_outputs": meaning,
                 "torch": torch.__version__,
             }
         )

@@ -108,6 +108,13 @@ pub struct ModelSection {
     /// the run's.
     #[serde(default, with = "none::text")]
     pub init_from: Option<String>,
+    /// The sentence-pair encoder's `model.init_from`: the names of the
+    /// folder's classifier outputs, in its order, where its `id2label` does
+    /// not say them (`LABEL_0`, `LABEL_1`, ...). Its classifier is then
+    /// loaded, its outputs reordered to `data.labels`. Empty: its
+    /// `id2label`, matched to `data.labels` in any order.
+    #[serde(default)]
+    pub init_labels: Vec<String>,
 }
 
 fn no_vocab_padding() -> usize {
@@ -574,6 +581,28 @@ impl RunConfig {
             m.init_from.as_deref().is_none_or(|p| !p.trim().is_empty()),
             "model.init_from",
             "must be a folder (a transformers GPT-2 or BERT folder: config.json and model.safetensors), or \"none\"",
+        );
+        let named = &m.init_labels;
+        check(
+            named.is_empty() || (m.init_from.is_some() && self.workload == Workload::Nli),
+            "model.init_labels",
+            "names the classifier outputs of model.init_from's BERT or RoBERTa folder: set model.init_from (an nli run), or leave it []",
+        );
+        check(
+            named.is_empty()
+                || (named.len() == self.data.labels.len()
+                    && self.data.labels.iter().all(|label| {
+                        named
+                            .iter()
+                            .filter(|n| n.eq_ignore_ascii_case(label))
+                            .count()
+                            == 1
+                    })),
+            "model.init_labels",
+            &format!(
+                "must name each of data.labels ([{}]) once, in the order of the folder's classifier outputs",
+                self.data.labels.join(", ")
+            ),
         );
         check(
             self.precision.max_bad_steps >= 1,

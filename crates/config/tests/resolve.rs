@@ -288,6 +288,23 @@ fn bad_values_name_key_value_and_layer() {
             &["model.dropout", "must be in [0, 1)"],
         ),
         (
+            &[r#"model.init_labels=["entailment", "neutral", "contradiction"]"#],
+            &[],
+            &["model.init_labels", "set model.init_from (an nli run)"],
+        ),
+        (
+            &[
+                "experiment=nli_snli",
+                "model.init_from=bert",
+                r#"model.init_labels=["Entailment", "neutral", "neutral"]"#,
+            ],
+            &[],
+            &[
+                "model.init_labels",
+                "must name each of data.labels ([entailment, neutral, contradiction]) once",
+            ],
+        ),
+        (
             &["hardware=t5"],
             &[],
             &[

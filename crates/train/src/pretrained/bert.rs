@@ -5,7 +5,9 @@
 //! `BertForSequenceClassification`) instead of random ones, as
 //! `BertForSequenceClassification.from_pretrained` does: the encoder and
 //! the pooler from the folder, the classifier new unless the folder's was
-//! trained for the run's labels. RoBERTa folders (`roberta-base` and its
+//! trained for the run's labels (named by its `id2label` or by
+//! `model.init_labels`, in any order: its outputs are reordered to
+//! `data.labels`). RoBERTa folders (`roberta-base` and its
 //! kin) load too ([`Family::Roberta`]): positions after its padding id, its
 //! one segment embedding for both of kiln's, its classification head
 //! (`classifier.dense`, `classifier.out_proj`) as the pooler and the head.
@@ -47,9 +49,83 @@ pub(crate) struct BertFolder {
     shape: BertShape,
     /// The folder's tokenizer, which every fold tokenizes with.
     pub(crate) tokenizer: Tokenizer,
-    /// Whether the folder's classifier is loaded: trained for the run's
-    /// labels, in their order (its `id2label`); else the reason it is not.
-    classifier: Result<(), String>,
+    /// Whether the folder's classifier is loaded: where it was trained for
+    /// the run's labels (its `id2label`, or `model.init_labels`), for each
+    /// of `data.labels` the folder's output it is; else the reason it is
+    /// not.
+    classifier: Result<Vec<usize>, String>,
+}
+
+/// Which of the folder's classifier outputs (`outputs` of them, `None`
+/// where it has no classifier) each of the run's labels is, by the names
+/// `model.init_labels` gives them, else by the folder's `id2label`
+/// (`theirs`), letter case aside: `Ok(order)` to load it, `Err(reason)`
+/// for a new head. `model.init_labels` that cannot be loaded is an error.
+fn classifier_order(
+    outputs: Option<usize>,
+    theirs: Option<&[String]>,
+    config: &RunConfig,
+) -> Result<Result<Vec<usize>, String>, String> {
+    let ours = &config.data.labels;
+    let named = &config.model.init_labels;
+    let Some(outputs) = outputs else {
+        return match named.is_empty() {
+            true => Ok(Err("none in the folder".to_string())),
+            false => Err(
+                "has no classifier, whose outputs model.init_labels names: leave model.init_labels=[] for a new one"
+                    .to_string(),
+            ),
+        };
+    };
+    let order = |names: &[String]| -> Option<Vec<usize>> {
+        if names.len() != ours.len() {
+            return None;
+        }
+        ours.iter()
+            .map(|label| {
+                let mut at = (0..names.len()).filter(|&i| names[i].eq_ignore_ascii_case(label));
+                at.next().filter(|_| at.next().is_none())
+            })
+            .collect()
+    };
+    if !named.is_empty() {
+        return match (named.len() == outputs, order(named)) {
+            (true, Some(order)) => Ok(Ok(order)),
+            _ => Err(format!(
+                "has a classifier of {outputs} outputs; model.init_labels names {} ([{}]) and the run's labels are [{}]",
+                named.len(),
+                named.join(", "),
+                ours.join(", ")
+            )),
+        };
+    }
+    let Some(theirs) = theirs else {
+        return Ok(Err("the folder's config.json has no id2label".to_string()));
+    };
+    Ok(match order(theirs) {
+        Some(order) if theirs.len() == outputs => Ok(order),
+        Some(_) => Err(format!(
+            "config.json's id2label names {} labels, its classifier has {outputs} outputs",
+            theirs.len()
+        )),
+        None if theirs.iter().all(|n| generic_label(n)) && theirs.len() == ours.len() => {
+            Err(format!(
+                "the folder's id2label names its outputs [{}] only: model.init_labels='[\"…\", …]' names them, in that order, to load it",
+                theirs.join(", ")
+            ))
+        }
+        None => Err(format!(
+            "the folder's was trained for the labels [{}], the run's are [{}]",
+            theirs.join(", "),
+            ours.join(", ")
+        )),
+    })
+}
+
+/// `transformers`' placeholder name for an output: `LABEL_<n>`.
+fn generic_label(name: &str) -> bool {
+    name.strip_prefix("LABEL_")
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// The architectures kiln's encoder is, tensor for tensor.
@@ -180,27 +256,13 @@ fn open_folder(folder: &Path, config: &RunConfig) -> Result<BertFolder, TrainErr
             (name, entry)
         })
         .collect();
-    let classes = config.data.labels.len();
     let head = shape.family.file_name("classifier.weight");
-    let has_classifier = tensors.iter().any(|(n, _)| *n == head);
-    let classifier = match &shape.labels {
-        _ if !has_classifier => Err("none in the folder".to_string()),
-        Some(theirs)
-            if theirs.len() == classes
-                && theirs
-                    .iter()
-                    .zip(&config.data.labels)
-                    .all(|(a, b)| a.eq_ignore_ascii_case(b)) =>
-        {
-            Ok(())
-        }
-        Some(theirs) => Err(format!(
-            "the folder's was trained for the labels [{}], the run's are [{}]",
-            theirs.join(", "),
-            config.data.labels.join(", ")
-        )),
-        None => Err("the folder's config.json has no id2label".to_string()),
-    };
+    let outputs = tensors
+        .iter()
+        .find(|(n, _)| *n == head)
+        .and_then(|(_, entry)| entry.shape.first().copied());
+    let classifier = classifier_order(outputs, shape.labels.as_deref(), config)
+        .map_err(|why| fail(&config_path, why))?;
     Ok(BertFolder {
         folder: folder.to_path_buf(),
         weights,
@@ -497,8 +559,19 @@ impl BertFolder {
                 self.shape.position_offset
             ));
         }
+        let named = &config.model.init_labels;
+        let (theirs, by) = match named.is_empty() {
+            true => (self.shape.labels.clone().unwrap_or_default(), "id2label"),
+            false => (named.clone(), "model.init_labels"),
+        };
         match &self.classifier {
-            Ok(()) => notes.push("its classifier, trained for these labels".into()),
+            Ok(order) if order.iter().enumerate().all(|(i, &j)| i == j) => {
+                notes.push(format!("its classifier, trained for these labels ({by})"));
+            }
+            Ok(_) => notes.push(format!(
+                "its classifier, its outputs [{}] ({by}) reordered to data.labels",
+                theirs.join(", ")
+            )),
             Err(why) => notes.push(format!("a new classifier ({why})")),
         }
         format!(
@@ -539,6 +612,8 @@ impl BertFolder {
             .map(|(name, entry)| (name.as_str(), entry))
             .collect();
         let mut used: HashSet<String> = HashSet::new();
+        let head = ["classifier.weight", "classifier.bias"].map(|n| self.shape.family.file_name(n));
+        let head = head.iter().map(String::as_str).collect::<Vec<_>>();
         // A tensor by name (LayerNorms also under TensorFlow's gamma and
         // beta, as the original checkpoints have them), with its shape.
         let mut read = |name: &str| -> Result<(Vec<usize>, Vec<f32>), TrainError> {
@@ -558,6 +633,18 @@ impl BertFolder {
             };
             used.insert(name.to_string());
             let values = tensor_values(&self.weights, data, name, entry)?;
+            // The classifier's outputs (its rows) in data.labels' order.
+            let values = match (&self.classifier, entry.shape.first()) {
+                (Ok(order), Some(&rows)) if head.contains(&name) && rows == order.len() => {
+                    let width = values.len() / rows;
+                    order
+                        .iter()
+                        .flat_map(|&j| &values[j * width..(j + 1) * width])
+                        .copied()
+                        .collect()
+                }
+                _ => values,
+            };
             Ok((entry.shape.clone(), values))
         };
         let mismatch = |name: &str, have: &[usize], want: &[usize], path: &str| {
@@ -946,7 +1033,7 @@ mod tests {
         write_bert(dir.path(), &source, &tokenizer, Some(&labels), false);
 
         let bert = open(&config).expect("opens").expect("init_from set");
-        assert_eq!(bert.classifier, Ok(()));
+        assert_eq!(bert.classifier, Ok(vec![0, 1, 2]));
         let description = bert.describe(&config);
         assert!(
             description.contains("position embeddings cropped 16 → 12")
@@ -960,24 +1047,52 @@ mod tests {
         // Every value lands where it came from: the same function, bit for bit.
         assert_eq!(logits(&loaded, &device), logits(&source, &device));
 
-        // Labels in another order: the classifier stays the run's own.
+        // Labels in another order, as `roberta-large-mnli` names them: the
+        // folder's outputs reordered to the run's labels.
+        let reordered = |logits: Vec<f32>| -> Vec<f32> {
+            logits
+                .chunks(3)
+                .flat_map(|row| [row[2], row[1], row[0]])
+                .collect()
+        };
         write_bert(
             dir.path(),
             &source,
             &tokenizer,
-            Some(&["contradiction", "neutral", "entailment"]),
+            Some(&["CONTRADICTION", "NEUTRAL", "ENTAILMENT"]),
             false,
         );
         let bert = open(&config).expect("opens").expect("init_from set");
+        assert_eq!(bert.classifier, Ok(vec![2, 1, 0]));
+        let description = bert.describe(&config);
         assert!(
-            bert.describe(&config).contains(
-                "a new classifier (the folder's was trained for the labels [contradiction, neutral, entailment]"
+            description.contains(
+                "its classifier, its outputs [CONTRADICTION, NEUTRAL, ENTAILMENT] (id2label) reordered to data.labels"
             ),
-            "{}",
-            bert.describe(&config)
+            "{description}"
         );
         device.seed(12);
-        let fresh = shape.init(&device);
+        let loaded = bert.load_into(shape.init(&device), &device).expect("loads");
+        assert_eq!(
+            logits(&loaded, &device),
+            reordered(logits(&source, &device))
+        );
+
+        // Generic names: a new head, and the start line names the key
+        // that loads it; with the key, the outputs in its order.
+        write_bert(
+            dir.path(),
+            &source,
+            &tokenizer,
+            Some(&["LABEL_0", "LABEL_1", "LABEL_2"]),
+            false,
+        );
+        let bert = open(&config).expect("opens").expect("init_from set");
+        let description = bert.describe(&config);
+        assert!(
+            description.contains("a new classifier (the folder's id2label names its outputs [LABEL_0, LABEL_1, LABEL_2] only: model.init_labels="),
+            "{description}"
+        );
         let head = |m: &EncoderClassifier| -> Vec<Vec<f32>> {
             param_values(m)
                 .into_iter()
@@ -985,6 +1100,8 @@ mod tests {
                 .map(|(_, _, v)| v)
                 .collect()
         };
+        device.seed(12);
+        let fresh = shape.init(&device);
         let own_head = head(&fresh);
         let loaded = bert.load_into(fresh, &device).expect("loads");
         assert_eq!(head(&loaded), own_head);
@@ -998,6 +1115,55 @@ mod tests {
                 assert_eq!(v, theirs.2, "{path}");
             }
         }
+        let named = run_config(
+            dir.path(),
+            &[r#"model.init_labels=["contradiction", "neutral", "entailment"]"#],
+        );
+        let bert = open(&named).expect("opens").expect("init_from set");
+        assert!(
+            bert.describe(&named).contains(
+                "its outputs [contradiction, neutral, entailment] (model.init_labels) reordered"
+            ),
+            "{}",
+            bert.describe(&named)
+        );
+        let loaded = bert.load_into(shape.init(&device), &device).expect("loads");
+        assert_eq!(
+            logits(&loaded, &device),
+            reordered(logits(&source, &device))
+        );
+
+        // Other labels than the run's: the head is new.
+        write_bert(
+            dir.path(),
+            &source,
+            &tokenizer,
+            Some(&["positive", "neutral", "negative"]),
+            false,
+        );
+        let bert = open(&config).expect("opens").expect("init_from set");
+        assert!(
+            bert.describe(&config).contains(
+                "a new classifier (the folder's was trained for the labels [positive, neutral, negative], the run's are [entailment, neutral, contradiction])"
+            ),
+            "{}",
+            bert.describe(&config)
+        );
+        // model.init_labels for outputs the folder does not have: refused.
+        let four = run_config(
+            dir.path(),
+            &[
+                r#"data.labels=["a", "b", "c", "d"]"#,
+                r#"model.init_labels=["d", "c", "b", "a"]"#,
+            ],
+        );
+        let err = open(&four).expect_err("refused").to_string();
+        assert!(
+            err.contains("config.json")
+                && err.contains("has a classifier of 3 outputs; model.init_labels names 4"),
+            "{err}"
+        );
+        assert!(err.contains("model.init_labels"), "{err}");
     }
 
     #[test]
