@@ -567,6 +567,68 @@ fn init_from_starts_every_fold_from_a_bert_folders_weights() {
         "exported and read back: {}",
         largest_difference(&c, &random)
     );
+    // `kiln predict` on the exported folder itself: the same predictions,
+    // with no run; a folder whose id2label says LABEL_0.. only is refused
+    // until model.init_labels names its outputs.
+    let predict_folder = |extra: &[&str]| {
+        let out = tmp.path().join("folder-predictions.jsonl");
+        let mut args = vec![
+            "predict",
+            exported.to_str().expect("utf-8"),
+            "--data",
+            data.to_str().expect("utf-8"),
+            "--out",
+            out.to_str().expect("utf-8"),
+        ];
+        args.extend_from_slice(extra);
+        let run = kiln(&args).run();
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(&out)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("json"))
+            .collect();
+        let _ = std::fs::remove_file(&out);
+        (run, probabilities(&lines))
+    };
+    let (direct, d) = predict_folder(&[]);
+    direct.expect_code(0).stdout_has(&[
+        "predicted 180 pairs with the classifier of",
+        "against the file's labels: accuracy",
+    ]);
+    assert!(
+        largest_difference(&d, &random) < 1e-5,
+        "kiln predict on the export: {}",
+        largest_difference(&d, &random)
+    );
+    let config_json = exported.join("config.json");
+    let text = std::fs::read_to_string(&config_json).expect("config.json");
+    let generic = text
+        .replace("\"entailment\"", "\"LABEL_0\"")
+        .replace("\"neutral\"", "\"LABEL_1\"")
+        .replace("\"contradiction\"", "\"LABEL_2\"");
+    assert_ne!(generic, text);
+    std::fs::write(&config_json, generic).expect("write");
+    let (refused, _) = predict_folder(&[]);
+    refused.expect_code(2).stderr_has(&[
+        "has no classifier for the run's labels",
+        "model.init_labels=",
+    ]);
+    let (named, e) =
+        predict_folder(&[r#"model.init_labels=["Entailment", "neutral", "CONTRADICTION"]"#]);
+    named.expect_code(0);
+    assert_eq!(e, d, "the outputs named by model.init_labels");
+    // A run takes no overrides: it predicts as it was configured.
+    kiln(&[
+        "predict",
+        random_dir.to_str().expect("utf-8"),
+        "--data",
+        data.to_str().expect("utf-8"),
+        "eval.batch_size=2",
+    ])
+    .run()
+    .expect_code(2)
+    .stderr_has(&["is a run: it predicts as it was configured"]);
+
     // An encoder without BERT's pooler has no BertForSequenceClassification.
     let mut cls = tiny(tmp.path(), "cls", 1);
     cls.push("training.max_steps=2".into());

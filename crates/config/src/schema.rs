@@ -584,9 +584,9 @@ impl RunConfig {
         );
         let named = &m.init_labels;
         check(
-            named.is_empty() || (m.init_from.is_some() && self.workload == Workload::Nli),
+            named.is_empty() || m.init_from.is_some(),
             "model.init_labels",
-            "names the classifier outputs of model.init_from's BERT or RoBERTa folder: set model.init_from (an nli run), or leave it []",
+            "names the classifier outputs of model.init_from's BERT or RoBERTa folder: set model.init_from, or leave it []",
         );
         check(
             named.is_empty()

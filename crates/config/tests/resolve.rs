@@ -290,7 +290,7 @@ fn bad_values_name_key_value_and_layer() {
         (
             &[r#"model.init_labels=["entailment", "neutral", "contradiction"]"#],
             &[],
-            &["model.init_labels", "set model.init_from (an nli run)"],
+            &["model.init_labels", "set model.init_from, or leave it []"],
         ),
         (
             &[

@@ -90,7 +90,7 @@ pub use run::{ResumeRequest, resume, resume_with, train, train_cv};
 pub use rundir::{RunDir, RunLock, utc_stamp, write_atomic};
 pub use setup::{measured_cpu_peak, open_device};
 pub use tokens::{MEMORY_TEXT_LIMIT, StoreRead, prepare_store};
-pub use workload::nli::{Prediction, predict};
+pub use workload::nli::{Prediction, bert_folder_overrides, predict, predict_folder};
 
 #[cfg(test)]
 pub(crate) mod tests {

@@ -29,14 +29,27 @@ pub(crate) struct TrainArgs {
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct PredictArgs {
-    /// The run directory
-    run: PathBuf,
+    /// A finished cross-validation run's directory (its best fold
+    /// predicts), or a transformers BERT or RoBERTa folder whose
+    /// classifier was trained for the labels (config.json,
+    /// model.safetensors, tokenizer.json: a MultiNLI fine-tune, a `kiln
+    /// export`)
+    from: PathBuf,
     /// Pairs to label (JSONL, TSV or CSV, read as the run's config says)
     #[arg(long, value_name = "FILE")]
     data: PathBuf,
-    /// Where to write one JSON line per pair [default: RUN/predictions-<name>.jsonl]
+    /// Where to write one JSON line per pair [default:
+    /// RUN/predictions-<name>.jsonl; for a folder, predictions-<name>.jsonl
+    /// here]
     #[arg(long, value_name = "FILE")]
     out: Option<PathBuf>,
+    /// For a transformers folder only (a run predicts as it was
+    /// configured): how to read the pairs and name the labels
+    /// (`experiment=nli_mnli`, `data.labels=[...]`, `model.init_labels=[...]`
+    /// for a folder whose id2label says LABEL_0, ...), over the folder's
+    /// shape
+    #[command(flatten)]
+    layers: Layers,
 }
 
 #[derive(Debug, clap::Args)]
@@ -97,17 +110,44 @@ pub(crate) fn resume(args: ResumeArgs, ctx: Context) -> anyhow::Result<ExitCode>
 
 /// `kiln predict RUN --data FILE`.
 pub(crate) fn predict(args: PredictArgs, ctx: &Context) -> anyhow::Result<ExitCode> {
-    let p = kiln_train::predict(&args.run, &args.data, args.out.as_deref(), &ctx.report)
-        .map_err(train_error)?;
+    let folder =
+        !args.from.join("config.toml").is_file() && args.from.join("config.json").is_file();
+    let p = if folder {
+        let mut layers = args.layers;
+        let shape = kiln_train::bert_folder_overrides(&args.from).map_err(train_error)?;
+        layers.overrides.splice(0..0, shape);
+        let config = ctx.resolve_nli(layers)?.config;
+        kiln_train::predict_folder(&config, &args.data, args.out.as_deref(), &ctx.report)
+    } else {
+        if !args.from.join("config.toml").is_file() {
+            return Err(BadInput(format!(
+                "`{}` is neither a kiln run (config.toml) nor a transformers folder (config.json)",
+                args.from.display()
+            ))
+            .into());
+        }
+        if args.layers.config.is_some() || !args.layers.overrides.is_empty() {
+            return Err(BadInput(format!(
+                "`{}` is a run: it predicts as it was configured; --config and KEY=VALUE overrides are for a transformers folder",
+                args.from.display()
+            ))
+            .into());
+        }
+        kiln_train::predict(&args.from, &args.data, args.out.as_deref(), &ctx.report)
+    }
+    .map_err(train_error)?;
+    let by = match p.fold {
+        Some(fold) => format!("fold {fold}'s model"),
+        None => format!("the classifier of {}", args.from.display()),
+    };
     if let Some(skipped) = &p.skipped {
         eprintln!("kiln: {skipped}");
     }
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "predicted {} pairs with fold {}'s model: {}",
+        "predicted {} pairs with {by}: {}",
         p.rows,
-        p.fold,
         p.output.display()
     )?;
     if let Some(s) = &p.scores {

@@ -205,12 +205,7 @@ fn open_folder(folder: &Path, config: &RunConfig) -> Result<BertFolder, TrainErr
              `huggingface-cli download google-bert/bert-base-uncased config.json model.safetensors tokenizer.json --local-dir bert-base-uncased`",
         ));
     }
-    let config_path = folder.join("config.json");
-    let text = std::fs::read_to_string(&config_path)
-        .map_err(|e| fail(&config_path, format!("cannot be read: {e}")))?;
-    let json: Value =
-        serde_json::from_str(&text).map_err(|e| fail(&config_path, format!("is not JSON: {e}")))?;
-    let shape = BertShape::from_json(&json).map_err(|why| fail(&config_path, why))?;
+    let (config_path, shape) = read_shape(folder)?;
     shape.check(config).map_err(|why| fail(&config_path, why))?;
 
     let tokenizer_path = folder.join("tokenizer.json");
@@ -272,6 +267,44 @@ fn open_folder(folder: &Path, config: &RunConfig) -> Result<BertFolder, TrainErr
         tokenizer,
         classifier,
     })
+}
+
+/// `folder`'s `config.json` and the shape it describes.
+fn read_shape(folder: &Path) -> Result<(PathBuf, BertShape), TrainError> {
+    let config_path = folder.join("config.json");
+    let text = std::fs::read_to_string(&config_path)
+        .map_err(|e| fail(&config_path, format!("cannot be read: {e}")))?;
+    let json: Value =
+        serde_json::from_str(&text).map_err(|e| fail(&config_path, format!("is not JSON: {e}")))?;
+    let shape = BertShape::from_json(&json).map_err(|why| fail(&config_path, why))?;
+    Ok((config_path, shape))
+}
+
+/// The overrides that make an NLI run's model the one a BERT or RoBERTa
+/// `folder` holds (`kiln predict FOLDER`): `model.init_from`, its shape,
+/// GELU and ε, BERT's pooler, and every position it has.
+pub(crate) fn folder_overrides(folder: &Path) -> Result<Vec<String>, TrainError> {
+    let (_, shape) = read_shape(folder)?;
+    let gelu = match shape.gelu {
+        Gelu::Exact => "exact",
+        Gelu::Tanh => "tanh",
+    };
+    Ok(vec![
+        format!("model.init_from={}", toml_string(&folder.to_string_lossy())),
+        format!("model.layers={}", shape.layers),
+        format!("model.heads={}", shape.heads),
+        format!("model.hidden={}", shape.hidden),
+        format!("model.intermediate={}", shape.intermediate),
+        format!("model.gelu={gelu}"),
+        format!("model.layer_norm_eps={:e}", shape.layer_norm_eps),
+        "model.pooling=pooler".to_string(),
+        format!("model.max_length={}", shape.positions),
+    ])
+}
+
+/// `text` as a TOML string, quoted and escaped.
+fn toml_string(text: &str) -> String {
+    serde_json::Value::from(text).to_string()
 }
 
 impl BertShape {
@@ -580,6 +613,16 @@ impl BertFolder {
             family.name(),
             notes.join("; ")
         )
+    }
+
+    /// Whether the folder's classifier is loaded; else why not.
+    pub(crate) fn classifier(&self) -> Result<(), &str> {
+        self.classifier.as_ref().map(|_| ()).map_err(String::as_str)
+    }
+
+    /// Whether the folder holds a classifier at all.
+    pub(crate) fn has_classifier(&self) -> bool {
+        self.has(&self.shape.family.file_name("classifier.weight"))
     }
 
     fn has(&self, name: &str) -> bool {

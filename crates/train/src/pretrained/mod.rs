@@ -123,6 +123,12 @@ pub(crate) fn open(
     let Some(folder) = config.model.init_from.as_deref() else {
         return Ok(None);
     };
+    if !config.model.init_labels.is_empty() {
+        return Err(fail(
+            Path::new(folder),
+            "is a language model's: model.init_labels names a sentence-pair classifier's outputs, which a GPT-2 has not; leave it []",
+        ));
+    }
     open_folder(Path::new(folder), config, tokenizer).map(Some)
 }
 
@@ -931,6 +937,25 @@ mod tests {
         let err = shape.check(&config).expect_err("too long");
         assert!(
             err.contains("longer than its 1024 positions") && err.contains("model.max_length=1024"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_language_models_init_labels_is_refused_before_the_folder_is_read() {
+        let config = crate::tests::config(&[
+            "hardware=cpu",
+            "model.init_from=gpt2",
+            r#"model.init_labels=["entailment", "neutral", "contradiction"]"#,
+        ]);
+        let tokenizer = Tokenizer::char_level("ab").expect("tokenizer");
+        let Err(err) = open(&config, &tokenizer) else {
+            panic!("refused")
+        };
+        let err = err.to_string();
+        assert!(
+            err.contains("gpt2")
+                && err.contains("model.init_labels names a sentence-pair classifier's outputs"),
             "{err}"
         );
     }

@@ -721,8 +721,9 @@ pub struct Prediction {
     pub output: PathBuf,
     /// Rows predicted.
     pub rows: usize,
-    /// The fold whose model predicted (the best by validation).
-    pub fold: usize,
+    /// The fold whose model predicted (the best by validation); `None`
+    /// for a `transformers` folder's model.
+    pub fold: Option<usize>,
     /// Accuracy and per-class scores, where the file has labels.
     pub scores: Option<Scores>,
     /// The rows skipped and why, if any.
@@ -789,7 +790,8 @@ pub(crate) fn best_fold(run_dir: &Path, to: &str) -> Result<BestFold, TrainError
 }
 
 /// Predicts a pairs file with the best fold's model and tokenizer of a CV
-/// run, writing one JSON line per input row to `output`.
+/// run, writing one JSON line per input row to `output` (default:
+/// `RUN/predictions-<name>.jsonl`).
 pub fn predict(
     run_dir: &Path,
     data_path: &Path,
@@ -798,11 +800,8 @@ pub fn predict(
 ) -> Result<Prediction, TrainError> {
     let best = best_fold(run_dir, "predict")?;
     let config = best.config;
-    let tokenizer = best.tokenizer;
-    let data = read_pairs(data_path, &schema(&config, false))
-        .map_err(|e| crate::translate::with_config_keys(e, &config))?;
     let device = select_device(&config.device, hardware.gpu_vendor())?;
-    let encoder = encoder_config(&config, tokenizer.vocab_size());
+    let encoder = encoder_config(&config, best.tokenizer.vocab_size());
     let model_path = best.model_path;
     let values = best
         .params
@@ -815,13 +814,110 @@ pub fn predict(
                 path: model_path.clone(),
                 why,
             })?;
-    let encoded = encode_dataset(&tokenizer, &data)?;
+    let output = output.map_or_else(
+        || best.run.file(&predictions_name(data_path)),
+        Path::to_path_buf,
+    );
+    let mut prediction = label_pairs(
+        &model,
+        &best.tokenizer,
+        &config,
+        data_path,
+        output,
+        &device.device,
+    )?;
+    prediction.fold = Some(best.fold);
+    Ok(prediction)
+}
+
+/// Predicts a pairs file with the classifier of a `transformers` BERT or
+/// RoBERTa folder (`config`'s `model.init_from`: a model fine-tuned for
+/// `data.labels`, such as one on MultiNLI) and its tokenizer, writing one
+/// JSON line per input row to `output` (default:
+/// `predictions-<name>.jsonl` in the working directory). `config` takes
+/// the folder's shape from [`bert_folder_overrides`]. Fails where the
+/// folder's classifier is not one for `data.labels`.
+pub fn predict_folder(
+    config: &RunConfig,
+    data_path: &Path,
+    output: Option<&Path>,
+    hardware: &kiln_hwdetect::HardwareReport,
+) -> Result<Prediction, TrainError> {
+    let folder = config.model.init_from.clone().unwrap_or_default();
+    let bert = crate::pretrained::bert::open(config)?.ok_or_else(|| TrainError::Pretrained {
+        path: PathBuf::from(&folder),
+        why: "is not a sentence-pair run's model.init_from (workload nli, a transformers folder)"
+            .into(),
+    })?;
+    if let Err(why) = bert.classifier() {
+        let base = match bert.has_classifier() {
+            true => String::new(),
+            false => {
+                format!(" (a base model is fine-tuned first: `kiln cv model.init_from={folder}`)")
+            }
+        };
+        return Err(TrainError::Pretrained {
+            path: PathBuf::from(&folder),
+            why: format!(
+                "has no classifier for the run's labels ({why}): predicting needs one trained for data.labels{base}"
+            ),
+        });
+    }
+    let device = select_device(&config.device, hardware.gpu_vendor())?;
+    let mut tokenizer = bert.tokenizer.clone();
+    tokenizer.set_pair_template(config.model.max_length)?;
+    let encoder = encoder_config(config, tokenizer.vocab_size());
+    let model = bert.load_into(encoder.init_unset(&device.device), &device.device)?;
+    let output = output.map_or_else(
+        || PathBuf::from(predictions_name(data_path)),
+        Path::to_path_buf,
+    );
+    label_pairs(
+        &model,
+        &tokenizer,
+        config,
+        data_path,
+        output,
+        &device.device,
+    )
+}
+
+/// The overrides that make an NLI run's model the one a `transformers`
+/// BERT or RoBERTa `folder` holds: `model.init_from` and the folder's
+/// shape, GELU, LayerNorm ε, BERT's pooler and every position it has
+/// (`kiln predict FOLDER` resolves them under the user's own).
+pub fn bert_folder_overrides(folder: &Path) -> Result<Vec<String>, TrainError> {
+    crate::pretrained::bert::folder_overrides(folder)
+}
+
+/// `predictions-<the data file's stem>.jsonl`.
+fn predictions_name(data_path: &Path) -> String {
+    let stem = data_path
+        .file_stem()
+        .map_or("data".into(), |s| s.to_string_lossy().into_owned());
+    format!("predictions-{stem}.jsonl")
+}
+
+/// Labels the pairs of `data_path` (read as `config` says) with `model`,
+/// writing one JSON line per row to `output`; scored where the file has
+/// labels.
+fn label_pairs(
+    model: &EncoderClassifier,
+    tokenizer: &Tokenizer,
+    config: &RunConfig,
+    data_path: &Path,
+    output: PathBuf,
+    device: &Device,
+) -> Result<Prediction, TrainError> {
+    let data = read_pairs(data_path, &schema(config, false))
+        .map_err(|e| crate::translate::with_config_keys(e, config))?;
+    let encoded = encode_dataset(tokenizer, &data)?;
     let refs: Vec<&EncodedPair> = encoded.iter().collect();
     let mut lines = String::new();
     let mut predicted = Vec::new();
     for (chunk, i) in refs.chunks(config.eval.batch_size).zip(0u64..) {
         let b = pad_batch(i, chunk);
-        let (ids, seg, mask, _) = pair_tensors(&b, &device.device);
+        let (ids, seg, mask, _) = pair_tensors(&b, device);
         let probs = burn::tensor::activation::softmax(model.forward(ids, seg, mask), 1);
         let probs: Vec<f32> = probs.into_data().iter::<f32>().collect();
         for row in probs.chunks(config.data.labels.len()) {
@@ -851,15 +947,6 @@ pub fn predict(
             lines.push('\n');
         }
     }
-    let output = output.map_or_else(
-        || {
-            let stem = data_path
-                .file_stem()
-                .map_or("data".into(), |s| s.to_string_lossy().into_owned());
-            best.run.file(&format!("predictions-{stem}.jsonl"))
-        },
-        Path::to_path_buf,
-    );
     std::fs::write(&output, lines).map_err(|source| TrainError::Write {
         path: output.clone(),
         source,
@@ -877,7 +964,7 @@ pub fn predict(
     Ok(Prediction {
         output,
         rows: data.pairs.len(),
-        fold: best.fold,
+        fold: None,
         scores,
         skipped: data.skipped_report(),
     })
