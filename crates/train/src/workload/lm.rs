@@ -622,16 +622,22 @@ impl Session {
         let train_device = train_device(config, &device.device, seed);
         let precision = run_precision(config, &device, hardware);
         crate::setup::check_attention_choice(config, &device, &precision)?;
-        let mut model = init_model(config, &train_device, seed, |d| gpt.init(d));
-        // A fresh start from `model.init_from`'s weights (a resume's
-        // checkpoint holds every weight).
+        // A fresh start from `model.init_from`'s weights, a resume from its
+        // checkpoint's: either holds every weight, so none is drawn first
+        // (the loop reseeds the generator every step: dropout draws the same).
+        let pretrained = match resume_from {
+            None => crate::pretrained::open(config, &prepared.tokenizer)?,
+            Some(_) => None,
+        };
         let mut init_note = None;
-        if resume_from.is_none()
-            && let Some(pretrained) = crate::pretrained::open(config, &prepared.tokenizer)?
-        {
-            model = pretrained.load_into(model, &train_device)?;
-            init_note = Some(pretrained.describe(config, gpt.padded_vocab()));
-        }
+        let mut model = match &pretrained {
+            Some(pretrained) => {
+                init_note = Some(pretrained.describe(config, gpt.padded_vocab()));
+                pretrained.load_into(gpt.init_unset(&train_device), &train_device)?
+            }
+            None if resume_from.is_some() => gpt.init_unset(&train_device),
+            None => init_model(config, &train_device, seed, |d| gpt.init(d)),
+        };
         let mut optim = AdamW::for_run(config, &model, options.group.as_deref());
         let mut start = LoopPlanStart {
             first_step: 1,

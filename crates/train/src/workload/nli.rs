@@ -530,14 +530,19 @@ fn train_fold(
     let train_device = train_device(config, &device.device, p.seed);
     let precision = run_precision(config, device, &options.hardware);
     crate::setup::check_attention_choice(config, device, &precision)?;
-    let mut model = init_model(config, &train_device, p.seed, |d| encoder.init(d));
+    let latest = checkpoint::latest_good(&dir.checkpoints());
+    // A resumed fold's checkpoint holds every weight: none is drawn first.
+    let mut model = match latest {
+        Ok(_) => encoder.init_unset(&train_device),
+        Err(_) => init_model(config, &train_device, p.seed, |d| encoder.init(d)),
+    };
     let mut weights_note = None;
     let mut optim = AdamW::for_training(t).with_kernels(kernels(config));
     let mut start = LoopPlanStart {
         first_step: 1,
         ..LoopPlanStart::default()
     };
-    match checkpoint::latest_good(&dir.checkpoints()) {
+    match latest {
         Ok((info, state, notes)) => {
             for n in notes {
                 observer.event(&Event::Note(n));
