@@ -8,7 +8,8 @@ Needs `torch` and `transformers` (pip install torch transformers). Without
 --folder it makes a small random `BertForSequenceClassification` (2 layers,
 64 wide, BERT's pooler and ε, its WordPiece tokenizer trained on the pairs;
 with --family roberta a `RobertaForSequenceClassification` with a
-byte-level BPE) whose classifier is trained for the run's labels, so that
+byte-level BPE, with --family electra an `ElectraForSequenceClassification`
+as ELECTRA base is laid out) whose classifier is trained for the run's labels, so that
 kiln loads it too: named as the run names them (--labels run), in another
 order and in capitals as `roberta-large-mnli` names them (--labels mnli:
 kiln reorders the outputs), or `LABEL_0`, `LABEL_1`, `LABEL_2` meaning
@@ -72,6 +73,8 @@ def make_bert(folder: Path, pairs: list, max_length: int, family: str, names: li
         BertConfig,
         BertForSequenceClassification,
         BertTokenizerFast,
+        ElectraConfig,
+        ElectraForSequenceClassification,
         RobertaConfig,
         RobertaForSequenceClassification,
         RobertaTokenizerFast,
@@ -86,16 +89,27 @@ def make_bert(folder: Path, pairs: list, max_length: int, family: str, names: li
         id2label=dict(enumerate(names)),
         label2id={l: i for i, l in enumerate(names)},
     )
-    if family == "bert":
+    if family in ("bert", "electra"):
         wordpiece = BertWordPieceTokenizer(lowercase=True)
         wordpiece.train_from_iterator(texts, vocab_size=2000, min_frequency=1)
         tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer)
-        config = BertConfig(
-            vocab_size=wordpiece.get_vocab_size(),
-            max_position_embeddings=max_length + 16,
-            **shape,
-        )
-        new = BertForSequenceClassification
+        if family == "bert":
+            config = BertConfig(
+                vocab_size=wordpiece.get_vocab_size(),
+                max_position_embeddings=max_length + 16,
+                **shape,
+            )
+            new = BertForSequenceClassification
+        else:
+            # ELECTRA base's layout: embeddings as wide as the model, a
+            # classification head with the GELU.
+            config = ElectraConfig(
+                vocab_size=wordpiece.get_vocab_size(),
+                embedding_size=shape["hidden_size"],
+                max_position_embeddings=max_length + 16,
+                **shape,
+            )
+            new = ElectraForSequenceClassification
     else:
         # RoBERTa's byte-level BPE and specials (<s>=0, <pad>=1, </s>=2), its
         # positions after the padding id, one segment.
@@ -139,7 +153,7 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=1e-4)
     parser.add_argument(
         "--family",
-        choices=["bert", "roberta"],
+        choices=["bert", "roberta", "electra"],
         default="bert",
         help="the random folder's architecture (without --folder)",
     )
@@ -201,6 +215,7 @@ def main() -> int:
         f"model.max_length={args.max_length}",
         f"model.layer_norm_eps={bert.get('layer_norm_eps', 1e-12 if bert.get('model_type') == 'bert' else 1e-5)}",
         "model.pooling=pooler",
+        f"model.pooler_activation={'gelu' if bert.get('model_type') == 'electra' else 'tanh'}",
         f"model.init_labels={json.dumps(init_labels)}",
         "model.dropout=0.0",
         "cv.folds=2",

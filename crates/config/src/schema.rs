@@ -86,6 +86,11 @@ pub struct ModelSection {
     /// Encoder workloads: `cls` (the [CLS] token), `pooler` (BERT's dense
     /// layer and tanh on it) or `mean` (mean over real tokens).
     pub pooling: Pooling,
+    /// Encoder workloads with `pooling = "pooler"`: the pooler's activation,
+    /// `tanh` (BERT's, RoBERTa's) or `gelu` (ELECTRA's classification head).
+    /// A run saved before this key existed resumes with `tanh`.
+    #[serde(default = "bert_pooler")]
+    pub pooler_activation: PoolerActivation,
     /// Encoder workloads: every LayerNorm's ε (PyTorch's 1e-5; BERT's
     /// 1e-12). A run saved before this key existed resumes with 1e-5.
     #[serde(default = "torch_layer_norm_eps")]
@@ -102,7 +107,7 @@ pub struct ModelSection {
     /// Start from the weights of a Hugging Face `transformers` folder
     /// (`config.json`, `model.safetensors`) instead of random ones, to
     /// fine-tune them: a GPT-2 for language models (OpenAI's from the Hub,
-    /// or a `kiln export`), a BERT or RoBERTa for the sentence-pair encoder
+    /// or a `kiln export`), a BERT, RoBERTa or ELECTRA for the sentence-pair encoder
     /// (`bert-base-uncased`, `roberta-base` and their kin); `None` (`"none"` in TOML) starts
     /// from random weights. The folder's shape, GELU and tokenizer must be
     /// the run's.
@@ -119,6 +124,20 @@ pub struct ModelSection {
 
 fn no_vocab_padding() -> usize {
     1
+}
+
+fn bert_pooler() -> PoolerActivation {
+    PoolerActivation::Tanh
+}
+
+/// The activation of the encoder's pooler.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolerActivation {
+    /// BERT's pooler and RoBERTa's classification head.
+    Tanh,
+    /// ELECTRA's classification head (the exact GELU).
+    Gelu,
 }
 
 fn torch_layer_norm_eps() -> f64 {
@@ -586,7 +605,7 @@ impl RunConfig {
         check(
             named.is_empty() || m.init_from.is_some(),
             "model.init_labels",
-            "names the classifier outputs of model.init_from's BERT or RoBERTa folder: set model.init_from, or leave it []",
+            "names the classifier outputs of model.init_from's BERT, RoBERTa or ELECTRA folder: set model.init_from, or leave it []",
         );
         check(
             named.is_empty()

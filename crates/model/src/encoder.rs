@@ -27,6 +27,15 @@ pub enum PoolingKind {
     Mean,
 }
 
+/// The pooler's activation ([`PoolingKind::Pooler`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolerActivation {
+    /// BERT's (`BertPooler`, RoBERTa's classification head).
+    Tanh,
+    /// ELECTRA's classification head: the exact GELU.
+    Gelu,
+}
+
 /// The shape of an encoder classifier: [`EncoderConfig::new`], then
 /// `with_*` for the rest.
 ///
@@ -57,6 +66,8 @@ pub struct EncoderConfig {
     pub classes: usize,
     /// How the sequence becomes one vector for the head.
     pub pooling: PoolingKind,
+    /// The pooler's activation (with [`PoolingKind::Pooler`]).
+    pub pooler_activation: PoolerActivation,
     /// The MLP's GELU.
     pub gelu: GeluKind,
     /// Every LayerNorm's ε ([`LAYER_NORM_EPSILON`] unless set; BERT's is
@@ -86,6 +97,7 @@ impl EncoderConfig {
             dropout: 0.0,
             classes,
             pooling: PoolingKind::Cls,
+            pooler_activation: PoolerActivation::Tanh,
             gelu: GeluKind::Exact,
             layer_norm_eps: LAYER_NORM_EPSILON,
         }
@@ -98,6 +110,8 @@ impl EncoderConfig {
         with_dropout: dropout: f64;
         /// How the sequence becomes one vector.
         with_pooling: pooling: PoolingKind;
+        /// The pooler's activation.
+        with_pooler_activation: pooler_activation: PoolerActivation;
         /// The MLP's GELU.
         with_gelu: gelu: GeluKind;
         /// Every LayerNorm's ε.
@@ -206,6 +220,7 @@ impl EncoderConfig {
             pooler: (self.pooling == PoolingKind::Pooler).then(|| linear(self.hidden, self.hidden)),
             head: linear(self.hidden, self.classes),
             mean_pooling: self.pooling == PoolingKind::Mean,
+            pooler_gelu: self.pooler_activation == PoolerActivation::Gelu,
             ln_eps: self.layer_norm_eps,
             compute: ComputeDtype::F32,
             kernels: Kernels::Fused,
@@ -227,6 +242,8 @@ pub struct EncoderClassifier {
     head: Linear,
     #[module(skip)]
     mean_pooling: bool,
+    #[module(skip)]
+    pooler_gelu: bool,
     #[module(skip)]
     ln_eps: f64,
     #[module(skip)]
@@ -329,7 +346,13 @@ impl EncoderClassifier {
         } else {
             let cls = x.narrow(1, 0, 1).reshape([b, d]);
             match &self.pooler {
-                Some(pooler) => precision::linear(pooler, cls, self.compute, self.kernels).tanh(),
+                Some(pooler) => {
+                    let dense = precision::linear(pooler, cls, self.compute, self.kernels);
+                    match self.pooler_gelu {
+                        true => activation::gelu(dense),
+                        false => dense.tanh(),
+                    }
+                }
                 None => cls,
             }
         };
@@ -416,6 +439,7 @@ mod tests {
             dropout: 0.0,
             classes: 3,
             pooling: PoolingKind::Cls,
+            pooler_activation: PoolerActivation::Tanh,
             gelu: GeluKind::Exact,
             layer_norm_eps: LAYER_NORM_EPSILON,
         }
@@ -498,6 +522,37 @@ mod tests {
         for (a, b) in padded[3..].iter().zip(&alone) {
             assert!((a - b).abs() < 1e-5, "{padded:?} vs {alone:?}");
         }
+    }
+
+    #[test]
+    fn the_pooler_applies_its_activation() {
+        let device = Device::flex();
+        let c = EncoderConfig {
+            pooling: PoolingKind::Pooler,
+            pooler_activation: PoolerActivation::Gelu,
+            ..small()
+        };
+        assert!(c.init_unset(&device).pooler_gelu);
+        device.seed(6);
+        let tanh = EncoderConfig {
+            pooler_activation: PoolerActivation::Tanh,
+            ..c
+        }
+        .init(&device);
+        assert!(!tanh.pooler_gelu);
+        // The same weights: the activation is no parameter.
+        let gelu = EncoderClassifier {
+            pooler_gelu: true,
+            ..tanh.clone()
+        };
+        let (ids, seg, mask) = batch(&device);
+        let logits = |m: &EncoderClassifier| -> Vec<f32> {
+            m.forward(ids.clone(), seg.clone(), mask.clone())
+                .into_data()
+                .iter::<f32>()
+                .collect()
+        };
+        assert_ne!(logits(&tanh), logits(&gelu));
     }
 
     #[test]

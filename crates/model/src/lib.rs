@@ -42,7 +42,7 @@ pub mod kernels;
 pub mod precision;
 
 pub use device_memory::{DeviceMemory, device_memory, gpu_runtime};
-pub use encoder::{EncoderClassifier, EncoderConfig, PoolingKind};
+pub use encoder::{EncoderClassifier, EncoderConfig, PoolerActivation, PoolingKind};
 pub use gpt::{GeluKind, Gpt, GptConfig, cross_entropy};
 pub use kernels::{AttentionKernel, Kernels};
 pub use precision::ComputeDtype;

@@ -14,7 +14,8 @@
 //!
 //! A cross-validation run of the sentence-pair encoder is written as
 //! `BertForSequenceClassification` (its best fold, as `kiln predict`
-//! chooses): the mapping is `model.init_from`'s read backwards
+//! chooses), or `ElectraForSequenceClassification` where its pooler
+//! applies the GELU (`model.pooler_activation`): the mapping is `model.init_from`'s read backwards
 //! ([`crate::pretrained::bert::hf_tensors`]), so that the folder also starts
 //! a kiln run again.
 
@@ -247,13 +248,19 @@ fn write_folder(out: &Path, files: &[(&str, Vec<u8>)]) -> Result<(), TrainError>
 }
 
 /// The best fold of the cross-validation run `run` as a `transformers`
-/// `BertForSequenceClassification` folder: its weights under BERT's
-/// names, `config.json` with the run's shape and labels, the fold's
+/// `BertForSequenceClassification` folder (`ElectraForSequenceClassification`
+/// for a GELU pooler): its weights under BERT's (ELECTRA's) names, `config.json` with the run's shape and labels, the fold's
 /// tokenizer.
 fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
     let best = crate::workload::nli::best_fold(run, "be exported")?;
     let config = &best.config;
-    let tensors = crate::pretrained::bert::hf_tensors(&best.params).map_err(|why| {
+    let m = &config.model;
+    // BERT's pooler (tanh), or ELECTRA's classification head (GELU).
+    let (class, model_type) = match m.pooler_activation {
+        kiln_config::PoolerActivation::Tanh => ("BertForSequenceClassification", "bert"),
+        kiln_config::PoolerActivation::Gelu => ("ElectraForSequenceClassification", "electra"),
+    };
+    let tensors = crate::pretrained::bert::hf_tensors(&best.params, m.pooler_activation).map_err(|why| {
         TrainError::Unsupported(
             "exporting an encoder without BERT's pooler",
             format!(
@@ -262,7 +269,6 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         )
     })?;
     let tokenizer = &best.tokenizer;
-    let m = &config.model;
     let labels = &config.data.labels;
     let id2label: serde_json::Map<String, serde_json::Value> = labels
         .iter()
@@ -274,9 +280,9 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         .enumerate()
         .map(|(i, l)| (l.clone(), serde_json::Value::from(i)))
         .collect();
-    let bert_config = serde_json::json!({
-        "architectures": ["BertForSequenceClassification"],
-        "model_type": "bert",
+    let mut bert_config = serde_json::json!({
+        "architectures": [class],
+        "model_type": model_type,
         "vocab_size": tokenizer.vocab_size(),
         "hidden_size": m.hidden,
         "num_hidden_layers": m.layers,
@@ -303,6 +309,10 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
             "fold": best.fold,
         },
     });
+    if model_type == "electra" {
+        // Embeddings as wide as the model: no projection.
+        bert_config["embedding_size"] = m.hidden.into();
+    }
     // The segment ids are an input: `transformers`' generic fast tokenizer
     // returns them only when told.
     let mut tokenizer_config = tokenizer_config(m.max_length);
@@ -335,7 +345,7 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         step: best.step,
         tensors: tensors.len(),
         parameters: tensors.iter().map(|t| t.2.len()).sum(),
-        class: "BertForSequenceClassification",
+        class,
         fold: Some(best.fold),
         notes: Vec::new(),
     })

@@ -64,6 +64,10 @@ pub(crate) fn encoder_config(config: &RunConfig, vocab_size: usize) -> EncoderCo
         Pooling::Pooler => PoolingKind::Pooler,
         Pooling::Mean => PoolingKind::Mean,
     })
+    .with_pooler_activation(match m.pooler_activation {
+        kiln_config::PoolerActivation::Tanh => kiln_model::PoolerActivation::Tanh,
+        kiln_config::PoolerActivation::Gelu => kiln_model::PoolerActivation::Gelu,
+    })
     .with_gelu(gelu(m.gelu))
     .with_layer_norm_eps(m.layer_norm_eps)
 }

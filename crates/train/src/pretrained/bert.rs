@@ -10,7 +10,9 @@
 //! `data.labels`). RoBERTa folders (`roberta-base` and its
 //! kin) load too ([`Family::Roberta`]): positions after its padding id, its
 //! one segment embedding for both of kiln's, its classification head
-//! (`classifier.dense`, `classifier.out_proj`) as the pooler and the head.
+//! (`classifier.dense`, `classifier.out_proj`) as the pooler and the head;
+//! ELECTRA's discriminator too ([`Family::Electra`]): BERT's layout, with
+//! RoBERTa's head applying the GELU (`model.pooler_activation`).
 //!
 //! kiln's encoder is BERT's architecture (post-LayerNorm blocks, token,
 //! position and segment embeddings, `model.pooling = "pooler"` for BERT's
@@ -27,7 +29,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
-use kiln_config::{Gelu, Pooling, RunConfig, Workload};
+use kiln_config::{Gelu, PoolerActivation, Pooling, RunConfig, Workload};
 use kiln_data::Tokenizer;
 use kiln_model::EncoderClassifier;
 use serde_json::Value;
@@ -138,6 +140,11 @@ enum Family {
     /// and a classification head of its own (`classifier.dense`, which is
     /// BERT's pooler in all but dropout, and `classifier.out_proj`).
     Roberta,
+    /// ELECTRA's discriminator ("electra", base and large: embeddings as
+    /// wide as the model): BERT's embeddings and blocks, and RoBERTa's
+    /// classification head with the GELU for its activation
+    /// (`model.pooler_activation = "gelu"`).
+    Electra,
 }
 
 impl Family {
@@ -145,6 +152,7 @@ impl Family {
         match self {
             Self::Bert => "BERT",
             Self::Roberta => "RoBERTa",
+            Self::Electra => "ELECTRA",
         }
     }
 
@@ -153,6 +161,7 @@ impl Family {
         match self {
             Self::Bert => "bert.",
             Self::Roberta => "roberta.",
+            Self::Electra => "electra.",
         }
     }
 
@@ -160,11 +169,21 @@ impl Family {
     /// head's differ).
     fn file_name(self, name: &str) -> String {
         match (self, name) {
-            (Self::Roberta, "pooler.dense.weight") => "classifier.dense.weight".into(),
-            (Self::Roberta, "pooler.dense.bias") => "classifier.dense.bias".into(),
-            (Self::Roberta, "classifier.weight") => "classifier.out_proj.weight".into(),
-            (Self::Roberta, "classifier.bias") => "classifier.out_proj.bias".into(),
+            (Self::Bert, _) => name.to_string(),
+            (_, "pooler.dense.weight") => "classifier.dense.weight".into(),
+            (_, "pooler.dense.bias") => "classifier.dense.bias".into(),
+            (_, "classifier.weight") => "classifier.out_proj.weight".into(),
+            (_, "classifier.bias") => "classifier.out_proj.bias".into(),
             _ => name.to_string(),
+        }
+    }
+
+    /// The activation its classification head applies to the pooled
+    /// [CLS] state.
+    fn pooler_activation(self) -> PoolerActivation {
+        match self {
+            Self::Bert | Self::Roberta => PoolerActivation::Tanh,
+            Self::Electra => PoolerActivation::Gelu,
         }
     }
 }
@@ -298,6 +317,13 @@ pub(crate) fn folder_overrides(folder: &Path) -> Result<Vec<String>, TrainError>
         format!("model.gelu={gelu}"),
         format!("model.layer_norm_eps={:e}", shape.layer_norm_eps),
         "model.pooling=pooler".to_string(),
+        format!(
+            "model.pooler_activation={}",
+            match shape.family.pooler_activation() {
+                PoolerActivation::Tanh => "tanh",
+                PoolerActivation::Gelu => "gelu",
+            }
+        ),
         format!("model.max_length={}", shape.positions),
     ])
 }
@@ -313,9 +339,10 @@ impl BertShape {
         let family = match model_type {
             Some("bert") => Family::Bert,
             Some("roberta" | "xlm-roberta" | "camembert") => Family::Roberta,
+            Some("electra") => Family::Electra,
             _ => {
                 return Err(format!(
-                    "describes a `{}` model; kiln's encoder loads BERT's architecture (model_type \"bert\") and RoBERTa's (\"roberta\", \"xlm-roberta\", \"camembert\")",
+                    "describes a `{}` model; kiln's encoder loads BERT's architecture (model_type \"bert\"), RoBERTa's (\"roberta\", \"xlm-roberta\", \"camembert\") and ELECTRA's (\"electra\")",
                     model_type.unwrap_or("(no model_type)")
                 ));
             }
@@ -344,7 +371,7 @@ impl BertShape {
         }
         // RoBERTa's position ids start after its padding id.
         let position_offset = match family {
-            Family::Bert => 0,
+            Family::Bert | Family::Electra => 0,
             Family::Roberta => {
                 json.get("pad_token_id")
                     .and_then(Value::as_u64)
@@ -352,6 +379,19 @@ impl BertShape {
                     + 1
             }
         };
+        if family == Family::Electra {
+            // ElectraConfig's default is 128, ELECTRA-small's.
+            let embedding = json
+                .get("embedding_size")
+                .and_then(Value::as_u64)
+                .map_or(128, |e| e as usize);
+            let hidden = count("hidden_size")?;
+            if embedding != hidden {
+                return Err(format!(
+                    "has embedding_size {embedding} and hidden_size {hidden}: ELECTRA-small's projection from narrower embeddings, which kiln's encoder has not (ELECTRA base and large have none)"
+                ));
+            }
+        }
         let positions = count("max_position_embeddings")?;
         if positions <= position_offset {
             return Err(format!(
@@ -395,6 +435,21 @@ impl BertShape {
             ("intermediate", "intermediate_size", self.intermediate),
         ]);
         fit.gelu(self.gelu);
+        let head = self.family.pooler_activation();
+        if config.model.pooling == Pooling::Pooler && config.model.pooler_activation != head {
+            let name = |a: PoolerActivation| match a {
+                PoolerActivation::Tanh => "tanh",
+                PoolerActivation::Gelu => "gelu",
+            };
+            fit.push(
+                format!(
+                    "model.pooler_activation = \"{}\" where its pooler applies {}",
+                    name(config.model.pooler_activation),
+                    name(head)
+                ),
+                format!("model.pooler_activation={}", name(head)),
+            );
+        }
         let eps = config.model.layer_norm_eps;
         if (eps - self.layer_norm_eps).abs() > 1e-3 * self.layer_norm_eps {
             fit.push(
@@ -489,15 +544,25 @@ fn source(path: &str) -> Option<Source> {
 /// transposed back to `[out, in]`, the packed projection split into query,
 /// key and value. Fails, naming it, on a parameter BERT has no place for
 /// (an encoder without the pooler is not a `BertForSequenceClassification`).
-pub(crate) fn hf_tensors(params: &[NamedValues]) -> Result<Vec<NamedValues>, String> {
+pub(crate) fn hf_tensors(
+    params: &[NamedValues],
+    pooler: PoolerActivation,
+) -> Result<Vec<NamedValues>, String> {
+    let family = match pooler {
+        PoolerActivation::Tanh => Family::Bert,
+        PoolerActivation::Gelu => Family::Electra,
+    };
+    // The classifier is the model's own, beside `bert` (`electra`).
+    let bert = |name: &str| {
+        let name = family.file_name(name);
+        match name.starts_with("classifier.") {
+            true => name,
+            false => format!("{}{name}", family.prefix()),
+        }
+    };
     let mut out = Vec::new();
     for (path, shape, v) in params {
         let source = source(path).ok_or_else(|| format!("`{path}` has no BERT counterpart"))?;
-        // The classifier is the model's own, beside `bert`.
-        let bert = |name: &str| match name.starts_with("classifier.") {
-            true => name.to_string(),
-            false => format!("bert.{name}"),
-        };
         match (source, shape.as_slice()) {
             (Source::Same(name) | Source::Cropped { name, .. }, _) => {
                 out.push((bert(&name), shape.clone(), v.clone()));
@@ -528,24 +593,28 @@ pub(crate) fn hf_tensors(params: &[NamedValues]) -> Result<Vec<NamedValues>, Str
             (_, dims) => return Err(format!("`{path}` has an unexpected shape {dims:?}")),
         }
     }
-    if !out.iter().any(|(n, _, _)| n == "bert.pooler.dense.weight") {
-        return Err(
-            "the encoder has no pooler (model.pooling is not \"pooler\"), which BertForSequenceClassification classifies"
-                .into(),
-        );
+    let pooler = bert("pooler.dense.weight");
+    if !out.iter().any(|(n, _, _)| *n == pooler) {
+        return Err(format!(
+            "the encoder has no pooler (model.pooling is not \"pooler\"), which {}ForSequenceClassification classifies",
+            family.name().replace("ELECTRA", "Electra")
+        ));
     }
     out.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(out)
 }
 
 /// Tensors a BERT file may hold that kiln's classifier may not use: the
-/// pre-training heads (BERT's `cls.`, RoBERTa's `lm_head.`), the position-id
+/// pre-training heads (BERT's `cls.`, RoBERTa's `lm_head.`, ELECTRA's
+/// `discriminator_predictions.` and its generator's), the position-id
 /// buffer older files saved, the pooler (`model.pooling` other than
 /// `"pooler"`, or RoBERTa's, which its classification models do not use)
 /// and the classifier (trained for other labels).
 fn may_go_unused(name: &str) -> bool {
     name.starts_with("cls.")
         || name.starts_with("lm_head.")
+        || name.starts_with("discriminator_predictions.")
+        || name.starts_with("generator_")
         || name == "embeddings.position_ids"
         || name.starts_with("pooler.")
         || name.starts_with("classifier.")
@@ -1432,5 +1501,92 @@ mod tests {
             ),
             "{err}"
         );
+    }
+
+    /// Rewrites the `BertForSequenceClassification` folder `write_bert` made
+    /// in `dir` as `transformers` saves an `ElectraForSequenceClassification`
+    /// (`electra.` names, the classification head's `classifier.dense` and
+    /// `classifier.out_proj`, a discriminator head's tensor besides) whose
+    /// embeddings are `embedding_size` wide.
+    fn as_electra(dir: &Path, embedding_size: usize) {
+        let weights = dir.join("model.safetensors");
+        let (start, tensors) = read_header(&weights).expect("header");
+        let bytes = std::fs::read(&weights).expect("read");
+        let mut out: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        for (name, e) in &tensors {
+            let name = match name.as_str() {
+                "cls.predictions.bias" => "discriminator_predictions.dense_prediction.bias".into(),
+                "classifier.weight" => "classifier.out_proj.weight".into(),
+                "classifier.bias" => "classifier.out_proj.bias".into(),
+                other => match other.strip_prefix("bert.pooler.dense.") {
+                    Some(field) => format!("classifier.dense.{field}"),
+                    None => other.replacen("bert.", "electra.", 1),
+                },
+            };
+            out.push((
+                name,
+                e.shape.clone(),
+                bytes[start + e.start..start + e.end].to_vec(),
+            ));
+        }
+        let refs: Vec<(&str, &str, Vec<usize>, Vec<u8>)> = out
+            .iter()
+            .map(|(n, s, b)| (n.as_str(), "F32", s.clone(), b.clone()))
+            .collect();
+        super::super::tests::safetensors_file(dir, &refs);
+        let path = dir.join("config.json");
+        let mut config: Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+        config["model_type"] = "electra".into();
+        config["embedding_size"] = embedding_size.into();
+        std::fs::write(&path, config.to_string()).expect("write");
+    }
+
+    #[test]
+    fn an_electra_folder_loads_with_its_gelu_head_and_exports_back_under_its_names() {
+        let _rng = crate::tests::flex_rng();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let device = Device::flex();
+        let tokenizer = tokenizer();
+        let config = run_config(dir.path(), &["model.pooler_activation=gelu"]);
+        let shape = encoder_config(&config, tokenizer.vocab_size());
+        device.seed(51);
+        let source = shape.init(&device);
+        let labels = ["entailment", "neutral", "contradiction"];
+        write_bert(dir.path(), &source, &tokenizer, Some(&labels), false);
+        as_electra(dir.path(), 8);
+        let bert = open(&config).expect("opens").expect("set");
+        let description = bert.describe(&config);
+        assert!(
+            description.contains("(ELECTRA;")
+                && description.contains("its classifier, trained for these labels"),
+            "{description}"
+        );
+        device.seed(52);
+        let loaded = bert.load_into(shape.init(&device), &device).expect("loads");
+        assert_eq!(logits(&loaded, &device), logits(&source, &device));
+        // BERT's tanh would be another function: named with its fix.
+        let err = open(&run_config(dir.path(), &[]))
+            .expect_err("tanh")
+            .to_string();
+        assert!(
+            err.contains("model.pooler_activation = \"tanh\" where its pooler applies gelu")
+                && err.contains("model.pooler_activation=gelu"),
+            "{err}"
+        );
+        // Exported back: ELECTRA's names, the ones the folder holds.
+        let tensors = hf_tensors(&param_values(&loaded), PoolerActivation::Gelu).expect("export");
+        let names: HashSet<String> = tensors.into_iter().map(|(n, _, _)| n).collect();
+        let (_, file) = read_header(&dir.path().join("model.safetensors")).expect("header");
+        let held: HashSet<String> = file
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| !n.starts_with("discriminator_") && !n.ends_with("position_ids"))
+            .collect();
+        assert_eq!(names, held);
+        // ELECTRA-small's narrower embeddings are refused, saying why.
+        as_electra(dir.path(), 4);
+        let err = open(&config).expect_err("small").to_string();
+        assert!(err.contains("embedding_size 4 and hidden_size 8"), "{err}");
     }
 }

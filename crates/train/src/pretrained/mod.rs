@@ -415,7 +415,12 @@ impl<'a> Fit<'a> {
         let what: Vec<&str> = self.wrong.iter().map(|w| w.0.as_str()).collect();
         let fix: Vec<&str> = self.wrong.iter().map(|w| w.1.as_str()).collect();
         Err(format!(
-            "holds a {architecture} the run's model does not match: {}. Set the run's to the weights': {}",
+            "holds {} {architecture} the run's model does not match: {}. Set the run's to the weights': {}",
+            if architecture.starts_with(['A', 'E', 'I', 'O', 'U']) {
+                "an"
+            } else {
+                "a"
+            },
             what.join("; "),
             fix.join(" ")
         ))

@@ -836,7 +836,7 @@ pub fn predict(
 }
 
 /// Predicts a pairs file with the classifier of a `transformers` BERT or
-/// RoBERTa folder (`config`'s `model.init_from`: a model fine-tuned for
+/// RoBERTa (ELECTRA) folder (`config`'s `model.init_from`: a model fine-tuned for
 /// `data.labels`, such as one on MultiNLI) and its tokenizer, writing one
 /// JSON line per input row to `output` (default:
 /// `predictions-<name>.jsonl` in the working directory). `config` takes
