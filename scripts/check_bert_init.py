@@ -9,7 +9,8 @@ Needs `torch` and `transformers` (pip install torch transformers). Without
 64 wide, BERT's pooler and ε, its WordPiece tokenizer trained on the pairs;
 with --family roberta a `RobertaForSequenceClassification` with a
 byte-level BPE, with --family electra an `ElectraForSequenceClassification`
-as ELECTRA base is laid out) whose classifier is trained for the run's labels, so that
+as ELECTRA base is laid out, with --family distilbert a
+`DistilBertForSequenceClassification`) whose classifier is trained for the run's labels, so that
 kiln loads it too: named as the run names them (--labels run), in another
 order and in capitals as `roberta-large-mnli` names them (--labels mnli:
 kiln reorders the outputs), or `LABEL_0`, `LABEL_1`, `LABEL_2` meaning
@@ -73,6 +74,9 @@ def make_bert(folder: Path, pairs: list, max_length: int, family: str, names: li
         BertConfig,
         BertForSequenceClassification,
         BertTokenizerFast,
+        DistilBertConfig,
+        DistilBertForSequenceClassification,
+        DistilBertTokenizerFast,
         ElectraConfig,
         ElectraForSequenceClassification,
         RobertaConfig,
@@ -89,11 +93,25 @@ def make_bert(folder: Path, pairs: list, max_length: int, family: str, names: li
         id2label=dict(enumerate(names)),
         label2id={l: i for i, l in enumerate(names)},
     )
-    if family in ("bert", "electra"):
+    if family in ("bert", "electra", "distilbert"):
         wordpiece = BertWordPieceTokenizer(lowercase=True)
         wordpiece.train_from_iterator(texts, vocab_size=2000, min_frequency=1)
         tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer)
-        if family == "bert":
+        if family == "distilbert":
+            # DistilBERT's names for the shape; no segment ids.
+            tokenizer = DistilBertTokenizerFast(tokenizer_object=wordpiece._tokenizer)
+            config = DistilBertConfig(
+                vocab_size=wordpiece.get_vocab_size(),
+                dim=shape["hidden_size"],
+                n_layers=shape["num_hidden_layers"],
+                n_heads=shape["num_attention_heads"],
+                hidden_dim=shape["intermediate_size"],
+                max_position_embeddings=max_length + 16,
+                id2label=shape["id2label"],
+                label2id=shape["label2id"],
+            )
+            new = DistilBertForSequenceClassification
+        elif family == "bert":
             config = BertConfig(
                 vocab_size=wordpiece.get_vocab_size(),
                 max_position_embeddings=max_length + 16,
@@ -153,7 +171,7 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=1e-4)
     parser.add_argument(
         "--family",
-        choices=["bert", "roberta", "electra"],
+        choices=["bert", "roberta", "electra", "distilbert"],
         default="bert",
         help="the random folder's architecture (without --folder)",
     )
@@ -201,8 +219,14 @@ def main() -> int:
                 "intermediate_size": 128, "layer_norm_eps": 1e-5}
     else:
         bert = json.loads((folder / "config.json").read_text())
+        if bert.get("model_type") == "distilbert":
+            # BERT's names for DistilBertConfig's keys; its ε is always 1e-12.
+            bert.update(num_hidden_layers=bert["n_layers"], num_attention_heads=bert["n_heads"],
+                        hidden_size=bert["dim"], intermediate_size=bert["hidden_dim"],
+                        layer_norm_eps=1e-12, type_vocab_size=0)
         if meaning is None:
             meaning = [bert["id2label"][str(i)].lower() for i in range(len(bert["id2label"]))]
+    pooler = {"electra": "gelu", "distilbert": "relu"}.get(bert.get("model_type"), "tanh")
 
     overrides = [
         "experiment=nli_snli",
@@ -215,7 +239,8 @@ def main() -> int:
         f"model.max_length={args.max_length}",
         f"model.layer_norm_eps={bert.get('layer_norm_eps', 1e-12 if bert.get('model_type') == 'bert' else 1e-5)}",
         "model.pooling=pooler",
-        f"model.pooler_activation={'gelu' if bert.get('model_type') == 'electra' else 'tanh'}",
+        f"model.pooler_activation={pooler}",
+        f"model.segments={bert.get('type_vocab_size', 2)}",
         f"model.init_labels={json.dumps(init_labels)}",
         "model.dropout=0.0",
         "cv.folds=2",

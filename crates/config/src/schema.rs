@@ -86,8 +86,15 @@ pub struct ModelSection {
     /// Encoder workloads: `cls` (the [CLS] token), `pooler` (BERT's dense
     /// layer and tanh on it) or `mean` (mean over real tokens).
     pub pooling: Pooling,
+    /// Encoder workloads: rows of the segment embedding, 2 (BERT's: premise
+    /// and hypothesis), 1 (RoBERTa's: one row for every token) or 0
+    /// (DistilBERT's: none). A run saved before this key existed resumes
+    /// with 2.
+    #[serde(default = "bert_segments")]
+    pub segments: usize,
     /// Encoder workloads with `pooling = "pooler"`: the pooler's activation,
-    /// `tanh` (BERT's, RoBERTa's) or `gelu` (ELECTRA's classification head).
+    /// `tanh` (BERT's, RoBERTa's), `gelu` (ELECTRA's classification head)
+    /// or `relu` (DistilBERT's `pre_classifier`).
     /// A run saved before this key existed resumes with `tanh`.
     #[serde(default = "bert_pooler")]
     pub pooler_activation: PoolerActivation,
@@ -107,7 +114,7 @@ pub struct ModelSection {
     /// Start from the weights of a Hugging Face `transformers` folder
     /// (`config.json`, `model.safetensors`) instead of random ones, to
     /// fine-tune them: a GPT-2 for language models (OpenAI's from the Hub,
-    /// or a `kiln export`), a BERT, RoBERTa or ELECTRA for the sentence-pair encoder
+    /// or a `kiln export`), a BERT, RoBERTa, ELECTRA or DistilBERT for the sentence-pair encoder
     /// (`bert-base-uncased`, `roberta-base` and their kin); `None` (`"none"` in TOML) starts
     /// from random weights. The folder's shape, GELU and tokenizer must be
     /// the run's.
@@ -126,6 +133,10 @@ fn no_vocab_padding() -> usize {
     1
 }
 
+fn bert_segments() -> usize {
+    2
+}
+
 fn bert_pooler() -> PoolerActivation {
     PoolerActivation::Tanh
 }
@@ -138,6 +149,8 @@ pub enum PoolerActivation {
     Tanh,
     /// ELECTRA's classification head (the exact GELU).
     Gelu,
+    /// DistilBERT's `pre_classifier`.
+    Relu,
 }
 
 fn torch_layer_norm_eps() -> f64 {
@@ -592,6 +605,11 @@ impl RunConfig {
             "must be between 1 (no padding) and 4096",
         );
         check(
+            m.segments <= 2,
+            "model.segments",
+            "must be 2 (BERT's premise and hypothesis rows), 1 (RoBERTa's one row) or 0 (none, DistilBERT's)",
+        );
+        check(
             m.layer_norm_eps > 0.0 && m.layer_norm_eps < 1.0,
             "model.layer_norm_eps",
             "must be in (0, 1): PyTorch's 1e-5, BERT's 1e-12",
@@ -605,7 +623,7 @@ impl RunConfig {
         check(
             named.is_empty() || m.init_from.is_some(),
             "model.init_labels",
-            "names the classifier outputs of model.init_from's BERT, RoBERTa or ELECTRA folder: set model.init_from, or leave it []",
+            "names the classifier outputs of model.init_from's BERT, RoBERTa, ELECTRA or DistilBERT folder: set model.init_from, or leave it []",
         );
         check(
             named.is_empty()

@@ -34,6 +34,8 @@ pub enum PoolerActivation {
     Tanh,
     /// ELECTRA's classification head: the exact GELU.
     Gelu,
+    /// DistilBERT's `pre_classifier`.
+    Relu,
 }
 
 /// The shape of an encoder classifier: [`EncoderConfig::new`], then
@@ -64,6 +66,10 @@ pub struct EncoderConfig {
     pub dropout: f64,
     /// Output classes.
     pub classes: usize,
+    /// Rows of the segment embedding: 2 (BERT's: the premise's and the
+    /// hypothesis's), 1 (RoBERTa's: one row added to every token) or 0
+    /// (DistilBERT's: none).
+    pub segments: usize,
     /// How the sequence becomes one vector for the head.
     pub pooling: PoolingKind,
     /// The pooler's activation (with [`PoolingKind::Pooler`]).
@@ -96,6 +102,7 @@ impl EncoderConfig {
             intermediate: 4 * hidden,
             dropout: 0.0,
             classes,
+            segments: 2,
             pooling: PoolingKind::Cls,
             pooler_activation: PoolerActivation::Tanh,
             gelu: GeluKind::Exact,
@@ -108,6 +115,8 @@ impl EncoderConfig {
         with_intermediate: intermediate: usize;
         /// Dropout in training (0 for none).
         with_dropout: dropout: f64;
+        /// Rows of the segment embedding (0, 1 or 2).
+        with_segments: segments: usize;
         /// How the sequence becomes one vector.
         with_pooling: pooling: PoolingKind;
         /// The pooler's activation.
@@ -137,7 +146,7 @@ impl EncoderConfig {
 
     /// All parameters.
     pub fn num_params(&self) -> usize {
-        (self.vocab_size + self.max_positions + 2) * self.hidden
+        (self.vocab_size + self.max_positions + self.segments) * self.hidden
             + 2 * self.hidden
             + self.block_params()
             + self.head_params()
@@ -200,7 +209,7 @@ impl EncoderConfig {
         EncoderClassifier {
             tokens: embedding(self.vocab_size),
             positions: embedding(self.max_positions),
-            segments: embedding(2),
+            segments: (self.segments > 0).then(|| embedding(self.segments)),
             ln_embed: layer_norm(),
             blocks: (0..self.layers)
                 .map(|_| EncoderBlock {
@@ -220,7 +229,7 @@ impl EncoderConfig {
             pooler: (self.pooling == PoolingKind::Pooler).then(|| linear(self.hidden, self.hidden)),
             head: linear(self.hidden, self.classes),
             mean_pooling: self.pooling == PoolingKind::Mean,
-            pooler_gelu: self.pooler_activation == PoolerActivation::Gelu,
+            pooler_activation: self.pooler_activation,
             ln_eps: self.layer_norm_eps,
             compute: ComputeDtype::F32,
             kernels: Kernels::Fused,
@@ -234,7 +243,7 @@ impl EncoderConfig {
 pub struct EncoderClassifier {
     tokens: Embedding,
     positions: Embedding,
-    segments: Embedding,
+    segments: Option<Embedding>,
     ln_embed: LayerNorm,
     blocks: Vec<EncoderBlock>,
     dropout: Dropout,
@@ -243,7 +252,7 @@ pub struct EncoderClassifier {
     #[module(skip)]
     mean_pooling: bool,
     #[module(skip)]
-    pooler_gelu: bool,
+    pooler_activation: PoolerActivation,
     #[module(skip)]
     ln_eps: f64,
     #[module(skip)]
@@ -325,9 +334,16 @@ impl EncoderClassifier {
         let pos = Tensor::<1, Int>::arange(0..t as i64, &device)
             .reshape([1, t])
             .expand([b, t]);
-        let x = self.tokens.forward(ids)
-            + self.positions.forward(pos)
-            + self.segments.forward(segments);
+        let x = self.tokens.forward(ids) + self.positions.forward(pos);
+        let x = match &self.segments {
+            // One row (RoBERTa's): every token's, whatever its segment.
+            Some(rows) if rows.weight.dims()[0] == 1 => {
+                let [_, d] = rows.weight.dims();
+                x + rows.weight.val().reshape([1, 1, d])
+            }
+            Some(rows) => x + rows.forward(segments),
+            None => x,
+        };
         let mut x = self.dropout.forward(kernels::layer_norm_with(
             &self.ln_embed,
             x,
@@ -348,9 +364,10 @@ impl EncoderClassifier {
             match &self.pooler {
                 Some(pooler) => {
                     let dense = precision::linear(pooler, cls, self.compute, self.kernels);
-                    match self.pooler_gelu {
-                        true => activation::gelu(dense),
-                        false => dense.tanh(),
+                    match self.pooler_activation {
+                        PoolerActivation::Tanh => dense.tanh(),
+                        PoolerActivation::Gelu => activation::gelu(dense),
+                        PoolerActivation::Relu => activation::relu(dense),
                     }
                 }
                 None => cls,
@@ -412,7 +429,7 @@ impl EncoderClassifier {
     pub fn freeze_encoder(mut self) -> Self {
         self.tokens = self.tokens.no_grad();
         self.positions = self.positions.no_grad();
-        self.segments = self.segments.no_grad();
+        self.segments = self.segments.map(Module::no_grad);
         self.ln_embed = self.ln_embed.no_grad();
         self.blocks = self.blocks.into_iter().map(Module::no_grad).collect();
         self
@@ -438,6 +455,7 @@ mod tests {
             intermediate: 1024,
             dropout: 0.0,
             classes: 3,
+            segments: 2,
             pooling: PoolingKind::Cls,
             pooler_activation: PoolerActivation::Tanh,
             gelu: GeluKind::Exact,
@@ -532,17 +550,19 @@ mod tests {
             pooler_activation: PoolerActivation::Gelu,
             ..small()
         };
-        assert!(c.init_unset(&device).pooler_gelu);
+        assert_eq!(
+            c.init_unset(&device).pooler_activation,
+            PoolerActivation::Gelu
+        );
         device.seed(6);
         let tanh = EncoderConfig {
             pooler_activation: PoolerActivation::Tanh,
             ..c
         }
         .init(&device);
-        assert!(!tanh.pooler_gelu);
         // The same weights: the activation is no parameter.
-        let gelu = EncoderClassifier {
-            pooler_gelu: true,
+        let with = |pooler_activation| EncoderClassifier {
+            pooler_activation,
             ..tanh.clone()
         };
         let (ids, seg, mask) = batch(&device);
@@ -552,7 +572,46 @@ mod tests {
                 .iter::<f32>()
                 .collect()
         };
+        let (gelu, relu) = (with(PoolerActivation::Gelu), with(PoolerActivation::Relu));
         assert_ne!(logits(&tanh), logits(&gelu));
+        assert_ne!(logits(&gelu), logits(&relu));
+        assert_ne!(logits(&tanh), logits(&relu));
+    }
+
+    #[test]
+    fn one_segment_row_ignores_the_segment_ids_and_none_has_no_parameter() {
+        let device = Device::flex();
+        let (ids, seg, mask) = batch(&device);
+        for segments in [0, 1] {
+            let c = EncoderConfig {
+                segments,
+                ..small()
+            };
+            let model = c.init(&device);
+            assert_eq!(model.num_params(), c.num_params(), "{segments} rows");
+            let run = |seg: Tensor<2, Int>| -> Vec<f32> {
+                model
+                    .forward(ids.clone(), seg, mask.clone())
+                    .into_data()
+                    .iter::<f32>()
+                    .collect()
+            };
+            assert_eq!(
+                run(seg.clone()),
+                run(seg.clone().zeros_like()),
+                "{segments} rows"
+            );
+        }
+        // Two rows: the hypothesis's is its own.
+        let model = small().init(&device);
+        let run = |seg: Tensor<2, Int>| -> Vec<f32> {
+            model
+                .forward(ids.clone(), seg, mask.clone())
+                .into_data()
+                .iter::<f32>()
+                .collect()
+        };
+        assert_ne!(run(seg.clone()), run(seg.clone().zeros_like()));
     }
 
     #[test]

@@ -15,7 +15,8 @@
 //! A cross-validation run of the sentence-pair encoder is written as
 //! `BertForSequenceClassification` (its best fold, as `kiln predict`
 //! chooses), or `ElectraForSequenceClassification` where its pooler
-//! applies the GELU (`model.pooler_activation`): the mapping is `model.init_from`'s read backwards
+//! applies the GELU, `DistilBertForSequenceClassification` the ReLU
+//! (`model.pooler_activation`): the mapping is `model.init_from`'s read backwards
 //! ([`crate::pretrained::bert::hf_tensors`]), so that the folder also starts
 //! a kiln run again.
 
@@ -249,25 +250,28 @@ fn write_folder(out: &Path, files: &[(&str, Vec<u8>)]) -> Result<(), TrainError>
 
 /// The best fold of the cross-validation run `run` as a `transformers`
 /// `BertForSequenceClassification` folder (`ElectraForSequenceClassification`
-/// for a GELU pooler): its weights under BERT's (ELECTRA's) names, `config.json` with the run's shape and labels, the fold's
+/// for a GELU pooler, `DistilBertForSequenceClassification` for a ReLU one): its weights under BERT's (ELECTRA's) names, `config.json` with the run's shape and labels, the fold's
 /// tokenizer.
 fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
     let best = crate::workload::nli::best_fold(run, "be exported")?;
     let config = &best.config;
     let m = &config.model;
-    // BERT's pooler (tanh), or ELECTRA's classification head (GELU).
-    let (class, model_type) = match m.pooler_activation {
-        kiln_config::PoolerActivation::Tanh => ("BertForSequenceClassification", "bert"),
-        kiln_config::PoolerActivation::Gelu => ("ElectraForSequenceClassification", "electra"),
-    };
-    let tensors = crate::pretrained::bert::hf_tensors(&best.params, m.pooler_activation).map_err(|why| {
-        TrainError::Unsupported(
-            "exporting an encoder without BERT's pooler",
+    // BERT's pooler (tanh), ELECTRA's classification head (GELU) or
+    // DistilBERT's pre-classifier (ReLU).
+    let family = crate::pretrained::bert::Family::for_export(m.pooler_activation);
+    let class = family.class();
+    let distil = class.starts_with("DistilBert");
+    if distil && (m.layer_norm_eps - 1e-12).abs() > 1e-15 {
+        return Err(TrainError::Unsupported(
+            "exporting as DistilBERT",
             format!(
-                "{why}: train with model.pooling=pooler (the default pooling, \"cls\", classifies the [CLS] state itself)"
+                "its LayerNorms' epsilon is always 1e-12, the run's model.layer_norm_eps is {:e}",
+                m.layer_norm_eps
             ),
-        )
-    })?;
+        ));
+    }
+    let tensors = crate::pretrained::bert::hf_tensors(&best.params, m.pooler_activation)
+        .map_err(|why| TrainError::Unsupported("exporting this encoder", why))?;
     let tokenizer = &best.tokenizer;
     let labels = &config.data.labels;
     let id2label: serde_json::Map<String, serde_json::Value> = labels
@@ -280,9 +284,13 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         .enumerate()
         .map(|(i, l)| (l.clone(), serde_json::Value::from(i)))
         .collect();
+    let pad_token_id = tokenizer
+        .token_id("[PAD]")
+        .or_else(|| tokenizer.token_id("<pad>"))
+        .unwrap_or(0);
     let mut bert_config = serde_json::json!({
         "architectures": [class],
-        "model_type": model_type,
+        "model_type": if class.starts_with("Electra") { "electra" } else { "bert" },
         "vocab_size": tokenizer.vocab_size(),
         "hidden_size": m.hidden,
         "num_hidden_layers": m.layers,
@@ -296,10 +304,7 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         "layer_norm_eps": m.layer_norm_eps,
         "position_embedding_type": "absolute",
         "initializer_range": 0.02,
-        "pad_token_id": tokenizer
-            .token_id("[PAD]")
-            .or_else(|| tokenizer.token_id("<pad>"))
-            .unwrap_or(0),
+        "pad_token_id": pad_token_id,
         "id2label": id2label,
         "label2id": label2id,
         "problem_type": "single_label_classification",
@@ -309,15 +314,43 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
             "fold": best.fold,
         },
     });
-    if model_type == "electra" {
+    if class.starts_with("Electra") {
         // Embeddings as wide as the model: no projection.
         bert_config["embedding_size"] = m.hidden.into();
+    }
+    if distil {
+        // DistilBertConfig's names, and its one dropout for each place.
+        bert_config = serde_json::json!({
+            "architectures": [class],
+            "model_type": "distilbert",
+            "vocab_size": tokenizer.vocab_size(),
+            "dim": m.hidden,
+            "n_layers": m.layers,
+            "n_heads": m.heads,
+            "hidden_dim": m.intermediate,
+            "activation": activation(m.gelu),
+            "dropout": m.dropout,
+            "attention_dropout": m.dropout,
+            "seq_classif_dropout": m.dropout,
+            "max_position_embeddings": m.max_length,
+            "sinusoidal_pos_embds": false,
+            "initializer_range": 0.02,
+            "pad_token_id": pad_token_id,
+            "id2label": bert_config["id2label"].take(),
+            "label2id": bert_config["label2id"].take(),
+            "problem_type": "single_label_classification",
+            "torch_dtype": "float32",
+            "kiln": bert_config["kiln"].take(),
+        });
     }
     // The segment ids are an input: `transformers`' generic fast tokenizer
     // returns them only when told.
     let mut tokenizer_config = tokenizer_config(m.max_length);
-    tokenizer_config["model_input_names"] =
-        serde_json::json!(["input_ids", "token_type_ids", "attention_mask"]);
+    tokenizer_config["model_input_names"] = match distil {
+        // DistilBERT takes no segment ids.
+        true => serde_json::json!(["input_ids", "attention_mask"]),
+        false => serde_json::json!(["input_ids", "token_type_ids", "attention_mask"]),
+    };
     // BERT's special tokens, or RoBERTa's where the fold tokenized as it.
     for (key, tokens) in [
         ("cls_token", ["[CLS]", "<s>"]),

@@ -67,7 +67,9 @@ pub(crate) fn encoder_config(config: &RunConfig, vocab_size: usize) -> EncoderCo
     .with_pooler_activation(match m.pooler_activation {
         kiln_config::PoolerActivation::Tanh => kiln_model::PoolerActivation::Tanh,
         kiln_config::PoolerActivation::Gelu => kiln_model::PoolerActivation::Gelu,
+        kiln_config::PoolerActivation::Relu => kiln_model::PoolerActivation::Relu,
     })
+    .with_segments(m.segments)
     .with_gelu(gelu(m.gelu))
     .with_layer_norm_eps(m.layer_norm_eps)
 }

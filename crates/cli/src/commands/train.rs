@@ -30,7 +30,7 @@ pub(crate) struct TrainArgs {
 #[derive(Debug, clap::Args)]
 pub(crate) struct PredictArgs {
     /// A finished cross-validation run's directory (its best fold
-    /// predicts), or a transformers BERT, RoBERTa or ELECTRA folder whose
+    /// predicts), or a transformers BERT, RoBERTa, ELECTRA or DistilBERT folder whose
     /// classifier was trained for the labels (config.json,
     /// model.safetensors, tokenizer.json: a MultiNLI fine-tune, a `kiln
     /// export`)

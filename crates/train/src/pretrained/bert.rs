@@ -12,7 +12,9 @@
 //! one segment embedding for both of kiln's, its classification head
 //! (`classifier.dense`, `classifier.out_proj`) as the pooler and the head;
 //! ELECTRA's discriminator too ([`Family::Electra`]): BERT's layout, with
-//! RoBERTa's head applying the GELU (`model.pooler_activation`).
+//! RoBERTa's head applying the GELU (`model.pooler_activation`); and
+//! DistilBERT ([`Family::Distilbert`]): its own names, no segments
+//! (`model.segments = 0`), a ReLU `pre_classifier`.
 //!
 //! kiln's encoder is BERT's architecture (post-LayerNorm blocks, token,
 //! position and segment embeddings, `model.pooling = "pooler"` for BERT's
@@ -132,7 +134,7 @@ fn generic_label(name: &str) -> bool {
 
 /// The architectures kiln's encoder is, tensor for tensor.
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Family {
+pub(crate) enum Family {
     /// BERT (`model_type` "bert").
     Bert,
     /// RoBERTa and its kin ("roberta", "xlm-roberta", "camembert"): BERT's
@@ -145,6 +147,12 @@ enum Family {
     /// classification head with the GELU for its activation
     /// (`model.pooler_activation = "gelu"`).
     Electra,
+    /// DistilBERT ("distilbert"): BERT's blocks under other names
+    /// (`transformer.layer.i.attention.q_lin`, ...), no segment embedding
+    /// (`model.segments = 0`), LayerNorm's ε always 1e-12, and a
+    /// `pre_classifier` with ReLU as its pooler (`model.pooler_activation =
+    /// "relu"`).
+    Distilbert,
 }
 
 impl Family {
@@ -153,6 +161,7 @@ impl Family {
             Self::Bert => "BERT",
             Self::Roberta => "RoBERTa",
             Self::Electra => "ELECTRA",
+            Self::Distilbert => "DistilBERT",
         }
     }
 
@@ -162,6 +171,7 @@ impl Family {
             Self::Bert => "bert.",
             Self::Roberta => "roberta.",
             Self::Electra => "electra.",
+            Self::Distilbert => "distilbert.",
         }
     }
 
@@ -170,6 +180,7 @@ impl Family {
     fn file_name(self, name: &str) -> String {
         match (self, name) {
             (Self::Bert, _) => name.to_string(),
+            (Self::Distilbert, _) => distilbert_name(name),
             (_, "pooler.dense.weight") => "classifier.dense.weight".into(),
             (_, "pooler.dense.bias") => "classifier.dense.bias".into(),
             (_, "classifier.weight") => "classifier.out_proj.weight".into(),
@@ -184,8 +195,67 @@ impl Family {
         match self {
             Self::Bert | Self::Roberta => PoolerActivation::Tanh,
             Self::Electra => PoolerActivation::Gelu,
+            Self::Distilbert => PoolerActivation::Relu,
         }
     }
+
+    /// The family `kiln export` writes an encoder whose pooler applies
+    /// `activation` as.
+    pub(crate) fn for_export(activation: PoolerActivation) -> Self {
+        match activation {
+            PoolerActivation::Tanh => Self::Bert,
+            PoolerActivation::Gelu => Self::Electra,
+            PoolerActivation::Relu => Self::Distilbert,
+        }
+    }
+
+    /// Its `transformers` sentence classifier.
+    pub(crate) fn class(self) -> &'static str {
+        match self {
+            Self::Bert => "BertForSequenceClassification",
+            Self::Roberta => "RobertaForSequenceClassification",
+            Self::Electra => "ElectraForSequenceClassification",
+            Self::Distilbert => "DistilBertForSequenceClassification",
+        }
+    }
+
+    /// `model.pooler_activation`'s value for `activation`.
+    fn activation_name(activation: PoolerActivation) -> &'static str {
+        match activation {
+            PoolerActivation::Tanh => "tanh",
+            PoolerActivation::Gelu => "gelu",
+            PoolerActivation::Relu => "relu",
+        }
+    }
+}
+
+/// DistilBERT's name for the tensor BERT calls `name` (the prefix
+/// dropped): its blocks are `transformer.layer.i` with `q_lin`, `k_lin`,
+/// `v_lin`, `out_lin`, `sa_layer_norm`, `ffn.lin1`, `ffn.lin2` and
+/// `output_layer_norm`; its pooler is `pre_classifier`.
+fn distilbert_name(name: &str) -> String {
+    if let Some(field) = name.strip_prefix("pooler.dense.") {
+        return format!("pre_classifier.{field}");
+    }
+    let Some(rest) = name.strip_prefix("encoder.layer.") else {
+        return name.to_string();
+    };
+    let Some((i, part)) = rest.split_once('.') else {
+        return name.to_string();
+    };
+    let (module, field) = part.rsplit_once('.').unwrap_or((part, ""));
+    let module = match module {
+        "attention.self.query" => "attention.q_lin",
+        "attention.self.key" => "attention.k_lin",
+        "attention.self.value" => "attention.v_lin",
+        "attention.output.dense" => "attention.out_lin",
+        "attention.output.LayerNorm" => "sa_layer_norm",
+        "intermediate.dense" => "ffn.lin1",
+        "output.dense" => "ffn.lin2",
+        "output.LayerNorm" => "output_layer_norm",
+        other => other,
+    };
+    format!("transformer.layer.{i}.{module}.{field}")
 }
 
 /// BERT's shape as its `config.json` says, with `transformers`' defaults.
@@ -203,6 +273,8 @@ struct BertShape {
     vocab_size: usize,
     gelu: Gelu,
     layer_norm_eps: f64,
+    /// Rows of its segment embedding (`type_vocab_size`; DistilBERT's 0).
+    segments: usize,
     /// `id2label`'s names by id, where the config has them.
     labels: Option<Vec<String>>,
 }
@@ -319,11 +391,9 @@ pub(crate) fn folder_overrides(folder: &Path) -> Result<Vec<String>, TrainError>
         "model.pooling=pooler".to_string(),
         format!(
             "model.pooler_activation={}",
-            match shape.family.pooler_activation() {
-                PoolerActivation::Tanh => "tanh",
-                PoolerActivation::Gelu => "gelu",
-            }
+            Family::activation_name(shape.family.pooler_activation())
         ),
+        format!("model.segments={}", shape.segments),
         format!("model.max_length={}", shape.positions),
     ])
 }
@@ -340,19 +410,32 @@ impl BertShape {
             Some("bert") => Family::Bert,
             Some("roberta" | "xlm-roberta" | "camembert") => Family::Roberta,
             Some("electra") => Family::Electra,
+            Some("distilbert") => Family::Distilbert,
             _ => {
                 return Err(format!(
-                    "describes a `{}` model; kiln's encoder loads BERT's architecture (model_type \"bert\"), RoBERTa's (\"roberta\", \"xlm-roberta\", \"camembert\") and ELECTRA's (\"electra\")",
+                    "describes a `{}` model; kiln's encoder loads BERT's architecture (model_type \"bert\"), RoBERTa's (\"roberta\", \"xlm-roberta\", \"camembert\"), ELECTRA's (\"electra\") and DistilBERT's (\"distilbert\")",
                     model_type.unwrap_or("(no model_type)")
                 ));
             }
         };
-        let count = |key: &str| positive(json, key);
+        let distil = family == Family::Distilbert;
+        // DistilBertConfig's names for BERT's keys.
+        let key = |bert: &'static str| -> &'static str {
+            match (distil, bert) {
+                (true, "num_hidden_layers") => "n_layers",
+                (true, "num_attention_heads") => "n_heads",
+                (true, "hidden_size") => "dim",
+                (true, "intermediate_size") => "hidden_dim",
+                (true, "hidden_act") => "activation",
+                _ => bert,
+            }
+        };
+        let count = |bert: &'static str| positive(json, key(bert));
         let activation = json
-            .get("hidden_act")
+            .get(key("hidden_act"))
             .and_then(Value::as_str)
             .unwrap_or("gelu");
-        let gelu = gelu_named(activation, "hidden_act", "encoder")?;
+        let gelu = gelu_named(activation, key("hidden_act"), "encoder")?;
         if let Some(kind) = json.get("position_embedding_type").and_then(Value::as_str)
             && kind != "absolute"
         {
@@ -361,6 +444,7 @@ impl BertShape {
             ));
         }
         let segments = match json.get("type_vocab_size") {
+            _ if distil => 0,
             None => 2,
             Some(_) => count("type_vocab_size")?,
         };
@@ -371,7 +455,7 @@ impl BertShape {
         }
         // RoBERTa's position ids start after its padding id.
         let position_offset = match family {
-            Family::Bert | Family::Electra => 0,
+            Family::Bert | Family::Electra | Family::Distilbert => 0,
             Family::Roberta => {
                 json.get("pad_token_id")
                     .and_then(Value::as_u64)
@@ -416,10 +500,16 @@ impl BertShape {
             positions: positions - position_offset,
             vocab_size: count("vocab_size")?,
             gelu,
-            layer_norm_eps: json
-                .get("layer_norm_eps")
-                .and_then(Value::as_f64)
-                .unwrap_or(1e-12),
+            // DistilBERT's LayerNorms are built with 1e-12, whatever its
+            // config says.
+            layer_norm_eps: match distil {
+                true => 1e-12,
+                false => json
+                    .get("layer_norm_eps")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(1e-12),
+            },
+            segments,
             labels,
         })
     }
@@ -437,10 +527,7 @@ impl BertShape {
         fit.gelu(self.gelu);
         let head = self.family.pooler_activation();
         if config.model.pooling == Pooling::Pooler && config.model.pooler_activation != head {
-            let name = |a: PoolerActivation| match a {
-                PoolerActivation::Tanh => "tanh",
-                PoolerActivation::Gelu => "gelu",
-            };
+            let name = Family::activation_name;
             fit.push(
                 format!(
                     "model.pooler_activation = \"{}\" where its pooler applies {}",
@@ -448,6 +535,16 @@ impl BertShape {
                     name(head)
                 ),
                 format!("model.pooler_activation={}", name(head)),
+            );
+        }
+        if config.model.segments != self.segments {
+            let field = match self.family {
+                Family::Distilbert => "DistilBERT has no segment embedding".to_string(),
+                _ => format!("its type_vocab_size is {}", self.segments),
+            };
+            fit.push(
+                format!("model.segments = {} where {field}", config.model.segments),
+                format!("model.segments={}", self.segments),
             );
         }
         let eps = config.model.layer_norm_eps;
@@ -548,22 +645,30 @@ pub(crate) fn hf_tensors(
     params: &[NamedValues],
     pooler: PoolerActivation,
 ) -> Result<Vec<NamedValues>, String> {
-    let family = match pooler {
-        PoolerActivation::Tanh => Family::Bert,
-        PoolerActivation::Gelu => Family::Electra,
-    };
-    // The classifier is the model's own, beside `bert` (`electra`).
+    let family = Family::for_export(pooler);
+    // The classifier is the model's own, beside `bert` (`electra`, ...).
     let bert = |name: &str| {
         let name = family.file_name(name);
-        match name.starts_with("classifier.") {
+        match name.starts_with("classifier.") || name.starts_with("pre_classifier.") {
             true => name,
             false => format!("{}{name}", family.prefix()),
         }
     };
     let mut out = Vec::new();
+    let mut segments = false;
     for (path, shape, v) in params {
         let source = source(path).ok_or_else(|| format!("`{path}` has no BERT counterpart"))?;
         match (source, shape.as_slice()) {
+            (Source::Same(name), [rows, d]) if path == "segments.weight" => {
+                if family == Family::Distilbert {
+                    return Err(format!(
+                        "the encoder has {rows} segment rows (model.segments), which DistilBERT has not: one trained with model.segments=0 is a DistilBertForSequenceClassification"
+                    ));
+                }
+                // BERT's two rows: RoBERTa's one is every token's.
+                out.push((bert(&name), vec![2, *d], v.repeat(2 / rows)));
+                segments = true;
+            }
             (Source::Same(name) | Source::Cropped { name, .. }, _) => {
                 out.push((bert(&name), shape.clone(), v.clone()));
             }
@@ -593,11 +698,25 @@ pub(crate) fn hf_tensors(
             (_, dims) => return Err(format!("`{path}` has an unexpected shape {dims:?}")),
         }
     }
+    if !segments && family != Family::Distilbert {
+        // No segment embedding (model.segments = 0): two rows of zeros.
+        let width = params
+            .iter()
+            .find(|(p, _, _)| p == "tokens.weight")
+            .and_then(|(_, shape, _)| shape.get(1).copied())
+            .ok_or("the encoder has no token embedding")?;
+        out.push((
+            bert("embeddings.token_type_embeddings.weight"),
+            vec![2, width],
+            vec![0.0; 2 * width],
+        ));
+    }
     let pooler = bert("pooler.dense.weight");
     if !out.iter().any(|(n, _, _)| *n == pooler) {
         return Err(format!(
-            "the encoder has no pooler (model.pooling is not \"pooler\"), which {}ForSequenceClassification classifies",
-            family.name().replace("ELECTRA", "Electra")
+            "the encoder has no pooler (model.pooling is not \"pooler\"), which {} classifies: \
+             train with model.pooling=pooler (the default pooling, \"cls\", classifies the [CLS] state itself)",
+            family.class()
         ));
     }
     out.sort_by(|a, b| a.0.cmp(&b.0));
@@ -606,7 +725,8 @@ pub(crate) fn hf_tensors(
 
 /// Tensors a BERT file may hold that kiln's classifier may not use: the
 /// pre-training heads (BERT's `cls.`, RoBERTa's `lm_head.`, ELECTRA's
-/// `discriminator_predictions.` and its generator's), the position-id
+/// `discriminator_predictions.` and its generator's, DistilBERT's
+/// `vocab_transform`, `vocab_layer_norm`, `vocab_projector`), the position-id
 /// buffer older files saved, the pooler (`model.pooling` other than
 /// `"pooler"`, or RoBERTa's, which its classification models do not use)
 /// and the classifier (trained for other labels).
@@ -615,8 +735,10 @@ fn may_go_unused(name: &str) -> bool {
         || name.starts_with("lm_head.")
         || name.starts_with("discriminator_predictions.")
         || name.starts_with("generator_")
+        || name.starts_with("vocab_")
         || name == "embeddings.position_ids"
         || name.starts_with("pooler.")
+        || name.starts_with("pre_classifier.")
         || name.starts_with("classifier.")
 }
 
@@ -801,12 +923,10 @@ impl BertFolder {
                 Source::Same(name) => {
                     let name = family.file_name(&name);
                     let (shape, v) = read(&name)?;
-                    match (shape.as_slice(), want.as_slice()) {
-                        _ if shape == want => v,
-                        // RoBERTa's one segment, for both of kiln's.
-                        ([1, d], [2, width]) if d == width => v.repeat(2),
-                        _ => return Err(mismatch(&name, &shape, &want, &param.path)),
+                    if shape != want {
+                        return Err(mismatch(&name, &shape, &want, &param.path));
                     }
+                    v
                 }
                 Source::Transposed(name) => {
                     let name = family.file_name(&name);
@@ -817,6 +937,7 @@ impl BertFolder {
                     }
                 }
                 Source::Cropped { name, positions } => {
+                    let name = family.file_name(&name);
                     let (shape, v) = read(&name)?;
                     let skip = if positions {
                         self.shape.position_offset
@@ -834,7 +955,8 @@ impl BertFolder {
                     let d = want[want.len() - 1] / 3;
                     let parts = ["query", "key", "value"].map(|p| {
                         let field = if weight { "weight" } else { "bias" };
-                        format!("encoder.layer.{layer}.attention.self.{p}.{field}")
+                        family
+                            .file_name(&format!("encoder.layer.{layer}.attention.self.{p}.{field}"))
                     });
                     let mut out = vec![0.0; want.iter().product()];
                     for (k, name) in parts.iter().enumerate() {
@@ -967,12 +1089,13 @@ mod tests {
             vec![shape[0] + 4, shape[1]],
             v,
         );
-        let (shape, v) = get("segments.weight");
-        put(
-            format!("{prefix}embeddings.token_type_embeddings.weight"),
-            shape,
-            v,
-        );
+        if let Some((shape, v)) = values.get("segments.weight").cloned() {
+            put(
+                format!("{prefix}embeddings.token_type_embeddings.weight"),
+                shape,
+                v,
+            );
+        }
         put(
             format!("{prefix}embeddings.position_ids"),
             vec![1],
@@ -1344,14 +1467,14 @@ mod tests {
         let tokenizer_file = format!("data.tokenizer_file={}", other.display());
         assert!(err(&[&tokenizer_file]).contains("set data.tokenizer_file=none"));
 
-        // A DistilBERT is not a BERT; a folder without tokenizer.json is refused.
+        // A DeBERTa is not a BERT; a folder without tokenizer.json is refused.
         let json = std::fs::read_to_string(dir.path().join("config.json")).expect("read");
         std::fs::write(
             dir.path().join("config.json"),
-            json.replace("\"bert\"", "\"distilbert\""),
+            json.replace("\"bert\"", "\"deberta-v2\""),
         )
         .expect("write");
-        assert!(err(&[]).contains("describes a `distilbert` model"));
+        assert!(err(&[]).contains("describes a `deberta-v2` model"));
         std::fs::write(dir.path().join("config.json"), json).expect("write");
         std::fs::remove_file(dir.path().join("tokenizer.json")).expect("rm");
         assert!(err(&[]).contains("has no tokenizer.json"));
@@ -1446,10 +1569,19 @@ mod tests {
     #[test]
     fn a_roberta_folder_loads_with_its_offset_positions_one_segment_and_its_head() {
         let _rng = crate::tests::flex_rng();
-        let (dir, device, tokenizer, config, shape, source) = fixture(41);
+        let (dir, device, tokenizer, config, _, source) = fixture(41);
         let labels = ["entailment", "neutral", "contradiction"];
         write_bert(dir.path(), &source, &tokenizer, Some(&labels), false);
         as_roberta(dir.path());
+        // Its one segment row: named with its fix.
+        let err = open(&config).expect_err("two rows").to_string();
+        assert!(
+            err.contains("model.segments = 2 where its type_vocab_size is 1")
+                && err.contains("model.segments=1"),
+            "{err}"
+        );
+        let config = run_config(dir.path(), &["model.segments=1"]);
+        let shape = encoder_config(&config, tokenizer.vocab_size());
         let bert = open(&config).expect("opens").expect("set");
         let description = bert.describe(&config);
         assert!(
@@ -1588,5 +1720,129 @@ mod tests {
         as_electra(dir.path(), 4);
         let err = open(&config).expect_err("small").to_string();
         assert!(err.contains("embedding_size 4 and hidden_size 8"), "{err}");
+    }
+
+    /// Rewrites the `BertForSequenceClassification` folder `write_bert` made
+    /// of a model without segments in `dir` as `transformers` saves a
+    /// `DistilBertForSequenceClassification`: `distilbert.` names,
+    /// `transformer.layer.i` blocks, `pre_classifier`, a masked-LM head's
+    /// tensor besides, and DistilBertConfig's keys.
+    fn as_distilbert(dir: &Path) {
+        let weights = dir.join("model.safetensors");
+        let (start, tensors) = read_header(&weights).expect("header");
+        let bytes = std::fs::read(&weights).expect("read");
+        let mut out: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        for (name, e) in &tensors {
+            let mut name = name
+                .replacen("bert.", "distilbert.", 1)
+                .replace("distilbert.pooler.dense.", "pre_classifier.")
+                .replace("cls.predictions.", "vocab_projector.")
+                .replace(".encoder.layer.", ".transformer.layer.");
+            for (bert, distil) in [
+                (".attention.self.query.", ".attention.q_lin."),
+                (".attention.self.key.", ".attention.k_lin."),
+                (".attention.self.value.", ".attention.v_lin."),
+                (".attention.output.dense.", ".attention.out_lin."),
+                (".attention.output.LayerNorm.", ".sa_layer_norm."),
+                (".intermediate.dense.", ".ffn.lin1."),
+                (".output.dense.", ".ffn.lin2."),
+                (".output.LayerNorm.", ".output_layer_norm."),
+            ] {
+                name = name.replace(bert, distil);
+            }
+            out.push((
+                name,
+                e.shape.clone(),
+                bytes[start + e.start..start + e.end].to_vec(),
+            ));
+        }
+        let refs: Vec<(&str, &str, Vec<usize>, Vec<u8>)> = out
+            .iter()
+            .map(|(n, s, b)| (n.as_str(), "F32", s.clone(), b.clone()))
+            .collect();
+        super::super::tests::safetensors_file(dir, &refs);
+        let path = dir.join("config.json");
+        let bert: Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+        let config = serde_json::json!({
+            "model_type": "distilbert",
+            "architectures": ["DistilBertForSequenceClassification"],
+            "dim": bert["hidden_size"],
+            "n_layers": bert["num_hidden_layers"],
+            "n_heads": bert["num_attention_heads"],
+            "hidden_dim": bert["intermediate_size"],
+            "activation": "gelu",
+            "max_position_embeddings": bert["max_position_embeddings"],
+            "vocab_size": bert["vocab_size"],
+            "sinusoidal_pos_embds": false,
+            "id2label": bert["id2label"],
+        });
+        std::fs::write(&path, config.to_string()).expect("write");
+    }
+
+    #[test]
+    fn a_distilbert_folder_loads_without_segments_and_with_its_relu_pre_classifier() {
+        let _rng = crate::tests::flex_rng();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let device = Device::flex();
+        let tokenizer = tokenizer();
+        let config = run_config(
+            dir.path(),
+            &["model.segments=0", "model.pooler_activation=relu"],
+        );
+        let shape = encoder_config(&config, tokenizer.vocab_size());
+        device.seed(61);
+        let source = shape.init(&device);
+        let labels = ["entailment", "neutral", "contradiction"];
+        write_bert(dir.path(), &source, &tokenizer, Some(&labels), false);
+        as_distilbert(dir.path());
+        let bert = open(&config).expect("opens").expect("set");
+        let description = bert.describe(&config);
+        assert!(
+            description.contains("(DistilBERT;")
+                && description.contains("its classifier, trained for these labels"),
+            "{description}"
+        );
+        device.seed(62);
+        let loaded = bert.load_into(shape.init(&device), &device).expect("loads");
+        assert_eq!(logits(&loaded, &device), logits(&source, &device));
+        // BERT's segments and tanh: each named with its fix.
+        let err = open(&run_config(dir.path(), &[]))
+            .expect_err("BERT's")
+            .to_string();
+        assert!(
+            err.contains("model.segments = 2 where DistilBERT has no segment embedding")
+                && err.contains("model.pooler_activation = \"tanh\" where its pooler applies relu")
+                && err.contains("model.pooler_activation=relu model.segments=0"),
+            "{err}"
+        );
+        // Exported back: DistilBERT's names, the ones the folder holds.
+        let tensors = hf_tensors(&param_values(&loaded), PoolerActivation::Relu).expect("export");
+        let names: HashSet<String> = tensors.into_iter().map(|(n, _, _)| n).collect();
+        let (_, file) = read_header(&dir.path().join("model.safetensors")).expect("header");
+        let held: HashSet<String> = file
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| !n.starts_with("vocab_") && !n.ends_with("position_ids"))
+            .collect();
+        assert_eq!(names, held);
+        // A model with segment rows has no DistilBERT layout; as a BERT, a
+        // model without them gets two rows of zeros.
+        let bert_shape = encoder_config(&run_config(dir.path(), &[]), tokenizer.vocab_size());
+        let err = hf_tensors(
+            &param_values(&bert_shape.init(&device)),
+            PoolerActivation::Relu,
+        )
+        .expect_err("segments");
+        assert!(err.contains("model.segments=0"), "{err}");
+        let as_bert = hf_tensors(&param_values(&loaded), PoolerActivation::Tanh).expect("BERT");
+        let rows = as_bert
+            .iter()
+            .find(|(n, _, _)| n == "bert.embeddings.token_type_embeddings.weight")
+            .expect("segments");
+        assert_eq!(
+            (rows.1.clone(), rows.2.iter().all(|v| *v == 0.0)),
+            (vec![2, 8], true)
+        );
     }
 }
