@@ -513,6 +513,17 @@ mod tests {
         }
     }
 
+    /// `m`'s logits for ids, segments and mask, flat.
+    fn logits_of(
+        m: &EncoderClassifier,
+        (ids, seg, mask): (Tensor<2, Int>, Tensor<2, Int>, Tensor<2, Bool>),
+    ) -> Vec<f32> {
+        m.forward(ids, seg, mask)
+            .into_data()
+            .iter::<f32>()
+            .collect()
+    }
+
     #[test]
     fn padding_does_not_change_the_output() {
         let c = EncoderConfig {
@@ -565,13 +576,7 @@ mod tests {
             pooler_activation,
             ..tanh.clone()
         };
-        let (ids, seg, mask) = batch(&device);
-        let logits = |m: &EncoderClassifier| -> Vec<f32> {
-            m.forward(ids.clone(), seg.clone(), mask.clone())
-                .into_data()
-                .iter::<f32>()
-                .collect()
-        };
+        let logits = |m: &EncoderClassifier| logits_of(m, batch(&device));
         let (gelu, relu) = (with(PoolerActivation::Gelu), with(PoolerActivation::Relu));
         assert_ne!(logits(&tanh), logits(&gelu));
         assert_ne!(logits(&gelu), logits(&relu));
@@ -589,13 +594,7 @@ mod tests {
             };
             let model = c.init(&device);
             assert_eq!(model.num_params(), c.num_params(), "{segments} rows");
-            let run = |seg: Tensor<2, Int>| -> Vec<f32> {
-                model
-                    .forward(ids.clone(), seg, mask.clone())
-                    .into_data()
-                    .iter::<f32>()
-                    .collect()
-            };
+            let run = |seg: Tensor<2, Int>| logits_of(&model, (ids.clone(), seg, mask.clone()));
             assert_eq!(
                 run(seg.clone()),
                 run(seg.clone().zeros_like()),
@@ -604,13 +603,7 @@ mod tests {
         }
         // Two rows: the hypothesis's is its own.
         let model = small().init(&device);
-        let run = |seg: Tensor<2, Int>| -> Vec<f32> {
-            model
-                .forward(ids.clone(), seg, mask.clone())
-                .into_data()
-                .iter::<f32>()
-                .collect()
-        };
+        let run = |seg: Tensor<2, Int>| logits_of(&model, (ids.clone(), seg, mask.clone()));
         assert_ne!(run(seg.clone()), run(seg.clone().zeros_like()));
     }
 
@@ -620,13 +613,7 @@ mod tests {
         let device = Device::flex();
         device.seed(8);
         let model = c.init(&device);
-        let (ids, seg, mask) = batch(&device);
-        let logits = |m: &EncoderClassifier| -> Vec<f32> {
-            m.forward(ids.clone(), seg.clone(), mask.clone())
-                .into_data()
-                .iter::<f32>()
-                .collect()
-        };
+        let logits = |m: &EncoderClassifier| logits_of(m, batch(&device));
         let reference = logits(&model);
         for dtype in [ComputeDtype::Bf16, ComputeDtype::F16] {
             let low = logits(&model.clone().with_compute(dtype));
