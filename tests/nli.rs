@@ -658,3 +658,90 @@ fn init_from_starts_every_fold_from_a_bert_folders_weights() {
         "memory",
     ]);
 }
+
+#[test]
+fn runs_without_segment_rows_or_with_other_poolers_export_as_distilbert_and_electra() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let data = write_pairs(tmp.path());
+    let probabilities = |file: &Path| -> Vec<f64> {
+        std::fs::read_to_string(file)
+            .expect("predictions")
+            .lines()
+            .flat_map(|l| {
+                let line: serde_json::Value = serde_json::from_str(l).expect("json");
+                ["entailment", "neutral", "contradiction"]
+                    .map(|c| line["probabilities"][c].as_f64().expect("a probability"))
+            })
+            .collect()
+    };
+    // (run, its keys, the model_type exported, whether segment ids are an input)
+    for (name, keys, model_type, segment_ids) in [
+        (
+            "distil",
+            ["model.segments=0", "model.pooler_activation=relu"],
+            "distilbert",
+            false,
+        ),
+        (
+            "electra",
+            ["model.segments=1", "model.pooler_activation=gelu"],
+            "electra",
+            true,
+        ),
+    ] {
+        let mut args = tiny(tmp.path(), name, 1);
+        args.extend(
+            [
+                "model.pooling=pooler",
+                "model.layer_norm_eps=1e-12",
+                "training.epochs=0",
+                "training.max_steps=3",
+            ]
+            .iter()
+            .chain(&keys)
+            .map(ToString::to_string),
+        );
+        run_kiln(&args).expect_code(0);
+        let dir = tmp.path().join(name);
+        let dir_arg = dir.to_str().expect("utf-8");
+        let data_arg = data.to_str().expect("utf-8");
+        kiln(&["predict", dir_arg, "--data", data_arg])
+            .run()
+            .expect_code(0);
+        let from_run = probabilities(&dir.join("predictions-pairs.jsonl"));
+        let exported = tmp.path().join(format!("{name}-hf"));
+        let out = exported.to_str().expect("utf-8");
+        kiln(&["export", dir_arg, "--out", out])
+            .run()
+            .expect_code(0);
+        let config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(exported.join("config.json")).expect("config.json"),
+        )
+        .expect("json");
+        assert_eq!(config["model_type"], model_type, "{name}");
+        let inputs = std::fs::read_to_string(exported.join("tokenizer_config.json"))
+            .expect("tokenizer_config.json");
+        assert_eq!(inputs.contains("token_type_ids"), segment_ids, "{name}");
+        // The exported folder predicts what the run predicted.
+        let folder_out = tmp.path().join(format!("{name}-folder.jsonl"));
+        kiln(&[
+            "predict",
+            out,
+            "--data",
+            data_arg,
+            "--out",
+            folder_out.to_str().expect("utf-8"),
+        ])
+        .run()
+        .expect_code(0)
+        .stdout_has(&["with the classifier of"]);
+        let from_folder = probabilities(&folder_out);
+        assert_eq!(from_run.len(), from_folder.len());
+        let worst = from_run
+            .iter()
+            .zip(&from_folder)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(worst < 1e-5, "{name}: {worst}");
+    }
+}
