@@ -1226,3 +1226,20 @@ fn sample_gives_the_runs_samples_again_and_reads_gpt2_folders() {
         .expect_code(2)
         .stderr_has(&["neither config.toml (a kiln run) nor config.json"]);
 }
+
+#[test]
+fn a_linear_schedule_decays_in_a_line_and_says_so() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    train_tiny(tmp.path(), "linear", 60, &["training.lr_schedule=linear"])
+        .expect_code(0)
+        .stdout_has(&["(warm-up 20, linear to 0.0001)"]);
+    let records = step_records(&tmp.path().join("linear/metrics.jsonl"));
+    let lr = records
+        .iter()
+        .find(|m| m["step"] == 50)
+        .and_then(|m| m["lr"].as_f64())
+        .expect("lr at step 50");
+    // Three quarters of the way from the peak 1e-3 to the floor 1e-4.
+    let want = 1e-3 + (50.0 - 20.0) / (60.0 - 20.0) * (1e-4 - 1e-3);
+    assert!((lr - want).abs() < 1e-12, "lr {lr}, want {want}");
+}

@@ -133,6 +133,22 @@ fn no_vocab_padding() -> usize {
     1
 }
 
+fn cosine() -> LrSchedule {
+    LrSchedule::Cosine
+}
+
+/// The learning rate's course after the warm-up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrSchedule {
+    /// Cosine decay from `learning_rate` to `min_lr` at the last step.
+    Cosine,
+    /// Linear decay from `learning_rate` to `min_lr` at the last step.
+    Linear,
+    /// `learning_rate` to the end (`min_lr` unused).
+    Constant,
+}
+
 fn bert_segments() -> usize {
     2
 }
@@ -281,10 +297,16 @@ pub struct TrainingSection {
     pub seed: u64,
     /// Peak learning rate, reached after warm-up.
     pub learning_rate: f64,
-    /// Where the cosine decay ends; between 0 and `learning_rate`.
+    /// Where the decay ends; between 0 and `learning_rate`.
     pub min_lr: f64,
     /// Linear warm-up steps.
     pub warmup_steps: usize,
+    /// After the warm-up: `cosine` decay to `min_lr` (nanoGPT's), `linear`
+    /// decay to it (BERT's, `transformers`' Trainer's default), or
+    /// `constant` at `learning_rate`. A run saved before this key existed
+    /// resumes with `cosine`.
+    #[serde(default = "cosine")]
+    pub lr_schedule: LrSchedule,
     /// AdamW weight decay, applied to weight matrices only.
     pub weight_decay: f64,
     /// AdamW β1.

@@ -4,7 +4,7 @@
 
 use std::f64::consts::PI;
 
-use kiln_config::TrainingSection;
+use kiln_config::{LrSchedule, TrainingSection};
 
 /// A run's step schedule. The loader is one stream of micro-batches (epoch
 /// after epoch, reshuffled); an optimizer step takes
@@ -23,8 +23,10 @@ pub struct Schedule {
     pub warmup_steps: u64,
     /// The peak learning rate.
     pub learning_rate: f64,
-    /// Where the cosine decay ends.
+    /// Where the decay ends.
     pub min_lr: f64,
+    /// The course after the warm-up.
+    pub kind: LrSchedule,
 }
 
 impl Schedule {
@@ -44,6 +46,7 @@ impl Schedule {
             warmup_steps: training.warmup_steps as u64,
             learning_rate: training.learning_rate,
             min_lr: training.min_lr,
+            kind: training.lr_schedule,
         }
     }
 
@@ -65,15 +68,21 @@ impl Schedule {
         step > 0 && epoch_of(step * self.accumulation) > epoch_of((step - 1) * self.accumulation)
     }
 
-    /// The learning rate at `step` (1-based): see [`lr_at`].
+    /// The learning rate at `step` (1-based): linear warm-up to the peak
+    /// over the warm-up steps, then [`LrSchedule`]'s course ([`lr_at`] for
+    /// the cosine).
     pub fn lr_at(&self, step: u64) -> f64 {
-        lr_at(
-            step,
-            self.learning_rate,
-            self.min_lr,
-            self.warmup_steps,
-            self.total_steps,
-        )
+        let (max_lr, warmup, total) = (self.learning_rate, self.warmup_steps, self.total_steps);
+        match self.kind {
+            LrSchedule::Cosine => lr_at(step, max_lr, self.min_lr, warmup, total),
+            _ if warmup > 0 && step <= warmup => max_lr * step as f64 / warmup as f64,
+            LrSchedule::Constant => max_lr,
+            LrSchedule::Linear if step >= total => self.min_lr,
+            LrSchedule::Linear => {
+                let progress = (step - warmup) as f64 / (total - warmup).max(1) as f64;
+                max_lr + progress * (self.min_lr - max_lr)
+            }
+        }
     }
 }
 
@@ -121,6 +130,28 @@ mod tests {
         // max_steps wins; a tiny data set still makes one step.
         assert_eq!(Schedule::new(&training(4, 3, 100), 10).total_steps, 100);
         assert_eq!(Schedule::new(&training(8, 1, 0), 3).total_steps, 1);
+    }
+
+    #[test]
+    fn linear_and_constant_warm_up_alike_then_decay_in_a_line_or_hold() {
+        let mut t = training(1, 1, 110);
+        (t.learning_rate, t.min_lr, t.warmup_steps) = (1e-3, 1e-4, 10);
+        let at = |kind, step| {
+            let mut t = t.clone();
+            t.lr_schedule = kind;
+            Schedule::new(&t, 10).lr_at(step)
+        };
+        for kind in [LrSchedule::Linear, LrSchedule::Constant, LrSchedule::Cosine] {
+            assert!((at(kind, 5) - 5e-4).abs() < 1e-12, "{kind:?}");
+            assert!((at(kind, 10) - 1e-3).abs() < 1e-12, "{kind:?}");
+        }
+        // Linear: halfway down at the middle of the decay, min_lr at the end.
+        assert!((at(LrSchedule::Linear, 60) - 5.5e-4).abs() < 1e-12);
+        assert!((at(LrSchedule::Linear, 35) - 7.75e-4).abs() < 1e-12);
+        assert!((at(LrSchedule::Linear, 110) - 1e-4).abs() < 1e-12);
+        // The cosine is above the line in the first half of the decay.
+        assert!(at(LrSchedule::Cosine, 35) > at(LrSchedule::Linear, 35));
+        assert!((at(LrSchedule::Constant, 109) - 1e-3).abs() < 1e-12);
     }
 
     #[test]

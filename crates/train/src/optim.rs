@@ -1,6 +1,7 @@
 //! AdamW as PyTorch computes it, with decoupled weight decay on matrices only
 //! (biases, LayerNorm gains and other vectors are not decayed, as in
-//! nanoGPT), global-norm gradient clipping, and the warmup + cosine schedule.
+//! nanoGPT) and global-norm gradient clipping; each step's learning rate
+//! comes from `kiln_plan::Schedule`.
 //! The state is plain tensors keyed by parameter, so checkpoints hold it all.
 
 use std::collections::HashMap;

@@ -296,11 +296,15 @@ pub(crate) fn device_lines(
 pub(crate) fn schedule_line(c: &RunConfig, schedule: &kiln_plan::Schedule) -> String {
     let t = &c.training;
     format!(
-        "schedule: {} steps, AdamW lr {} (warm-up {}, cosine to {}), β {}/{}, weight decay {} on matrices, clip {}",
+        "schedule: {} steps, AdamW lr {} (warm-up {}, {}), β {}/{}, weight decay {} on matrices, clip {}",
         schedule.total_steps,
         t.learning_rate,
         t.warmup_steps,
-        t.min_lr,
+        match t.lr_schedule {
+            kiln_config::LrSchedule::Cosine => format!("cosine to {}", t.min_lr),
+            kiln_config::LrSchedule::Linear => format!("linear to {}", t.min_lr),
+            kiln_config::LrSchedule::Constant => "then constant".to_string(),
+        },
         t.beta1,
         t.beta2,
         t.weight_decay,
