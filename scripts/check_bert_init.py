@@ -40,7 +40,7 @@ With --scratch there is no BERT folder: a 2 × 64 encoder trains 30
 steps from random weights with kiln's own WordPiece, and only its export
 is compared. Prints the largest differences; exits 1 above --tolerance.
 Not run by the tests or CI (which have no torch); see docs/NLI.md,
-"Fine-tuning BERT or RoBERTa".
+"Fine-tuning a pretrained encoder".
 """
 
 import argparse
