@@ -130,6 +130,36 @@ fn cv_runs_folds_prints_the_table_and_predicts() {
         serde_json::from_str(out.lines().next().expect("a line")).expect("json");
     assert_eq!(first["line"], 1);
     assert!(first["probabilities"]["neutral"].as_f64().is_some());
+    // Predicted shortest first, written in the file's order: each line's
+    // probabilities are its own, whatever pairs share its batch (the file
+    // reversed gives each pair the same).
+    let rows: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect();
+    for (i, row) in rows.iter().enumerate() {
+        assert_eq!(row["line"], i as u64 + 1);
+    }
+    let text = std::fs::read_to_string(tmp.path().join("pairs.jsonl")).expect("pairs");
+    let reversed = tmp.path().join("reversed.jsonl");
+    let lines: Vec<&str> = text.lines().rev().collect();
+    std::fs::write(&reversed, lines.join("\n") + "\n").expect("write");
+    let (_, back) = predict(&reversed);
+    for (row, other) in rows.iter().zip(back.lines().rev()) {
+        let other: serde_json::Value = serde_json::from_str(other).expect("json");
+        assert_eq!(row["prediction"], other["prediction"]);
+        for label in ["entailment", "neutral", "contradiction"] {
+            let (a, b) = (
+                row["probabilities"][label].as_f64().expect("p"),
+                other["probabilities"][label].as_f64().expect("p"),
+            );
+            assert!(
+                (a - b).abs() < 1e-5,
+                "line {}: {a} against {b}",
+                row["line"]
+            );
+        }
+    }
     // Pairs without labels, as a TSV with no label column: labelled, not scored.
     let tsv = tmp.path().join("new.tsv");
     std::fs::write(

@@ -417,7 +417,12 @@ impl EncoderClassifier {
         mask: Tensor<2, Bool>,
         labels: Tensor<1, Int>,
     ) -> Tensor<1> {
-        let logits = self.forward(ids, segments, mask);
+        Self::cross_entropy(self.forward(ids, segments, mask), labels)
+    }
+
+    /// Mean cross-entropy of `logits [b, classes]` against `labels [b]`
+    /// (what [`EncoderClassifier::loss`] computes of its logits).
+    pub fn cross_entropy(logits: Tensor<2>, labels: Tensor<1, Int>) -> Tensor<1> {
         let [b, _] = logits.dims();
         activation::log_softmax(logits, 1)
             .gather(1, labels.reshape([b, 1]))

@@ -122,7 +122,10 @@ pub(crate) fn prepare(
     };
     let encoded = encode_dataset(&tokenizer, data)?;
     let train_set: Arc<[EncodedPair]> = train_idx.iter().map(|&i| encoded[i].clone()).collect();
-    let held: Vec<&EncodedPair> = held_idx.iter().map(|&i| &encoded[i]).collect();
+    let mut held: Vec<&EncodedPair> = held_idx.iter().map(|&i| &encoded[i]).collect();
+    // Batches of pairs of similar length pad least (the scores do not
+    // depend on the order).
+    held.sort_by_key(|p| p.ids.len());
     let held_out: Vec<PairBatch> = held
         .chunks(config.eval.batch_size)
         .zip(0u64..)
@@ -241,8 +244,8 @@ impl NliTask {
         let mut loss_sum = 0.0;
         for b in &self.held_out {
             let (ids, seg, mask, labels) = pair_tensors(b, &self.inner);
-            let logits = model.forward(ids.clone(), seg.clone(), mask.clone());
-            let loss: f32 = model.loss(ids, seg, mask, labels).into_scalar();
+            let logits = model.forward(ids, seg, mask);
+            let loss: f32 = EncoderClassifier::cross_entropy(logits.clone(), labels).into_scalar();
             loss_sum += f64::from(loss) * b.batch_size as f64;
             let arg: Vec<i64> = logits.argmax(1).into_data().iter::<i64>().collect();
             predicted.extend(arg.iter().map(|&a| a as usize));
@@ -917,40 +920,45 @@ fn label_pairs(
     let data = read_pairs(data_path, &schema(config, false))
         .map_err(|e| crate::translate::with_config_keys(e, config))?;
     let encoded = encode_dataset(tokenizer, &data)?;
-    let refs: Vec<&EncodedPair> = encoded.iter().collect();
-    let mut lines = String::new();
-    let mut predicted = Vec::new();
-    for (chunk, i) in refs.chunks(config.eval.batch_size).zip(0u64..) {
-        let b = pad_batch(i, chunk);
+    // Batches of pairs of similar length pad least: predicted shortest
+    // first, written in the file's order.
+    let mut order: Vec<usize> = (0..encoded.len()).collect();
+    order.sort_by_key(|&i| encoded[i].ids.len());
+    let classes = config.data.labels.len();
+    let mut probabilities = vec![0.0f32; encoded.len() * classes];
+    for (chunk, i) in order.chunks(config.eval.batch_size.max(1)).zip(0u64..) {
+        let refs: Vec<&EncodedPair> = chunk.iter().map(|&k| &encoded[k]).collect();
+        let b = pad_batch(i, &refs);
         let (ids, seg, mask, _) = pair_tensors(&b, device);
         let probs = burn::tensor::activation::softmax(model.forward(ids, seg, mask), 1);
         let probs: Vec<f32> = probs.into_data().iter::<f32>().collect();
-        for row in probs.chunks(config.data.labels.len()) {
-            let best = (0..row.len())
-                .max_by(|&a, &b| row[a].total_cmp(&row[b]))
-                .unwrap_or(0);
-            predicted.push(best);
+        for (&k, row) in chunk.iter().zip(probs.chunks(classes)) {
+            probabilities[k * classes..(k + 1) * classes].copy_from_slice(row);
         }
-        let start = predicted.len() - b.batch_size;
-        for (k, row) in probs.chunks(config.data.labels.len()).enumerate() {
-            let pair = &data.pairs[start + k];
-            let probabilities: serde_json::Map<String, serde_json::Value> = config
-                .data
-                .labels
-                .iter()
-                .zip(row)
-                .map(|(l, p)| (l.clone(), serde_json::Value::from(f64::from(*p))))
-                .collect();
-            lines.push_str(
-                &serde_json::json!({
-                    "line": pair.line,
-                    "prediction": config.data.labels[predicted[start + k]],
-                    "probabilities": probabilities,
-                })
-                .to_string(),
-            );
-            lines.push('\n');
-        }
+    }
+    let mut lines = String::new();
+    let mut predicted = Vec::with_capacity(encoded.len());
+    for (pair, row) in data.pairs.iter().zip(probabilities.chunks(classes)) {
+        let best = (0..row.len())
+            .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+            .unwrap_or(0);
+        predicted.push(best);
+        let probabilities: serde_json::Map<String, serde_json::Value> = config
+            .data
+            .labels
+            .iter()
+            .zip(row)
+            .map(|(l, p)| (l.clone(), serde_json::Value::from(f64::from(*p))))
+            .collect();
+        lines.push_str(
+            &serde_json::json!({
+                "line": pair.line,
+                "prediction": config.data.labels[best],
+                "probabilities": probabilities,
+            })
+            .to_string(),
+        );
+        lines.push('\n');
     }
     std::fs::write(&output, lines).map_err(|source| TrainError::Write {
         path: output.clone(),
