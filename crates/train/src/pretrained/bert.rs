@@ -9,7 +9,7 @@
 //! `model.init_labels`, in any order: its outputs are reordered to
 //! `data.labels`). RoBERTa folders (`roberta-base` and its
 //! kin) load too ([`Family::Roberta`]): positions after its padding id, its
-//! one segment embedding for both of kiln's, its classification head
+//! one segment embedding (`model.segments = 1`), its classification head
 //! (`classifier.dense`, `classifier.out_proj`) as the pooler and the head;
 //! ELECTRA's discriminator too ([`Family::Electra`]): BERT's layout, with
 //! RoBERTa's head applying the GELU (`model.pooler_activation`); and
