@@ -67,7 +67,7 @@ LABELINGS = {
 }
 
 
-def make_bert(folder: Path, pairs: list, max_length: int, family: str, names: list) -> None:
+def make_bert(folder: Path, pairs: list, max_length: int, family: str, names: list, embedding: int) -> None:
     import torch
     from tokenizers import BertWordPieceTokenizer, ByteLevelBPETokenizer
     from transformers import (
@@ -119,11 +119,12 @@ def make_bert(folder: Path, pairs: list, max_length: int, family: str, names: li
             )
             new = BertForSequenceClassification
         else:
-            # ELECTRA base's layout: embeddings as wide as the model, a
+            # ELECTRA base's layout: embeddings as wide as the model (or,
+            # --embedding-size, ELECTRA-small's: narrower, projected), a
             # classification head with the GELU.
             config = ElectraConfig(
                 vocab_size=wordpiece.get_vocab_size(),
-                embedding_size=shape["hidden_size"],
+                embedding_size=embedding or shape["hidden_size"],
                 max_position_embeddings=max_length + 16,
                 **shape,
             )
@@ -176,6 +177,12 @@ def main() -> int:
         help="the random folder's architecture (without --folder)",
     )
     parser.add_argument(
+        "--embedding-size",
+        type=int,
+        default=0,
+        help="with --family electra: embeddings this wide, projected to the model's (ELECTRA-small's layout)",
+    )
+    parser.add_argument(
         "--labels",
         choices=sorted(LABELINGS),
         default="run",
@@ -209,7 +216,7 @@ def main() -> int:
     if folder is None and not args.scratch:
         folder = work / "bert"
         meaning, names = LABELINGS[args.labels]
-        make_bert(folder, pairs, args.max_length, args.family, names)
+        make_bert(folder, pairs, args.max_length, args.family, names, args.embedding_size)
         if args.labels == "generic":
             init_labels = meaning
     elif args.init_labels:
@@ -241,6 +248,7 @@ def main() -> int:
         "model.pooling=pooler",
         f"model.pooler_activation={pooler}",
         f"model.segments={bert.get('type_vocab_size', 2)}",
+        f"model.embedding_size={bert.get('embedding_size', 0) if bert.get('embedding_size') != bert['hidden_size'] else 0}",
         f"model.init_labels={json.dumps(init_labels)}",
         "model.dropout=0.0",
         "cv.folds=2",

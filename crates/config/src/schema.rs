@@ -86,6 +86,12 @@ pub struct ModelSection {
     /// Encoder workloads: `cls` (the [CLS] token), `pooler` (BERT's dense
     /// layer and tanh on it) or `mean` (mean over real tokens).
     pub pooling: Pooling,
+    /// Encoder workloads: the embeddings' width where it is narrower than
+    /// `hidden` (ELECTRA-small's 128 under 256: a linear layer projects them
+    /// to `hidden`); 0: as wide as the model. A run saved before this key
+    /// existed resumes with 0.
+    #[serde(default)]
+    pub embedding_size: usize,
     /// Encoder workloads: rows of the segment embedding, 2 (BERT's: premise
     /// and hypothesis), 1 (RoBERTa's: one row for every token) or 0
     /// (DistilBERT's: none). A run saved before this key existed resumes

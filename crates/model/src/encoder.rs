@@ -66,6 +66,10 @@ pub struct EncoderConfig {
     pub dropout: f64,
     /// Output classes.
     pub classes: usize,
+    /// The embeddings' width where it is not `hidden` (ELECTRA-small's 128
+    /// under 256): a linear layer projects them to `hidden` after their
+    /// LayerNorm. `None`: as wide as the model.
+    pub embedding: Option<usize>,
     /// Rows of the segment embedding: 2 (BERT's: the premise's and the
     /// hypothesis's), 1 (RoBERTa's: one row added to every token) or 0
     /// (DistilBERT's: none).
@@ -102,6 +106,7 @@ impl EncoderConfig {
             intermediate: 4 * hidden,
             dropout: 0.0,
             classes,
+            embedding: None,
             segments: 2,
             pooling: PoolingKind::Cls,
             pooler_activation: PoolerActivation::Tanh,
@@ -115,6 +120,8 @@ impl EncoderConfig {
         with_intermediate: intermediate: usize;
         /// Dropout in training (0 for none).
         with_dropout: dropout: f64;
+        /// The embeddings' width, where it is not the model's.
+        with_embedding: embedding: Option<usize>;
         /// Rows of the segment embedding (0, 1 or 2).
         with_segments: segments: usize;
         /// How the sequence becomes one vector.
@@ -146,8 +153,15 @@ impl EncoderConfig {
 
     /// All parameters.
     pub fn num_params(&self) -> usize {
-        (self.vocab_size + self.max_positions + self.segments) * self.hidden
-            + 2 * self.hidden
+        let e = self.embedding_width();
+        let projection = if e == self.hidden {
+            0
+        } else {
+            e * self.hidden + self.hidden
+        };
+        (self.vocab_size + self.max_positions + self.segments) * e
+            + 2 * e
+            + projection
             + self.block_params()
             + self.head_params()
     }
@@ -182,7 +196,13 @@ impl EncoderConfig {
         self.build(device, false)
     }
 
+    /// The embeddings' width: [`EncoderConfig::embedding`], else `hidden`.
+    pub fn embedding_width(&self) -> usize {
+        self.embedding.unwrap_or(self.hidden)
+    }
+
     fn build(&self, device: &Device, draw: bool) -> EncoderClassifier {
+        let width = self.embedding_width();
         let normal = if draw {
             Initializer::Normal {
                 mean: 0.0,
@@ -196,13 +216,14 @@ impl EncoderConfig {
                 .with_initializer(normal.clone())
                 .init(device)
         };
-        let layer_norm = || {
-            LayerNormConfig::new(self.hidden)
+        let layer_norm_of = |d: usize| {
+            LayerNormConfig::new(d)
                 .with_epsilon(self.layer_norm_eps)
                 .init(device)
         };
+        let layer_norm = || layer_norm_of(self.hidden);
         let embedding = |n: usize| {
-            EmbeddingConfig::new(n, self.hidden)
+            EmbeddingConfig::new(n, width)
                 .with_initializer(normal.clone())
                 .init(device)
         };
@@ -210,7 +231,8 @@ impl EncoderConfig {
             tokens: embedding(self.vocab_size),
             positions: embedding(self.max_positions),
             segments: (self.segments > 0).then(|| embedding(self.segments)),
-            ln_embed: layer_norm(),
+            ln_embed: layer_norm_of(width),
+            embed_proj: (width != self.hidden).then(|| linear(width, self.hidden)),
             blocks: (0..self.layers)
                 .map(|_| EncoderBlock {
                     qkv: linear(self.hidden, 3 * self.hidden),
@@ -245,6 +267,7 @@ pub struct EncoderClassifier {
     positions: Embedding,
     segments: Option<Embedding>,
     ln_embed: LayerNorm,
+    embed_proj: Option<Linear>,
     blocks: Vec<EncoderBlock>,
     dropout: Dropout,
     pooler: Option<Linear>,
@@ -350,6 +373,9 @@ impl EncoderClassifier {
             self.ln_eps,
             self.kernels,
         ));
+        if let Some(projection) = &self.embed_proj {
+            x = precision::linear(projection, x, self.compute, self.kernels);
+        }
         let pad = mask.clone().bool_not();
         for block in &self.blocks {
             x = block.forward(x, pad.clone(), self.compute, self.kernels, self.attention);
@@ -436,6 +462,7 @@ impl EncoderClassifier {
         self.positions = self.positions.no_grad();
         self.segments = self.segments.map(Module::no_grad);
         self.ln_embed = self.ln_embed.no_grad();
+        self.embed_proj = self.embed_proj.map(Module::no_grad);
         self.blocks = self.blocks.into_iter().map(Module::no_grad).collect();
         self
     }
@@ -460,6 +487,7 @@ mod tests {
             intermediate: 1024,
             dropout: 0.0,
             classes: 3,
+            embedding: None,
             segments: 2,
             pooling: PoolingKind::Cls,
             pooler_activation: PoolerActivation::Tanh,
@@ -606,6 +634,14 @@ mod tests {
                 "{segments} rows"
             );
         }
+        // Narrower embeddings, projected: counted as built.
+        let narrow = EncoderConfig {
+            embedding: Some(8),
+            ..small()
+        };
+        let model = narrow.init(&device);
+        assert_eq!(model.num_params(), narrow.num_params());
+        assert_eq!(logits_of(&model, batch(&device)).len(), 6);
         // Two rows: the hypothesis's is its own.
         let model = small().init(&device);
         let run = |seg: Tensor<2, Int>| logits_of(&model, (ids.clone(), seg, mask.clone()));

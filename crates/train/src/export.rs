@@ -315,8 +315,14 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         },
     });
     if class.starts_with("Electra") {
-        // Embeddings as wide as the model: no projection.
-        bert_config["embedding_size"] = m.hidden.into();
+        // Narrower embeddings are projected (embeddings_project), as
+        // ELECTRA-small's; else as wide as the model.
+        let width = if m.embedding_size == 0 {
+            m.hidden
+        } else {
+            m.embedding_size
+        };
+        bert_config["embedding_size"] = width.into();
     }
     if distil {
         // DistilBertConfig's names, and its one dropout for each place.

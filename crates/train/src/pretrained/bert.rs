@@ -275,6 +275,9 @@ struct BertShape {
     layer_norm_eps: f64,
     /// Rows of its segment embedding (`type_vocab_size`; DistilBERT's 0).
     segments: usize,
+    /// Its embeddings' width (ELECTRA's `embedding_size`; the others'
+    /// `hidden_size`).
+    embedding: usize,
     /// `id2label`'s names by id, where the config has them.
     labels: Option<Vec<String>>,
 }
@@ -394,6 +397,14 @@ pub(crate) fn folder_overrides(folder: &Path) -> Result<Vec<String>, TrainError>
             Family::activation_name(shape.family.pooler_activation())
         ),
         format!("model.segments={}", shape.segments),
+        format!(
+            "model.embedding_size={}",
+            if shape.embedding == shape.hidden {
+                0
+            } else {
+                shape.embedding
+            }
+        ),
         format!("model.max_length={}", shape.positions),
     ])
 }
@@ -463,19 +474,16 @@ impl BertShape {
                     + 1
             }
         };
-        if family == Family::Electra {
-            // ElectraConfig's default is 128, ELECTRA-small's.
-            let embedding = json
+        let hidden = count("hidden_size")?;
+        // ELECTRA's embeddings may be narrower, projected (ElectraConfig's
+        // default is 128, ELECTRA-small's); the others' are the model's.
+        let embedding = match family {
+            Family::Electra => json
                 .get("embedding_size")
                 .and_then(Value::as_u64)
-                .map_or(128, |e| e as usize);
-            let hidden = count("hidden_size")?;
-            if embedding != hidden {
-                return Err(format!(
-                    "has embedding_size {embedding} and hidden_size {hidden}: ELECTRA-small's projection from narrower embeddings, which kiln's encoder has not (ELECTRA base and large have none)"
-                ));
-            }
-        }
+                .map_or(128, |e| e as usize),
+            _ => hidden,
+        };
         let positions = count("max_position_embeddings")?;
         if positions <= position_offset {
             return Err(format!(
@@ -493,7 +501,8 @@ impl BertShape {
         Ok(Self {
             layers: count("num_hidden_layers")?,
             heads: count("num_attention_heads")?,
-            hidden: count("hidden_size")?,
+            hidden,
+            embedding,
             intermediate: count("intermediate_size")?,
             family,
             position_offset,
@@ -535,6 +544,26 @@ impl BertShape {
                     name(head)
                 ),
                 format!("model.pooler_activation={}", name(head)),
+            );
+        }
+        let m = &config.model;
+        let width = if m.embedding_size == 0 {
+            m.hidden
+        } else {
+            m.embedding_size
+        };
+        if width != self.embedding && m.hidden == self.hidden {
+            let want = if self.embedding == self.hidden {
+                0
+            } else {
+                self.embedding
+            };
+            fit.push(
+                format!(
+                    "model.embedding_size = {} where its embedding_size is {}",
+                    m.embedding_size, self.embedding
+                ),
+                format!("model.embedding_size={want}"),
             );
         }
         if config.model.segments != self.segments {
@@ -613,6 +642,7 @@ fn source(path: &str) -> Option<Source> {
             "embeddings.token_type_embeddings.weight".into(),
         )),
         ["ln_embed", what] => norm("embeddings", what),
+        ["embed_proj", what] => linear("embeddings_project", what),
         ["pooler", what] => linear("pooler.dense", what),
         ["head", what] => linear("classifier", what),
         ["blocks", i, module, what] => {
@@ -658,6 +688,12 @@ pub(crate) fn hf_tensors(
     let mut segments = false;
     for (path, shape, v) in params {
         let source = source(path).ok_or_else(|| format!("`{path}` has no BERT counterpart"))?;
+        if path.starts_with("embed_proj.") && family != Family::Electra {
+            return Err(format!(
+                "the encoder's embeddings are narrower than the model (model.embedding_size), which only ELECTRA projects; {} has no place for `{path}`",
+                family.class()
+            ));
+        }
         match (source, shape.as_slice()) {
             (Source::Same(name), [rows, d]) if path == "segments.weight" => {
                 if family == Family::Distilbert {
@@ -1120,6 +1156,9 @@ mod tests {
             put(format!("{prefix}{hf}.{ln_b}"), shape, v);
         }
         let mut linears = vec![("pooler".to_string(), "pooler.dense".to_string())];
+        if values.contains_key("embed_proj.weight") {
+            linears.push(("embed_proj".into(), "embeddings_project".into()));
+        }
         for l in 0..2 {
             let layer = format!("encoder.layer.{l}");
             linears.push((
@@ -1716,10 +1755,22 @@ mod tests {
                 && err.contains("model.pooler_activation=gelu"),
             "{err}"
         );
-        // ELECTRA-small's narrower embeddings are refused, saying why.
+        // ELECTRA-small's layout: narrower embeddings, projected.
+        let _ = family_round_trip(
+            &["model.pooler_activation=gelu", "model.embedding_size=4"],
+            |dir| as_electra(dir, 4),
+            "ELECTRA",
+            "discriminator_",
+        );
+        // Such a folder needs the run's embeddings as narrow: named with
+        // its fix.
         as_electra(dir.path(), 4);
-        let err = open(&config).expect_err("small").to_string();
-        assert!(err.contains("embedding_size 4 and hidden_size 8"), "{err}");
+        let err = open(&config).expect_err("narrower").to_string();
+        assert!(
+            err.contains("model.embedding_size = 0 where its embedding_size is 4")
+                && err.contains("model.embedding_size=4"),
+            "{err}"
+        );
     }
 
     /// Rewrites the `BertForSequenceClassification` folder `write_bert` made
