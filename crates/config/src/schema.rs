@@ -596,6 +596,55 @@ pub struct RangeProblem {
     pub problem: String,
 }
 
+impl ModelSection {
+    /// The encoder's embedding width: `embedding_size`, or `hidden` where
+    /// that is 0.
+    pub fn embedding_width(&self) -> usize {
+        match self.embedding_size {
+            0 => self.hidden,
+            width => width,
+        }
+    }
+}
+
+impl PoolerActivation {
+    /// Its name in the configuration (`model.pooler_activation`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tanh => "tanh",
+            Self::Gelu => "gelu",
+            Self::Relu => "relu",
+        }
+    }
+}
+
+impl Gelu {
+    /// Its name in the configuration (`model.gelu`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Exact => "exact",
+            Self::Tanh => "tanh",
+        }
+    }
+}
+
+/// Where each of `labels` is among `names` (letter case aside), where
+/// `names` holds each of them exactly once and nothing else: how a
+/// classifier's outputs named `names` map onto `labels`
+/// (`model.init_labels`, a folder's `id2label`).
+pub fn label_order(names: &[String], labels: &[String]) -> Option<Vec<usize>> {
+    if names.len() != labels.len() {
+        return None;
+    }
+    labels
+        .iter()
+        .map(|label| {
+            let mut at = (0..names.len()).filter(|&i| names[i].eq_ignore_ascii_case(label));
+            at.next().filter(|_| at.next().is_none())
+        })
+        .collect()
+}
+
 impl RunConfig {
     /// Checks what types cannot: ranges and relations between keys.
     pub fn validate(&self) -> Vec<RangeProblem> {
@@ -654,15 +703,7 @@ impl RunConfig {
             "names the classifier outputs of model.init_from's BERT, RoBERTa, ELECTRA or DistilBERT folder: set model.init_from, or leave it []",
         );
         check(
-            named.is_empty()
-                || (named.len() == self.data.labels.len()
-                    && self.data.labels.iter().all(|label| {
-                        named
-                            .iter()
-                            .filter(|n| n.eq_ignore_ascii_case(label))
-                            .count()
-                            == 1
-                    })),
+            named.is_empty() || label_order(named, &self.data.labels).is_some(),
             "model.init_labels",
             &format!(
                 "must name each of data.labels ([{}]) once, in the order of the folder's classifier outputs",

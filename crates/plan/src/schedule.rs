@@ -72,16 +72,16 @@ impl Schedule {
     /// over the warm-up steps, then [`LrSchedule`]'s course ([`lr_at`] for
     /// the cosine).
     pub fn lr_at(&self, step: u64) -> f64 {
-        let (max_lr, warmup, total) = (self.learning_rate, self.warmup_steps, self.total_steps);
+        let (max_lr, min_lr) = (self.learning_rate, self.min_lr);
+        let (warmup, total) = (self.warmup_steps, self.total_steps);
+        if warmup > 0 && step <= warmup {
+            return max_lr * step as f64 / warmup as f64;
+        }
+        let progress = ((step - warmup) as f64 / (total - warmup).max(1) as f64).min(1.0);
         match self.kind {
-            LrSchedule::Cosine => lr_at(step, max_lr, self.min_lr, warmup, total),
-            _ if warmup > 0 && step <= warmup => max_lr * step as f64 / warmup as f64,
+            LrSchedule::Cosine => lr_at(step, max_lr, min_lr, warmup, total),
+            LrSchedule::Linear => max_lr + progress * (min_lr - max_lr),
             LrSchedule::Constant => max_lr,
-            LrSchedule::Linear if step >= total => self.min_lr,
-            LrSchedule::Linear => {
-                let progress = (step - warmup) as f64 / (total - warmup).max(1) as f64;
-                max_lr + progress * (self.min_lr - max_lr)
-            }
         }
     }
 }

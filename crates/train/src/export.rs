@@ -31,6 +31,7 @@ use serde::Serialize;
 use crate::checkpoint;
 use crate::error::TrainError;
 use crate::params::NamedValues;
+use crate::pretrained::bert::Family;
 use crate::pretrained::hf_name;
 use crate::rundir::{RunDir, write_atomic};
 
@@ -250,22 +251,23 @@ fn write_folder(out: &Path, files: &[(&str, Vec<u8>)]) -> Result<(), TrainError>
 
 /// The best fold of the cross-validation run `run` as a `transformers`
 /// `BertForSequenceClassification` folder (`ElectraForSequenceClassification`
-/// for a GELU pooler, `DistilBertForSequenceClassification` for a ReLU one): its weights under BERT's (ELECTRA's) names, `config.json` with the run's shape and labels, the fold's
-/// tokenizer.
+/// for a GELU pooler, `DistilBertForSequenceClassification` for a ReLU
+/// one): its weights under that family's names, `config.json` with the
+/// run's shape and labels, the fold's tokenizer.
 fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
     let best = crate::workload::nli::best_fold(run, "be exported")?;
     let config = &best.config;
     let m = &config.model;
     // BERT's pooler (tanh), ELECTRA's classification head (GELU) or
     // DistilBERT's pre-classifier (ReLU).
-    let family = crate::pretrained::bert::Family::for_export(m.pooler_activation);
+    let family = Family::for_export(m.pooler_activation);
     let class = family.class();
-    let distil = class.starts_with("DistilBert");
+    let distil = family == Family::Distilbert;
     if distil && (m.layer_norm_eps - 1e-12).abs() > 1e-15 {
         return Err(TrainError::Unsupported(
             "exporting as DistilBERT",
             format!(
-                "its LayerNorms' epsilon is always 1e-12, the run's model.layer_norm_eps is {:e}",
+                "its LayerNorms' epsilon is always 1e-12, the run's model.layer_norm_eps is {:e} (a run trained with model.layer_norm_eps=1e-12 model.segments=0 exports as DistilBERT)",
                 m.layer_norm_eps
             ),
         ));
@@ -288,48 +290,10 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         .token_id("[PAD]")
         .or_else(|| tokenizer.token_id("<pad>"))
         .unwrap_or(0);
-    let mut bert_config = serde_json::json!({
-        "architectures": [class],
-        "model_type": if class.starts_with("Electra") { "electra" } else { "bert" },
-        "vocab_size": tokenizer.vocab_size(),
-        "hidden_size": m.hidden,
-        "num_hidden_layers": m.layers,
-        "num_attention_heads": m.heads,
-        "intermediate_size": m.intermediate,
-        "hidden_act": activation(m.gelu),
-        "hidden_dropout_prob": m.dropout,
-        "attention_probs_dropout_prob": m.dropout,
-        "max_position_embeddings": m.max_length,
-        "type_vocab_size": 2,
-        "layer_norm_eps": m.layer_norm_eps,
-        "position_embedding_type": "absolute",
-        "initializer_range": 0.02,
-        "pad_token_id": pad_token_id,
-        "id2label": id2label,
-        "label2id": label2id,
-        "problem_type": "single_label_classification",
-        "torch_dtype": "float32",
-        "kiln": {
-            "experiment": config.experiment,
-            "fold": best.fold,
-        },
-    });
-    if class.starts_with("Electra") {
-        // Narrower embeddings are projected (embeddings_project), as
-        // ELECTRA-small's; else as wide as the model.
-        let width = if m.embedding_size == 0 {
-            m.hidden
-        } else {
-            m.embedding_size
-        };
-        bert_config["embedding_size"] = width.into();
-    }
-    if distil {
-        // DistilBertConfig's names, and its one dropout for each place.
-        bert_config = serde_json::json!({
-            "architectures": [class],
-            "model_type": "distilbert",
-            "vocab_size": tokenizer.vocab_size(),
+    // The shape under the family's names (DistilBertConfig's are its own,
+    // with one dropout for each place).
+    let mut hf_config = match family {
+        Family::Distilbert => serde_json::json!({
             "dim": m.hidden,
             "n_layers": m.layers,
             "n_heads": m.heads,
@@ -338,22 +302,48 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
             "dropout": m.dropout,
             "attention_dropout": m.dropout,
             "seq_classif_dropout": m.dropout,
-            "max_position_embeddings": m.max_length,
             "sinusoidal_pos_embds": false,
-            "initializer_range": 0.02,
-            "pad_token_id": pad_token_id,
-            "id2label": bert_config["id2label"].take(),
-            "label2id": bert_config["label2id"].take(),
-            "problem_type": "single_label_classification",
-            "torch_dtype": "float32",
-            "kiln": bert_config["kiln"].take(),
-        });
+        }),
+        _ => serde_json::json!({
+            "hidden_size": m.hidden,
+            "num_hidden_layers": m.layers,
+            "num_attention_heads": m.heads,
+            "intermediate_size": m.intermediate,
+            "hidden_act": activation(m.gelu),
+            "hidden_dropout_prob": m.dropout,
+            "attention_probs_dropout_prob": m.dropout,
+            "type_vocab_size": 2,
+            "layer_norm_eps": m.layer_norm_eps,
+            "position_embedding_type": "absolute",
+        }),
+    };
+    if family == Family::Electra {
+        // Narrower embeddings are projected (embeddings_project), as
+        // ELECTRA-small's; else as wide as the model.
+        hf_config["embedding_size"] = m.embedding_width().into();
+    }
+    for (key, value) in [
+        ("architectures", serde_json::json!([class])),
+        ("model_type", family.model_type().into()),
+        ("vocab_size", tokenizer.vocab_size().into()),
+        ("max_position_embeddings", m.max_length.into()),
+        ("initializer_range", 0.02.into()),
+        ("pad_token_id", pad_token_id.into()),
+        ("id2label", id2label.into()),
+        ("label2id", label2id.into()),
+        ("problem_type", "single_label_classification".into()),
+        ("torch_dtype", "float32".into()),
+        (
+            "kiln",
+            serde_json::json!({"experiment": config.experiment, "fold": best.fold}),
+        ),
+    ] {
+        hf_config[key] = value;
     }
     // The segment ids are an input: `transformers`' generic fast tokenizer
-    // returns them only when told.
+    // returns them only when told (DistilBERT takes none).
     let mut tokenizer_config = tokenizer_config(m.max_length);
     tokenizer_config["model_input_names"] = match distil {
-        // DistilBERT takes no segment ids.
         true => serde_json::json!(["input_ids", "attention_mask"]),
         false => serde_json::json!(["input_ids", "token_type_ids", "attention_mask"]),
     };
@@ -373,7 +363,7 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         out,
         &[
             ("model.safetensors", safetensors_bytes(&tensors, out)?),
-            ("config.json", pretty(&bert_config)),
+            ("config.json", pretty(&hf_config)),
             ("tokenizer.json", tokenizer.to_json()?.into_bytes()),
             ("tokenizer_config.json", pretty(&tokenizer_config)),
         ],

@@ -70,9 +70,7 @@ pub(crate) fn encoder_config(config: &RunConfig, vocab_size: usize) -> EncoderCo
         kiln_config::PoolerActivation::Relu => kiln_model::PoolerActivation::Relu,
     })
     .with_segments(m.segments)
-    .with_embedding(
-        (m.embedding_size > 0 && m.embedding_size != m.hidden).then_some(m.embedding_size),
-    )
+    .with_embedding(Some(m.embedding_width()).filter(|&width| width != m.hidden))
     .with_gelu(gelu(m.gelu))
     .with_layer_norm_eps(m.layer_norm_eps)
 }

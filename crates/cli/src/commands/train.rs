@@ -110,30 +110,35 @@ pub(crate) fn resume(args: ResumeArgs, ctx: Context) -> anyhow::Result<ExitCode>
 
 /// `kiln predict RUN --data FILE`.
 pub(crate) fn predict(args: PredictArgs, ctx: &Context) -> anyhow::Result<ExitCode> {
-    let folder =
-        !args.from.join("config.toml").is_file() && args.from.join("config.json").is_file();
-    let p = if folder {
-        let mut layers = args.layers;
-        let shape = kiln_train::bert_folder_overrides(&args.from).map_err(train_error)?;
-        layers.overrides.splice(0..0, shape);
-        let config = ctx.resolve_nli(layers)?.config;
-        kiln_train::predict_folder(&config, &args.data, args.out.as_deref(), &ctx.report)
-    } else {
-        if !args.from.join("config.toml").is_file() {
-            return Err(BadInput(format!(
-                "`{}` is neither a kiln run (config.toml) nor a transformers folder (config.json)",
-                args.from.display()
-            ))
-            .into());
-        }
-        if args.layers.config.is_some() || !args.layers.overrides.is_empty() {
+    let (run, folder) = (
+        args.from.join("config.toml").is_file(),
+        args.from.join("config.json").is_file(),
+    );
+    let layers = args.layers;
+    let unused = layers.config.is_some() || !layers.overrides.is_empty();
+    let p = match (run, folder) {
+        (true, _) if unused => {
             return Err(BadInput(format!(
                 "`{}` is a run: it predicts as it was configured; --config and KEY=VALUE overrides are for a transformers folder",
                 args.from.display()
             ))
             .into());
         }
-        kiln_train::predict(&args.from, &args.data, args.out.as_deref(), &ctx.report)
+        (true, _) => kiln_train::predict(&args.from, &args.data, args.out.as_deref(), &ctx.report),
+        (false, true) => {
+            let mut layers = layers;
+            let shape = kiln_train::bert_folder_overrides(&args.from).map_err(train_error)?;
+            layers.overrides.splice(0..0, shape);
+            let config = ctx.resolve_nli(layers)?.config;
+            kiln_train::predict_folder(&config, &args.data, args.out.as_deref(), &ctx.report)
+        }
+        (false, false) => {
+            return Err(BadInput(format!(
+                "`{}` is neither a kiln run (config.toml) nor a transformers folder (config.json)",
+                args.from.display()
+            ))
+            .into());
+        }
     }
     .map_err(train_error)?;
     let by = match p.fold {

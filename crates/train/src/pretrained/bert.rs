@@ -31,12 +31,14 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
-use kiln_config::{Gelu, PoolerActivation, Pooling, RunConfig, Workload};
+use kiln_config::{Gelu, PoolerActivation, Pooling, RunConfig, Workload, label_order};
 use kiln_data::Tokenizer;
 use kiln_model::EncoderClassifier;
 use serde_json::Value;
 
-use super::{Entry, Fit, fail, gelu_named, positive, read_header, tensor_values, weights_file};
+use super::{
+    Entry, Fit, fail, gelu_named, positive, read_config, read_header, tensor_values, weights_file,
+};
 use crate::error::TrainError;
 use crate::params::{NamedValues, load_values, param_entries, param_values};
 
@@ -81,17 +83,7 @@ fn classifier_order(
             ),
         };
     };
-    let order = |names: &[String]| -> Option<Vec<usize>> {
-        if names.len() != ours.len() {
-            return None;
-        }
-        ours.iter()
-            .map(|label| {
-                let mut at = (0..names.len()).filter(|&i| names[i].eq_ignore_ascii_case(label));
-                at.next().filter(|_| at.next().is_none())
-            })
-            .collect()
-    };
+    let order = |names: &[String]| label_order(names, ours);
     if !named.is_empty() {
         return match (named.len() == outputs, order(named)) {
             (true, Some(order)) => Ok(Ok(order)),
@@ -209,6 +201,16 @@ impl Family {
         }
     }
 
+    /// Its `model_type` in `config.json`.
+    pub(crate) fn model_type(self) -> &'static str {
+        match self {
+            Self::Bert => "bert",
+            Self::Roberta => "roberta",
+            Self::Electra => "electra",
+            Self::Distilbert => "distilbert",
+        }
+    }
+
     /// Its `transformers` sentence classifier.
     pub(crate) fn class(self) -> &'static str {
         match self {
@@ -216,15 +218,6 @@ impl Family {
             Self::Roberta => "RobertaForSequenceClassification",
             Self::Electra => "ElectraForSequenceClassification",
             Self::Distilbert => "DistilBertForSequenceClassification",
-        }
-    }
-
-    /// `model.pooler_activation`'s value for `activation`.
-    fn activation_name(activation: PoolerActivation) -> &'static str {
-        match activation {
-            PoolerActivation::Tanh => "tanh",
-            PoolerActivation::Gelu => "gelu",
-            PoolerActivation::Relu => "relu",
         }
     }
 }
@@ -365,46 +358,30 @@ fn open_folder(folder: &Path, config: &RunConfig) -> Result<BertFolder, TrainErr
 
 /// `folder`'s `config.json` and the shape it describes.
 fn read_shape(folder: &Path) -> Result<(PathBuf, BertShape), TrainError> {
-    let config_path = folder.join("config.json");
-    let text = std::fs::read_to_string(&config_path)
-        .map_err(|e| fail(&config_path, format!("cannot be read: {e}")))?;
-    let json: Value =
-        serde_json::from_str(&text).map_err(|e| fail(&config_path, format!("is not JSON: {e}")))?;
-    let shape = BertShape::from_json(&json).map_err(|why| fail(&config_path, why))?;
-    Ok((config_path, shape))
+    read_config(folder, BertShape::from_json)
 }
 
-/// The overrides that make an NLI run's model the one a BERT or RoBERTa
-/// `folder` holds (`kiln predict FOLDER`): `model.init_from`, its shape,
-/// GELU and ε, BERT's pooler, and every position it has.
+/// The overrides that make an NLI run's model the one a `folder` of any
+/// [`Family`] holds (`kiln predict FOLDER`): `model.init_from`, its shape,
+/// GELU and ε, segments, embedding width, its pooler and the pooler's
+/// activation, and every position it has.
 pub(crate) fn folder_overrides(folder: &Path) -> Result<Vec<String>, TrainError> {
     let (_, shape) = read_shape(folder)?;
-    let gelu = match shape.gelu {
-        Gelu::Exact => "exact",
-        Gelu::Tanh => "tanh",
-    };
     Ok(vec![
         format!("model.init_from={}", toml_string(&folder.to_string_lossy())),
         format!("model.layers={}", shape.layers),
         format!("model.heads={}", shape.heads),
         format!("model.hidden={}", shape.hidden),
         format!("model.intermediate={}", shape.intermediate),
-        format!("model.gelu={gelu}"),
+        format!("model.gelu={}", shape.gelu.as_str()),
         format!("model.layer_norm_eps={:e}", shape.layer_norm_eps),
         "model.pooling=pooler".to_string(),
         format!(
             "model.pooler_activation={}",
-            Family::activation_name(shape.family.pooler_activation())
+            shape.family.pooler_activation().as_str()
         ),
         format!("model.segments={}", shape.segments),
-        format!(
-            "model.embedding_size={}",
-            if shape.embedding == shape.hidden {
-                0
-            } else {
-                shape.embedding
-            }
-        ),
+        format!("model.embedding_size={}", shape.embedding_size()),
         format!("model.max_length={}", shape.positions),
     ])
 }
@@ -415,6 +392,15 @@ fn toml_string(text: &str) -> String {
 }
 
 impl BertShape {
+    /// `model.embedding_size` for its embeddings: 0 where they are as wide
+    /// as the model.
+    fn embedding_size(&self) -> usize {
+        match self.embedding == self.hidden {
+            true => 0,
+            false => self.embedding,
+        }
+    }
+
     fn from_json(json: &Value) -> Result<Self, String> {
         let model_type = json.get("model_type").and_then(Value::as_str);
         let family = match model_type {
@@ -536,34 +522,23 @@ impl BertShape {
         fit.gelu(self.gelu);
         let head = self.family.pooler_activation();
         if config.model.pooling == Pooling::Pooler && config.model.pooler_activation != head {
-            let name = Family::activation_name;
             fit.push(
                 format!(
                     "model.pooler_activation = \"{}\" where its pooler applies {}",
-                    name(config.model.pooler_activation),
-                    name(head)
+                    config.model.pooler_activation.as_str(),
+                    head.as_str()
                 ),
-                format!("model.pooler_activation={}", name(head)),
+                format!("model.pooler_activation={}", head.as_str()),
             );
         }
         let m = &config.model;
-        let width = if m.embedding_size == 0 {
-            m.hidden
-        } else {
-            m.embedding_size
-        };
-        if width != self.embedding && m.hidden == self.hidden {
-            let want = if self.embedding == self.hidden {
-                0
-            } else {
-                self.embedding
-            };
+        if m.embedding_width() != self.embedding && m.hidden == self.hidden {
             fit.push(
                 format!(
                     "model.embedding_size = {} where its embedding_size is {}",
                     m.embedding_size, self.embedding
                 ),
-                format!("model.embedding_size={want}"),
+                format!("model.embedding_size={}", self.embedding_size()),
             );
         }
         if config.model.segments != self.segments {
@@ -1546,12 +1521,7 @@ mod tests {
                         "roberta.embeddings.token_type_embeddings.weight".to_string()
                     }
                     "cls.predictions.bias" => "lm_head.bias".to_string(),
-                    "classifier.weight" => "classifier.out_proj.weight".to_string(),
-                    "classifier.bias" => "classifier.out_proj.bias".to_string(),
-                    other => match other.strip_prefix("bert.pooler.dense.") {
-                        Some(field) => format!("classifier.dense.{field}"),
-                        None => other.replacen("bert.", "roberta.", 1),
-                    },
+                    other => head_named(other, "roberta."),
                 };
             },
             |config| {
@@ -1561,6 +1531,20 @@ mod tests {
                 config["max_position_embeddings"] = 18.into();
             },
         );
+    }
+
+    /// A `BertForSequenceClassification` tensor's name in a model with
+    /// RoBERTa's classification head (`classifier.dense`, `out_proj`) and
+    /// the encoder under `prefix`.
+    fn head_named(name: &str, prefix: &str) -> String {
+        match name {
+            "classifier.weight" => "classifier.out_proj.weight".into(),
+            "classifier.bias" => "classifier.out_proj.bias".into(),
+            other => match other.strip_prefix("bert.pooler.dense.") {
+                Some(field) => format!("classifier.dense.{field}"),
+                None => other.replacen("bert.", prefix, 1),
+            },
+        }
     }
 
     /// Rewrites the weights and `config.json` `write_bert` made in `dir`:
@@ -1677,12 +1661,7 @@ mod tests {
                     "cls.predictions.bias" => {
                         "discriminator_predictions.dense_prediction.bias".into()
                     }
-                    "classifier.weight" => "classifier.out_proj.weight".into(),
-                    "classifier.bias" => "classifier.out_proj.bias".into(),
-                    other => match other.strip_prefix("bert.pooler.dense.") {
-                        Some(field) => format!("classifier.dense.{field}"),
-                        None => other.replacen("bert.", "electra.", 1),
-                    },
+                    other => head_named(other, "electra."),
                 };
             },
             |config| {

@@ -227,12 +227,21 @@ fn weights_file(folder: &Path, class: &str) -> Result<PathBuf, TrainError> {
 /// The folder's `config.json` (its path, for messages) and the shape it
 /// describes.
 fn read_shape(folder: &Path) -> Result<(PathBuf, Gpt2Shape), TrainError> {
+    read_config(folder, Gpt2Shape::from_json)
+}
+
+/// `folder`'s `config.json` (its path, for messages) read by `parse`; each
+/// failure names the file.
+fn read_config<S>(
+    folder: &Path,
+    parse: impl Fn(&Value) -> Result<S, String>,
+) -> Result<(PathBuf, S), TrainError> {
     let config_path = folder.join("config.json");
     let text = std::fs::read_to_string(&config_path)
         .map_err(|e| fail(&config_path, format!("cannot be read: {e}")))?;
     let json: Value =
         serde_json::from_str(&text).map_err(|e| fail(&config_path, format!("is not JSON: {e}")))?;
-    let shape = Gpt2Shape::from_json(&json).map_err(|why| fail(&config_path, why))?;
+    let shape = parse(&json).map_err(|why| fail(&config_path, why))?;
     Ok((config_path, shape))
 }
 
@@ -375,19 +384,15 @@ impl<'a> Fit<'a> {
 
     /// `model.gelu` against the GELU the weights were trained with.
     pub(super) fn gelu(&mut self, theirs: Gelu) {
-        let name = |g: Gelu| match g {
-            Gelu::Exact => "exact",
-            Gelu::Tanh => "tanh",
-        };
         let run = self.config.model.gelu;
         if run != theirs {
             self.push(
                 format!(
                     "model.gelu = \"{}\" where it was trained with the {} GELU",
-                    name(run),
-                    name(theirs)
+                    run.as_str(),
+                    theirs.as_str()
                 ),
-                format!("model.gelu={}", name(theirs)),
+                format!("model.gelu={}", theirs.as_str()),
             );
         }
     }

@@ -629,10 +629,11 @@ impl Session {
             None => crate::pretrained::open(config, &prepared.tokenizer)?,
             Some(_) => None,
         };
-        let mut init_note = None;
+        let init_note = pretrained
+            .as_ref()
+            .map(|p| p.describe(config, gpt.padded_vocab()));
         let mut model = match &pretrained {
             Some(pretrained) => {
-                init_note = Some(pretrained.describe(config, gpt.padded_vocab()));
                 pretrained.load_into(gpt.init_unset(&train_device), &train_device)?
             }
             None if resume_from.is_some() => gpt.init_unset(&train_device),

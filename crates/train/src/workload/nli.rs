@@ -838,8 +838,8 @@ pub fn predict(
     Ok(prediction)
 }
 
-/// Predicts a pairs file with the classifier of a `transformers` BERT or
-/// RoBERTa (ELECTRA) folder (`config`'s `model.init_from`: a model fine-tuned for
+/// Predicts a pairs file with the classifier of a `transformers` BERT,
+/// RoBERTa, ELECTRA or DistilBERT folder (`config`'s `model.init_from`: a model fine-tuned for
 /// `data.labels`, such as one on MultiNLI) and its tokenizer, writing one
 /// JSON line per input row to `output` (default:
 /// `predictions-<name>.jsonl` in the working directory). `config` takes
@@ -891,8 +891,9 @@ pub fn predict_folder(
 }
 
 /// The overrides that make an NLI run's model the one a `transformers`
-/// BERT or RoBERTa `folder` holds: `model.init_from` and the folder's
-/// shape, GELU, LayerNorm ε, BERT's pooler and every position it has
+/// BERT, RoBERTa, ELECTRA or DistilBERT `folder` holds: `model.init_from`
+/// and the folder's shape, GELU, LayerNorm ε, segments, embedding width,
+/// pooler and its activation, and every position it has
 /// (`kiln predict FOLDER` resolves them under the user's own).
 pub fn bert_folder_overrides(folder: &Path) -> Result<Vec<String>, TrainError> {
     crate::pretrained::bert::folder_overrides(folder)
