@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::support::{interrupted_stdout, kiln, signal, start_until};
+use crate::support::{interrupted_stdout, kiln, signal, start_until, weights};
 use crate::train::{checkpoint_digest, ckpt, final_val_loss, tiny};
 
 /// A port nobody listens on now.
@@ -39,27 +39,6 @@ pub(crate) fn launch_args(
 fn run(args: &[String]) -> crate::support::Run {
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     kiln(&refs).run()
-}
-
-/// A checkpoint's model tensors, by name.
-fn weights(path: &Path) -> Vec<(String, Vec<f32>)> {
-    let bytes = std::fs::read(path).expect("checkpoint");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
-    let mut out: Vec<(String, Vec<f32>)> = st
-        .tensors()
-        .into_iter()
-        .filter(|(name, _)| name.starts_with("model/"))
-        .map(|(name, view)| {
-            let values = view
-                .data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            (name, values)
-        })
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
 }
 
 /// The largest difference between two checkpoints' weights, but for the

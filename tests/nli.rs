@@ -360,6 +360,85 @@ fn diagnose_predicts_each_folds_steps_with_accumulation_and_epochs() {
     assert!(evals >= 3, "{evals} evaluations");
 }
 
+/// The largest change of each part of the encoder (`model/tokens...`,
+/// `model/blocks...`, `model/head...`) between two checkpoints.
+fn largest_moves(a: &Path, b: &Path) -> HashMap<&'static str, f32> {
+    let mut out = HashMap::new();
+    for ((name, was), (other, now)) in crate::support::weights(a)
+        .into_iter()
+        .zip(crate::support::weights(b))
+    {
+        assert_eq!(name, other);
+        let part = ["tokens", "blocks", "head"]
+            .into_iter()
+            .find(|p| name.starts_with(&format!("model/{p}")));
+        if let Some(part) = part {
+            let moved = was.iter().zip(&now).map(|(x, y)| (x - y).abs());
+            let top = out.entry(part).or_insert(0f32);
+            *top = moved.fold(*top, f32::max);
+        }
+    }
+    out
+}
+
+/// `training.layer_lr_decay` and `training.label_smoothing` reach the
+/// step. AdamW's first steps move each element that has a gradient by
+/// about the rate, so between a fold's checkpoints at steps 1 and 2 the
+/// one block (decay 0.1) moves a tenth as far as the classifier, the
+/// embeddings a hundredth; without the decay, all alike. The first step's
+/// loss, from the same initial weights and batch, differs with smoothing.
+#[test]
+fn layer_wise_decay_and_label_smoothing_reach_the_step() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let train = |name: &str, extra: &[&str]| {
+        let mut args = tiny(tmp.path(), name, 1);
+        args.extend(
+            [
+                "training.max_steps=2",
+                "checkpoint.every_steps=1",
+                "logging.logging_steps=1",
+            ]
+            .iter()
+            .chain(extra)
+            .map(|s| s.to_string()),
+        );
+        let out = run_kiln(&args).expect_code(0);
+        let fold = tmp.path().join(name).join("fold-1");
+        let ckpt = |step: u32| fold.join(format!("checkpoints/ckpt-{step:08}.safetensors"));
+        let moves = largest_moves(&ckpt(1), &ckpt(2));
+        let first_loss = crate::train::step_records(&fold.join("metrics.jsonl"))[0]["loss"]
+            .as_f64()
+            .expect("a loss");
+        (out, moves, first_loss)
+    };
+    let (plain, even, plain_loss) = train("plain", &[]);
+    let (decayed, moves, smoothed_loss) = train(
+        "decayed",
+        &[
+            "training.layer_lr_decay=0.1",
+            "training.label_smoothing=0.1",
+        ],
+    );
+    decayed.stdout_has(&[
+        "layer-wise lr decay 0.1: the top block at ×0.1, the embeddings at ×0.01",
+        "label smoothing 0.1",
+    ]);
+    assert!(!plain.stdout.contains("layer-wise"), "{}", plain.stdout);
+    let ratio = |m: &HashMap<&str, f32>, part: &str| m[part] / m["head"];
+    for part in ["tokens", "blocks"] {
+        assert!((0.8..1.2).contains(&ratio(&even, part)), "{part}: {even:?}");
+    }
+    assert!((0.08..0.12).contains(&ratio(&moves, "blocks")), "{moves:?}");
+    assert!(
+        (0.008..0.012).contains(&ratio(&moves, "tokens")),
+        "{moves:?}"
+    );
+    assert!(
+        (plain_loss - smoothed_loss).abs() > 1e-4,
+        "{plain_loss} {smoothed_loss}"
+    );
+}
+
 /// A `transformers` BERT folder as `save_pretrained` writes a
 /// `BertForSequenceClassification` (`bert.`-prefixed names, PyTorch's `[out,
 /// in]` weights, a classifier for `labels`), its weights drawn from a fixed

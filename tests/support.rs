@@ -319,3 +319,24 @@ pub(crate) fn gpu_check(args: &[&str], also_as: &[&str]) -> (String, Vec<serde_j
     };
     (stdout, steps)
 }
+
+/// A checkpoint's model tensors, by name.
+pub(crate) fn weights(path: &Path) -> Vec<(String, Vec<f32>)> {
+    let bytes = std::fs::read(path).expect("checkpoint");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let mut out: Vec<(String, Vec<f32>)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| name.starts_with("model/"))
+        .map(|(name, view)| {
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            (name, values)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}

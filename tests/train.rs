@@ -568,7 +568,7 @@ fn a_diverging_run_skips_non_finite_steps_then_stops_with_finite_checkpoints() {
 }
 
 /// The `step` records of a `metrics.jsonl`, in file order.
-fn step_records(metrics: &Path) -> Vec<serde_json::Value> {
+pub(crate) fn step_records(metrics: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(metrics)
         .expect("metrics.jsonl")
         .lines()

@@ -134,20 +134,8 @@ pub fn resolve_overrides(
 /// for the workload) < `experiment/<name>.toml` < `--config FILE` <
 /// `KILN_*` environment < command-line overrides.
 pub fn resolve(opts: &LoadOptions<'_>) -> Result<ResolvedConfig, ConfigError> {
-    let (defaults, built_in_defaults) = opts.presets.defaults()?;
-    let known_keys = leaf_keys(&built_in_defaults.dict);
-    let file = opts
-        .config_file
-        .map(|p| Layer::from_file(LayerKind::ConfigFile, p))
-        .transpose()?;
-    let env = env_layer(opts.env)?;
-    let cli = cli_layer(opts.overrides)?;
-
     // Pass 1: which presets (only the layers above the presets may choose).
-    let mut layers: Vec<Layer> = std::iter::once(defaults)
-        .chain(file)
-        .chain([env, cli])
-        .collect();
+    let (mut layers, known_keys) = choosing_layers(opts)?;
     let select = Resolver::new(&layers, &known_keys);
     let hardware_asked: String = select.extract("hardware")?;
     let experiment: String = select.extract("experiment")?;
@@ -258,6 +246,34 @@ pub fn resolve(opts: &LoadOptions<'_>) -> Result<ResolvedConfig, ConfigError> {
         sources,
         hardware_choice: choice,
     })
+}
+
+/// Whether a layer above the defaults (`--config FILE`, `KILN_*`, an
+/// override) names the experiment: what the first pass of [`resolve`]
+/// reads, without resolving or checking the rest. A command with a
+/// workload of its own (`kiln cv`) picks its experiment where none did.
+pub fn experiment_chosen(opts: &LoadOptions<'_>) -> Result<bool, ConfigError> {
+    let (layers, known_keys) = choosing_layers(opts)?;
+    Ok(Resolver::new(&layers, &known_keys)
+        .source_of("experiment")
+        .layer
+        != LayerKind::Defaults)
+}
+
+/// The layers that may choose the presets: the defaults, `--config FILE`,
+/// `KILN_*` and the overrides; and every key the defaults know.
+fn choosing_layers(opts: &LoadOptions<'_>) -> Result<(Vec<Layer>, Vec<String>), ConfigError> {
+    let (defaults, built_in_defaults) = opts.presets.defaults()?;
+    let known_keys = leaf_keys(&built_in_defaults.dict);
+    let file = opts
+        .config_file
+        .map(|p| Layer::from_file(LayerKind::ConfigFile, p))
+        .transpose()?;
+    let layers = std::iter::once(defaults)
+        .chain(file)
+        .chain([env_layer(opts.env)?, cli_layer(opts.overrides)?])
+        .collect();
+    Ok((layers, known_keys))
 }
 
 /// Where `kiln tune` keeps the measured settings of `hardware`'s machine:

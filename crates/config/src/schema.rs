@@ -139,6 +139,10 @@ fn no_vocab_padding() -> usize {
     1
 }
 
+fn one() -> f64 {
+    1.0
+}
+
 fn cosine() -> LrSchedule {
     LrSchedule::Cosine
 }
@@ -313,6 +317,22 @@ pub struct TrainingSection {
     /// resumes with `cosine`.
     #[serde(default = "cosine")]
     pub lr_schedule: LrSchedule,
+    /// The sentence-pair encoder: layer-wise learning-rate decay (ELECTRA's
+    /// and BEiT's fine-tuning recipe). The classifier (and pooler) train at
+    /// the schedule's rate, the top block at `decay` times it, each block
+    /// below at `decay` times the one above, the embeddings at
+    /// `decay^(layers + 1)`. 1: one rate for every layer. A run saved
+    /// before this key existed resumes with 1.
+    #[serde(default = "one")]
+    pub layer_lr_decay: f64,
+    /// The sentence-pair encoder: label smoothing ε of the training loss,
+    /// as PyTorch's `CrossEntropyLoss(label_smoothing=ε)` and
+    /// `transformers`' `label_smoothing_factor`: the target is `1 − ε` on
+    /// the label and `ε / classes` spread over every class. Validation
+    /// loss stays the plain cross-entropy. 0: off. A run saved before this
+    /// key existed resumes with 0.
+    #[serde(default)]
+    pub label_smoothing: f64,
     /// AdamW weight decay, applied to weight matrices only.
     pub weight_decay: f64,
     /// AdamW β1.
@@ -806,6 +826,26 @@ impl RunConfig {
             t.grad_clip >= 0.0 && t.grad_clip.is_finite(),
             "training.grad_clip",
             "must be 0 (off) or more",
+        );
+        check(
+            t.layer_lr_decay > 0.0 && t.layer_lr_decay <= 1.0,
+            "training.layer_lr_decay",
+            "must be in (0, 1]: 1 trains every layer at one rate; ELECTRA fine-tunes with 0.8 (base) and 0.9 (large)",
+        );
+        check(
+            t.layer_lr_decay == 1.0 || self.workload == Workload::Nli,
+            "training.layer_lr_decay",
+            "is the sentence-pair encoder's (workload = \"nli\"): a language model ties its output layer to its embedding, so there is no classifier to keep at the full rate; leave it 1",
+        );
+        check(
+            (0.0..1.0).contains(&t.label_smoothing),
+            "training.label_smoothing",
+            "must be in [0, 1): 0 is off, 0.1 the usual value",
+        );
+        check(
+            t.label_smoothing == 0.0 || self.workload == Workload::Nli,
+            "training.label_smoothing",
+            "is the sentence-pair encoder's (workload = \"nli\"): a language model trains on plain cross-entropy; leave it 0",
         );
         let e = &self.eval;
         check(e.eval_steps >= 1, "eval.eval_steps", "must be at least 1");

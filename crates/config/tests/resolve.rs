@@ -305,6 +305,29 @@ fn bad_values_name_key_value_and_layer() {
             ],
         ),
         (
+            &["training.layer_lr_decay=0.8"],
+            &[],
+            &["training.layer_lr_decay", "is the sentence-pair encoder's"],
+        ),
+        (
+            &["experiment=nli_snli", "training.layer_lr_decay=1.2"],
+            &[],
+            &["training.layer_lr_decay", "must be in (0, 1]"],
+        ),
+        (
+            &["training.label_smoothing=0.1"],
+            &[],
+            &[
+                "training.label_smoothing",
+                "a language model trains on plain cross-entropy",
+            ],
+        ),
+        (
+            &["experiment=nli_snli", "training.label_smoothing=1"],
+            &[],
+            &["training.label_smoothing", "must be in [0, 1)"],
+        ),
+        (
             &["hardware=t5"],
             &[],
             &[

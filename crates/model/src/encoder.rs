@@ -449,11 +449,49 @@ impl EncoderClassifier {
     /// Mean cross-entropy of `logits [b, classes]` against `labels [b]`
     /// (what [`EncoderClassifier::loss`] computes of its logits).
     pub fn cross_entropy(logits: Tensor<2>, labels: Tensor<1, Int>) -> Tensor<1> {
+        Self::smoothed_cross_entropy(logits, labels, 0.0)
+    }
+
+    /// [`EncoderClassifier::cross_entropy`] with label smoothing `epsilon`,
+    /// as PyTorch's `CrossEntropyLoss(label_smoothing=ε)`: against the
+    /// target `1 − ε` on the label plus `ε / classes` on every class, that
+    /// is `(1 − ε) · nll + ε · mean over classes of −log p`.
+    pub fn smoothed_cross_entropy(
+        logits: Tensor<2>,
+        labels: Tensor<1, Int>,
+        epsilon: f64,
+    ) -> Tensor<1> {
         let [b, _] = logits.dims();
-        activation::log_softmax(logits, 1)
+        let log_probs = activation::log_softmax(logits, 1);
+        let nll = log_probs
+            .clone()
             .gather(1, labels.reshape([b, 1]))
             .mean()
-            .neg()
+            .neg();
+        if epsilon == 0.0 {
+            return nll;
+        }
+        let uniform = log_probs.mean().neg();
+        nll.mul_scalar(1.0 - epsilon) + uniform.mul_scalar(epsilon)
+    }
+
+    /// Where the parameter at `path` (a path of this module's, as Burn's
+    /// visitor names it: `blocks.3.qkv.weight`) sits for layer-wise
+    /// learning-rate decay in a model of `layers` blocks: 0 for the
+    /// embeddings (tokens, positions, segments, their LayerNorm and
+    /// projection), `i + 1` for block `i`, `layers + 1` for the pooler and
+    /// the classifier. A parameter at depth `d` trains at
+    /// `decay^(layers + 1 − d)` times the schedule's rate (BEiT's count).
+    pub fn depth_of(path: &str, layers: usize) -> usize {
+        let mut parts = path.split('.');
+        match parts.next() {
+            Some("tokens" | "positions" | "segments" | "ln_embed" | "embed_proj") => 0,
+            Some("blocks") => parts
+                .next()
+                .and_then(|i| i.parse::<usize>().ok())
+                .map_or(layers + 1, |i| (i + 1).min(layers)),
+            _ => layers + 1,
+        }
     }
 
     /// Stops gradients through everything but the head (`model.freeze_encoder`).
@@ -473,6 +511,29 @@ mod tests {
     use burn::tensor::TensorData;
 
     use super::*;
+
+    /// Probabilities (¼, ¼, ½) and the label 2: the loss is ln 2; the mean
+    /// of −log p over the classes is (ln 4 + ln 4 + ln 2) / 3 = 5/3 ln 2;
+    /// with ε = 0.3, 0.7 ln 2 + 0.3 · 5/3 ln 2 = 1.2 ln 2.
+    #[test]
+    fn label_smoothing_mixes_the_loss_with_the_uniform_targets() {
+        let device = Device::flex();
+        let logits = || {
+            Tensor::<2>::from_data(
+                TensorData::new(vec![0.0f32, 0.0, std::f32::consts::LN_2], [1, 3]),
+                &device,
+            )
+        };
+        let labels = || Tensor::<1, Int>::from_data(TensorData::new(vec![2i64], [1]), &device);
+        let loss = |eps: f64| -> f32 {
+            EncoderClassifier::smoothed_cross_entropy(logits(), labels(), eps).into_scalar()
+        };
+        let ln2 = std::f32::consts::LN_2;
+        assert!((loss(0.0) - ln2).abs() < 1e-6, "{}", loss(0.0));
+        assert!((loss(0.3) - 1.2 * ln2).abs() < 1e-6, "{}", loss(0.3));
+        let plain: f32 = EncoderClassifier::cross_entropy(logits(), labels()).into_scalar();
+        assert_eq!(plain, loss(0.0));
+    }
 
     fn peers_shape() -> EncoderConfig {
         // ../shared/PEERS.md: 4 layers, hidden 256, 4 heads, intermediate 1024,

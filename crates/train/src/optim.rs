@@ -35,6 +35,10 @@ pub struct AdamW {
     /// ZeRO-1 or ZeRO-2 in a job: the parameters this rank updates and
     /// keeps moments for (`None`: all of them).
     pub(crate) shard: Option<crate::zero::Shard>,
+    /// Each parameter's factor on the step's learning rate
+    /// (`training.layer_lr_decay`); a parameter not in it takes the rate
+    /// as it is.
+    pub(crate) lr_scales: HashMap<ParamId, f64>,
 }
 
 impl AdamW {
@@ -46,6 +50,7 @@ impl AdamW {
             moments: HashMap::new(),
             kernels: Kernels::Fused,
             shard: None,
+            lr_scales: HashMap::new(),
         }
     }
 
@@ -67,6 +72,10 @@ impl AdamW {
                 g.world_size(),
                 config.optimization.zero_stage,
             ));
+        }
+        let decay = config.training.layer_lr_decay;
+        if decay != 1.0 {
+            optim.lr_scales = layer_lr_scales(model, config.model.layers, decay);
         }
         optim
     }
@@ -146,6 +155,7 @@ impl ModuleVisitor for Collect<'_> {
             return;
         }
         let c = self.optim.config;
+        let lr = self.lr * self.optim.lr_scales.get(&param.id).copied().unwrap_or(1.0);
         let tensor = param.val();
         let n: usize = tensor.dims().iter().product();
         let weight: Tensor<1> = tensor.inner().reshape([n]);
@@ -161,7 +171,7 @@ impl ModuleVisitor for Collect<'_> {
             m,
             v,
             step: AdamWStep {
-                lr: self.lr,
+                lr,
                 beta1: c.beta1,
                 beta2: c.beta2,
                 eps: c.eps,
@@ -172,6 +182,25 @@ impl ModuleVisitor for Collect<'_> {
             },
         });
     }
+}
+
+/// Layer-wise learning-rate decay: each parameter of the encoder `model`
+/// (`layers` blocks) at `decay^(layers + 1 − depth)`, its depth as
+/// [`kiln_model::EncoderClassifier::depth_of`] counts it: the classifier at
+/// the full rate, the top block at `decay`, the embeddings at
+/// `decay^(layers + 1)`.
+pub(crate) fn layer_lr_scales<M: Module>(
+    model: &M,
+    layers: usize,
+    decay: f64,
+) -> HashMap<ParamId, f64> {
+    crate::params::param_entries(model)
+        .into_iter()
+        .map(|e| {
+            let depth = kiln_model::EncoderClassifier::depth_of(&e.path, layers);
+            (e.id, decay.powi((layers + 1 - depth) as i32))
+        })
+        .collect()
 }
 
 /// Puts the updated weights (flat, without autodiff's wrapper) into the
@@ -316,6 +345,88 @@ mod tests {
         }
         assert!(entries.iter().any(|e| shard.owns(e.id)));
         assert!(entries.iter().any(|e| !shard.owns(e.id)));
+    }
+
+    #[test]
+    fn layer_wise_decay_lowers_each_layer_from_the_classifier_down() {
+        let _rng = crate::tests::flex_rng();
+        use crate::params::param_entries;
+        use kiln_model::{EncoderConfig, PoolingKind};
+
+        let device = Device::flex();
+        let model = EncoderConfig::new(20, 8, 2, 2, 8, 3)
+            .with_embedding(Some(4))
+            .with_pooling(PoolingKind::Pooler)
+            .init(&device);
+        let scales = layer_lr_scales(&model, 2, 0.5);
+        let entries = param_entries(&model);
+        assert_eq!(scales.len(), entries.len());
+        let expected = |path: &str| match path.split('.').next() {
+            Some("blocks") if path.starts_with("blocks.0.") => 0.25,
+            Some("blocks") => 0.5,
+            Some("pooler" | "head") => 1.0,
+            // Tokens, positions, segments, their LayerNorm and projection.
+            _ => 0.125,
+        };
+        for e in &entries {
+            assert_eq!(scales[&e.id], expected(&e.path), "`{}`", e.path);
+        }
+        for layer in [
+            "tokens",
+            "positions",
+            "segments",
+            "ln_embed",
+            "embed_proj",
+            "head",
+        ] {
+            assert!(
+                entries.iter().any(|e| e.path.starts_with(layer)),
+                "no `{layer}` in {entries:?}"
+            );
+        }
+    }
+
+    /// The constant-gradient steps of `two_steps_with_constant_gradient`
+    /// with the bias at half the rate: it moves half as far.
+    #[test]
+    fn a_parameters_rate_is_scaled_by_its_factor() {
+        let _rng = crate::tests::flex_rng();
+        let device = Device::flex().autodiff();
+        let mut lin: Linear = LinearConfig::new(2, 1).init(&device);
+        let bias = lin.bias.as_ref().expect("a bias").id;
+        let mut opt = AdamW::new(AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        });
+        opt.lr_scales.insert(bias, 0.5);
+        let before_w: Vec<f32> = lin.weight.val().into_data().iter::<f32>().collect();
+        let before_b: Vec<f32> = lin
+            .bias
+            .as_ref()
+            .map(|b| b.val().into_data().iter::<f32>().collect())
+            .unwrap_or_default();
+        for _ in 0..2 {
+            let x = Tensor::<2>::from_data(TensorData::new(vec![1.0f32, 2.0], [1, 2]), &device);
+            let grads = lin.forward(x).sum().backward();
+            let grads = GradientsParams::from_grads(grads, &lin);
+            lin = opt.step(lin, grads, 0.1, 1.0);
+        }
+        let w: Vec<f32> = lin.weight.val().into_data().iter::<f32>().collect();
+        let b: Vec<f32> = lin
+            .bias
+            .as_ref()
+            .map(|b| b.val().into_data().iter::<f32>().collect())
+            .unwrap_or_default();
+        // Each step moves a weight by lr·sign(g) = 0.1, the bias by 0.05.
+        for (now, was) in w.iter().zip(&before_w) {
+            assert!((was - now - 0.2).abs() < 1e-5, "{was} -> {now}");
+        }
+        assert!(
+            (before_b[0] - b[0] - 0.1).abs() < 1e-5,
+            "{before_b:?} -> {b:?}"
+        );
     }
 
     #[test]

@@ -295,8 +295,20 @@ pub(crate) fn device_lines(
 /// The schedule, in one line.
 pub(crate) fn schedule_line(c: &RunConfig, schedule: &kiln_plan::Schedule) -> String {
     let t = &c.training;
+    let mut extra = String::new();
+    if t.layer_lr_decay != 1.0 {
+        extra += &format!(
+            ", layer-wise lr decay {}: the top block at ×{}, the embeddings at ×{}",
+            t.layer_lr_decay,
+            t.layer_lr_decay,
+            three_digits(t.layer_lr_decay.powi(c.model.layers as i32 + 1))
+        );
+    }
+    if t.label_smoothing != 0.0 {
+        extra += &format!(", label smoothing {}", t.label_smoothing);
+    }
     format!(
-        "schedule: {} steps, AdamW lr {} (warm-up {}, {}), β {}/{}, weight decay {} on matrices, clip {}",
+        "schedule: {} steps, AdamW lr {} (warm-up {}, {}), β {}/{}, weight decay {} on matrices, clip {}{extra}",
         schedule.total_steps,
         t.learning_rate,
         t.warmup_steps,
@@ -310,6 +322,18 @@ pub(crate) fn schedule_line(c: &RunConfig, schedule: &kiln_plan::Schedule) -> St
         t.weight_decay,
         t.grad_clip
     )
+}
+
+/// `x` (positive) to three significant digits, without trailing zeros:
+/// 0.8¹³ is "0.055", 0.1² is "0.01".
+fn three_digits(x: f64) -> String {
+    let decimals = (2 - x.log10().floor() as i32).max(0) as usize;
+    let text = format!("{x:.decimals$}");
+    if text.contains('.') {
+        text.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        text
+    }
 }
 
 /// The device a run trains on: [`select_device`] for `config.device`, with
@@ -343,6 +367,15 @@ fn wgpu_language(runtime: &str) -> Option<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn layer_decay_factors_are_written_to_three_digits() {
+        assert_eq!(three_digits(0.8f64.powi(13)), "0.055");
+        assert_eq!(three_digits(0.9f64.powi(25)), "0.0718");
+        assert_eq!(three_digits(0.1f64.powi(2)), "0.01");
+        assert_eq!(three_digits(0.9), "0.9");
+        assert_eq!(three_digits(1.0), "1");
+    }
 
     #[test]
     fn wgpu_runtimes_name_their_kernel_language() {

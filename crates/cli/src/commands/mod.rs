@@ -58,9 +58,18 @@ impl Context {
 
     /// The configuration `layers` resolve to on this machine.
     pub(crate) fn resolve(&self, layers: &Layers) -> anyhow::Result<ResolvedConfig> {
+        self.with_options(layers, kiln_config::resolve)
+    }
+
+    /// `f` of the load options of `layers` on this machine.
+    fn with_options<T>(
+        &self,
+        layers: &Layers,
+        f: impl FnOnce(&LoadOptions<'_>) -> Result<T, kiln_config::ConfigError>,
+    ) -> anyhow::Result<T> {
         let presets = kiln_config::Presets::discover(self.presets.as_deref())?;
         let env: Vec<_> = std::env::vars_os().collect();
-        Ok(kiln_config::resolve(&LoadOptions {
+        Ok(f(&LoadOptions {
             presets: &presets,
             config_file: layers.config.as_deref(),
             overrides: &layers.overrides,
@@ -71,19 +80,23 @@ impl Context {
 
     /// Resolves for a sentence-pair command (`cv`, `bench nli`): the
     /// experiment any layer chose, or `nli_snli` where none did (the
-    /// defaults' experiment is the language model's).
+    /// defaults' experiment is the language model's). The choice is read
+    /// before anything is checked, so that a key of the sentence pairs'
+    /// alone (`training.layer_lr_decay`) is checked against the experiment
+    /// the command runs, not the defaults' language model.
     pub(crate) fn resolve_nli(&self, mut layers: Layers) -> anyhow::Result<ResolvedConfig> {
-        let resolved = self.resolve(&layers)?;
-        let chosen = resolved
-            .sources
-            .get("experiment")
-            .is_some_and(|s| s.layer != kiln_config::LayerKind::Defaults);
-        if chosen || resolved.config.workload == kiln_config::Workload::Nli {
-            return Ok(resolved);
+        if !self.with_options(&layers, kiln_config::experiment_chosen)? {
+            // The defaults' experiment, where it is a sentence-pair one
+            // (`--presets` of one's own); else `nli_snli`.
+            if let Ok(resolved) = self.resolve(&layers)
+                && resolved.config.workload == kiln_config::Workload::Nli
+            {
+                return Ok(resolved);
+            }
+            layers
+                .overrides
+                .insert(0, "experiment=nli_snli".to_string());
         }
-        layers
-            .overrides
-            .insert(0, "experiment=nli_snli".to_string());
         self.resolve(&layers)
     }
 }

@@ -190,6 +190,7 @@ impl Prepared {
             labels: labels.to_vec(),
             encoder: self.encoder.clone(),
             frozen: config.model.freeze_encoder,
+            label_smoothing: config.training.label_smoothing,
             inner: inner.clone(),
             pad_to,
         }
@@ -223,6 +224,8 @@ pub(crate) struct NliTask {
     labels: Vec<String>,
     encoder: EncoderConfig,
     frozen: bool,
+    /// `training.label_smoothing`: the training loss's ε.
+    label_smoothing: f64,
     inner: Device,
     pad_to: Option<usize>,
 }
@@ -273,7 +276,11 @@ impl Task for NliTask {
     }
 
     fn loss(&self, model: &EncoderClassifier, (ids, seg, mask, labels): PairTensors) -> Tensor<1> {
-        model.loss(ids, seg, mask, labels)
+        EncoderClassifier::smoothed_cross_entropy(
+            model.forward(ids, seg, mask),
+            labels,
+            self.label_smoothing,
+        )
     }
 
     fn work(&self, batch: &PairBatch) -> Work {
@@ -540,7 +547,7 @@ fn train_fold(
         Err(_) => init_model(config, &train_device, p.seed, |d| encoder.init(d)),
     };
     let mut weights_note = None;
-    let mut optim = AdamW::for_training(t).with_kernels(kernels(config));
+    let mut optim = AdamW::for_run(config, &model, None);
     let mut start = LoopPlanStart {
         first_step: 1,
         ..LoopPlanStart::default()
