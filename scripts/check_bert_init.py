@@ -2,7 +2,7 @@
 """Checks `model.init_from` on the sentence-pair encoder against Hugging Face's own BERT and RoBERTa.
 
     python3 scripts/check_bert_init.py --kiln target/release/kiln [--family roberta] [--labels mnli|generic]
-        [--folder FOLDER [--init-labels a,b,c]] [--scratch]
+        [--folder FOLDER [--init-labels a,b,c]] [--scratch [--segments 1]]
 
 Needs `torch` and `transformers` (pip install torch transformers). Without
 --folder it makes a small random `BertForSequenceClassification` (2 layers,
@@ -34,7 +34,8 @@ more than about 1e-12) and compares kiln's class probabilities for every
 pair, from the run and from the folder itself, with `transformers`' for the same pairs, tokenized by the folder's
 tokenizer as kiln does (`[CLS] a [SEP] b [SEP]`, cut longest-first to
 max_length). Then `kiln export RUN` writes the run's best fold as a
-`BertForSequenceClassification`, and `transformers` loads it and its
+`BertForSequenceClassification` (a RoBERTa-, ELECTRA- or DistilBERT-started
+run as that family's class), and `transformers` loads it and its
 tokenizer from that folder alone: its probabilities against kiln's too.
 With --scratch there is no BERT folder: a 2 × 64 encoder trains 30
 steps from random weights with kiln's own WordPiece, and only its export
@@ -199,6 +200,14 @@ def main() -> int:
         help="no BERT folder: a small encoder trained from random weights with kiln's own "
         "WordPiece for 30 steps, then only its export is compared",
     )
+    parser.add_argument(
+        "--segments",
+        type=int,
+        choices=[1, 2],
+        default=2,
+        help="with --scratch: the encoder's segment rows (model.segments); 1 exports it as a "
+        "RobertaForSequenceClassification",
+    )
     args = parser.parse_args()
 
     import torch
@@ -223,7 +232,7 @@ def main() -> int:
         init_labels = meaning = args.init_labels.split(",")
     if args.scratch:
         bert = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64,
-                "intermediate_size": 128, "layer_norm_eps": 1e-5}
+                "intermediate_size": 128, "layer_norm_eps": 1e-5, "type_vocab_size": args.segments}
     else:
         bert = json.loads((folder / "config.json").read_text())
         if bert.get("model_type") == "distilbert":
@@ -305,9 +314,11 @@ def main() -> int:
     # The folder the run started from, where there is one.
     worst, agree = compare(folder, meaning) if folder else (0.0, 0)
     direct_worst, direct_agree = compare(folder, meaning, direct) if folder else (0.0, 0)
-    # The run's best fold exported as a BertForSequenceClassification.
+    # The run's best fold exported (as a BertForSequenceClassification, or
+    # the family's own where kiln writes it: RoBERTa, ELECTRA, DistilBERT).
     subprocess.run([str(args.kiln), "export", f"{work}/run", "--out", str(work / "hf")], check=True)
     export_worst, export_agree = compare(work / "hf", LABELS)
+    exported_class = json.loads((work / "hf" / "config.json").read_text())["architectures"][0]
     print(
         json.dumps(
             {
@@ -318,6 +329,7 @@ def main() -> int:
                 "same_prediction": agree,
                 "predict_folder_same_prediction": direct_agree,
                 "exported_same_prediction": export_agree,
+                "exported_as": exported_class,
                 "folder": str(folder) if folder else "(trained from scratch)",
                 "folder_outputs": meaning,
                 "torch": torch.__version__,

@@ -769,7 +769,7 @@ fn init_from_starts_every_fold_from_a_bert_folders_weights() {
 }
 
 #[test]
-fn runs_without_segment_rows_or_with_other_poolers_export_as_distilbert_and_electra() {
+fn runs_with_fewer_segment_rows_or_other_poolers_export_as_distilbert_electra_and_roberta() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let data = write_pairs(tmp.path());
     let probabilities = |file: &Path| -> Vec<f64> {
@@ -796,6 +796,12 @@ fn runs_without_segment_rows_or_with_other_poolers_export_as_distilbert_and_elec
             ["model.segments=1", "model.pooler_activation=gelu"],
             "electra",
             true,
+        ),
+        (
+            "roberta",
+            ["model.segments=1", "model.pooler_activation=tanh"],
+            "roberta",
+            false,
         ),
     ] {
         let mut args = tiny(tmp.path(), name, 1);

@@ -103,6 +103,7 @@ enum Command {
     /// Write a trained model as a Hugging Face `transformers` folder
     /// (config.json, model.safetensors, tokenizer): a GPT as GPT-2, a
     /// cross-validation run's best fold as BertForSequenceClassification
+    /// (or its family's: RoBERTa, ELECTRA, DistilBERT)
     Export(export::Args),
     /// Text from a trained GPT: a language-model run's newest checkpoint, or
     /// a transformers GPT-2 folder (`kiln sample runs/<run> --prompt

@@ -14,8 +14,10 @@
 //!
 //! A cross-validation run of the sentence-pair encoder is written as
 //! `BertForSequenceClassification` (its best fold, as `kiln predict`
-//! chooses), or `ElectraForSequenceClassification` where its pooler
-//! applies the GELU, `DistilBertForSequenceClassification` the ReLU
+//! chooses), or `RobertaForSequenceClassification` where it has RoBERTa's
+//! one segment row (`model.segments = 1`),
+//! `ElectraForSequenceClassification` where its pooler applies the GELU,
+//! `DistilBertForSequenceClassification` the ReLU
 //! (`model.pooler_activation`): the mapping is `model.init_from`'s read backwards
 //! ([`crate::pretrained::bert::hf_tensors`]), so that the folder also starts
 //! a kiln run again.
@@ -250,17 +252,18 @@ fn write_folder(out: &Path, files: &[(&str, Vec<u8>)]) -> Result<(), TrainError>
 }
 
 /// The best fold of the cross-validation run `run` as a `transformers`
-/// `BertForSequenceClassification` folder (`ElectraForSequenceClassification`
-/// for a GELU pooler, `DistilBertForSequenceClassification` for a ReLU
-/// one): its weights under that family's names, `config.json` with the
+/// `BertForSequenceClassification` folder (`RobertaForSequenceClassification`
+/// for one segment row, `ElectraForSequenceClassification` for a GELU
+/// pooler, `DistilBertForSequenceClassification` for a ReLU one): its weights under that family's names, `config.json` with the
 /// run's shape and labels, the fold's tokenizer.
 fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
     let best = crate::workload::nli::best_fold(run, "be exported")?;
     let config = &best.config;
     let m = &config.model;
-    // BERT's pooler (tanh), ELECTRA's classification head (GELU) or
-    // DistilBERT's pre-classifier (ReLU).
-    let family = Family::for_export(m.pooler_activation);
+    // BERT's pooler (tanh; RoBERTa's classification head with its one
+    // segment row), ELECTRA's classification head (GELU) or DistilBERT's
+    // pre-classifier (ReLU).
+    let family = Family::for_export(m.pooler_activation, m.segments);
     let class = family.class();
     let distil = family == Family::Distilbert;
     if distil && (m.layer_norm_eps - 1e-12).abs() > 1e-15 {
@@ -272,9 +275,18 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
             ),
         ));
     }
-    let tensors = crate::pretrained::bert::hf_tensors(&best.params, m.pooler_activation)
-        .map_err(|why| TrainError::Unsupported("exporting this encoder", why))?;
     let tokenizer = &best.tokenizer;
+    let pad_token_id = tokenizer
+        .token_id("[PAD]")
+        .or_else(|| tokenizer.token_id("<pad>"))
+        .unwrap_or(0);
+    // RoBERTa counts positions from after its padding id.
+    let position_offset = match family {
+        Family::Roberta => pad_token_id as usize + 1,
+        _ => 0,
+    };
+    let tensors = crate::pretrained::bert::hf_tensors(&best.params, family, position_offset)
+        .map_err(|why| TrainError::Unsupported("exporting this encoder", why))?;
     let labels = &config.data.labels;
     let id2label: serde_json::Map<String, serde_json::Value> = labels
         .iter()
@@ -286,10 +298,6 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         .enumerate()
         .map(|(i, l)| (l.clone(), serde_json::Value::from(i)))
         .collect();
-    let pad_token_id = tokenizer
-        .token_id("[PAD]")
-        .or_else(|| tokenizer.token_id("<pad>"))
-        .unwrap_or(0);
     // The shape under the family's names (DistilBertConfig's are its own,
     // with one dropout for each place).
     let mut hf_config = match family {
@@ -312,7 +320,7 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
             "hidden_act": activation(m.gelu),
             "hidden_dropout_prob": m.dropout,
             "attention_probs_dropout_prob": m.dropout,
-            "type_vocab_size": 2,
+            "type_vocab_size": if family == Family::Roberta { 1 } else { 2 },
             "layer_norm_eps": m.layer_norm_eps,
             "position_embedding_type": "absolute",
         }),
@@ -326,7 +334,10 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         ("architectures", serde_json::json!([class])),
         ("model_type", family.model_type().into()),
         ("vocab_size", tokenizer.vocab_size().into()),
-        ("max_position_embeddings", m.max_length.into()),
+        (
+            "max_position_embeddings",
+            (m.max_length + position_offset).into(),
+        ),
         ("initializer_range", 0.02.into()),
         ("pad_token_id", pad_token_id.into()),
         ("id2label", id2label.into()),
@@ -343,9 +354,9 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
     // The segment ids are an input: `transformers`' generic fast tokenizer
     // returns them only when told (DistilBERT takes none).
     let mut tokenizer_config = tokenizer_config(m.max_length);
-    tokenizer_config["model_input_names"] = match distil {
-        true => serde_json::json!(["input_ids", "attention_mask"]),
-        false => serde_json::json!(["input_ids", "token_type_ids", "attention_mask"]),
+    tokenizer_config["model_input_names"] = match segments_input(family) {
+        false => serde_json::json!(["input_ids", "attention_mask"]),
+        true => serde_json::json!(["input_ids", "token_type_ids", "attention_mask"]),
     };
     // BERT's special tokens, or RoBERTa's where the fold tokenized as it.
     for (key, tokens) in [
@@ -378,6 +389,13 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         fold: Some(best.fold),
         notes: Vec::new(),
     })
+}
+
+/// Whether `family`'s model takes segment ids: not DistilBERT (none) nor
+/// RoBERTa (one row, which a hypothesis's id 1 would overrun), as their
+/// own tokenizers return none.
+fn segments_input(family: Family) -> bool {
+    !matches!(family, Family::Distilbert | Family::Roberta)
 }
 
 fn write_error(path: &Path, why: String) -> TrainError {

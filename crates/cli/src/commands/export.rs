@@ -1,6 +1,7 @@
 //! `kiln export RUN [--out DIR]`: a trained GPT as a Hugging Face
 //! `transformers` GPT-2 folder, a cross-validation run's best fold as a
-//! `BertForSequenceClassification` (kiln-train's `export_hf`).
+//! `BertForSequenceClassification` or its family's (kiln-train's
+//! `export_hf`).
 
 use std::io::Write as _;
 use std::path::PathBuf;

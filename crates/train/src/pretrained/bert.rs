@@ -191,10 +191,12 @@ impl Family {
         }
     }
 
-    /// The family `kiln export` writes an encoder whose pooler applies
-    /// `activation` as.
-    pub(crate) fn for_export(activation: PoolerActivation) -> Self {
+    /// The family `kiln export` writes an encoder as whose pooler applies
+    /// `activation` and that has `segments` segment rows: RoBERTa's head
+    /// with its one row, else by the head.
+    pub(crate) fn for_export(activation: PoolerActivation, segments: usize) -> Self {
         match activation {
+            PoolerActivation::Tanh if segments == 1 => Self::Roberta,
             PoolerActivation::Tanh => Self::Bert,
             PoolerActivation::Gelu => Self::Electra,
             PoolerActivation::Relu => Self::Distilbert,
@@ -641,16 +643,19 @@ fn source(path: &str) -> Option<Source> {
 }
 
 /// An encoder's parameters (path, shape, values) as the tensors of
-/// `transformers`' `BertForSequenceClassification` (`kiln export`): each
-/// under the name [`source`] reads it from, PyTorch's linear weights
-/// transposed back to `[out, in]`, the packed projection split into query,
-/// key and value. Fails, naming it, on a parameter BERT has no place for
-/// (an encoder without the pooler is not a `BertForSequenceClassification`).
+/// `transformers`' `BertForSequenceClassification` or `family`'s
+/// (`kiln export`): each under the name [`source`] reads it from,
+/// PyTorch's linear weights transposed back to `[out, in]`, the packed
+/// projection split into query, key and value; RoBERTa's positions after
+/// `position_offset` rows of zeros (its padding id + 1: the rows its
+/// position ids skip). Fails, naming it, on a parameter the family has no
+/// place for (an encoder without the pooler is not a
+/// `BertForSequenceClassification`).
 pub(crate) fn hf_tensors(
     params: &[NamedValues],
-    pooler: PoolerActivation,
+    family: Family,
+    position_offset: usize,
 ) -> Result<Vec<NamedValues>, String> {
-    let family = Family::for_export(pooler);
     // The classifier is the model's own, beside `bert` (`electra`, ...).
     let bert = |name: &str| {
         let name = family.file_name(name);
@@ -676,9 +681,22 @@ pub(crate) fn hf_tensors(
                         "the encoder has {rows} segment rows (model.segments), which DistilBERT has not: one trained with model.segments=0 is a DistilBertForSequenceClassification"
                     ));
                 }
-                // BERT's two rows: RoBERTa's one is every token's.
-                out.push((bert(&name), vec![2, *d], v.repeat(2 / rows)));
+                // RoBERTa's one row; BERT's two, where one is every
+                // token's: the row twice.
+                let rows_out = if family == Family::Roberta { 1 } else { 2 };
+                out.push((bert(&name), vec![rows_out, *d], v.repeat(rows_out / rows)));
                 segments = true;
+            }
+            (
+                Source::Cropped {
+                    name,
+                    positions: true,
+                },
+                [rows, d],
+            ) if family == Family::Roberta => {
+                let mut padded = vec![0.0; position_offset * d];
+                padded.extend_from_slice(v);
+                out.push((bert(&name), vec![position_offset + rows, *d], padded));
             }
             (Source::Same(name) | Source::Cropped { name, .. }, _) => {
                 out.push((bert(&name), shape.clone(), v.clone()));
@@ -1614,6 +1632,49 @@ mod tests {
         );
         assert_ne!(logits(&loaded, &device), logits(&source, &device));
 
+        // Exported back in RoBERTa's own layout: the folder's tensors, but
+        // for the pre-training head (and the position-id buffer older
+        // files saved), the two position rows before its
+        // first (5.0 in the folder, never read; zeros in the export), the
+        // positions past the run's 12 and the rows no token has.
+        let family = Family::for_export(config.model.pooler_activation, config.model.segments);
+        assert_eq!(family, Family::Roberta);
+        let exported = hf_tensors(&param_values(&loaded), family, 2).expect("export");
+        let weights = dir.path().join("model.safetensors");
+        let (start, held) = read_header(&weights).expect("header");
+        let bytes = std::fs::read(&weights).expect("read");
+        let held: HashMap<String, (Vec<usize>, Vec<f32>)> = held
+            .into_iter()
+            .filter(|(n, _)| !n.starts_with("lm_head.") && !n.ends_with("position_ids"))
+            .map(|(n, e)| {
+                let v = bytes[start + e.start..start + e.end]
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                (n, (e.shape, v))
+            })
+            .collect();
+        let names: HashSet<&String> = exported.iter().map(|(n, _, _)| n).collect();
+        let held_names: HashSet<&String> = held.keys().collect();
+        assert_eq!(
+            held_names.difference(&names).collect::<Vec<_>>(),
+            names.difference(&held_names).collect::<Vec<_>>()
+        );
+        for (name, shape, v) in &exported {
+            let (held_shape, held_v) = &held[name];
+            if name.ends_with("position_embeddings.weight") {
+                assert_eq!((shape[0], &held_shape[..]), (14, &[18, 8][..]));
+                assert!(v[..16].iter().all(|x| *x == 0.0), "{v:?}");
+                assert_eq!(v[16..], held_v[16..14 * 8], "{name}");
+            } else if name.ends_with("word_embeddings.weight") {
+                // The tokenizer's 55 rows of the file's 58.
+                assert_eq!((&shape[..], held_shape[0]), (&[55, 8][..], 58));
+                assert_eq!(v[..], held_v[..55 * 8], "{name}");
+            } else {
+                assert_eq!((shape, v), (held_shape, held_v), "{name}");
+            }
+        }
+
         // Without id2label the classification head (pooler included) is new.
         let path = dir.path().join("config.json");
         let mut json: Value =
@@ -1703,8 +1764,8 @@ mod tests {
         device.seed(52);
         let loaded = bert.load_into(shape.init(&device), &device).expect("loads");
         assert_eq!(logits(&loaded, &device), logits(&source, &device));
-        let tensors =
-            hf_tensors(&param_values(&loaded), config.model.pooler_activation).expect("export");
+        let family = Family::for_export(config.model.pooler_activation, config.model.segments);
+        let tensors = hf_tensors(&param_values(&loaded), family, 0).expect("export");
         let names: HashSet<String> = tensors.into_iter().map(|(n, _, _)| n).collect();
         let (_, file) = read_header(&dir.path().join("model.safetensors")).expect("header");
         let held: HashSet<String> = file
@@ -1822,11 +1883,12 @@ mod tests {
         let bert_shape = encoder_config(&run_config(dir.path(), &[]), tokenizer().vocab_size());
         let err = hf_tensors(
             &param_values(&bert_shape.init(&device)),
-            PoolerActivation::Relu,
+            Family::Distilbert,
+            0,
         )
         .expect_err("segments");
         assert!(err.contains("model.segments=0"), "{err}");
-        let as_bert = hf_tensors(&param_values(&loaded), PoolerActivation::Tanh).expect("BERT");
+        let as_bert = hf_tensors(&param_values(&loaded), Family::Bert, 0).expect("BERT");
         let rows = as_bert
             .iter()
             .find(|(n, _, _)| n == "bert.embeddings.token_type_embeddings.weight")
