@@ -1227,6 +1227,37 @@ fn sample_gives_the_runs_samples_again_and_reads_gpt2_folders() {
         .stderr_has(&["neither config.toml (a kiln run) nor config.json"]);
 }
 
+/// 60 steps, 20 of warm-up, the last quarter of the 40 after it (10
+/// steps, 51–60) decaying: the peak at step 50, halfway down at 55.
+#[test]
+fn a_wsd_schedule_holds_the_peak_then_decays_and_says_so() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    train_tiny(
+        tmp.path(),
+        "wsd",
+        60,
+        &[
+            "training.lr_schedule=wsd",
+            "training.decay_fraction=0.25",
+            "logging.logging_steps=5",
+        ],
+    )
+    .expect_code(0)
+    .stdout_has(&["(warm-up 20, then constant, linear to 0.0001 over the last 10 steps)"]);
+    let records = step_records(&tmp.path().join("wsd/metrics.jsonl"));
+    let lr = |step: u64| {
+        records
+            .iter()
+            .find(|m| m["step"] == step)
+            .and_then(|m| m["lr"].as_f64())
+            .unwrap_or_else(|| panic!("lr at step {step}"))
+    };
+    assert!((lr(30) - 1e-3).abs() < 1e-12, "{}", lr(30));
+    assert!((lr(50) - 1e-3).abs() < 1e-12, "{}", lr(50));
+    assert!((lr(55) - 5.5e-4).abs() < 1e-12, "{}", lr(55));
+    assert!((lr(60) - 1e-4).abs() < 1e-12, "{}", lr(60));
+}
+
 #[test]
 fn a_linear_schedule_decays_in_a_line_and_says_so() {
     let tmp = tempfile::tempdir().expect("tempdir");

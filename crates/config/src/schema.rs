@@ -143,6 +143,10 @@ fn one() -> f64 {
     1.0
 }
 
+fn a_fifth() -> f64 {
+    0.2
+}
+
 fn cosine() -> LrSchedule {
     LrSchedule::Cosine
 }
@@ -157,6 +161,11 @@ pub enum LrSchedule {
     Linear,
     /// `learning_rate` to the end (`min_lr` unused).
     Constant,
+    /// Warm-up, stable, decay (the trapezoid of modded-nanogpt and
+    /// MiniCPM, `transformers`' `warmup_stable_decay`): `learning_rate`
+    /// until the last `decay_fraction` of the steps after the warm-up,
+    /// then linear decay to `min_lr` at the last step.
+    Wsd,
 }
 
 fn bert_segments() -> usize {
@@ -317,6 +326,11 @@ pub struct TrainingSection {
     /// resumes with `cosine`.
     #[serde(default = "cosine")]
     pub lr_schedule: LrSchedule,
+    /// `lr_schedule = "wsd"`: the share of the steps after the warm-up
+    /// that decay to `min_lr` (the rest hold `learning_rate`). A run saved
+    /// before this key existed resumes with 0.2.
+    #[serde(default = "a_fifth")]
+    pub decay_fraction: f64,
     /// The sentence-pair encoder: layer-wise learning-rate decay (ELECTRA's
     /// and BEiT's fine-tuning recipe). The classifier (and pooler) train at
     /// the schedule's rate, the top block at `decay` times it, each block
@@ -826,6 +840,11 @@ impl RunConfig {
             t.grad_clip >= 0.0 && t.grad_clip.is_finite(),
             "training.grad_clip",
             "must be 0 (off) or more",
+        );
+        check(
+            t.decay_fraction > 0.0 && t.decay_fraction <= 1.0,
+            "training.decay_fraction",
+            "must be in (0, 1]: the share of the steps after the warm-up that lr_schedule = \"wsd\" decays over (1 is \"linear\")",
         );
         check(
             t.layer_lr_decay > 0.0 && t.layer_lr_decay <= 1.0,

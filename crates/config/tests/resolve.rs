@@ -305,6 +305,11 @@ fn bad_values_name_key_value_and_layer() {
             ],
         ),
         (
+            &["training.lr_schedule=wsd", "training.decay_fraction=0"],
+            &[],
+            &["training.decay_fraction", "must be in (0, 1]"],
+        ),
+        (
             &["training.layer_lr_decay=0.8"],
             &[],
             &["training.layer_lr_decay", "is the sentence-pair encoder's"],

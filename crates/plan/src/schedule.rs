@@ -27,6 +27,9 @@ pub struct Schedule {
     pub min_lr: f64,
     /// The course after the warm-up.
     pub kind: LrSchedule,
+    /// `LrSchedule::Wsd`: the share of the steps after the warm-up that
+    /// decay.
+    pub decay_fraction: f64,
 }
 
 impl Schedule {
@@ -47,6 +50,7 @@ impl Schedule {
             learning_rate: training.learning_rate,
             min_lr: training.min_lr,
             kind: training.lr_schedule,
+            decay_fraction: training.decay_fraction,
         }
     }
 
@@ -82,7 +86,20 @@ impl Schedule {
             LrSchedule::Cosine => lr_at(step, max_lr, min_lr, warmup, total),
             LrSchedule::Linear => max_lr + progress * (min_lr - max_lr),
             LrSchedule::Constant => max_lr,
+            LrSchedule::Wsd => {
+                let decay = self.decay_steps();
+                let from = total.saturating_sub(decay).max(warmup);
+                let into = step.saturating_sub(from) as f64 / decay.max(1) as f64;
+                max_lr + into.min(1.0) * (min_lr - max_lr)
+            }
         }
+    }
+
+    /// `LrSchedule::Wsd`'s decay: `decay_fraction` of the steps after the
+    /// warm-up, rounded, at least one.
+    pub fn decay_steps(&self) -> u64 {
+        let after = self.total_steps.saturating_sub(self.warmup_steps);
+        ((after as f64 * self.decay_fraction).round() as u64).clamp(1, after.max(1))
     }
 }
 
@@ -152,6 +169,41 @@ mod tests {
         // The cosine is above the line in the first half of the decay.
         assert!(at(LrSchedule::Cosine, 35) > at(LrSchedule::Linear, 35));
         assert!((at(LrSchedule::Constant, 109) - 1e-3).abs() < 1e-12);
+    }
+
+    #[test]
+    fn wsd_holds_the_peak_then_decays_in_a_line_over_its_share() {
+        let mut t = training(1, 1, 110);
+        (t.learning_rate, t.min_lr, t.warmup_steps) = (1e-3, 1e-4, 10);
+        (t.lr_schedule, t.decay_fraction) = (LrSchedule::Wsd, 0.2);
+        let s = Schedule::new(&t, 10);
+        // 100 steps after the warm-up: the last 20 decay, 90 → 110.
+        assert_eq!(s.decay_steps(), 20);
+        assert!((s.lr_at(5) - 5e-4).abs() < 1e-12);
+        for step in [10, 11, 60, 90] {
+            assert!((s.lr_at(step) - 1e-3).abs() < 1e-12, "step {step}");
+        }
+        assert!((s.lr_at(100) - 5.5e-4).abs() < 1e-12, "{}", s.lr_at(100));
+        assert!((s.lr_at(110) - 1e-4).abs() < 1e-12);
+        assert!((s.lr_at(111) - 1e-4).abs() < 1e-12);
+        // All of it: the linear schedule.
+        t.decay_fraction = 1.0;
+        let all = Schedule::new(&t, 10);
+        t.lr_schedule = LrSchedule::Linear;
+        let linear = Schedule::new(&t, 10);
+        for step in [1, 10, 35, 60, 109, 110] {
+            assert!(
+                (all.lr_at(step) - linear.lr_at(step)).abs() < 1e-15,
+                "step {step}"
+            );
+        }
+        // A tiny share of a short run still decays over one step.
+        t.max_steps = 12;
+        (t.lr_schedule, t.decay_fraction) = (LrSchedule::Wsd, 0.01);
+        let short = Schedule::new(&t, 10);
+        assert_eq!(short.decay_steps(), 1);
+        assert!((short.lr_at(11) - 1e-3).abs() < 1e-12);
+        assert!((short.lr_at(12) - 1e-4).abs() < 1e-12);
     }
 
     #[test]

@@ -316,6 +316,11 @@ pub(crate) fn schedule_line(c: &RunConfig, schedule: &kiln_plan::Schedule) -> St
             kiln_config::LrSchedule::Cosine => format!("cosine to {}", t.min_lr),
             kiln_config::LrSchedule::Linear => format!("linear to {}", t.min_lr),
             kiln_config::LrSchedule::Constant => "then constant".to_string(),
+            kiln_config::LrSchedule::Wsd => format!(
+                "then constant, linear to {} over the last {} steps",
+                t.min_lr,
+                schedule.decay_steps()
+            ),
         },
         t.beta1,
         t.beta2,
