@@ -1258,6 +1258,42 @@ fn a_wsd_schedule_holds_the_peak_then_decays_and_says_so() {
     assert!((lr(60) - 1e-4).abs() < 1e-12, "{}", lr(60));
 }
 
+/// WSD's point: a run's length need not be fixed in advance. A 200-step
+/// run decays over its last 36; resumed from its step-100 checkpoint (still
+/// at the peak) with 300 steps, it ends bitwise where a 300-step run
+/// ends, and its first ending is kept aside.
+#[test]
+fn a_wsd_run_resumed_from_its_stable_phase_with_more_steps_is_the_longer_run() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let wsd = ["training.lr_schedule=wsd", "training.decay_fraction=0.2"];
+    let mut long = tiny(tmp.path(), "long", 300);
+    long.extend(wsd.iter().map(|s| s.to_string()));
+    run_kiln(&long).expect_code(0);
+    train_tiny(tmp.path(), "short", 200, &wsd)
+        .expect_code(0)
+        .stdout_has(&["linear to 0.0001 over the last 36 steps"]);
+    let short = tmp.path().join("short");
+    kiln(&[
+        "resume",
+        short.to_str().expect("utf-8"),
+        "--from",
+        "100",
+        "training.max_steps=300",
+    ])
+    .run()
+    .expect_code(0)
+    .stdout_has(&["from step 100", "training.max_steps 200 → 300"]);
+    assert_eq!(
+        checkpoint_digest(&ckpt(&short, 300)),
+        checkpoint_digest(&ckpt(&tmp.path().join("long"), 300))
+    );
+    assert!(
+        short
+            .join("checkpoints/after-100/ckpt-00000200.safetensors")
+            .is_file()
+    );
+}
+
 #[test]
 fn a_linear_schedule_decays_in_a_line_and_says_so() {
     let tmp = tempfile::tempdir().expect("tempdir");
