@@ -1227,6 +1227,27 @@ fn sample_gives_the_runs_samples_again_and_reads_gpt2_folders() {
         .stderr_has(&["neither config.toml (a kiln run) nor config.json"]);
 }
 
+/// The language model with label smoothing: the first step's loss (the
+/// same weights and batch) is the smoothed one, ε · (mean −log p − nll)
+/// from the plain run's (both near ln 65 at the start: 8e-4 apart here);
+/// the start line says so. Its value is checked against the composition
+/// by `check_lm_head_loss`, and the composition's by hand.
+#[test]
+fn a_language_model_trains_with_label_smoothing() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let first_loss = |name: &str, extra: &[&str]| {
+        let mut args = vec!["logging.logging_steps=1"];
+        args.extend(extra);
+        let out = train_tiny(tmp.path(), name, 2, &args).expect_code(0);
+        let records = step_records(&tmp.path().join(name).join("metrics.jsonl"));
+        (out, records[0]["loss"].as_f64().expect("a loss"))
+    };
+    let (_, plain) = first_loss("plain", &[]);
+    let (smoothed_out, smoothed) = first_loss("smoothed", &["training.label_smoothing=0.1"]);
+    smoothed_out.stdout_has(&["clip 1, label smoothing 0.1"]);
+    assert!((smoothed - plain).abs() > 1e-4, "{smoothed} vs {plain}");
+}
+
 /// 60 steps, 20 of warm-up, the last quarter of the 40 after it (10
 /// steps, 51–60) decaying: the peak at step 50, halfway down at 55.
 #[test]

@@ -339,12 +339,12 @@ pub struct TrainingSection {
     /// before this key existed resumes with 1.
     #[serde(default = "one")]
     pub layer_lr_decay: f64,
-    /// The sentence-pair encoder: label smoothing ε of the training loss,
-    /// as PyTorch's `CrossEntropyLoss(label_smoothing=ε)` and
-    /// `transformers`' `label_smoothing_factor`: the target is `1 − ε` on
-    /// the label and `ε / classes` spread over every class. Validation
-    /// loss stays the plain cross-entropy. 0: off. A run saved before this
-    /// key existed resumes with 0.
+    /// Label smoothing ε of the training loss, as PyTorch's
+    /// `CrossEntropyLoss(label_smoothing=ε)` and `transformers`'
+    /// `label_smoothing_factor`: the target is `1 − ε` on the label (the
+    /// next token) and `ε / classes` (`/ vocabulary`) spread over every
+    /// class. Validation loss stays the plain cross-entropy. 0: off. A run
+    /// saved before this key existed resumes with 0.
     #[serde(default)]
     pub label_smoothing: f64,
     /// AdamW weight decay, applied to weight matrices only.
@@ -860,11 +860,6 @@ impl RunConfig {
             (0.0..1.0).contains(&t.label_smoothing),
             "training.label_smoothing",
             "must be in [0, 1): 0 is off, 0.1 the usual value",
-        );
-        check(
-            t.label_smoothing == 0.0 || self.workload == Workload::Nli,
-            "training.label_smoothing",
-            "is the sentence-pair encoder's (workload = \"nli\"): a language model trains on plain cross-entropy; leave it 0",
         );
         let e = &self.eval;
         check(e.eval_steps >= 1, "eval.eval_steps", "must be at least 1");

@@ -320,15 +320,7 @@ fn bad_values_name_key_value_and_layer() {
             &["training.layer_lr_decay", "must be in (0, 1]"],
         ),
         (
-            &["training.label_smoothing=0.1"],
-            &[],
-            &[
-                "training.label_smoothing",
-                "a language model trains on plain cross-entropy",
-            ],
-        ),
-        (
-            &["experiment=nli_snli", "training.label_smoothing=1"],
+            &["training.label_smoothing=1"],
             &[],
             &["training.label_smoothing", "must be in [0, 1)"],
         ),

@@ -400,12 +400,27 @@ impl Gpt {
     /// padding's logits are masked, so that the loss is the true
     /// vocabulary's and they get no gradient.
     pub fn loss(&self, inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+        self.smoothed_loss(inputs, targets, 0.0)
+    }
+
+    /// [`Gpt::loss`] with label smoothing `epsilon` over the true
+    /// vocabulary (PyTorch's `CrossEntropyLoss(label_smoothing=ε)`): the
+    /// target is `1 − ε` on the next token and `ε / vocab` on every token.
+    pub fn smoothed_loss(
+        &self,
+        inputs: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+        epsilon: f64,
+    ) -> Tensor<1> {
         kernels::lm_head_loss(
             self.hidden_states(inputs),
             self.wte.weight.val(),
             targets,
-            self.vocab,
-            self.compute,
+            kernels::LmHead {
+                vocab: self.vocab,
+                compute: self.compute,
+                smoothing: epsilon,
+            },
             self.kernels,
         )
     }
@@ -474,10 +489,31 @@ impl Gpt {
 
 /// Mean cross-entropy of `logits [b, t, v]` against `targets [b, t]`, in f32.
 pub fn cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+    let v = logits.dims()[2];
+    smoothed_cross_entropy(logits, targets, v, 0.0)
+}
+
+/// [`cross_entropy`] with label smoothing `epsilon` spread over the first
+/// `vocab` logits (those after are a padded vocabulary's, masked):
+/// `(1 − ε) · nll + ε · mean over the vocabulary of −log p`.
+pub fn smoothed_cross_entropy(
+    logits: Tensor<3>,
+    targets: Tensor<2, Int>,
+    vocab: usize,
+    epsilon: f64,
+) -> Tensor<1> {
     let [b, t, v] = logits.dims();
     let log_probs = activation::log_softmax(logits.reshape([b * t, v]), 1);
-    let picked = log_probs.gather(1, targets.reshape([b * t, 1]));
-    picked.mean().neg()
+    let nll = log_probs
+        .clone()
+        .gather(1, targets.reshape([b * t, 1]))
+        .mean()
+        .neg();
+    if epsilon == 0.0 {
+        return nll;
+    }
+    let uniform = log_probs.narrow(1, 0, vocab).mean().neg();
+    nll.mul_scalar(1.0 - epsilon) + uniform.mul_scalar(epsilon)
 }
 
 fn sample(logits: &[f32], temperature: f64, top_k: usize, rng: &mut impl RngExt) -> u32 {
@@ -506,6 +542,33 @@ fn sample(logits: &[f32], temperature: f64, top_k: usize, rng: &mut impl RngExt)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Probabilities (¼, ¼, ½) over a vocabulary of 3 padded to 4 (the
+    /// fourth logit masked as the head masks it) and the token 2: the loss
+    /// is ln 2; the mean of −log p over the 3 is 5/3 ln 2; with ε = 0.3,
+    /// 0.7 ln 2 + 0.3 · 5/3 ln 2 = 1.2 ln 2, as PyTorch's
+    /// `cross_entropy(label_smoothing=0.3)` of the three logits gives.
+    #[test]
+    fn label_smoothing_spreads_over_the_true_vocabulary() {
+        let device = Device::flex();
+        let ln2 = std::f32::consts::LN_2;
+        let logits = || {
+            Tensor::<3>::from_data(
+                TensorData::new(
+                    vec![0.0f32, 0.0, ln2, crate::kernels::PADDING_LOGIT],
+                    [1, 1, 4],
+                ),
+                &device,
+            )
+        };
+        let target = || Tensor::<2, Int>::from_data(TensorData::new(vec![2i64], [1, 1]), &device);
+        let loss =
+            |eps: f64| -> f32 { smoothed_cross_entropy(logits(), target(), 3, eps).into_scalar() };
+        assert!((loss(0.0) - ln2).abs() < 1e-6, "{}", loss(0.0));
+        assert!((loss(0.3) - 1.2 * ln2).abs() < 1e-6, "{}", loss(0.3));
+        let plain: f32 = cross_entropy(logits(), target()).into_scalar();
+        assert_eq!(plain, loss(0.0));
+    }
 
     fn peers_shape() -> GptConfig {
         // ../shared/PEERS.md: 4 layers, 4 heads, 128 wide, block 128, vocabulary 65.

@@ -503,9 +503,10 @@ pub const LM_HEAD_LOSS_TOLERANCE: f64 = 1e-4;
 
 /// [`lm_head_loss`] fused and composed on `device`, forward and backward:
 /// 2 × 75 tokens of width 48, a vocabulary of 203 padded to 256, the fused
-/// version in chunks of 64 rows (ragged: 64, 64, 22), in f32. The
-/// difference is the largest of the loss's and the gradients' of the
-/// hidden states and the embedding (whose padding rows must get none).
+/// version in chunks of 64 rows (ragged: 64, 64, 22), in f32, without and
+/// with label smoothing (0.1). The difference is the largest of the
+/// loss's and the gradients' of the hidden states and the embedding
+/// (whose padding rows must get none).
 pub fn check_lm_head_loss(device: &burn::tensor::Device) -> KernelCheck {
     use burn::tensor::{Distribution, TensorData};
     let device = device.clone().autodiff();
@@ -516,14 +517,18 @@ pub fn check_lm_head_loss(device: &burn::tensor::Device) -> KernelCheck {
     let ids: Vec<i64> = (0..b * t).map(|i| ((i * 37 + 5) % vocab) as i64).collect();
     let targets = Tensor::<2, Int>::from_data(TensorData::new(ids, [b, t]), &device);
     let fused = lm_head_loss_fused_here(&x);
-    let run = |kernels| {
+    let run = |kernels, smoothing| {
         let (x, weight) = (x.clone().require_grad(), weight.clone().require_grad());
+        let head = super::LmHead {
+            vocab,
+            compute: crate::ComputeDtype::F32,
+            smoothing,
+        };
         let loss = lm_head_loss_in_chunks(
             x.clone(),
             weight.clone(),
             targets.clone(),
-            vocab,
-            crate::ComputeDtype::F32,
+            head,
             kernels,
             Some(64),
         );
@@ -534,26 +539,31 @@ pub fn check_lm_head_loss(device: &burn::tensor::Device) -> KernelCheck {
         let dw = weight.grad(&grads).expect("weight gradient");
         (loss.inner(), dx, dw)
     };
-    let (loss, dx, dw) = run(Kernels::Fused);
-    let (loss_ref, dx_ref, dw_ref) = run(Kernels::Reference);
     let max_abs = |a: Tensor<1>, b: Tensor<1>| f64::from((a - b).abs().max().into_scalar::<f32>());
-    let padding_grad = f64::from(
-        dw.clone()
-            .slice([vocab..padded, 0..d])
-            .abs()
-            .max()
-            .into_scalar::<f32>(),
-    );
+    let mut worst = 0f64;
+    for smoothing in [0.0, 0.1] {
+        let (loss, dx, dw) = run(Kernels::Fused, smoothing);
+        let (loss_ref, dx_ref, dw_ref) = run(Kernels::Reference, smoothing);
+        let padding_grad = f64::from(
+            dw.clone()
+                .slice([vocab..padded, 0..d])
+                .abs()
+                .max()
+                .into_scalar::<f32>(),
+        );
+        worst = worst
+            .max(max_abs(loss, loss_ref))
+            .max(max_abs(dx.reshape([-1]), dx_ref.reshape([-1])))
+            .max(max_abs(dw.reshape([-1]), dw_ref.reshape([-1])))
+            .max(padding_grad);
+    }
     KernelCheck {
         kernel: format!(
-            "lm head and loss ({} × {d}, vocabulary {vocab} as {padded})",
+            "lm head and loss ({} × {d}, vocabulary {vocab} as {padded}, label smoothing 0 and 0.1)",
             b * t
         ),
         fused,
-        max_abs_difference: max_abs(loss, loss_ref)
-            .max(max_abs(dx.reshape([-1]), dx_ref.reshape([-1])))
-            .max(max_abs(dw.reshape([-1]), dw_ref.reshape([-1])))
-            .max(padding_grad),
+        max_abs_difference: worst,
         tolerance: LM_HEAD_LOSS_TOLERANCE,
     }
 }

@@ -34,7 +34,7 @@ use super::autodiff::{KernelBackward, lift3};
 use super::padding_bias;
 
 /// What the fused head and loss need besides the tensors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct LmLossShape {
     /// The true vocabulary: the logits from it on are padding, masked.
     pub(crate) vocab: usize,
@@ -42,6 +42,9 @@ pub(crate) struct LmLossShape {
     pub(crate) compute: FloatDType,
     /// Rows (tokens) a chunk.
     pub(crate) chunk: usize,
+    /// Label smoothing ε: the target is `1 − ε` on the token and `ε /
+    /// vocab` on each of the true vocabulary's.
+    pub(crate) smoothing: f64,
 }
 
 /// The fused LM head and loss as a Burn backend extension.
@@ -137,6 +140,7 @@ fn chunked<B: Backend>(
         vocab,
         compute,
         chunk,
+        smoothing,
     }: LmLossShape,
     grads: bool,
 ) -> (FloatTensor<B>, Option<Pair<B>>) {
@@ -165,6 +169,15 @@ fn chunked<B: Backend>(
         B::float_from_data(bias, &device)
     });
     let wide = |t: FloatTensor<B>, rows: usize| B::float_expand(t, Shape::new([rows, padded]));
+    // Label smoothing's uniform share, ε / vocab on the true vocabulary's
+    // columns (none on the padding's).
+    let uniform = (smoothing != 0.0).then(|| {
+        let share = (smoothing / vocab as f64) as f32;
+        let row: Vec<f32> = (0..padded)
+            .map(|i| if i < vocab { share } else { 0.0 })
+            .collect();
+        B::float_from_data(TensorData::new(row, [1, padded]), &device)
+    });
     let mut loss: Option<FloatTensor<B>> = None;
     let mut dx = Vec::new();
     let mut dw: Option<FloatTensor<B>> = None;
@@ -185,8 +198,18 @@ fn chunked<B: Backend>(
         let exp = B::float_exp(B::float_sub(logits.clone(), wide(max.clone(), rows)));
         let sum = B::float_sum_dim(exp.clone(), 1);
         let lse = B::float_add(max, B::float_log(sum.clone()));
-        let picked = B::float_gather(1, logits, tc.clone());
-        let part = B::float_sum(B::float_sub(lse, picked));
+        // −log p of the token, and with smoothing (1 − ε) of it plus the
+        // uniform target's ε/vocab · Σ −log p = lse·ε − Σ ε/vocab · z.
+        let per_row = match &uniform {
+            None => B::float_sub(lse, B::float_gather(1, logits, tc.clone())),
+            Some(u) => {
+                let picked = B::float_gather(1, logits.clone(), tc.clone());
+                let spread = B::float_sum_dim(B::float_mul(logits, wide(u.clone(), rows)), 1);
+                let kept = B::float_mul_scalar(picked, Scalar::from(1.0 - smoothing));
+                B::float_sub(B::float_sub(lse, kept), spread)
+            }
+        };
+        let part = B::float_sum(per_row);
         loss = Some(match loss {
             None => part,
             Some(total) => B::float_add(total, part),
@@ -198,10 +221,13 @@ fn chunked<B: Backend>(
             // 1/tokens times a small probability would underflow before the
             // loss scaler's factor (which comes with the upstream gradient)
             // could help.
-            let softmax = B::float_div(exp, wide(sum, rows));
+            let mut softmax = B::float_div(exp, wide(sum, rows));
+            if let Some(u) = &uniform {
+                softmax = B::float_sub(softmax, wide(u.clone(), rows));
+            }
             let minus_one = B::float_full(
                 Shape::new([rows, 1]),
-                Scalar::from(-1.0),
+                Scalar::from(smoothing - 1.0),
                 &device,
                 FloatDType::F32,
             );

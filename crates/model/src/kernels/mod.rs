@@ -324,11 +324,21 @@ pub fn lm_head_loss(
     x: Tensor<3>,
     weight: Tensor<2>,
     targets: Tensor<2, Int>,
-    vocab: usize,
-    compute: crate::ComputeDtype,
+    head: LmHead,
     kernels: Kernels,
 ) -> Tensor<1> {
-    lm_head_loss_in_chunks(x, weight, targets, vocab, compute, kernels, None)
+    lm_head_loss_in_chunks(x, weight, targets, head, kernels, None)
+}
+
+/// What [`lm_head_loss`] needs besides its tensors.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LmHead {
+    /// The true vocabulary: the weight's rows from it on are padding.
+    pub vocab: usize,
+    /// The dtype of the product (the softmax is f32 whatever it is).
+    pub compute: crate::ComputeDtype,
+    /// Label smoothing ε over the true vocabulary (0: none).
+    pub smoothing: f64,
 }
 
 /// [`lm_head_loss`] with the fused version's rows per chunk chosen
@@ -337,11 +347,15 @@ fn lm_head_loss_in_chunks(
     x: Tensor<3>,
     weight: Tensor<2>,
     targets: Tensor<2, Int>,
-    vocab: usize,
-    compute: crate::ComputeDtype,
+    head: LmHead,
     kernels: Kernels,
     chunk: Option<usize>,
 ) -> Tensor<1> {
+    let LmHead {
+        vocab,
+        compute,
+        smoothing,
+    } = head;
     #[cfg(any(feature = "flex", feature = "cube"))]
     if kernels == Kernels::Fused && lm_head_loss_fused_here(&x) {
         let [b, t, d] = x.dims();
@@ -350,6 +364,7 @@ fn lm_head_loss_in_chunks(
             vocab,
             compute: compute.float_dtype(),
             chunk,
+            smoothing,
         };
         return lm_loss::lm_loss(
             x.reshape([b * t, d]),
@@ -360,7 +375,7 @@ fn lm_head_loss_in_chunks(
     }
     let _ = (kernels, chunk);
     let logits = crate::precision::matmul(x, weight.transpose().unsqueeze::<3>(), compute);
-    crate::gpt::cross_entropy(mask_padding(logits, vocab), targets)
+    crate::gpt::smoothed_cross_entropy(mask_padding(logits, vocab), targets, vocab, smoothing)
 }
 
 /// Whether [`lm_head_loss`] runs the fused version for `x`: flex, or a

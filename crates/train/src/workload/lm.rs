@@ -196,6 +196,7 @@ impl Prepared {
             eval_iters: config.eval.eval_iters as u64,
             inner: inner.clone(),
             flops_per_token: self.gpt.flops_per_token(),
+            label_smoothing: t.label_smoothing,
         })
     }
 }
@@ -540,6 +541,9 @@ pub(crate) struct LmTask {
     /// The device evaluation runs on (no autodiff).
     inner: Device,
     flops_per_token: f64,
+    /// `training.label_smoothing`: the training loss's ε (evaluation's
+    /// loss is the plain cross-entropy).
+    label_smoothing: f64,
 }
 
 impl Task for LmTask {
@@ -556,7 +560,7 @@ impl Task for LmTask {
     }
 
     fn loss(&self, model: &Gpt, (x, y): Self::Inputs) -> Tensor<1> {
-        model.loss(x, y)
+        model.smoothed_loss(x, y, self.label_smoothing)
     }
 
     fn work(&self, batch: &TokenBatch) -> Work {
