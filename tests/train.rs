@@ -359,6 +359,95 @@ fn a_resume_from_an_earlier_checkpoint_keeps_what_came_after_it_aside() {
     .stderr_has(&["--from on a cross-validation run"]);
 }
 
+/// The step a model file was written after (its header's `step`).
+fn file_step(path: &Path) -> u64 {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).expect("header");
+    header["__metadata__"]["step"]
+        .as_str()
+        .and_then(|s| s.parse().ok())
+        .expect("step")
+}
+
+/// A language model keeps its best model and stops early: 100 steps whose
+/// validation loss falls (evaluated every 25), resumed at a rate of 1
+/// with `eval.patience = 2`, get worse at 125 and 150 and stop there;
+/// `best.safetensors` is step 100's, and `--best` exports and samples it
+/// (the newest checkpoint, step 150's, is another model). A resume
+/// `--from 50` sets the best model aside with what came after and makes
+/// step 50's checkpoint the best again.
+#[test]
+fn a_language_model_keeps_its_best_model_and_stops_early() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let extra = [
+        "eval.eval_steps=25",
+        "checkpoint.every_steps=50",
+        "training.learning_rate=3e-3",
+    ];
+    train_tiny(tmp.path(), "run", 100, &extra)
+        .expect_code(0)
+        .stdout_has(&["at step 100)"]);
+    let run = tmp.path().join("run");
+    let run_arg = run.to_str().expect("utf-8");
+    kiln(&[
+        "resume",
+        run_arg,
+        "training.max_steps=300",
+        "training.learning_rate=1",
+        "training.min_lr=1",
+        "eval.patience=2",
+    ])
+    .run()
+    .expect_code(0)
+    .stdout_has(&[
+        "early stop at step 150: no better score in 2 evaluations",
+        "done: 150 steps",
+        "at step 100)",
+    ]);
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).expect("summary"))
+            .expect("json");
+    assert_eq!(
+        (summary["steps"].as_u64(), summary["best_step"].as_u64()),
+        (Some(150), Some(100))
+    );
+    assert_eq!(file_step(&run.join("best.safetensors")), 100);
+    let export = |name: &str, best: bool| {
+        let out = tmp.path().join(name);
+        let mut args = vec!["export", run_arg, "--out", out.to_str().expect("utf-8")];
+        args.extend(best.then_some("--best"));
+        let printed = kiln(&args).run().expect_code(0).stdout;
+        let weights = std::fs::read(out.join("model.safetensors")).expect("model.safetensors");
+        (printed, weights)
+    };
+    let (best_printed, best_weights) = export("best", true);
+    let (last_printed, last_weights) = export("last", false);
+    assert!(
+        best_printed.starts_with("exported the best model (step 100)"),
+        "{best_printed}"
+    );
+    assert!(
+        last_printed.starts_with("exported step 150"),
+        "{last_printed}"
+    );
+    assert_ne!(best_weights, last_weights);
+    kiln(&["sample", run_arg, "--best", "-n", "1", "--tokens", "5"])
+        .run()
+        .expect_code(0)
+        .stderr_has(&["sampling from the best model, step 100 of"]);
+
+    kiln(&["resume", run_arg, "--from", "50"])
+        .run()
+        .expect_code(0)
+        .stdout_has(&["the best model up to step 50 is step 50's again"]);
+    assert_eq!(
+        file_step(&run.join("checkpoints/after-50/best.safetensors")),
+        100
+    );
+    assert_eq!(file_step(&run.join("best.safetensors")), 50);
+}
+
 #[test]
 fn ctrl_c_checkpoints_and_prints_the_resume_command() {
     let tmp = tempfile::tempdir().expect("tempdir");

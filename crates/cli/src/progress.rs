@@ -124,13 +124,15 @@ pub(crate) fn summary_lines(s: &Summary) -> Vec<String> {
     let loss = |l: Option<f64>| l.map_or("n/a".to_string(), |v| format!("{v:.4}"));
     vec![
         format!(
-            "done: {} steps, {} tokens in {:.1} s; train loss {}, val loss {} (best {})",
+            "done: {} steps, {} tokens in {:.1} s; train loss {}, val loss {} (best {}{})",
             s.steps,
             s.tokens_seen,
             s.wall_s,
             loss(s.final_train_loss),
             loss(s.final_val_loss),
-            loss(s.best_val_loss)
+            loss(s.best_val_loss),
+            s.best_step
+                .map_or(String::new(), |step| format!(" at step {step}"))
         ),
         format!(
             "throughput: median {:.0} tokens/s, {:.1} ms/step; MFU {} against {}",

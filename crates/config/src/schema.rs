@@ -370,6 +370,12 @@ pub struct EvalSection {
     pub eval_iters: usize,
     /// Batch size of evaluation (no activations kept for backward, so it can be larger).
     pub batch_size: usize,
+    /// Language models: stop after this many evaluations without a better
+    /// validation loss (`transformers`' `EarlyStoppingCallback`); 0 never
+    /// stops early. Cross-validation folds have `cv.patience`. A run
+    /// saved before this key existed resumes with 0.
+    #[serde(default)]
+    pub patience: usize,
 }
 
 /// `[logging]`.
@@ -865,6 +871,11 @@ impl RunConfig {
         check(e.eval_steps >= 1, "eval.eval_steps", "must be at least 1");
         check(e.eval_iters >= 1, "eval.eval_iters", "must be at least 1");
         check(e.batch_size >= 1, "eval.batch_size", "must be at least 1");
+        check(
+            e.patience == 0 || self.workload == Workload::Lm,
+            "eval.patience",
+            "is the language model's: a cross-validation fold stops early by cv.patience; leave it 0",
+        );
         check(
             self.logging.logging_steps >= 1,
             "logging.logging_steps",

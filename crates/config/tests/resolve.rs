@@ -310,6 +310,14 @@ fn bad_values_name_key_value_and_layer() {
             &["training.decay_fraction", "must be in (0, 1]"],
         ),
         (
+            &["experiment=nli_snli", "eval.patience=2"],
+            &[],
+            &[
+                "eval.patience",
+                "a cross-validation fold stops early by cv.patience",
+            ],
+        ),
+        (
             &["training.layer_lr_decay=0.8"],
             &[],
             &["training.layer_lr_decay", "is the sentence-pair encoder's"],

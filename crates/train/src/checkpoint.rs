@@ -24,6 +24,10 @@ pub struct CheckpointInfo {
     pub step: u64,
 }
 
+/// The model file kept for the best evaluation score (beside the
+/// `checkpoints/` folder).
+pub(crate) const BEST_MODEL: &str = "best.safetensors";
+
 /// Everything a run needs to continue exactly.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct CheckpointState {
@@ -186,6 +190,77 @@ pub(crate) fn list(dir: &Path) -> Vec<CheckpointInfo> {
     found
 }
 
+/// After a resume `--from` `step` set the best model aside (it was kept
+/// after `step`): the best evaluation up to `step` (the records still in
+/// the run) becomes `best.safetensors` again from its checkpoint, where
+/// that was kept. Returns a note on what was done; `None` where the best
+/// model was not set aside.
+pub(crate) fn restore_best(run: &RunDir, step: u64) -> Result<Option<String>, TrainError> {
+    let path = run.file(BEST_MODEL);
+    if path.exists() {
+        return Ok(None);
+    }
+    let best = run
+        .records()
+        .into_iter()
+        .filter_map(|r| match r {
+            crate::records::Record::Eval(e) if e.step <= step => Some((e.step, e.score?)),
+            _ => None,
+        })
+        .fold(None::<(u64, f64)>, |b, (s, score)| match b {
+            Some(b) if b.1 >= score => Some(b),
+            _ => Some((s, score)),
+        });
+    let Some((best_step, _)) = best else {
+        return Ok(None);
+    };
+    let Some(ckpt) = list(&run.checkpoints())
+        .into_iter()
+        .find(|c| c.step == best_step)
+    else {
+        return Ok(Some(format!(
+            "the best model up to step {step} (step {best_step}) has no checkpoint:              best.safetensors is written again at the next better evaluation"
+        )));
+    };
+    let params = load_params(&ckpt.path).map_err(|why| TrainError::CheckpointMismatch {
+        path: ckpt.path.clone(),
+        why,
+    })?;
+    let state = CheckpointState {
+        step: best_step,
+        loader_position: 0,
+        adam_steps: 0,
+        tokens_seen: 0,
+        wall_s: 0.0,
+        loss_scale: None,
+        world_size: 1,
+        params,
+        moments: Vec::new(),
+    };
+    save_file(&path, &state)?;
+    Ok(Some(format!(
+        "the best model up to step {step} is step {best_step}'s again (best.safetensors, from its checkpoint)"
+    )))
+}
+
+/// The step a checkpoint or model file at `path` was written after (its
+/// header's `step`), reading the header alone; `None` where it is missing
+/// or unreadable.
+pub(crate) fn file_step(path: &Path) -> Option<u64> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).ok()?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).ok()?;
+    let len = usize::try_from(u64::from_le_bytes(len)).ok()?;
+    if len > 100 << 20 {
+        return None;
+    }
+    let mut header = vec![0u8; len];
+    file.read_exact(&mut header).ok()?;
+    let header: serde_json::Value = serde_json::from_slice(&header).ok()?;
+    header["__metadata__"]["step"].as_str()?.parse().ok()
+}
+
 /// Reads and verifies one checkpoint.
 pub(crate) fn load(path: &Path) -> Result<CheckpointState, String> {
     read_checked(path, true)
@@ -334,12 +409,16 @@ pub(crate) fn set_aside_after(run: &RunDir, step: u64) -> Result<Option<PathBuf>
             (later.join("\n") + "\n").as_bytes(),
         )?;
     }
-    // A finished run's ending describes steps after `step` too.
+    // A finished run's ending describes steps after `step` too, and so
+    // does a best model kept after it.
     let ending = ["summary.json", "samples.txt"].map(|name| run.file(name));
+    let best = run.file(BEST_MODEL);
+    let best_after = file_step(&best).is_some_and(|s| s > step);
     let moves = newer
         .into_iter()
         .map(|c| c.path)
-        .chain(ending.into_iter().filter(|p| p.is_file()));
+        .chain(ending.into_iter().filter(|p| p.is_file()))
+        .chain(best_after.then_some(best));
     for from in moves {
         let to = aside.join(from.file_name().unwrap_or_default());
         std::fs::rename(&from, &to).map_err(|source| TrainError::Write {
@@ -368,6 +447,32 @@ pub(crate) fn latest_good_params(
     dir: &Path,
 ) -> Result<(CheckpointInfo, Vec<crate::params::NamedValues>, Vec<String>), TrainError> {
     latest_good_by(dir, load_params)
+}
+
+/// A language-model run's weights to read out: its newest good
+/// checkpoint, or (`best`) the best model it kept (`best.safetensors`, the
+/// lowest validation loss), with the step and notes on damaged checkpoints
+/// skipped.
+pub(crate) fn run_params(
+    run: &RunDir,
+    best: bool,
+) -> Result<(CheckpointInfo, Vec<crate::params::NamedValues>, Vec<String>), TrainError> {
+    if !best {
+        return latest_good_params(&run.checkpoints());
+    }
+    let path = run.file(BEST_MODEL);
+    if !path.is_file() {
+        return Err(TrainError::NoCheckpoint {
+            dir: run.path.clone(),
+            why: "it kept no best model yet (best.safetensors is written at its first evaluation, after eval.eval_steps steps): leave out --best for its newest checkpoint".into(),
+        });
+    }
+    let params = load_params(&path).map_err(|why| TrainError::CheckpointMismatch {
+        path: path.clone(),
+        why,
+    })?;
+    let step = file_step(&path).unwrap_or(0);
+    Ok((CheckpointInfo { path, step }, params, Vec::new()))
 }
 
 fn latest_good_by<T>(

@@ -98,7 +98,7 @@ fn config_json(config: &RunConfig, vocab_size: usize) -> serde_json::Value {
 /// exist yet (nothing is overwritten; the folder appears whole or not at
 /// all): a language model's newest good checkpoint as GPT-2, a
 /// cross-validation run's best fold as `BertForSequenceClassification`.
-pub fn export_hf(run: &Path, out: &Path) -> Result<Exported, TrainError> {
+pub fn export_hf(run: &Path, out: &Path, best: bool) -> Result<Exported, TrainError> {
     let dir = RunDir::open(run)?;
     let config = kiln_config::read_run_config(&dir.file("config.toml"))?;
     if out.exists() {
@@ -107,15 +107,20 @@ pub fn export_hf(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         });
     }
     match config.workload {
-        Workload::Lm => export_gpt2(&dir, &config, out),
+        Workload::Lm => export_gpt2(&dir, &config, out, best),
         Workload::Nli => export_bert(run, out),
     }
 }
 
-fn export_gpt2(dir: &RunDir, config: &RunConfig, out: &Path) -> Result<Exported, TrainError> {
+fn export_gpt2(
+    dir: &RunDir,
+    config: &RunConfig,
+    out: &Path,
+    best: bool,
+) -> Result<Exported, TrainError> {
     let tokenizer_path = dir.file("tokenizer.json");
     let tokenizer = Tokenizer::load(&tokenizer_path)?;
-    let (info, params, notes) = checkpoint::latest_good_params(&dir.checkpoints())?;
+    let (info, params, notes) = checkpoint::run_params(dir, best)?;
     let vocab_size = tokenizer.vocab_size();
 
     let mut tensors: Vec<NamedValues> = Vec::new();

@@ -37,6 +37,9 @@ pub struct SampleRequest {
     pub top_k: Option<usize>,
     /// The random stream's seed.
     pub seed: Option<u64>,
+    /// A run's best model (`best.safetensors`) instead of its newest
+    /// checkpoint.
+    pub best: bool,
 }
 
 /// What [`sample`] generated.
@@ -125,7 +128,12 @@ pub fn sample(
     hardware: &kiln_hwdetect::HardwareReport,
 ) -> Result<Samples, TrainError> {
     let (config, tokenizer, source, notes, weights) = if from.join("config.toml").is_file() {
-        from_run(from)?
+        from_run(from, request.best)?
+    } else if from.join("config.json").is_file() && request.best {
+        return Err(TrainError::NotARun {
+            path: from.to_path_buf(),
+            why: "--best takes a run's best model, and a transformers folder holds one model: leave out --best".into(),
+        });
     } else if from.join("config.json").is_file() {
         from_folder(from, hardware)?
     } else {
@@ -192,15 +200,20 @@ impl Weights {
 /// they come from (for messages), notes on skipped checkpoints.
 type Source = (RunConfig, Tokenizer, String, Vec<String>, Weights);
 
-fn from_run(from: &Path) -> Result<Source, TrainError> {
+fn from_run(from: &Path, best: bool) -> Result<Source, TrainError> {
     let (dir, config) = open_lm_run(
         from,
         "sampling from a sentence-pair classifier",
         "`kiln predict` labels pairs with it",
     )?;
     let tokenizer = Tokenizer::load(&dir.file("tokenizer.json"))?;
-    let (info, params, notes) = checkpoint::latest_good_params(&dir.checkpoints())?;
-    let source = format!("step {} of `{}`", info.step, from.display());
+    let (info, params, notes) = checkpoint::run_params(&dir, best)?;
+    let source = format!(
+        "{}step {} of `{}`",
+        if best { "the best model, " } else { "" },
+        info.step,
+        from.display()
+    );
     Ok((
         config,
         tokenizer,

@@ -32,6 +32,10 @@ pub struct Summary {
     pub final_val_loss: Option<f64>,
     /// The best validation loss of the run.
     pub best_val_loss: Option<f64>,
+    /// The step of the best validation loss: the model `best.safetensors`
+    /// holds.
+    #[serde(default)]
+    pub best_step: Option<u64>,
     /// Median training throughput, tokens per second.
     pub median_tokens_per_s: f64,
     /// Median milliseconds per optimizer step.

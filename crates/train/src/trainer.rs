@@ -96,8 +96,7 @@ pub(crate) enum LoopEnd {
     Interrupted { step: u64, checkpoint: PathBuf },
 }
 
-/// The model file kept for the best evaluation score.
-pub(crate) const BEST_MODEL: &str = "best.safetensors";
+pub(crate) use crate::checkpoint::BEST_MODEL;
 
 /// Runs `plan` over `task` with `model` and `optim`, writing metrics and
 /// checkpoints into `run`. Returns the final model and how it ended.
@@ -275,7 +274,7 @@ pub(crate) fn run_loop<T: Task>(
             observer.event(&Event::Eval(record));
             if let Some(score) = eval.score {
                 if plan.stopping.observe(score) && run.writes() {
-                    save_model(&model, &run.file(BEST_MODEL))?;
+                    save_model(&model, &run.file(BEST_MODEL), step)?;
                 }
                 stop = plan.stopping.should_stop();
             }
@@ -373,10 +372,15 @@ fn save_checkpoint<M: Module>(
     checkpoint::save(&run.checkpoints(), &state, config.checkpoint.keep)
 }
 
-/// Writes the model's parameters alone (the best model so far).
-pub(crate) fn save_model<M: Module>(model: &M, path: &std::path::Path) -> Result<(), TrainError> {
+/// Writes the model's parameters alone (the best model so far, after
+/// optimizer step `step`).
+pub(crate) fn save_model<M: Module>(
+    model: &M,
+    path: &std::path::Path,
+    step: u64,
+) -> Result<(), TrainError> {
     let state = CheckpointState {
-        step: 0,
+        step,
         loader_position: 0,
         adam_steps: 0,
         tokens_seen: 0,

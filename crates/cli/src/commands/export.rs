@@ -17,17 +17,23 @@ pub(crate) struct Args {
     /// The folder to write; it must not exist [default: RUN/hf]
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
+    /// A language model's best model (the lowest validation loss,
+    /// `best.safetensors`) instead of its newest checkpoint; a
+    /// cross-validation run exports its best fold's best model either way
+    #[arg(long)]
+    best: bool,
 }
 
 pub(crate) fn run(args: Args) -> anyhow::Result<ExitCode> {
     let out = args.out.unwrap_or_else(|| args.run.join("hf"));
-    let e = kiln_train::export_hf(&args.run, &out).map_err(train_error)?;
+    let e = kiln_train::export_hf(&args.run, &out, args.best).map_err(train_error)?;
     let mut stdout = std::io::stdout().lock();
     for note in &e.notes {
         writeln!(stdout, "note: {note}")?;
     }
     let what = match e.fold {
         Some(fold) => format!("fold {fold}'s best model (step {})", e.step),
+        None if args.best => format!("the best model (step {})", e.step),
         None => format!("step {}", e.step),
     };
     let (tokenizer, check) = match e.fold {

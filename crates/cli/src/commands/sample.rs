@@ -42,6 +42,10 @@ pub(crate) struct Args {
     /// One JSON object: the source, the settings and the continuations
     #[arg(long)]
     json: bool,
+    /// A run's best model (the lowest validation loss, `best.safetensors`)
+    /// instead of its newest checkpoint
+    #[arg(long)]
+    best: bool,
 }
 
 fn positive(s: &str) -> Result<f64, String> {
@@ -68,6 +72,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     request.temperature = args.temperature;
     request.top_k = args.top_k;
     request.seed = args.seed;
+    request.best = args.best;
     let s = kiln_train::sample(&args.from, &request, &ctx.report).map_err(train_error)?;
     for note in &s.notes {
         eprintln!("kiln: note: {note}");

@@ -321,9 +321,12 @@ pub(crate) fn resume(
         && let Some(aside) = checkpoint::set_aside_after(run, step)?
     {
         observer.event(&Event::Note(format!(
-            "what the run wrote after step {step} (newer checkpoints, metrics, a summary) is kept in `{}`",
+            "what the run wrote after step {step} (newer checkpoints, metrics, a summary, a best model) is kept in `{}`",
             aside.display()
         )));
+        if let Some(note) = checkpoint::restore_best(run, step)? {
+            observer.event(&Event::Note(note));
+        }
     }
     run.records_go_on_after(config, step)?;
     session.run(model, run, options, observer)
@@ -591,9 +594,29 @@ impl Task for LmTask {
                 train_loss,
                 val_loss,
             },
-            score: None,
+            // The lower the validation loss the better: the best model is
+            // kept (best.safetensors) and `eval.patience` counts from it.
+            score: Some(-val_loss),
         }
     }
+}
+
+/// `records` with each evaluation's score, where a run written before
+/// language models had one left it out: its validation loss negated, as
+/// [`LmTask::evaluate`] scores.
+fn scored(records: Vec<Record>) -> Vec<Record> {
+    records
+        .into_iter()
+        .map(|r| match r {
+            Record::Eval(mut e) => {
+                if let (None, EvalMetrics::Lm { val_loss, .. }) = (e.score, &e.metrics) {
+                    e.score = Some(-val_loss);
+                }
+                Record::Eval(e)
+            }
+            other => other,
+        })
+        .collect()
 }
 
 /// A prepared run: the task, the model shape, and where it starts.
@@ -756,7 +779,10 @@ impl Session {
             tokens_seen: self.start.tokens_seen,
             wall_before: self.start.wall_before,
             eval_at_epoch_ends: false,
-            stopping: EarlyStopping::default(),
+            stopping: EarlyStopping::from_records(
+                (self.config.eval.patience > 0).then_some(self.config.eval.patience),
+                &scored(run.records()),
+            ),
             peak_flops: peak,
             scaler: self
                 .start
@@ -855,6 +881,11 @@ impl Session {
         if run.writes() {
             let _ = write_plots(&run.path, &steps, &evals);
         }
+        // The first of the lowest, as the loop kept it (a tie is no better).
+        let best = evals.iter().fold(None::<&LmEval>, |b, e| match b {
+            Some(b) if b.val_loss <= e.val_loss => Some(b),
+            _ => Some(e),
+        });
         // The first logged steps include start-up costs: leave them out of the medians.
         let steady: Vec<&StepMetrics> = steps.iter().filter(|s| s.step > 3).collect();
         let steady = if steady.is_empty() {
@@ -883,7 +914,8 @@ impl Session {
             tokens_seen,
             final_train_loss: evals.last().map(|e| e.train_loss),
             final_val_loss: evals.last().map(|e| e.val_loss),
-            best_val_loss: evals.iter().map(|e| e.val_loss).min_by(f64::total_cmp),
+            best_val_loss: best.map(|e| e.val_loss),
+            best_step: best.map(|e| e.step),
             median_tokens_per_s: median(&mut tps),
             median_ms_per_step: median(&mut ms),
             median_mfu,
@@ -918,7 +950,24 @@ pub(crate) fn batch_tensors(
 
 #[cfg(test)]
 mod tests {
-    use super::loader_position_for;
+    use super::{EarlyStopping, Record, loader_position_for, scored};
+
+    /// An evaluation line of a run written before language models had a
+    /// score (`{"kind":"eval","step":..,"train_loss":..,"val_loss":..}`)
+    /// counts for the best model as a new one does: the lower loss wins.
+    #[test]
+    fn evaluations_without_a_score_are_scored_by_their_validation_loss() {
+        let line = |step: u64, val: f64| -> Record {
+            serde_json::from_str(&format!(
+                r#"{{"kind":"eval","step":{step},"train_loss":3.0,"val_loss":{val}}}"#
+            ))
+            .expect("an old eval line")
+        };
+        let records = scored(vec![line(25, 2.5), line(50, 2.25), line(75, 2.4)]);
+        let stopping = EarlyStopping::from_records(Some(3), &records);
+        assert_eq!(stopping.best, Some(-2.25));
+        assert_eq!(stopping.since_best, 1);
+    }
 
     #[test]
     fn a_smaller_micro_batch_continues_after_the_windows_drawn() {
