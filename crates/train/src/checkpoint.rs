@@ -89,6 +89,27 @@ pub(crate) fn save(
     Ok(path)
 }
 
+/// Writes a model's parameters alone (no optimizer state) as the model
+/// after optimizer step `step`: the best model's file.
+pub(crate) fn save_params(
+    path: &Path,
+    step: u64,
+    params: Vec<crate::params::NamedValues>,
+) -> Result<(), TrainError> {
+    let state = CheckpointState {
+        step,
+        loader_position: 0,
+        adam_steps: 0,
+        tokens_seen: 0,
+        wall_s: 0.0,
+        loss_scale: None,
+        world_size: 1,
+        params,
+        moments: Vec::new(),
+    };
+    save_file(path, &state)
+}
+
 /// Writes `state` to `path` atomically: a temporary file beside it, synced,
 /// then renamed into place.
 pub(crate) fn save_file(path: &Path, state: &CheckpointState) -> Result<(), TrainError> {
@@ -226,18 +247,7 @@ pub(crate) fn restore_best(run: &RunDir, step: u64) -> Result<Option<String>, Tr
         path: ckpt.path.clone(),
         why,
     })?;
-    let state = CheckpointState {
-        step: best_step,
-        loader_position: 0,
-        adam_steps: 0,
-        tokens_seen: 0,
-        wall_s: 0.0,
-        loss_scale: None,
-        world_size: 1,
-        params,
-        moments: Vec::new(),
-    };
-    save_file(&path, &state)?;
+    save_params(&path, best_step, params)?;
     Ok(Some(format!(
         "the best model up to step {step} is step {best_step}'s again (best.safetensors, from its checkpoint)"
     )))

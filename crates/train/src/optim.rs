@@ -256,6 +256,29 @@ mod tests {
 
     use super::*;
 
+    /// Two steps of `opt` at rate 0.1 on loss = sum(w·x + b), x = (1, 2).
+    fn two_constant_steps(mut lin: Linear, opt: &mut AdamW) -> Linear {
+        let device = lin.weight.val().device();
+        for _ in 0..2 {
+            let x = Tensor::<2>::from_data(TensorData::new(vec![1.0f32, 2.0], [1, 2]), &device);
+            let grads = lin.forward(x).sum().backward();
+            let grads = GradientsParams::from_grads(grads, &lin);
+            lin = opt.step(lin, grads, 0.1, 1.0);
+        }
+        lin
+    }
+
+    /// A linear layer's weight and bias values.
+    fn values(lin: &Linear) -> (Vec<f32>, Vec<f32>) {
+        let w = lin.weight.val().into_data().iter::<f32>().collect();
+        let b = lin
+            .bias
+            .as_ref()
+            .map(|b| b.val().into_data().iter::<f32>().collect())
+            .unwrap_or_default();
+        (w, b)
+    }
+
     /// Two steps with a constant gradient, worked by hand: loss = sum(w·x + b)
     /// with x = (1, 2) gives g_w = (1, 2), g_b = 1 every step. With bias
     /// correction, m̂ = g and v̂ = g² at steps 1 and 2 (m = 0.1g then 0.19g
@@ -283,18 +306,8 @@ mod tests {
             eps: 1e-8,
             weight_decay: 0.1,
         });
-        for _ in 0..2 {
-            let x = Tensor::<2>::from_data(TensorData::new(vec![1.0f32, 2.0], [1, 2]), &device);
-            let grads = lin.forward(x).sum().backward();
-            let grads = GradientsParams::from_grads(grads, &lin);
-            lin = opt.step(lin, grads, 0.1, 1.0);
-        }
-        let w: Vec<f32> = lin.weight.val().into_data().iter::<f32>().collect();
-        let b: Vec<f32> = lin
-            .bias
-            .as_ref()
-            .map(|b| b.val().into_data().iter::<f32>().collect())
-            .unwrap_or_default();
+        let lin = two_constant_steps(lin, &mut opt);
+        let (w, b) = values(&lin);
         assert!((w[0] - 0.29105).abs() < 1e-5, "{w:?}");
         assert!((w[1] + 1.1791).abs() < 1e-5, "{w:?}");
         assert!((b[0] - 0.05).abs() < 1e-6, "{b:?}");
@@ -392,7 +405,7 @@ mod tests {
     fn a_parameters_rate_is_scaled_by_its_factor() {
         let _rng = crate::tests::flex_rng();
         let device = Device::flex().autodiff();
-        let mut lin: Linear = LinearConfig::new(2, 1).init(&device);
+        let lin: Linear = LinearConfig::new(2, 1).init(&device);
         let bias = lin.bias.as_ref().expect("a bias").id;
         let mut opt = AdamW::new(AdamWConfig {
             beta1: 0.9,
@@ -401,24 +414,9 @@ mod tests {
             weight_decay: 0.0,
         });
         opt.lr_scales.insert(bias, 0.5);
-        let before_w: Vec<f32> = lin.weight.val().into_data().iter::<f32>().collect();
-        let before_b: Vec<f32> = lin
-            .bias
-            .as_ref()
-            .map(|b| b.val().into_data().iter::<f32>().collect())
-            .unwrap_or_default();
-        for _ in 0..2 {
-            let x = Tensor::<2>::from_data(TensorData::new(vec![1.0f32, 2.0], [1, 2]), &device);
-            let grads = lin.forward(x).sum().backward();
-            let grads = GradientsParams::from_grads(grads, &lin);
-            lin = opt.step(lin, grads, 0.1, 1.0);
-        }
-        let w: Vec<f32> = lin.weight.val().into_data().iter::<f32>().collect();
-        let b: Vec<f32> = lin
-            .bias
-            .as_ref()
-            .map(|b| b.val().into_data().iter::<f32>().collect())
-            .unwrap_or_default();
+        let (before_w, before_b) = values(&lin);
+        let lin = two_constant_steps(lin, &mut opt);
+        let (w, b) = values(&lin);
         // Each step moves a weight by lr·sign(g) = 0.1, the bias by 0.05.
         for (now, was) in w.iter().zip(&before_w) {
             assert!((was - now - 0.2).abs() < 1e-5, "{was} -> {now}");

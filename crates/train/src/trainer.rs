@@ -379,18 +379,7 @@ pub(crate) fn save_model<M: Module>(
     path: &std::path::Path,
     step: u64,
 ) -> Result<(), TrainError> {
-    let state = CheckpointState {
-        step,
-        loader_position: 0,
-        adam_steps: 0,
-        tokens_seen: 0,
-        wall_s: 0.0,
-        loss_scale: None,
-        world_size: 1,
-        params: param_values(model),
-        moments: Vec::new(),
-    };
-    checkpoint::save_file(path, &state)
+    checkpoint::save_params(path, step, param_values(model))
 }
 
 /// Restores model, optimizer and counters from a checkpoint.
