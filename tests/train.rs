@@ -63,12 +63,17 @@ fn run_kiln(args: &[String]) -> crate::support::Run {
 /// The SHA-256 a checkpoint's header records over all its tensors (model
 /// and optimizer): equal digests mean bitwise-equal state.
 pub(crate) fn checkpoint_digest(path: &Path) -> String {
+    metadata(path, "sha256")
+}
+
+/// The value of `key` in a safetensors file's header metadata.
+fn metadata(path: &Path, key: &str) -> String {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
     let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).expect("header");
-    header["__metadata__"]["sha256"]
+    header["__metadata__"][key]
         .as_str()
-        .expect("sha256")
+        .unwrap_or_else(|| panic!("no `{key}` in {}", path.display()))
         .to_string()
 }
 
@@ -361,13 +366,7 @@ fn a_resume_from_an_earlier_checkpoint_keeps_what_came_after_it_aside() {
 
 /// The step a model file was written after (its header's `step`).
 fn file_step(path: &Path) -> u64 {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).expect("header");
-    header["__metadata__"]["step"]
-        .as_str()
-        .and_then(|s| s.parse().ok())
-        .expect("step")
+    metadata(path, "step").parse().expect("a step")
 }
 
 /// A language model keeps its best model and stops early: 100 steps whose

@@ -321,9 +321,10 @@ pub struct TrainingSection {
     /// Linear warm-up steps.
     pub warmup_steps: usize,
     /// After the warm-up: `cosine` decay to `min_lr` (nanoGPT's), `linear`
-    /// decay to it (BERT's, `transformers`' Trainer's default), or
-    /// `constant` at `learning_rate`. A run saved before this key existed
-    /// resumes with `cosine`.
+    /// decay to it (BERT's, `transformers`' Trainer's default), `constant`
+    /// at `learning_rate`, or `wsd` (held, then linear over the last
+    /// `decay_fraction`). A run saved before this key existed resumes with
+    /// `cosine`.
     #[serde(default = "cosine")]
     pub lr_schedule: LrSchedule,
     /// `lr_schedule = "wsd"`: the share of the steps after the warm-up

@@ -443,7 +443,20 @@ impl EncoderClassifier {
         mask: Tensor<2, Bool>,
         labels: Tensor<1, Int>,
     ) -> Tensor<1> {
-        Self::cross_entropy(self.forward(ids, segments, mask), labels)
+        self.smoothed_loss(ids, segments, mask, labels, 0.0)
+    }
+
+    /// [`EncoderClassifier::loss`] with label smoothing `epsilon`
+    /// ([`EncoderClassifier::smoothed_cross_entropy`]).
+    pub fn smoothed_loss(
+        &self,
+        ids: Tensor<2, Int>,
+        segments: Tensor<2, Int>,
+        mask: Tensor<2, Bool>,
+        labels: Tensor<1, Int>,
+        epsilon: f64,
+    ) -> Tensor<1> {
+        Self::smoothed_cross_entropy(self.forward(ids, segments, mask), labels, epsilon)
     }
 
     /// Mean cross-entropy of `logits [b, classes]` against `labels [b]`
@@ -461,18 +474,8 @@ impl EncoderClassifier {
         labels: Tensor<1, Int>,
         epsilon: f64,
     ) -> Tensor<1> {
-        let [b, _] = logits.dims();
-        let log_probs = activation::log_softmax(logits, 1);
-        let nll = log_probs
-            .clone()
-            .gather(1, labels.reshape([b, 1]))
-            .mean()
-            .neg();
-        if epsilon == 0.0 {
-            return nll;
-        }
-        let uniform = log_probs.mean().neg();
-        nll.mul_scalar(1.0 - epsilon) + uniform.mul_scalar(epsilon)
+        let classes = logits.dims()[1];
+        crate::gpt::smoothed_rows(logits, labels, classes, epsilon)
     }
 
     /// Where the parameter at `path` (a path of this module's, as Burn's

@@ -503,10 +503,28 @@ pub fn smoothed_cross_entropy(
     epsilon: f64,
 ) -> Tensor<1> {
     let [b, t, v] = logits.dims();
-    let log_probs = activation::log_softmax(logits.reshape([b * t, v]), 1);
+    smoothed_rows(
+        logits.reshape([b * t, v]),
+        targets.reshape([b * t]),
+        vocab,
+        epsilon,
+    )
+}
+
+/// The mean of each row's smoothed cross-entropy: `logits [n, v]` against
+/// `targets [n]`, label smoothing `epsilon` over the first `vocab` columns
+/// (the language model's and the classifier's loss alike).
+pub(crate) fn smoothed_rows(
+    logits: Tensor<2>,
+    targets: Tensor<1, Int>,
+    vocab: usize,
+    epsilon: f64,
+) -> Tensor<1> {
+    let n = targets.dims()[0];
+    let log_probs = activation::log_softmax(logits, 1);
     let nll = log_probs
         .clone()
-        .gather(1, targets.reshape([b * t, 1]))
+        .gather(1, targets.reshape([n, 1]))
         .mean()
         .neg();
     if epsilon == 0.0 {

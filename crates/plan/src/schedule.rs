@@ -81,17 +81,16 @@ impl Schedule {
         if warmup > 0 && step <= warmup {
             return max_lr * step as f64 / warmup as f64;
         }
-        let progress = ((step - warmup) as f64 / (total - warmup).max(1) as f64).min(1.0);
+        // A line from the peak after step `from` to min_lr at the last step.
+        let line_from = |from: u64| {
+            let into = step.saturating_sub(from) as f64 / total.saturating_sub(from).max(1) as f64;
+            max_lr + into.min(1.0) * (min_lr - max_lr)
+        };
         match self.kind {
             LrSchedule::Cosine => lr_at(step, max_lr, min_lr, warmup, total),
-            LrSchedule::Linear => max_lr + progress * (min_lr - max_lr),
+            LrSchedule::Linear => line_from(warmup),
             LrSchedule::Constant => max_lr,
-            LrSchedule::Wsd => {
-                let decay = self.decay_steps();
-                let from = total.saturating_sub(decay).max(warmup);
-                let into = step.saturating_sub(from) as f64 / decay.max(1) as f64;
-                max_lr + into.min(1.0) * (min_lr - max_lr)
-            }
+            LrSchedule::Wsd => line_from(total.saturating_sub(self.decay_steps()).max(warmup)),
         }
     }
 

@@ -212,27 +212,17 @@ pub(crate) fn list(dir: &Path) -> Vec<CheckpointInfo> {
 }
 
 /// After a resume `--from` `step` set the best model aside (it was kept
-/// after `step`): the best evaluation up to `step` (the records still in
-/// the run) becomes `best.safetensors` again from its checkpoint, where
-/// that was kept. Returns a note on what was done; `None` where the best
-/// model was not set aside.
-pub(crate) fn restore_best(run: &RunDir, step: u64) -> Result<Option<String>, TrainError> {
+/// after `step`): the best evaluation up to `step`, at `best_step`,
+/// becomes `best.safetensors` again from its checkpoint, where that was
+/// kept. Returns a note on what was done; `None` where the best model was
+/// not set aside or there was no evaluation.
+pub(crate) fn restore_best(
+    run: &RunDir,
+    step: u64,
+    best_step: Option<u64>,
+) -> Result<Option<String>, TrainError> {
     let path = run.file(BEST_MODEL);
-    if path.exists() {
-        return Ok(None);
-    }
-    let best = run
-        .records()
-        .into_iter()
-        .filter_map(|r| match r {
-            crate::records::Record::Eval(e) if e.step <= step => Some((e.step, e.score?)),
-            _ => None,
-        })
-        .fold(None::<(u64, f64)>, |b, (s, score)| match b {
-            Some(b) if b.1 >= score => Some(b),
-            _ => Some((s, score)),
-        });
-    let Some((best_step, _)) = best else {
+    let Some(best_step) = best_step.filter(|_| !path.exists()) else {
         return Ok(None);
     };
     let Some(ckpt) = list(&run.checkpoints())
@@ -240,7 +230,8 @@ pub(crate) fn restore_best(run: &RunDir, step: u64) -> Result<Option<String>, Tr
         .find(|c| c.step == best_step)
     else {
         return Ok(Some(format!(
-            "the best model up to step {step} (step {best_step}) has no checkpoint:              best.safetensors is written again at the next better evaluation"
+            "the best model up to step {step} (step {best_step}) has no checkpoint: \
+             best.safetensors is written again at the next better evaluation"
         )));
     };
     let params = load_params(&ckpt.path).map_err(|why| TrainError::CheckpointMismatch {

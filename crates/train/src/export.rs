@@ -285,11 +285,7 @@ fn export_bert(run: &Path, out: &Path) -> Result<Exported, TrainError> {
         .token_id("[PAD]")
         .or_else(|| tokenizer.token_id("<pad>"))
         .unwrap_or(0);
-    // RoBERTa counts positions from after its padding id.
-    let position_offset = match family {
-        Family::Roberta => pad_token_id as usize + 1,
-        _ => 0,
-    };
+    let position_offset = family.position_offset(pad_token_id as usize);
     let tensors = crate::pretrained::bert::hf_tensors(&best.params, family, position_offset)
         .map_err(|why| TrainError::Unsupported("exporting this encoder", why))?;
     let labels = &config.data.labels;

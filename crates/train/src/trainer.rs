@@ -96,8 +96,6 @@ pub(crate) enum LoopEnd {
     Interrupted { step: u64, checkpoint: PathBuf },
 }
 
-pub(crate) use crate::checkpoint::BEST_MODEL;
-
 /// Runs `plan` over `task` with `model` and `optim`, writing metrics and
 /// checkpoints into `run`. Returns the final model and how it ended.
 #[allow(
@@ -274,7 +272,7 @@ pub(crate) fn run_loop<T: Task>(
             observer.event(&Event::Eval(record));
             if let Some(score) = eval.score {
                 if plan.stopping.observe(score) && run.writes() {
-                    save_model(&model, &run.file(BEST_MODEL), step)?;
+                    save_model(&model, &run.file(checkpoint::BEST_MODEL), step)?;
                 }
                 stop = plan.stopping.should_stop();
             }

@@ -203,6 +203,16 @@ impl Family {
         }
     }
 
+    /// The first position row a sequence uses where the padding id is
+    /// `pad_token_id`: RoBERTa counts positions from after it, the
+    /// others from row 0.
+    pub(crate) fn position_offset(self, pad_token_id: usize) -> usize {
+        match self {
+            Self::Roberta => pad_token_id + 1,
+            Self::Bert | Self::Electra | Self::Distilbert => 0,
+        }
+    }
+
     /// Its `model_type` in `config.json`.
     pub(crate) fn model_type(self) -> &'static str {
         match self {
@@ -453,15 +463,11 @@ impl BertShape {
             ));
         }
         // RoBERTa's position ids start after its padding id.
-        let position_offset = match family {
-            Family::Bert | Family::Electra | Family::Distilbert => 0,
-            Family::Roberta => {
-                json.get("pad_token_id")
-                    .and_then(Value::as_u64)
-                    .map_or(1, |p| p as usize)
-                    + 1
-            }
-        };
+        let position_offset = family.position_offset(
+            json.get("pad_token_id")
+                .and_then(Value::as_u64)
+                .map_or(1, |p| p as usize),
+        );
         let hidden = count("hidden_size")?;
         // ELECTRA's embeddings may be narrower, projected (ElectraConfig's
         // default is 128, ELECTRA-small's); the others' are the model's.

@@ -20,7 +20,7 @@ use kiln_plan::{DataSize, ModelSize, Schedule};
 
 use crate::checkpoint::{self, CheckpointState};
 use crate::optim::AdamW;
-use crate::records::{EvalMetrics, Record, StepMetrics};
+use crate::records::{EvalMetrics, EvalRecord, Record, StepMetrics};
 use crate::report::{Event, LmEval, Observer, Summary, held_back_by, median, write_plots};
 use crate::setup::{
     device_lines, init_model, mfu_peak, run_precision, schedule_line, train_device,
@@ -324,7 +324,12 @@ pub(crate) fn resume(
             "what the run wrote after step {step} (newer checkpoints, metrics, a summary, a best model) is kept in `{}`",
             aside.display()
         )));
-        if let Some(note) = checkpoint::restore_best(run, step)? {
+        let evals = run.records().into_iter().filter_map(|r| match r {
+            Record::Eval(e) if e.step <= step => lm_val_loss(&e).map(|v| (e.step, v)),
+            _ => None,
+        });
+        let best_step = first_lowest(evals).map(|(s, _)| s);
+        if let Some(note) = checkpoint::restore_best(run, step, best_step)? {
             observer.event(&Event::Note(note));
         }
     }
@@ -601,6 +606,23 @@ impl Task for LmTask {
     }
 }
 
+/// The first of `evals` (step, validation loss) with the lowest loss: the
+/// model the loop kept as the best (a tie is no better).
+fn first_lowest(evals: impl IntoIterator<Item = (u64, f64)>) -> Option<(u64, f64)> {
+    evals.into_iter().fold(None, |best, e| match best {
+        Some(b) if b.1 <= e.1 => Some(b),
+        _ => Some(e),
+    })
+}
+
+/// A language model's evaluation's validation loss.
+fn lm_val_loss(e: &EvalRecord) -> Option<f64> {
+    match e.metrics {
+        EvalMetrics::Lm { val_loss, .. } => Some(val_loss),
+        EvalMetrics::Nli { .. } => None,
+    }
+}
+
 /// `records` with each evaluation's score, where a run written before
 /// language models had one left it out: its validation loss negated, as
 /// [`LmTask::evaluate`] scores.
@@ -609,9 +631,7 @@ fn scored(records: Vec<Record>) -> Vec<Record> {
         .into_iter()
         .map(|r| match r {
             Record::Eval(mut e) => {
-                if let (None, EvalMetrics::Lm { val_loss, .. }) = (e.score, &e.metrics) {
-                    e.score = Some(-val_loss);
-                }
+                e.score = e.score.or(lm_val_loss(&e).map(|v| -v));
                 Record::Eval(e)
             }
             other => other,
@@ -881,11 +901,7 @@ impl Session {
         if run.writes() {
             let _ = write_plots(&run.path, &steps, &evals);
         }
-        // The first of the lowest, as the loop kept it (a tie is no better).
-        let best = evals.iter().fold(None::<&LmEval>, |b, e| match b {
-            Some(b) if b.val_loss <= e.val_loss => Some(b),
-            _ => Some(e),
-        });
+        let best = first_lowest(evals.iter().map(|e| (e.step, e.val_loss)));
         // The first logged steps include start-up costs: leave them out of the medians.
         let steady: Vec<&StepMetrics> = steps.iter().filter(|s| s.step > 3).collect();
         let steady = if steady.is_empty() {
@@ -914,8 +930,8 @@ impl Session {
             tokens_seen,
             final_train_loss: evals.last().map(|e| e.train_loss),
             final_val_loss: evals.last().map(|e| e.val_loss),
-            best_val_loss: best.map(|e| e.val_loss),
-            best_step: best.map(|e| e.step),
+            best_val_loss: best.map(|(_, loss)| loss),
+            best_step: best.map(|(step, _)| step),
             median_tokens_per_s: median(&mut tps),
             median_ms_per_step: median(&mut ms),
             median_mfu,

@@ -27,9 +27,7 @@ use crate::setup::{
     device_lines, init_model, mfu_peak, run_precision, schedule_line, train_device,
 };
 use crate::task::{Evaluation, Task, Work};
-use crate::trainer::{
-    BEST_MODEL, EarlyStopping, LoopEnd, LoopPlan, LoopPlanStart, restore, run_loop,
-};
+use crate::trainer::{EarlyStopping, LoopEnd, LoopPlan, LoopPlanStart, restore, run_loop};
 use crate::translate::{encoder_config, kernels, schema};
 use crate::{DeviceChoice, Outcome, RunDir, TrainError, TrainOptions, open_device, select_device};
 
@@ -276,11 +274,7 @@ impl Task for NliTask {
     }
 
     fn loss(&self, model: &EncoderClassifier, (ids, seg, mask, labels): PairTensors) -> Tensor<1> {
-        EncoderClassifier::smoothed_cross_entropy(
-            model.forward(ids, seg, mask),
-            labels,
-            self.label_smoothing,
-        )
+        model.smoothed_loss(ids, seg, mask, labels, self.label_smoothing)
     }
 
     fn work(&self, batch: &PairBatch) -> Work {
@@ -786,7 +780,7 @@ pub(crate) fn best_fold(run_dir: &Path, to: &str) -> Result<BestFold, TrainError
     let fold_dir = run.path.join(format!("fold-{}", best.fold));
     let mut tokenizer = Tokenizer::load(&fold_dir.join("tokenizer.json"))?;
     tokenizer.set_pair_template(config.model.max_length)?;
-    let model_path = fold_dir.join(BEST_MODEL);
+    let model_path = fold_dir.join(checkpoint::BEST_MODEL);
     let params =
         checkpoint::load_params(&model_path).map_err(|why| TrainError::CheckpointMismatch {
             path: model_path.clone(),
