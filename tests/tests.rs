@@ -11,6 +11,7 @@ mod nli;
 mod precision;
 mod store;
 mod support;
+mod sweep;
 mod tensorboard;
 mod train;
 #[cfg(unix)]

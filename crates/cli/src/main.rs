@@ -69,6 +69,10 @@ struct Cli {
     /// detecting this machine: to plan for another machine, and for tests
     #[arg(long, global = true, value_name = "FILE")]
     hardware_report: Option<PathBuf>,
+    /// Also write the error that ends the command to FILE: how a sweep
+    /// (`kiln train -m`) learns why a job failed
+    #[arg(long, global = true, value_name = "FILE", hide = true)]
+    error_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -125,6 +129,9 @@ enum Command {
 fn main() -> ExitCode {
     oom::install_hook();
     let cli = Cli::parse();
+    if let Some(path) = &cli.error_file {
+        let _ = ERROR_FILE.set(path.clone());
+    }
     match on_compute_pool(|| run(cli)) {
         Ok(code) => code,
         Err(err) => {
@@ -135,11 +142,23 @@ fn main() -> ExitCode {
                 return ExitCode::SUCCESS;
             }
             eprintln!("error: {err:#}");
+            write_error_file(&format!("{err:#}"));
             let bad_input = err
                 .chain()
                 .any(|e| e.is::<ConfigError>() || e.is::<commands::BadInput>());
             ExitCode::from(if bad_input { 2 } else { 1 })
         }
+    }
+}
+
+/// `--error-file`'s path, once parsed.
+static ERROR_FILE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Writes the error ending this process to `--error-file`, if one was
+/// given (best effort: the message is on stderr already).
+pub(crate) fn write_error_file(message: &str) {
+    if let Some(path) = ERROR_FILE.get() {
+        let _ = std::fs::write(path, message);
     }
 }
 

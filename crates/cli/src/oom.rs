@@ -51,7 +51,9 @@ pub(crate) fn install_hook() {
             .or_else(|| info.payload().downcast_ref::<&str>().copied());
         match payload.and_then(out_of_memory_line) {
             Some(cause) => {
-                eprintln!("{}", message(cause));
+                let message = message(cause);
+                eprintln!("{message}");
+                crate::write_error_file(message.trim_start_matches("error: "));
                 std::process::exit(2);
             }
             None => default(info),

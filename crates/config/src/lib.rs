@@ -32,6 +32,7 @@ mod load;
 mod preset;
 mod presets;
 mod schema;
+pub mod sweep;
 mod tuned;
 
 pub use error::ConfigError;

@@ -675,10 +675,15 @@ impl<'a> Resolver<'a> {
                     Ok(v) => value_text(&v),
                     Err(_) => actual.to_string(),
                 };
+                let set_by = self.source_of(&key);
                 ConfigError::InvalidValue {
                     value,
-                    problem: format!("expected {}", plain_expected(&expected)),
-                    set_by: Box::new(self.source_of(&key)),
+                    problem: format!(
+                        "expected {}{}",
+                        plain_expected(&expected),
+                        sweep_hint(&set_by)
+                    ),
+                    set_by: Box::new(set_by),
                     key,
                 }
             }
@@ -703,6 +708,19 @@ impl<'a> Resolver<'a> {
                 }
             }
         }
+    }
+}
+
+/// For a command-line value that would sweep under `-m`
+/// (`training.learning_rate=1e-3,3e-4`): how to sweep it.
+fn sweep_hint(set_by: &Source) -> &'static str {
+    let sweeps = set_by.layer == LayerKind::CommandLine
+        && crate::sweep::expand(std::slice::from_ref(&set_by.location))
+            .is_ok_and(|(axes, _)| !axes.is_empty());
+    if sweeps {
+        "; to run one job per value, add -m (Hydra's multirun: `kiln train -m`)"
+    } else {
+        ""
     }
 }
 

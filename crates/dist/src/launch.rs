@@ -176,7 +176,7 @@ pub fn launch(
                         rank: *rank,
                         host: host.clone(),
                         pid: child.id(),
-                        status: describe(status),
+                        status: describe_exit(status),
                         code: status.code().filter(|&c| c != 0).unwrap_or(1),
                     });
                 }
@@ -229,7 +229,7 @@ fn kill_all(ranks: &mut [(usize, Child)], signal: i32) {
 }
 
 /// `exit code 3`, `killed by signal 9 (SIGKILL)`.
-fn describe(status: ExitStatus) -> String {
+pub fn describe_exit(status: ExitStatus) -> String {
     match (status.code(), status.signal()) {
         (Some(c), _) => format!("exit code {c}"),
         (None, Some(s)) => {

@@ -24,7 +24,7 @@ pub mod nccl_lib;
 pub use env::{DEFAULT_PORT, WorldSpec};
 pub use error::DistError;
 pub use group::{Group, Reduce};
-pub use launch::{JobEnd, LaunchSpec, launch};
+pub use launch::{JobEnd, LaunchSpec, describe_exit, launch};
 
 /// This machine's host name (for messages that name where a rank ran).
 pub fn hostname() -> String {

@@ -11,6 +11,7 @@ pub(crate) mod kernels;
 pub(crate) mod launch;
 pub(crate) mod prepare;
 pub(crate) mod sample;
+pub(crate) mod sweep;
 pub(crate) mod train;
 pub(crate) mod tune;
 

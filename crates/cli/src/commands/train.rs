@@ -23,6 +23,12 @@ pub(crate) struct TrainArgs {
     /// checkpoint as always
     #[arg(long)]
     tui: bool,
+    /// Hydra's multirun: a job for each combination of the swept values
+    /// (`training.learning_rate=1e-3,3e-4 model.layers=range(2,6,2)`,
+    /// `choice(a,b)`), one after another in a sweep folder, ranked in a
+    /// table at the end; `kiln resume SWEEP` goes on with the rest
+    #[arg(short = 'm', long)]
+    multirun: bool,
     #[command(flatten)]
     pub(crate) layers: Layers,
 }
@@ -54,7 +60,8 @@ pub(crate) struct PredictArgs {
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct ResumeArgs {
-    /// The run directory (`runs/<time>-<experiment>`)
+    /// The run directory (`runs/<time>-<experiment>`), or a sweep's
+    /// (`kiln train -m`): its jobs not finished run
     pub(crate) run: PathBuf,
     /// Continue from the checkpoint of this step instead of the newest (a
     /// language model's run: to go back before a divergence); what the run
@@ -74,15 +81,40 @@ pub(crate) struct ResumeArgs {
     pub(crate) overrides: Vec<String>,
 }
 
-/// `kiln train`.
+/// `kiln train` (`-m`: a sweep).
 pub(crate) fn train(args: TrainArgs, ctx: Context) -> anyhow::Result<ExitCode> {
-    let resolved = ctx.resolve(&args.layers)?;
+    run_command("train", args, ctx)
+}
+
+/// `kiln cv`: the nli workload only (`-m`: a sweep).
+pub(crate) fn cv(args: TrainArgs, ctx: Context) -> anyhow::Result<ExitCode> {
+    run_command("cv", args, ctx)
+}
+
+fn run_command(command: &'static str, args: TrainArgs, ctx: Context) -> anyhow::Result<ExitCode> {
+    if args.multirun {
+        let start = super::sweep::Start {
+            command,
+            force: args.force,
+            tui: args.tui,
+            layers: &args.layers,
+        };
+        return super::sweep::run(&start, &ctx);
+    }
+    let resolved = resolve_for(command, args.layers, &ctx)?;
     train_command(resolved, (args.force, args.tui), ctx.report)
 }
 
-/// `kiln cv`: the nli workload only.
-pub(crate) fn cv(args: TrainArgs, ctx: Context) -> anyhow::Result<ExitCode> {
-    let resolved = ctx.resolve_nli(args.layers)?;
+/// The configuration `kiln train` or `kiln cv` runs with `layers`.
+pub(crate) fn resolve_for(
+    command: &str,
+    layers: Layers,
+    ctx: &Context,
+) -> anyhow::Result<ResolvedConfig> {
+    if command == "train" {
+        return ctx.resolve(&layers);
+    }
+    let resolved = ctx.resolve_nli(layers)?;
     if resolved.config.workload != kiln_config::Workload::Nli {
         return Err(BadInput(format!(
             "`kiln cv` cross-validates the nli workload, but experiment `{}` is `{:?}`; use `kiln train`",
@@ -90,11 +122,34 @@ pub(crate) fn cv(args: TrainArgs, ctx: Context) -> anyhow::Result<ExitCode> {
         ))
         .into());
     }
-    train_command(resolved, (args.force, args.tui), ctx.report)
+    Ok(resolved)
 }
 
-/// `kiln resume RUN`.
+/// Whether the GPU preset `resolved` names by hand fits this machine
+/// (`hardware=auto` chose one that does).
+pub(crate) fn preset_fit(
+    resolved: &ResolvedConfig,
+    report: &HardwareReport,
+) -> Result<(), kiln_config::PresetMismatch> {
+    match resolved.hardware_choice {
+        Some(_) => Ok(()),
+        None => kiln_config::check_preset_fits(&resolved.config.hardware, report),
+    }
+}
+
+/// `kiln resume RUN` (or `SWEEP`).
 pub(crate) fn resume(args: ResumeArgs, ctx: Context) -> anyhow::Result<ExitCode> {
+    if args.run.join(super::sweep::RECORD).is_file() {
+        if !args.overrides.is_empty() || args.from.is_some() {
+            return Err(BadInput(format!(
+                "`{}` is a sweep: it resumes its jobs as they were configured; to change one, resume its folder (`kiln resume {}/<job> key=value`)",
+                args.run.display(),
+                args.run.display()
+            ))
+            .into());
+        }
+        return super::sweep::resume(&args.run, args.tui);
+    }
     let options = train_options(ctx.report, Vec::new())?;
     let mut observer = observer(&options, args.tui)?;
     let request = kiln_train::ResumeRequest {
@@ -181,11 +236,7 @@ fn train_command(
     report: HardwareReport,
 ) -> anyhow::Result<ExitCode> {
     crate::data::provide_for(&resolved.config)?;
-    let fit = match resolved.hardware_choice {
-        Some(_) => Ok(()),
-        None => kiln_config::check_preset_fits(&resolved.config.hardware, &report),
-    };
-    if let Err(msg) = fit {
+    if let Err(msg) = preset_fit(&resolved, &report) {
         if !force {
             return Err(BadInput(format!(
                 "{msg}; pass --force to run it on this machine anyway, or use hardware=auto"

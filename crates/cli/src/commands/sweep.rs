@@ -1,0 +1,737 @@
+//! `kiln train -m` and `kiln cv -m`: Hydra's multirun. The overrides'
+//! sweeps (`training.learning_rate=1e-3,3e-4 model.layers=range(2,6,2)`)
+//! make the jobs (`kiln_config::sweep`); every job's configuration is
+//! resolved and checked before the first starts, so that a bad value of the
+//! fifth does not wait for four runs to be refused. The jobs run one after
+//! another, each a `kiln train` (or `kiln cv`) of its own in
+//! `<sweep>/<job>-<values>/`, a run like any other (resume, export, sample
+//! it). `sweep.json` records each job's state and result as it ends, and
+//! the sweep ends with a table of them, the best marked. Ctrl-C stops the
+//! running job with its checkpoint and the sweep after it; `kiln resume
+//! SWEEP` goes on: it skips the finished jobs, resumes a stopped or failed
+//! one from its checkpoint and starts the rest. A job that fails is
+//! recorded with its error and the sweep goes on with the next.
+
+use std::io::Write as _;
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+
+use kiln_config::Workload;
+use kiln_config::sweep::Axis;
+use serde::{Deserialize, Serialize};
+
+use super::{BadInput, Context, Layers};
+
+/// The record of a sweep, `SWEEP/sweep.json`.
+pub(crate) const RECORD: &str = "sweep.json";
+
+/// What a sweep is and how far it got.
+#[derive(Debug, Serialize, Deserialize)]
+struct Record {
+    /// `train` or `cv`.
+    command: String,
+    /// The global flags each job runs with (`--presets`, `--hardware-report`).
+    prefix: Vec<String>,
+    /// The command's flags each job runs with (`--force`, `--config FILE`).
+    flags: Vec<String>,
+    /// The workload of every job.
+    workload: Workload,
+    /// What the sweep compares and which way is better.
+    objective: Objective,
+    /// The swept keys and their values.
+    axes: Vec<Axis>,
+    /// The jobs, in order.
+    jobs: Vec<Job>,
+}
+
+/// A job of the sweep.
+#[derive(Debug, Serialize, Deserialize)]
+struct Job {
+    /// Its folder in the sweep's.
+    dir: String,
+    /// Its overrides, the swept ones with its values (`run.dir` aside).
+    overrides: Vec<String>,
+    /// Its value of each swept key, in the axes' order.
+    values: Vec<String>,
+    /// How far it got.
+    status: Status,
+    /// How its last attempt ended, when not well (`exit code 1`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    exit: Option<String>,
+    /// The error it ended with, when it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+    /// What it reached, once finished.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    result: Option<JobResult>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum Status {
+    /// Not started yet.
+    Pending,
+    /// Ran to its end: its summary is written.
+    Finished,
+    /// Stopped with a checkpoint (Ctrl-C); `kiln resume SWEEP` goes on.
+    Interrupted,
+    /// Ended with an error; `kiln resume SWEEP` tries it again.
+    Failed,
+}
+
+/// The measure the sweep ranks its jobs by.
+#[derive(Debug, Serialize, Deserialize)]
+struct Objective {
+    /// The key of the job's summary (`best_val_loss`, `macro_f1_mean`).
+    name: String,
+    /// Whether a larger value is better.
+    higher_is_better: bool,
+    /// The unit of the jobs' throughput.
+    throughput: String,
+}
+
+impl Objective {
+    fn of(workload: Workload) -> Self {
+        match workload {
+            Workload::Lm => Self {
+                name: "best_val_loss".into(),
+                higher_is_better: false,
+                throughput: "tokens/s".into(),
+            },
+            Workload::Nli => Self {
+                name: "macro_f1_mean".into(),
+                higher_is_better: true,
+                throughput: "pairs/s".into(),
+            },
+        }
+    }
+}
+
+/// What a finished job reached, from its `summary.json` or `cv_summary.json`.
+#[derive(Debug, Serialize, Deserialize)]
+struct JobResult {
+    /// The objective's value (`None`: the run had no validation).
+    objective: Option<f64>,
+    /// Median throughput (tokens/s, pairs/s).
+    throughput: f64,
+    /// Wall time of the run, seconds.
+    wall_s: f64,
+}
+
+impl JobResult {
+    /// The result of the finished run in `dir`, if it is finished.
+    fn read(dir: &Path, workload: Workload) -> Option<Self> {
+        match workload {
+            Workload::Lm => {
+                let text = std::fs::read_to_string(dir.join("summary.json")).ok()?;
+                let s: kiln_train::Summary = serde_json::from_str(&text).ok()?;
+                Some(Self {
+                    objective: s.best_val_loss.or(s.final_val_loss),
+                    throughput: s.median_tokens_per_s,
+                    wall_s: s.wall_s,
+                })
+            }
+            Workload::Nli => {
+                let text = std::fs::read_to_string(dir.join("cv_summary.json")).ok()?;
+                let s: kiln_train::CvSummary = serde_json::from_str(&text).ok()?;
+                Some(Self {
+                    objective: Some(s.macro_f1_mean),
+                    throughput: s.median_samples_per_s,
+                    wall_s: s.wall_s,
+                })
+            }
+        }
+    }
+}
+
+/// How the sweep's jobs are started.
+pub(crate) struct Start<'a> {
+    /// `train` or `cv`.
+    pub(crate) command: &'static str,
+    /// Run a GPU preset on a machine without that GPU.
+    pub(crate) force: bool,
+    /// Each job in the dashboard.
+    pub(crate) tui: bool,
+    /// The configuration layers, sweeps and all.
+    pub(crate) layers: &'a Layers,
+}
+
+/// `kiln train -m` / `kiln cv -m`: checks every job, then runs them.
+pub(crate) fn run(start: &Start<'_>, ctx: &Context) -> anyhow::Result<ExitCode> {
+    refuse_in_a_job("kiln train -m")?;
+    let (axes, jobs) = kiln_config::sweep::expand(&start.layers.overrides)?;
+    if let Some(axis) = axes.iter().find(|a| a.key == "run.dir") {
+        return Err(BadInput(format!(
+            "`run.dir` cannot be swept ({}={}): the sweep's folder is run.dir's, and each job's is a folder in it",
+            axis.key,
+            axis.values.join(",")
+        ))
+        .into());
+    }
+    // Every job's configuration, before any runs.
+    let mut configs = Vec::new();
+    let mut problems = Vec::new();
+    for (n, job) in jobs.iter().enumerate() {
+        let layers = Layers {
+            config: start.layers.config.clone(),
+            overrides: job.overrides.clone(),
+        };
+        let checked = super::train::resolve_for(start.command, layers, ctx).and_then(|r| {
+            match super::train::preset_fit(&r, &ctx.report) {
+                Err(msg) if !start.force => Err(BadInput(format!(
+                    "{msg}; pass --force to run it on this machine anyway, or use hardware=auto"
+                ))
+                .into()),
+                _ => Ok(r),
+            }
+        });
+        match checked {
+            Ok(r) => configs.push(r.config),
+            Err(e) => problems.push(format!("job {n} ({}): {e:#}", label(&job.swept, " "))),
+        }
+    }
+    if !problems.is_empty() {
+        return Err(BadInput(format!(
+            "{} of the sweep's {} jobs would be refused; none was started:\n{}",
+            problems.len(),
+            jobs.len(),
+            problems.join("\n")
+        ))
+        .into());
+    }
+    let workload = configs[0].workload;
+    if let Some((n, c)) = configs
+        .iter()
+        .enumerate()
+        .find(|(_, c)| c.workload != workload)
+    {
+        return Err(BadInput(format!(
+            "job {n} ({}) is a {:?} run and job 0 a {workload:?} run: a sweep compares runs of one workload",
+            label(&jobs[n].swept, " "),
+            c.workload
+        ))
+        .into());
+    }
+    let experiment = &configs[0].experiment;
+    let name = if configs.iter().all(|c| &c.experiment == experiment) {
+        format!("{experiment}-sweep")
+    } else {
+        "sweep".to_string()
+    };
+    let dir = kiln_train::RunDir::path_of(&configs[0].run.dir, &name, std::time::SystemTime::now());
+    if dir.join(RECORD).exists() || dir.join("config.toml").exists() {
+        return Err(BadInput(format!(
+            "`{}` already holds a {}; resume it with `kiln resume {}`, or choose another run.dir",
+            dir.display(),
+            if dir.join(RECORD).exists() {
+                "sweep"
+            } else {
+                "run"
+            },
+            dir.display()
+        ))
+        .into());
+    }
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| anyhow::anyhow!("creating `{}`: {e}", dir.display()))?;
+    let mut flags = Vec::new();
+    if start.force {
+        flags.push("--force".to_string());
+    }
+    if let Some(config) = &start.layers.config {
+        flags.extend(["--config".to_string(), config.display().to_string()]);
+    }
+    let record = Record {
+        command: start.command.to_string(),
+        prefix: ctx.prefix(),
+        flags,
+        workload,
+        objective: Objective::of(workload),
+        jobs: jobs
+            .iter()
+            .enumerate()
+            .map(|(n, job)| Job {
+                dir: job_dir(n, &job.swept),
+                overrides: job.overrides.clone(),
+                values: job.swept.iter().map(|(_, v)| v.clone()).collect(),
+                status: Status::Pending,
+                exit: None,
+                error: None,
+                result: None,
+            })
+            .collect(),
+        axes,
+    };
+    println!(
+        "kiln: sweep of {} jobs in {}{}",
+        record.jobs.len(),
+        dir.display(),
+        match record.axes.as_slice() {
+            [] => String::new(),
+            axes => format!(
+                " over {}",
+                axes.iter()
+                    .map(|a| format!("{} ({})", a.key, a.values.join(", ")))
+                    .collect::<Vec<_>>()
+                    .join(" × ")
+            ),
+        }
+    );
+    run_jobs(record, &dir, start.tui)
+}
+
+/// `kiln resume SWEEP`: goes on with the jobs not finished.
+pub(crate) fn resume(dir: &Path, tui: bool) -> anyhow::Result<ExitCode> {
+    refuse_in_a_job("kiln resume SWEEP")?;
+    let path = dir.join(RECORD);
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| BadInput(format!("failed to read `{}`: {e}", path.display())))?;
+    let record: Record = serde_json::from_str(&text)
+        .map_err(|e| BadInput(format!("`{}` line {}: {e}", path.display(), e.line())))?;
+    let left = record
+        .jobs
+        .iter()
+        .filter(|j| j.status != Status::Finished)
+        .count();
+    println!(
+        "kiln: resuming the sweep in {}: {left} of {} jobs to run",
+        dir.display(),
+        record.jobs.len()
+    );
+    run_jobs(record, dir, tui)
+}
+
+/// A sweep starts processes of its own, one job at a time: not as a rank of
+/// a data-parallel job.
+fn refuse_in_a_job(what: &str) -> anyhow::Result<()> {
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    if matches!(
+        kiln_train::kiln_dist::WorldSpec::from_env(&env),
+        Ok(Some(_))
+    ) {
+        return Err(BadInput(format!(
+            "{what} runs its jobs one after another on this machine; it cannot be a rank of a data-parallel job (WORLD_SIZE is set)"
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+/// The child running now (0: none) and whether it has a process group of its
+/// own, for the Ctrl-C handler.
+struct Running {
+    pid: AtomicI32,
+    own_group: bool,
+    stop: AtomicBool,
+}
+
+/// Runs the jobs not finished, recording each as it ends; prints the table.
+fn run_jobs(mut record: Record, dir: &Path, tui: bool) -> anyhow::Result<ExitCode> {
+    let _lock = lock(dir)?;
+    // With the dashboard the job shares the terminal's process group, which
+    // sends it Ctrl-C itself; else the job has a group of its own (as a
+    // launcher's ranks), and each Ctrl-C here is passed on once.
+    let running = Arc::new(Running {
+        pid: AtomicI32::new(0),
+        own_group: !tui,
+        stop: AtomicBool::new(false),
+    });
+    let handler = Arc::clone(&running);
+    ctrlc::set_handler(move || {
+        // (Not over the dashboard, which has the terminal.)
+        if !handler.stop.swap(true, Ordering::SeqCst) && handler.own_group {
+            eprintln!("\nkiln: the sweep stops after this job has written its checkpoint");
+        }
+        let pid = handler.pid.load(Ordering::SeqCst);
+        if handler.own_group && pid > 0 {
+            // SAFETY: kill(2) on the job this process started; it is reaped
+            // only after the pid is cleared.
+            unsafe {
+                libc::kill(pid, libc::SIGINT);
+            }
+        }
+    })?;
+    let program = std::env::current_exe()?;
+    let total = record.jobs.len();
+    for n in 0..total {
+        if running.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let job = &record.jobs[n];
+        if job.status == Status::Finished {
+            continue;
+        }
+        let job_dir = dir.join(&job.dir);
+        let error_file = dir.join(format!(".job-{n}.error"));
+        let mut args = record.prefix.clone();
+        args.push(format!("--error-file={}", error_file.display()));
+        let resuming = job_dir.join("config.toml").is_file();
+        if resuming {
+            args.push("resume".into());
+            if tui {
+                args.push("--tui".into());
+            }
+            args.push(job_dir.display().to_string());
+        } else {
+            args.push(record.command.clone());
+            args.extend(record.flags.iter().cloned());
+            if tui {
+                args.push("--tui".into());
+            }
+            args.extend(job.overrides.iter().cloned());
+            // Quoted: a folder's name is a string, whatever it looks like.
+            args.push(format!(
+                "run.dir={}",
+                serde_json::to_string(&job_dir.display().to_string())?
+            ));
+        }
+        println!(
+            "kiln: sweep job {n} of 0–{} ({}){}: {}",
+            total - 1,
+            label_of(&record, n, " "),
+            if resuming { ", resumed" } else { "" },
+            job_dir.display()
+        );
+        std::io::stdout().flush()?;
+        let _ = std::fs::remove_file(&error_file);
+        let status = spawn_job(&program, &args, &running)?;
+        let job = &mut record.jobs[n];
+        job.error = std::fs::read_to_string(&error_file).ok();
+        let _ = std::fs::remove_file(&error_file);
+        job.result = JobResult::read(&job_dir, record.workload);
+        (job.status, job.exit) = match (status.success(), status.code()) {
+            (true, _) if job.result.is_some() => (Status::Finished, None),
+            (_, Some(130)) => (Status::Interrupted, None),
+            _ => (
+                Status::Failed,
+                Some(kiln_train::kiln_dist::describe_exit(status)),
+            ),
+        };
+        if job.status == Status::Interrupted {
+            running.stop.store(true, Ordering::SeqCst);
+        }
+        kiln_train::write_atomic(
+            &dir.join(RECORD),
+            serde_json::to_string_pretty(&record)?.as_bytes(),
+        )?;
+    }
+    // A sweep stopped before its first job still has its record.
+    kiln_train::write_atomic(
+        &dir.join(RECORD),
+        serde_json::to_string_pretty(&record)?.as_bytes(),
+    )?;
+    print!("{}", table(&record, dir));
+    let unfinished = record
+        .jobs
+        .iter()
+        .filter(|j| j.status != Status::Finished)
+        .count();
+    Ok(if running.stop.load(Ordering::SeqCst) && unfinished > 0 {
+        println!(
+            "sweep stopped with {unfinished} jobs to run\nresume with: kiln resume {}",
+            dir.display()
+        );
+        ExitCode::from(130)
+    } else if record.jobs.iter().any(|j| j.status == Status::Failed) {
+        println!(
+            "some jobs failed; `kiln resume {}` runs them again",
+            dir.display()
+        );
+        ExitCode::FAILURE
+    } else {
+        println!("sweep directory: {}", dir.display());
+        ExitCode::SUCCESS
+    })
+}
+
+/// Runs one job to its end, its pid where the Ctrl-C handler finds it.
+fn spawn_job(
+    program: &Path,
+    args: &[String],
+    running: &Running,
+) -> anyhow::Result<std::process::ExitStatus> {
+    use std::os::unix::process::CommandExt as _;
+    let mut command = std::process::Command::new(program);
+    command.args(args);
+    if running.own_group {
+        command.process_group(0);
+    }
+    // SAFETY: prctl is async-signal-safe; the closure touches nothing of
+    // the parent's. A job whose sweep is killed stops with its checkpoint
+    // (SIGTERM is Ctrl-C's to kiln).
+    unsafe {
+        command.pre_exec(|| {
+            #[cfg(target_os = "linux")]
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        });
+    }
+    let mut child = command
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("starting `{}`: {e}", program.display()))?;
+    running.pid.store(child.id() as i32, Ordering::SeqCst);
+    if running.stop.load(Ordering::SeqCst) && running.own_group {
+        // Ctrl-C came between the check and the start.
+        // SAFETY: as in the handler.
+        unsafe {
+            libc::kill(child.id() as i32, libc::SIGINT);
+        }
+    }
+    let status = child.wait();
+    running.pid.store(0, Ordering::SeqCst);
+    Ok(status?)
+}
+
+/// One sweep at a time in a folder.
+fn lock(dir: &Path) -> anyhow::Result<std::fs::File> {
+    let path = dir.join("sweep.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| anyhow::anyhow!("opening `{}`: {e}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(BadInput(format!(
+            "the sweep in `{}` is running in another process",
+            dir.display()
+        ))
+        .into()),
+        Err(std::fs::TryLockError::Error(e)) => {
+            Err(anyhow::anyhow!("locking `{}`: {e}", path.display()))
+        }
+    }
+}
+
+/// A job's folder: its number, then its values (`3-learning_rate=3e-4,layers=4`),
+/// with what a folder's name should not hold made `_`.
+fn job_dir(n: usize, swept: &[(String, String)]) -> String {
+    let values: String = swept
+        .iter()
+        .map(|(k, v)| format!("{}={v}", k.rsplit('.').next().unwrap_or(k)))
+        .collect::<Vec<_>>()
+        .join(",")
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._=,+-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(80)
+        .collect();
+    if values.is_empty() {
+        n.to_string()
+    } else {
+        format!("{n}-{values}")
+    }
+}
+
+/// `key=value` of each swept key, joined by `sep`.
+fn label(swept: &[(String, String)], sep: &str) -> String {
+    swept
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(sep)
+}
+
+fn label_of(record: &Record, n: usize, sep: &str) -> String {
+    let swept: Vec<(String, String)> = record
+        .axes
+        .iter()
+        .zip(&record.jobs[n].values)
+        .map(|(a, v)| (a.key.clone(), v.clone()))
+        .collect();
+    label(&swept, sep)
+}
+
+/// The jobs as a table, the best finished one marked; then where the best
+/// is, and why each failed one failed.
+fn table(record: &Record, dir: &Path) -> String {
+    let objective = &record.objective;
+    let best = record
+        .jobs
+        .iter()
+        .enumerate()
+        .filter_map(|(n, j)| Some((n, j.result.as_ref()?.objective?)))
+        .reduce(|a, b| {
+            let better = if objective.higher_is_better {
+                b.1 > a.1
+            } else {
+                b.1 < a.1
+            };
+            if better { b } else { a }
+        });
+    let mut header: Vec<String> = vec!["job".into()];
+    header.extend(record.axes.iter().map(|a| a.key.clone()));
+    header.extend([
+        "status".into(),
+        objective.name.clone(),
+        objective.throughput.clone(),
+        "wall".into(),
+    ]);
+    let rows: Vec<Vec<String>> = record
+        .jobs
+        .iter()
+        .enumerate()
+        .map(|(n, j)| {
+            let mark = if best.is_some_and(|(b, _)| b == n) {
+                " *"
+            } else {
+                ""
+            };
+            let mut row = vec![format!("{n}{mark}")];
+            row.extend(j.values.iter().cloned());
+            row.push(
+                match j.status {
+                    Status::Pending => "pending",
+                    Status::Finished => "finished",
+                    Status::Interrupted => "stopped",
+                    Status::Failed => "failed",
+                }
+                .into(),
+            );
+            match &j.result {
+                Some(r) => row.extend([
+                    r.objective.map_or("-".into(), |v| format!("{v:.4}")),
+                    format!("{:.0}", r.throughput),
+                    format!("{:.0} s", r.wall_s),
+                ]),
+                None => row.extend(["-".into(), "-".into(), "-".into()]),
+            }
+            row
+        })
+        .collect();
+    let widths: Vec<usize> = (0..header.len())
+        .map(|c| {
+            rows.iter()
+                .map(|r| r[c].chars().count())
+                .chain([header[c].chars().count()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: &[String]| {
+        let text: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        format!("  {}\n", text.join("  ").trim_end())
+    };
+    let mut out = format!("sweep: {}\n", dir.display());
+    out.push_str(&line(&header));
+    for row in &rows {
+        out.push_str(&line(row));
+    }
+    if let Some((n, value)) = best {
+        out.push_str(&format!(
+            "best (*): job {n} ({}), {} {value:.4}: {}\n",
+            label_of(record, n, " "),
+            objective.name,
+            dir.join(&record.jobs[n].dir).display()
+        ));
+    }
+    for (n, j) in record.jobs.iter().enumerate() {
+        if j.status == Status::Failed {
+            let why = j.error.as_deref().map_or_else(
+                || j.exit.clone().unwrap_or_default(),
+                |e| e.lines().next().unwrap_or_default().to_string(),
+            );
+            out.push_str(&format!("job {n} failed: {why}\n"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn swept(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn a_jobs_folder_names_its_values_with_what_a_folder_may_hold() {
+        assert_eq!(
+            job_dir(
+                3,
+                &swept(&[("training.learning_rate", "3e-4"), ("model.layers", "4")])
+            ),
+            "3-learning_rate=3e-4,layers=4"
+        );
+        assert_eq!(
+            job_dir(1, &swept(&[("data.path", "\"a b/c.txt\"")])),
+            "1-path=_a_b_c.txt_"
+        );
+        assert_eq!(job_dir(0, &[]), "0");
+        assert!(job_dir(7, &swept(&[("k", &"x".repeat(200))])).len() <= 82);
+    }
+
+    fn record(objectives: &[Option<f64>], higher_is_better: bool) -> Record {
+        Record {
+            command: "train".into(),
+            prefix: Vec::new(),
+            flags: Vec::new(),
+            workload: Workload::Lm,
+            objective: Objective {
+                name: "m".into(),
+                higher_is_better,
+                throughput: "tokens/s".into(),
+            },
+            axes: vec![Axis {
+                key: "training.learning_rate".into(),
+                values: (0..objectives.len()).map(|i| i.to_string()).collect(),
+            }],
+            jobs: objectives
+                .iter()
+                .enumerate()
+                .map(|(i, o)| Job {
+                    dir: format!("{i}"),
+                    overrides: Vec::new(),
+                    values: vec![i.to_string()],
+                    status: if o.is_some() {
+                        Status::Finished
+                    } else {
+                        Status::Failed
+                    },
+                    exit: o.is_none().then(|| "exit code 1".into()),
+                    error: o.is_none().then(|| "out of memory\ncaused by".into()),
+                    result: o.map(|v| JobResult {
+                        objective: Some(v),
+                        throughput: 100.0,
+                        wall_s: 5.0,
+                    }),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn the_table_marks_the_best_job_either_way_and_says_why_one_failed() {
+        let dir = Path::new("s");
+        let low = table(
+            &record(&[Some(2.0), None, Some(1.5), Some(1.7)], false),
+            dir,
+        );
+        assert!(
+            low.contains("best (*): job 2 (training.learning_rate=2), m 1.5000: s/2"),
+            "{low}"
+        );
+        assert!(low.contains("  2 *  2"), "{low}");
+        assert!(low.contains("job 1 failed: out of memory\n"), "{low}");
+        let high = table(&record(&[Some(0.2), Some(0.7), Some(0.5)], true), dir);
+        assert!(high.contains("best (*): job 1 "), "{high}");
+        let none = table(&record(&[None], true), dir);
+        assert!(!none.contains("best"), "{none}");
+    }
+}
