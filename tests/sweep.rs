@@ -274,3 +274,93 @@ fn a_cross_validation_sweep_ranks_by_macro_f1() {
     let best = usize::from(f1[1] > f1[0]);
     out.stdout_has(&["macro_f1_mean  pairs/s", &format!("best (*): job {best} ")]);
 }
+
+#[test]
+fn jobs_run_two_at_a_time_on_a_gpu_each_and_stop_and_resume_together() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let steps = 2000;
+    // Two GPUs, as a saved report says; the jobs train on the CPU, so that
+    // the GPU each was given shows in its configuration only.
+    let report = crate::support::fake_report(
+        tmp.path(),
+        &[("NVIDIA A30", 24, (8, 0)), ("NVIDIA A30", 24, (8, 0))],
+    );
+    let with = |run: &str| {
+        let mut args = vec![format!("--hardware-report={}", report.display())];
+        args.extend(sweep_args(
+            tmp.path(),
+            run,
+            steps,
+            &[
+                "--jobs",
+                "2",
+                "device.backend=flex",
+                "training.learning_rate=1e-3,3e-3",
+            ],
+        ));
+        args
+    };
+    run(&with("whole")).expect_code(0).stdout_has(&[
+        "job 0 (training.learning_rate=1e-3) started on GPU 0",
+        "job 1 (training.learning_rate=3e-3) started on GPU 1",
+        "job 0 finished: best_val_loss",
+    ]);
+    let cut = tmp.path().join("cut");
+    let jobs = ["0-learning_rate=1e-3", "1-learning_rate=3e-3"];
+    for (index, job) in jobs.iter().enumerate() {
+        let config =
+            kiln_config::read_run_config(&tmp.path().join("whole").join(job).join("config.toml"))
+                .expect("config");
+        assert_eq!(config.device.index, index, "{job}");
+    }
+    // Ctrl-C once both have a checkpoint: both stop with one.
+    let child = start_until(
+        &with("cut"),
+        &cut.join(jobs[0])
+            .join("checkpoints/ckpt-00000100.safetensors"),
+    );
+    crate::support::wait_for(
+        &cut.join(jobs[1])
+            .join("checkpoints/ckpt-00000100.safetensors"),
+    );
+    crate::support::signal(child.id(), "-INT");
+    let stdout = crate::support::interrupted_stdout(child.wait_with_output().expect("wait"));
+    assert!(
+        stdout.contains("job 0 stopped with a checkpoint"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("job 1 stopped with a checkpoint"),
+        "{stdout}"
+    );
+    assert_eq!(statuses(&cut), ["interrupted", "interrupted"]);
+    let log = std::fs::read_to_string(cut.join(jobs[1]).join("kiln.log")).expect("log");
+    assert!(log.contains("interrupted after step"), "{log}");
+    // Resumed two at a time again (the sweep keeps its --jobs), each ends
+    // where the uninterrupted sweep's did.
+    kiln(&["resume", &cut.display().to_string()])
+        .run()
+        .expect_code(0)
+        .stdout_has(&[
+            "job 0 (training.learning_rate=1e-3) resumed on GPU 0",
+            "job 1 (training.learning_rate=3e-3) resumed on GPU 1",
+        ]);
+    for job in jobs {
+        assert_eq!(
+            summary_value(&cut.join(job), "summary.json", "final_val_loss").to_bits(),
+            summary_value(
+                &tmp.path().join("whole").join(job),
+                "summary.json",
+                "final_val_loss"
+            )
+            .to_bits(),
+            "{job}"
+        );
+    }
+    // One dashboard shows one job.
+    let mut tui = with("tui");
+    tui.push("--tui".into());
+    run(&tui)
+        .expect_code(2)
+        .stderr_has(&["--tui shows one job"]);
+}

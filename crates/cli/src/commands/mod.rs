@@ -57,6 +57,17 @@ impl Context {
         args
     }
 
+    /// The context `prefix` gave a child: the same presets and machine.
+    pub(crate) fn from_prefix(prefix: &[String]) -> anyhow::Result<Self> {
+        let flag = |name: &str| {
+            prefix
+                .iter()
+                .find_map(|a| a.strip_prefix(name))
+                .map(PathBuf::from)
+        };
+        Self::new(flag("--presets="), flag("--hardware-report="))
+    }
+
     /// The configuration `layers` resolve to on this machine.
     pub(crate) fn resolve(&self, layers: &Layers) -> anyhow::Result<ResolvedConfig> {
         self.with_options(layers, kiln_config::resolve)

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use kiln_config::Workload;
 use kiln_config::sweep::Axis;
+use kiln_hwdetect::HardwareReport;
 use serde::{Deserialize, Serialize};
 
 use super::{BadInput, Context, Layers};
@@ -42,8 +43,15 @@ struct Record {
     objective: Objective,
     /// The swept keys and their values.
     axes: Vec<Axis>,
+    /// How many jobs run at once (`--jobs`).
+    #[serde(default = "one")]
+    at_once: usize,
     /// The jobs, in order.
     jobs: Vec<Job>,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// A job of the sweep.
@@ -154,6 +162,8 @@ pub(crate) struct Start<'a> {
     pub(crate) force: bool,
     /// Each job in the dashboard.
     pub(crate) tui: bool,
+    /// Jobs at once (`--jobs`).
+    pub(crate) jobs: usize,
     /// The configuration layers, sweeps and all.
     pub(crate) layers: &'a Layers,
 }
@@ -161,6 +171,7 @@ pub(crate) struct Start<'a> {
 /// `kiln train -m` / `kiln cv -m`: checks every job, then runs them.
 pub(crate) fn run(start: &Start<'_>, ctx: &Context) -> anyhow::Result<ExitCode> {
     refuse_in_a_job("kiln train -m")?;
+    let pace = Pace::new(start.tui, start.jobs, &ctx.report)?;
     let (axes, jobs) = kiln_config::sweep::expand(&start.layers.overrides)?;
     if let Some(axis) = axes.iter().find(|a| a.key == "run.dir") {
         return Err(BadInput(format!(
@@ -263,6 +274,7 @@ pub(crate) fn run(start: &Start<'_>, ctx: &Context) -> anyhow::Result<ExitCode> 
             })
             .collect(),
         axes,
+        at_once: pace.jobs,
     };
     println!(
         "kiln: sweep of {} jobs in {}{}",
@@ -279,7 +291,7 @@ pub(crate) fn run(start: &Start<'_>, ctx: &Context) -> anyhow::Result<ExitCode> 
             ),
         }
     );
-    run_jobs(record, &dir, start.tui)
+    run_jobs(record, &dir, pace)
 }
 
 /// `kiln resume SWEEP`: goes on with the jobs not finished.
@@ -295,12 +307,15 @@ pub(crate) fn resume(dir: &Path, tui: bool) -> anyhow::Result<ExitCode> {
         .iter()
         .filter(|j| j.status != Status::Finished)
         .count();
+    // The machine the jobs see: the sweep's `--hardware-report`, if it had one.
+    let ctx = Context::from_prefix(&record.prefix)?;
+    let pace = Pace::new(tui, record.at_once, &ctx.report)?;
     println!(
         "kiln: resuming the sweep in {}: {left} of {} jobs to run",
         dir.display(),
         record.jobs.len()
     );
-    run_jobs(record, dir, tui)
+    run_jobs(record, dir, pace)
 }
 
 /// A sweep starts processes of its own, one job at a time: not as a rank of
@@ -319,103 +334,143 @@ fn refuse_in_a_job(what: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The child running now (0: none) and whether it has a process group of its
-/// own, for the Ctrl-C handler.
+/// The jobs running now, by slot (0: none), and whether each has a process
+/// group of its own, for the Ctrl-C handler.
 struct Running {
-    pid: AtomicI32,
+    pids: Vec<AtomicI32>,
     own_group: bool,
     stop: AtomicBool,
 }
 
-/// Runs the jobs not finished, recording each as it ends; prints the table.
-fn run_jobs(mut record: Record, dir: &Path, tui: bool) -> anyhow::Result<ExitCode> {
+impl Running {
+    /// Passes Ctrl-C on to every job running in a group of its own.
+    fn interrupt_all(&self) {
+        if !self.own_group {
+            return;
+        }
+        for pid in &self.pids {
+            let pid = pid.load(Ordering::SeqCst);
+            if pid > 0 {
+                // SAFETY: kill(2) on a job this process started; its slot is
+                // cleared before it is reaped.
+                unsafe {
+                    libc::kill(pid, libc::SIGINT);
+                }
+            }
+        }
+    }
+}
+
+/// How the jobs run: the dashboard, and how many at once with which
+/// devices.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Pace {
+    /// Each job in the dashboard (one at a time).
+    pub(crate) tui: bool,
+    /// Jobs at once.
+    pub(crate) jobs: usize,
+    /// The GPUs to spread them over (`device.index`), 0 on the CPU.
+    pub(crate) gpus: usize,
+}
+
+impl Pace {
+    /// `jobs` at once on the machine of `report`; refused with the dashboard.
+    pub(crate) fn new(tui: bool, jobs: usize, report: &HardwareReport) -> anyhow::Result<Self> {
+        if jobs == 0 {
+            return Err(
+                BadInput("--jobs 0: a sweep runs at least one job at a time".into()).into(),
+            );
+        }
+        if tui && jobs > 1 {
+            return Err(BadInput(format!(
+                "--tui shows one job; with --jobs {jobs} each job writes its output to its folder's {LOG}"
+            ))
+            .into());
+        }
+        Ok(Self {
+            tui,
+            jobs,
+            gpus: report.gpus().len(),
+        })
+    }
+}
+
+/// A job's output when several run at once, in its folder.
+const LOG: &str = "kiln.log";
+
+/// A job started: its number, its process, where its error goes.
+struct Started {
+    n: usize,
+    child: std::process::Child,
+    error_file: std::path::PathBuf,
+}
+
+/// Runs the jobs not finished, `pace.jobs` at a time, recording each as it
+/// ends; prints the table.
+fn run_jobs(mut record: Record, dir: &Path, pace: Pace) -> anyhow::Result<ExitCode> {
     let _lock = lock(dir)?;
     // With the dashboard the job shares the terminal's process group, which
-    // sends it Ctrl-C itself; else the job has a group of its own (as a
+    // sends it Ctrl-C itself; else each job has a group of its own (as a
     // launcher's ranks), and each Ctrl-C here is passed on once.
     let running = Arc::new(Running {
-        pid: AtomicI32::new(0),
-        own_group: !tui,
+        pids: (0..pace.jobs).map(|_| AtomicI32::new(0)).collect(),
+        own_group: !pace.tui,
         stop: AtomicBool::new(false),
     });
     let handler = Arc::clone(&running);
     ctrlc::set_handler(move || {
         // (Not over the dashboard, which has the terminal.)
         if !handler.stop.swap(true, Ordering::SeqCst) && handler.own_group {
-            eprintln!("\nkiln: the sweep stops after this job has written its checkpoint");
+            eprintln!(
+                "\nkiln: the sweep stops after its running jobs have written their checkpoints"
+            );
         }
-        let pid = handler.pid.load(Ordering::SeqCst);
-        if handler.own_group && pid > 0 {
-            // SAFETY: kill(2) on the job this process started; it is reaped
-            // only after the pid is cleared.
-            unsafe {
-                libc::kill(pid, libc::SIGINT);
-            }
-        }
+        handler.interrupt_all();
     })?;
     let program = std::env::current_exe()?;
-    let total = record.jobs.len();
-    for n in 0..total {
-        if running.stop.load(Ordering::SeqCst) {
+    let to_run: Vec<usize> = (0..record.jobs.len())
+        .filter(|&n| record.jobs[n].status != Status::Finished)
+        .collect();
+    let mut queue = to_run.into_iter();
+    let mut slots: Vec<Option<Started>> = (0..pace.jobs).map(|_| None).collect();
+    loop {
+        for (slot, place) in slots.iter_mut().enumerate() {
+            if place.is_some() || running.stop.load(Ordering::SeqCst) {
+                continue;
+            }
+            let Some(n) = queue.next() else { break };
+            let started = start_job(&record, n, dir, &program, pace, slot)?;
+            running.pids[slot].store(started.child.id() as i32, Ordering::SeqCst);
+            if running.stop.load(Ordering::SeqCst) {
+                // Ctrl-C came while it started.
+                running.interrupt_all();
+            }
+            *place = Some(started);
+        }
+        if slots.iter().all(Option::is_none) {
             break;
         }
-        let job = &record.jobs[n];
-        if job.status == Status::Finished {
-            continue;
-        }
-        let job_dir = dir.join(&job.dir);
-        let error_file = dir.join(format!(".job-{n}.error"));
-        let mut args = record.prefix.clone();
-        args.push(format!("--error-file={}", error_file.display()));
-        let resuming = job_dir.join("config.toml").is_file();
-        if resuming {
-            args.push("resume".into());
-            if tui {
-                args.push("--tui".into());
+        let mut ended = false;
+        for (slot, place) in slots.iter_mut().enumerate() {
+            let Some(started) = place else { continue };
+            let Some(status) = started.child.try_wait()? else {
+                continue;
+            };
+            running.pids[slot].store(0, Ordering::SeqCst);
+            let Started { n, error_file, .. } = place.take().expect("a job in the slot");
+            end_job(&mut record, n, dir, status, &error_file, pace);
+            if record.jobs[n].status == Status::Interrupted {
+                running.stop.store(true, Ordering::SeqCst);
             }
-            args.push(job_dir.display().to_string());
-        } else {
-            args.push(record.command.clone());
-            args.extend(record.flags.iter().cloned());
-            if tui {
-                args.push("--tui".into());
-            }
-            args.extend(job.overrides.iter().cloned());
-            // Quoted: a folder's name is a string, whatever it looks like.
-            args.push(format!(
-                "run.dir={}",
-                serde_json::to_string(&job_dir.display().to_string())?
-            ));
+            kiln_train::write_atomic(
+                &dir.join(RECORD),
+                serde_json::to_string_pretty(&record)?.as_bytes(),
+            )?;
+            ended = true;
         }
-        println!(
-            "kiln: sweep job {n} of 0–{} ({}){}: {}",
-            total - 1,
-            label_of(&record, n, " "),
-            if resuming { ", resumed" } else { "" },
-            job_dir.display()
-        );
-        std::io::stdout().flush()?;
-        let _ = std::fs::remove_file(&error_file);
-        let status = spawn_job(&program, &args, &running)?;
-        let job = &mut record.jobs[n];
-        job.error = std::fs::read_to_string(&error_file).ok();
-        let _ = std::fs::remove_file(&error_file);
-        job.result = JobResult::read(&job_dir, record.workload);
-        (job.status, job.exit) = match (status.success(), status.code()) {
-            (true, _) if job.result.is_some() => (Status::Finished, None),
-            (_, Some(130)) => (Status::Interrupted, None),
-            _ => (
-                Status::Failed,
-                Some(kiln_train::kiln_dist::describe_exit(status)),
-            ),
-        };
-        if job.status == Status::Interrupted {
-            running.stop.store(true, Ordering::SeqCst);
+        if !ended {
+            std::thread::sleep(std::time::Duration::from_millis(50));
         }
-        kiln_train::write_atomic(
-            &dir.join(RECORD),
-            serde_json::to_string_pretty(&record)?.as_bytes(),
-        )?;
     }
     // A sweep stopped before its first job still has its record.
     kiln_train::write_atomic(
@@ -446,16 +501,91 @@ fn run_jobs(mut record: Record, dir: &Path, tui: bool) -> anyhow::Result<ExitCod
     })
 }
 
-/// Runs one job to its end, its pid where the Ctrl-C handler finds it.
-fn spawn_job(
+/// Starts job `n` in `slot`: a `kiln train` (or `cv`) of its overrides, or
+/// a `kiln resume` of its folder where it has begun. One job at a time
+/// prints to the terminal; several write to their folders' `kiln.log`, each
+/// on a GPU of its own where there are enough (`device.index`, unless the
+/// job sets it) and with its share of the CPU's cores.
+fn start_job(
+    record: &Record,
+    n: usize,
+    dir: &Path,
     program: &Path,
-    args: &[String],
-    running: &Running,
-) -> anyhow::Result<std::process::ExitStatus> {
+    pace: Pace,
+    slot: usize,
+) -> anyhow::Result<Started> {
     use std::os::unix::process::CommandExt as _;
+    let job = &record.jobs[n];
+    let job_dir = dir.join(&job.dir);
+    let error_file = dir.join(format!(".job-{n}.error"));
+    let _ = std::fs::remove_file(&error_file);
+    let mut args = record.prefix.clone();
+    args.push(format!("--error-file={}", error_file.display()));
+    let resuming = job_dir.join("config.toml").is_file();
+    let device = (pace.jobs > 1
+        && pace.gpus > 0
+        && !job.overrides.iter().any(|o| o.starts_with("device.index=")))
+    .then(|| slot % pace.gpus);
+    if resuming {
+        args.push("resume".into());
+        if pace.tui {
+            args.push("--tui".into());
+        }
+        args.push(job_dir.display().to_string());
+        // The device is not the run's to keep: a resume may take another.
+        args.extend(device.map(|d| format!("device.index={d}")));
+    } else {
+        args.push(record.command.clone());
+        args.extend(record.flags.iter().cloned());
+        if pace.tui {
+            args.push("--tui".into());
+        }
+        args.extend(job.overrides.iter().cloned());
+        // Quoted: a folder's name is a string, whatever it looks like.
+        args.push(format!(
+            "run.dir={}",
+            serde_json::to_string(&job_dir.display().to_string())?
+        ));
+        args.extend(device.map(|d| format!("device.index={d}")));
+    }
     let mut command = std::process::Command::new(program);
-    command.args(args);
-    if running.own_group {
+    command.args(&args);
+    let on = device.map_or(String::new(), |d| format!(" on GPU {d}"));
+    if pace.jobs > 1 {
+        std::fs::create_dir_all(&job_dir)
+            .map_err(|e| anyhow::anyhow!("creating `{}`: {e}", job_dir.display()))?;
+        let log_path = job_dir.join(LOG);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| anyhow::anyhow!("opening `{}`: {e}", log_path.display()))?;
+        command
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+            // As `kiln launch` splits the cores among its ranks.
+            let cores = std::thread::available_parallelism().map_or(1, usize::from);
+            command.env("RAYON_NUM_THREADS", (cores / pace.jobs).max(1).to_string());
+        }
+        println!(
+            "kiln: job {n} ({}){}{on}: {}",
+            label_of(record, n, " "),
+            if resuming { " resumed" } else { " started" },
+            log_path.display()
+        );
+    } else {
+        println!(
+            "kiln: sweep job {n} of 0–{} ({}){}{on}: {}",
+            record.jobs.len() - 1,
+            label_of(record, n, " "),
+            if resuming { ", resumed" } else { "" },
+            job_dir.display()
+        );
+    }
+    std::io::stdout().flush()?;
+    if !pace.tui {
         command.process_group(0);
     }
     // SAFETY: prctl is async-signal-safe; the closure touches nothing of
@@ -468,20 +598,59 @@ fn spawn_job(
             Ok(())
         });
     }
-    let mut child = command
+    let child = command
         .spawn()
         .map_err(|e| anyhow::anyhow!("starting `{}`: {e}", program.display()))?;
-    running.pid.store(child.id() as i32, Ordering::SeqCst);
-    if running.stop.load(Ordering::SeqCst) && running.own_group {
-        // Ctrl-C came between the check and the start.
-        // SAFETY: as in the handler.
-        unsafe {
-            libc::kill(child.id() as i32, libc::SIGINT);
-        }
+    Ok(Started {
+        n,
+        child,
+        error_file,
+    })
+}
+
+/// Records how job `n` ended: its state, error and result.
+fn end_job(
+    record: &mut Record,
+    n: usize,
+    dir: &Path,
+    status: std::process::ExitStatus,
+    error_file: &Path,
+    pace: Pace,
+) {
+    let workload = record.workload;
+    let job = &mut record.jobs[n];
+    job.error = std::fs::read_to_string(error_file).ok();
+    let _ = std::fs::remove_file(error_file);
+    job.result = JobResult::read(&dir.join(&job.dir), workload);
+    (job.status, job.exit) = match (status.success(), status.code()) {
+        (true, _) if job.result.is_some() => (Status::Finished, None),
+        (_, Some(130)) => (Status::Interrupted, None),
+        _ => (
+            Status::Failed,
+            Some(kiln_train::kiln_dist::describe_exit(status)),
+        ),
+    };
+    if pace.jobs > 1 {
+        // The jobs' own lines are in their logs: one line here as each ends.
+        let how = match (&job.status, &job.result) {
+            (Status::Finished, Some(r)) => format!(
+                "finished: {} {} in {:.0} s",
+                record.objective.name,
+                r.objective.map_or("-".into(), |v| format!("{v:.4}")),
+                r.wall_s
+            ),
+            (Status::Interrupted, _) => "stopped with a checkpoint".into(),
+            _ => format!(
+                "failed: {}",
+                job.error
+                    .as_deref()
+                    .and_then(|e| e.lines().next())
+                    .or(job.exit.as_deref())
+                    .unwrap_or_default()
+            ),
+        };
+        println!("kiln: job {n} {how}");
     }
-    let status = child.wait();
-    running.pid.store(0, Ordering::SeqCst);
-    Ok(status?)
 }
 
 /// One sweep at a time in a folder.
@@ -688,6 +857,7 @@ mod tests {
                 higher_is_better,
                 throughput: "tokens/s".into(),
             },
+            at_once: 1,
             axes: vec![Axis {
                 key: "training.learning_rate".into(),
                 values: (0..objectives.len()).map(|i| i.to_string()).collect(),

@@ -29,6 +29,17 @@ pub(crate) struct TrainArgs {
     /// table at the end; `kiln resume SWEEP` goes on with the rest
     #[arg(short = 'm', long)]
     multirun: bool,
+    /// With -m: how many jobs run at once, each on a GPU of its own where
+    /// there are enough (`device.index`), with its share of the cores, its
+    /// output in its folder's kiln.log
+    #[arg(
+        short = 'j',
+        long,
+        value_name = "N",
+        default_value_t = 1,
+        requires = "multirun"
+    )]
+    jobs: usize,
     #[command(flatten)]
     pub(crate) layers: Layers,
 }
@@ -97,6 +108,7 @@ fn run_command(command: &'static str, args: TrainArgs, ctx: Context) -> anyhow::
             command,
             force: args.force,
             tui: args.tui,
+            jobs: args.jobs,
             layers: &args.layers,
         };
         return super::sweep::run(&start, &ctx);
