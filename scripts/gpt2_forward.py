@@ -4,13 +4,18 @@ torch, no numpy), over a folder written by `kiln export`: a check of the
 exported numbers that runs anywhere `python3` does (the tests run it).
 
     python3 scripts/gpt2_forward.py runs/<run>/hf [--tolerance 1e-4]
+    python3 scripts/gpt2_forward.py runs/<run>/hf --text FILE [--stride N] [--expect-loss X]
 
 Reads `model.safetensors` and `config.json` as `GPT2LMHeadModel` would
 (`Conv1D` weights stored input × output, the query, key and value in
 thirds of `c_attn`, LayerNorm's `layer_norm_epsilon`, the activation
 `gelu` or `gelu_new`, the LM head tied to `wte`), runs the ids of
 `kiln_reference.json` and compares the logits with kiln's. Prints the
-largest difference; exits 1 above the tolerance. For small models: it is
+largest difference; exits 1 above the tolerance. With `--text` it scores
+a text as `kiln eval` does (a character-level tokenizer's only): windows of
+the block, each moving on by the stride and scoring the tokens it moves on
+by, every token but the first scored once; it prints the mean loss and
+compares it with `--expect-loss`. For small models: it is
 slow (every product in Python). `scripts/check_hf_export.py` checks the
 same folder with `transformers` itself.
 """
@@ -121,12 +126,54 @@ def forward(t, config, ids):
     return [[sum(a * b for a, b in zip(r, token)) for token in wte] for r in h]
 
 
+def text_loss(tensors, config, folder, text, stride):
+    """The mean negative log-likelihood of `text`'s tokens after the first,
+    nats per token, and how many were scored."""
+    model = json.loads((folder / "tokenizer.json").read_text())["model"]
+    if model.get("type") != "WordLevel":
+        raise SystemExit("--text reads a character-level (WordLevel) tokenizer only")
+    vocab = model["vocab"]
+    ids = [vocab[ch] for ch in text]
+    block = config["n_positions"]
+    stride = stride or block
+    nats, scored, first = 0.0, 0, True
+    while scored + 1 < len(ids):
+        # Tokens scored so far are 1..=scored; this window scores the next ones.
+        end = min(scored + 1 + (block if first else stride), len(ids))
+        start = max(0, end - block - 1)
+        logits = forward(tensors, config, ids[start : end - 1])
+        for pos in range(scored + 1, end):
+            row = logits[pos - start - 1]
+            top = max(row)
+            log_total = top + math.log(sum(math.exp(v - top) for v in row))
+            nats += log_total - row[ids[pos]]
+        scored, first = end - 1, False
+    return nats / scored, scored
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--text", type=Path, help="score this text as `kiln eval` does")
+    parser.add_argument("--stride", type=int, default=0, help="with --text [default: the block]")
+    parser.add_argument("--expect-loss", type=float, help="with --text: kiln eval's loss")
     args = parser.parse_args()
     config = json.loads((args.folder / "config.json").read_text())
+    if args.text:
+        tensors = load_safetensors(args.folder / "model.safetensors")
+        loss, scored = text_loss(tensors, config, args.folder, args.text.read_text(), args.stride)
+        ok = args.expect_loss is None or abs(loss - args.expect_loss) <= args.tolerance
+        print(
+            f"text: {scored} tokens scored, loss {loss:.6f} nats/token"
+            + (
+                f", kiln {args.expect_loss:.6f}, |difference| {abs(loss - args.expect_loss):.3e} "
+                f"(tolerance {args.tolerance:g}) -> {'ok' if ok else 'FAILED'}"
+                if args.expect_loss is not None
+                else ""
+            )
+        )
+        return 0 if ok else 1
     reference = json.loads((args.folder / "kiln_reference.json").read_text())
     tensors = load_safetensors(args.folder / "model.safetensors")
     logits = forward(tensors, config, reference["input_ids"])

@@ -1419,3 +1419,100 @@ fn a_linear_schedule_decays_in_a_line_and_says_so() {
     let want = 1e-3 + (50.0 - 20.0) / (60.0 - 20.0) * (1e-4 - 1e-3);
     assert!((lr - want).abs() < 1e-12, "lr {lr}, want {want}");
 }
+
+/// `kiln eval --json` of `from` on `text`: the measures.
+fn eval_json(from: &Path, text: &Path, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "eval".to_string(),
+        from.display().to_string(),
+        "--data".into(),
+        text.display().to_string(),
+        "--json".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let out = run_kiln(&args).expect_code(0);
+    serde_json::from_str(&out.stdout).expect("eval --json")
+}
+
+#[test]
+fn eval_scores_every_token_as_gpt2s_forward_pass_in_python_does() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let run = tmp.path().join("run");
+    train_tiny(tmp.path(), "run", 60, &[]).expect_code(0);
+    let corpus = std::fs::read_to_string(tmp.path().join("corpus.txt")).expect("corpus");
+    let text = tmp.path().join("text.txt");
+    std::fs::write(&text, &corpus[..300]).expect("write text");
+    // Block 32, stride 8: a first window scoring 32 tokens, then 34 more
+    // scoring 8 (the last 3) of the 299 after the first.
+    let e = eval_json(&run, &text, &["--stride", "8"]);
+    assert_eq!(e["tokens"], 299);
+    assert_eq!(e["windows"], 35);
+    assert_eq!(
+        (e["block"].clone(), e["stride"].clone()),
+        (32.into(), 8.into())
+    );
+    let loss = e["loss"].as_f64().expect("loss");
+    assert!((e["perplexity"].as_f64().expect("ppl") - loss.exp()).abs() < 1e-9);
+    let bits = e["bits_per_byte"].as_f64().expect("bpb");
+    assert!((bits - loss * 299.0 / std::f64::consts::LN_2 / 300.0).abs() < 1e-9);
+    // Without overlap each token has less context: another loss.
+    let whole = eval_json(&run, &text, &[]);
+    assert_eq!(whole["windows"], 10);
+    assert_ne!(whole["loss"], e["loss"]);
+    // The exported GPT-2 folder scores the same, and so does GPT-2's
+    // forward pass as transformers computes it, in plain Python.
+    let hf = tmp.path().join("hf");
+    run_kiln(&[
+        "export".into(),
+        run.display().to_string(),
+        "--out".into(),
+        hf.display().to_string(),
+    ])
+    .expect_code(0);
+    let folder = eval_json(&hf, &text, &["--stride", "8"]);
+    assert!((folder["loss"].as_f64().expect("loss") - loss).abs() < 1e-6);
+    let check = std::process::Command::new("python3")
+        .arg(root().join("scripts/gpt2_forward.py"))
+        .arg(&hf)
+        .args(["--text", &text.display().to_string(), "--stride", "8"])
+        .args(["--expect-loss", &loss.to_string(), "--tolerance", "1e-5"])
+        .output()
+        .expect("python3 runs scripts/gpt2_forward.py");
+    let said = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        check.status.success() && said.contains("299 tokens scored") && said.contains("-> ok"),
+        "{said}{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    // Bad input is named, exit 2.
+    let unknown = tmp.path().join("unknown.txt");
+    std::fs::write(&unknown, "To be, or not to be: 5 €").expect("write");
+    let path = |p: &Path| p.display().to_string();
+    run_kiln(&["eval".into(), path(&run), "--data".into(), path(&unknown)])
+        .expect_code(2)
+        .stderr_has(&[
+            "unknown.txt` cannot be encoded",
+            "'€'",
+            "not in the model's vocabulary",
+        ]);
+    for (stride, says) in [("0", "it is 0"), ("33", "it is 33: a window scores")] {
+        run_kiln(&[
+            "eval".into(),
+            path(&run),
+            "--data".into(),
+            path(&text),
+            "--stride".into(),
+            stride.into(),
+        ])
+        .expect_code(2)
+        .stderr_has(&[says]);
+    }
+    run_kiln(&[
+        "eval".into(),
+        path(&run),
+        "--data".into(),
+        path(&tmp.path().join("none.txt")),
+    ])
+    .expect_code(2)
+    .stderr_has(&["none.txt"]);
+}

@@ -18,8 +18,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use commands::{
-    Context, bench, config, diagnose, export, hardware, kernels, launch, prepare, sample, train,
-    tune,
+    Context, bench, config, diagnose, eval, export, hardware, kernels, launch, prepare, sample,
+    train, tune,
 };
 use kiln_config::ConfigError;
 
@@ -113,6 +113,10 @@ enum Command {
     /// a transformers GPT-2 folder (`kiln sample runs/<run> --prompt
     /// "ROMEO:"`)
     Sample(sample::Args),
+    /// A language model's loss, perplexity and bits per byte on a text file,
+    /// every token scored once: a run's newest checkpoint (or --best), or a
+    /// transformers GPT-2 folder (`kiln eval runs/<run> --data test.txt`)
+    Eval(eval::Args),
     /// Time training steps: tokens/s, ms/step, MFU, data-wait, peak memory,
     /// the step's phases; or the loader alone
     Bench(bench::Args),
@@ -198,6 +202,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }),
         Command::Export(args) => export::run(args),
         Command::Sample(args) => sample::run(args, &ctx),
+        Command::Eval(args) => eval::run(args, &ctx),
         Command::Bench(args) => bench::run(args, &ctx),
         Command::Diagnose(args) => diagnose::run(args, &ctx),
         Command::Tune(args) => tune::run(args, &ctx),

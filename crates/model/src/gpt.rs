@@ -425,6 +425,21 @@ impl Gpt {
         )
     }
 
+    /// The log-probability (natural log, f32) the model gives each target
+    /// token, `[batch, time]`: for scoring text token by token (perplexity
+    /// over windows, where some positions count and others are context).
+    pub fn token_log_probs(&self, inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<2> {
+        let [b, t] = targets.dims();
+        activation::log_softmax(self.forward(inputs), 2)
+            .gather(2, targets.reshape([b, t, 1]))
+            .reshape([b, t])
+    }
+
+    /// The true vocabulary's size (the logits' last dimension).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
     /// The longest context the model takes (its position embeddings).
     pub fn block_size(&self) -> usize {
         self.block_size

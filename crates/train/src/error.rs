@@ -129,6 +129,15 @@ pub enum TrainError {
         why: String,
     },
 
+    /// A text the model's tokenizer cannot encode (`kiln eval`).
+    #[error("`{}` cannot be encoded by the model's tokenizer: {why}", path.display())]
+    TextNotEncodable {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Which characters, and why.
+        why: String,
+    },
+
     /// The backend asked for is not built in or has no device.
     #[error("backend `{backend}` is not available: {why}")]
     Backend {
@@ -216,6 +225,7 @@ impl TrainError {
                 | Self::CheckpointMismatch { .. }
                 | Self::Pretrained { .. }
                 | Self::Prompt { .. }
+                | Self::TextNotEncodable { .. }
                 | Self::Backend { .. }
                 | Self::FlashAttentionNotHere { .. }
                 | Self::ExportExists { .. }

@@ -79,27 +79,8 @@ pub(crate) fn generate_texts(
     device: &Device,
 ) -> Result<(usize, Vec<String>), TrainError> {
     let model = model.valid();
-    let ids = tokenizer.encode(prompt).map_err(|e| {
-        let mut unknown: Vec<char> = prompt
-            .chars()
-            .filter(|c| tokenizer.token_id(&c.to_string()).is_none())
-            .collect();
-        unknown.sort_unstable();
-        unknown.dedup();
-        let why = if unknown.is_empty() {
-            e.to_string()
-        } else {
-            format!(
-                "{} are not in the model's vocabulary ({} tokens; a character-level one holds its corpus's characters only)",
-                unknown
-                    .iter()
-                    .map(|c| format!("{c:?}"))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                tokenizer.vocab_size()
-            )
-        };
-        TrainError::Prompt { why }
+    let ids = tokenizer.encode(prompt).map_err(|e| TrainError::Prompt {
+        why: unencodable(tokenizer, prompt, &e),
     })?;
     let ids = if ids.is_empty() { vec![0] } else { ids };
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -118,6 +99,35 @@ pub(crate) fn generate_texts(
     Ok((ids.len(), texts))
 }
 
+/// Why `tokenizer` could not encode `text`: the characters its vocabulary
+/// lacks (a character-level one holds its corpus's only), else `err`.
+pub(crate) fn unencodable(tokenizer: &Tokenizer, text: &str, err: &kiln_data::DataError) -> String {
+    let mut unknown: Vec<char> = text
+        .chars()
+        .filter(|c| tokenizer.token_id(&c.to_string()).is_none())
+        .collect();
+    unknown.sort_unstable();
+    unknown.dedup();
+    if unknown.is_empty() {
+        return err.to_string();
+    }
+    let shown = unknown.len().min(20);
+    format!(
+        "{}{} are not in the model's vocabulary ({} tokens; a character-level one holds its corpus's characters only)",
+        unknown[..shown]
+            .iter()
+            .map(|c| format!("{c:?}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        if unknown.len() > shown {
+            format!(" and {} more", unknown.len() - shown)
+        } else {
+            String::new()
+        },
+        tokenizer.vocab_size()
+    )
+}
+
 /// Generates from `from`: a language-model run directory (its newest good
 /// checkpoint) or a `transformers` GPT-2 folder (`config.json`,
 /// `model.safetensors`, `tokenizer.json`), on the device the run's
@@ -127,28 +137,19 @@ pub fn sample(
     request: &SampleRequest,
     hardware: &kiln_hwdetect::HardwareReport,
 ) -> Result<Samples, TrainError> {
-    let (config, tokenizer, source, notes, weights) = if from.join("config.toml").is_file() {
-        from_run(from, request.best)?
-    } else if from.join("config.json").is_file() && request.best {
-        return Err(TrainError::NotARun {
-            path: from.to_path_buf(),
-            why: "--best takes a run's best model, and a transformers folder holds one model: leave out --best".into(),
-        });
-    } else if from.join("config.json").is_file() {
-        from_folder(from, hardware)?
-    } else {
-        return Err(TrainError::NotARun {
-                path: from.to_path_buf(),
-                why: "it has neither config.toml (a kiln run) nor config.json (a transformers GPT-2 folder)"
-                    .into(),
-            });
-    };
-    let device = select_device(&config.device, hardware.gpu_vendor())?;
-    let gpt = crate::translate::gpt_config(&config, tokenizer.vocab_size());
-    let model = weights
-        .load_into(gpt.init_unset(&device.device), &device.device)?
-        .with_kernels(crate::translate::kernels(&config))
-        .with_attention(crate::translate::attention(&config));
+    let Loaded {
+        model,
+        tokenizer,
+        config,
+        source,
+        notes,
+        device,
+    } = load_lm(
+        from,
+        request.best,
+        "sampling from a sentence-pair classifier",
+        hardware,
+    )?;
     let mut settings = config.sample.clone();
     settings.count = request.count.unwrap_or(settings.count);
     settings.tokens = request.tokens.unwrap_or(settings.tokens);
@@ -171,6 +172,64 @@ pub fn sample(
         seed,
         continuations,
         notes,
+    })
+}
+
+/// A language model ready to run: from a run or a GPT-2 folder.
+pub(crate) struct Loaded {
+    /// The model, on `device`.
+    pub(crate) model: Gpt,
+    /// Its tokenizer.
+    pub(crate) tokenizer: Tokenizer,
+    /// The run's configuration (a folder: the defaults with its shape).
+    pub(crate) config: RunConfig,
+    /// What the weights came from, for messages.
+    pub(crate) source: String,
+    /// Notes on damaged checkpoints skipped on the way.
+    pub(crate) notes: Vec<String>,
+    /// The device it runs on.
+    pub(crate) device: crate::device::DeviceChoice,
+}
+
+/// The GPT of `from`: a language-model run directory (its newest good
+/// checkpoint, or with `best` its best model) or a `transformers` GPT-2
+/// folder (`config.json`, `model.safetensors`, `tokenizer.json`), on the
+/// device the run's `device.*` chooses (a folder: the defaults').
+pub(crate) fn load_lm(
+    from: &Path,
+    best: bool,
+    what: &'static str,
+    hardware: &kiln_hwdetect::HardwareReport,
+) -> Result<Loaded, TrainError> {
+    let (config, tokenizer, source, notes, weights) = if from.join("config.toml").is_file() {
+        from_run(from, best, what)?
+    } else if from.join("config.json").is_file() && best {
+        return Err(TrainError::NotARun {
+            path: from.to_path_buf(),
+            why: "--best takes a run's best model, and a transformers folder holds one model: leave out --best".into(),
+        });
+    } else if from.join("config.json").is_file() {
+        from_folder(from, hardware)?
+    } else {
+        return Err(TrainError::NotARun {
+            path: from.to_path_buf(),
+            why: "it has neither config.toml (a kiln run) nor config.json (a transformers GPT-2 folder)"
+                .into(),
+        });
+    };
+    let device = select_device(&config.device, hardware.gpu_vendor())?;
+    let gpt = crate::translate::gpt_config(&config, tokenizer.vocab_size());
+    let model = weights
+        .load_into(gpt.init_unset(&device.device), &device.device)?
+        .with_kernels(crate::translate::kernels(&config))
+        .with_attention(crate::translate::attention(&config));
+    Ok(Loaded {
+        model,
+        tokenizer,
+        config,
+        source,
+        notes,
+        device,
     })
 }
 
@@ -200,12 +259,10 @@ impl Weights {
 /// they come from (for messages), notes on skipped checkpoints.
 type Source = (RunConfig, Tokenizer, String, Vec<String>, Weights);
 
-fn from_run(from: &Path, best: bool) -> Result<Source, TrainError> {
-    let (dir, config) = open_lm_run(
-        from,
-        "sampling from a sentence-pair classifier",
-        "`kiln predict` labels pairs with it",
-    )?;
+/// A run's weights; `what` names the command's refusal of a
+/// cross-validation run ("sampling from a sentence-pair classifier").
+fn from_run(from: &Path, best: bool, what: &'static str) -> Result<Source, TrainError> {
+    let (dir, config) = open_lm_run(from, what, "`kiln predict` labels pairs with it")?;
     let tokenizer = Tokenizer::load(&dir.file("tokenizer.json"))?;
     let (info, params, notes) = checkpoint::run_params(&dir, best)?;
     let source = format!(

@@ -45,6 +45,7 @@ mod memory;
 mod optim;
 mod options;
 mod params;
+mod perplexity;
 mod precision;
 mod pretrained;
 mod records;
@@ -77,6 +78,7 @@ pub use kiln_data::{PrepareOutcome, PrepareProgress};
 pub use memory::MemoryTracker;
 pub use optim::AdamW;
 pub use options::{Outcome, TrainOptions};
+pub use perplexity::{EvalRequest, TextEval, evaluate_text};
 pub use precision::{
     LossScaler, PrecisionChoice, ScaleVerdict, choose_precision, choose_precision_with,
 };

@@ -5,6 +5,7 @@
 pub(crate) mod bench;
 pub(crate) mod config;
 pub(crate) mod diagnose;
+pub(crate) mod eval;
 pub(crate) mod export;
 pub(crate) mod hardware;
 pub(crate) mod kernels;
