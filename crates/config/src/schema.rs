@@ -626,6 +626,11 @@ pub struct SampleSection {
     pub temperature: f64,
     /// Sample among the k most likely tokens; 0 samples among all.
     pub top_k: usize,
+    /// Nucleus sampling: among the most likely tokens whose probabilities
+    /// first reach top_p in all (after top_k); 1 samples among all. A run
+    /// saved before this key existed samples with 1.
+    #[serde(default = "one")]
+    pub top_p: f64,
 }
 
 /// A value outside its valid range: the key and what is wrong with it.
@@ -898,6 +903,11 @@ impl RunConfig {
             "must be at least 1",
         );
         check(self.cv.folds >= 2, "cv.folds", "must be at least 2");
+        check(
+            self.sample.top_p > 0.0 && self.sample.top_p <= 1.0,
+            "sample.top_p",
+            "must be above 0 and at most 1 (1: no nucleus)",
+        );
         check(
             !self.run.dir.trim().is_empty(),
             "run.dir",

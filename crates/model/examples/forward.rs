@@ -35,6 +35,12 @@ fn main() {
         }
     }
     let mut rng = rand::rng();
-    let continued = model.generate(&[3, 4, 5], 8, 1.0, 1, &mut rng, &device);
+    let continued = model.generate(
+        &[3, 4, 5],
+        8,
+        &kiln_model::Sampling::new(1.0, 1),
+        &mut rng,
+        &device,
+    );
     println!("3 4 5 continues as {continued:?}");
 }

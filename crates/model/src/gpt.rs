@@ -446,8 +446,9 @@ impl Gpt {
     }
 
     /// Samples `new_tokens` tokens after `prompt`: logits of the last position
-    /// divided by `temperature`, cut to the `top_k` largest (0: all), drawn
-    /// from `rng`. The context is cropped to the block size.
+    /// divided by the temperature, cut to the `top_k` largest (0: all), then
+    /// to the nucleus of `top_p` (see [`Sampling`]), drawn from `rng`. The
+    /// context is cropped to the block size.
     ///
     /// The keys and values of the context are kept between tokens (a KV
     /// cache), so that each new token runs the model on one position. Past
@@ -457,8 +458,7 @@ impl Gpt {
         &self,
         prompt: &[u32],
         new_tokens: usize,
-        temperature: f64,
-        top_k: usize,
+        sampling: &Sampling,
         rng: &mut impl RngExt,
         device: &Device,
     ) -> Vec<u32> {
@@ -477,7 +477,7 @@ impl Gpt {
             let idx = Tensor::<2, Int>::from_data(TensorData::new(fed, [1, t]), device);
             let logits = self.next_logits(idx, &mut cache).reshape([-1]);
             let logits: Vec<f32> = logits.into_data().iter::<f32>().collect();
-            ids.push(sample(&logits, temperature, top_k, rng));
+            ids.push(sample(&logits, sampling, rng));
         }
         ids
     }
@@ -549,18 +549,65 @@ pub(crate) fn smoothed_rows(
     nll.mul_scalar(1.0 - epsilon) + uniform.mul_scalar(epsilon)
 }
 
-fn sample(logits: &[f32], temperature: f64, top_k: usize, rng: &mut impl RngExt) -> u32 {
-    let temperature = temperature.max(1e-6);
+/// How [`Gpt::generate`] draws each token, as Hugging Face's `generate`
+/// with `do_sample=True` applies them: the temperature, then top-k, then
+/// top-p.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    /// The logits are divided by it: lower is more conservative (above 0).
+    pub temperature: f64,
+    /// Only the k most likely tokens; 0: all.
+    pub top_k: usize,
+    /// Nucleus sampling: only the most likely tokens whose probabilities
+    /// (after top-k) first reach `top_p` in all, at least one; 1: all.
+    pub top_p: f64,
+}
+
+impl Sampling {
+    /// `temperature` among the `top_k` most likely (0: all), no nucleus.
+    pub fn new(temperature: f64, top_k: usize) -> Self {
+        Self {
+            temperature,
+            top_k,
+            top_p: 1.0,
+        }
+    }
+
+    /// The same with nucleus `top_p`.
+    pub fn with_top_p(self, top_p: f64) -> Self {
+        Self { top_p, ..self }
+    }
+}
+
+fn sample(logits: &[f32], sampling: &Sampling, rng: &mut impl RngExt) -> u32 {
+    let temperature = sampling.temperature.max(1e-6);
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-    if top_k > 0 {
-        order.truncate(top_k);
+    if sampling.top_k > 0 {
+        order.truncate(sampling.top_k);
     }
     let max = f64::from(logits[order[0]]);
-    let weights: Vec<f64> = order
+    let mut weights: Vec<f64> = order
         .iter()
         .map(|&i| ((f64::from(logits[i]) - max) / temperature).exp())
         .collect();
+    if sampling.top_p < 1.0 {
+        // Keep a token while the tokens more likely than it hold less than
+        // top_p (Hugging Face's TopPLogitsWarper, from the other end).
+        let total: f64 = weights.iter().sum();
+        let mut before = 0.0;
+        let kept = weights
+            .iter()
+            .take_while(|&&w| {
+                let keep = before < sampling.top_p * total;
+                before += w;
+                keep
+            })
+            .count()
+            .max(1);
+        weights.truncate(kept);
+        order.truncate(kept);
+    }
     let total: f64 = weights.iter().sum();
     let mut pick = rng.random_range(0.0..total);
     for (&i, w) in order.iter().zip(&weights) {
@@ -894,12 +941,12 @@ mod tests {
                 .into_data()
                 .iter::<f32>()
                 .collect();
-            reference.push(sample(&logits, 1.0, 0, &mut rng));
+            reference.push(sample(&logits, &Sampling::new(1.0, 0), &mut rng));
         }
         let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(4);
         // 23 tokens: the cache up to the block, then the cropped context.
         assert_eq!(
-            model.generate(&prompt, 20, 1.0, 0, &mut rng, &device),
+            model.generate(&prompt, 20, &Sampling::new(1.0, 0), &mut rng, &device),
             reference
         );
     }
@@ -909,9 +956,42 @@ mod tests {
         let logits = [0.0f32, 5.0, 1.0, 4.0];
         let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(3);
         for _ in 0..50 {
-            let i = sample(&logits, 1.0, 2, &mut rng);
+            let i = sample(&logits, &Sampling::new(1.0, 2), &mut rng);
             assert!(i == 1 || i == 3, "{i}");
         }
-        assert_eq!(sample(&logits, 1e-9, 0, &mut rng), 1);
+        assert_eq!(sample(&logits, &Sampling::new(1e-9, 0), &mut rng), 1);
+    }
+
+    #[test]
+    fn sampling_respects_top_p_and_draws_as_before_without_it() {
+        // Probabilities 0.5, 0.3, 0.2 (tokens 2, 0, 1).
+        let logits = [0.3f32.ln(), 0.2f32.ln(), 0.5f32.ln()];
+        let draws = |sampling: Sampling| {
+            let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(5);
+            let mut seen = [0; 3];
+            for _ in 0..400 {
+                seen[sample(&logits, &sampling, &mut rng) as usize] += 1;
+            }
+            seen
+        };
+        // 0.5 reaches 0.5: token 2 alone; 0.6 needs token 0 too; 0.81 all.
+        assert_eq!(draws(Sampling::new(1.0, 0).with_top_p(0.5)), [0, 0, 400]);
+        let nucleus = draws(Sampling::new(1.0, 0).with_top_p(0.6));
+        assert!(
+            nucleus[1] == 0 && nucleus[0] > 100 && nucleus[2] > 200,
+            "{nucleus:?}"
+        );
+        let all = draws(Sampling::new(1.0, 0).with_top_p(0.81));
+        assert!(all.iter().all(|&n| n > 40), "{all:?}");
+        // The smallest nucleus still holds the most likely token.
+        assert_eq!(draws(Sampling::new(1.0, 0).with_top_p(1e-9)), [0, 0, 400]);
+        // top_p 1 changes nothing: the same draws as without it.
+        assert_eq!(
+            draws(Sampling::new(1.0, 0).with_top_p(1.0)),
+            draws(Sampling::new(1.0, 0))
+        );
+        // After top-k, top-p counts the kept tokens' probabilities anew:
+        // among tokens 2 and 0 (5/8 and 3/8), 0.6 keeps token 2 alone.
+        assert_eq!(draws(Sampling::new(1.0, 2).with_top_p(0.6)), [0, 0, 400]);
     }
 }

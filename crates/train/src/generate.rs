@@ -35,6 +35,9 @@ pub struct SampleRequest {
     pub temperature: Option<f64>,
     /// Among the k most likely tokens; 0: among all.
     pub top_k: Option<usize>,
+    /// Among the most likely tokens whose probabilities first reach it; 1:
+    /// among all.
+    pub top_p: Option<f64>,
     /// The random stream's seed.
     pub seed: Option<u64>,
     /// A run's best model (`best.safetensors`) instead of its newest
@@ -60,6 +63,8 @@ pub struct Samples {
     pub temperature: f64,
     /// Top-k (0: all).
     pub top_k: usize,
+    /// Top-p (1: all).
+    pub top_p: f64,
     /// The seed.
     pub seed: u64,
     /// Each text after the prompt.
@@ -84,16 +89,11 @@ pub(crate) fn generate_texts(
     })?;
     let ids = if ids.is_empty() { vec![0] } else { ids };
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let sampling =
+        kiln_model::Sampling::new(settings.temperature, settings.top_k).with_top_p(settings.top_p);
     let mut texts = Vec::with_capacity(settings.count);
     for _ in 0..settings.count {
-        let out = model.generate(
-            &ids,
-            settings.tokens,
-            settings.temperature,
-            settings.top_k,
-            &mut rng,
-            device,
-        );
+        let out = model.generate(&ids, settings.tokens, &sampling, &mut rng, device);
         texts.push(tokenizer.decode(&out[ids.len()..])?);
     }
     Ok((ids.len(), texts))
@@ -155,6 +155,7 @@ pub fn sample(
     settings.tokens = request.tokens.unwrap_or(settings.tokens);
     settings.temperature = request.temperature.unwrap_or(settings.temperature);
     settings.top_k = request.top_k.unwrap_or(settings.top_k);
+    settings.top_p = request.top_p.unwrap_or(settings.top_p);
     let seed = request.seed.unwrap_or(config.training.seed);
     let prompt = (request.prompt.clone())
         .filter(|p| !p.is_empty())
@@ -169,6 +170,7 @@ pub fn sample(
         tokens: settings.tokens,
         temperature: settings.temperature,
         top_k: settings.top_k,
+        top_p: settings.top_p,
         seed,
         continuations,
         notes,

@@ -35,6 +35,11 @@ pub(crate) struct Args {
     /// run's sample.top_k]
     #[arg(long)]
     top_k: Option<usize>,
+    /// Nucleus sampling: among the most likely tokens whose probabilities
+    /// first reach P in all (after top-k), above 0 and at most 1 [default:
+    /// the run's sample.top_p]
+    #[arg(long, value_name = "P", value_parser = probability)]
+    top_p: Option<f64>,
     /// The random stream's seed [default: the run's training.seed, which
     /// gives samples.txt's texts again]
     #[arg(long)]
@@ -55,6 +60,13 @@ fn positive(s: &str) -> Result<f64, String> {
     }
 }
 
+fn probability(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
+        _ => Err(format!("`{s}` is not a number above 0 and at most 1")),
+    }
+}
+
 pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     let prompt = match &args.prompt_file {
         Some(path) => Some(std::fs::read_to_string(path).map_err(|e| {
@@ -71,6 +83,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     request.tokens = args.tokens;
     request.temperature = args.temperature;
     request.top_k = args.top_k;
+    request.top_p = args.top_p;
     request.seed = args.seed;
     request.best = args.best;
     let s = kiln_train::sample(&args.from, &request, &ctx.report).map_err(train_error)?;
@@ -83,8 +96,19 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     eprintln!(
-        "kiln: sampling from {} on {}: {} tokens each, temperature {}, top-k {}, seed {}; the prompt is {} tokens",
-        s.source, s.device, s.tokens, s.temperature, s.top_k, s.seed, s.prompt_tokens
+        "kiln: sampling from {} on {}: {} tokens each, temperature {}, top-k {}{}, seed {}; the prompt is {} tokens",
+        s.source,
+        s.device,
+        s.tokens,
+        s.temperature,
+        s.top_k,
+        if s.top_p < 1.0 {
+            format!(", top-p {}", s.top_p)
+        } else {
+            String::new()
+        },
+        s.seed,
+        s.prompt_tokens
     );
     for (i, text) in s.continuations.iter().enumerate() {
         writeln!(out, "--- sample {}\n{}{text}", i + 1, s.prompt)?;
