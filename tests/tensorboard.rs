@@ -9,13 +9,13 @@ use std::process::Command;
 
 use crate::support::{kiln, root};
 
-/// Runs tests/data/tensorboard_check.py on `run` and asserts it found no
-/// difference; what it printed.
-fn tensorboard_agrees(run: &Path) -> String {
+/// Runs the script `tests/data/<script>` on `dir` with the Python that
+/// has the `tensorboard` package, asserts it succeeded; what it printed.
+fn with_tensorboard(script: &str, dir: &Path) -> String {
     let python = std::env::var_os("TEST_PYTHON").unwrap_or_else(|| "python3".into());
     let out = Command::new(&python)
-        .arg(root().join("tests/data/tensorboard_check.py"))
-        .arg(run)
+        .arg(root().join("tests/data").join(script))
+        .arg(dir)
         .output()
         .expect("run python (TEST_PYTHON or python3)");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -27,6 +27,12 @@ fn tensorboard_agrees(run: &Path) -> String {
     );
     assert!(out.status.success(), "{stdout}\n{stderr}");
     stdout
+}
+
+/// Runs tests/data/tensorboard_check.py on `run` and asserts it found no
+/// difference; what it printed.
+fn tensorboard_agrees(run: &Path) -> String {
+    with_tensorboard("tensorboard_check.py", run)
 }
 
 /// A run, the same run resumed from an earlier checkpoint (its later
@@ -79,4 +85,27 @@ fn tensorboard_reads_a_run_a_resumed_run_and_a_cv_run_as_their_metrics() {
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     kiln(&refs).run().expect_code(0);
     assert!(!tmp.path().join("quiet/tensorboard").exists());
+}
+
+/// A sweep's jobs carry their values for TensorBoard's HParams dashboard,
+/// as TensorBoard's own reader decodes them; their scalars are read as
+/// without.
+#[test]
+fn a_sweeps_jobs_show_their_values_in_the_hparams_dashboard() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut args = crate::train::tiny(tmp.path(), "sw", 40);
+    args.insert(1, "-m".into());
+    args.extend([
+        "training.learning_rate=1e-3,3e-3".into(),
+        "model.gelu=exact,tanh".into(),
+    ]);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    kiln(&refs).run().expect_code(0);
+    let job = tmp.path().join("sw/3-learning_rate=3e-3,gelu=tanh");
+    let hparams = with_tensorboard("tensorboard_hparams.py", &job.join("tensorboard"));
+    assert_eq!(
+        hparams.trim(),
+        r#"{"model.gelu": "tanh", "training.learning_rate": 0.003}"#
+    );
+    tensorboard_agrees(&job);
 }

@@ -91,6 +91,7 @@ pub use report::{Event, Observer, Silent, Summary, median};
 pub use run::{ResumeRequest, resume, resume_with, train, train_cv};
 pub use rundir::{RunDir, RunLock, utc_stamp, write_atomic};
 pub use setup::{measured_cpu_peak, open_device};
+pub use tensorboard::{HPARAMS_SUFFIX, HParam, write_hparams};
 pub use tokens::{MEMORY_TEXT_LIMIT, StoreRead, prepare_store};
 pub use workload::nli::{Prediction, bert_folder_overrides, predict, predict_folder};
 

@@ -109,6 +109,124 @@ struct SessionLog {
     status: i32,
 }
 
+/// `tensorboard.hparams.HParamsPluginData` carrying a `SessionStartInfo`:
+/// what TensorBoard's HParams dashboard reads a run's hyperparameters from
+/// (plugin_data.proto; without an experiment summary it gathers the
+/// hyperparameters from the runs' sessions and the metrics from their
+/// scalars).
+#[derive(Clone, PartialEq, prost::Message)]
+struct HParamsPluginData {
+    #[prost(int32, tag = "1")]
+    version: i32,
+    #[prost(message, optional, tag = "3")]
+    session_start_info: Option<SessionStartInfo>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct SessionStartInfo {
+    #[prost(btree_map = "string, message", tag = "1")]
+    hparams: std::collections::BTreeMap<String, ProtoValue>,
+    #[prost(double, tag = "5")]
+    start_time_secs: f64,
+}
+
+/// `google.protobuf.Value`: the kinds a hyperparameter takes.
+#[derive(Clone, PartialEq, prost::Message)]
+struct ProtoValue {
+    #[prost(oneof = "ValueKind", tags = "2, 3, 4")]
+    kind: Option<ValueKind>,
+}
+
+#[derive(Clone, PartialEq, prost::Oneof)]
+enum ValueKind {
+    #[prost(double, tag = "2")]
+    Number(f64),
+    #[prost(string, tag = "3")]
+    Text(String),
+    #[prost(bool, tag = "4")]
+    Flag(bool),
+}
+
+/// A hyperparameter's value, for [`write_hparams`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum HParam {
+    /// A number.
+    Number(f64),
+    /// Text.
+    Text(String),
+    /// A flag.
+    Bool(bool),
+}
+
+impl HParam {
+    /// A value as the override syntax writes it: a number, `true` or
+    /// `false`, else text (its TOML quotes taken off).
+    pub fn parse(value: &str) -> Self {
+        let v = value.trim();
+        if let Ok(n) = v.parse::<f64>() {
+            return Self::Number(n);
+        }
+        match v {
+            "true" => Self::Bool(true),
+            "false" => Self::Bool(false),
+            _ => Self::Text(v.trim_matches(['"', '\'']).to_string()),
+        }
+    }
+}
+
+/// The name of the event file [`write_hparams`] writes in a run's
+/// `tensorboard/` folder ends so.
+pub const HPARAMS_SUFFIX: &str = ".hparams";
+
+/// Writes `hparams` as the session of the run whose TensorBoard folder is
+/// `dir` (`RUN/tensorboard`), in an event file of its own, so that
+/// TensorBoard's HParams dashboard lists the run with them and its scalars'
+/// last values (as PyTorch's `SummaryWriter.add_hparams`). A folder that
+/// has one already is left as it is; returns whether it wrote.
+pub fn write_hparams(dir: &Path, hparams: &[(String, HParam)]) -> Result<bool, TrainError> {
+    let written = std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries
+            .filter_map(Result::ok)
+            .any(|e| e.file_name().to_string_lossy().ends_with(HPARAMS_SUFFIX))
+    });
+    if written {
+        return Ok(false);
+    }
+    let info = SessionStartInfo {
+        hparams: hparams
+            .iter()
+            .map(|(k, v)| {
+                let kind = match v {
+                    HParam::Number(n) => ValueKind::Number(*n),
+                    HParam::Text(t) => ValueKind::Text(t.clone()),
+                    HParam::Bool(b) => ValueKind::Flag(*b),
+                };
+                (k.clone(), ProtoValue { kind: Some(kind) })
+            })
+            .collect(),
+        start_time_secs: now(),
+    };
+    let content = HParamsPluginData {
+        version: 0,
+        session_start_info: Some(info),
+    }
+    .encode_to_vec();
+    let mut events = Events::create_named(dir, None, HPARAMS_SUFFIX)?;
+    let value = SummaryValue {
+        tag: "_hparams_/session_start_info".into(),
+        metadata: Some(SummaryMetadata {
+            plugin_data: Some(PluginData {
+                plugin_name: "hparams".into(),
+                content,
+            }),
+        }),
+        kind: None,
+    };
+    events.write(0, What::Summary(Summary { value: vec![value] }))?;
+    events.flush()?;
+    Ok(true)
+}
+
 const DT_STRING: i32 = 7;
 const SESSION_START: i32 = 1;
 
@@ -152,6 +270,11 @@ impl Events {
     /// the file version and, where `first_step` is given, a
     /// `SessionLog.START` at it.
     pub(crate) fn create(dir: &Path, first_step: Option<u64>) -> Result<Self, TrainError> {
+        Self::create_named(dir, first_step, "")
+    }
+
+    /// [`Events::create`] with `suffix` after the file's name.
+    fn create_named(dir: &Path, first_step: Option<u64>, suffix: &str) -> Result<Self, TrainError> {
         std::fs::create_dir_all(dir).map_err(|source| TrainError::Write {
             path: dir.to_path_buf(),
             source,
@@ -162,7 +285,7 @@ impl Events {
         // Another file of this second (a fold after a fold): the next number.
         let mut n = 0;
         let path = loop {
-            let name = format!("events.out.tfevents.{seconds:010}.{host}.{pid}.{n}");
+            let name = format!("events.out.tfevents.{seconds:010}.{host}.{pid}.{n}{suffix}");
             let path = dir.join(name);
             if !path.exists() {
                 break path;

@@ -63,6 +63,10 @@ struct Job {
     overrides: Vec<String>,
     /// Its value of each swept key, in the axes' order.
     values: Vec<String>,
+    /// Whether it writes TensorBoard files (`logging.tensorboard`): the
+    /// sweep then writes its values there for the HParams dashboard.
+    #[serde(default)]
+    tensorboard: bool,
     /// How far it got.
     status: Status,
     /// How its last attempt ended, when not well (`exit code 1`).
@@ -267,6 +271,7 @@ pub(crate) fn run(start: &Start<'_>, ctx: &Context) -> anyhow::Result<ExitCode> 
                 dir: job_dir(n, &job.swept),
                 overrides: job.overrides.clone(),
                 values: job.swept.iter().map(|(_, v)| v.clone()).collect(),
+                tensorboard: configs[n].logging.tensorboard,
                 status: Status::Pending,
                 exit: None,
                 error: None,
@@ -547,6 +552,17 @@ fn start_job(
             serde_json::to_string(&job_dir.display().to_string())?
         ));
         args.extend(device.map(|d| format!("device.index={d}")));
+    }
+    if !resuming && job.tensorboard && !record.axes.is_empty() {
+        // The job's values, for TensorBoard's HParams dashboard: a table of
+        // the sweep's jobs with their scalars' last values.
+        let hparams: Vec<(String, kiln_train::HParam)> = record
+            .axes
+            .iter()
+            .zip(&job.values)
+            .map(|(a, v)| (a.key.clone(), kiln_train::HParam::parse(v)))
+            .collect();
+        kiln_train::write_hparams(&job_dir.join("tensorboard"), &hparams)?;
     }
     let mut command = std::process::Command::new(program);
     command.args(&args);
@@ -869,6 +885,7 @@ mod tests {
                     dir: format!("{i}"),
                     overrides: Vec::new(),
                     values: vec![i.to_string()],
+                    tensorboard: false,
                     status: if o.is_some() {
                         Status::Finished
                     } else {
