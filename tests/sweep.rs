@@ -364,3 +364,62 @@ fn jobs_run_two_at_a_time_on_a_gpu_each_and_stop_and_resume_together() {
         .expect_code(2)
         .stderr_has(&["--tui shows one job"]);
 }
+
+#[test]
+fn random_search_draws_its_trials_the_same_for_a_seed() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let search = |name: &str, seed: &str| {
+        let mut args = sweep_args(
+            tmp.path(),
+            name,
+            20,
+            &[
+                "--trials",
+                "3",
+                "--search-seed",
+                seed,
+                "training.learning_rate=tag(log, interval(1e-4, 1e-2))",
+                "training.warmup_steps=int(interval(1, 10))",
+            ],
+        );
+        args.push("eval.eval_steps=20".into());
+        run(&args).expect_code(0).stdout_has(&[
+            "random search (seed",
+            "of 3 jobs",
+            "drawing training.learning_rate from tag(log, interval(1e-4, 1e-2))",
+        ]);
+        let sweep = tmp.path().join(name);
+        let axes = record(&sweep)["axes"].clone();
+        assert_eq!(axes[1]["drawn_from"], "int(interval(1, 10))");
+        // Each job ran with its draws.
+        for (n, dir) in job_dirs(&sweep).iter().enumerate() {
+            let config = kiln_config::read_run_config(&dir.join("config.toml")).expect("config");
+            let lr: f64 = axes[0]["values"][n]
+                .as_str()
+                .expect("lr")
+                .parse()
+                .expect("number");
+            assert_eq!(config.training.learning_rate, lr);
+            assert!((1e-4..1e-2).contains(&lr), "{lr}");
+            let warmup = axes[1]["values"][n].as_str().expect("warmup");
+            assert_eq!(config.training.warmup_steps.to_string(), warmup);
+        }
+        axes
+    };
+    let first = search("a", "3");
+    assert_eq!(
+        search("b", "3"),
+        first,
+        "the same seed draws the same trials"
+    );
+    assert_ne!(search("c", "4"), first);
+    // A distribution is drawn, not listed: without --trials it is refused.
+    run(&sweep_args(
+        tmp.path(),
+        "d",
+        20,
+        &["training.learning_rate=interval(1e-4, 1e-2)"],
+    ))
+    .expect_code(2)
+    .stderr_has(&["add --trials N"]);
+}

@@ -1,10 +1,17 @@
 //! Hydra's multirun over command-line overrides: `key=a,b,c` (or
 //! `key=choice(a,b,c)`) and `key=range(start,stop[,step])` each sweep a key,
 //! and the jobs are every combination, the last swept key varying fastest,
-//! as Hydra's basic sweeper orders them. Everything else is one value for
-//! every job: a list (`data.labels=[a,b]`), a quoted string (`"a,b"`), a
-//! plain value. What runs the jobs is the caller's (`kiln train -m`).
+//! as Hydra's basic sweeper orders them ([`expand`]). Everything else is
+//! one value for every job: a list (`data.labels=[a,b]`), a quoted string
+//! (`"a,b"`), a plain value. [`draw`] is random search instead, as Hydra's
+//! Optuna sweeper writes its distributions: each of N trials draws every
+//! swept key, `interval(a,b)` uniformly, `tag(log, interval(a,b))`
+//! log-uniformly, `int(...)` of either as a whole number (both ends in),
+//! and a list, `choice` or `range` as one of its values. What runs the jobs
+//! is the caller's (`kiln train -m`).
 
+use rand::rngs::StdRng;
+use rand::{RngExt as _, SeedableRng as _};
 use serde::{Deserialize, Serialize};
 
 use crate::ConfigError;
@@ -18,8 +25,13 @@ pub const MAX_JOBS: usize = 10_000;
 pub struct Axis {
     /// The key, dotted, as written (`training.learning_rate`).
     pub key: String,
-    /// Its values, as the override syntax reads them (TOML, else a string).
+    /// Its values, as the override syntax reads them (TOML, else a string);
+    /// in random search, each trial's draw.
     pub values: Vec<String>,
+    /// In random search, what the values were drawn from, as written
+    /// (`tag(log, interval(1e-4, 1e-2))`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drawn_from: Option<String>,
 }
 
 /// One job of a sweep.
@@ -45,6 +57,12 @@ pub fn expand(overrides: &[String]) -> Result<(Vec<Axis>, Vec<SweepJob>), Config
             slots.push(None);
             continue;
         };
+        if distribution(value).is_some() {
+            return Err(ConfigError::BadOverride {
+                arg: arg.clone(),
+                reason: "interval() is a distribution, not a list of values: add --trials N to draw N jobs from it (random search)".into(),
+            });
+        }
         let values = sweep_values(value).map_err(|reason| ConfigError::BadOverride {
             arg: arg.clone(),
             reason,
@@ -61,7 +79,11 @@ pub fn expand(overrides: &[String]) -> Result<(Vec<Axis>, Vec<SweepJob>), Config
             });
         }
         slots.push(Some(axes.len()));
-        axes.push(Axis { key, values });
+        axes.push(Axis {
+            key,
+            values,
+            drawn_from: None,
+        });
     }
     let count = axes
         .iter()
@@ -100,6 +122,185 @@ pub fn expand(overrides: &[String]) -> Result<(Vec<Axis>, Vec<SweepJob>), Config
             SweepJob { overrides, swept }
         })
         .collect();
+    Ok((axes, jobs))
+}
+
+/// A distribution of random search: Optuna's, as Hydra's Optuna sweeper
+/// writes them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Distribution {
+    low: f64,
+    high: f64,
+    log: bool,
+    int: bool,
+}
+
+impl Distribution {
+    /// One draw, as the override syntax writes it: a whole number, or a
+    /// decimal of 4 significant digits.
+    fn draw(&self, rng: &mut StdRng) -> String {
+        let (low, high) = if self.log {
+            (self.low.ln(), self.high.ln())
+        } else {
+            (self.low, self.high)
+        };
+        if self.int {
+            // Both ends in, each whole number as likely (on the log scale:
+            // as its share of the log range, as Optuna's).
+            let (lo, hi) = (self.low.round(), self.high.round());
+            let v = if self.log {
+                let x = rng.random_range((lo - 0.5).max(0.5).ln()..(hi + 0.5).ln());
+                x.exp().round()
+            } else {
+                rng.random_range(lo..hi + 1.0).floor()
+            };
+            return format!("{}", v.clamp(lo, hi) as i64);
+        }
+        let x = rng.random_range(low..high);
+        let v = if self.log { x.exp() } else { x };
+        let rounded: f64 = format!("{v:.3e}").parse().unwrap_or(v);
+        let text = rounded.to_string();
+        if text.contains(['.', 'e', 'E']) {
+            text
+        } else {
+            format!("{text}.0")
+        }
+    }
+}
+
+/// `value` as a distribution (`interval(a,b)`, `tag(log, interval(a,b))`,
+/// `int(...)` of either), `None` if it is none; `Some(Err)` if it is one,
+/// malformed.
+fn distribution(value: &str) -> Option<Result<Distribution, String>> {
+    let mut v = value.trim();
+    let mut int = false;
+    let mut log = false;
+    if let Some(inner) = v.strip_prefix("int(").and_then(|r| r.strip_suffix(')')) {
+        int = true;
+        v = inner.trim();
+    }
+    if let Some(inner) = v.strip_prefix("tag(").and_then(|r| r.strip_suffix(')')) {
+        let (tag, rest) = inner.split_once(',')?;
+        if tag.trim() != "log" {
+            return Some(Err(format!(
+                "tag({}, ...): the tag random search reads is `log`",
+                tag.trim()
+            )));
+        }
+        log = true;
+        v = rest.trim();
+    }
+    let inner = v.strip_prefix("interval(")?.strip_suffix(')')?;
+    let bounds: Vec<&str> = inner.split(',').map(str::trim).collect();
+    let parse = |t: &str| {
+        t.parse::<f64>()
+            .ok()
+            .filter(|x| x.is_finite())
+            .ok_or_else(|| format!("`{t}` in interval() is not a number"))
+    };
+    Some((|| {
+        let [low, high] = bounds.as_slice() else {
+            return Err("interval takes low,high".to_string());
+        };
+        let (low, high) = (parse(low)?, parse(high)?);
+        if low >= high {
+            return Err(format!(
+                "interval({low}, {high}) is empty: low must be below high"
+            ));
+        }
+        if log && low <= 0.0 {
+            return Err(format!(
+                "tag(log, interval({low}, {high})): a log scale needs a low above 0"
+            ));
+        }
+        Ok(Distribution {
+            low,
+            high,
+            log,
+            int,
+        })
+    })())
+}
+
+/// Random search: `trials` jobs, each drawing every swept key of
+/// `overrides` from a random stream seeded with `seed` (a distribution as
+/// [`Distribution`] reads it; a list, `choice` or `range` as one of its
+/// values, each as likely). The draws are recorded in the jobs: the same
+/// overrides and seed draw the same jobs with this build.
+pub fn draw(
+    overrides: &[String],
+    trials: usize,
+    seed: u64,
+) -> Result<(Vec<Axis>, Vec<SweepJob>), ConfigError> {
+    if trials == 0 || trials > MAX_JOBS {
+        return Err(ConfigError::BadOverride {
+            arg: format!("--trials {trials}"),
+            reason: format!("random search runs 1 to {MAX_JOBS} trials"),
+        });
+    }
+    // Each override: its distribution, its values, or nothing to draw.
+    enum Slot {
+        Fixed,
+        Drawn(Distribution, usize),
+        Picked(Vec<String>, usize),
+    }
+    let mut axes: Vec<Axis> = Vec::new();
+    let mut slots = Vec::new();
+    for arg in overrides {
+        let Some((key, value)) = arg.split_once('=') else {
+            slots.push(Slot::Fixed);
+            continue;
+        };
+        let key = key.trim().to_string();
+        let bad = |reason: String| ConfigError::BadOverride {
+            arg: arg.clone(),
+            reason,
+        };
+        let slot = match distribution(value) {
+            Some(d) => Slot::Drawn(d.map_err(bad)?, axes.len()),
+            None => {
+                let values = sweep_values(value).map_err(bad)?;
+                if values.len() < 2 && !is_call(value) {
+                    slots.push(Slot::Fixed);
+                    continue;
+                }
+                Slot::Picked(values, axes.len())
+            }
+        };
+        if axes.iter().any(|a| a.key == key) {
+            return Err(bad(format!(
+                "`{key}` is swept twice; give all its values in one override"
+            )));
+        }
+        axes.push(Axis {
+            key,
+            values: Vec::new(),
+            drawn_from: Some(value.trim().to_string()),
+        });
+        slots.push(slot);
+    }
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut jobs = Vec::with_capacity(trials);
+    for _ in 0..trials {
+        let mut swept = vec![(String::new(), String::new()); axes.len()];
+        let overrides = overrides
+            .iter()
+            .zip(&slots)
+            .map(|(arg, slot)| {
+                let (value, i) = match slot {
+                    Slot::Fixed => return arg.clone(),
+                    Slot::Drawn(d, i) => (d.draw(&mut rng), *i),
+                    Slot::Picked(values, i) => {
+                        (values[rng.random_range(0..values.len())].clone(), *i)
+                    }
+                };
+                axes[i].values.push(value.clone());
+                swept[i] = (axes[i].key.clone(), value.clone());
+                format!("{}={value}", axes[i].key)
+            })
+            .collect();
+        jobs.push(SweepJob { overrides, swept });
+    }
     Ok((axes, jobs))
 }
 
@@ -305,6 +506,96 @@ mod tests {
         // One value, swept: the job list names it.
         let (axes, _) = expand(&args(&["model.layers=choice(4)"])).expect("expand");
         assert_eq!(axes[0].values, ["4"]);
+    }
+
+    #[test]
+    fn random_search_draws_each_key_from_its_distribution_the_same_each_time() {
+        let overrides = args(&[
+            "training.learning_rate=tag(log, interval(1e-4, 1e-2))",
+            "hardware=cpu",
+            "training.warmup_steps=int(interval(10, 20))",
+            "model.layers=2,4",
+            "model.dropout=interval(0, 0.2)",
+            "training.batch_size=int(tag(log, interval(2, 64)))",
+        ]);
+        let (axes, jobs) = draw(&overrides, 200, 7).expect("draw");
+        assert_eq!(jobs.len(), 200);
+        assert_eq!(axes.len(), 5);
+        assert_eq!(
+            axes[0].drawn_from.as_deref(),
+            Some("tag(log, interval(1e-4, 1e-2))")
+        );
+        let column = |i: usize| -> Vec<f64> {
+            axes[i]
+                .values
+                .iter()
+                .map(|v| v.parse().expect("number"))
+                .collect()
+        };
+        let lr = column(0);
+        assert!(lr.iter().all(|v| (1e-4..1e-2).contains(v)));
+        // Log-uniform: about half below the geometric middle, 1e-3.
+        let below = lr.iter().filter(|&&v| v < 1e-3).count();
+        assert!((70..130).contains(&below), "{below} of 200 below 1e-3");
+        let warmup = column(1);
+        assert!(
+            warmup
+                .iter()
+                .all(|v| v.fract() == 0.0 && (10.0..=20.0).contains(v))
+        );
+        for end in [10.0, 20.0] {
+            assert!(warmup.contains(&end), "{end} is drawn too");
+        }
+        assert!(axes[2].values.iter().all(|v| v == "2" || v == "4"));
+        assert!(axes[2].values.iter().any(|v| v == "2") && axes[2].values.iter().any(|v| v == "4"));
+        assert!(column(3).iter().all(|v| (0.0..0.2).contains(v)));
+        let batch = column(4);
+        assert!(
+            batch
+                .iter()
+                .all(|v| v.fract() == 0.0 && (2.0..=64.0).contains(v))
+        );
+        let small = batch.iter().filter(|&&v| v <= 11.0).count();
+        assert!(
+            (70..130).contains(&small),
+            "{small} of 200 at most 11 (log-uniform)"
+        );
+        // A job's overrides hold its draws in place; the fixed one stays.
+        assert_eq!(jobs[3].overrides[1], "hardware=cpu");
+        assert_eq!(
+            jobs[3].overrides[0],
+            format!("training.learning_rate={}", axes[0].values[3])
+        );
+        assert_eq!(
+            jobs[3].swept[2],
+            ("model.layers".into(), axes[2].values[3].clone())
+        );
+        // The same seed draws the same jobs; another seed others.
+        assert_eq!(draw(&overrides, 200, 7).expect("again").1, jobs);
+        assert_ne!(draw(&overrides, 200, 8).expect("other").1, jobs);
+    }
+
+    #[test]
+    fn distributions_need_trials_and_say_what_is_wrong() {
+        let err = expand(&args(&["a=interval(0,1)"])).expect_err("grid");
+        assert!(err.to_string().contains("add --trials N"), "{err}");
+        for (arg, part) in [
+            ("a=interval(1,1)", "is empty"),
+            ("a=interval(x,1)", "`x` in interval() is not a number"),
+            ("a=interval(1)", "interval takes low,high"),
+            (
+                "a=tag(log, interval(0, 1))",
+                "a log scale needs a low above 0",
+            ),
+            (
+                "a=tag(lin, interval(0, 1))",
+                "the tag random search reads is `log`",
+            ),
+        ] {
+            let err = draw(&args(&[arg]), 2, 0).expect_err(arg).to_string();
+            assert!(err.contains(arg) && err.contains(part), "{arg}: {err}");
+        }
+        assert!(draw(&args(&["a=1,2"]), 0, 0).is_err());
     }
 
     #[test]

@@ -168,6 +168,9 @@ pub(crate) struct Start<'a> {
     pub(crate) tui: bool,
     /// Jobs at once (`--jobs`).
     pub(crate) jobs: usize,
+    /// Random search: trials and the draws' seed (`--trials`,
+    /// `--search-seed`); `None`: every combination.
+    pub(crate) trials: Option<(usize, u64)>,
     /// The configuration layers, sweeps and all.
     pub(crate) layers: &'a Layers,
 }
@@ -176,7 +179,10 @@ pub(crate) struct Start<'a> {
 pub(crate) fn run(start: &Start<'_>, ctx: &Context) -> anyhow::Result<ExitCode> {
     refuse_in_a_job("kiln train -m")?;
     let pace = Pace::new(start.tui, start.jobs, &ctx.report)?;
-    let (axes, jobs) = kiln_config::sweep::expand(&start.layers.overrides)?;
+    let (axes, jobs) = match start.trials {
+        Some((trials, seed)) => kiln_config::sweep::draw(&start.layers.overrides, trials, seed)?,
+        None => kiln_config::sweep::expand(&start.layers.overrides)?,
+    };
     if let Some(axis) = axes.iter().find(|a| a.key == "run.dir") {
         return Err(BadInput(format!(
             "`run.dir` cannot be swept ({}={}): the sweep's folder is run.dir's, and each job's is a folder in it",
@@ -281,19 +287,26 @@ pub(crate) fn run(start: &Start<'_>, ctx: &Context) -> anyhow::Result<ExitCode> 
         axes,
         at_once: pace.jobs,
     };
+    let over = record
+        .axes
+        .iter()
+        .map(|a| match &a.drawn_from {
+            Some(from) => format!("{} from {from}", a.key),
+            None => format!("{} ({})", a.key, a.values.join(", ")),
+        })
+        .collect::<Vec<_>>();
     println!(
-        "kiln: sweep of {} jobs in {}{}",
+        "kiln: {} of {} jobs in {}{}",
+        match start.trials {
+            Some((_, seed)) => format!("random search (seed {seed})"),
+            None => "sweep".into(),
+        },
         record.jobs.len(),
         dir.display(),
-        match record.axes.as_slice() {
+        match over.as_slice() {
             [] => String::new(),
-            axes => format!(
-                " over {}",
-                axes.iter()
-                    .map(|a| format!("{} ({})", a.key, a.values.join(", ")))
-                    .collect::<Vec<_>>()
-                    .join(" × ")
-            ),
+            _ if start.trials.is_some() => format!(" drawing {}", over.join(", ")),
+            _ => format!(" over {}", over.join(" × ")),
         }
     );
     run_jobs(record, &dir, pace)
@@ -877,6 +890,7 @@ mod tests {
             axes: vec![Axis {
                 key: "training.learning_rate".into(),
                 values: (0..objectives.len()).map(|i| i.to_string()).collect(),
+                drawn_from: None,
             }],
             jobs: objectives
                 .iter()

@@ -40,6 +40,15 @@ pub(crate) struct TrainArgs {
         requires = "multirun"
     )]
     jobs: usize,
+    /// With -m: random search instead of every combination, N jobs each
+    /// drawing every swept key (`interval(a,b)`, `tag(log, interval(a,b))`,
+    /// `int(...)`, or one of a list's values), as Hydra's Optuna sweeper
+    /// writes them
+    #[arg(long, value_name = "N", requires = "multirun")]
+    trials: Option<usize>,
+    /// With --trials: the draws' seed (not the runs' training.seed)
+    #[arg(long, value_name = "SEED", default_value_t = 0, requires = "trials")]
+    search_seed: u64,
     #[command(flatten)]
     pub(crate) layers: Layers,
 }
@@ -109,6 +118,7 @@ fn run_command(command: &'static str, args: TrainArgs, ctx: Context) -> anyhow::
             force: args.force,
             tui: args.tui,
             jobs: args.jobs,
+            trials: args.trials.map(|n| (n, args.search_seed)),
             layers: &args.layers,
         };
         return super::sweep::run(&start, &ctx);
