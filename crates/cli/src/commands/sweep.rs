@@ -191,50 +191,8 @@ pub(crate) fn run(start: &Start<'_>, ctx: &Context) -> anyhow::Result<ExitCode> 
         ))
         .into());
     }
-    // Every job's configuration, before any runs.
-    let mut configs = Vec::new();
-    let mut problems = Vec::new();
-    for (n, job) in jobs.iter().enumerate() {
-        let layers = Layers {
-            config: start.layers.config.clone(),
-            overrides: job.overrides.clone(),
-        };
-        let checked = super::train::resolve_for(start.command, layers, ctx).and_then(|r| {
-            match super::train::preset_fit(&r, &ctx.report) {
-                Err(msg) if !start.force => Err(BadInput(format!(
-                    "{msg}; pass --force to run it on this machine anyway, or use hardware=auto"
-                ))
-                .into()),
-                _ => Ok(r),
-            }
-        });
-        match checked {
-            Ok(r) => configs.push(r.config),
-            Err(e) => problems.push(format!("job {n} ({}): {e:#}", label(&job.swept, " "))),
-        }
-    }
-    if !problems.is_empty() {
-        return Err(BadInput(format!(
-            "{} of the sweep's {} jobs would be refused; none was started:\n{}",
-            problems.len(),
-            jobs.len(),
-            problems.join("\n")
-        ))
-        .into());
-    }
+    let configs = check_jobs(start, &jobs, ctx)?;
     let workload = configs[0].workload;
-    if let Some((n, c)) = configs
-        .iter()
-        .enumerate()
-        .find(|(_, c)| c.workload != workload)
-    {
-        return Err(BadInput(format!(
-            "job {n} ({}) is a {:?} run and job 0 a {workload:?} run: a sweep compares runs of one workload",
-            label(&jobs[n].swept, " "),
-            c.workload
-        ))
-        .into());
-    }
     let experiment = &configs[0].experiment;
     let name = if configs.iter().all(|c| &c.experiment == experiment) {
         format!("{experiment}-sweep")
@@ -312,6 +270,60 @@ pub(crate) fn run(start: &Start<'_>, ctx: &Context) -> anyhow::Result<ExitCode> 
     run_jobs(record, &dir, pace)
 }
 
+/// Every job's configuration, resolved and checked as `kiln train` would
+/// (a GPU preset's fit too, unless `--force`), before any job runs: the
+/// jobs refused are named together; a sweep is of one workload.
+fn check_jobs(
+    start: &Start<'_>,
+    jobs: &[kiln_config::sweep::SweepJob],
+    ctx: &Context,
+) -> anyhow::Result<Vec<kiln_config::RunConfig>> {
+    let mut configs = Vec::new();
+    let mut problems = Vec::new();
+    for (n, job) in jobs.iter().enumerate() {
+        let layers = Layers {
+            config: start.layers.config.clone(),
+            overrides: job.overrides.clone(),
+        };
+        let checked = super::train::resolve_for(start.command, layers, ctx).and_then(|r| {
+            match super::train::preset_fit(&r, &ctx.report) {
+                Err(msg) if !start.force => Err(BadInput(format!(
+                    "{msg}; pass --force to run it on this machine anyway, or use hardware=auto"
+                ))
+                .into()),
+                _ => Ok(r),
+            }
+        });
+        match checked {
+            Ok(r) => configs.push(r.config),
+            Err(e) => problems.push(format!("job {n} ({}): {e:#}", label(&job.swept, " "))),
+        }
+    }
+    if !problems.is_empty() {
+        return Err(BadInput(format!(
+            "{} of the sweep's {} jobs would be refused; none was started:\n{}",
+            problems.len(),
+            jobs.len(),
+            problems.join("\n")
+        ))
+        .into());
+    }
+    let workload = configs[0].workload;
+    if let Some((n, c)) = configs
+        .iter()
+        .enumerate()
+        .find(|(_, c)| c.workload != workload)
+    {
+        return Err(BadInput(format!(
+            "job {n} ({}) is a {:?} run and job 0 a {workload:?} run: a sweep compares runs of one workload",
+            label(&jobs[n].swept, " "),
+            c.workload
+        ))
+        .into());
+    }
+    Ok(configs)
+}
+
 /// `kiln resume SWEEP`: goes on with the jobs not finished.
 pub(crate) fn resume(dir: &Path, tui: bool) -> anyhow::Result<ExitCode> {
     refuse_in_a_job("kiln resume SWEEP")?;
@@ -370,7 +382,7 @@ impl Running {
             let pid = pid.load(Ordering::SeqCst);
             if pid > 0 {
                 // SAFETY: kill(2) on a job this process started; its slot is
-                // cleared before it is reaped.
+                // cleared as soon as it has been reaped.
                 unsafe {
                     libc::kill(pid, libc::SIGINT);
                 }
@@ -459,9 +471,16 @@ fn run_jobs(mut record: Record, dir: &Path, pace: Pace) -> anyhow::Result<ExitCo
             let Some(n) = queue.next() else { break };
             let started = start_job(&record, n, dir, &program, pace, slot)?;
             running.pids[slot].store(started.child.id() as i32, Ordering::SeqCst);
-            if running.stop.load(Ordering::SeqCst) {
-                // Ctrl-C came while it started.
-                running.interrupt_all();
+            if running.stop.load(Ordering::SeqCst) && running.own_group {
+                // Ctrl-C came while it started, maybe before the handler
+                // could see its pid: this job alone is told here (the
+                // others heard it once; a second would stop them at once).
+                // Had the handler reached it too, it stops at once, with
+                // nothing to lose yet.
+                // SAFETY: kill(2) on the job just started, not yet reaped.
+                unsafe {
+                    libc::kill(started.child.id() as i32, libc::SIGINT);
+                }
             }
             *place = Some(started);
         }
