@@ -423,3 +423,48 @@ fn random_search_draws_its_trials_the_same_for_a_seed() {
     .expect_code(2)
     .stderr_has(&["add --trials N"]);
 }
+
+#[test]
+fn the_median_rule_stops_a_job_behind_the_finished_ones_with_a_checkpoint() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let sweep = tmp.path().join("sw");
+    // Job 1 learns 15 times slower: at its first evaluation (step 100) its
+    // loss is above job 0's there, the median of one finished job.
+    let out = run(&sweep_args(
+        tmp.path(),
+        "sw",
+        2000,
+        &[
+            "--prune",
+            "--prune-startup",
+            "1",
+            "training.min_lr=1e-5",
+            "training.learning_rate=3e-3,2e-4",
+        ],
+    ))
+    .expect_code(0);
+    out.stdout_has(&[
+        "kiln: job 1 pruned at step 100: best val loss",
+        "above the finished jobs' median",
+        "best (*): job 0 ",
+    ]);
+    assert_eq!(statuses(&sweep), ["finished", "pruned"]);
+    let pruned = &job_dirs(&sweep)[1];
+    assert!(!pruned.join("summary.json").exists());
+    let checkpoints = std::fs::read_dir(pruned.join("checkpoints"))
+        .expect("checkpoints")
+        .count();
+    assert!(checkpoints >= 1, "it stopped with a checkpoint");
+    // Pruned is done: a resume runs nothing.
+    kiln(&["resume", &sweep.display().to_string()])
+        .run()
+        .expect_code(0)
+        .stdout_has(&["0 of 2 jobs to run", "job 1 pruned at step 100"]);
+    // A cross-validation's folds have cv.patience instead.
+    let mut cv = crate::nli::tiny(tmp.path(), "cv", 1);
+    cv.splice(1..1, ["-m".to_string(), "--prune".into()]);
+    cv.push("training.learning_rate=1e-3,3e-3".into());
+    run(&cv)
+        .expect_code(2)
+        .stderr_has(&["--prune compares a language model's evaluations"]);
+}

@@ -46,6 +46,9 @@ struct Record {
     /// How many jobs run at once (`--jobs`).
     #[serde(default = "one")]
     at_once: usize,
+    /// The median rule, if the sweep prunes (`--prune`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pruning: Option<Pruning>,
     /// The jobs, in order.
     jobs: Vec<Job>,
 }
@@ -75,6 +78,9 @@ struct Job {
     /// The error it ended with, when it failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     error: Option<String>,
+    /// Why it was pruned: at which step, its best loss and the median.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pruned: Option<String>,
     /// What it reached, once finished.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     result: Option<JobResult>,
@@ -91,6 +97,71 @@ enum Status {
     Interrupted,
     /// Ended with an error; `kiln resume SWEEP` tries it again.
     Failed,
+    /// Stopped early with a checkpoint by the median rule (`--prune`): its
+    /// best validation loss was above the finished jobs' median at that
+    /// step. Done: a resume leaves it.
+    Pruned,
+}
+
+impl Status {
+    /// Whether the job has nothing left to run.
+    fn done(self) -> bool {
+        matches!(self, Self::Finished | Self::Pruned)
+    }
+}
+
+/// Optuna's `MedianPruner` over a language model's evaluations: a running
+/// job whose best validation loss so far is above the median of the
+/// finished jobs' losses at its latest evaluation's step stops there.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub(crate) struct Pruning {
+    /// No pruning before this many jobs have finished (Optuna's
+    /// `n_startup_trials`).
+    pub(crate) startup: usize,
+    /// No pruning at an evaluation before this step (`n_warmup_steps`).
+    pub(crate) warmup: u64,
+}
+
+/// A language model's evaluations so far, `(step, val_loss)`, from its
+/// `metrics.jsonl`.
+fn evaluations(dir: &Path) -> Vec<(u64, f64)> {
+    let Ok(text) = std::fs::read_to_string(dir.join("metrics.jsonl")) else {
+        return Vec::new();
+    };
+    text.lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|v| v["kind"] == "eval")
+        .filter_map(|v| Some((v["step"].as_u64()?, v["val_loss"].as_f64()?)))
+        .collect()
+}
+
+/// Why a job with evaluations `own` is pruned, if it is: its latest step,
+/// its best loss so far, and the finished jobs' median at that step.
+fn prune_at(
+    own: &[(u64, f64)],
+    finished: &[Vec<(u64, f64)>],
+    rule: Pruning,
+) -> Option<(u64, f64, f64)> {
+    let &(step, _) = own.last()?;
+    if step < rule.warmup || finished.is_empty() || finished.len() < rule.startup {
+        return None;
+    }
+    let best = own.iter().map(|&(_, v)| v).fold(f64::INFINITY, f64::min);
+    let mut at: Vec<f64> = finished
+        .iter()
+        .filter_map(|evals| evals.iter().find(|&&(s, _)| s == step).map(|&(_, v)| v))
+        .collect();
+    if at.is_empty() {
+        return None;
+    }
+    at.sort_by(f64::total_cmp);
+    let mid = at.len() / 2;
+    let median = if at.len() % 2 == 1 {
+        at[mid]
+    } else {
+        (at[mid - 1] + at[mid]) / 2.0
+    };
+    (best.is_nan() || best > median).then_some((step, best, median))
 }
 
 /// The measure the sweep ranks its jobs by.
@@ -171,6 +242,8 @@ pub(crate) struct Start<'a> {
     /// Random search: trials and the draws' seed (`--trials`,
     /// `--search-seed`); `None`: every combination.
     pub(crate) trials: Option<(usize, u64)>,
+    /// The median rule (`--prune`).
+    pub(crate) pruning: Option<Pruning>,
     /// The configuration layers, sweeps and all.
     pub(crate) layers: &'a Layers,
 }
@@ -193,6 +266,13 @@ pub(crate) fn run(start: &Start<'_>, ctx: &Context) -> anyhow::Result<ExitCode> 
     }
     let configs = check_jobs(start, &jobs, ctx)?;
     let workload = configs[0].workload;
+    if start.pruning.is_some() && workload != Workload::Lm {
+        return Err(BadInput(
+            "--prune compares a language model's evaluations at each step; a cross-validation's folds each have cv.patience"
+                .into(),
+        )
+        .into());
+    }
     let experiment = &configs[0].experiment;
     let name = if configs.iter().all(|c| &c.experiment == experiment) {
         format!("{experiment}-sweep")
@@ -239,11 +319,13 @@ pub(crate) fn run(start: &Start<'_>, ctx: &Context) -> anyhow::Result<ExitCode> 
                 status: Status::Pending,
                 exit: None,
                 error: None,
+                pruned: None,
                 result: None,
             })
             .collect(),
         axes,
         at_once: pace.jobs,
+        pruning: start.pruning,
     };
     let over = record
         .axes
@@ -332,11 +414,7 @@ pub(crate) fn resume(dir: &Path, tui: bool) -> anyhow::Result<ExitCode> {
         .map_err(|e| BadInput(format!("failed to read `{}`: {e}", path.display())))?;
     let record: Record = serde_json::from_str(&text)
         .map_err(|e| BadInput(format!("`{}` line {}: {e}", path.display(), e.line())))?;
-    let left = record
-        .jobs
-        .iter()
-        .filter(|j| j.status != Status::Finished)
-        .count();
+    let left = record.jobs.iter().filter(|j| !j.status.done()).count();
     // The machine the jobs see: the sweep's `--hardware-report`, if it had one.
     let ctx = Context::from_prefix(&record.prefix)?;
     let pace = Pace::new(tui, record.at_once, &ctx.report)?;
@@ -459,8 +537,18 @@ fn run_jobs(mut record: Record, dir: &Path, pace: Pace) -> anyhow::Result<ExitCo
     })?;
     let program = std::env::current_exe()?;
     let to_run: Vec<usize> = (0..record.jobs.len())
-        .filter(|&n| record.jobs[n].status != Status::Finished)
+        .filter(|&n| !record.jobs[n].status.done())
         .collect();
+    // The finished jobs' evaluations, for the median rule.
+    let mut finished: Vec<Vec<(u64, f64)>> = record
+        .jobs
+        .iter()
+        .filter(|j| j.status == Status::Finished && record.pruning.is_some())
+        .map(|j| evaluations(&dir.join(&j.dir)))
+        .collect();
+    // A running job's evaluations as last read (by the size of its
+    // metrics), and why it is being pruned.
+    let mut seen: Vec<(u64, Option<String>)> = (0..pace.jobs).map(|_| (0, None)).collect();
     let mut queue = to_run.into_iter();
     let mut slots: Vec<Option<Started>> = (0..pace.jobs).map(|_| None).collect();
     loop {
@@ -471,6 +559,7 @@ fn run_jobs(mut record: Record, dir: &Path, pace: Pace) -> anyhow::Result<ExitCo
             let Some(n) = queue.next() else { break };
             let started = start_job(&record, n, dir, &program, pace, slot)?;
             running.pids[slot].store(started.child.id() as i32, Ordering::SeqCst);
+            seen[slot] = (0, None);
             if running.stop.load(Ordering::SeqCst) && running.own_group {
                 // Ctrl-C came while it started, maybe before the handler
                 // could see its pid: this job alone is told here (the
@@ -491,13 +580,25 @@ fn run_jobs(mut record: Record, dir: &Path, pace: Pace) -> anyhow::Result<ExitCo
         for (slot, place) in slots.iter_mut().enumerate() {
             let Some(started) = place else { continue };
             let Some(status) = started.child.try_wait()? else {
+                if let Some(rule) = record.pruning {
+                    prune_if_behind(&record, started, &mut seen[slot], &finished, rule, dir);
+                }
                 continue;
             };
             running.pids[slot].store(0, Ordering::SeqCst);
             let Started { n, error_file, .. } = place.take().expect("a job in the slot");
-            end_job(&mut record, n, dir, status, &error_file, pace);
-            if record.jobs[n].status == Status::Interrupted {
-                running.stop.store(true, Ordering::SeqCst);
+            let ending = Ending {
+                status,
+                error_file: &error_file,
+                pruned: seen[slot].1.take(),
+            };
+            end_job(&mut record, n, dir, ending, pace);
+            match record.jobs[n].status {
+                Status::Interrupted => running.stop.store(true, Ordering::SeqCst),
+                Status::Finished if record.pruning.is_some() => {
+                    finished.push(evaluations(&dir.join(&record.jobs[n].dir)));
+                }
+                _ => {}
             }
             kiln_train::write_atomic(
                 &dir.join(RECORD),
@@ -515,11 +616,7 @@ fn run_jobs(mut record: Record, dir: &Path, pace: Pace) -> anyhow::Result<ExitCo
         serde_json::to_string_pretty(&record)?.as_bytes(),
     )?;
     print!("{}", table(&record, dir));
-    let unfinished = record
-        .jobs
-        .iter()
-        .filter(|j| j.status != Status::Finished)
-        .count();
+    let unfinished = record.jobs.iter().filter(|j| !j.status.done()).count();
     Ok(if running.stop.load(Ordering::SeqCst) && unfinished > 0 {
         println!(
             "sweep stopped with {unfinished} jobs to run\nresume with: kiln resume {}",
@@ -536,6 +633,36 @@ fn run_jobs(mut record: Record, dir: &Path, pace: Pace) -> anyhow::Result<ExitCo
         println!("sweep directory: {}", dir.display());
         ExitCode::SUCCESS
     })
+}
+
+/// Reads the running job's evaluations when its metrics grew and, where the
+/// median rule says so, stops it with a checkpoint (once), saying why.
+fn prune_if_behind(
+    record: &Record,
+    started: &Started,
+    seen: &mut (u64, Option<String>),
+    finished: &[Vec<(u64, f64)>],
+    rule: Pruning,
+    dir: &Path,
+) {
+    let job_dir = dir.join(&record.jobs[started.n].dir);
+    let size = std::fs::metadata(job_dir.join("metrics.jsonl")).map_or(0, |m| m.len());
+    if seen.1.is_some() || size == seen.0 {
+        return;
+    }
+    seen.0 = size;
+    let Some((step, best, median)) = prune_at(&evaluations(&job_dir), finished, rule) else {
+        return;
+    };
+    let why = format!(
+        "at step {step}: best val loss {best:.4} above the finished jobs' median {median:.4}"
+    );
+    println!("kiln: job {} pruned {why}", started.n);
+    seen.1 = Some(why);
+    // SAFETY: kill(2) on a job this process started and has not reaped.
+    unsafe {
+        libc::kill(started.child.id() as i32, libc::SIGINT);
+    }
 }
 
 /// Starts job `n` in `slot`: a `kiln train` (or `cv`) of its overrides, or
@@ -656,22 +783,30 @@ fn start_job(
     })
 }
 
-/// Records how job `n` ended: its state, error and result.
-fn end_job(
-    record: &mut Record,
-    n: usize,
-    dir: &Path,
+/// How a job's process ended.
+struct Ending<'a> {
     status: std::process::ExitStatus,
-    error_file: &Path,
-    pace: Pace,
-) {
+    /// Where it wrote its error, if it failed.
+    error_file: &'a Path,
+    /// Why the sweep stopped it, if the median rule did.
+    pruned: Option<String>,
+}
+
+/// Records how job `n` ended: its state, error and result.
+fn end_job(record: &mut Record, n: usize, dir: &Path, ending: Ending<'_>, pace: Pace) {
     let workload = record.workload;
     let job = &mut record.jobs[n];
-    job.error = std::fs::read_to_string(error_file).ok();
-    let _ = std::fs::remove_file(error_file);
+    let status = ending.status;
+    job.error = std::fs::read_to_string(ending.error_file).ok();
+    let _ = std::fs::remove_file(ending.error_file);
     job.result = JobResult::read(&dir.join(&job.dir), workload);
+    job.pruned = None;
     (job.status, job.exit) = match (status.success(), status.code()) {
         (true, _) if job.result.is_some() => (Status::Finished, None),
+        (_, Some(130)) if ending.pruned.is_some() => {
+            job.pruned = ending.pruned;
+            (Status::Pruned, None)
+        }
         (_, Some(130)) => (Status::Interrupted, None),
         _ => (
             Status::Failed,
@@ -688,6 +823,7 @@ fn end_job(
                 r.wall_s
             ),
             (Status::Interrupted, _) => "stopped with a checkpoint".into(),
+            (Status::Pruned, _) => "stopped with a checkpoint (pruned)".into(),
             _ => format!(
                 "failed: {}",
                 job.error
@@ -810,6 +946,7 @@ fn table(record: &Record, dir: &Path) -> String {
                     Status::Finished => "finished",
                     Status::Interrupted => "stopped",
                     Status::Failed => "failed",
+                    Status::Pruned => "pruned",
                 }
                 .into(),
             );
@@ -855,6 +992,9 @@ fn table(record: &Record, dir: &Path) -> String {
         ));
     }
     for (n, j) in record.jobs.iter().enumerate() {
+        if let (Status::Pruned, Some(why)) = (j.status, &j.pruned) {
+            out.push_str(&format!("job {n} pruned {why}\n"));
+        }
         if j.status == Status::Failed {
             let why = j.error.as_deref().map_or_else(
                 || j.exit.clone().unwrap_or_default(),
@@ -894,6 +1034,33 @@ mod tests {
         assert!(job_dir(7, &swept(&[("k", &"x".repeat(200))])).len() <= 82);
     }
 
+    #[test]
+    fn the_median_rule_compares_the_best_so_far_with_the_finished_jobs_at_that_step() {
+        let rule = Pruning {
+            startup: 2,
+            warmup: 0,
+        };
+        let finished = vec![vec![(100, 3.0), (200, 2.0)], vec![(100, 3.4), (200, 2.4)]];
+        // Median at 200: 2.2. Best so far 2.1 (at 100) is below it.
+        assert_eq!(prune_at(&[(100, 2.1), (200, 2.3)], &finished, rule), None);
+        let (step, best, median) =
+            prune_at(&[(100, 3.5), (200, 2.3)], &finished, rule).expect("pruned");
+        assert_eq!(step, 200);
+        assert_eq!(best, 2.3);
+        assert!((median - 2.2).abs() < 1e-12);
+        // Too few finished, before the warm-up, or no finished job at that step.
+        assert_eq!(prune_at(&[(100, 9.0)], &finished[..1], rule), None);
+        let warm = Pruning {
+            startup: 2,
+            warmup: 150,
+        };
+        assert_eq!(prune_at(&[(100, 9.0)], &finished, warm), None);
+        assert!(prune_at(&[(100, 9.0), (200, 9.0)], &finished, warm).is_some());
+        assert_eq!(prune_at(&[(150, 9.0)], &finished, rule), None);
+        // A loss gone to NaN is pruned.
+        assert!(prune_at(&[(100, f64::NAN)], &finished, rule).is_some());
+    }
+
     fn record(objectives: &[Option<f64>], higher_is_better: bool) -> Record {
         Record {
             command: "train".into(),
@@ -906,6 +1073,7 @@ mod tests {
                 throughput: "tokens/s".into(),
             },
             at_once: 1,
+            pruning: None,
             axes: vec![Axis {
                 key: "training.learning_rate".into(),
                 values: (0..objectives.len()).map(|i| i.to_string()).collect(),
@@ -926,6 +1094,7 @@ mod tests {
                     },
                     exit: o.is_none().then(|| "exit code 1".into()),
                     error: o.is_none().then(|| "out of memory\ncaused by".into()),
+                    pruned: None,
                     result: o.map(|v| JobResult {
                         objective: Some(v),
                         throughput: 100.0,

@@ -49,6 +49,19 @@ pub(crate) struct TrainArgs {
     /// With --trials: the draws' seed (not the runs' training.seed)
     #[arg(long, value_name = "SEED", default_value_t = 0, requires = "trials")]
     search_seed: u64,
+    /// With -m, a language model: stop a job early (with a checkpoint)
+    /// when its best validation loss is above the median of the finished
+    /// jobs' at the same step, as Optuna's MedianPruner
+    #[arg(long, requires = "multirun")]
+    prune: bool,
+    /// With --prune: finished jobs needed before any is pruned
+    /// (n_startup_trials)
+    #[arg(long, value_name = "N", default_value_t = 5, requires = "prune")]
+    prune_startup: usize,
+    /// With --prune: no job is pruned at an evaluation before this step
+    /// (n_warmup_steps)
+    #[arg(long, value_name = "STEP", default_value_t = 0, requires = "prune")]
+    prune_warmup: u64,
     #[command(flatten)]
     pub(crate) layers: Layers,
 }
@@ -119,6 +132,10 @@ fn run_command(command: &'static str, args: TrainArgs, ctx: Context) -> anyhow::
             tui: args.tui,
             jobs: args.jobs,
             trials: args.trials.map(|n| (n, args.search_seed)),
+            pruning: args.prune.then_some(super::sweep::Pruning {
+                startup: args.prune_startup,
+                warmup: args.prune_warmup,
+            }),
             layers: &args.layers,
         };
         return super::sweep::run(&start, &ctx);
