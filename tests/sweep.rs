@@ -113,6 +113,24 @@ fn a_sweep_runs_every_combination_and_marks_the_best() {
         losses[best],
         dirs[best].display()
     )]);
+    // Each job scores a text, in a table; --json lists them.
+    let text = tmp.path().join("text.txt");
+    let corpus = std::fs::read_to_string(tmp.path().join("corpus.txt")).expect("corpus");
+    std::fs::write(&text, &corpus[..200]).expect("text");
+    let scored = kiln(&[
+        "eval",
+        &sweep.display().to_string(),
+        "--data",
+        &text.display().to_string(),
+        "--json",
+    ])
+    .run()
+    .expect_code(0);
+    let list: serde_json::Value = serde_json::from_str(&scored.stdout).expect("json");
+    let list = list.as_array().expect("a list");
+    assert_eq!(list.len(), 4);
+    assert_eq!(list[2]["job"], labels[2]);
+    assert_eq!(list[2]["eval"]["tokens"], 199);
     // Done: a resume runs nothing and prints the table again.
     let written = std::fs::metadata(dirs[0].join("summary.json"))
         .and_then(|m| m.modified())

@@ -1,7 +1,7 @@
 //! `kiln eval FROM --data FILE`: a language model's loss, perplexity and
 //! bits per byte on a text (kiln-train's `evaluate_text`). FROM is a
-//! language-model run (its newest good checkpoint, or `--best`) or a
-//! `transformers` GPT-2 folder.
+//! language-model run (its newest good checkpoint, or `--best`), a
+//! `transformers` GPT-2 folder, or a sweep (each job's, in a table).
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -11,9 +11,10 @@ use super::{Context, train_error};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
-    /// A language-model run directory (`runs/<time>-<experiment>`), or a
+    /// A language-model run directory (`runs/<time>-<experiment>`), a
     /// transformers GPT-2 folder (config.json, model.safetensors,
-    /// tokenizer.json: OpenAI's GPT-2, a `kiln export`)
+    /// tokenizer.json: OpenAI's GPT-2, a `kiln export`), or a sweep's
+    /// folder (`kiln train -m`: every job that has a checkpoint)
     from: PathBuf,
     /// The text to score (UTF-8), e.g. a held-out test set
     #[arg(long, value_name = "FILE")]
@@ -36,6 +37,9 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     let mut request = kiln_train::EvalRequest::default();
     request.best = args.best;
     request.stride = args.stride;
+    if args.from.join(super::sweep::RECORD).is_file() {
+        return sweep(&args, &request, ctx);
+    }
     let e = kiln_train::evaluate_text(&args.from, &args.data, &request, &ctx.report)
         .map_err(train_error)?;
     for note in &e.notes {
@@ -69,5 +73,75 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         },
         e.tokens_per_s
     )?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kiln eval SWEEP`: each job that has a checkpoint (finished, pruned or
+/// stopped), in a table, the lowest loss marked.
+fn sweep(
+    args: &Args,
+    request: &kiln_train::EvalRequest,
+    ctx: &Context,
+) -> anyhow::Result<ExitCode> {
+    let mut rows = Vec::new();
+    for (label, dir, status) in super::sweep::jobs_of(&args.from)? {
+        if !dir.join("config.toml").is_file() || status == "failed" || status == "pending" {
+            eprintln!("kiln: {label}: {status}, not scored");
+            continue;
+        }
+        match kiln_train::evaluate_text(&dir, &args.data, request, &ctx.report) {
+            Ok(e) => rows.push((label, status, e)),
+            // The text itself is bad for every job: say so once, exit 2.
+            Err(
+                e @ (kiln_train::TrainError::Data(_)
+                | kiln_train::TrainError::TextNotEncodable { .. }),
+            ) => {
+                return Err(train_error(e));
+            }
+            Err(e) => eprintln!("kiln: {label}: not scored: {e}"),
+        }
+    }
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        let list: Vec<_> = rows
+            .iter()
+            .map(|(label, status, e)| serde_json::json!({ "job": label, "status": status, "eval": e }))
+            .collect();
+        writeln!(out, "{}", serde_json::to_string_pretty(&list)?)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let best = rows
+        .iter()
+        .enumerate()
+        .min_by(|a, b| a.1.2.loss.total_cmp(&b.1.2.loss))
+        .map(|(i, _)| i);
+    writeln!(
+        out,
+        "{}: {} jobs scored on {}{}",
+        args.from.display(),
+        rows.len(),
+        args.data.display(),
+        if args.best {
+            " (each job's best model)"
+        } else {
+            ""
+        }
+    )?;
+    let width = rows.iter().map(|r| r.0.len()).max().unwrap_or(3).max(3);
+    writeln!(
+        out,
+        "  {:<width$}  {:<8}  {:>8}  {:>10}  {:>9}",
+        "job", "status", "loss", "perplexity", "bits/byte"
+    )?;
+    for (i, (label, status, e)) in rows.iter().enumerate() {
+        writeln!(
+            out,
+            "  {label:<width$}  {status:<8}  {:>8.4}  {:>10.3}  {:>9.4}{}",
+            e.loss,
+            e.perplexity,
+            e.bits_per_byte,
+            if Some(i) == best { "  *" } else { "" }
+        )?;
+    }
     Ok(ExitCode::SUCCESS)
 }

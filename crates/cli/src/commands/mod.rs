@@ -46,14 +46,17 @@ impl Context {
         })
     }
 
-    /// The global flags a child `kiln` needs to see the same presets and machine.
+    /// The global flags a child `kiln` needs to see the same presets and
+    /// machine, their paths absolute (a child may start elsewhere, a sweep
+    /// resume from another folder).
     pub(crate) fn prefix(&self) -> Vec<String> {
+        let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
         let mut args = Vec::new();
         if let Some(p) = &self.presets {
-            args.push(format!("--presets={}", p.display()));
+            args.push(format!("--presets={}", absolute(p).display()));
         }
         if let Some(r) = &self.hardware_report {
-            args.push(format!("--hardware-report={}", r.display()));
+            args.push(format!("--hardware-report={}", absolute(r).display()));
         }
         args
     }

@@ -300,6 +300,8 @@ pub(crate) fn run(start: &Start<'_>, ctx: &Context) -> anyhow::Result<ExitCode> 
         flags.push("--force".to_string());
     }
     if let Some(config) = &start.layers.config {
+        // Absolute, so that a resume from another folder reads the same file.
+        let config = std::path::absolute(config).unwrap_or_else(|_| config.clone());
         flags.extend(["--config".to_string(), config.display().to_string()]);
     }
     let record = Record {
@@ -406,14 +408,38 @@ fn check_jobs(
     Ok(configs)
 }
 
-/// `kiln resume SWEEP`: goes on with the jobs not finished.
-pub(crate) fn resume(dir: &Path, tui: bool) -> anyhow::Result<ExitCode> {
-    refuse_in_a_job("kiln resume SWEEP")?;
+/// A sweep's jobs as another command reads them: each one's label
+/// (`training.learning_rate=3e-3 model.layers=2`), folder and state.
+pub(crate) fn jobs_of(dir: &Path) -> anyhow::Result<Vec<(String, std::path::PathBuf, String)>> {
+    let record = read_record(dir)?;
+    Ok((0..record.jobs.len())
+        .map(|n| {
+            let job = &record.jobs[n];
+            (
+                label_of(&record, n, " "),
+                dir.join(&job.dir),
+                serde_json::to_value(job.status)
+                    .ok()
+                    .and_then(|v| v.as_str().map(String::from))
+                    .unwrap_or_default(),
+            )
+        })
+        .collect())
+}
+
+/// `dir`'s `sweep.json`.
+fn read_record(dir: &Path) -> anyhow::Result<Record> {
     let path = dir.join(RECORD);
     let text = std::fs::read_to_string(&path)
         .map_err(|e| BadInput(format!("failed to read `{}`: {e}", path.display())))?;
-    let record: Record = serde_json::from_str(&text)
-        .map_err(|e| BadInput(format!("`{}` line {}: {e}", path.display(), e.line())))?;
+    Ok(serde_json::from_str(&text)
+        .map_err(|e| BadInput(format!("`{}` line {}: {e}", path.display(), e.line())))?)
+}
+
+/// `kiln resume SWEEP`: goes on with the jobs not finished.
+pub(crate) fn resume(dir: &Path, tui: bool) -> anyhow::Result<ExitCode> {
+    refuse_in_a_job("kiln resume SWEEP")?;
+    let record = read_record(dir)?;
     let left = record.jobs.iter().filter(|j| !j.status.done()).count();
     // The machine the jobs see: the sweep's `--hardware-report`, if it had one.
     let ctx = Context::from_prefix(&record.prefix)?;
