@@ -1516,3 +1516,57 @@ fn eval_scores_every_token_as_gpt2s_forward_pass_in_python_does() {
     .expect_code(2)
     .stderr_has(&["none.txt"]);
 }
+
+#[test]
+fn lr_find_runs_the_range_test_and_suggests_a_rate_it_tried() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut args = tiny(tmp.path(), "unused", 1);
+    args[0] = "lr-find".into();
+    let plot = tmp.path().join("lr.svg");
+    args.extend([
+        "--steps".into(),
+        "40".into(),
+        "--min-lr".into(),
+        "1e-6".into(),
+        "--plot".into(),
+        plot.display().to_string(),
+        "--json".into(),
+    ]);
+    let out = run_kiln(&args).expect_code(0);
+    let found: serde_json::Value = serde_json::from_str(&out.stdout).expect("json");
+    let points = found["points"].as_array().expect("points");
+    assert!(points.len() > 12, "{} steps", points.len());
+    assert_eq!(found["diverged"], points.len() < 40);
+    let lrs: Vec<f64> = points
+        .iter()
+        .map(|p| p["lr"].as_f64().expect("lr"))
+        .collect();
+    assert!((lrs[0] / 1e-6 - 1.0).abs() < 1e-9);
+    // Geometric: each rate the same factor above the one before.
+    let factor = (1.0f64 / 1e-6).powf(1.0 / 39.0);
+    for pair in lrs.windows(2) {
+        assert!((pair[1] / pair[0] / factor - 1.0).abs() < 1e-9);
+    }
+    let suggestion = found["suggestion"].as_f64().expect("a suggestion");
+    assert!(lrs.contains(&suggestion));
+    // The loss falls somewhere in the range: the tiny model learns.
+    let smoothed: Vec<f64> = points
+        .iter()
+        .map(|p| p["smoothed"].as_f64().expect("smoothed"))
+        .collect();
+    assert!(smoothed.iter().copied().fold(f64::INFINITY, f64::min) < smoothed[0] - 0.05);
+    let svg = std::fs::read_to_string(&plot).expect("the plot");
+    assert!(svg.starts_with("<svg") && svg.contains("learning-rate range test"));
+    // A range upside down is named, exit 2.
+    let mut bad = tiny(tmp.path(), "unused", 1);
+    bad[0] = "lr-find".into();
+    bad.extend([
+        "--min-lr".into(),
+        "1".into(),
+        "--max-lr".into(),
+        "1e-3".into(),
+    ]);
+    run_kiln(&bad)
+        .expect_code(2)
+        .stderr_has(&["needs 0 < --min-lr < --max-lr"]);
+}

@@ -18,8 +18,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use commands::{
-    Context, bench, config, diagnose, eval, export, hardware, kernels, launch, prepare, sample,
-    train, tune,
+    Context, bench, config, diagnose, eval, export, hardware, kernels, launch, lr_find, prepare,
+    sample, train, tune,
 };
 use kiln_config::ConfigError;
 
@@ -124,6 +124,10 @@ enum Command {
     /// their fixes, a memory estimate, and a measured burst of steps.
     /// Exit 2 when a problem would make the run fail
     Diagnose(diagnose::Args),
+    /// The learning-rate range test (Lightning's `lr_find`): each step at a
+    /// larger rate, the loss against the rate, and the rate where it falls
+    /// fastest, for `training.learning_rate`
+    LrFind(lr_find::Args),
     /// Measure this machine's micro-batch, accumulation and loader settings
     /// for the experiment (its effective batch kept) and write them to
     /// presets/tuned/<machine>.toml, used by hardware=tuned
@@ -206,5 +210,6 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench(args) => bench::run(args, &ctx),
         Command::Diagnose(args) => diagnose::run(args, &ctx),
         Command::Tune(args) => tune::run(args, &ctx),
+        Command::LrFind(args) => lr_find::run(args, &ctx),
     }
 }

@@ -10,6 +10,7 @@ pub(crate) mod export;
 pub(crate) mod hardware;
 pub(crate) mod kernels;
 pub(crate) mod launch;
+pub(crate) mod lr_find;
 pub(crate) mod prepare;
 pub(crate) mod sample;
 pub(crate) mod sweep;
