@@ -157,14 +157,7 @@ impl Distribution {
             return format!("{}", v.clamp(lo, hi) as i64);
         }
         let x = rng.random_range(low..high);
-        let v = if self.log { x.exp() } else { x };
-        let rounded: f64 = format!("{v:.3e}").parse().unwrap_or(v);
-        let text = rounded.to_string();
-        if text.contains(['.', 'e', 'E']) {
-            text
-        } else {
-            format!("{text}.0")
-        }
+        decimal(if self.log { x.exp() } else { x }, 4)
     }
 }
 
@@ -304,6 +297,20 @@ pub fn draw(
     Ok((axes, jobs))
 }
 
+/// `v` to `digits` significant digits, in the shortest text that reads back
+/// as that; a whole number stays a float for TOML (`1.0`, not `1`).
+fn decimal(v: f64, digits: usize) -> String {
+    let rounded: f64 = format!("{v:.*e}", digits.saturating_sub(1))
+        .parse()
+        .unwrap_or(v);
+    let text = rounded.to_string();
+    if text.contains(['.', 'e', 'E']) {
+        text
+    } else {
+        format!("{text}.0")
+    }
+}
+
 /// Whether `value` is a sweep function (`range(...)`, `choice(...)`), which
 /// sweeps even with one value.
 fn is_call(value: &str) -> bool {
@@ -425,15 +432,7 @@ fn range(inner: &str) -> Result<Vec<String>, String> {
     Ok((0..count as usize)
         .map(|i| {
             // Twelve significant digits: 0.1 + 2 × 0.1 is written 0.3.
-            let v = a + i as f64 * s;
-            let rounded: f64 = format!("{v:.11e}").parse().unwrap_or(v);
-            let text = rounded.to_string();
-            // A whole number stays a float for TOML (`1.0`, not `1`).
-            if text.contains(['.', 'e', 'E']) {
-                text
-            } else {
-                format!("{text}.0")
-            }
+            decimal(a + i as f64 * s, 12)
         })
         .collect())
 }

@@ -639,11 +639,7 @@ pub fn bench_lm_job(
     let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.world_size()));
     let task = prepared.shared_task(config, &choice.device, rank, world)?;
     let gpt = &prepared.gpt;
-    let seed = config.training.seed;
-    let model = init_model(config, &device, seed, |d| gpt.init(d))
-        .with_compute(precision.compute)
-        .with_kernels(kernels(config))
-        .with_attention(crate::translate::attention(config));
+    let model = lm_model(config, &prepared, &device, &precision);
     let scaler = precision
         .loss_scaling()
         .then(|| LossScaler::from_config(&config.precision));
@@ -670,19 +666,10 @@ pub fn bench_nli(
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
     let (choice, device, precision) = bench_device(config, hardware, options)?;
-    let pairs = nli::read(config)?;
-    let prepared = nli::prepare(config, &pairs, 0, None)?;
-    let encoder = &prepared.encoder;
-    let mut model = init_model(config, &device, prepared.seed, |d| encoder.init(d))
-        .with_compute(precision.compute)
-        .with_kernels(kernels(config))
-        .with_attention(crate::translate::attention(config));
-    let frozen = config.model.freeze_encoder;
-    if frozen {
-        model = model.freeze_encoder();
-    }
     let pad_to = options.pad_to_max_length.then_some(config.model.max_length);
-    let task = prepared.task(config, &pairs.data.labels, &choice.device, pad_to);
+    let (prepared, model, task) = nli_first_fold(config, &choice, &device, &precision, pad_to)?;
+    let encoder = &prepared.encoder;
+    let frozen = config.model.freeze_encoder;
     let scaler = precision
         .loss_scaling()
         .then(|| LossScaler::from_config(&config.precision));
@@ -699,6 +686,45 @@ pub fn bench_nli(
         timings,
         None,
     ))
+}
+
+/// The GPT of `prepared` as a run starts it: its weights drawn from the
+/// seed on `device`, its products in the run's precision, its kernels.
+pub(crate) fn lm_model(
+    config: &RunConfig,
+    prepared: &lm::Prepared,
+    device: &Device,
+    precision: &PrecisionChoice,
+) -> kiln_model::Gpt {
+    let gpt = &prepared.gpt;
+    init_model(config, device, config.training.seed, |d| gpt.init(d))
+        .with_compute(precision.compute)
+        .with_kernels(kernels(config))
+        .with_attention(crate::translate::attention(config))
+}
+
+/// The sentence-pair encoder of `config` on its first fold, as the run
+/// starts it (frozen where `model.freeze_encoder` says), and its task
+/// (`pad_to`: every batch padded to it).
+pub(crate) fn nli_first_fold(
+    config: &RunConfig,
+    choice: &crate::DeviceChoice,
+    device: &Device,
+    precision: &PrecisionChoice,
+    pad_to: Option<usize>,
+) -> Result<(nli::Prepared, kiln_model::EncoderClassifier, nli::NliTask), TrainError> {
+    let pairs = nli::read(config)?;
+    let prepared = nli::prepare(config, &pairs, 0, None)?;
+    let encoder = &prepared.encoder;
+    let mut model = init_model(config, device, prepared.seed, |d| encoder.init(d))
+        .with_compute(precision.compute)
+        .with_kernels(kernels(config))
+        .with_attention(crate::translate::attention(config));
+    if config.model.freeze_encoder {
+        model = model.freeze_encoder();
+    }
+    let task = prepared.task(config, &pairs.data.labels, &choice.device, pad_to);
+    Ok((prepared, model, task))
 }
 
 /// The percentage of a step of `step_s` seconds spent between the ranks:

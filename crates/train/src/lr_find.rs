@@ -18,13 +18,13 @@ use kiln_hwdetect::HardwareReport;
 use plotters::prelude::*;
 use serde::Serialize;
 
+use crate::bench::{lm_model, nli_first_fold};
 use crate::optim::AdamW;
 use crate::precision::LossScaler;
-use crate::setup::{init_model, run_precision, train_device};
+use crate::setup::{run_precision, train_device};
 use crate::step::{StepState, Untimed, train_step};
 use crate::task::Task;
-use crate::translate::kernels;
-use crate::workload::{lm, nli};
+use crate::workload::lm;
 use crate::{TrainError, open_device};
 
 /// The range test's settings.
@@ -115,25 +115,11 @@ pub fn lr_find(
         Workload::Lm => {
             let prepared = lm::prepare(config, lm::TokenizerFrom::Config)?;
             let task = prepared.shared_task(config, &choice.device, 0, 1)?;
-            let gpt = &prepared.gpt;
-            let model = init_model(config, &device, config.training.seed, |d| gpt.init(d))
-                .with_compute(precision.compute)
-                .with_kernels(kernels(config))
-                .with_attention(crate::translate::attention(config));
+            let model = lm_model(config, &prepared, &device, &precision);
             range_test(&task, model, &device, config, options, scaler)?
         }
         Workload::Nli => {
-            let pairs = nli::read(config)?;
-            let prepared = nli::prepare(config, &pairs, 0, None)?;
-            let encoder = &prepared.encoder;
-            let mut model = init_model(config, &device, prepared.seed, |d| encoder.init(d))
-                .with_compute(precision.compute)
-                .with_kernels(kernels(config))
-                .with_attention(crate::translate::attention(config));
-            if config.model.freeze_encoder {
-                model = model.freeze_encoder();
-            }
-            let task = prepared.task(config, &pairs.data.labels, &choice.device, None);
+            let (_, model, task) = nli_first_fold(config, &choice, &device, &precision, None)?;
             range_test(&task, model, &device, config, options, scaler)?
         }
     };
