@@ -622,7 +622,8 @@ pub struct SampleSection {
     pub count: usize,
     /// Tokens per text.
     pub tokens: usize,
-    /// Sampling temperature: lower is more conservative.
+    /// Sampling temperature: lower is more conservative; 0 takes the most
+    /// likely token (greedy).
     pub temperature: f64,
     /// Sample among the k most likely tokens; 0 samples among all.
     pub top_k: usize,
@@ -903,6 +904,11 @@ impl RunConfig {
             "must be at least 1",
         );
         check(self.cv.folds >= 2, "cv.folds", "must be at least 2");
+        check(
+            self.sample.temperature >= 0.0,
+            "sample.temperature",
+            "must be 0 (greedy) or more",
+        );
         check(
             self.sample.top_p > 0.0 && self.sample.top_p <= 1.0,
             "sample.top_p",

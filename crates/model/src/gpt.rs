@@ -554,7 +554,8 @@ pub(crate) fn smoothed_rows(
 /// top-p.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Sampling {
-    /// The logits are divided by it: lower is more conservative (above 0).
+    /// The logits are divided by it: lower is more conservative; 0 takes
+    /// the most likely token (greedy, Hugging Face's `do_sample=False`).
     pub temperature: f64,
     /// Only the k most likely tokens; 0: all.
     pub top_k: usize,
@@ -580,9 +581,13 @@ impl Sampling {
 }
 
 fn sample(logits: &[f32], sampling: &Sampling, rng: &mut impl RngExt) -> u32 {
-    let temperature = sampling.temperature.max(1e-6);
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    if sampling.temperature <= 0.0 {
+        // Greedy: the most likely token (the first of a tie), no draw.
+        return order[0] as u32;
+    }
+    let temperature = sampling.temperature.max(1e-6);
     if sampling.top_k > 0 {
         order.truncate(sampling.top_k);
     }
@@ -985,6 +990,8 @@ mod tests {
         assert!(all.iter().all(|&n| n > 40), "{all:?}");
         // The smallest nucleus still holds the most likely token.
         assert_eq!(draws(Sampling::new(1.0, 0).with_top_p(1e-9)), [0, 0, 400]);
+        // Temperature 0 is greedy: the most likely token, always.
+        assert_eq!(draws(Sampling::new(0.0, 0)), [0, 0, 400]);
         // top_p 1 changes nothing: the same draws as without it.
         assert_eq!(
             draws(Sampling::new(1.0, 0).with_top_p(1.0)),

@@ -27,9 +27,9 @@ pub(crate) struct Args {
     /// Tokens each [default: the run's sample.tokens]
     #[arg(long)]
     tokens: Option<usize>,
-    /// Sampling temperature, above 0: lower is more conservative [default:
-    /// the run's sample.temperature]
-    #[arg(long, value_parser = positive)]
+    /// Sampling temperature: lower is more conservative, 0 takes the most
+    /// likely token (greedy) [default: the run's sample.temperature]
+    #[arg(long, value_parser = non_negative)]
     temperature: Option<f64>,
     /// Sample among the k most likely tokens; 0: among all [default: the
     /// run's sample.top_k]
@@ -53,10 +53,10 @@ pub(crate) struct Args {
     best: bool,
 }
 
-fn positive(s: &str) -> Result<f64, String> {
+fn non_negative(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
-        Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
-        _ => Err(format!("`{s}` is not a number above 0")),
+        Ok(v) if v >= 0.0 && v.is_finite() => Ok(v),
+        _ => Err(format!("`{s}` is not a number, 0 or more")),
     }
 }
 

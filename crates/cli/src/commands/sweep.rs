@@ -461,7 +461,7 @@ fn refuse_in_a_job(what: &str) -> anyhow::Result<()> {
         Ok(Some(_))
     ) {
         return Err(BadInput(format!(
-            "{what} runs its jobs one after another on this machine; it cannot be a rank of a data-parallel job (WORLD_SIZE is set)"
+            "{what} starts its jobs as processes of its own on this machine; it cannot be a rank of a data-parallel job (WORLD_SIZE is set)"
         ))
         .into());
     }
