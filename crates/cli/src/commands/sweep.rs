@@ -125,14 +125,51 @@ pub(crate) struct Pruning {
 /// A language model's evaluations so far, `(step, val_loss)`, from its
 /// `metrics.jsonl`.
 fn evaluations(dir: &Path) -> Vec<(u64, f64)> {
-    let Ok(text) = std::fs::read_to_string(dir.join("metrics.jsonl")) else {
-        return Vec::new();
-    };
-    text.lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|v| v["kind"] == "eval")
-        .filter_map(|v| Some((v["step"].as_u64()?, v["val_loss"].as_f64()?)))
-        .collect()
+    let mut watch = Watch::default();
+    watch.read(dir);
+    watch.evals
+}
+
+/// What the sweep has read of a running job's `metrics.jsonl`: up to
+/// `offset`, whole lines, its evaluations; and why it is being pruned.
+#[derive(Debug, Default)]
+struct Watch {
+    offset: u64,
+    evals: Vec<(u64, f64)>,
+    pruned: Option<String>,
+}
+
+impl Watch {
+    /// Reads the lines written since the last read (all again if the file
+    /// was cut, as a resume cuts it); whether it found any.
+    fn read(&mut self, dir: &Path) -> bool {
+        use std::io::{Read as _, Seek as _};
+        let Ok(mut file) = std::fs::File::open(dir.join("metrics.jsonl")) else {
+            return false;
+        };
+        let len = file.metadata().map_or(0, |m| m.len());
+        if len < self.offset {
+            (self.offset, self.evals) = (0, Vec::new());
+        }
+        if len == self.offset || file.seek(std::io::SeekFrom::Start(self.offset)).is_err() {
+            return false;
+        }
+        let mut text = String::new();
+        if file.read_to_string(&mut text).is_err() {
+            return false;
+        }
+        // Whole lines only: the last may be half written.
+        let whole = text.rfind('\n').map_or(0, |i| i + 1);
+        self.offset += whole as u64;
+        self.evals.extend(
+            text[..whole]
+                .lines()
+                .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+                .filter(|v| v["kind"] == "eval")
+                .filter_map(|v| Some((v["step"].as_u64()?, v["val_loss"].as_f64()?))),
+        );
+        whole > 0
+    }
 }
 
 /// Why a job with evaluations `own` is pruned, if it is: its latest step,
@@ -572,9 +609,8 @@ fn run_jobs(mut record: Record, dir: &Path, pace: Pace) -> anyhow::Result<ExitCo
         .filter(|j| j.status == Status::Finished && record.pruning.is_some())
         .map(|j| evaluations(&dir.join(&j.dir)))
         .collect();
-    // A running job's evaluations as last read (by the size of its
-    // metrics), and why it is being pruned.
-    let mut seen: Vec<(u64, Option<String>)> = (0..pace.jobs).map(|_| (0, None)).collect();
+    // What has been read of each running job's metrics.
+    let mut seen: Vec<Watch> = (0..pace.jobs).map(|_| Watch::default()).collect();
     let mut queue = to_run.into_iter();
     let mut slots: Vec<Option<Started>> = (0..pace.jobs).map(|_| None).collect();
     loop {
@@ -585,7 +621,7 @@ fn run_jobs(mut record: Record, dir: &Path, pace: Pace) -> anyhow::Result<ExitCo
             let Some(n) = queue.next() else { break };
             let started = start_job(&record, n, dir, &program, pace, slot)?;
             running.pids[slot].store(started.child.id() as i32, Ordering::SeqCst);
-            seen[slot] = (0, None);
+            seen[slot] = Watch::default();
             if running.stop.load(Ordering::SeqCst) && running.own_group {
                 // Ctrl-C came while it started, maybe before the handler
                 // could see its pid: this job alone is told here (the
@@ -616,7 +652,7 @@ fn run_jobs(mut record: Record, dir: &Path, pace: Pace) -> anyhow::Result<ExitCo
             let ending = Ending {
                 status,
                 error_file: &error_file,
-                pruned: seen[slot].1.take(),
+                pruned: seen[slot].pruned.take(),
             };
             end_job(&mut record, n, dir, ending, pace);
             match record.jobs[n].status {
@@ -661,30 +697,27 @@ fn run_jobs(mut record: Record, dir: &Path, pace: Pace) -> anyhow::Result<ExitCo
     })
 }
 
-/// Reads the running job's evaluations when its metrics grew and, where the
+/// Reads what the running job logged since the last look and, where the
 /// median rule says so, stops it with a checkpoint (once), saying why.
 fn prune_if_behind(
     record: &Record,
     started: &Started,
-    seen: &mut (u64, Option<String>),
+    seen: &mut Watch,
     finished: &[Vec<(u64, f64)>],
     rule: Pruning,
     dir: &Path,
 ) {
-    let job_dir = dir.join(&record.jobs[started.n].dir);
-    let size = std::fs::metadata(job_dir.join("metrics.jsonl")).map_or(0, |m| m.len());
-    if seen.1.is_some() || size == seen.0 {
+    if seen.pruned.is_some() || !seen.read(&dir.join(&record.jobs[started.n].dir)) {
         return;
     }
-    seen.0 = size;
-    let Some((step, best, median)) = prune_at(&evaluations(&job_dir), finished, rule) else {
+    let Some((step, best, median)) = prune_at(&seen.evals, finished, rule) else {
         return;
     };
     let why = format!(
         "at step {step}: best val loss {best:.4} above the finished jobs' median {median:.4}"
     );
     println!("kiln: job {} pruned {why}", started.n);
-    seen.1 = Some(why);
+    seen.pruned = Some(why);
     // SAFETY: kill(2) on a job this process started and has not reaped.
     unsafe {
         libc::kill(started.child.id() as i32, libc::SIGINT);
@@ -1085,6 +1118,32 @@ mod tests {
         assert_eq!(prune_at(&[(150, 9.0)], &finished, rule), None);
         // A loss gone to NaN is pruned.
         assert!(prune_at(&[(100, f64::NAN)], &finished, rule).is_some());
+    }
+
+    #[test]
+    fn a_running_jobs_metrics_are_read_as_they_grow_whole_lines_only() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("metrics.jsonl");
+        let eval =
+            |step: u64, loss: f64| format!(r#"{{"kind":"eval","step":{step},"val_loss":{loss}}}"#);
+        let step = r#"{"kind":"step","step":5,"loss":3.0}"#;
+        let mut watch = Watch::default();
+        assert!(!watch.read(dir.path()), "no file yet");
+        // A line half written is left for the next read.
+        let first = format!("{step}\n{}\n", eval(10, 2.5));
+        let half = &eval(20, 2.25)[..12];
+        std::fs::write(&path, format!("{first}{half}")).expect("write");
+        assert!(watch.read(dir.path()));
+        assert_eq!(watch.evals, [(10, 2.5)]);
+        std::fs::write(&path, format!("{first}{}\n", eval(20, 2.25))).expect("write");
+        assert!(watch.read(dir.path()));
+        assert_eq!(watch.evals, [(10, 2.5), (20, 2.25)]);
+        assert!(!watch.read(dir.path()), "nothing new");
+        // Cut, as a resume cuts it: read again from the start.
+        std::fs::write(&path, format!("{}\n", eval(10, 2.4))).expect("write");
+        assert!(watch.read(dir.path()));
+        assert_eq!(watch.evals, [(10, 2.4)]);
+        assert_eq!(evaluations(dir.path()), [(10, 2.4)]);
     }
 
     fn record(objectives: &[Option<f64>], higher_is_better: bool) -> Record {
