@@ -1557,6 +1557,37 @@ fn lr_find_runs_the_range_test_and_suggests_a_rate_it_tried() {
     assert!(smoothed.iter().copied().fold(f64::INFINITY, f64::min) < smoothed[0] - 0.05);
     let svg = std::fs::read_to_string(&plot).expect("the plot");
     assert!(svg.starts_with("<svg") && svg.contains("learning-rate range test"));
+    // A fine-tune's range starts from the model it fine-tunes: a tiny run's
+    // export, whose loss is far below a drawn model's.
+    train_tiny(tmp.path(), "source", 60, &[]).expect_code(0);
+    let folder = tmp.path().join("hf");
+    run_kiln(&[
+        "export".into(),
+        tmp.path().join("source").display().to_string(),
+        "--out".into(),
+        folder.display().to_string(),
+    ])
+    .expect_code(0);
+    let first_loss = |extra: &[String]| {
+        let mut args = tiny(tmp.path(), "unused", 1);
+        args[0] = "lr-find".into();
+        args.extend(
+            [
+                "--steps", "12", "--min-lr", "1e-12", "--max-lr", "1e-11", "--json",
+            ]
+            .map(String::from),
+        );
+        args.extend(extra.iter().cloned());
+        let out = run_kiln(&args).expect_code(0);
+        let found: serde_json::Value = serde_json::from_str(&out.stdout).expect("json");
+        found["points"][0]["loss"].as_f64().expect("loss")
+    };
+    let drawn = first_loss(&[]);
+    let tuned = first_loss(&[format!("model.init_from={}", folder.display())]);
+    assert!(
+        tuned < drawn - 0.3,
+        "from the folder {tuned}, drawn {drawn}"
+    );
     // A range upside down is named, exit 2.
     let mut bad = tiny(tmp.path(), "unused", 1);
     bad[0] = "lr-find".into();

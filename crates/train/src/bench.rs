@@ -639,7 +639,8 @@ pub fn bench_lm_job(
     let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.world_size()));
     let task = prepared.shared_task(config, &choice.device, rank, world)?;
     let gpt = &prepared.gpt;
-    let model = lm_model(config, &prepared, &device, &precision);
+    // The weights do not change the time: drawn, not read from a folder.
+    let model = lm_model(config, &prepared, &device, &precision, false)?;
     let scaler = precision
         .loss_scaling()
         .then(|| LossScaler::from_config(&config.precision));
@@ -667,7 +668,8 @@ pub fn bench_nli(
 ) -> Result<BenchResult, TrainError> {
     let (choice, device, precision) = bench_device(config, hardware, options)?;
     let pad_to = options.pad_to_max_length.then_some(config.model.max_length);
-    let (prepared, model, task) = nli_first_fold(config, &choice, &device, &precision, pad_to)?;
+    let (prepared, model, task) =
+        nli_first_fold(config, &choice, &device, &precision, (pad_to, false))?;
     let encoder = &prepared.encoder;
     let frozen = config.model.freeze_encoder;
     let scaler = precision
@@ -689,34 +691,50 @@ pub fn bench_nli(
 }
 
 /// The GPT of `prepared` as a run starts it: its weights drawn from the
-/// seed on `device`, its products in the run's precision, its kernels.
+/// seed on `device` (with `pretrained`, `model.init_from`'s where it names
+/// a folder), its products in the run's precision, its kernels.
 pub(crate) fn lm_model(
     config: &RunConfig,
     prepared: &lm::Prepared,
     device: &Device,
     precision: &PrecisionChoice,
-) -> kiln_model::Gpt {
+    pretrained: bool,
+) -> Result<kiln_model::Gpt, TrainError> {
     let gpt = &prepared.gpt;
-    init_model(config, device, config.training.seed, |d| gpt.init(d))
+    let folder = if pretrained {
+        crate::pretrained::open(config, &prepared.tokenizer)?
+    } else {
+        None
+    };
+    let model = match folder {
+        Some(folder) => folder.load_into(gpt.init_unset(device), device)?,
+        None => init_model(config, device, config.training.seed, |d| gpt.init(d)),
+    };
+    Ok(model
         .with_compute(precision.compute)
         .with_kernels(kernels(config))
-        .with_attention(crate::translate::attention(config))
+        .with_attention(crate::translate::attention(config)))
 }
 
 /// The sentence-pair encoder of `config` on its first fold, as the run
-/// starts it (frozen where `model.freeze_encoder` says), and its task
+/// starts it (with `pretrained`, from `model.init_from`'s weights where it
+/// names a folder; frozen where `model.freeze_encoder` says), and its task
 /// (`pad_to`: every batch padded to it).
 pub(crate) fn nli_first_fold(
     config: &RunConfig,
     choice: &crate::DeviceChoice,
     device: &Device,
     precision: &PrecisionChoice,
-    pad_to: Option<usize>,
+    (pad_to, pretrained): (Option<usize>, bool),
 ) -> Result<(nli::Prepared, kiln_model::EncoderClassifier, nli::NliTask), TrainError> {
     let pairs = nli::read(config)?;
     let prepared = nli::prepare(config, &pairs, 0, None)?;
     let encoder = &prepared.encoder;
-    let mut model = init_model(config, device, prepared.seed, |d| encoder.init(d))
+    let mut model = init_model(config, device, prepared.seed, |d| encoder.init(d));
+    if pretrained && let Some(bert) = crate::pretrained::bert::open(config)? {
+        model = bert.load_into(model, device)?;
+    }
+    let mut model = model
         .with_compute(precision.compute)
         .with_kernels(kernels(config))
         .with_attention(crate::translate::attention(config));

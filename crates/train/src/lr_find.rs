@@ -83,7 +83,9 @@ pub struct LrFind {
 }
 
 /// Runs the range test on the model and data `config` describes (a
-/// sentence-pair run's first fold), from its initial weights.
+/// sentence-pair run's first fold), from its initial weights: drawn, or
+/// `model.init_from`'s (a fine-tune's rate is found from the model it
+/// fine-tunes).
 pub fn lr_find(
     config: &RunConfig,
     hardware: &HardwareReport,
@@ -115,11 +117,12 @@ pub fn lr_find(
         Workload::Lm => {
             let prepared = lm::prepare(config, lm::TokenizerFrom::Config)?;
             let task = prepared.shared_task(config, &choice.device, 0, 1)?;
-            let model = lm_model(config, &prepared, &device, &precision);
+            let model = lm_model(config, &prepared, &device, &precision, true)?;
             range_test(&task, model, &device, config, options, scaler)?
         }
         Workload::Nli => {
-            let (_, model, task) = nli_first_fold(config, &choice, &device, &precision, None)?;
+            let (_, model, task) =
+                nli_first_fold(config, &choice, &device, &precision, (None, true))?;
             range_test(&task, model, &device, config, options, scaler)?
         }
     };
