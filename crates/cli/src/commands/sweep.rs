@@ -104,6 +104,17 @@ enum Status {
 }
 
 impl Status {
+    /// The state in the table's words.
+    fn word(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Finished => "finished",
+            Self::Interrupted => "stopped",
+            Self::Failed => "failed",
+            Self::Pruned => "pruned",
+        }
+    }
+
     /// Whether the job has nothing left to run.
     fn done(self) -> bool {
         matches!(self, Self::Finished | Self::Pruned)
@@ -446,7 +457,8 @@ fn check_jobs(
 }
 
 /// A sweep's jobs as another command reads them: each one's label
-/// (`training.learning_rate=3e-3 model.layers=2`), folder and state.
+/// (`training.learning_rate=3e-3 model.layers=2`), folder and state (in
+/// the table's words).
 pub(crate) fn jobs_of(dir: &Path) -> anyhow::Result<Vec<(String, std::path::PathBuf, String)>> {
     let record = read_record(dir)?;
     Ok((0..record.jobs.len())
@@ -455,10 +467,7 @@ pub(crate) fn jobs_of(dir: &Path) -> anyhow::Result<Vec<(String, std::path::Path
             (
                 label_of(&record, n, " "),
                 dir.join(&job.dir),
-                serde_json::to_value(job.status)
-                    .ok()
-                    .and_then(|v| v.as_str().map(String::from))
-                    .unwrap_or_default(),
+                job.status.word().to_string(),
             )
         })
         .collect())
@@ -999,16 +1008,7 @@ fn table(record: &Record, dir: &Path) -> String {
             };
             let mut row = vec![format!("{n}{mark}")];
             row.extend(j.values.iter().cloned());
-            row.push(
-                match j.status {
-                    Status::Pending => "pending",
-                    Status::Finished => "finished",
-                    Status::Interrupted => "stopped",
-                    Status::Failed => "failed",
-                    Status::Pruned => "pruned",
-                }
-                .into(),
-            );
+            row.push(j.status.word().into());
             match &j.result {
                 Some(r) => row.extend([
                     r.objective.map_or("-".into(), |v| format!("{v:.4}")),
