@@ -14,6 +14,11 @@ an optimizer step):
     kiln bench nli --pad-to-max-length training.batch_size=32 \
         training.gradient_accumulation_steps=1 model.dropout=0.0
 
+On a GPU (`--device cuda`, `--dtype bf16` for autocast; `bench/gpu_check.py`
+runs it so at BERT-base's shape against `kiln bench nli` in bf16) the model
+is on the device, TF32 is on for what stays in f32, AdamW is the fused one,
+and each step ends when the device has finished it.
+
 Prints one JSON object: samples/s (median, min, max) and ms/step.
 Not used by tests or CI.
 """
@@ -64,7 +69,7 @@ class Encoder(nn.Module):
 
     def forward(self, ids, seg, pad, labels):
         t = ids.shape[1]
-        x = self.ln(self.tok(ids) + self.pos(torch.arange(t)) + self.seg(seg))
+        x = self.ln(self.tok(ids) + self.pos(torch.arange(t, device=ids.device)) + self.seg(seg))
         for layer in self.layers:
             x = layer(x, pad)
         return F.cross_entropy(self.head(x[:, 0]), labels)
@@ -87,11 +92,21 @@ def main():
                     "--hidden 768 --intermediate 3072 --vocab 30522 (kiln's bert_base experiment)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "fp16"],
+                    help="bf16/fp16: autocast (mixed precision), the weights in f32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = Encoder(args.vocab, args.max_len, args.layers, args.heads, args.hidden, args.intermediate, 3)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    model = Encoder(args.vocab, args.max_len, args.layers, args.heads, args.hidden, args.intermediate, 3).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
+                            **({"fused": True} if cuda else {}))
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
     times = []
     for i in range(args.warmup + args.steps):
         lengths = torch.clamp(torch.poisson(torch.full((args.batch,), float(args.mean_len))), 4, args.max_len).long()
@@ -100,18 +115,25 @@ def main():
         seg = torch.zeros_like(ids)
         labels = torch.randint(0, 3, (args.batch,))
         start = time.perf_counter()
-        loss = model(ids, seg, pad, labels)
+        # The batch's copy to the device is in the step, as a loader's is.
+        ids, seg, pad, labels = (z.to(device) for z in (ids, seg, pad, labels))
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            loss = model(ids, seg, pad, labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if cuda:
+            torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     sps = sorted(args.batch / t for t in times)
     print(json.dumps({
         "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "dtype": args.dtype,
         "threads": args.threads,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_capability": None if cuda else torch.backends.cpu.get_cpu_capability(),
         "batch": args.batch,
         "max_len": args.max_len,
         "shape": [args.layers, args.heads, args.hidden, args.intermediate, args.vocab],

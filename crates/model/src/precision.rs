@@ -66,7 +66,7 @@ pub(crate) fn linear<const D: usize>(
     let weight = layer.weight.val().cast(low);
     let product = linear_op(x.cast(low), weight, None).cast(FloatDType::F32);
     match &layer.bias {
-        Some(bias) => product + bias.val().unsqueeze(),
+        Some(bias) => kernels::add_bias(product, bias.val()),
         None => product,
     }
 }
@@ -76,8 +76,11 @@ pub(crate) fn linear<const D: usize>(
 fn linear_in<const D: usize>(layer: &Linear, x: Tensor<D>, dtype: ComputeDtype) -> Tensor<D> {
     let low = dtype.float_dtype();
     let weight = layer.weight.val().cast(low);
-    let bias = layer.bias.as_ref().map(|b| b.val().cast(low));
-    linear_op(x.cast(low), weight, bias)
+    let product = linear_op(x.cast(low), weight, None);
+    match &layer.bias {
+        Some(bias) => kernels::add_bias(product, bias.val().cast(low)),
+        None => product,
+    }
 }
 
 /// Multi-head self-attention of `x` (`[b, t, d]`) between its projections:
@@ -109,7 +112,12 @@ pub(crate) fn attention(
     let y = if !dtype.is_reduced() {
         let packed = linear(qkv, x, dtype, kernels);
         kernels::self_attention(packed, heads, key_pad, causal, attention)
-    } else if kernels::memory_efficient_attention_runs(&x, attention) {
+    } else if kernels::memory_efficient_attention_runs(
+        &x,
+        dtype.float_dtype().into(),
+        x.dims()[2] / heads.max(1),
+        attention,
+    ) {
         let packed = linear_in(qkv, x, dtype);
         kernels::self_attention(packed, heads, key_pad, causal, attention)
     } else {

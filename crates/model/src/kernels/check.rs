@@ -182,8 +182,9 @@ pub const ATTENTION_F16_TOLERANCE: f64 = 1e-2;
 /// The same for bf16 (8 significant bits: eight times f16's rounding).
 pub const ATTENTION_BF16_TOLERANCE: f64 = 8e-2;
 
-/// [`self_attention`] fused and composed (Burn's attention) on `device`,
-/// forward and backward: a causal case (the GPT's) and a padded one (the
+/// [`self_attention`] fused (`memory-efficient`: kiln's kernels, which
+/// `auto` runs everywhere but in f32 on CUDA) and composed (Burn's
+/// attention) on `device`, forward and backward: a causal case (the GPT's) and a padded one (the
 /// encoder's; one batch entry 40 of 75 positions long), 2 heads of 16, 75
 /// positions (ragged against any block size). Each check's difference is
 /// the largest of the output's and the qkv gradient's. A third check gives
@@ -222,8 +223,10 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
         .map(|(name, qkv, upstream, heads, key_pad, causal)| {
             let run =
                 |attention| attention_run(qkv, upstream, key_pad.clone(), causal, heads, attention);
-            let ((y, dqkv), (y_ref, dqkv_ref)) =
-                (run(AttentionKernel::Auto), run(AttentionKernel::Math));
+            let ((y, dqkv), (y_ref, dqkv_ref)) = (
+                run(AttentionKernel::MemoryEfficient),
+                run(AttentionKernel::Math),
+            );
             KernelCheck {
                 kernel: format!("attention, {name} (t={t})"),
                 fused,
@@ -308,7 +311,10 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
         .lower(starts.expand([b, t]));
     let run =
         |attention| attention_run(&qkv, &upstream, Some(left_pad.clone()), true, h, attention);
-    let ((y, dqkv), (y_ref, _)) = (run(AttentionKernel::Auto), run(AttentionKernel::Math));
+    let ((y, dqkv), (y_ref, _)) = (
+        run(AttentionKernel::MemoryEfficient),
+        run(AttentionKernel::Math),
+    );
     let not_finite = |x: &Tensor<3>| {
         x.clone().is_nan().any().into_scalar::<bool>()
             || x.clone().is_inf().any().into_scalar::<bool>()
@@ -492,7 +498,9 @@ fn attention_fused_here(qkv: &Tensor<3>) -> bool {
     if flex::runs_fused(qkv) {
         return true;
     }
-    memory_efficient_attention_runs(qkv, AttentionKernel::Auto)
+    // kiln's kernels (flex's, the scalar CubeCL ones), which the f32 cases
+    // check whichever `auto` picks (Burn's attention in f32 on CUDA).
+    memory_efficient_attention_runs(qkv, qkv.dtype(), 1, AttentionKernel::MemoryEfficient)
 }
 
 /// The tolerance of [`check_lm_head_loss`]: the loss and the gradients of

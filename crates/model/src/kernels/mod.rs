@@ -174,7 +174,8 @@ pub fn self_attention(
     if attention != AttentionKernel::Math && flex::runs_fused(&qkv) {
         return flex::self_attention(qkv, key_pad, spec);
     }
-    if memory_efficient_attention_runs(&qkv, attention) {
+    let head_dim = qkv.dims()[2] / 3 / heads.max(1);
+    if memory_efficient_attention_runs(&qkv, qkv.dtype(), head_dim, attention) {
         #[cfg(feature = "cube")]
         return cube::attention::self_attention(qkv, key_pad, spec);
     }
@@ -212,14 +213,58 @@ pub fn attention_on_tensor_cores(
 
 /// Whether [`self_attention`] runs the memory-efficient CubeCL kernels for
 /// `qkv` (wgpu or CUDA, with or without Burn's `fusion`; f32/bf16/f16;
-/// any choice but `Math`):
-/// then a reduced compute dtype runs them in that dtype too.
-pub(crate) fn memory_efficient_attention_runs(qkv: &Tensor<3>, attention: AttentionKernel) -> bool {
+/// any choice but `Math`, and `Auto` only where [`auto_runs_kernels`]) in
+/// `dtype` with heads `head_dim` wide: then a reduced compute dtype runs
+/// them in that dtype too.
+pub(crate) fn memory_efficient_attention_runs(
+    qkv: &Tensor<3>,
+    dtype: burn::tensor::DType,
+    head_dim: usize,
+    attention: AttentionKernel,
+) -> bool {
     #[cfg(feature = "cube")]
-    return attention != AttentionKernel::Math && cube::attention::runs(qkv);
+    return attention != AttentionKernel::Math
+        && cube::attention::runs(qkv)
+        && (attention != AttentionKernel::Auto
+            || auto_runs_kernels(&qkv.device(), dtype, head_dim));
     #[cfg(not(feature = "cube"))]
     {
-        let _ = (qkv, attention);
+        let _ = (qkv, dtype, head_dim, attention);
+        false
+    }
+}
+
+/// Whether `optimization.attention = "auto"` runs kiln's CubeCL attention
+/// on `device` in `dtype` with heads `head_dim` wide. Everywhere but on
+/// CUDA; there only where it runs on the matrix unit (FlashAttention-2 in
+/// bf16/f16), not on the scalar kernels: in the 2026-12-04 GPU check (an
+/// H200) those disagreed with Burn's attention in `kiln check-kernels`
+/// (f32, and bf16/f16 with heads 64 wide), and 20 steps of a tiny GPT in
+/// f32 ended 0.34 off flex's loss, against 1.5e-6 with Burn's attention,
+/// while on llvmpipe they agree. So `auto` runs Burn's attention there
+/// until a GPU check passes them; `memory-efficient` still runs them (and
+/// `kiln check-kernels` checks them).
+pub fn auto_runs_kernels(
+    device: &burn::tensor::Device,
+    dtype: burn::tensor::DType,
+    head_dim: usize,
+) -> bool {
+    !is_cuda(device) || attention_on_tensor_cores(device, dtype, head_dim)
+}
+
+/// Whether `device` is a CUDA GPU.
+fn is_cuda(device: &burn::tensor::Device) -> bool {
+    #[cfg(feature = "cube")]
+    {
+        use burn::backend::DispatchDevice;
+        matches!(
+            device.clone().inner().as_dispatch(),
+            DispatchDevice::Cube(cubecl::Device::Cuda(_))
+        )
+    }
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = device;
         false
     }
 }
@@ -237,6 +282,11 @@ pub fn attention_keeps_scores(
 ) -> bool {
     use burn::backend::DispatchDevice;
     if attention == AttentionKernel::Math {
+        return true;
+    }
+    // `auto` on CUDA runs the kernels on the matrix unit only (bf16, f16:
+    // assumed here, the heads' width unknown) and Burn's attention in f32.
+    if attention == AttentionKernel::Auto && is_cuda(device) && !dtype.is_reduced() {
         return true;
     }
     match device.clone().inner().as_dispatch() {
@@ -279,7 +329,53 @@ pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>, kernels: Kernels) ->
         return flex::linear(x, layer.weight.val(), bias.val());
     }
     let _ = kernels;
-    layer.forward(x)
+    match &layer.bias {
+        Some(bias) => add_bias(
+            burn::tensor::module::linear(x, layer.weight.val(), None),
+            bias.val(),
+        ),
+        None => layer.forward(x),
+    }
+}
+
+/// `x + bias`, `bias` along `x`'s last dimension (a linear layer's, or
+/// LayerNorm's beta). On a CubeCL GPU the rows are viewed as `[chunks,
+/// rows per chunk, width]` for the addition, so that the bias's gradient
+/// (the column sums of `x`'s) is summed in two stages that each have many
+/// sums to run side by side: the chunks' rows, then the chunks. Burn sums a
+/// broadcast dimension at a time, and over the rows of `[rows, width]` it
+/// runs one sum per column: on an H200 in the 2026-12-04 GPU check its
+/// reductions (these and LayerNorm's) took 46 % of a GPT-2 small step,
+/// 1.35 ms a launch where the data takes microseconds to read. The result
+/// is the same sum in another order. Elsewhere the plain broadcast.
+pub fn add_bias<const D: usize>(x: Tensor<D>, bias: Tensor<1>) -> Tensor<D> {
+    #[cfg(feature = "cube")]
+    if cube::cube_gpu_float(&x) {
+        let dims = x.dims();
+        let width = dims[D - 1];
+        let rows = dims.iter().product::<usize>() / width.max(1);
+        if let Some(chunk) = row_chunk(rows) {
+            let chunks = x.reshape([rows / chunk, chunk, width]);
+            return (chunks + bias.reshape([1, 1, width])).reshape(dims);
+        }
+    }
+    x + bias.unsqueeze()
+}
+
+/// Rows per chunk for a two-stage sum over `rows` rows ([`add_bias`],
+/// LayerNorm's column sums): the largest divisor of `rows` at most √rows,
+/// where it is at least 8 (16,384 rows: 128 chunks of 128); `None` where
+/// there is none (a prime number of rows), for one stage.
+#[cfg(any(feature = "cube", test))]
+pub(crate) fn row_chunk(rows: usize) -> Option<usize> {
+    let mut chunk = (rows as f64).sqrt() as usize;
+    while chunk >= 8 {
+        if rows.is_multiple_of(chunk) {
+            return Some(chunk);
+        }
+        chunk -= 1;
+    }
+    None
 }
 
 /// What [`mask_padding`] adds to a padding id's logit: `exp` of it is 0 in
@@ -746,6 +842,20 @@ mod tests {
 
     fn max_abs(a: Tensor<2>, b: Tensor<2>) -> f32 {
         (a - b).abs().max().into_scalar()
+    }
+
+    /// A two-stage sum's chunks divide the rows, near √rows; no chunking
+    /// where no divisor of at least 8 is at most √rows.
+    #[test]
+    fn row_chunks_divide_the_rows_near_their_square_root() {
+        assert_eq!(row_chunk(16_384), Some(128));
+        assert_eq!(row_chunk(150), Some(10));
+        assert_eq!(row_chunk(4_096 * 3), Some(96));
+        assert_eq!(row_chunk(256), Some(16));
+        // Prime, and too few rows to split.
+        assert_eq!(row_chunk(8_191), None);
+        assert_eq!(row_chunk(40), None);
+        assert_eq!(row_chunk(64), Some(8));
     }
 
     /// Runs `op` with both kernel choices on the same input and upstream

@@ -208,11 +208,9 @@ pub(crate) fn train(
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
     // Everything that can fail on bad input fails before the run directory exists.
-    let device = open_device(
-        &on_rank_device(config, options.group.as_deref(), &options.hardware),
-        options.hardware.gpu_vendor(),
-    )?;
-    note_collectives(&device, config, options, observer)?;
+    let rank_config = on_rank_device(config, options.group.as_deref(), &options.hardware);
+    let device = open_device(&rank_config, options.hardware.gpu_vendor())?;
+    note_collectives(&device, &rank_config, options, observer)?;
     let prepared = prepare_in_turn(options.group.as_deref(), || {
         prepare_observed(config, TokenizerFrom::Config, observer)
     })?;
@@ -284,11 +282,9 @@ pub(crate) fn resume(
         }
         Err(e) => return Err(e),
     };
-    let device = open_device(
-        &on_rank_device(config, options.group.as_deref(), &options.hardware),
-        options.hardware.gpu_vendor(),
-    )?;
-    note_collectives(&device, config, options, observer)?;
+    let rank_config = on_rank_device(config, options.group.as_deref(), &options.hardware);
+    let device = open_device(&rank_config, options.hardware.gpu_vendor())?;
+    note_collectives(&device, &rank_config, options, observer)?;
     let tokenizer = run.file("tokenizer.json");
     // Killed before it saved its tokenizer, a run makes it again (the same
     // config makes the same tokenizer).
@@ -383,7 +379,8 @@ pub(crate) fn prepare_in_turn<T>(
 /// PyTorch DDP (`COLLECTIVES=sockets` keeps the rendezvous's sockets);
 /// elsewhere (flex, wgpu) over the sockets, through host memory.
 ///
-/// Returns what reduces the gradients, for the run's notes.
+/// Returns what reduces the gradients, for the run's notes. `config` is
+/// the rank's ([`on_rank_device`]).
 pub(crate) fn collectives(
     device: &DeviceChoice,
     group: &Group,
@@ -405,7 +402,9 @@ pub(crate) fn collectives(
     let dtype = format!("{reduce_dtype}{zero}");
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
-        return Ok(match group.use_nccl(group.local_rank())? {
+        // The rank's GPU (`on_rank_device`: LOCAL_RANK modulo the GPUs, so
+        // that ranks sharing a GPU share its NCCL device too).
+        return Ok(match group.use_nccl(config.device.index)? {
             Some(v) => format!(
                 "NCCL {}.{}.{} reduces the gradients of the {} ranks{dtype}",
                 v / 10000,

@@ -343,9 +343,21 @@ mod cube {
             r.rounds,
             r.units,
         );
-        // Column sums over the rows, as `[width]`.
+        // Column sums over the rows, as `[width]`: in two stages where the
+        // rows split into chunks (the chunks' rows, then the chunks; see
+        // `kernels::add_bias` for why), else in one.
         let columns = |t: CubeTensor| {
-            let summed = <B as FloatTensorOps<B>>::float_sum_dim(t, 0);
+            let summed = match crate::kernels::row_chunk(r.rows) {
+                Some(chunk) => {
+                    let t = <B as FloatTensorOps<B>>::float_reshape(
+                        t,
+                        [r.rows / chunk, chunk, r.width].into(),
+                    );
+                    let t = <B as FloatTensorOps<B>>::float_sum_dim(t, 1);
+                    <B as FloatTensorOps<B>>::float_sum_dim(t, 0)
+                }
+                None => <B as FloatTensorOps<B>>::float_sum_dim(t, 0),
+            };
             <B as FloatTensorOps<B>>::float_reshape(summed, [r.width].into())
         };
         let grad = <B as FloatTensorOps<B>>::float_reshape(grad, [r.rows, r.width].into());
