@@ -35,13 +35,23 @@ pub(crate) fn cube_gpu_float<const D: usize>(t: &Tensor<D>) -> bool {
 }
 
 /// A new tensor of `shape` and `dtype` on `like`'s device, for a CubeCL
-/// kernel's output.
+/// kernel's output: **contiguous**, as kiln's kernels index their outputs
+/// (`row · width + column`). Burn's `empty_device_dtype` asks CubeCL for
+/// its "optimized" layout, which on CUDA (and HIP) pads each row to a
+/// power of two up to 512 bytes, or to a multiple of 512 bytes beyond
+/// (`cuMallocPitched`'s alignment): a kernel writing such a tensor as if
+/// it were contiguous leaves its rows where Burn does not read them. That
+/// was the 2026-12-04 GPU check's failures on an H200: GELU at 37 × 1009,
+/// LayerNorm at width 200, attention's packed gradient 96 and 192 wide,
+/// and a tiny GPT's training off the CPU's — while every width that is a
+/// multiple of 512 bytes (GPT-2's, BERT's, the default GPT's) agreed, and
+/// wgpu, whose layout is contiguous, never showed it.
 pub(crate) fn cube_empty(
     like: &burn_cubecl::tensor::CubeTensor,
     shape: Vec<usize>,
     dtype: burn::tensor::DType,
 ) -> burn_cubecl::tensor::CubeTensor {
-    burn_cubecl::ops::numeric::empty_device_dtype(
+    burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
         like.client.clone(),
         like.device.clone(),
         shape.into(),
