@@ -553,6 +553,10 @@ fn build_cuda(args: &[String]) -> Result<CudaBuild, String> {
         named.push("no-autotune-cache".into());
     }
     let dir = target_dir().join(feature_dir_name(&named.join(",")));
+    let profile_dir = if profile == "dev" { "debug" } else { &profile };
+    if let Some(plain) = seed_for(&dir, &target_dir().join("cuda"), profile_dir) {
+        seed(plain, &dir)?;
+    }
     let mut cmd = cargo();
     cmd.env("CARGO_TARGET_DIR", &dir);
     cmd.args([
@@ -569,13 +573,45 @@ fn build_cuda(args: &[String]) -> Result<CudaBuild, String> {
     if run(cmd)? != ExitCode::SUCCESS {
         return Err("building kiln with CUDA failed (see cargo's output above)".into());
     }
-    let profile_dir = if profile == "dev" { "debug" } else { &profile };
     let bin = dir.join(profile_dir).join("kiln");
     eprintln!("xtask: built {}", bin.display());
     Ok(CudaBuild {
         bin,
         extra_features,
     })
+}
+
+/// The plain CUDA build's folder (`plain`, `target/cuda`) to start a new
+/// feature folder `dir` from: where `dir` does not exist yet and `plain`
+/// has a build of the same profile (`profile_dir`). Cargo's fingerprints
+/// do not name the folder, so from such a copy it rebuilds only the crates
+/// whose features differ (CubeCL's CUDA runtime, Burn's backends and
+/// kiln's crates): the NVRTC build (`--features cuda-cpp`) took 7.5
+/// minutes instead of about 17 on 2 cores (2026-12-04).
+fn seed_for<'a>(dir: &Path, plain: &'a Path, profile_dir: &str) -> Option<&'a Path> {
+    (dir != plain && !dir.exists() && plain.join(profile_dir).is_dir()).then_some(plain)
+}
+
+/// Copies the build folder `from` to `to` (`cp -a`: times kept, which
+/// cargo's fingerprints compare).
+fn seed(from: &Path, to: &Path) -> Result<(), String> {
+    eprintln!(
+        "xtask: starting {} as a copy of {} (only what the features change is rebuilt)",
+        to.display(),
+        from.display()
+    );
+    let mut cp = Command::new("cp");
+    cp.arg("-a").arg(from).arg(to);
+    if run(cp)? != ExitCode::SUCCESS {
+        // A partial copy would be a build folder cargo half trusts.
+        let _ = std::fs::remove_dir_all(to);
+        return Err(format!(
+            "copying {} to {} failed",
+            from.display(),
+            to.display()
+        ));
+    }
+    Ok(())
 }
 
 /// The feature list of a CUDA build: `cuda` and `extra`, with the GPU
@@ -886,6 +922,28 @@ mod tests {
         let compiled = root_of(None);
         assert!(compiled.join("xtask").join("Cargo.toml").is_file());
         assert_ne!(compiled, Path::new("/elsewhere/kiln"));
+    }
+
+    /// A new CUDA feature folder starts from the plain build's where that
+    /// has the profile; never the plain folder itself, nor one that exists.
+    #[test]
+    fn a_new_cuda_feature_folder_starts_from_the_plain_builds() {
+        let tmp = std::env::temp_dir().join(format!("xtask-seed-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        let plain = tmp.join("cuda");
+        let nvrtc = tmp.join("cuda+cuda-cpp");
+        assert_eq!(
+            seed_for(&nvrtc, &plain, "release"),
+            None,
+            "no plain build yet"
+        );
+        std::fs::create_dir_all(plain.join("release")).expect("mkdir");
+        assert_eq!(seed_for(&nvrtc, &plain, "release"), Some(plain.as_path()));
+        assert_eq!(seed_for(&nvrtc, &plain, "gpu-ci"), None, "another profile");
+        assert_eq!(seed_for(&plain, &plain, "release"), None, "itself");
+        std::fs::create_dir_all(&nvrtc).expect("mkdir");
+        assert_eq!(seed_for(&nvrtc, &plain, "release"), None, "already there");
+        std::fs::remove_dir_all(&tmp).expect("cleanup");
     }
 
     #[test]
