@@ -429,14 +429,13 @@ class Check:
         the text of a `cubecl.toml` (CubeCL reads it from the working
         directory), and whether autotune starts from an empty cache (a
         comparison of settings that change which kernels tuning picks)."""
-        slug = name.replace(" ", "-")
         if name == "bench lm gpt2-small bf16 max-autotune":
             # Which kernel won each autotune, and by how much: CubeCL's
             # decisions, one JSON object a line (summarised into the step).
             # At the full level, from an empty cache: at kiln's default
             # (`optimization.compile = false`, CubeCL's minimal level) the
             # 2026-12-04 check logged none.
-            return f'[autotune.decisions]\nfile = "{os.path.join(self.work, slug)}.decisions.jsonl"\n', True
+            return f'[autotune.decisions]\nfile = "{self.scratch(name, suffix=".decisions.jsonl")}"\n', True
         if name == "bench lm gpt2-small bf16 async allocator":
             # CUDA's stream-ordered allocator behind CubeCL's pools, and
             # weight-sized allocations (gradients, AdamW's moments) served
@@ -444,10 +443,14 @@ class Check:
             return '[memory]\npersistent_memory = "size-match"\n\n[memory.cuda]\nallocator = "async"\n', True
         return None, False
 
+    def scratch(self, name, prefix="", suffix=""):
+        """A path in the scratch folder named for the step `name`."""
+        return os.path.join(self.work, prefix + name.replace(" ", "-") + suffix)
+
     def in_folder_with(self, name, cubecl):
         """A working directory for the bench `name`: the repository's
         entries linked (presets, data) beside a `cubecl.toml` of `cubecl`."""
-        cwd = os.path.join(self.work, "cwd-" + name.replace(" ", "-"))
+        cwd = self.scratch(name, prefix="cwd-")
         os.makedirs(cwd, exist_ok=True)
         for entry in os.listdir(ROOT):
             if entry.lower() not in ("cubecl.toml", "burn.toml"):
@@ -470,9 +473,9 @@ class Check:
         cubecl, fresh = self.settings(name) if build is None else (None, False)
         cwd = self.in_folder_with(name, cubecl) if cubecl else ROOT
         if fresh:
-            env = dict(env or self.env, XDG_CACHE_HOME=os.path.join(self.work, "xdg-" + name.replace(" ", "-")))
+            env = dict(env or self.env, XDG_CACHE_HOME=self.scratch(name, prefix="xdg-"))
         step = self.bench(label, workload, overrides, warmup, steps, limit, extra, binary, env, cwd)
-        decisions = os.path.join(self.work, name.replace(" ", "-") + ".decisions.jsonl")
+        decisions = self.scratch(name, suffix=".decisions.jsonl")
         if build is None and os.path.exists(decisions):
             step["autotune"] = autotune_summary(decisions)
         return step

@@ -258,10 +258,9 @@ pub fn auto_runs_kernels(
 fn is_cuda(device: &burn::tensor::Device) -> bool {
     #[cfg(feature = "cube")]
     {
-        use burn::backend::DispatchDevice;
         matches!(
-            device.clone().inner().as_dispatch(),
-            DispatchDevice::Cube(cubecl::Device::Cuda(_))
+            crate::device_memory::cube_gpu_device(device),
+            Some(cubecl::Device::Cuda(_))
         )
     }
     #[cfg(not(feature = "cube"))]
