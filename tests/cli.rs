@@ -673,7 +673,8 @@ fn check_kernels_on_flex_agree_and_only_picks_by_name() {
             == true
     };
     // flex has its own GELU, LayerNorm, attention, AdamW and the chunked
-    // LM head; the sum of squares is a CubeCL kernel only.
+    // LM head; the sum of squares and the bias's column sums are CubeCL
+    // kernels only.
     for name in [
         "adamw",
         "gelu",
@@ -684,6 +685,7 @@ fn check_kernels_on_flex_agree_and_only_picks_by_name() {
         assert!(ran(name), "{name} did not run on flex: {}", run.stdout);
     }
     assert!(!ran("sum of squares"), "{}", run.stdout);
+    assert!(!ran("bias, f32"), "{}", run.stdout);
 
     let run = kiln(&["check-kernels", "--json", "--only", "gelu,lm-head"])
         .run()

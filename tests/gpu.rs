@@ -59,7 +59,8 @@ fn final_loss(dir: &Path, workload: &str, backend: &str, steps: usize, extra: &[
 /// `kiln bench --kernel-profile=1` on wgpu: one more step after the timed
 /// ones with each kernel timed, its table in the JSON (launches, device
 /// time, the kernels most first, shares adding up to 100 %, the matrix
-/// products among them), and the timed steps untouched by it.
+/// products among them, no reduction of Burn's per layer), and the timed
+/// steps untouched by it.
 #[test]
 fn a_kernel_profile_lists_where_the_device_time_goes() {
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -133,6 +134,26 @@ fn a_kernel_profile_lists_where_the_device_time_goes() {
             .is_some_and(|n| n.to_lowercase().contains("matmul"))),
         "the linear layers' products are kernels: {p}"
     );
+    // No reduction of Burn's runs per layer (the tiny model has 2): a
+    // linear layer's bias gradient and LayerNorm's gamma and beta ones are
+    // kiln's column sums, and a weight's gradient is one product over all
+    // rows, not a product per batch entry summed by a reduction (13 of
+    // Burn's reductions a layer and micro-batch on the H200 before).
+    if !cfg!(feature = "fusion") {
+        let layers = 2.0;
+        assert!(
+            kernels.iter().any(|k| k["name"] == "ColumnSumKernel"),
+            "{p}"
+        );
+        for k in kernels {
+            let name = k["name"].as_str().unwrap_or("");
+            assert!(
+                !name.starts_with("Reduce")
+                    || k["launches_per_step"].as_f64().is_some_and(|n| n < layers),
+                "Burn's reductions per layer: {p}"
+            );
+        }
+    }
     // kiln's kernels launch fewer: one per LayerNorm, GELU and parameter
     // (the gradient norm) and direction, where Burn's compositions launch
     // some 34, 20 and 3 (without `fusion`; under it both sides are fused).
@@ -450,8 +471,10 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
 /// composition of the same operations — the AdamW update (100 steps) and
 /// the memory-efficient attention, forward and backward, causal and padded,
 /// with heads narrow enough for the kernels' unrolled loops and wider,
-/// and queries that see no key (zeros, not NaN); and the LM head fused
-/// with its loss, in chunks of tokens, against the logits' composition.
+/// and queries that see no key (zeros, not NaN); the LM head fused
+/// with its loss, in chunks of tokens, against the logits' composition;
+/// and a bias's column-sum gradient against Burn's sums (f32; the half
+/// dtypes where llvmpipe has them).
 /// Under Burn's `fusion` AdamW's composition runs (fusion fuses it) and
 /// the check says so; the attention kernels run there too, as custom
 /// operations of the fusion stream.
@@ -483,6 +506,8 @@ fn kiln_kernels_on_wgpu_agree_with_the_composition() {
         ("sum of squares", 1e-5, !cfg!(feature = "fusion")),
         ("gelu", 1e-5, !cfg!(feature = "fusion")),
         ("layer norm", 1e-4, !cfg!(feature = "fusion")),
+        ("bias, f32 (6003 × 200)", 5e-3, !cfg!(feature = "fusion")),
+        ("bias, f32 (150 × 96)", 5e-3, !cfg!(feature = "fusion")),
         ("attention, causal", 1e-4, true),
         ("attention, padded", 1e-4, true),
         // Wider than the kernels unroll for: their loop path.

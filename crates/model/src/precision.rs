@@ -7,7 +7,6 @@
 //! through the casts and arrive at the f32 parameters as f32.
 
 use burn::nn::Linear;
-use burn::tensor::module::linear as linear_op;
 use burn::tensor::{Bool, FloatDType, Tensor, activation};
 
 use crate::kernels::{self, AttentionKernel, Kernels};
@@ -64,21 +63,26 @@ pub(crate) fn linear<const D: usize>(
     }
     let low = dtype.float_dtype();
     let weight = layer.weight.val().cast(low);
-    let product = linear_op(x.cast(low), weight, None).cast(FloatDType::F32);
+    let product = kernels::rows_product(x.cast(low), weight).cast(FloatDType::F32);
     match &layer.bias {
-        Some(bias) => kernels::add_bias(product, bias.val()),
+        Some(bias) => kernels::add_bias(product, bias.val(), kernels),
         None => product,
     }
 }
 
 /// `x · W + b` all in `dtype` (the bias cast to it and added there, as
 /// PyTorch's autocast adds it), for a consumer that takes `dtype` itself.
-fn linear_in<const D: usize>(layer: &Linear, x: Tensor<D>, dtype: ComputeDtype) -> Tensor<D> {
+fn linear_in<const D: usize>(
+    layer: &Linear,
+    x: Tensor<D>,
+    dtype: ComputeDtype,
+    kernels: Kernels,
+) -> Tensor<D> {
     let low = dtype.float_dtype();
     let weight = layer.weight.val().cast(low);
-    let product = linear_op(x.cast(low), weight, None);
+    let product = kernels::rows_product(x.cast(low), weight);
     match &layer.bias {
-        Some(bias) => kernels::add_bias(product, bias.val().cast(low)),
+        Some(bias) => kernels::add_bias(product, bias.val().cast(low), kernels),
         None => product,
     }
 }
@@ -118,7 +122,7 @@ pub(crate) fn attention(
         x.dims()[2] / heads.max(1),
         attention,
     ) {
-        let packed = linear_in(qkv, x, dtype);
+        let packed = linear_in(qkv, x, dtype, kernels);
         kernels::self_attention(packed, heads, key_pad, causal, attention)
     } else {
         let packed = linear(qkv, x, dtype, kernels);

@@ -14,8 +14,9 @@ use super::flex;
 use super::norm::{SLOTS, sum_of_squares};
 use super::optim::{AdamWParam, AdamWStep, adamw_many};
 use super::{
-    AttentionKernel, Kernels, LAYER_NORM_EPSILON, gelu, layer_norm, lm_head_loss_fused_here,
-    lm_head_loss_in_chunks, memory_efficient_attention_runs, self_attention,
+    AttentionKernel, Kernels, LAYER_NORM_EPSILON, add_bias, gelu, layer_norm,
+    lm_head_loss_fused_here, lm_head_loss_in_chunks, memory_efficient_attention_runs,
+    self_attention,
 };
 
 /// One fused kernel compared with the composition it replaces, on one
@@ -396,6 +397,97 @@ fn gelu_fused_here(x: &Tensor<2>) -> bool {
         return true;
     }
     let _ = x;
+    false
+}
+
+/// The tolerance of [`check_bias`] in f32: the bias's gradient is a sum
+/// over 6,003 rows of spread 1 (sums of spread about 77), and f32's
+/// rounding over that many additions reaches about 1e-3 in either order
+/// (6.6e-4 between the kernel and Burn's sums on llvmpipe).
+pub const BIAS_TOLERANCE: f64 = 5e-3;
+
+/// [`check_bias`]'s tolerance in f16: its sums (spread about 0.8, below 4)
+/// rounded to f16, two units in the last place at 2 to 4.
+pub const BIAS_F16_TOLERANCE: f64 = 4e-3;
+
+/// [`check_bias`]'s tolerance in bf16: two units in the last place at 2 to
+/// 4 (bf16 keeps 8 bits).
+pub const BIAS_BF16_TOLERANCE: f64 = 3.2e-2;
+
+/// [`add_bias`] fused (on a CubeCL GPU, kiln's column sums for the bias's
+/// gradient) against Burn's broadcast addition and its column sums, on
+/// `device`, forward and backward: 3 × 2001 rows of width 200 (splits of
+/// the rows and tiles of the columns ragged, two launches) and 2 × 75 of
+/// width 96 (one launch); in f32, and in f16 and bf16 where the device has
+/// them (a linear layer's bias in attention's packed projection is added
+/// in the reduced dtype), there against the f32 sums of the same values
+/// rounded to the dtype. The difference is the largest of the output's
+/// and the two gradients'.
+pub fn check_bias(device: &burn::tensor::Device) -> Vec<KernelCheck> {
+    use burn::tensor::Distribution;
+    let device = device.clone().autodiff();
+    device.seed(16);
+    let mut checks = Vec::new();
+    for (dtype, name, tolerance) in [
+        (FloatDType::F32, "f32", BIAS_TOLERANCE),
+        (FloatDType::F16, "f16", BIAS_F16_TOLERANCE),
+        (FloatDType::BF16, "bf16", BIAS_BF16_TOLERANCE),
+    ] {
+        if dtype != FloatDType::F32 && !device.supports_dtype(burn::tensor::DType::from(dtype)) {
+            continue;
+        }
+        // Gradients of spread 1 in f32; in a reduced dtype of spread 0.01,
+        // so that the sums stay where its rounding is fine.
+        let spread = if dtype == FloatDType::F32 { 1.0 } else { 0.01 };
+        for (b, t, width) in [(3, 2001, 200), (2, 75, 96)] {
+            let normal = |shape: [usize; 3], spread| {
+                Tensor::<3>::random(shape, Distribution::Normal(0.0, spread), &device).cast(dtype)
+            };
+            let x = normal([b, t, width], 1.0);
+            let upstream = normal([b, t, width], spread);
+            let bias =
+                Tensor::<1>::random([width], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+            let fused = bias_fused_here(&x, &bias);
+            let (tracked_x, tracked_bias) = (x.clone().require_grad(), bias.clone().require_grad());
+            let y = add_bias(tracked_x.clone(), tracked_bias.clone(), Kernels::Fused);
+            let grads = (y.clone() * upstream.clone()).sum().backward();
+            let dx = tracked_x.grad(&grads).expect("x gradient");
+            let dbias = tracked_bias.grad(&grads).expect("bias gradient");
+            let widen3 = |t: Tensor<3>| t.cast(FloatDType::F32);
+            let widen1 = |t: Tensor<1>| t.cast(FloatDType::F32);
+            let (x, bias, upstream) = (x.inner(), bias.inner(), upstream.inner());
+            let y_ref = x + bias.unsqueeze();
+            let dbias_ref = widen3(upstream.clone())
+                .reshape([b * t, width])
+                .sum_dim(0)
+                .reshape([width])
+                .cast(dtype);
+            let max3 = |a: Tensor<3>, r: Tensor<3>| {
+                f64::from((widen3(a) - widen3(r)).abs().max().into_scalar::<f32>())
+            };
+            let max1 = |a: Tensor<1>, r: Tensor<1>| {
+                f64::from((widen1(a) - widen1(r)).abs().max().into_scalar::<f32>())
+            };
+            checks.push(KernelCheck {
+                kernel: format!("bias, {name} ({} × {width})", b * t),
+                fused,
+                max_abs_difference: max3(y.inner(), y_ref)
+                    .max(max3(dx, upstream))
+                    .max(max1(dbias, dbias_ref)),
+                tolerance,
+            });
+        }
+    }
+    checks
+}
+
+/// Whether [`add_bias`] runs kiln's kernel for `x` and `bias`.
+fn bias_fused_here(x: &Tensor<3>, bias: &Tensor<1>) -> bool {
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    if super::cube::bias::runs(x, bias) {
+        return true;
+    }
+    let _ = (x, bias);
     false
 }
 

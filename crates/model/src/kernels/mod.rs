@@ -28,7 +28,7 @@
 //! | module | runs on | what |
 //! |---|---|---|
 //! | `cpu/` | flex (CPU) | the fused kernels (`cpu/mod.rs`), their SIMD math (`cpu/math.rs`), the measured fp32 peak (`cpu/peak.rs`) |
-//! | `cube/` | CubeCL GPUs (wgpu, CUDA) | memory-efficient attention, exact GELU, LayerNorm in f32, the helpers they share |
+//! | `cube/` | CubeCL GPUs (wgpu, CUDA) | memory-efficient attention and FlashAttention-2 on the matrix unit, exact GELU, LayerNorm in f32, a bias with its gradient's column sums, the helpers they share |
 //! | `norm.rs`, `optim.rs` | flex and CubeCL | the gradients' sum of squares and AdamW's update: one kernel per device in each file |
 //! | `lm_loss.rs` | every backend | the LM head fused with its loss (Burn's primitives in chunks) |
 //! | `autodiff.rs` | every backend | the backward-pass glue the extensions share |
@@ -53,9 +53,10 @@ mod optim;
 
 pub use check::{
     ADAMW_TOLERANCE, ATTENTION_BF16_TOLERANCE, ATTENTION_F16_TOLERANCE, ATTENTION_TOLERANCE,
-    GELU_TOLERANCE, KernelCheck, LAYER_NORM_TOLERANCE, LM_HEAD_LOSS_TOLERANCE,
-    SUM_OF_SQUARES_TOLERANCE, check_adamw, check_attention, check_gelu, check_layer_norm,
-    check_lm_head_loss, check_sum_of_squares,
+    BIAS_BF16_TOLERANCE, BIAS_F16_TOLERANCE, BIAS_TOLERANCE, GELU_TOLERANCE, KernelCheck,
+    LAYER_NORM_TOLERANCE, LM_HEAD_LOSS_TOLERANCE, SUM_OF_SQUARES_TOLERANCE, check_adamw,
+    check_attention, check_bias, check_gelu, check_layer_norm, check_lm_head_loss,
+    check_sum_of_squares,
 };
 #[cfg(feature = "flex")]
 pub use cpu::peak::{MeasuredPeak, measure_fp32_peak};
@@ -317,10 +318,12 @@ pub fn split_heads(qkv: Tensor<3>, heads: usize) -> [Tensor<4>; 3] {
 }
 
 /// `layer`'s linear map of `x` (`x · weight + bias` over the last
-/// dimension). The fused kernel runs one gemm over all rows with the bias
-/// accumulated in, and its backward one gemm per gradient and parallel
-/// column sums for the bias; it needs a bias. The reference is
-/// `layer.forward(x)`.
+/// dimension). On flex the fused kernel runs one gemm over all rows with
+/// the bias accumulated in, and its backward one gemm per gradient and
+/// parallel column sums for the bias; it needs a bias. Elsewhere one
+/// product over all rows ([`rows_product`]) and the bias by [`add_bias`]
+/// (on a CubeCL GPU kiln's column sums for its gradient). The reference is
+/// that product and Burn's broadcast addition.
 pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
     #[cfg(feature = "flex")]
     if kernels == Kernels::Fused
@@ -329,29 +332,48 @@ pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>, kernels: Kernels) ->
     {
         return flex::linear(x, layer.weight.val(), bias.val());
     }
-    let _ = kernels;
+    let product = rows_product(x, layer.weight.val());
     match &layer.bias {
-        Some(bias) => add_bias(
-            burn::tensor::module::linear(x, layer.weight.val(), None),
-            bias.val(),
-        ),
-        None => layer.forward(x),
+        Some(bias) => add_bias(product, bias.val(), kernels),
+        None => product,
     }
 }
 
-/// `x + bias`, `bias` along `x`'s last dimension (a linear layer's, or
-/// LayerNorm's beta). On a CubeCL GPU the rows are viewed as `[chunks,
-/// rows per chunk, width]` for the addition, so that the bias's gradient
-/// (the column sums of `x`'s) is summed in two stages that each have many
-/// sums to run side by side: the chunks' rows, then the chunks. Burn sums a
-/// broadcast dimension at a time, and over the rows of `[rows, width]` it
-/// runs one sum per column: on an H200 in the 2026-12-04 GPU check its
-/// reductions (these and LayerNorm's) took 46 % of a GPT-2 small step,
-/// 1.35 ms a launch where the data takes microseconds to read. The result
-/// is the same sum in another order. Elsewhere the plain broadcast.
-pub fn add_bias<const D: usize>(x: Tensor<D>, bias: Tensor<1>) -> Tensor<D> {
-    #[cfg(feature = "cube")]
-    if cube::cube_gpu_float(&x) {
+/// `x · weight` over `x`'s last dimension as one matrix product of all
+/// its rows (`[rows, in] · [in, out]`), as PyTorch's `linear` folds the
+/// leading dimensions: its weight gradient is then one product `xᵀ · grad`
+/// over all the rows. Burn's `linear` on its dispatch backend keeps a
+/// batched product instead where the rows a batch entry fill its tiles
+/// (GPT-2 small's 1,024), the weight broadcast over the batch: its
+/// backward computes a weight gradient per batch entry (`[batch, in, out]`
+/// in f32, 16 × 768 × 3,072 for GPT-2 small's MLP) and then sums them, a
+/// product and a reduction per linear layer and micro-batch that this
+/// avoids.
+pub(crate) fn rows_product<const D: usize>(x: Tensor<D>, weight: Tensor<2>) -> Tensor<D> {
+    let mut dims = x.dims();
+    let width = dims[D - 1];
+    let rows = dims.iter().product::<usize>() / width.max(1);
+    dims[D - 1] = weight.dims()[1];
+    x.reshape([rows, width]).matmul(weight).reshape(dims)
+}
+
+/// `x + bias`, `bias` along `x`'s last dimension (a linear layer's). With
+/// `Fused` on a CubeCL GPU the bias's gradient (the column sums of `x`'s) is kiln's
+/// column-sum kernel (`cube::bias`): Burn sums a broadcast dimension at a
+/// time, and over the rows of `[rows, width]` its reduction took 46 % of a
+/// GPT-2 small step on an H200 in the 2026-12-04 GPU check, 1.35 ms a
+/// launch where the data takes microseconds to read. Under Burn's
+/// `fusion` the rows are viewed as `[chunks, rows per chunk, width]` for
+/// the addition instead, so that Burn sums them in two stages that each
+/// have many sums to run side by side. The result is the same sum in
+/// another order. Elsewhere, and with `Reference`, the plain broadcast.
+pub fn add_bias<const D: usize>(x: Tensor<D>, bias: Tensor<1>, kernels: Kernels) -> Tensor<D> {
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    if kernels == Kernels::Fused && cube::bias::runs(&x, &bias) {
+        return cube::bias::add_bias(x, bias);
+    }
+    #[cfg(all(feature = "cube", feature = "fusion"))]
+    if kernels == Kernels::Fused && cube::cube_gpu_float(&x) {
         let dims = x.dims();
         let width = dims[D - 1];
         let rows = dims.iter().product::<usize>() / width.max(1);
@@ -360,14 +382,15 @@ pub fn add_bias<const D: usize>(x: Tensor<D>, bias: Tensor<1>) -> Tensor<D> {
             return (chunks + bias.reshape([1, 1, width])).reshape(dims);
         }
     }
+    let _ = kernels;
     x + bias.unsqueeze()
 }
 
-/// Rows per chunk for a two-stage sum over `rows` rows ([`add_bias`],
-/// LayerNorm's column sums): the largest divisor of `rows` at most √rows,
-/// where it is at least 8 (16,384 rows: 128 chunks of 128); `None` where
-/// there is none (a prime number of rows), for one stage.
-#[cfg(any(feature = "cube", test))]
+/// Rows per chunk for a two-stage sum over `rows` rows ([`add_bias`] under
+/// Burn's `fusion`): the largest divisor of `rows` at most √rows, where it
+/// is at least 8 (16,384 rows: 128 chunks of 128); `None` where there is
+/// none (a prime number of rows), for one stage.
+#[cfg(any(all(feature = "cube", feature = "fusion"), test))]
 pub(crate) fn row_chunk(rows: usize) -> Option<usize> {
     let mut chunk = (rows as f64).sqrt() as usize;
     while chunk >= 8 {
@@ -898,6 +921,21 @@ mod tests {
         let check = check_layer_norm(&Device::flex());
         assert_eq!(check.kernel, "layer norm (150 × 200)");
         assert_ran_and_agrees(&check);
+    }
+
+    /// On flex the bias is Burn's broadcast both ways (flex's fused linear
+    /// layer sums its bias itself): the check runs, says so, and passes
+    /// in every dtype flex has, at both shapes.
+    #[test]
+    fn the_bias_check_is_the_composition_on_flex() {
+        let checks = check_bias(&Device::flex());
+        let names: Vec<&str> = checks.iter().map(|c| c.kernel.as_str()).collect();
+        assert!(names.contains(&"bias, f32 (6003 × 200)"), "{names:?}");
+        assert!(names.contains(&"bias, f32 (150 × 96)"), "{names:?}");
+        for check in &checks {
+            assert!(!check.fused, "{check:?}");
+            assert!(check.passed(), "{check:?}");
+        }
     }
 
     #[test]

@@ -2,18 +2,22 @@
 //! matrices): FlashAttention-2's tiling with CubeCL's `cmma`, forward and
 //! backward.
 //!
-//! One cube is one plane (a warp on CUDA, a subgroup on Vulkan) and owns a
-//! tile of `tile` rows of one head. The forward kernel's rows are queries;
-//! it walks the key tiles they see (with `causal`, none past the tile's
-//! last query) and for each:
+//! A plane (a warp on CUDA, a subgroup on Vulkan) owns a tile of `tile`
+//! rows of one head, and a cube is up to four planes that share what they
+//! read (FlashAttention-2's four warps a block): each tile of the other
+//! side is loaded into shared memory once for all of them. The forward
+//! kernel's rows are queries; it walks the key tiles they see (with
+//! `causal`, none past the cube's last query) and for each:
 //!
 //! 1. copies the key and value tile into shared memory (zeros past the
 //!    sequence's end);
 //! 2. `S = Q·Kᵀ` on the matrix unit (inputs in the tensor's dtype, the sum
 //!    in f32), spilled to shared memory;
-//! 3. one unit per query row: masking (padding, causal, past the end), the
-//!    online softmax in f32 (running maximum and sum, the factor that
-//!    rescales what was summed so far), `P` rounded to the input dtype;
+//! 3. the plane's units spread over its query rows (two a row on a 32-unit
+//!    warp): masking (padding, causal, past the end; each key's flag read
+//!    once into shared memory), the online softmax in f32 (running maximum
+//!    and sum, the factor that rescales what was summed so far), `P`
+//!    rounded to the input dtype;
 //! 4. `O = O·factor + P·V`, O kept in f32 in shared memory, the product on
 //!    the matrix unit.
 //!
@@ -22,10 +26,10 @@
 //! pass rebuilds the probabilities from it, after the scalar `delta`
 //! kernel (`Σ dO·O` per query, in `attention.rs`):
 //!
-//! - dQ, one cube per query tile, over the key tiles it sees: `S = Q·Kᵀ`
+//! - dQ, a plane per query tile, over the key tiles they see: `S = Q·Kᵀ`
 //!   and `dP = dO·Vᵀ` on the matrix unit, `P = exp(scale·S − lse)` and
 //!   `dS = P·(dP − delta)` per element in f32, then `dQ += dS·K`;
-//! - dK and dV, one cube per key tile, over the query tiles that see it:
+//! - dK and dV, a plane per key tile, over the query tiles that see them:
 //!   the same `S`, `dP`, `P` and `dS`, then `dV += Pᵀ·dO` and
 //!   `dK += dSᵀ·Q` (the transposes read column-major).
 //!
@@ -40,11 +44,13 @@
 //! kernel's shared memory fits; everywhere else (f32, WGSL, widths such as
 //! 136 against 16) the scalar kernels do.
 //!
-//! The tile is the instruction's size: one plane per cube, the scores'
-//! tile a single instruction tall and wide. Larger tiles (several planes
-//! sharing each key tile, as FlashAttention-2 does with four warps) and
-//! the accumulators kept in registers rather than shared memory are the
-//! next steps, for the GPU check's profile to decide between.
+//! The tile is the instruction's size, the scores' tile a single
+//! instruction tall and wide for each plane. A cube takes four planes
+//! where the shared memory (CUDA's static 48 KiB at most) and the sequence
+//! allow, else two or one (GPT-2's 64-wide heads in bf16: four forward,
+//! two in the backward kernels). Larger key tiles a step and the
+//! accumulators kept in registers rather than shared memory are the next
+//! steps, for the GPU check's profile to decide between.
 
 use burn::tensor::DType;
 use burn_backend::cubecl::{dtype_to_elem_type, dtype_to_storage_type};
@@ -81,7 +87,7 @@ pub(crate) fn tile_for(
         .into_iter()
         .find(|&t| {
             head_dim.is_multiple_of(t as usize)
-                && shared_bytes(t as usize, head_dim, dtype.size())
+                && backward_shared_bytes(t as usize, head_dim, dtype.size(), 1, true)
                     <= props.hardware.max_shared_memory_size
                 && props.features.matmul.cmma.contains(&MmaConfig {
                     a_type: elem,
@@ -95,11 +101,30 @@ pub(crate) fn tile_for(
         .map(|t| (t as usize, plane as usize))
 }
 
-/// The shared memory of the largest of the kernels (dK/dV's): four
-/// `tile × head_dim` tiles of the inputs, two in f32 (dK, dV), the scores
-/// and their gradient in f32 and rounded, and two floats per row.
-fn shared_bytes(tile: usize, head_dim: usize, elem: usize) -> usize {
-    4 * tile * head_dim * elem + 2 * tile * head_dim * 4 + 2 * tile * tile * (4 + elem) + 8 * tile
+/// A backward kernel's shared memory with `planes` planes a cube (each a
+/// `tile` of the cube's rows: keys with `keys_outer`, else queries): the
+/// queries with their output gradient, log-sum-exp and `delta`, the keys
+/// and values with their flags (the cube's rows', or one tile shared by
+/// the planes), each plane's scores and their gradient in f32 and rounded,
+/// and the accumulators (dK and dV, or dQ) in f32.
+fn backward_shared_bytes(
+    tile: usize,
+    head_dim: usize,
+    elem: usize,
+    planes: usize,
+    keys_outer: bool,
+) -> usize {
+    let rows = tile * planes;
+    let (q_rows, k_rows) = if keys_outer {
+        (tile, rows)
+    } else {
+        (rows, tile)
+    };
+    let accumulators = if keys_outer { 2 } else { 1 };
+    2 * (q_rows + k_rows) * head_dim * elem
+        + 4 * (2 * q_rows + k_rows)
+        + rows * tile * (8 + 2 * elem)
+        + accumulators * rows * head_dim * 4
 }
 
 /// Whether the launch grid (query or key tiles, heads, batch entries) fits
@@ -162,12 +187,18 @@ fn fragment<T: CubePrimitive>(
 
 /// `out = A·Bᵀ` (`tile × tile`, f32) of two row-major `tile × head_dim`
 /// tiles on the matrix unit: the scores `Q·Kᵀ`, or `dO·Vᵀ`. `Bᵀ` is `B`
-/// read column-major.
+/// read column-major. `A` starts at `a_off` in `a`, `B` at `b_off` in
+/// `b`, the result at `out_off` in `out` (a plane's part of a cube's
+/// tiles).
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn product_abt<E: Float>(
     a: &Shared<[E]>,
+    a_off: usize,
     b: &Shared<[E]>,
+    b_off: usize,
     out: &mut Shared<[f32]>,
+    out_off: usize,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
 ) {
@@ -185,30 +216,40 @@ fn product_abt<E: Float>(
         let lhs = fragment::<E>(
             MatrixIdent::A,
             MatrixLayout::RowMajor,
-            &a[step * tile..end],
+            &a[a_off + step * tile..a_off + end],
             head_dim as u32,
             tile,
         );
         let rhs = fragment::<E>(
             MatrixIdent::B,
             MatrixLayout::ColMajor,
-            &b[step * tile..end],
+            &b[b_off + step * tile..b_off + end],
             head_dim as u32,
             tile,
         );
         cmma::execute(&lhs, &rhs, &acc, &acc);
     }
-    cmma::store(out, &acc, tile as u32, MatrixLayout::RowMajor);
+    cmma::store(
+        &mut out[out_off..out_off + tile * tile],
+        &acc,
+        tile as u32,
+        MatrixLayout::RowMajor,
+    );
 }
 
 /// `acc += A·B` on the matrix unit: `A` a row-major `tile × tile` tile
 /// (with `transposed`, `Aᵀ`: read column-major), `B` and `acc` row-major
-/// `tile × head_dim` (`acc` in f32). `P·V`, `dS·K`, `Pᵀ·dO`, `dSᵀ·Q`.
+/// `tile × head_dim` (`acc` in f32). `P·V`, `dS·K`, `Pᵀ·dO`, `dSᵀ·Q`. `A`
+/// starts at `a_off` in `a`, `acc` at `acc_off` (a plane's part of a
+/// cube's tiles).
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn accumulate_ab<E: Float>(
     a: &Shared<[E]>,
+    a_off: usize,
     b: &Shared<[E]>,
     acc: &mut Shared<[f32]>,
+    acc_off: usize,
     #[comptime] transposed: bool,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
@@ -218,7 +259,13 @@ fn accumulate_ab<E: Float>(
     } else {
         MatrixLayout::RowMajor
     });
-    let lhs = fragment::<E>(MatrixIdent::A, layout, a, tile as u32, tile);
+    let lhs = fragment::<E>(
+        MatrixIdent::A,
+        layout,
+        &a[a_off..a_off + tile * tile],
+        tile as u32,
+        tile,
+    );
     let end = tile * head_dim;
     #[unroll]
     for step in 0..head_dim / tile {
@@ -229,32 +276,22 @@ fn accumulate_ab<E: Float>(
             head_dim as u32,
             tile,
         );
+        let at = acc_off + step * tile;
         let sum = fragment::<f32>(
             MatrixIdent::Accumulator,
             MatrixLayout::RowMajor,
-            &acc[step * tile..end],
+            &acc[at..acc_off + end],
             head_dim as u32,
             tile,
         );
         cmma::execute(&lhs, &rhs, &sum, &sum);
         cmma::store(
-            &mut acc[step * tile..end],
+            &mut acc[at..acc_off + end],
             &sum,
             head_dim as u32,
             MatrixLayout::RowMajor,
         );
     }
-}
-
-/// Whether query `i` sees key `j` (both in the sequence, the key not
-/// padding, and with `causal` not after the query).
-#[cube]
-fn sees(pad: &[f32], b: usize, i: usize, j: usize, seq: usize, #[comptime] causal: bool) -> bool {
-    let mut seen = i < seq && j < seq;
-    if seen {
-        seen = pad[b * seq + j] == f32::new(0.0) && (!causal || j <= i);
-    }
-    seen
 }
 
 /// Zeros `len` floats of `dst`.
@@ -265,6 +302,25 @@ fn zero(dst: &mut Shared<[f32]>, #[comptime] len: usize, #[comptime] units: usiz
         dst[e] = f32::new(0.0);
         e += units;
     }
+}
+
+/// Whether key `c` of the tile (key `j`), seen at all (`seen[c]`: in the
+/// sequence and not padding), is seen by query `i` (in the sequence, and
+/// with `causal` not before the key).
+#[cube]
+fn query_sees(
+    seen: &Shared<[f32]>,
+    c: usize,
+    i: usize,
+    j: usize,
+    seq: usize,
+    #[comptime] causal: bool,
+) -> bool {
+    let mut sees = i < seq && seen[c] != f32::new(0.0);
+    if causal {
+        sees = sees && j <= i;
+    }
+    sees
 }
 
 #[cube(launch)]
@@ -280,54 +336,70 @@ fn flash_attention_kernel<E: Float>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
-    #[comptime] units: usize,
+    #[comptime] plane: usize,
+    #[comptime] planes: usize,
+    #[comptime] parts: usize,
     #[comptime] causal: bool,
     #[define(E)] _dtype: ElemType,
 ) {
-    let q_tile = CUBE_POS_X as usize;
     let h = CUBE_POS_Y as usize;
     let b = CUBE_POS_Z as usize;
     let unit = UNIT_POS as usize;
+    // The cube's units, its rows (a `tile` of queries a plane), and this
+    // plane's.
+    let units = comptime!(plane * planes);
+    let rows = comptime!(tile * planes);
+    let cols = comptime!(tile / parts);
+    // (A plane is a row of the cube, as CubeCL's own matrix kernels
+    // arrange theirs.)
+    let warp = UNIT_POS_Y as usize;
+    let lane = UNIT_POS_X as usize;
     let width = heads * head_dim;
-    let q_start = q_tile * tile;
+    let block = CUBE_POS_X as usize * rows;
+    let q_start = block + warp * tile;
     let tile_elems = tile * head_dim;
+    let mine = warp * tile_elems;
+    let my_scores = warp * tile * tile;
 
-    let mut sq = tile_memory::<E>(tile_elems);
+    let mut sq = tile_memory::<E>(comptime!(rows * head_dim));
     let mut sk = tile_memory::<E>(tile_elems);
     let mut sv = tile_memory::<E>(tile_elems);
-    let mut so = tile_memory::<f32>(tile_elems);
-    let mut ss = tile_memory::<f32>(tile * tile);
-    let mut sp = tile_memory::<E>(tile * tile);
-    let mut row_max = Shared::<[f32]>::new_slice(tile);
-    let mut row_sum = Shared::<[f32]>::new_slice(tile);
-    let mut row_factor = Shared::<[f32]>::new_slice(tile);
+    let mut seen = Shared::<[f32]>::new_slice(tile);
+    let mut so = tile_memory::<f32>(comptime!(rows * head_dim));
+    let mut ss = tile_memory::<f32>(comptime!(rows * tile));
+    let mut sp = tile_memory::<E>(comptime!(rows * tile));
+    let mut row_max = Shared::<[f32]>::new_slice(rows);
+    let mut row_sum = Shared::<[f32]>::new_slice(rows);
+    let mut row_factor = Shared::<[f32]>::new_slice(rows);
+    let mut part_max = Shared::<[f32]>::new_slice(comptime!(rows * parts));
+    let mut part_sum = Shared::<[f32]>::new_slice(comptime!(rows * parts));
 
-    // The query tile (zeros past the end) and the accumulator.
+    // The cube's queries (zeros past the end) and the accumulator.
     load_rows(
         qkv,
         &mut sq,
         b,
-        q_start,
+        block,
         seq,
         3 * width,
         h * head_dim,
         head_dim,
-        tile,
+        rows,
         units,
     );
-    zero(&mut so, tile_elems, units);
+    zero(&mut so, comptime!(rows * head_dim), units);
     let mut r = unit;
-    while r < tile {
+    while r < rows {
         row_max[r] = f32::new(LOWEST);
         row_sum[r] = f32::new(0.0);
         r += units;
     }
     sync_cube();
 
-    // With `causal`, no key after the tile's last query.
+    // With `causal`, no key after the cube's last query.
     let mut keys = seq;
-    if causal && q_start + tile < seq {
-        keys = q_start + tile;
+    if causal && block + rows < seq {
+        keys = block + rows;
     }
     let key_tiles = (keys + tile - 1) / tile;
     for k_tile in 0..key_tiles {
@@ -357,33 +429,77 @@ fn flash_attention_kernel<E: Float>(
             tile,
             units,
         );
+        let mut c = unit;
+        while c < tile {
+            let j = k_start + c;
+            let mut flag = f32::new(0.0);
+            if j < seq && pad[b * seq + j] == f32::new(0.0) {
+                flag = f32::new(1.0);
+            }
+            seen[c] = flag;
+            c += units;
+        }
         sync_cube();
-        product_abt(&sq, &sk, &mut ss, head_dim, tile);
+        // Each plane its queries' scores.
+        product_abt(&sq, mine, &sk, 0, &mut ss, my_scores, head_dim, tile);
         sync_cube();
 
-        // The online softmax, one unit per query row.
-        let mut r = unit;
-        while r < tile {
+        // The online softmax, `parts` units a query row, `cols` keys each:
+        // the parts' maxima, then with the row's the probabilities and the
+        // parts' sums, then the row's running maximum, sum and factor.
+        let mut idx = lane;
+        while idx < tile * parts {
+            let r = idx / parts;
+            let row = warp * tile + r;
+            let first = (idx % parts) * cols;
             let i = q_start + r;
-            let old_max = row_max[r];
-            let mut new_max = old_max;
-            for c in 0..tile {
-                if sees(pad, b, i, k_start + c, seq, causal) {
-                    new_max = max(new_max, ss[r * tile + c] * scale);
+            let mut m = row_max[row];
+            for cc in 0..cols {
+                let c = first + cc;
+                if query_sees(&seen, c, i, k_start + c, seq, causal) {
+                    m = max(m, ss[row * tile + c] * scale);
                 }
             }
-            let factor = (old_max - new_max).exp();
-            let mut sum = row_sum[r] * factor;
-            for c in 0..tile {
+            part_max[row * parts + idx % parts] = m;
+            idx += plane;
+        }
+        sync_cube();
+        let mut idx = lane;
+        while idx < tile * parts {
+            let r = idx / parts;
+            let row = warp * tile + r;
+            let first = (idx % parts) * cols;
+            let i = q_start + r;
+            let mut new_max = part_max[row * parts];
+            for q in 1..parts {
+                new_max = max(new_max, part_max[row * parts + q]);
+            }
+            let mut sum = f32::new(0.0);
+            for cc in 0..cols {
+                let c = first + cc;
                 let mut p = f32::new(0.0);
-                if sees(pad, b, i, k_start + c, seq, causal) {
-                    p = (ss[r * tile + c] * scale - new_max).exp();
+                if query_sees(&seen, c, i, k_start + c, seq, causal) {
+                    p = (ss[row * tile + c] * scale - new_max).exp();
                 }
                 sum += p;
-                sp[r * tile + c] = E::cast_from(p);
+                sp[row * tile + c] = E::cast_from(p);
             }
+            part_sum[row * parts + idx % parts] = sum;
+            idx += plane;
+        }
+        sync_cube();
+        let mut r = unit;
+        while r < rows {
+            let old_max = row_max[r];
+            let mut new_max = part_max[r * parts];
+            let mut sum = part_sum[r * parts];
+            for q in 1..parts {
+                new_max = max(new_max, part_max[r * parts + q]);
+                sum += part_sum[r * parts + q];
+            }
+            let factor = (old_max - new_max).exp();
             row_max[r] = new_max;
-            row_sum[r] = sum;
+            row_sum[r] = row_sum[r] * factor + sum;
             row_factor[r] = factor;
             r += units;
         }
@@ -391,21 +507,21 @@ fn flash_attention_kernel<E: Float>(
 
         // O = O·factor + P·V.
         let mut e = unit;
-        while e < tile_elems {
+        while e < rows * head_dim {
             so[e] *= row_factor[e / head_dim];
             e += units;
         }
         sync_cube();
-        accumulate_ab(&sp, &sv, &mut so, false, head_dim, tile);
+        accumulate_ab(&sp, my_scores, &sv, &mut so, mine, false, head_dim, tile);
         sync_cube();
     }
 
     // The merged heads and the log-sum-exp, as the scalar kernel writes
     // them (zeros and 0 for a query that sees no key).
     let mut e = unit;
-    while e < tile_elems {
+    while e < rows * head_dim {
         let r = e / head_dim;
-        let i = q_start + r;
+        let i = block + r;
         if i < seq {
             let sum = row_sum[r];
             let mut o = f32::new(0.0);
@@ -417,8 +533,8 @@ fn flash_attention_kernel<E: Float>(
         e += units;
     }
     let mut r = unit;
-    while r < tile {
-        let i = q_start + r;
+    while r < rows {
+        let i = block + r;
         if i < seq {
             let sum = row_sum[r];
             let mut l = f32::new(0.0);
@@ -431,182 +547,102 @@ fn flash_attention_kernel<E: Float>(
     }
 }
 
-/// What a backward kernel keeps in shared memory for one pair of a query
-/// tile and a key tile: the queries, their output gradient, log-sum-exp and
-/// `delta`; the keys and values; the scores `S = Q·Kᵀ` and `dP = dO·Vᵀ` in
-/// f32, and from them `P` and `dS` rounded to the inputs' dtype.
-#[derive(CubeType)]
-struct BackwardTiles<E: Float> {
-    q: Shared<[E]>,
-    dout: Shared<[E]>,
-    lse: Shared<[f32]>,
-    delta: Shared<[f32]>,
-    k: Shared<[E]>,
-    v: Shared<[E]>,
-    s: Shared<[f32]>,
-    dp: Shared<[f32]>,
-    p: Shared<[E]>,
-    ds: Shared<[E]>,
-}
-
+/// Loads `n` query rows from `q_start` of head `h` (zeros past the end):
+/// the queries, their output gradient, log-sum-exp and `delta`.
 #[cube]
-impl<E: Float> BackwardTiles<E> {
-    fn new(#[comptime] head_dim: usize, #[comptime] tile: usize) -> BackwardTiles<E> {
-        BackwardTiles::<E> {
-            q: tile_memory::<E>(tile * head_dim),
-            dout: tile_memory::<E>(tile * head_dim),
-            lse: Shared::<[f32]>::new_slice(tile),
-            delta: Shared::<[f32]>::new_slice(tile),
-            k: tile_memory::<E>(tile * head_dim),
-            v: tile_memory::<E>(tile * head_dim),
-            s: tile_memory::<f32>(tile * tile),
-            dp: tile_memory::<f32>(tile * tile),
-            p: tile_memory::<E>(tile * tile),
-            ds: tile_memory::<E>(tile * tile),
+#[allow(clippy::too_many_arguments)]
+fn load_queries<E: Float>(
+    qkv: &[E],
+    grad: &[E],
+    lse: &[f32],
+    delta: &[f32],
+    sq: &mut Shared<[E]>,
+    sdo: &mut Shared<[E]>,
+    slse: &mut Shared<[f32]>,
+    sdelta: &mut Shared<[f32]>,
+    b: usize,
+    h: usize,
+    heads: usize,
+    q_start: usize,
+    seq: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] n: usize,
+    #[comptime] units: usize,
+) {
+    let width = heads * head_dim;
+    let q0 = h * head_dim;
+    load_rows(qkv, sq, b, q_start, seq, 3 * width, q0, head_dim, n, units);
+    load_rows(grad, sdo, b, q_start, seq, width, q0, head_dim, n, units);
+    let row0 = (b * heads + h) * seq + q_start;
+    let mut r = UNIT_POS as usize;
+    while r < n {
+        let mut l = f32::new(0.0);
+        let mut d = f32::new(0.0);
+        if q_start + r < seq {
+            l = lse[row0 + r];
+            d = delta[row0 + r];
         }
-    }
-
-    /// The query tile from `q_start` of head `h` (zeros past the end).
-    #[allow(clippy::too_many_arguments)]
-    fn load_queries(
-        &mut self,
-        qkv: &[E],
-        grad: &[E],
-        lse: &[f32],
-        delta: &[f32],
-        b: usize,
-        h: usize,
-        heads: usize,
-        q_start: usize,
-        seq: usize,
-        #[comptime] head_dim: usize,
-        #[comptime] tile: usize,
-        #[comptime] units: usize,
-    ) {
-        let width = heads * head_dim;
-        let q0 = h * head_dim;
-        load_rows(
-            qkv,
-            &mut self.q,
-            b,
-            q_start,
-            seq,
-            3 * width,
-            q0,
-            head_dim,
-            tile,
-            units,
-        );
-        load_rows(
-            grad,
-            &mut self.dout,
-            b,
-            q_start,
-            seq,
-            width,
-            q0,
-            head_dim,
-            tile,
-            units,
-        );
-        let row0 = (b * heads + h) * seq + q_start;
-        let mut r = UNIT_POS as usize;
-        while r < tile {
-            let mut l = f32::new(0.0);
-            let mut d = f32::new(0.0);
-            if q_start + r < seq {
-                l = lse[row0 + r];
-                d = delta[row0 + r];
-            }
-            self.lse[r] = l;
-            self.delta[r] = d;
-            r += units;
-        }
-    }
-
-    /// The key and value tile from `k_start` of head `h` (zeros past the
-    /// end).
-    #[allow(clippy::too_many_arguments)]
-    fn load_keys(
-        &mut self,
-        qkv: &[E],
-        b: usize,
-        h: usize,
-        heads: usize,
-        k_start: usize,
-        seq: usize,
-        #[comptime] head_dim: usize,
-        #[comptime] tile: usize,
-        #[comptime] units: usize,
-    ) {
-        let width = heads * head_dim;
-        let k0 = width + h * head_dim;
-        load_rows(
-            qkv,
-            &mut self.k,
-            b,
-            k_start,
-            seq,
-            3 * width,
-            k0,
-            head_dim,
-            tile,
-            units,
-        );
-        load_rows(
-            qkv,
-            &mut self.v,
-            b,
-            k_start,
-            seq,
-            3 * width,
-            k0 + width,
-            head_dim,
-            tile,
-            units,
-        );
-    }
-
-    /// `S` and `dP` on the matrix unit, then per element
-    /// `P = exp(scale·S − lse)` (0 where the query does not see the key) and
-    /// `dS = P·(dP − delta)`. The loaded tiles must be visible to the whole
-    /// plane (`sync_cube`) before; `P` and `dS` are when this returns.
-    #[allow(clippy::too_many_arguments)]
-    fn probabilities(
-        &mut self,
-        pad: &[f32],
-        b: usize,
-        q_start: usize,
-        k_start: usize,
-        seq: usize,
-        scale: f32,
-        #[comptime] head_dim: usize,
-        #[comptime] tile: usize,
-        #[comptime] units: usize,
-        #[comptime] causal: bool,
-    ) {
-        product_abt(&self.q, &self.k, &mut self.s, head_dim, tile);
-        product_abt(&self.dout, &self.v, &mut self.dp, head_dim, tile);
-        sync_cube();
-        let mut e = UNIT_POS as usize;
-        while e < tile * tile {
-            let r = e / tile;
-            let mut p = f32::new(0.0);
-            if sees(pad, b, q_start + r, k_start + e % tile, seq, causal) {
-                p = (self.s[e] * scale - self.lse[r]).exp();
-            }
-            self.p[e] = E::cast_from(p);
-            self.ds[e] = E::cast_from(p * (self.dp[e] - self.delta[r]));
-            e += units;
-        }
-        sync_cube();
+        slse[r] = l;
+        sdelta[r] = d;
+        r += units;
     }
 }
 
-/// The backward pass's products, one cube per tile of rows of one head.
-/// With `keys_outer`, the rows are keys: over the query tiles that see
-/// them, `dV += Pᵀ·dO` and `dK += dSᵀ·Q`. Without, queries: over the key
-/// tiles they see, `dQ += dS·K`. Each writes its part of `dqkv`.
+/// Loads `n` key rows from `k_start` of head `h` (zeros past the end): the
+/// keys, the values, and each key's flag (1 where it is in the sequence
+/// and not padding).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_keys<E: Float>(
+    qkv: &[E],
+    pad: &[f32],
+    sk: &mut Shared<[E]>,
+    sv: &mut Shared<[E]>,
+    seen: &mut Shared<[f32]>,
+    b: usize,
+    h: usize,
+    heads: usize,
+    k_start: usize,
+    seq: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] n: usize,
+    #[comptime] units: usize,
+) {
+    let width = heads * head_dim;
+    let k0 = width + h * head_dim;
+    load_rows(qkv, sk, b, k_start, seq, 3 * width, k0, head_dim, n, units);
+    load_rows(
+        qkv,
+        sv,
+        b,
+        k_start,
+        seq,
+        3 * width,
+        k0 + width,
+        head_dim,
+        n,
+        units,
+    );
+    let mut c = UNIT_POS as usize;
+    while c < n {
+        let j = k_start + c;
+        let mut flag = f32::new(0.0);
+        if j < seq && pad[b * seq + j] == f32::new(0.0) {
+            flag = f32::new(1.0);
+        }
+        seen[c] = flag;
+        c += units;
+    }
+}
+
+/// The backward pass's products, one cube per `planes` tiles of rows of
+/// one head (a tile each plane). With `keys_outer`, the rows are keys:
+/// over the query tiles that see them (loaded once for all the planes),
+/// `dV += Pᵀ·dO` and `dK += dSᵀ·Q`. Without, queries: over the key tiles
+/// they see (loaded once for all the planes), `dQ += dS·K`. Each plane's
+/// pair of tiles: `S = Q·Kᵀ` and `dP = dO·Vᵀ` on the matrix unit, then per
+/// element `P = exp(scale·S − lse)` (0 where the query does not see the
+/// key) and `dS = P·(dP − delta)`. Each writes its part of `dqkv`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
 fn flash_backward_kernel<E: Float>(
@@ -621,71 +657,166 @@ fn flash_backward_kernel<E: Float>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
-    #[comptime] units: usize,
+    #[comptime] plane: usize,
+    #[comptime] planes: usize,
     #[comptime] causal: bool,
     #[comptime] keys_outer: bool,
     #[define(E)] _dtype: ElemType,
 ) {
-    let start = CUBE_POS_X as usize * tile;
     let h = CUBE_POS_Y as usize;
     let b = CUBE_POS_Z as usize;
+    let unit = UNIT_POS as usize;
+    let warp = UNIT_POS_Y as usize;
+    let lane = UNIT_POS_X as usize;
+    let units = comptime!(plane * planes);
+    let rows = comptime!(tile * planes);
+    let q_rows = comptime!(if keys_outer { tile } else { rows });
+    let k_rows = comptime!(if keys_outer { rows } else { tile });
     let width = heads * head_dim;
-    let tile_elems = tile * head_dim;
-    let mut t = BackwardTiles::<E>::new(head_dim, tile);
-    // dK (or dQ), and dV (dK/dV only).
-    let mut acc = tile_memory::<f32>(tile_elems);
-    let mut acc_v = tile_memory::<f32>(comptime!(if keys_outer { tile_elems } else { 1 }));
-    zero(&mut acc, tile_elems, units);
+    let start = CUBE_POS_X as usize * rows;
+    let mine = warp * tile * head_dim;
+    let my_scores = warp * tile * tile;
+    let my_start = start + warp * tile;
+
+    let mut sq = tile_memory::<E>(comptime!(q_rows * head_dim));
+    let mut sdo = tile_memory::<E>(comptime!(q_rows * head_dim));
+    let mut slse = Shared::<[f32]>::new_slice(q_rows);
+    let mut sdelta = Shared::<[f32]>::new_slice(q_rows);
+    let mut sk = tile_memory::<E>(comptime!(k_rows * head_dim));
+    let mut sv = tile_memory::<E>(comptime!(k_rows * head_dim));
+    let mut seen = Shared::<[f32]>::new_slice(k_rows);
+    let mut ss = tile_memory::<f32>(comptime!(rows * tile));
+    let mut sdp = tile_memory::<f32>(comptime!(rows * tile));
+    let mut sp = tile_memory::<E>(comptime!(rows * tile));
+    let mut sds = tile_memory::<E>(comptime!(rows * tile));
+    // dK (or dQ), and dV (dK/dV only), each plane's rows.
+    let mut acc = tile_memory::<f32>(comptime!(rows * head_dim));
+    let mut acc_v = tile_memory::<f32>(comptime!(if keys_outer { rows * head_dim } else { 1 }));
+    zero(&mut acc, comptime!(rows * head_dim), units);
+
+    // Where this plane's queries and keys are in the tiles, and the first
+    // of the pair's each time (the outer rows' are this plane's).
+    let mut q_off = 0;
+    let mut k_off = 0;
+    let mut q_row0 = 0;
+    let mut k_row0 = 0;
     // Where the rows' gradient goes in `dqkv`: the keys' block (the values'
     // one `width` further) or the queries'.
     let mut col0 = h * head_dim;
+    let mut inner_tiles = (seq + tile - 1) / tile;
+    let mut first = 0;
     if keys_outer {
+        k_off = mine;
+        k_row0 = warp * tile;
         col0 += width;
-        zero(&mut acc_v, tile_elems, units);
-        // With `causal`, no query tile before the one holding the first key.
-        let mut first = 0;
+        zero(&mut acc_v, comptime!(rows * head_dim), units);
+        // With `causal`, no query tile before the one holding the cube's
+        // first key.
         if causal {
             first = start / tile;
         }
-        t.load_keys(qkv, b, h, heads, start, seq, head_dim, tile, units);
-        for q_tile in first..(seq + tile - 1) / tile {
-            let q_start = q_tile * tile;
-            // (The previous tile's products are done with these buffers.)
-            sync_cube();
-            t.load_queries(
-                qkv, grad, lse, delta, b, h, heads, q_start, seq, head_dim, tile, units,
-            );
-            sync_cube();
-            t.probabilities(
-                pad, b, q_start, start, seq, scale, head_dim, tile, units, causal,
-            );
-            accumulate_ab(&t.p, &t.dout, &mut acc_v, true, head_dim, tile);
-            accumulate_ab(&t.ds, &t.q, &mut acc, true, head_dim, tile);
-        }
-    } else {
-        // With `causal`, no key after the tile's last query.
-        let mut keys = seq;
-        if causal && start + tile < seq {
-            keys = start + tile;
-        }
-        t.load_queries(
-            qkv, grad, lse, delta, b, h, heads, start, seq, head_dim, tile, units,
+        load_keys(
+            qkv, pad, &mut sk, &mut sv, &mut seen, b, h, heads, start, seq, head_dim, rows, units,
         );
-        for k_tile in 0..(keys + tile - 1) / tile {
-            let k_start = k_tile * tile;
-            sync_cube();
-            t.load_keys(qkv, b, h, heads, k_start, seq, head_dim, tile, units);
-            sync_cube();
-            t.probabilities(
-                pad, b, start, k_start, seq, scale, head_dim, tile, units, causal,
+    } else {
+        q_off = mine;
+        q_row0 = warp * tile;
+        // With `causal`, no key after the cube's last query.
+        if causal && start + rows < seq {
+            inner_tiles = (start + rows + tile - 1) / tile;
+        }
+        load_queries(
+            qkv,
+            grad,
+            lse,
+            delta,
+            &mut sq,
+            &mut sdo,
+            &mut slse,
+            &mut sdelta,
+            b,
+            h,
+            heads,
+            start,
+            seq,
+            head_dim,
+            rows,
+            units,
+        );
+    }
+    for inner in first..inner_tiles {
+        let inner_start = inner * tile;
+        // (The previous tile's products are done with these buffers.)
+        sync_cube();
+        let mut q_first = my_start;
+        let mut k_first = inner_start;
+        if keys_outer {
+            q_first = inner_start;
+            k_first = my_start;
+            load_queries(
+                qkv,
+                grad,
+                lse,
+                delta,
+                &mut sq,
+                &mut sdo,
+                &mut slse,
+                &mut sdelta,
+                b,
+                h,
+                heads,
+                inner_start,
+                seq,
+                head_dim,
+                tile,
+                units,
             );
-            accumulate_ab(&t.ds, &t.k, &mut acc, false, head_dim, tile);
+        } else {
+            load_keys(
+                qkv,
+                pad,
+                &mut sk,
+                &mut sv,
+                &mut seen,
+                b,
+                h,
+                heads,
+                inner_start,
+                seq,
+                head_dim,
+                tile,
+                units,
+            );
+        }
+        sync_cube();
+        product_abt(&sq, q_off, &sk, k_off, &mut ss, my_scores, head_dim, tile);
+        product_abt(&sdo, q_off, &sv, k_off, &mut sdp, my_scores, head_dim, tile);
+        sync_cube();
+        let mut e = lane;
+        while e < tile * tile {
+            let r = e / tile;
+            let c = e % tile;
+            let at = my_scores + e;
+            let mut p = f32::new(0.0);
+            if query_sees(&seen, k_row0 + c, q_first + r, k_first + c, seq, causal) {
+                p = (ss[at] * scale - slse[q_row0 + r]).exp();
+            }
+            sp[at] = E::cast_from(p);
+            sds[at] = E::cast_from(p * (sdp[at] - sdelta[q_row0 + r]));
+            e += plane;
+        }
+        sync_cube();
+        if keys_outer {
+            accumulate_ab(&sp, my_scores, &sdo, &mut acc_v, mine, true, head_dim, tile);
+            accumulate_ab(&sds, my_scores, &sq, &mut acc, mine, true, head_dim, tile);
+        } else {
+            accumulate_ab(&sds, my_scores, &sk, &mut acc, mine, false, head_dim, tile);
         }
     }
     sync_cube();
 
-    let mut e = UNIT_POS as usize;
-    while e < tile_elems {
+    let mut e = unit;
+    while e < rows * head_dim {
         let row = start + e / head_dim;
         if row < seq {
             let at = (b * seq + row) * 3 * width + col0 + e % head_dim;
@@ -696,6 +827,65 @@ fn flash_backward_kernel<E: Float>(
         }
         e += units;
     }
+}
+
+/// Parts a query row takes in the forward kernel's softmax, each a unit's
+/// share of the tile's keys: the plane's units spread over the tile's
+/// rows (2 on NVIDIA's 32-unit warps and 16-row tiles), and at least two
+/// wherever the tile allows, so that every device (lavapipe's 8-unit
+/// subgroups in CI among them) runs the path that combines the parts;
+/// at most one a key.
+fn softmax_parts(tile: usize, plane: usize) -> usize {
+    (plane / tile).max(2).min(tile)
+}
+
+/// The forward kernel's shared memory with `planes` planes a cube: their
+/// queries and f32 accumulators, the shared key and value tile with its
+/// key flags, each plane's scores in f32 and rounded, and the rows'
+/// statistics.
+fn forward_shared_bytes(
+    tile: usize,
+    head_dim: usize,
+    elem: usize,
+    planes: usize,
+    parts: usize,
+) -> usize {
+    let rows = tile * planes;
+    rows * head_dim * (elem + 4)
+        + 2 * tile * head_dim * elem
+        + 4 * tile
+        + rows * tile * (4 + elem)
+        + 4 * rows * (3 + 2 * parts)
+}
+
+/// Shared memory a cube may take without asking for more: CUDA's static
+/// limit (48 KiB), which devices that report more (an H100 has 227 KiB)
+/// grant only to a kernel that opts in at launch.
+const STATIC_SHARED_BYTES: usize = 48 * 1024;
+
+/// Planes a forward cube: each a `tile` of queries, all sharing each key
+/// and value tile the cube loads (FlashAttention-2's four warps a block:
+/// a quarter of the loads a query). Four where the device's shared memory
+/// (at most [`STATIC_SHARED_BYTES`]) and cube size allow and the sequence
+/// fills them, else fewer.
+fn forward_planes(
+    client: &cubecl::client::Client,
+    elem: usize,
+    head_dim: usize,
+    (tile, plane): (usize, usize),
+    seq: usize,
+) -> usize {
+    let hardware = &client.properties().hardware;
+    let parts = softmax_parts(tile, plane);
+    [4, 2]
+        .into_iter()
+        .find(|&planes| {
+            seq.div_ceil(tile) >= planes
+                && planes * plane <= hardware.max_units_per_cube as usize
+                && forward_shared_bytes(tile, head_dim, elem, planes, parts)
+                    <= hardware.max_shared_memory_size.min(STATIC_SHARED_BYTES)
+        })
+        .unwrap_or(1)
 }
 
 /// The forward pass on the matrix unit where [`tile_for`] finds one: the
@@ -710,17 +900,19 @@ pub(super) fn forward(
     let [batch, seq, three_width] = qkv.meta.shape().dims::<3>();
     let head_dim = three_width / 3 / heads;
     let dtype = qkv.dtype;
-    let (tile, units) = tile_for(&qkv.client, dtype, head_dim)?;
-    if !grid_fits(&qkv.client, seq.div_ceil(tile), heads, batch) {
+    let (tile, plane) = tile_for(&qkv.client, dtype, head_dim)?;
+    let planes = forward_planes(&qkv.client, dtype.size(), head_dim, (tile, plane), seq);
+    let rows = tile * planes;
+    if !grid_fits(&qkv.client, seq.div_ceil(rows), heads, batch) {
         return None;
     }
     let out = empty(qkv, vec![batch, seq, heads * head_dim], dtype);
     let lse = empty(qkv, vec![batch, heads, seq], DType::F32);
-    let cube_count = CubeCount::Static(seq.div_ceil(tile) as u32, heads as u32, batch as u32);
+    let cube_count = CubeCount::Static(seq.div_ceil(rows) as u32, heads as u32, batch as u32);
     flash_attention_kernel::launch(
         &qkv.client,
         cube_count,
-        CubeDim::new_1d(units as u32),
+        CubeDim::new_2d(plane as u32, planes as u32),
         qkv.clone().into_buffer_arg(),
         pad.clone().into_buffer_arg(),
         out.clone().into_buffer_arg(),
@@ -730,11 +922,37 @@ pub(super) fn forward(
         (1.0 / (head_dim as f64).sqrt()) as f32,
         head_dim,
         tile,
-        units,
+        plane,
+        planes,
+        softmax_parts(tile, plane),
         causal,
         dtype_to_storage_type(dtype),
     );
     Some((out, lse))
+}
+
+/// Planes a backward cube (`keys_outer`: the dK/dV pass): each a `tile`
+/// of the cube's rows, all sharing each inner tile the cube loads. Four
+/// where the shared memory (at most [`STATIC_SHARED_BYTES`]) and cube size
+/// allow and the sequence fills them, else fewer.
+fn backward_planes(
+    client: &cubecl::client::Client,
+    elem: usize,
+    head_dim: usize,
+    (tile, plane): (usize, usize),
+    seq: usize,
+    keys_outer: bool,
+) -> usize {
+    let hardware = &client.properties().hardware;
+    [4, 2]
+        .into_iter()
+        .find(|&planes| {
+            seq.div_ceil(tile) >= planes
+                && planes * plane <= hardware.max_units_per_cube as usize
+                && backward_shared_bytes(tile, head_dim, elem, planes, keys_outer)
+                    <= hardware.max_shared_memory_size.min(STATIC_SHARED_BYTES)
+        })
+        .unwrap_or(1)
 }
 
 /// The gradient of the packed qkv on the matrix unit where [`tile_for`]
@@ -754,7 +972,8 @@ pub(super) fn backward(
     let [batch, seq, three_width] = qkv.meta.shape().dims::<3>();
     let head_dim = three_width / 3 / heads;
     let dtype = qkv.dtype;
-    let (tile, units) = tile_for(&qkv.client, dtype, head_dim)?;
+    let (tile, plane) = tile_for(&qkv.client, dtype, head_dim)?;
+    // (The grid is widest with one plane a cube.)
     if !grid_fits(&qkv.client, seq.div_ceil(tile), heads, batch) {
         return None;
     }
@@ -762,10 +981,19 @@ pub(super) fn backward(
     let scale = (1.0 / (head_dim as f64).sqrt()) as f32;
     // dQ per query tile, then dK and dV per key tile.
     for keys_outer in [false, true] {
+        let planes = backward_planes(
+            &qkv.client,
+            dtype.size(),
+            head_dim,
+            (tile, plane),
+            seq,
+            keys_outer,
+        );
+        let rows = tile * planes;
         flash_backward_kernel::launch(
             &qkv.client,
-            CubeCount::Static(seq.div_ceil(tile) as u32, heads as u32, batch as u32),
-            CubeDim::new_1d(units as u32),
+            CubeCount::Static(seq.div_ceil(rows) as u32, heads as u32, batch as u32),
+            CubeDim::new_2d(plane as u32, planes as u32),
             qkv.clone().into_buffer_arg(),
             pad.clone().into_buffer_arg(),
             grad.clone().into_buffer_arg(),
@@ -777,7 +1005,8 @@ pub(super) fn backward(
             scale,
             head_dim,
             tile,
-            units,
+            plane,
+            planes,
             causal,
             keys_outer,
             dtype_to_storage_type(dtype),

@@ -10,8 +10,8 @@
 //! shared memory: the forward kernel writes the output and the row's mean
 //! and 1/σ (kept for the backward pass, two floats a row); the backward
 //! kernel writes the input's gradient and `grad · x̂`, whose column sum
-//! (Burn's reduction) is gamma's gradient, as the output gradient's is
-//! beta's. The statistics are computed as the composition computes them
+//! (the bias's kernel, `cube::bias`) is gamma's gradient, as the output
+//! gradient's is beta's. The statistics are computed as the composition computes them
 //! (the mean, then the mean of the squared deviations), in f32.
 //!
 //! f32 only (kiln's mixed precision keeps LayerNorm in f32); not under
@@ -129,7 +129,6 @@ mod cube {
     //! The CubeCL kernels: one cube per row.
 
     use burn::tensor::DType;
-    use burn_backend::ops::FloatTensorOps;
     use burn_cubecl::kernel::into_contiguous;
     use burn_cubecl::tensor::CubeTensor;
     use cubecl::prelude::*;
@@ -323,7 +322,6 @@ mod cube {
         rstd: CubeTensor,
         grad: CubeTensor,
     ) -> (CubeTensor, CubeTensor, CubeTensor) {
-        type B = burn::backend::Cube;
         let [x, gamma, mean, rstd, grad] = [x, gamma, mean, rstd, grad].map(into_contiguous);
         let r = rows(&x);
         let dx = empty(&x, x.meta.shape().to_vec());
@@ -343,26 +341,10 @@ mod cube {
             r.rounds,
             r.units,
         );
-        // Column sums over the rows, as `[width]`: in two stages where the
-        // rows split into chunks (the chunks' rows, then the chunks; see
-        // `kernels::add_bias` for why), else in one.
-        let columns = |t: CubeTensor| {
-            let summed = match crate::kernels::row_chunk(r.rows) {
-                Some(chunk) => {
-                    let t = <B as FloatTensorOps<B>>::float_reshape(
-                        t,
-                        [r.rows / chunk, chunk, r.width].into(),
-                    );
-                    let t = <B as FloatTensorOps<B>>::float_sum_dim(t, 1);
-                    <B as FloatTensorOps<B>>::float_sum_dim(t, 0)
-                }
-                None => <B as FloatTensorOps<B>>::float_sum_dim(t, 0),
-            };
-            <B as FloatTensorOps<B>>::float_reshape(summed, [r.width].into())
-        };
-        let grad = <B as FloatTensorOps<B>>::float_reshape(grad, [r.rows, r.width].into());
-        let dgamma = columns(grad_xhat);
-        let dbeta = columns(grad);
+        // Gamma's and beta's gradients: the column sums of `grad · x̂` and
+        // of `grad`, by the bias's kernel.
+        let dgamma = super::super::bias::cube::column_sum(grad_xhat);
+        let dbeta = super::super::bias::cube::column_sum(grad);
         (dx, dgamma, dbeta)
     }
 }

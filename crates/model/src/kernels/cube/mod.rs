@@ -1,7 +1,9 @@
 //! kiln's kernels on the CubeCL GPU backends (wgpu, CUDA), each its own
 //! Burn backend extension with an autodiff route: the memory-efficient
-//! self-attention (`attention`), exact GELU (`gelu`) and LayerNorm in f32
-//! (`layer_norm`); the helpers they share are here. The gradient norm's
+//! self-attention (`attention`), exact GELU (`gelu`), LayerNorm in f32
+//! (`layer_norm`) and a bias's addition with its gradient's column sums
+//! (`bias`, which LayerNorm's gamma and beta gradients use too); the
+//! helpers they share are here. The gradient norm's
 //! sum of squares and AdamW's update have CubeCL kernels too, in
 //! `kernels::norm` and `kernels::optim` beside their flex versions; the LM
 //! head with its loss (`kernels::lm_loss`) is Burn's primitives in chunks
@@ -12,6 +14,8 @@
 use burn::tensor::Tensor;
 
 pub(crate) mod attention;
+#[cfg(not(feature = "fusion"))]
+pub(crate) mod bias;
 pub(crate) mod flash_attention;
 #[cfg(not(feature = "fusion"))]
 pub(crate) mod gelu;
