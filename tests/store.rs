@@ -1,7 +1,8 @@
 //! Token stores as a user makes and trains on them: `kiln prepare` on a
 //! folder of documents, training and exact resume on the store with any
 //! number of loader workers, `kiln train` on documents with no store yet,
-//! and each kind of bad input named with exit 2.
+//! `kiln eval` on a store's split, and each kind of bad input named with
+//! exit 2.
 
 use std::path::{Path, PathBuf};
 
@@ -274,5 +275,129 @@ fn bad_store_input_is_named_with_exit_2() {
         "0 training tokens",
         "problems:",
         "training.batch_size",
+    ]);
+}
+
+/// `kiln eval --json` of the run `from` on `data` (a text or a store).
+fn eval_json(from: &Path, data: &Path, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "eval".to_string(),
+        from.display().to_string(),
+        "--data".into(),
+        data.display().to_string(),
+        "--json".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    serde_json::from_str(&run(&args).expect_code(0).stdout).expect("eval --json")
+}
+
+/// `kiln eval` on a token store, read from its shards: the validation
+/// split by default (every token but the first scored; for bits per byte
+/// its documents' text, the end-of-text ids left out), `--split train`
+/// the same ids and loss as the text path on the same documents with the
+/// end-of-text marker before each; an empty split, `--split` on a text
+/// file and a store of another tokenizer's ids are bad input (exit 2).
+#[test]
+fn eval_scores_a_stores_split_from_its_shards() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let docs = documents(tmp.path());
+    let store = tmp.path().join("store");
+    prepare(&docs, &store, &[]).expect_code(0);
+    let model = tmp.path().join("run");
+    run(&tiny_on(tmp.path(), "run", 20, &store, &[])).expect_code(0);
+    let manifest: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(store.join("manifest.json")).expect("manifest"),
+    )
+    .expect("json");
+    let (val_tokens, val_documents) = manifest["shards"]
+        .as_array()
+        .expect("shards")
+        .iter()
+        .filter(|s| s["split"] == "val")
+        .fold((0, 0), |(t, d), s| {
+            (
+                t + s["tokens"].as_u64().expect("tokens"),
+                d + s["documents"].as_u64().expect("documents"),
+            )
+        });
+    assert!(val_documents > 0, "{manifest}");
+    let e = eval_json(&model, &store, &[]);
+    assert_eq!(e["tokens"], val_tokens - 1, "{e}");
+    assert!(
+        e["file"]
+            .as_str()
+            .is_some_and(|f| f.ends_with("(validation)")),
+        "{e}"
+    );
+    // A character a token and Shakespeare in ASCII: every id but the
+    // end-of-text ones is a byte.
+    assert_eq!(e["bytes"], val_tokens - val_documents, "{e}");
+    let loss = e["loss"].as_f64().expect("loss");
+    let bits = e["bits_per_byte"].as_f64().expect("bits");
+    let want = loss * (val_tokens - 1) as f64
+        / std::f64::consts::LN_2
+        / (val_tokens - val_documents) as f64;
+    assert!((bits - want).abs() < 1e-9, "{bits} against {want}");
+
+    // Every document in the training split, in input order: its ids are
+    // those of the text with the marker before each document.
+    let all = tmp.path().join("all");
+    prepare(&docs, &all, &["data.val_fraction=0.000001"]).expect_code(0);
+    let mut text = String::new();
+    for line in std::fs::read_to_string(docs.join("speeches.jsonl"))
+        .expect("docs")
+        .lines()
+    {
+        let row: serde_json::Value = serde_json::from_str(line).expect("row");
+        if let Some(t) = row["text"].as_str() {
+            text.push_str("<|endoftext|>");
+            text.push_str(t);
+        }
+    }
+    let txt = tmp.path().join("all.txt");
+    std::fs::write(&txt, &text).expect("write");
+    let from_store = eval_json(&model, &all, &["--split", "train", "--stride", "8"]);
+    let from_text = eval_json(&model, &txt, &["--stride", "8"]);
+    for key in ["tokens", "windows", "loss"] {
+        assert_eq!(
+            from_store[key], from_text[key],
+            "{key}: {from_store} against {from_text}"
+        );
+    }
+    let markers = text.matches("<|endoftext|>").count() as u64;
+    assert_eq!(
+        from_store["bytes"].as_u64(),
+        Some(text.len() as u64 - 13 * markers),
+        "{from_store}"
+    );
+
+    let path = |p: &Path| p.display().to_string();
+    let eval = |data: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "eval".to_string(),
+            path(&model),
+            "--data".into(),
+            path(data),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        run(&args)
+    };
+    eval(&all, &[])
+        .expect_code(2)
+        .stderr_has(&["all`", "its validation split holds 0 tokens"]);
+    eval(&txt, &["--split", "val"])
+        .expect_code(2)
+        .stderr_has(&["invalid --split", "all.txt` is a text file"]);
+    // nanoGPT's files hold GPT-2's ids; the model's tokenizer is
+    // characters.
+    let nano = tmp.path().join("nano");
+    std::fs::create_dir_all(&nano).expect("mkdir");
+    let ids = |n: u16| (1..=n).flat_map(u16::to_le_bytes).collect::<Vec<u8>>();
+    std::fs::write(nano.join("train.bin"), ids(5)).expect("write");
+    std::fs::write(nano.join("val.bin"), ids(3)).expect("write");
+    eval(&nano, &[]).expect_code(2).stderr_has(&[
+        "nano`",
+        "ids of GPT-2's tokenizer",
+        "not of the model's tokenizer",
     ]);
 }

@@ -1,17 +1,27 @@
 //! `kiln eval`: a language model's loss, perplexity and bits per byte on a
-//! text file, every token scored once — what one reports for a test set
-//! after training (nanoGPT's `val loss`, Hugging Face's "Perplexity of
-//! fixed-length models"). The text is cut into windows of the model's
-//! block: with the stride equal to the block, each window is new text (the
-//! first tokens of each have little context, as in training); with a
-//! shorter stride each window moves on by `stride` tokens and scores only
-//! those, the rest of it their context, as Hugging Face's sliding window.
+//! text file or on a split of a token store, every token scored once —
+//! what one reports for a test set after training (nanoGPT's `val loss`,
+//! Hugging Face's "Perplexity of fixed-length models"). The tokens are cut
+//! into windows of the model's block: with the stride equal to the block,
+//! each window is new text (the first tokens of each have little context,
+//! as in training); with a shorter stride each window moves on by `stride`
+//! tokens and scores only those, the rest of it their context, as Hugging
+//! Face's sliding window.
+//!
+//! A token store's split (kiln's, llm.c's shards, nanoGPT's `.bin`) is
+//! read from its shards a batch of windows at a time, so that a held-out
+//! split of billions of tokens is scored in the memory of one batch; its
+//! tokens must be ids of the model's tokenizer (the same vocabulary), and
+//! its bytes for bits per byte are those of its documents' text, decoded
+//! a document at a time.
 
 use std::path::Path;
 use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use kiln_data::store::{StoreKind, TOKENIZER, TokenWidth};
+use kiln_data::{DataError, MemoryTokens, Split, TokenSpan, TokenStore, Tokenizer};
 use kiln_model::Gpt;
 use serde::Serialize;
 
@@ -28,6 +38,9 @@ pub struct EvalRequest {
     /// Tokens each window moves on (and scores); `None`: the block, so
     /// that the windows do not overlap.
     pub stride: Option<usize>,
+    /// A token store's split to score (`None`: validation, the held-out
+    /// one); only for a store.
+    pub split: Option<Split>,
 }
 
 /// What [`evaluate_text`] measured.
@@ -38,9 +51,9 @@ pub struct TextEval {
     pub source: String,
     /// The device it ran on.
     pub device: String,
-    /// The text file.
+    /// The text file, or the token store and its split (`store (val)`).
     pub file: String,
-    /// Its size in bytes.
+    /// Its size in bytes (a store's split: its documents' text, UTF-8).
     pub bytes: u64,
     /// Tokens scored: every token of the text but the first, which
     /// nothing precedes.
@@ -64,46 +77,43 @@ pub struct TextEval {
     pub notes: Vec<String>,
 }
 
-/// Scores the text of `data` with the language model of `from` (a run, or
-/// a `transformers` GPT-2 folder), as [`EvalRequest`] says.
+/// Scores the text of `data` (a text file, or a token store's split) with
+/// the language model of `from` (a run, or a `transformers` GPT-2 folder),
+/// as [`EvalRequest`] says.
 pub fn evaluate_text(
     from: &Path,
     data: &Path,
     request: &EvalRequest,
     hardware: &kiln_hwdetect::HardwareReport,
 ) -> Result<TextEval, TrainError> {
+    if TokenStore::detect(data).is_some() {
+        return evaluate_store(from, data, request, hardware);
+    }
+    if request.split.is_some() {
+        return Err(TrainError::Data(DataError::InvalidArgument {
+            what: "--split",
+            why: format!(
+                "`{}` is a text file, scored whole; --split picks a token store's split",
+                data.display()
+            ),
+        }));
+    }
     // The text first: a missing or undecodable file is named before any
     // model is read.
     let corpus = kiln_data::read_corpus(data, None)?;
-    let Loaded {
-        model,
-        tokenizer,
-        source,
-        notes,
-        device,
-        ..
-    } = load_lm(
+    let loaded = load_lm(
         from,
         request.best,
         "scoring text with a sentence-pair classifier",
         hardware,
     )?;
-    let ids = tokenizer
+    let ids = loaded
+        .tokenizer
         .encode(&corpus.text)
         .map_err(|e| TrainError::TextNotEncodable {
             path: data.to_path_buf(),
-            why: unencodable(&tokenizer, &corpus.text, &e),
+            why: unencodable(&loaded.tokenizer, &corpus.text, &e),
         })?;
-    let block = model.block_size();
-    let stride = request.stride.unwrap_or(block);
-    if stride == 0 || stride > block {
-        return Err(TrainError::Unsupported(
-            "this --stride",
-            format!(
-                "it is {stride}: a window scores the tokens it moves on by, 1 to the model's block ({block})"
-            ),
-        ));
-    }
     if ids.len() < 2 {
         return Err(TrainError::TextNotEncodable {
             path: data.to_path_buf(),
@@ -114,27 +124,184 @@ pub fn evaluate_text(
             ),
         });
     }
-    let started = Instant::now();
-    let windows = windows(ids.len(), block, stride);
-    let nats = score(&model.valid(), &ids, &windows, &device.device);
-    let tokens = ids.len() - 1;
-    let loss = nats / tokens as f64;
     let bytes = corpus.text.len() as u64;
+    let tokens = MemoryTokens(ids.into());
+    scored(loaded, &tokens, data.display().to_string(), bytes, request)
+}
+
+/// Scores a token store's split (validation unless `request.split` says
+/// otherwise), read from its shards.
+fn evaluate_store(
+    from: &Path,
+    data: &Path,
+    request: &EvalRequest,
+    hardware: &kiln_hwdetect::HardwareReport,
+) -> Result<TextEval, TrainError> {
+    let split = request.split.unwrap_or(Split::Val);
+    // The store first: a damaged one is named before any model is read.
+    let store = TokenStore::open(data)?;
+    let mismatch = |why: String| {
+        TrainError::Data(DataError::StoreMismatch {
+            path: data.to_path_buf(),
+            why,
+        })
+    };
+    let tokens = store.split(split).clone();
+    if tokens.len() < 2 {
+        return Err(mismatch(format!(
+            "its {split} split holds {} token{}: scoring needs two, one to predict from and one to predict",
+            tokens.len(),
+            if tokens.len() == 1 { "" } else { "s" }
+        )));
+    }
+    let mut loaded = load_lm(
+        from,
+        request.best,
+        "scoring tokens with a sentence-pair classifier",
+        hardware,
+    )?;
+    // The store's ids must mean the model's tokens.
+    let (theirs, what) = match store.kind {
+        StoreKind::Kiln => (
+            Some(Tokenizer::load(&data.join(TOKENIZER))?),
+            "the tokenizer it was prepared with".to_string(),
+        ),
+        _ if store.width() == TokenWidth::U32 => {
+            loaded.notes.push(format!(
+                "`{}` holds llm.c's uint32 shards, which name no tokenizer: its ids are scored as the model's, unchecked",
+                data.display()
+            ));
+            (None, String::new())
+        }
+        _ => (
+            Some(Tokenizer::gpt2()?),
+            format!(
+                "GPT-2's tokenizer ({} hold GPT-2's ids)",
+                if store.kind == StoreKind::NanoGpt {
+                    "nanoGPT's train.bin and val.bin"
+                } else {
+                    "llm.c's uint16 shards"
+                }
+            ),
+        ),
+    };
+    if let Some(theirs) = &theirs
+        && theirs.vocab() != loaded.tokenizer.vocab()
+    {
+        return Err(mismatch(format!(
+            "its tokens are ids of {what}, {} tokens, not of the model's tokenizer ({} tokens): score a store prepared with the model's tokenizer, or the text itself",
+            theirs.vocab_size(),
+            loaded.tokenizer.vocab_size()
+        )));
+    }
+    let bytes = split_bytes(&*tokens, &loaded.tokenizer).map_err(TrainError::Data)?;
+    scored(
+        loaded,
+        &*tokens,
+        format!("{} ({split})", data.display()),
+        bytes,
+        request,
+    )
+}
+
+/// Scores `tokens` with the loaded model: the windows, their batches, the
+/// measures.
+fn scored(
+    loaded: Loaded,
+    tokens: &dyn TokenSpan,
+    file: String,
+    bytes: u64,
+    request: &EvalRequest,
+) -> Result<TextEval, TrainError> {
+    let Loaded {
+        model,
+        source,
+        notes,
+        device,
+        ..
+    } = loaded;
+    let block = model.block_size();
+    let stride = request.stride.unwrap_or(block);
+    if stride == 0 || stride > block {
+        return Err(TrainError::Unsupported(
+            "this --stride",
+            format!(
+                "it is {stride}: a window scores the tokens it moves on by, 1 to the model's block ({block})"
+            ),
+        ));
+    }
+    let started = Instant::now();
+    let n = tokens.len();
+    let windows = windows(n, block, stride);
+    let nats = score(&model.valid(), tokens, &windows, &device.device).map_err(|id| {
+        TrainError::Unsupported(
+            "these tokens",
+            format!(
+                "`{file}` holds the id {id}, past the model's vocabulary of {}",
+                model.vocab_size()
+            ),
+        )
+    })?;
+    let scored = n - 1;
+    let loss = nats / scored as f64;
     Ok(TextEval {
         source,
         device: device.name,
-        file: data.display().to_string(),
+        file,
         bytes,
-        tokens,
+        tokens: scored,
         block,
         stride,
         windows: windows.len(),
         loss,
         perplexity: loss.exp(),
         bits_per_byte: nats / std::f64::consts::LN_2 / bytes.max(1) as f64,
-        tokens_per_s: tokens as f64 / started.elapsed().as_secs_f64().max(1e-9),
+        tokens_per_s: scored as f64 / started.elapsed().as_secs_f64().max(1e-9),
         notes,
     })
+}
+
+/// Tokens a store's split is read and decoded in at a time.
+const DECODE_CHUNK: usize = 1 << 20;
+
+/// The UTF-8 bytes of the text a split's tokens encode: its documents (the
+/// end-of-text id before each marks where one begins) decoded one at a
+/// time, the end-of-text ids left out. A document longer than
+/// [`DECODE_CHUNK`] tokens is decoded in pieces of that many, each piece
+/// its own decode (a character whose bytes a piece boundary splits counts
+/// as U+FFFD's three bytes: a few bytes in megabytes).
+fn split_bytes(tokens: &dyn TokenSpan, tokenizer: &Tokenizer) -> Result<u64, DataError> {
+    let eot = tokenizer.end_of_text();
+    let mut bytes = 0u64;
+    let mut chunk = vec![0u32; DECODE_CHUNK.min(tokens.len())];
+    let mut document: Vec<u32> = Vec::new();
+    let flush = |document: &mut Vec<u32>| -> Result<u64, DataError> {
+        let n = if document.is_empty() {
+            0
+        } else {
+            tokenizer.decode(document)?.len() as u64
+        };
+        document.clear();
+        Ok(n)
+    };
+    let mut at = 0;
+    while at < tokens.len() {
+        let n = chunk.len().min(tokens.len() - at);
+        tokens.read(at, &mut chunk[..n]);
+        for &id in &chunk[..n] {
+            if Some(id) == eot {
+                bytes += flush(&mut document)?;
+            } else {
+                document.push(id);
+                if document.len() == DECODE_CHUNK {
+                    bytes += flush(&mut document)?;
+                }
+            }
+        }
+        at += n;
+    }
+    bytes += flush(&mut document)?;
+    Ok(bytes)
 }
 
 /// A window of the text: the model reads `ids[start..end - 1]` and predicts
@@ -172,11 +339,19 @@ fn windows(n: usize, block: usize, stride: usize) -> Vec<Window> {
 const LOGITS_BUDGET: usize = 1 << 26;
 
 /// The sum of the negative log-probabilities of the scored tokens of
-/// `windows`, in f64; windows of one length run as a batch.
-fn score(model: &Gpt, ids: &[u32], windows: &[Window], device: &Device) -> f64 {
+/// `windows`, in f64; windows of one length run as a batch, read from
+/// `tokens` a batch at a time. `Err` with an id past the model's
+/// vocabulary, where one is read.
+fn score(
+    model: &Gpt,
+    tokens: &dyn TokenSpan,
+    windows: &[Window],
+    device: &Device,
+) -> Result<f64, u32> {
     let vocab = model.vocab_size();
     let mut nats = 0.0;
     let mut i = 0;
+    let mut ids = Vec::new();
     while i < windows.len() {
         let len = windows[i].end - windows[i].start - 1;
         let batch_max = (LOGITS_BUDGET / (len * vocab).max(1)).clamp(1, 64);
@@ -186,10 +361,18 @@ fn score(model: &Gpt, ids: &[u32], windows: &[Window], device: &Device) -> f64 {
             .take_while(|w| w.end - w.start - 1 == len)
             .collect();
         let b = batch.len();
+        // Each window's `len + 1` tokens, read once.
+        ids.clear();
+        ids.resize(b * (len + 1), 0);
+        for (w, out) in batch.iter().zip(ids.chunks_mut(len + 1)) {
+            tokens.read(w.start, out);
+        }
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(bad);
+        }
         let take = |offset: usize| -> Vec<i64> {
-            batch
-                .iter()
-                .flat_map(|w| ids[w.start + offset..w.start + offset + len].iter())
+            ids.chunks(len + 1)
+                .flat_map(|w| w[offset..offset + len].iter())
                 .map(|&t| i64::from(t))
                 .collect()
         };
@@ -208,7 +391,7 @@ fn score(model: &Gpt, ids: &[u32], windows: &[Window], device: &Device) -> f64 {
         }
         i += b;
     }
-    nats
+    Ok(nats)
 }
 
 #[cfg(test)]
@@ -286,7 +469,7 @@ mod tests {
         let ids: Vec<u32> = (0..3 * 8 + 1).map(|i| (i * 7 % 11) as u32).collect();
         let ws = windows(ids.len(), 8, 8);
         assert_eq!(ws.len(), 3);
-        let nats = score(&model, &ids, &ws, &device);
+        let nats = score(&model, &MemoryTokens(ids.clone().into()), &ws, &device).expect("ids");
         let rows = |offset: usize| -> Vec<i64> {
             (0..3)
                 .flat_map(|w| ids[w * 8 + offset..w * 8 + offset + 8].iter())

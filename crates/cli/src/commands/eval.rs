@@ -1,7 +1,9 @@
 //! `kiln eval FROM --data FILE`: a language model's loss, perplexity and
-//! bits per byte on a text (kiln-train's `evaluate_text`). FROM is a
-//! language-model run (its newest good checkpoint, or `--best`), a
-//! `transformers` GPT-2 folder, or a sweep (each job's, in a table).
+//! bits per byte on a text, or on a token store's split (`--split`,
+//! validation by default), read from its shards (kiln-train's
+//! `evaluate_text`). FROM is a language-model run (its newest good
+//! checkpoint, or `--best`), a `transformers` GPT-2 folder, or a sweep
+//! (each job's, in a table).
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -16,9 +18,15 @@ pub(crate) struct Args {
     /// tokenizer.json: OpenAI's GPT-2, a `kiln export`), or a sweep's
     /// folder (`kiln train -m`: every job that has a checkpoint)
     from: PathBuf,
-    /// The text to score (UTF-8), e.g. a held-out test set
+    /// The text to score (UTF-8), e.g. a held-out test set; or a token
+    /// store (`kiln prepare`'s folder, llm.c's shards, nanoGPT's
+    /// train.bin/val.bin), read from disk a batch at a time
     #[arg(long, value_name = "FILE")]
     data: PathBuf,
+    /// A token store's split to score: `val` (the held-out documents) or
+    /// `train`
+    #[arg(long, value_enum)]
+    split: Option<SplitArg>,
     /// Tokens each window moves on by and scores, the rest of it their
     /// context (Hugging Face's sliding window; 1 to the block) [default:
     /// the model's block: windows that do not overlap]
@@ -33,10 +41,23 @@ pub(crate) struct Args {
     json: bool,
 }
 
+/// `--split`'s values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum SplitArg {
+    /// The validation split (held-out documents).
+    Val,
+    /// The training split.
+    Train,
+}
+
 pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     let mut request = kiln_train::EvalRequest::default();
     request.best = args.best;
     request.stride = args.stride;
+    request.split = args.split.map(|s| match s {
+        SplitArg::Val => kiln_train::kiln_data::Split::Val,
+        SplitArg::Train => kiln_train::kiln_data::Split::Train,
+    });
     if args.from.join(super::sweep::RECORD).is_file() {
         return sweep(&args, &request, ctx);
     }
