@@ -31,7 +31,8 @@
 //!   `dS = P·(dP − delta)` per element in f32, then `dQ += dS·K`;
 //! - dK and dV, a plane per key tile, over the query tiles that see them:
 //!   the same `S`, `dP`, `P` and `dS`, then `dV += Pᵀ·dO` and
-//!   `dK += dSᵀ·Q` (the transposes read column-major).
+//!   `dK += dSᵀ·Q` (the transposes read column-major), summed in the
+//!   plane's registers and written once at the end.
 //!
 //! No atomics and nothing `time × time` in memory, as in the scalar
 //! kernels, and the same results up to rounding: `kiln check-kernels`
@@ -47,10 +48,13 @@
 //! The tile is the instruction's size, the scores' tile a single
 //! instruction tall and wide for each plane. A cube takes four planes
 //! where the shared memory (CUDA's static 48 KiB at most) and the sequence
-//! allow, else two or one (GPT-2's 64-wide heads in bf16: four forward,
-//! two in the backward kernels). Larger key tiles a step and the
-//! accumulators kept in registers rather than shared memory are the next
-//! steps, for the GPU check's profile to decide between.
+//! allow, else two or one (GPT-2's 64-wide heads in bf16: four in each
+//! kernel). The backward kernels keep their sums (dQ, or dK and dV) in the
+//! planes' registers, as the matrix unit's accumulators, for the whole
+//! walk; the forward kernel keeps O in shared memory, since each key tile
+//! rescales its rows (the matrix unit's fragments cannot be scaled row by
+//! row). Larger key tiles a step are the next step, for the GPU check's
+//! profile to decide.
 
 use burn::tensor::DType;
 use burn_backend::cubecl::{dtype_to_elem_type, dtype_to_storage_type};
@@ -105,8 +109,8 @@ pub(crate) fn tile_for(
 /// `tile` of the cube's rows: keys with `keys_outer`, else queries): the
 /// queries with their output gradient, log-sum-exp and `delta`, the keys
 /// and values with their flags (the cube's rows', or one tile shared by
-/// the planes), each plane's scores and their gradient in f32 and rounded,
-/// and the accumulators (dK and dV, or dQ) in f32.
+/// the planes), each plane's scores and their gradient in f32 and rounded.
+/// (The sums, dK and dV or dQ, are in the planes' registers.)
 fn backward_shared_bytes(
     tile: usize,
     head_dim: usize,
@@ -120,11 +124,9 @@ fn backward_shared_bytes(
     } else {
         (rows, tile)
     };
-    let accumulators = if keys_outer { 2 } else { 1 };
     2 * (q_rows + k_rows) * head_dim * elem
         + 4 * (2 * q_rows + k_rows)
         + rows * tile * (8 + 2 * elem)
-        + accumulators * rows * head_dim * 4
 }
 
 /// Whether the launch grid (query or key tiles, heads, batch entries) fits
@@ -291,6 +293,110 @@ fn accumulate_ab<E: Float>(
             head_dim as u32,
             MatrixLayout::RowMajor,
         );
+    }
+}
+
+/// `head_dim / tile` accumulators of the matrix unit (f32, zeros): a
+/// `tile × head_dim` tile of sums kept in the plane's registers.
+#[cube]
+fn accumulators(#[comptime] head_dim: usize, #[comptime] tile: usize) -> Sequence<Matrix<f32>> {
+    let mut sums = Sequence::new();
+    #[unroll]
+    for _ in 0..head_dim / tile {
+        sums.push(Matrix::<f32>::from_value(
+            MatrixIdent::Accumulator,
+            tile,
+            tile,
+            tile,
+            MatrixLayout::Undefined,
+            f32::new(0.0),
+        ));
+    }
+    sums
+}
+
+/// `sums += A·B` on the matrix unit, the sums in registers
+/// ([`accumulators`]): `A` a row-major `tile × tile` tile at `a_off` (with
+/// `transposed`, `Aᵀ`: read column-major), `B` a row-major `tile ×
+/// head_dim` tile. `Pᵀ·dO`, `dSᵀ·Q`, `dS·K`.
+#[cube]
+fn accumulate_in<E: Float>(
+    a: &Shared<[E]>,
+    a_off: usize,
+    b: &Shared<[E]>,
+    sums: &Sequence<Matrix<f32>>,
+    #[comptime] transposed: bool,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+) {
+    let layout = comptime!(if transposed {
+        MatrixLayout::ColMajor
+    } else {
+        MatrixLayout::RowMajor
+    });
+    let lhs = fragment::<E>(
+        MatrixIdent::A,
+        layout,
+        &a[a_off..a_off + tile * tile],
+        tile as u32,
+        tile,
+    );
+    let end = tile * head_dim;
+    #[unroll]
+    for step in 0..head_dim / tile {
+        let rhs = fragment::<E>(
+            MatrixIdent::B,
+            MatrixLayout::RowMajor,
+            &b[step * tile..end],
+            head_dim as u32,
+            tile,
+        );
+        let sum = sums.index(step);
+        cmma::execute(&lhs, &rhs, sum, sum);
+    }
+}
+
+/// Writes a plane's register sums ([`accumulators`]) times `factor` to
+/// rows `first..` (those before `seq`) of batch entry `b` in `dst`, each
+/// `row_stride` apart, from column `col0`, through `stage` (`tile × tile`
+/// f32 at `stage_off`, the plane's own) a fragment at a time.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_sums<E: Float>(
+    sums: &Sequence<Matrix<f32>>,
+    factor: f32,
+    stage: &mut Shared<[f32]>,
+    stage_off: usize,
+    dst: &mut [E],
+    b: usize,
+    first: usize,
+    seq: usize,
+    row_stride: usize,
+    col0: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] plane: usize,
+) {
+    let lane = UNIT_POS_X as usize;
+    #[unroll]
+    for step in 0..head_dim / tile {
+        cmma::store(
+            &mut stage[stage_off..stage_off + tile * tile],
+            sums.index(step),
+            tile as u32,
+            MatrixLayout::RowMajor,
+        );
+        sync_cube();
+        let mut e = lane;
+        while e < tile * tile {
+            let row = first + e / tile;
+            if row < seq {
+                dst[(b * seq + row) * row_stride + col0 + step * tile + e % tile] =
+                    E::cast_from(stage[stage_off + e] * factor);
+            }
+            e += plane;
+        }
+        sync_cube();
     }
 }
 
@@ -665,7 +771,6 @@ fn flash_backward_kernel<E: Float>(
 ) {
     let h = CUBE_POS_Y as usize;
     let b = CUBE_POS_Z as usize;
-    let unit = UNIT_POS as usize;
     let warp = UNIT_POS_Y as usize;
     let lane = UNIT_POS_X as usize;
     let units = comptime!(plane * planes);
@@ -689,10 +794,10 @@ fn flash_backward_kernel<E: Float>(
     let mut sdp = tile_memory::<f32>(comptime!(rows * tile));
     let mut sp = tile_memory::<E>(comptime!(rows * tile));
     let mut sds = tile_memory::<E>(comptime!(rows * tile));
-    // dK (or dQ), and dV (dK/dV only), each plane's rows.
-    let mut acc = tile_memory::<f32>(comptime!(rows * head_dim));
-    let mut acc_v = tile_memory::<f32>(comptime!(if keys_outer { rows * head_dim } else { 1 }));
-    zero(&mut acc, comptime!(rows * head_dim), units);
+    // dK (or dQ), and dV (dK/dV only): each plane's rows, in its
+    // registers (nothing rescales them, unlike the forward pass's O).
+    let acc = accumulators(head_dim, tile);
+    let acc_v = accumulators(comptime!(if keys_outer { head_dim } else { 0 }), tile);
 
     // Where this plane's queries and keys are in the tiles, and the first
     // of the pair's each time (the outer rows' are this plane's).
@@ -709,7 +814,6 @@ fn flash_backward_kernel<E: Float>(
         k_off = mine;
         k_row0 = warp * tile;
         col0 += width;
-        zero(&mut acc_v, comptime!(rows * head_dim), units);
         // With `causal`, no query tile before the one holding the cube's
         // first key.
         if causal {
@@ -807,25 +911,47 @@ fn flash_backward_kernel<E: Float>(
         }
         sync_cube();
         if keys_outer {
-            accumulate_ab(&sp, my_scores, &sdo, &mut acc_v, mine, true, head_dim, tile);
-            accumulate_ab(&sds, my_scores, &sq, &mut acc, mine, true, head_dim, tile);
+            accumulate_in(&sp, my_scores, &sdo, &acc_v, true, head_dim, tile);
+            accumulate_in(&sds, my_scores, &sq, &acc, true, head_dim, tile);
         } else {
-            accumulate_ab(&sds, my_scores, &sk, &mut acc, mine, false, head_dim, tile);
+            accumulate_in(&sds, my_scores, &sk, &acc, false, head_dim, tile);
         }
     }
     sync_cube();
 
-    let mut e = unit;
-    while e < rows * head_dim {
-        let row = start + e / head_dim;
-        if row < seq {
-            let at = (b * seq + row) * 3 * width + col0 + e % head_dim;
-            dqkv[at] = E::cast_from(acc[e] * scale);
-            if keys_outer {
-                dqkv[at + width] = E::cast_from(acc_v[e]);
-            }
-        }
-        e += units;
+    // dK (scaled) and dV, or dQ (scaled), through each plane's scores'
+    // buffer.
+    write_sums(
+        &acc,
+        scale,
+        &mut ss,
+        my_scores,
+        dqkv,
+        b,
+        my_start,
+        seq,
+        3 * width,
+        col0,
+        head_dim,
+        tile,
+        plane,
+    );
+    if keys_outer {
+        write_sums(
+            &acc_v,
+            f32::new(1.0),
+            &mut ss,
+            my_scores,
+            dqkv,
+            b,
+            my_start,
+            seq,
+            3 * width,
+            col0 + width,
+            head_dim,
+            tile,
+            plane,
+        );
     }
 }
 
