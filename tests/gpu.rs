@@ -139,6 +139,7 @@ fn a_kernel_profile_lists_where_the_device_time_goes() {
     // kiln's column sums, and a weight's gradient is one product over all
     // rows, not a product per batch entry summed by a reduction (13 of
     // Burn's reductions a layer and micro-batch on the H200 before).
+    // Two a step remain (the loss's); one a layer would make four.
     if !cfg!(feature = "fusion") {
         let layers = 2.0;
         assert!(
@@ -149,7 +150,9 @@ fn a_kernel_profile_lists_where_the_device_time_goes() {
             let name = k["name"].as_str().unwrap_or("");
             assert!(
                 !name.starts_with("Reduce")
-                    || k["launches_per_step"].as_f64().is_some_and(|n| n < layers),
+                    || k["launches_per_step"]
+                        .as_f64()
+                        .is_some_and(|n| n < 2.0 * layers),
                 "Burn's reductions per layer: {p}"
             );
         }
