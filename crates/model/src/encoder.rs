@@ -326,12 +326,7 @@ impl EncoderBlock {
             a,
         );
         let x = kernels::layer_norm_with(&self.ln1, x + self.dropout.forward(y), self.ln_eps, k);
-        let hidden = precision::linear(&self.fc, x.clone(), c, k);
-        let hidden = if self.tanh_gelu {
-            activation::gelu_approximate(hidden)
-        } else {
-            kernels::gelu(hidden, k)
-        };
+        let hidden = precision::mlp_hidden(&self.fc, x.clone(), self.tanh_gelu, c, k);
         kernels::layer_norm_with(
             &self.ln2,
             x + self

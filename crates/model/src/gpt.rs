@@ -270,12 +270,8 @@ impl Block {
 
     /// The MLP branch of `x`: `mlp_proj(gelu(fc(ln2(x))))`.
     fn mlp(&self, x: Tensor<3>, c: ComputeDtype, k: Kernels) -> Tensor<3> {
-        let hidden = precision::linear(&self.fc, kernels::layer_norm(&self.ln2, x, k), c, k);
-        let hidden = if self.gelu {
-            activation::gelu_approximate(hidden)
-        } else {
-            kernels::gelu(hidden, k)
-        };
+        let input = kernels::layer_norm(&self.ln2, x, k);
+        let hidden = precision::mlp_hidden(&self.fc, input, self.gelu, c, k);
         precision::linear(&self.mlp_proj, hidden, c, k)
     }
 

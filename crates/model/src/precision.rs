@@ -3,8 +3,12 @@
 //! multiplies and attention's two products run in the compute dtype through
 //! casts at the layer's edges, and their results come back as f32, so
 //! softmax, LayerNorm, GELU, the residual stream, the loss and every
-//! reduction stay f32. `Tensor::cast` is differentiable: gradients flow back
-//! through the casts and arrive at the f32 parameters as f32.
+//! reduction stay f32. Two exceptions keep a layer's inside in the compute
+//! dtype where kiln's GPU kernels read it, as PyTorch's autocast does:
+//! attention between its projections (`attention`) and an MLP's hidden
+//! layer (`mlp_hidden`: the GELU kernel computes in f32 and rounds
+//! once). `Tensor::cast` is differentiable: gradients flow back through
+//! the casts and arrive at the f32 parameters as f32.
 
 use burn::nn::Linear;
 use burn::tensor::{Bool, FloatDType, Tensor, activation};
@@ -84,6 +88,33 @@ fn linear_in<const D: usize>(
     match &layer.bias {
         Some(bias) => kernels::add_bias(product, bias.val().cast(low), kernels),
         None => product,
+    }
+}
+
+/// An MLP's hidden layer, `gelu(x · W + b)` (`tanh`: GELU's tanh
+/// approximation), for the output projection that follows. Where kiln's
+/// GELU kernel runs in a reduced `dtype` (a CubeCL GPU, the exact GELU)
+/// the layer stays in `dtype`, as PyTorch's autocast keeps it: the
+/// product, its bias and the GELU in `dtype` (the GELU computed in f32 and
+/// rounded once), so that what the backward pass keeps is half as large
+/// (GPT-2 small: 100 MB a layer and micro-batch less) and two casts
+/// forward and two backward a layer go. Elsewhere f32, as [`linear`]
+/// gives it.
+pub(crate) fn mlp_hidden<const D: usize>(
+    fc: &Linear,
+    x: Tensor<D>,
+    tanh: bool,
+    dtype: ComputeDtype,
+    kernels: Kernels,
+) -> Tensor<D> {
+    if dtype.is_reduced() && !tanh && kernels::gelu_runs_in_any_float(&x, kernels) {
+        return kernels::gelu(linear_in(fc, x, dtype, kernels), kernels);
+    }
+    let hidden = linear(fc, x, dtype, kernels);
+    if tanh {
+        activation::gelu_approximate(hidden)
+    } else {
+        kernels::gelu(hidden, kernels)
     }
 }
 

@@ -146,6 +146,18 @@ pub fn gelu<const D: usize>(x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
     activation::gelu(x)
 }
 
+/// Whether [`gelu`] runs kiln's kernel for a tensor on `x`'s device in
+/// any float dtype (f32, bf16, f16): the CubeCL GPUs' kernel (not under
+/// `fusion`); flex's takes f32 alone.
+pub(crate) fn gelu_runs_in_any_float<const D: usize>(x: &Tensor<D>, kernels: Kernels) -> bool {
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    if kernels == Kernels::Fused && cube::gelu::runs(x) {
+        return true;
+    }
+    let _ = (x, kernels);
+    false
+}
+
 /// Multi-head self-attention of a packed projection `qkv` (`[batch, time,
 /// 3·d]`: queries, keys and values side by side, each `heads` heads of
 /// `d / heads`), scale `1/√head_dim`, heads merged in the result
@@ -321,7 +333,7 @@ pub fn split_heads(qkv: Tensor<3>, heads: usize) -> [Tensor<4>; 3] {
 /// dimension). On flex the fused kernel runs one gemm over all rows with
 /// the bias accumulated in, and its backward one gemm per gradient and
 /// parallel column sums for the bias; it needs a bias. Elsewhere one
-/// product over all rows ([`rows_product`]) and the bias by [`add_bias`]
+/// product over all rows (`rows_product`) and the bias by [`add_bias`]
 /// (on a CubeCL GPU kiln's column sums for its gradient). The reference is
 /// that product and Burn's broadcast addition.
 pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
