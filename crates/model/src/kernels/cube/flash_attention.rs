@@ -19,7 +19,8 @@
 //!    and sum, the factor that rescales what was summed so far), `P`
 //!    rounded to the input dtype;
 //! 4. `O = O·factor + P·V`, O kept in f32 in shared memory, the product on
-//!    the matrix unit.
+//!    the matrix unit (the rescaling pass skipped where no row's maximum
+//!    grew).
 //!
 //! It ends as the scalar kernel does: the merged heads (`O / sum`, zeros for
 //! a query that sees no key) and each query's log-sum-exp. The backward
@@ -479,6 +480,8 @@ fn flash_attention_kernel<E: Float>(
     let mut row_factor = Shared::<[f32]>::new_slice(rows);
     let mut part_max = Shared::<[f32]>::new_slice(comptime!(rows * parts));
     let mut part_sum = Shared::<[f32]>::new_slice(comptime!(rows * parts));
+    // Whether a row's maximum grew at this key tile (any unit sets it).
+    let mut rescale = Shared::<[u32]>::new_slice(1usize);
 
     // The cube's queries (zeros past the end) and the accumulator.
     load_rows(
@@ -545,6 +548,9 @@ fn flash_attention_kernel<E: Float>(
             seen[c] = flag;
             c += units;
         }
+        if unit == 0 {
+            rescale[0] = 0;
+        }
         sync_cube();
         // Each plane its queries' scores.
         product_abt(&sq, mine, &sk, 0, &mut ss, my_scores, head_dim, tile);
@@ -607,15 +613,22 @@ fn flash_attention_kernel<E: Float>(
             row_max[r] = new_max;
             row_sum[r] = row_sum[r] * factor + sum;
             row_factor[r] = factor;
+            if factor != f32::new(1.0) {
+                rescale[0] = 1;
+            }
             r += units;
         }
         sync_cube();
 
-        // O = O·factor + P·V.
-        let mut e = unit;
-        while e < rows * head_dim {
-            so[e] *= row_factor[e / head_dim];
-            e += units;
+        // O = O·factor + P·V; the rescaling pass only where some row's
+        // maximum grew (a factor of exactly 1 elsewhere: the later key
+        // tiles of a long sequence mostly).
+        if rescale[0] != 0 {
+            let mut e = unit;
+            while e < rows * head_dim {
+                so[e] *= row_factor[e / head_dim];
+                e += units;
+            }
         }
         sync_cube();
         accumulate_ab(&sp, my_scores, &sv, &mut so, mine, false, head_dim, tile);
@@ -982,6 +995,7 @@ fn forward_shared_bytes(
         + 4 * tile
         + rows * tile * (4 + elem)
         + 4 * rows * (3 + 2 * parts)
+        + 4
 }
 
 /// Shared memory a cube may take without asking for more: CUDA's static
