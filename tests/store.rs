@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::support::{kill_when, kiln, root};
-use crate::train::{checkpoint_digest, ckpt, tiny};
+use crate::train::{checkpoint_digest, ckpt, eval_json, tiny};
 
 /// Shakespeare's first 60 kB as JSON lines, a speech (blank-line separated)
 /// a document, with a line missing its text.
@@ -276,19 +276,6 @@ fn bad_store_input_is_named_with_exit_2() {
         "problems:",
         "training.batch_size",
     ]);
-}
-
-/// `kiln eval --json` of the run `from` on `data` (a text or a store).
-fn eval_json(from: &Path, data: &Path, extra: &[&str]) -> serde_json::Value {
-    let mut args = vec![
-        "eval".to_string(),
-        from.display().to_string(),
-        "--data".into(),
-        data.display().to_string(),
-        "--json".into(),
-    ];
-    args.extend(extra.iter().map(|s| s.to_string()));
-    serde_json::from_str(&run(&args).expect_code(0).stdout).expect("eval --json")
 }
 
 /// `kiln eval` on a token store, read from its shards: the validation

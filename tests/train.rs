@@ -1420,8 +1420,9 @@ fn a_linear_schedule_decays_in_a_line_and_says_so() {
     assert!((lr - want).abs() < 1e-12, "lr {lr}, want {want}");
 }
 
-/// `kiln eval --json` of `from` on `text`: the measures.
-fn eval_json(from: &Path, text: &Path, extra: &[&str]) -> serde_json::Value {
+/// `kiln eval --json` of `from` on `text` (a text or a token store): the
+/// measures.
+pub(crate) fn eval_json(from: &Path, text: &Path, extra: &[&str]) -> serde_json::Value {
     let mut args = vec![
         "eval".to_string(),
         from.display().to_string(),

@@ -240,56 +240,78 @@ fn product_abt<E: Float>(
     );
 }
 
-/// `acc += A·B` on the matrix unit: `A` a row-major `tile × tile` tile
-/// (with `transposed`, `Aᵀ`: read column-major), `B` and `acc` row-major
-/// `tile × head_dim` (`acc` in f32). `P·V`, `dS·K`, `Pᵀ·dO`, `dSᵀ·Q`. `A`
-/// starts at `a_off` in `a`, `acc` at `acc_off` (a plane's part of a
-/// cube's tiles).
+/// The `tile × tile` left operand at `a_off` in `a`, row-major (with
+/// `transposed`, read column-major: its transpose): `P`, `dS`, `Pᵀ`, `dSᵀ`.
 #[cube]
-#[allow(clippy::too_many_arguments)]
+fn square_operand<E: Float>(
+    a: &Shared<[E]>,
+    a_off: usize,
+    #[comptime] transposed: bool,
+    #[comptime] tile: usize,
+) -> Matrix<E> {
+    let layout = comptime!(if transposed {
+        MatrixLayout::ColMajor
+    } else {
+        MatrixLayout::RowMajor
+    });
+    fragment::<E>(
+        MatrixIdent::A,
+        layout,
+        &a[a_off..a_off + tile * tile],
+        tile as u32,
+        tile,
+    )
+}
+
+/// The `step`-th `tile × tile` block of columns of a row-major `tile ×
+/// head_dim` right operand: `V`, `K`, `dO`, `Q`.
+#[cube]
+fn column_block<E: Float>(
+    b: &Shared<[E]>,
+    #[comptime] step: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+) -> Matrix<E> {
+    fragment::<E>(
+        MatrixIdent::B,
+        MatrixLayout::RowMajor,
+        &b[step * tile..tile * head_dim],
+        head_dim as u32,
+        tile,
+    )
+}
+
+/// `acc += A·B` on the matrix unit, `acc` in shared memory: `A` a
+/// row-major `tile × tile` tile at `a_off` in `a`, `B` and `acc` row-major
+/// `tile × head_dim` (`acc` in f32, at `acc_off`: a plane's part of a
+/// cube's tiles). The forward pass's `P·V`, into O, which each key tile
+/// rescales.
+#[cube]
 fn accumulate_ab<E: Float>(
     a: &Shared<[E]>,
     a_off: usize,
     b: &Shared<[E]>,
     acc: &mut Shared<[f32]>,
     acc_off: usize,
-    #[comptime] transposed: bool,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
 ) {
-    let layout = comptime!(if transposed {
-        MatrixLayout::ColMajor
-    } else {
-        MatrixLayout::RowMajor
-    });
-    let lhs = fragment::<E>(
-        MatrixIdent::A,
-        layout,
-        &a[a_off..a_off + tile * tile],
-        tile as u32,
-        tile,
-    );
-    let end = tile * head_dim;
+    let lhs = square_operand(a, a_off, false, tile);
+    let end = acc_off + tile * head_dim;
     #[unroll]
     for step in 0..head_dim / tile {
-        let rhs = fragment::<E>(
-            MatrixIdent::B,
-            MatrixLayout::RowMajor,
-            &b[step * tile..end],
-            head_dim as u32,
-            tile,
-        );
+        let rhs = column_block(b, step, head_dim, tile);
         let at = acc_off + step * tile;
         let sum = fragment::<f32>(
             MatrixIdent::Accumulator,
             MatrixLayout::RowMajor,
-            &acc[at..acc_off + end],
+            &acc[at..end],
             head_dim as u32,
             tile,
         );
         cmma::execute(&lhs, &rhs, &sum, &sum);
         cmma::store(
-            &mut acc[at..acc_off + end],
+            &mut acc[at..end],
             &sum,
             head_dim as u32,
             MatrixLayout::RowMajor,
@@ -317,9 +339,9 @@ fn accumulators(#[comptime] head_dim: usize, #[comptime] tile: usize) -> Sequenc
 }
 
 /// `sums += A·B` on the matrix unit, the sums in registers
-/// ([`accumulators`]): `A` a row-major `tile × tile` tile at `a_off` (with
-/// `transposed`, `Aᵀ`: read column-major), `B` a row-major `tile ×
-/// head_dim` tile. `Pᵀ·dO`, `dSᵀ·Q`, `dS·K`.
+/// ([`accumulators`]): `A` the [`square_operand`] at `a_off` (with
+/// `transposed` its transpose), `B` a row-major `tile × head_dim` tile.
+/// The backward pass's `Pᵀ·dO`, `dSᵀ·Q`, `dS·K`.
 #[cube]
 fn accumulate_in<E: Float>(
     a: &Shared<[E]>,
@@ -330,28 +352,10 @@ fn accumulate_in<E: Float>(
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
 ) {
-    let layout = comptime!(if transposed {
-        MatrixLayout::ColMajor
-    } else {
-        MatrixLayout::RowMajor
-    });
-    let lhs = fragment::<E>(
-        MatrixIdent::A,
-        layout,
-        &a[a_off..a_off + tile * tile],
-        tile as u32,
-        tile,
-    );
-    let end = tile * head_dim;
+    let lhs = square_operand(a, a_off, transposed, tile);
     #[unroll]
     for step in 0..head_dim / tile {
-        let rhs = fragment::<E>(
-            MatrixIdent::B,
-            MatrixLayout::RowMajor,
-            &b[step * tile..end],
-            head_dim as u32,
-            tile,
-        );
+        let rhs = column_block(b, step, head_dim, tile);
         let sum = sums.index(step);
         cmma::execute(&lhs, &rhs, sum, sum);
     }
@@ -513,41 +517,9 @@ fn flash_attention_kernel<E: Float>(
     let key_tiles = (keys + tile - 1) / tile;
     for k_tile in 0..key_tiles {
         let k_start = k_tile * tile;
-        let k0 = width + h * head_dim;
-        load_rows(
-            qkv,
-            &mut sk,
-            b,
-            k_start,
-            seq,
-            3 * width,
-            k0,
-            head_dim,
-            tile,
-            units,
+        load_keys(
+            qkv, pad, &mut sk, &mut sv, &mut seen, b, h, heads, k_start, seq, head_dim, tile, units,
         );
-        load_rows(
-            qkv,
-            &mut sv,
-            b,
-            k_start,
-            seq,
-            3 * width,
-            k0 + width,
-            head_dim,
-            tile,
-            units,
-        );
-        let mut c = unit;
-        while c < tile {
-            let j = k_start + c;
-            let mut flag = f32::new(0.0);
-            if j < seq && pad[b * seq + j] == f32::new(0.0) {
-                flag = f32::new(1.0);
-            }
-            seen[c] = flag;
-            c += units;
-        }
         if unit == 0 {
             rescale[0] = 0;
         }
@@ -631,7 +603,7 @@ fn flash_attention_kernel<E: Float>(
             }
         }
         sync_cube();
-        accumulate_ab(&sp, my_scores, &sv, &mut so, mine, false, head_dim, tile);
+        accumulate_ab(&sp, my_scores, &sv, &mut so, mine, head_dim, tile);
         sync_cube();
     }
 
