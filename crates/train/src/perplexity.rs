@@ -20,13 +20,14 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use kiln_data::store::{StoreKind, TOKENIZER, TokenWidth};
+use kiln_data::store::{StoreKind, TokenWidth};
 use kiln_data::{DataError, MemoryTokens, Split, TokenSpan, TokenStore, Tokenizer};
 use kiln_model::Gpt;
 use serde::Serialize;
 
 use crate::error::TrainError;
 use crate::generate::{Loaded, load_lm, unencodable};
+use crate::tokens::{gpt2_files, kiln_store_tokenizer};
 
 /// How to score.
 #[derive(Clone, Debug, Default)]
@@ -161,9 +162,9 @@ fn evaluate_store(
         hardware,
     )?;
     // The store's ids must mean the model's tokens.
-    let (theirs, what) = match store.kind {
-        StoreKind::Kiln => (
-            Some(Tokenizer::load(&data.join(TOKENIZER))?),
+    let (theirs, what) = match (&store.kind, &store.manifest) {
+        (StoreKind::Kiln, Some(manifest)) => (
+            Some(kiln_store_tokenizer(data, manifest)?),
             "the tokenizer it was prepared with".to_string(),
         ),
         _ if store.width() == TokenWidth::U32 => {
@@ -177,11 +178,7 @@ fn evaluate_store(
             Some(Tokenizer::gpt2()?),
             format!(
                 "GPT-2's tokenizer ({} hold GPT-2's ids)",
-                if store.kind == StoreKind::NanoGpt {
-                    "nanoGPT's train.bin and val.bin"
-                } else {
-                    "llm.c's uint16 shards"
-                }
+                gpt2_files(store.kind)
             ),
         ),
     };
@@ -234,29 +231,29 @@ fn scored(
     let n = tokens.len();
     let windows = windows(n, block, stride);
     let nats = score(&model.valid(), tokens, &windows, &device.device).map_err(|id| {
-        TrainError::Unsupported(
-            "these tokens",
-            format!(
+        TrainError::Data(DataError::InvalidArgument {
+            what: "token id",
+            why: format!(
                 "`{file}` holds the id {id}, past the model's vocabulary of {}",
                 model.vocab_size()
             ),
-        )
+        })
     })?;
-    let scored = n - 1;
-    let loss = nats / scored as f64;
+    let predicted = n - 1;
+    let loss = nats / predicted as f64;
     Ok(TextEval {
         source,
         device: device.name,
         file,
         bytes,
-        tokens: scored,
+        tokens: predicted,
         block,
         stride,
         windows: windows.len(),
         loss,
         perplexity: loss.exp(),
         bits_per_byte: nats / std::f64::consts::LN_2 / bytes.max(1) as f64,
-        tokens_per_s: scored as f64 / started.elapsed().as_secs_f64().max(1e-9),
+        tokens_per_s: predicted as f64 / started.elapsed().as_secs_f64().max(1e-9),
         notes,
     })
 }

@@ -234,20 +234,7 @@ pub(crate) fn open_store(
     };
     let tokenizer = match (&store.kind, &store.manifest) {
         (StoreKind::Kiln, Some(manifest)) => {
-            // GPT-2's is built in: parsing its 6 MB file again is most of
-            // the start-up; the manifest's sha256 says whether it is that.
-            let built = match manifest.tokenizer.kind.as_str() {
-                "gpt2" => Some(Tokenizer::gpt2()?),
-                _ => None,
-            };
-            let t = match built {
-                Some(gpt2)
-                    if sha256_hex(gpt2.to_json()?.as_bytes()) == manifest.tokenizer.sha256 =>
-                {
-                    gpt2
-                }
-                _ => Tokenizer::load(&path.join(TOKENIZER))?,
-            };
+            let t = kiln_store_tokenizer(path, manifest)?;
             let same = |other: Tokenizer| -> Result<bool, TrainError> {
                 Ok(other.to_json()? == t.to_json()?)
             };
@@ -287,11 +274,7 @@ pub(crate) fn open_store(
                 (None, None) if config.data.tokenizer != ConfigTokenizer::Gpt2 => {
                     return Err(mismatch(format!(
                         "{} hold GPT-2's token ids, but the run asks for the `{}` tokenizer (data.tokenizer); set data.tokenizer=gpt2",
-                        if store.kind == StoreKind::NanoGpt {
-                            "nanoGPT's train.bin and val.bin"
-                        } else {
-                            "llm.c's uint16 shards"
-                        },
+                        gpt2_files(store.kind),
                         tokenizer_name(config)
                     )));
                 }
@@ -300,6 +283,32 @@ pub(crate) fn open_store(
         }
     };
     Ok((store, tokenizer))
+}
+
+/// The tokenizer a kiln store's ids are of: its `tokenizer.json`, or
+/// GPT-2's built in where the manifest's sha256 says it is that (parsing
+/// its 6 MB file again is most of a start-up).
+pub(crate) fn kiln_store_tokenizer(
+    path: &Path,
+    manifest: &kiln_data::store::Manifest,
+) -> Result<Tokenizer, TrainError> {
+    if manifest.tokenizer.kind == "gpt2" {
+        let gpt2 = Tokenizer::gpt2()?;
+        if sha256_hex(gpt2.to_json()?.as_bytes()) == manifest.tokenizer.sha256 {
+            return Ok(gpt2);
+        }
+    }
+    Ok(Tokenizer::load(&path.join(TOKENIZER))?)
+}
+
+/// What a store without a manifest that holds GPT-2's ids is, for
+/// messages: nanoGPT's files or llm.c's `uint16` shards.
+pub(crate) fn gpt2_files(kind: StoreKind) -> &'static str {
+    if kind == StoreKind::NanoGpt {
+        "nanoGPT's train.bin and val.bin"
+    } else {
+        "llm.c's uint16 shards"
+    }
 }
 
 /// How fast a store's windows are read, against what the run needs.

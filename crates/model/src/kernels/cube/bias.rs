@@ -64,19 +64,20 @@ fn broadcast_add<B: Backend>(x: FloatTensor<B>, bias: FloatTensor<B>) -> FloatTe
 impl<B: Backend + KilnCubeBias, C: CheckpointStrategy> KilnCubeBias for Autodiff<B, C> {
     fn kiln_cube_add_bias(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
         // x's gradient is the output's; the bias's its column sums, in the
-        // bias's dtype (the state).
-        let step = KernelBackward::<B, DType, 2>(|dtype, grad| {
-            let sums = B::kiln_cube_column_sum(grad.clone());
-            let sums = if dtype == DType::F32 {
-                sums
-            } else {
-                B::float_cast(sums, dtype.into())
+        // bias's dtype (the state: `None` where the bias is not tracked, a
+        // frozen layer's, and no sums are made).
+        let step = KernelBackward::<B, Option<DType>, 2>(|dtype, grad| {
+            let sums = match dtype {
+                None => grad.clone(),
+                Some(DType::F32) => B::kiln_cube_column_sum(grad.clone()),
+                Some(dtype) => B::float_cast(B::kiln_cube_column_sum(grad.clone()), dtype.into()),
             };
             [grad, sums]
         });
         let nodes = [x.node(), bias.node()];
+        let bias_tracked = bias.is_tracked();
         let (x, bias) = (Self::inner(x), Self::inner(bias));
-        let dtype = bias.dtype();
+        let dtype = bias_tracked.then(|| bias.dtype());
         let y = B::kiln_cube_add_bias(x, bias);
         match step.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish(dtype, y),
