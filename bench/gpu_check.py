@@ -29,12 +29,14 @@ measured already goes last: `main`'s comments):
    (`optimization.kernels=reference`), for what kiln's kernels gain, and
    GPT-2 small and the `h100` preset with attention's scalar kernels
    (`optimization.attention=memory-efficient`), for what the matrix-unit
-   (FlashAttention-2) kernels gain;
+   (FlashAttention-2) kernels gain; last, FlashAttention-2 with more rows
+   a step and more shared memory (`FLASH_VARIANTS`), checked and timed;
 5. data parallelism on the one GPU: `kiln launch` of 2 ranks (NCCL, then
    kiln's sockets, then NCCL with the gradients in bf16) against one
    process with their whole batch, and (after
    the `h100` preset) GPT-2 small bf16 benchmarked as a job of 2 ranks,
-   for the all-reduce's time per step;
+   for the all-reduce's time per step (the NCCL jobs are skipped on a
+   machine with one GPU: NCCL before 2.30 refuses two ranks on one GPU);
 6. 300 steps of `kiln train hardware=auto` (the `train-auto` run).
 
 With `--kiln-cuda-cpp` (a build with kiln's `cuda-cpp` feature: CubeCL
@@ -71,6 +73,12 @@ Usage:
 The last is a dry run on the CPU (any build; the tests run it): every step
 but the kernel profiles, which time a GPU backend's launches.
 
+A lease's 10-minute calls hold less than the whole check: `--only REGEX`
+runs just the steps whose names the expression finds (and the machine's),
+so a second call takes what the first one's budget skipped, e.g.
+`--only 'train-auto|compiled|bench lm gpt2-small bf16$'` (a PyTorch step
+needs the kiln bench whose shape it copies).
+
 Python's standard library only (a `.xz` binary is unpacked with `lzma`).
 Exit code 0 when every step passed, 1 otherwise.
 """
@@ -81,6 +89,7 @@ import glob
 import json
 import lzma
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -89,6 +98,17 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# FlashAttention-2's kernels with more inner rows a step than their default
+# (one 16-row tile: keys in the forward and dQ kernels, queries in dK/dV;
+# `FLASH_KEYS`) and more shared memory a cube than 48 KiB
+# (`FLASH_SHARED_KIB`): each checked by `check-kernels --only
+# attention`, then timed on GPT-2 small with the kernel profile.
+FLASH_VARIANTS = {
+    "flash 64 keys, 100 KiB": {"FLASH_KEYS": "64", "FLASH_SHARED_KIB": "100"},
+    "flash 32 keys": {"FLASH_KEYS": "32"},
+    "flash 64 keys": {"FLASH_KEYS": "64"},
+}
 
 # The tiny GPT and encoder of the reference checks (the GPU suite's shapes).
 TINY_MODEL = [
@@ -127,6 +147,8 @@ class Check:
         self.kiln_cpp = self.unpack(args.kiln_cuda_cpp, "kiln-cuda-cpp") if args.kiln_cuda_cpp else None
         self.gpu = args.backend
         self.torch = None
+        # NVIDIA GPUs `nvidia-smi -L` lists (None without it).
+        self.gpus = None
         self.env = dict(os.environ)
         # With RUST_BACKTRACE=1 (set on many machines) CubeCL's compiler
         # (pliron) captures a backtrace at every type cast that fails, which
@@ -191,15 +213,26 @@ class Check:
     def left(self):
         return self.args.budget - (time.monotonic() - self.start)
 
-    def run(self, name, cmd, timeout, parse_json=True, cwd=ROOT, env=None):
+    def selected(self, name):
+        """Whether `--only` (a regular expression searched in step names)
+        lets the step `name` run; every step without it."""
+        return self.args.only is None or re.search(self.args.only, name) is not None
+
+    def run(self, name, cmd, timeout, parse_json=True, cwd=ROOT, env=None, always=False):
         """Runs one step within its limit and the budget left; records it.
         The limits are sized for a real GPU; with --tiny (a software GPU,
         which CI runs beside other tests on two cores) each is tripled, and
-        the budget still bounds the whole check."""
+        the budget still bounds the whole check. A step `--only` leaves out
+        is recorded as skipped (`always`: the machine's, which every check
+        needs)."""
         if self.args.tiny:
             timeout *= 3
         limit = min(timeout, self.left())
         step = {"name": name, "command": " ".join(cmd)}
+        if not (always or self.selected(name)):
+            step.update(status="skipped", why="not selected (--only)")
+            self.steps.append(step)
+            return step
         if limit < 5:
             step.update(status="skipped", why="the check's time budget is spent")
             self.steps.append(step)
@@ -266,18 +299,28 @@ class Check:
                 ],
                 30,
                 parse_json=False,
+                always=True,
             )
-        self.run("check-hardware", [self.kiln, "check-hardware", "--json"], 60)
+        self.run("check-hardware", [self.kiln, "check-hardware", "--json"], 60, always=True)
+        if shutil.which("nvidia-smi"):
+            listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+            if listed.returncode == 0:
+                self.gpus = sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
 
-    def kernels(self, build=None):
+    def kernels(self, build=None, flash=None):
         """kiln's GPU kernels against the Burn operations they replace, on
-        `build` (see `variant`)."""
+        `build` (see `variant`); with `flash` (one of `FLASH_VARIANTS`),
+        the attention kernels only, with that variant's settings."""
         found = self.variant("check-kernels", build)
         if found is None:
             return
         label, binary, env = found
         cmd = [binary, "check-kernels", "--json", f"device.backend={self.gpu}"]
-        if self.args.tiny:
+        if flash is not None:
+            label = f"{label}, attention, {flash}"
+            env = dict(env or self.env, **FLASH_VARIANTS[flash])
+            cmd.append("--only=attention")
+        elif self.args.tiny:
             # What --tiny checks is this script; every kernel on llvmpipe is
             # the GPU suite's own test (kiln_kernels_on_wgpu_agree_with_the_composition).
             cmd.append("--only=gelu")
@@ -333,6 +376,7 @@ class Check:
         name = f"{workload}{label}"
         for steps, tol in tolerances.items():
             losses = {}
+            ran = False
             for side, backend in (("flex", "flex"), ("gpu", self.gpu)):
                 s = self.bench(
                     f"reference {name} {steps} step(s) on {backend} ({side})",
@@ -342,6 +386,7 @@ class Check:
                     steps,
                     120,
                 )
+                ran = ran or s["status"] != "skipped"
                 if s["status"] == "ok":
                     losses[side] = s["result"]["bench"]["final_loss"]
             verdict = {
@@ -349,7 +394,10 @@ class Check:
                 "tolerance": tol,
                 "losses": losses,
             }
-            if len(losses) == 2:
+            if not ran:
+                verdict["status"] = "skipped"
+                verdict["why"] = "neither run ran"
+            elif len(losses) == 2:
                 diff = abs(losses["flex"] - losses["gpu"])
                 verdict["difference"] = diff
                 verdict["status"] = "ok" if diff < tol else "failed"
@@ -414,6 +462,12 @@ class Check:
             "bench lm gpt2-small bf16 max-autotune": (
                 "lm", [*gpu, *gpt2, *bf16, "optimization.compile_mode=max-autotune"], [], *large),
             "bench lm gpt2-small bf16 async allocator": ("lm", [*gpu, *gpt2, *bf16], [], *large),
+            # FlashAttention-2 with more rows a step and more shared memory
+            # (`FLASH_VARIANTS`), with the kernel profile for its kernels' times.
+            **{
+                f"bench lm gpt2-small bf16 {variant}": ("lm", [*gpu, *gpt2, *bf16], profile, *large)
+                for variant in FLASH_VARIANTS
+            },
             "bench lm h100 preset": ("lm", [*gpu, *h100], [], 2, 5, 300),
             "bench lm h100 preset scalar attention": ("lm", [*gpu, *h100, *scalar], [], 2, 5, 300),
             "bench nli bert-base bf16": (
@@ -474,6 +528,9 @@ class Check:
         cwd = self.in_folder_with(name, cubecl) if cubecl else ROOT
         if fresh:
             env = dict(env or self.env, XDG_CACHE_HOME=self.scratch(name, prefix="xdg-"))
+        for variant, flash_env in FLASH_VARIANTS.items():
+            if name.endswith(" " + variant):
+                env = dict(env or self.env, **flash_env)
         step = self.bench(label, workload, overrides, warmup, steps, limit, extra, binary, env, cwd)
         decisions = self.scratch(name, suffix=".decisions.jsonl")
         if build is None and os.path.exists(decisions):
@@ -581,6 +638,21 @@ class Check:
             with open(summary) as f:
                 step["summary"] = json.load(f)
 
+    def nccl_refused(self):
+        """Why NCCL jobs of 2 ranks cannot run here, or None: on CUDA with
+        one GPU, NCCL before 2.30 refuses two ranks on one device ("Duplicate
+        GPU detected": NCCL 2.28.3 on the 2026-12-04 H200, with
+        NCCL_MULTI_RANK_GPU_ENABLE=1). The sockets' job covers the
+        reduction there."""
+        if self.gpu == "cuda" and self.gpus is not None and self.gpus < 2:
+            return (f"{self.gpus} GPU: NCCL before 2.30 refuses two ranks on one GPU "
+                    "(NCCL 2.28.3 said \"Duplicate GPU detected\" on the 2026-12-04 H200)")
+        return None
+
+    def skip(self, name, why):
+        self.steps.append({"name": name, "status": "skipped", "why": why})
+        print(f"-- {name}: skipped ({why})", flush=True)
+
     def ddp_bench(self):
         """GPT-2 small bf16 as a job of 2 ranks × 4 on the one GPU (`kiln
         launch … bench lm`, NCCL on CUDA): the gradients' all-reduce per
@@ -597,6 +669,9 @@ class Check:
             *overrides, "training.batch_size=2" if self.args.tiny else "training.batch_size=4",
         )
         env = dict(self.env, NCCL_MULTI_RANK_GPU_ENABLE="1")
+        if self.nccl_refused():
+            self.skip("bench lm gpt2-small bf16, 2 ranks", self.nccl_refused())
+            return
         step = self.run("bench lm gpt2-small bf16, 2 ranks", cmd, limit * 2, env=env)
         if step["status"] == "ok":
             b = step["result"]["bench"]
@@ -648,7 +723,13 @@ class Check:
             # Off CUDA every multi-rank job reduces over the sockets, which
             # the tests check: the runs after the second would repeat it.
             runs = runs[:2]
+        elif self.nccl_refused():
+            for label, _, _, extra_env, _ in runs:
+                if extra_env is nccl:
+                    self.skip(f"ddp {label}", self.nccl_refused())
+            runs = tuple(r for r in runs if r[3] is not nccl)
         tolerance = {label: tol for label, _, _, _, tol in runs}
+        ran = False
         for label, ranks, batch, extra_env, _ in runs:
             run_dir = os.path.join(self.work, "ddp-" + str(len(losses)))
             args = ["train", *shape, *batch, f"run.dir={run_dir}"]
@@ -657,6 +738,7 @@ class Check:
                 args = ["launch", "--nproc-per-node", str(ranks), "--master-port", port, *args]
             env = dict(self.env, **extra_env)
             step = self.run(f"ddp {label}", self.kiln_cmd(*args), 240, parse_json=False, env=env)
+            ran = ran or step["status"] != "skipped"
             summary = os.path.join(run_dir, "summary.json")
             if os.path.exists(summary):
                 with open(summary) as f:
@@ -672,7 +754,7 @@ class Check:
         diffs = {k: abs(v - one) for k, v in losses.items() if one is not None and v is not None and k != "one process × 8"}
         verdict["differences"] = diffs
         ok = len(diffs) == len(runs) - 1 and all(d < tolerance[k] for k, d in diffs.items())
-        verdict["status"] = "ok" if ok else "failed"
+        verdict["status"] = "ok" if ok else "failed" if ran else "skipped"
         print(f"-- {verdict['name']}: {verdict['status']} {losses} {notes}", flush=True)
         self.steps.append(verdict)
 
@@ -842,6 +924,9 @@ def main():
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole check")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a software GPU in CI)")
     ap.add_argument("--skip-pytorch", action="store_true")
+    ap.add_argument("--only", metavar="REGEX",
+                    help="run only the steps whose name this regular expression finds (the "
+                    "machine's always): a second call for what a first one's budget did not reach")
     args = ap.parse_args()
     check = Check(args)
     gpt2_bf16 = ("pytorch gpt2-small bf16", "bench lm gpt2-small bf16", "bf16", [])
@@ -864,8 +949,8 @@ def main():
                         " (memory-efficient attention)", only_final=True)
         check.ddp()
         check.bench_named("bench lm gpt2-small bf16")
-        check.bench_named("bench nli bert-base bf16")
         check.pytorch([gpt2_bf16])
+        check.bench_named("bench nli bert-base bf16")
         check.pytorch_encoder("pytorch bert-base bf16", "bench nli bert-base bf16", "bf16")
         check.reference("nli", TINY_NLI)
         check.bench_named("bench lm h100 preset")
@@ -891,6 +976,14 @@ def main():
         check.bench_named("bench lm tiny f32", "NVRTC")
         check.bench_named("bench lm tiny f32", "fusion")
         check.bench_named("bench lm gpt2-small bf16", "fusion")
+        # FlashAttention-2's variants: checked, then timed (on a GPU only:
+        # a software GPU has no matrix unit for these kernels). All three
+        # were slower than the default on the second 2026-12-04 H200 check
+        # (GPT-2 small bf16: 51,937, 49,382 and 44,372 against 58,450
+        # tokens/s), hence last.
+        for variant in () if args.tiny else FLASH_VARIANTS:
+            check.kernels(flash=variant)
+            check.bench_named(f"bench lm gpt2-small bf16 {variant}")
     finally:
         check.derive()
         check.write()

@@ -46,16 +46,20 @@
 //! kernel's shared memory fits; everywhere else (f32, WGSL, widths such as
 //! 136 against 16) the scalar kernels do.
 //!
-//! The tile is the instruction's size, the scores' tile a single
-//! instruction tall and wide for each plane. A cube takes four planes
-//! where the shared memory (CUDA's static 48 KiB at most) and the sequence
-//! allow, else two or one (GPT-2's 64-wide heads in bf16: four in each
-//! kernel). The backward kernels keep their sums (dQ, or dK and dV) in the
-//! planes' registers, as the matrix unit's accumulators, for the whole
-//! walk; the forward kernel keeps O in shared memory, since each key tile
-//! rescales its rows (the matrix unit's fragments cannot be scaled row by
-//! row). Larger key tiles a step are the next step, for the GPU check's
-//! profile to decide.
+//! The tile is the instruction's size. Each step of a walk takes one tile
+//! of the inner rows (keys, or with dK/dV queries), or several with
+//! `FLASH_KEYS` (fewer syncs and, in the forward pass, fewer passes
+//! over O a key); each plane's scores are a tile tall and that wide. A
+//! cube takes four planes where its shared memory (48 KiB, or
+//! `FLASH_SHARED_KIB`: CubeCL's CUDA kernels take it dynamically, up
+//! to the device's 227 KiB on an H100) and the sequence allow, else two or
+//! one (GPT-2's 64-wide heads in bf16 by default: four in each kernel).
+//! The backward kernels keep their sums (dQ, or dK and dV) in the planes'
+//! registers, as the matrix unit's accumulators, for the whole walk; the
+//! forward kernel keeps O in shared memory, since each key step rescales
+//! its rows (the matrix unit's fragments cannot be scaled row by row).
+//! The two variables are experiments the GPU check times
+//! (`bench/gpu_check.py`'s `FLASH_VARIANTS`).
 
 use burn::tensor::DType;
 use burn_backend::cubecl::{dtype_to_elem_type, dtype_to_storage_type};
@@ -92,7 +96,7 @@ pub(crate) fn tile_for(
         .into_iter()
         .find(|&t| {
             head_dim.is_multiple_of(t as usize)
-                && backward_shared_bytes(t as usize, head_dim, dtype.size(), 1, true)
+                && backward_shared_bytes(t as usize, head_dim, dtype.size(), (1, 1), true)
                     <= props.hardware.max_shared_memory_size
                 && props.features.matmul.cmma.contains(&MmaConfig {
                     a_type: elem,
@@ -107,27 +111,29 @@ pub(crate) fn tile_for(
 }
 
 /// A backward kernel's shared memory with `planes` planes a cube (each a
-/// `tile` of the cube's rows: keys with `keys_outer`, else queries): the
-/// queries with their output gradient, log-sum-exp and `delta`, the keys
-/// and values with their flags (the cube's rows', or one tile shared by
-/// the planes), each plane's scores and their gradient in f32 and rounded.
-/// (The sums, dK and dV or dQ, are in the planes' registers.)
+/// `tile` of the cube's rows: keys with `keys_outer`, else queries) and
+/// `subs` inner tiles a step: the queries with their output gradient,
+/// log-sum-exp and `delta`, the keys and values with their flags (the
+/// cube's rows', or the step's inner tiles shared by the planes), each
+/// plane's scores and their gradient in f32 and rounded. (The sums, dK
+/// and dV or dQ, are in the planes' registers.)
 fn backward_shared_bytes(
     tile: usize,
     head_dim: usize,
     elem: usize,
-    planes: usize,
+    (planes, subs): (usize, usize),
     keys_outer: bool,
 ) -> usize {
     let rows = tile * planes;
+    let inner = tile * subs;
     let (q_rows, k_rows) = if keys_outer {
-        (tile, rows)
+        (inner, rows)
     } else {
-        (rows, tile)
+        (rows, inner)
     };
     2 * (q_rows + k_rows) * head_dim * elem
         + 4 * (2 * q_rows + k_rows)
-        + rows * tile * (8 + 2 * elem)
+        + rows * inner * (8 + 2 * elem)
 }
 
 /// Whether the launch grid (query or key tiles, heads, batch entries) fits
@@ -192,7 +198,7 @@ fn fragment<T: CubePrimitive>(
 /// tiles on the matrix unit: the scores `Q·Kᵀ`, or `dO·Vᵀ`. `Bᵀ` is `B`
 /// read column-major. `A` starts at `a_off` in `a`, `B` at `b_off` in
 /// `b`, the result at `out_off` in `out` (a plane's part of a cube's
-/// tiles).
+/// tiles), its rows `out_stride` apart.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn product_abt<E: Float>(
@@ -204,6 +210,7 @@ fn product_abt<E: Float>(
     out_off: usize,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
+    #[comptime] out_stride: usize,
 ) {
     let acc = Matrix::<f32>::from_value(
         MatrixIdent::Accumulator,
@@ -233,21 +240,23 @@ fn product_abt<E: Float>(
         cmma::execute(&lhs, &rhs, &acc, &acc);
     }
     cmma::store(
-        &mut out[out_off..out_off + tile * tile],
+        &mut out[out_off..out_off + (tile - 1) * out_stride + tile],
         &acc,
-        tile as u32,
+        out_stride as u32,
         MatrixLayout::RowMajor,
     );
 }
 
-/// The `tile × tile` left operand at `a_off` in `a`, row-major (with
-/// `transposed`, read column-major: its transpose): `P`, `dS`, `Pᵀ`, `dSᵀ`.
+/// The `tile × tile` left operand at `a_off` in `a`, row-major with rows
+/// `stride` apart (with `transposed`, read column-major: its transpose):
+/// `P`, `dS`, `Pᵀ`, `dSᵀ`.
 #[cube]
 fn square_operand<E: Float>(
     a: &Shared<[E]>,
     a_off: usize,
     #[comptime] transposed: bool,
     #[comptime] tile: usize,
+    #[comptime] stride: usize,
 ) -> Matrix<E> {
     let layout = comptime!(if transposed {
         MatrixLayout::ColMajor
@@ -257,17 +266,18 @@ fn square_operand<E: Float>(
     fragment::<E>(
         MatrixIdent::A,
         layout,
-        &a[a_off..a_off + tile * tile],
-        tile as u32,
+        &a[a_off..a_off + (tile - 1) * stride + tile],
+        stride as u32,
         tile,
     )
 }
 
 /// The `step`-th `tile × tile` block of columns of a row-major `tile ×
-/// head_dim` right operand: `V`, `K`, `dO`, `Q`.
+/// head_dim` right operand at `base` in `b`: `V`, `K`, `dO`, `Q`.
 #[cube]
 fn column_block<E: Float>(
     b: &Shared<[E]>,
+    #[comptime] base: usize,
     #[comptime] step: usize,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
@@ -275,18 +285,20 @@ fn column_block<E: Float>(
     fragment::<E>(
         MatrixIdent::B,
         MatrixLayout::RowMajor,
-        &b[step * tile..tile * head_dim],
+        &b[base + step * tile..base + tile * head_dim],
         head_dim as u32,
         tile,
     )
 }
 
 /// `acc += A·B` on the matrix unit, `acc` in shared memory: `A` a
-/// row-major `tile × tile` tile at `a_off` in `a`, `B` and `acc` row-major
-/// `tile × head_dim` (`acc` in f32, at `acc_off`: a plane's part of a
-/// cube's tiles). The forward pass's `P·V`, into O, which each key tile
-/// rescales.
+/// row-major `tile × (subs·tile)` block at `a_off` in `a`, `B` row-major
+/// `(subs·tile) × head_dim` and `acc` row-major `tile × head_dim` (in
+/// f32, at `acc_off`: a plane's part of a cube's tiles). The forward
+/// pass's `P·V`, into O, which each key step rescales: each fragment of
+/// `acc` is loaded and stored once for the `subs` products into it.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn accumulate_ab<E: Float>(
     a: &Shared<[E]>,
     a_off: usize,
@@ -295,12 +307,12 @@ fn accumulate_ab<E: Float>(
     acc_off: usize,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
+    #[comptime] subs: usize,
 ) {
-    let lhs = square_operand(a, a_off, false, tile);
+    let a_stride = comptime!(subs * tile);
     let end = acc_off + tile * head_dim;
     #[unroll]
     for step in 0..head_dim / tile {
-        let rhs = column_block(b, step, head_dim, tile);
         let at = acc_off + step * tile;
         let sum = fragment::<f32>(
             MatrixIdent::Accumulator,
@@ -309,7 +321,12 @@ fn accumulate_ab<E: Float>(
             head_dim as u32,
             tile,
         );
-        cmma::execute(&lhs, &rhs, &sum, &sum);
+        #[unroll]
+        for sub in 0..subs {
+            let lhs = square_operand(a, a_off + sub * tile, false, tile, a_stride);
+            let rhs = column_block(b, comptime!(sub * tile * head_dim), step, head_dim, tile);
+            cmma::execute(&lhs, &rhs, &sum, &sum);
+        }
         cmma::store(
             &mut acc[at..end],
             &sum,
@@ -338,11 +355,13 @@ fn accumulators(#[comptime] head_dim: usize, #[comptime] tile: usize) -> Sequenc
     sums
 }
 
-/// `sums += A·B` on the matrix unit, the sums in registers
-/// ([`accumulators`]): `A` the [`square_operand`] at `a_off` (with
-/// `transposed` its transpose), `B` a row-major `tile × head_dim` tile.
-/// The backward pass's `Pᵀ·dO`, `dSᵀ·Q`, `dS·K`.
+/// `sums += Σ A_s·B_s` over `subs` pairs on the matrix unit, the sums in
+/// registers ([`accumulators`]): `A_s` the [`square_operand`] at `a_off +
+/// s·sub_off` (rows `stride` apart; with `transposed` its transpose),
+/// `B_s` the `s`-th row-major `tile × head_dim` tile of `b`. The backward
+/// pass's `Pᵀ·dO`, `dSᵀ·Q`, `dS·K`.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn accumulate_in<E: Float>(
     a: &Shared<[E]>,
     a_off: usize,
@@ -351,13 +370,19 @@ fn accumulate_in<E: Float>(
     #[comptime] transposed: bool,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
+    #[comptime] subs: usize,
+    #[comptime] sub_off: usize,
+    #[comptime] stride: usize,
 ) {
-    let lhs = square_operand(a, a_off, transposed, tile);
     #[unroll]
-    for step in 0..head_dim / tile {
-        let rhs = column_block(b, step, head_dim, tile);
-        let sum = sums.index(step);
-        cmma::execute(&lhs, &rhs, sum, sum);
+    for sub in 0..subs {
+        let lhs = square_operand(a, a_off + sub * sub_off, transposed, tile, stride);
+        #[unroll]
+        for step in 0..head_dim / tile {
+            let rhs = column_block(b, comptime!(sub * tile * head_dim), step, head_dim, tile);
+            let sum = sums.index(step);
+            cmma::execute(&lhs, &rhs, sum, sum);
+        }
     }
 }
 
@@ -450,6 +475,7 @@ fn flash_attention_kernel<E: Float>(
     #[comptime] plane: usize,
     #[comptime] planes: usize,
     #[comptime] parts: usize,
+    #[comptime] subs: usize,
     #[comptime] causal: bool,
     #[define(E)] _dtype: ElemType,
 ) {
@@ -460,7 +486,9 @@ fn flash_attention_kernel<E: Float>(
     // plane's.
     let units = comptime!(plane * planes);
     let rows = comptime!(tile * planes);
-    let cols = comptime!(tile / parts);
+    // The keys a step: `subs` tiles of them.
+    let step_keys = comptime!(tile * subs);
+    let cols = comptime!(step_keys / parts);
     // (A plane is a row of the cube, as CubeCL's own matrix kernels
     // arrange theirs.)
     let warp = UNIT_POS_Y as usize;
@@ -470,15 +498,15 @@ fn flash_attention_kernel<E: Float>(
     let q_start = block + warp * tile;
     let tile_elems = tile * head_dim;
     let mine = warp * tile_elems;
-    let my_scores = warp * tile * tile;
+    let my_scores = warp * tile * step_keys;
 
     let mut sq = tile_memory::<E>(comptime!(rows * head_dim));
-    let mut sk = tile_memory::<E>(tile_elems);
-    let mut sv = tile_memory::<E>(tile_elems);
-    let mut seen = Shared::<[f32]>::new_slice(tile);
+    let mut sk = tile_memory::<E>(comptime!(step_keys * head_dim));
+    let mut sv = tile_memory::<E>(comptime!(step_keys * head_dim));
+    let mut seen = Shared::<[f32]>::new_slice(step_keys);
     let mut so = tile_memory::<f32>(comptime!(rows * head_dim));
-    let mut ss = tile_memory::<f32>(comptime!(rows * tile));
-    let mut sp = tile_memory::<E>(comptime!(rows * tile));
+    let mut ss = tile_memory::<f32>(comptime!(rows * step_keys));
+    let mut sp = tile_memory::<E>(comptime!(rows * step_keys));
     let mut row_max = Shared::<[f32]>::new_slice(rows);
     let mut row_sum = Shared::<[f32]>::new_slice(rows);
     let mut row_factor = Shared::<[f32]>::new_slice(rows);
@@ -514,18 +542,32 @@ fn flash_attention_kernel<E: Float>(
     if causal && block + rows < seq {
         keys = block + rows;
     }
-    let key_tiles = (keys + tile - 1) / tile;
-    for k_tile in 0..key_tiles {
-        let k_start = k_tile * tile;
+    let key_steps = (keys + step_keys - 1) / step_keys;
+    for k_step in 0..key_steps {
+        let k_start = k_step * step_keys;
         load_keys(
-            qkv, pad, &mut sk, &mut sv, &mut seen, b, h, heads, k_start, seq, head_dim, tile, units,
+            qkv, pad, &mut sk, &mut sv, &mut seen, b, h, heads, k_start, seq, head_dim, step_keys,
+            units,
         );
         if unit == 0 {
             rescale[0] = 0;
         }
         sync_cube();
-        // Each plane its queries' scores.
-        product_abt(&sq, mine, &sk, 0, &mut ss, my_scores, head_dim, tile);
+        // Each plane its queries' scores, a key tile at a time.
+        #[unroll]
+        for sub in 0..subs {
+            product_abt(
+                &sq,
+                mine,
+                &sk,
+                sub * tile_elems,
+                &mut ss,
+                my_scores + sub * tile,
+                head_dim,
+                tile,
+                step_keys,
+            );
+        }
         sync_cube();
 
         // The online softmax, `parts` units a query row, `cols` keys each:
@@ -541,7 +583,7 @@ fn flash_attention_kernel<E: Float>(
             for cc in 0..cols {
                 let c = first + cc;
                 if query_sees(&seen, c, i, k_start + c, seq, causal) {
-                    m = max(m, ss[row * tile + c] * scale);
+                    m = max(m, ss[row * step_keys + c] * scale);
                 }
             }
             part_max[row * parts + idx % parts] = m;
@@ -563,10 +605,10 @@ fn flash_attention_kernel<E: Float>(
                 let c = first + cc;
                 let mut p = f32::new(0.0);
                 if query_sees(&seen, c, i, k_start + c, seq, causal) {
-                    p = (ss[row * tile + c] * scale - new_max).exp();
+                    p = (ss[row * step_keys + c] * scale - new_max).exp();
                 }
                 sum += p;
-                sp[row * tile + c] = E::cast_from(p);
+                sp[row * step_keys + c] = E::cast_from(p);
             }
             part_sum[row * parts + idx % parts] = sum;
             idx += plane;
@@ -603,7 +645,7 @@ fn flash_attention_kernel<E: Float>(
             }
         }
         sync_cube();
-        accumulate_ab(&sp, my_scores, &sv, &mut so, mine, head_dim, tile);
+        accumulate_ab(&sp, my_scores, &sv, &mut so, mine, head_dim, tile, subs);
         sync_cube();
     }
 
@@ -750,6 +792,7 @@ fn flash_backward_kernel<E: Float>(
     #[comptime] tile: usize,
     #[comptime] plane: usize,
     #[comptime] planes: usize,
+    #[comptime] subs: usize,
     #[comptime] causal: bool,
     #[comptime] keys_outer: bool,
     #[define(E)] _dtype: ElemType,
@@ -760,12 +803,23 @@ fn flash_backward_kernel<E: Float>(
     let lane = UNIT_POS_X as usize;
     let units = comptime!(plane * planes);
     let rows = comptime!(tile * planes);
-    let q_rows = comptime!(if keys_outer { tile } else { rows });
-    let k_rows = comptime!(if keys_outer { rows } else { tile });
+    // The inner rows a step: `subs` tiles of them.
+    let inner_rows = comptime!(tile * subs);
+    let q_rows = comptime!(if keys_outer { inner_rows } else { rows });
+    let k_rows = comptime!(if keys_outer { rows } else { inner_rows });
+    // A plane's scores (queries × keys): with `keys_outer` the inner
+    // tiles' blocks one under another (`inner_rows × tile`), else side by
+    // side (`tile × inner_rows`); where each block starts and the rows'
+    // stride.
+    let sub_off = comptime!(if keys_outer { tile * tile } else { tile });
+    let stride = comptime!(if keys_outer { tile } else { inner_rows });
+    // Where an inner tile's rows start among the queries or keys loaded.
+    let q_step = comptime!(if keys_outer { tile * head_dim } else { 0 });
+    let k_step = comptime!(if keys_outer { 0 } else { tile * head_dim });
     let width = heads * head_dim;
     let start = CUBE_POS_X as usize * rows;
     let mine = warp * tile * head_dim;
-    let my_scores = warp * tile * tile;
+    let my_scores = warp * tile * inner_rows;
     let my_start = start + warp * tile;
 
     let mut sq = tile_memory::<E>(comptime!(q_rows * head_dim));
@@ -775,10 +829,10 @@ fn flash_backward_kernel<E: Float>(
     let mut sk = tile_memory::<E>(comptime!(k_rows * head_dim));
     let mut sv = tile_memory::<E>(comptime!(k_rows * head_dim));
     let mut seen = Shared::<[f32]>::new_slice(k_rows);
-    let mut ss = tile_memory::<f32>(comptime!(rows * tile));
-    let mut sdp = tile_memory::<f32>(comptime!(rows * tile));
-    let mut sp = tile_memory::<E>(comptime!(rows * tile));
-    let mut sds = tile_memory::<E>(comptime!(rows * tile));
+    let mut ss = tile_memory::<f32>(comptime!(rows * inner_rows));
+    let mut sdp = tile_memory::<f32>(comptime!(rows * inner_rows));
+    let mut sp = tile_memory::<E>(comptime!(rows * inner_rows));
+    let mut sds = tile_memory::<E>(comptime!(rows * inner_rows));
     // dK (or dQ), and dV (dK/dV only): each plane's rows, in its
     // registers (nothing rescales them, unlike the forward pass's O).
     let acc = accumulators(head_dim, tile);
@@ -793,16 +847,16 @@ fn flash_backward_kernel<E: Float>(
     // Where the rows' gradient goes in `dqkv`: the keys' block (the values'
     // one `width` further) or the queries'.
     let mut col0 = h * head_dim;
-    let mut inner_tiles = (seq + tile - 1) / tile;
+    let mut inner_steps = (seq + inner_rows - 1) / inner_rows;
     let mut first = 0;
     if keys_outer {
         k_off = mine;
         k_row0 = warp * tile;
         col0 += width;
-        // With `causal`, no query tile before the one holding the cube's
+        // With `causal`, no query step before the one holding the cube's
         // first key.
         if causal {
-            first = start / tile;
+            first = start / inner_rows;
         }
         load_keys(
             qkv, pad, &mut sk, &mut sv, &mut seen, b, h, heads, start, seq, head_dim, rows, units,
@@ -812,7 +866,7 @@ fn flash_backward_kernel<E: Float>(
         q_row0 = warp * tile;
         // With `causal`, no key after the cube's last query.
         if causal && start + rows < seq {
-            inner_tiles = (start + rows + tile - 1) / tile;
+            inner_steps = (start + rows + inner_rows - 1) / inner_rows;
         }
         load_queries(
             qkv,
@@ -833,8 +887,8 @@ fn flash_backward_kernel<E: Float>(
             units,
         );
     }
-    for inner in first..inner_tiles {
-        let inner_start = inner * tile;
+    for inner in first..inner_steps {
+        let inner_start = inner * inner_rows;
         // (The previous tile's products are done with these buffers.)
         sync_cube();
         let mut q_first = my_start;
@@ -857,7 +911,7 @@ fn flash_backward_kernel<E: Float>(
                 inner_start,
                 seq,
                 head_dim,
-                tile,
+                inner_rows,
                 units,
             );
         } else {
@@ -873,18 +927,24 @@ fn flash_backward_kernel<E: Float>(
                 inner_start,
                 seq,
                 head_dim,
-                tile,
+                inner_rows,
                 units,
             );
         }
         sync_cube();
-        product_abt(&sq, q_off, &sk, k_off, &mut ss, my_scores, head_dim, tile);
-        product_abt(&sdo, q_off, &sv, k_off, &mut sdp, my_scores, head_dim, tile);
+        #[unroll]
+        for sub in 0..subs {
+            let q_at = q_off + sub * q_step;
+            let k_at = k_off + sub * k_step;
+            let at = my_scores + sub * sub_off;
+            product_abt(&sq, q_at, &sk, k_at, &mut ss, at, head_dim, tile, stride);
+            product_abt(&sdo, q_at, &sv, k_at, &mut sdp, at, head_dim, tile, stride);
+        }
         sync_cube();
         let mut e = lane;
-        while e < tile * tile {
-            let r = e / tile;
-            let c = e % tile;
+        while e < tile * inner_rows {
+            let r = e / stride;
+            let c = e % stride;
             let at = my_scores + e;
             let mut p = f32::new(0.0);
             if query_sees(&seen, k_row0 + c, q_first + r, k_first + c, seq, causal) {
@@ -896,10 +956,16 @@ fn flash_backward_kernel<E: Float>(
         }
         sync_cube();
         if keys_outer {
-            accumulate_in(&sp, my_scores, &sdo, &acc_v, true, head_dim, tile);
-            accumulate_in(&sds, my_scores, &sq, &acc, true, head_dim, tile);
+            accumulate_in(
+                &sp, my_scores, &sdo, &acc_v, true, head_dim, tile, subs, sub_off, stride,
+            );
+            accumulate_in(
+                &sds, my_scores, &sq, &acc, true, head_dim, tile, subs, sub_off, stride,
+            );
         } else {
-            accumulate_in(&sds, my_scores, &sk, &acc, false, head_dim, tile);
+            accumulate_in(
+                &sds, my_scores, &sk, &acc, false, head_dim, tile, subs, sub_off, stride,
+            );
         }
     }
     sync_cube();
@@ -950,54 +1016,80 @@ fn softmax_parts(tile: usize, plane: usize) -> usize {
     (plane / tile).max(2).min(tile)
 }
 
-/// The forward kernel's shared memory with `planes` planes a cube: their
-/// queries and f32 accumulators, the shared key and value tile with its
-/// key flags, each plane's scores in f32 and rounded, and the rows'
-/// statistics.
+/// The forward kernel's shared memory with `planes` planes a cube and
+/// `subs` key tiles a step: their queries and f32 accumulators, the shared
+/// keys and values with their flags, each plane's scores in f32 and
+/// rounded, and the rows' statistics.
 fn forward_shared_bytes(
     tile: usize,
     head_dim: usize,
     elem: usize,
-    planes: usize,
+    (planes, subs): (usize, usize),
     parts: usize,
 ) -> usize {
     let rows = tile * planes;
+    let keys = tile * subs;
     rows * head_dim * (elem + 4)
-        + 2 * tile * head_dim * elem
-        + 4 * tile
-        + rows * tile * (4 + elem)
+        + 2 * keys * head_dim * elem
+        + 4 * keys
+        + rows * keys * (4 + elem)
         + 4 * rows * (3 + 2 * parts)
         + 4
 }
 
-/// Shared memory a cube may take without asking for more: CUDA's static
-/// limit (48 KiB), which devices that report more (an H100 has 227 KiB)
-/// grant only to a kernel that opts in at launch.
-const STATIC_SHARED_BYTES: usize = 48 * 1024;
+/// Inner rows the kernels take a step, as tiles: the keys of the forward
+/// and dQ kernels, the queries of the dK/dV kernel. `FLASH_KEYS`
+/// (rows, a multiple of the tile up to 8 tiles; an experiment for the GPU
+/// check to time), else one tile.
+fn inner_tiles(tile: usize) -> usize {
+    std::env::var("FLASH_KEYS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&keys| keys.is_multiple_of(tile) && (tile..=8 * tile).contains(&keys))
+        .map_or(1, |keys| keys / tile)
+}
 
-/// Planes a forward cube: each a `tile` of queries, all sharing each key
-/// and value tile the cube loads (FlashAttention-2's four warps a block:
-/// a quarter of the loads a query). Four where the device's shared memory
-/// (at most [`STATIC_SHARED_BYTES`]) and cube size allow and the sequence
-/// fills them, else fewer.
-fn forward_planes(
+/// Shared memory a cube of these kernels may take: 48 KiB, or
+/// `FLASH_SHARED_KIB` (an experiment for the GPU check to time: on
+/// CUDA, CubeCL's kernels take their shared memory dynamically and opt in
+/// to the device's maximum, 227 KiB on an H100, at the cost of fewer
+/// cubes a multiprocessor); never more than the device's.
+fn shared_budget(client: &cubecl::client::Client) -> usize {
+    let kib = std::env::var("FLASH_SHARED_KIB")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&kib| kib > 0)
+        .unwrap_or(48);
+    (kib * 1024).min(client.properties().hardware.max_shared_memory_size)
+}
+
+/// Planes a cube and inner tiles a step, for a kernel whose shared memory
+/// is `bytes(planes, subs)`: each plane a `tile` of the cube's rows, all
+/// sharing the inner rows the cube loads (FlashAttention-2's four warps a
+/// block: a quarter of the loads a row). Four planes where the
+/// [`shared_budget`] and the cube size allow and the sequence fills them,
+/// else fewer; the inner tiles [`inner_tiles`] asks for, fewer where one
+/// plane's memory would not fit them.
+fn planes_and_steps(
     client: &cubecl::client::Client,
-    elem: usize,
-    head_dim: usize,
     (tile, plane): (usize, usize),
     seq: usize,
-) -> usize {
-    let hardware = &client.properties().hardware;
-    let parts = softmax_parts(tile, plane);
-    [4, 2]
+    bytes: impl Fn(usize, usize) -> usize,
+) -> (usize, usize) {
+    let budget = shared_budget(client);
+    let fits = |planes: usize, subs: usize| bytes(planes, subs) <= budget;
+    let mut subs = inner_tiles(tile);
+    while subs > 1 && !fits(1, subs) {
+        subs /= 2;
+    }
+    let units = client.properties().hardware.max_units_per_cube as usize;
+    let planes = [4, 2]
         .into_iter()
         .find(|&planes| {
-            seq.div_ceil(tile) >= planes
-                && planes * plane <= hardware.max_units_per_cube as usize
-                && forward_shared_bytes(tile, head_dim, elem, planes, parts)
-                    <= hardware.max_shared_memory_size.min(STATIC_SHARED_BYTES)
+            seq.div_ceil(tile) >= planes && planes * plane <= units && fits(planes, subs)
         })
-        .unwrap_or(1)
+        .unwrap_or(1);
+    (planes, subs)
 }
 
 /// The forward pass on the matrix unit where [`tile_for`] finds one: the
@@ -1013,7 +1105,10 @@ pub(super) fn forward(
     let head_dim = three_width / 3 / heads;
     let dtype = qkv.dtype;
     let (tile, plane) = tile_for(&qkv.client, dtype, head_dim)?;
-    let planes = forward_planes(&qkv.client, dtype.size(), head_dim, (tile, plane), seq);
+    let parts = softmax_parts(tile, plane);
+    let (planes, subs) = planes_and_steps(&qkv.client, (tile, plane), seq, |planes, subs| {
+        forward_shared_bytes(tile, head_dim, dtype.size(), (planes, subs), parts)
+    });
     let rows = tile * planes;
     if !grid_fits(&qkv.client, seq.div_ceil(rows), heads, batch) {
         return None;
@@ -1036,35 +1131,12 @@ pub(super) fn forward(
         tile,
         plane,
         planes,
-        softmax_parts(tile, plane),
+        parts,
+        subs,
         causal,
         dtype_to_storage_type(dtype),
     );
     Some((out, lse))
-}
-
-/// Planes a backward cube (`keys_outer`: the dK/dV pass): each a `tile`
-/// of the cube's rows, all sharing each inner tile the cube loads. Four
-/// where the shared memory (at most [`STATIC_SHARED_BYTES`]) and cube size
-/// allow and the sequence fills them, else fewer.
-fn backward_planes(
-    client: &cubecl::client::Client,
-    elem: usize,
-    head_dim: usize,
-    (tile, plane): (usize, usize),
-    seq: usize,
-    keys_outer: bool,
-) -> usize {
-    let hardware = &client.properties().hardware;
-    [4, 2]
-        .into_iter()
-        .find(|&planes| {
-            seq.div_ceil(tile) >= planes
-                && planes * plane <= hardware.max_units_per_cube as usize
-                && backward_shared_bytes(tile, head_dim, elem, planes, keys_outer)
-                    <= hardware.max_shared_memory_size.min(STATIC_SHARED_BYTES)
-        })
-        .unwrap_or(1)
 }
 
 /// The gradient of the packed qkv on the matrix unit where [`tile_for`]
@@ -1093,14 +1165,9 @@ pub(super) fn backward(
     let scale = (1.0 / (head_dim as f64).sqrt()) as f32;
     // dQ per query tile, then dK and dV per key tile.
     for keys_outer in [false, true] {
-        let planes = backward_planes(
-            &qkv.client,
-            dtype.size(),
-            head_dim,
-            (tile, plane),
-            seq,
-            keys_outer,
-        );
+        let (planes, subs) = planes_and_steps(&qkv.client, (tile, plane), seq, |planes, subs| {
+            backward_shared_bytes(tile, head_dim, dtype.size(), (planes, subs), keys_outer)
+        });
         let rows = tile * planes;
         flash_backward_kernel::launch(
             &qkv.client,
@@ -1119,6 +1186,7 @@ pub(super) fn backward(
             tile,
             plane,
             planes,
+            subs,
             causal,
             keys_outer,
             dtype_to_storage_type(dtype),
