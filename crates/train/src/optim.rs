@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
-use kiln_model::kernels::{AdamWParam, AdamWStep, Kernels, adamw_many, sum_of_squares};
+use kiln_model::kernels::{AdamWParam, AdamWStep, Kernels, adamw_many, sum_of_squares_value};
 
 /// AdamW's hyper-parameters, set explicitly (Burn's defaults differ from PyTorch's).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -223,7 +223,8 @@ impl ModuleMapper for Replace {
 
 /// The global L2 norm of all gradients of `module`, as one number: the
 /// sum of their squares in one kernel launch per parameter where `kernels`
-/// has it (`kernels::sum_of_squares`), read back once.
+/// has it (`kernels::sum_of_squares_value`: its partial sums added on the
+/// host in a fixed order, so that the ranks of a job agree), read back once.
 pub(crate) fn global_grad_norm<M: Module>(
     module: &M,
     grads: &GradientsParams,
@@ -246,7 +247,7 @@ pub(crate) fn global_grad_norm<M: Module>(
         flat: Vec::new(),
     };
     module.visit(&mut flat);
-    sum_of_squares(flat.flat, kernels).map_or(0.0, |s| f64::from(s.into_scalar::<f32>()).sqrt())
+    sum_of_squares_value(flat.flat, kernels).map_or(0.0, f64::sqrt)
 }
 
 #[cfg(test)]

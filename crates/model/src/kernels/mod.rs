@@ -54,9 +54,9 @@ mod optim;
 pub use check::{
     ADAMW_TOLERANCE, ATTENTION_BF16_TOLERANCE, ATTENTION_F16_TOLERANCE, ATTENTION_TOLERANCE,
     BIAS_BF16_TOLERANCE, BIAS_F16_TOLERANCE, BIAS_TOLERANCE, GELU_TOLERANCE, KernelCheck,
-    LAYER_NORM_TOLERANCE, LM_HEAD_LOSS_TOLERANCE, SUM_OF_SQUARES_TOLERANCE, check_adamw,
-    check_attention, check_bias, check_gelu, check_layer_norm, check_lm_head_loss,
-    check_sum_of_squares,
+    LAYER_NORM_TOLERANCE, LM_HEAD_LOSS_TOLERANCE, SUM_OF_SQUARES_TOLERANCE, TF32_TOLERANCE,
+    check_adamw, check_attention, check_bias, check_gelu, check_layer_norm, check_lm_head_loss,
+    check_sum_of_squares, f32_products_round,
 };
 #[cfg(feature = "flex")]
 pub use cpu::peak::{MeasuredPeak, measure_fp32_peak};
@@ -65,7 +65,7 @@ pub(crate) use cube::{cube_empty, from_cube, into_cube};
 #[cfg(feature = "cube")]
 pub(crate) use cube::{cube_gpu, cube_gpu_float};
 pub use isa::{AVX512_BUILT, CpuIsa, cpu_isa};
-pub use norm::sum_of_squares;
+pub use norm::{sum_of_squares, sum_of_squares_value};
 pub use optim::{AdamWParam, AdamWStep, adamw, adamw_many};
 
 use burn::nn::{LayerNorm, Linear};
@@ -250,15 +250,16 @@ pub(crate) fn memory_efficient_attention_runs(
 /// Whether `optimization.attention = "auto"` runs kiln's CubeCL attention
 /// on `device` in `dtype` with heads `head_dim` wide. Everywhere but on
 /// CUDA; there only where it runs on the matrix unit (FlashAttention-2 in
-/// bf16/f16), not on the scalar kernels: in the 2026-12-04 GPU check (an
-/// H200) those disagreed with Burn's attention in `kiln check-kernels`
-/// (f32, and bf16/f16 with heads 64 wide), and 20 steps of a tiny GPT in
-/// f32 ended 0.34 off flex's loss, against 1.5e-6 with Burn's attention,
-/// while on llvmpipe they agree. The cause found since (CUDA's padded rows
-/// for the kernels' outputs: `cube::cube_empty`) is fixed
-/// but not yet confirmed on a GPU, so `auto` runs Burn's attention there
-/// until a GPU check passes them; `memory-efficient` still runs them (and
-/// `kiln check-kernels` checks them).
+/// bf16/f16), not on the scalar kernels, for speed: on an H200 (2026-12-04)
+/// GPT-2 small's bf16 step with them was 2.3× as long as with Burn's
+/// compositions (`optimization.kernels=reference`: 12,647 against 29,258
+/// tokens/s), which keep the `heads × T × T` scores instead (34.9 against
+/// 8.8 GiB there). They are
+/// right there: the second check that day passed them in `kiln
+/// check-kernels` and in 20 training steps in f32 (2.6e-6 off flex's loss;
+/// the first had found rows CUDA had padded written as contiguous, fixed in
+/// `cube::cube_empty`). `memory-efficient` runs them where the scores do
+/// not fit.
 pub fn auto_runs_kernels(
     device: &burn::tensor::Device,
     dtype: burn::tensor::DType,
@@ -963,6 +964,9 @@ mod tests {
         let sum = sum_of_squares([t(vec![1.0, 2.0]), t(vec![2.0])], Kernels::Fused).expect("sum");
         assert_eq!(sum.into_scalar::<f32>(), 9.0);
         assert!(sum_of_squares(Vec::<Tensor<1>>::new(), Kernels::Fused).is_none());
+        let value = sum_of_squares_value([t(vec![1.0, 2.0]), t(vec![2.0])], Kernels::Fused);
+        assert_eq!(value, Some(9.0));
+        assert!(sum_of_squares_value(Vec::<Tensor<1>>::new(), Kernels::Fused).is_none());
     }
 
     #[test]

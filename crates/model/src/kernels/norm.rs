@@ -47,6 +47,29 @@ pub fn sum_of_squares(
         .reduce(|total, sum| total.add(sum))
 }
 
+/// [`sum_of_squares`] as a number, read back once. With the kernel, its
+/// [`SLOTS`] partial sums are read back (64 KiB) and added on the host in
+/// a fixed order (in f64), not by a device-side sum whose kernel CubeCL's
+/// autotune picks by timing in each process: the ranks of a job clip
+/// their copies of the same averaged gradients by this norm, and must
+/// agree to the last bit (the 2026-12-04 H200 check: two ranks on one GPU,
+/// each tuning its own reductions, ended 100 steps with other weights).
+pub fn sum_of_squares_value(
+    tensors: impl IntoIterator<Item = Tensor<1>>,
+    kernels: Kernels,
+) -> Option<f64> {
+    let mut tensors = tensors.into_iter().peekable();
+    let first = tensors.peek()?;
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    if kernels == Kernels::Fused && fused::runs(first) {
+        let data = fused::partials(tensors).into_data();
+        let partials = data.try_to_vec::<f32>().expect("f32 partial sums");
+        return Some(partials.iter().map(|&p| f64::from(p)).sum());
+    }
+    let _ = first;
+    sum_of_squares(tensors, kernels).map(|s| f64::from(s.into_scalar::<f32>()))
+}
+
 /// Whether [`sum_of_squares`] runs its kernel for tensors like `t`.
 pub(crate) fn fused_here(t: &Tensor<1>) -> bool {
     #[cfg(all(feature = "cube", not(feature = "fusion")))]
@@ -89,10 +112,15 @@ mod fused {
         super::super::cube_gpu_float(t)
     }
 
-    /// The squares of `tensors` added into [`SLOTS`] partial sums in as
-    /// few launches as the device's bindings allow (one dtype a launch),
-    /// then summed.
+    /// The squares of `tensors` added into [`SLOTS`] partial sums (see
+    /// [`partials`]), then summed.
     pub(super) fn sum_of_squares(tensors: impl Iterator<Item = Tensor<1>>) -> Tensor<1> {
+        partials(tensors).sum()
+    }
+
+    /// The squares of `tensors` added into [`SLOTS`] partial sums (f32) in
+    /// as few launches as the device's bindings allow (one dtype a launch).
+    pub(super) fn partials(tensors: impl Iterator<Item = Tensor<1>>) -> Tensor<1> {
         let mut tensors = tensors.peekable();
         let device = tensors.peek().expect("at least one tensor").device();
         let start = Tensor::<1>::zeros([SLOTS], &device).cast(FloatDType::F32);
@@ -109,7 +137,7 @@ mod fused {
         if !group.is_empty() {
             partials = add_squares(group, partials);
         }
-        from_cube(partials).sum()
+        from_cube(partials)
     }
 
     /// Unit `u` adds, tensor after tensor, the squares of the tensor's
