@@ -342,8 +342,7 @@ class Check:
             return None
         label = f"{name} ({build})"
         if build == "NVRTC" and self.cpp_why is not None:
-            self.steps.append({"name": label, "status": "skipped", "why": self.cpp_why})
-            print(f"-- {label}: skipped ({self.cpp_why})", flush=True)
+            self.skip(label, self.cpp_why)
             return None
         env = dict(self.cpp_env if build == "NVRTC" else self.env)
         # Its own autotune cache: the other build's choices were timed on
@@ -550,16 +549,14 @@ class Check:
             )
             self.torch = probe.returncode == 0 and probe.stdout.strip() == "True"
             if not self.torch:
-                why = "no torch with CUDA here"
-                self.steps.append({"name": "pytorch", "status": "skipped", "why": why})
-                print(f"-- pytorch: skipped ({why})", flush=True)
+                self.skip("pytorch", "no torch with CUDA here")
         if not self.torch:
             return
         script = os.path.join(ROOT, "bench", "pytorch_gpt.py")
         for name, kiln_step, dtype, extra in variants:
             shape = self.kiln_shape(kiln_step)
             if shape is None:
-                self.steps.append({"name": name, "status": "skipped", "why": f"{kiln_step} did not run"})
+                self.skip(name, f"{kiln_step} did not run")
                 continue
             cmd = [
                 sys.executable,
@@ -585,7 +582,7 @@ class Check:
             return
         step = next((s for s in self.steps if s["name"] == kiln_step and s["status"] == "ok"), None)
         if step is None:
-            self.steps.append({"name": name, "status": "skipped", "why": f"{kiln_step} did not run"})
+            self.skip(name, f"{kiln_step} did not run")
             return
         cfg, bench = step["result"]["config"], step["result"]["bench"]
         m = cfg["model"]
@@ -650,6 +647,7 @@ class Check:
         return None
 
     def skip(self, name, why):
+        """Records the step `name` as skipped, saying why."""
         self.steps.append({"name": name, "status": "skipped", "why": why})
         print(f"-- {name}: skipped ({why})", flush=True)
 

@@ -1042,11 +1042,16 @@ fn forward_shared_bytes(
 /// (rows, a multiple of the tile up to 8 tiles; an experiment for the GPU
 /// check to time), else one tile.
 fn inner_tiles(tile: usize) -> usize {
-    std::env::var("FLASH_KEYS")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
+    static KEYS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    KEYS.get_or_init(|| setting("FLASH_KEYS"))
         .filter(|&keys| keys.is_multiple_of(tile) && (tile..=8 * tile).contains(&keys))
         .map_or(1, |keys| keys / tile)
+}
+
+/// The environment variable `name` as a number, or None: read once a
+/// process by its caller (these are consulted at every launch).
+fn setting(name: &str) -> Option<usize> {
+    std::env::var(name).ok()?.trim().parse().ok()
 }
 
 /// Shared memory a cube of these kernels may take: 48 KiB, or
@@ -1055,9 +1060,9 @@ fn inner_tiles(tile: usize) -> usize {
 /// to the device's maximum, 227 KiB on an H100, at the cost of fewer
 /// cubes a multiprocessor); never more than the device's.
 fn shared_budget(client: &cubecl::client::Client) -> usize {
-    let kib = std::env::var("FLASH_SHARED_KIB")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
+    static KIB: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let kib = KIB
+        .get_or_init(|| setting("FLASH_SHARED_KIB"))
         .filter(|&kib| kib > 0)
         .unwrap_or(48);
     (kib * 1024).min(client.properties().hardware.max_shared_memory_size)
