@@ -31,6 +31,10 @@ measured already goes last: `main`'s comments):
    (`optimization.attention=memory-efficient`), for what the matrix-unit
    (FlashAttention-2) kernels gain; last, FlashAttention-2 with more rows
    a step and more shared memory (`FLASH_VARIANTS`), checked and timed;
+   GPT-2 small, BERT-base and the `h100` preset again with cuBLAS's
+   products (`optimization.matmul=cublas`, right after each default run;
+   its library from PyTorch's pip wheels where `LD_LIBRARY_PATH` has none),
+   and GPT-2 small's loss after its steps against the default's;
 5. data parallelism on the one GPU: `kiln launch` of 2 ranks (NCCL, then
    kiln's sockets, then NCCL with the gradients in bf16) against one
    process with their whole batch, and (after
@@ -85,6 +89,7 @@ Exit code 0 when every step passed, 1 otherwise.
 
 import argparse
 import contextlib
+import ctypes.util
 import glob
 import json
 import lzma
@@ -157,6 +162,7 @@ class Check:
         # off unless the caller chose otherwise.
         self.env.setdefault("RUST_LIB_BACKTRACE", "0")
         self.cpp_env, self.cpp_why = self.nvrtc_env() if self.kiln_cpp else (None, None)
+        self.cublas_why = self.cublas_env()
         # Every run's cache and run directories live in the scratch folder.
         self.cache = os.path.join(self.work, "cache")
 
@@ -209,6 +215,60 @@ class Check:
                 return env, None
         tried = ", ".join(filter(None, roots))
         return None, f"no CUDA with include/cuda_bf16.h and libnvrtc found (tried {tried})"
+
+    def cublas_env(self):
+        """Puts cuBLAS's library on the runs' `LD_LIBRARY_PATH` where the
+        loader does not find it already (kiln loads it at run time for
+        `optimization.matmul=cublas`): the `lib` of PyTorch's pip wheels
+        (`nvidia/cu13/lib`, `nvidia/cublas/lib`). Returns why cuBLAS cannot
+        run here, or None."""
+        if self.gpu != "cuda":
+            return f"cuBLAS runs on CUDA only, not {self.gpu}"
+        if ctypes.util.find_library("cublas"):
+            return None
+        probe = subprocess.run(
+            [sys.executable, "-c", "import nvidia; print('\\n'.join(nvidia.__path__))"],
+            capture_output=True,
+            text=True,
+        )
+        roots = probe.stdout.split() if probe.returncode == 0 else []
+        for root in roots:
+            for lib in sorted(glob.glob(os.path.join(root, "cu[0-9]*", "lib")), reverse=True) + [
+                os.path.join(root, "cublas", "lib")
+            ]:
+                if glob.glob(os.path.join(lib, "libcublas.so.*")):
+                    paths = [lib, self.env.get("LD_LIBRARY_PATH", "")]
+                    self.env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, paths))
+                    return None
+        # kiln's own refusal says what is missing, on the run that asks.
+        return None
+
+    def cublas(self, name):
+        """The bench `name` again with cuBLAS's products (its shape's
+        `cuBLAS` entry), skipped off CUDA."""
+        label = f"{name} cuBLAS"
+        if self.cublas_why is not None:
+            self.skip(label, self.cublas_why)
+            return None
+        return self.bench_named(label)
+
+    def same_loss(self, name, other, tolerance):
+        """The final losses of benches `name` and `other` (the same shape,
+        seed and data, another implementation) within `tolerance`."""
+        steps = {s["name"]: s for s in self.steps if s.get("status") == "ok" and "result" in s}
+        if name not in steps or other not in steps:
+            return
+        losses = {n: steps[n]["result"]["bench"]["final_loss"] for n in (name, other)}
+        difference = abs(losses[name] - losses[other])
+        verdict = {
+            "name": f"{other}: final loss against {name}",
+            "tolerance": tolerance,
+            "losses": losses,
+            "difference": difference,
+            "status": "ok" if difference <= tolerance else "failed",
+        }
+        print(f"-- {verdict['name']}: {verdict['status']} {losses}", flush=True)
+        self.steps.append(verdict)
 
     def left(self):
         return self.args.budget - (time.monotonic() - self.start)
@@ -441,6 +501,7 @@ class Check:
         # memory-efficient kernels) where `auto` runs FlashAttention-2 on
         # the tensor cores: what the matrix-unit kernels gain.
         scalar = ["optimization.attention=memory-efficient"]
+        cublas = ["optimization.matmul=cublas"]
         # Two more steps with each kernel launch timed on the device: where
         # the step's device time goes, and how busy the device is. (None in
         # a dry run on flex: it times CubeCL's launches, which flex has not.)
@@ -467,6 +528,16 @@ class Check:
                 f"bench lm gpt2-small bf16 {variant}": ("lm", [*gpu, *gpt2, *bf16], profile, *large)
                 for variant in FLASH_VARIANTS
             },
+            # NVIDIA's cuBLAS for the linear layers' and the LM head's
+            # products (issue 49's largest bar: Burn's at ~60 TFLOP/s).
+            "bench lm gpt2-small bf16 cuBLAS": ("lm", [*gpu, *gpt2, *bf16, *cublas], profile, *large),
+            "bench lm h100 preset cuBLAS": ("lm", [*gpu, *h100, *cublas], [], 2, 5, 300),
+            "bench nli bert-base bf16 cuBLAS": (
+                "nli",
+                [*gpu, *bert, *bf16, *cublas],
+                ["--pad-to-max-length", *profile],
+                *large,
+            ),
             "bench lm h100 preset": ("lm", [*gpu, *h100], [], 2, 5, 300),
             "bench lm h100 preset scalar attention": ("lm", [*gpu, *h100, *scalar], [], 2, 5, 300),
             "bench nli bert-base bf16": (
@@ -948,10 +1019,16 @@ def main():
         check.ddp()
         check.bench_named("bench lm gpt2-small bf16")
         check.pytorch([gpt2_bf16])
+        # cuBLAS's products (not measured before): GPT-2 small at once, its
+        # loss after the same steps against Burn's products'.
+        check.cublas("bench lm gpt2-small bf16")
+        check.same_loss("bench lm gpt2-small bf16", "bench lm gpt2-small bf16 cuBLAS", 0.05)
         check.bench_named("bench nli bert-base bf16")
         check.pytorch_encoder("pytorch bert-base bf16", "bench nli bert-base bf16", "bf16")
+        check.cublas("bench nli bert-base bf16")
         check.reference("nli", TINY_NLI)
         check.bench_named("bench lm h100 preset")
+        check.cublas("bench lm h100 preset")
         check.ddp_bench()
         check.bench_named("bench lm gpt2-small f32")
         check.pytorch([tiny_f32])

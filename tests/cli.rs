@@ -656,6 +656,25 @@ fn kiln_runs_from_an_empty_directory() {
     assert!(runs[0].path().join("summary.json").is_file());
 }
 
+/// `optimization.matmul = "cublas"` where cuBLAS cannot run (here: no
+/// CUDA) is refused before the run starts, saying why and what to set.
+#[test]
+fn cublas_products_where_they_cannot_run_are_refused_at_the_start() {
+    kiln(&[
+        "bench",
+        "lm",
+        "--steps=1",
+        "--warmup=0",
+        "optimization.matmul=cublas",
+    ])
+    .run()
+    .expect_code(2)
+    .stderr_has(&[
+        "optimization.matmul = \"cublas\" cannot run here",
+        "set optimization.matmul = \"burn\"",
+    ]);
+}
+
 /// `kiln check-kernels` on the CPU: every kernel flex has runs and agrees
 /// with its composition (the GPU-only ones say they do not run there);
 /// `--only` picks checks by name, and an unknown name is bad input.
@@ -686,6 +705,19 @@ fn check_kernels_on_flex_agree_and_only_picks_by_name() {
     }
     assert!(!ran("sum of squares"), "{}", run.stdout);
     assert!(!ran("bias, f32"), "{}", run.stdout);
+    // cuBLAS's products: CUDA only, said so, one shape each dtype.
+    assert!(!ran("matmul by cuBLAS, bf16"), "{}", run.stdout);
+    assert_eq!(
+        kernels
+            .iter()
+            .filter(|k| k["kernel"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("matmul by cuBLAS")))
+            .count(),
+        2,
+        "{}",
+        run.stdout
+    );
 
     let run = kiln(&["check-kernels", "--json", "--only", "gelu,lm-head"])
         .run()

@@ -429,6 +429,21 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
             "{name}: {stdout}"
         );
     }
+    // cuBLAS's benches (`optimization.matmul=cublas`) are CUDA's alone:
+    // skipped here, saying why.
+    for name in [
+        "bench lm gpt2-small bf16 cuBLAS",
+        "bench nli bert-base bf16 cuBLAS",
+        "bench lm h100 preset cuBLAS",
+    ] {
+        assert_eq!(step(name)["status"], "skipped", "{name}: {stdout}");
+        assert!(
+            step(name)["why"]
+                .as_str()
+                .is_some_and(|why| why.contains("CUDA only")),
+            "{name}: {stdout}"
+        );
+    }
     // The job's bench: two ranks, their gradients all-reduced (over the
     // sockets on wgpu; NCCL on CUDA).
     let job = &step("bench lm gpt2-small bf16, 2 ranks")["result"]["bench"];
@@ -533,6 +548,15 @@ fn kiln_kernels_on_wgpu_agree_with_the_composition() {
             "{}",
             run.stdout
         );
+    }
+    // cuBLAS's products run on CUDA only: here each says it did not run.
+    for check in checks.iter().filter(|k| {
+        k["kernel"]
+            .as_str()
+            .is_some_and(|n| n.starts_with("matmul by cuBLAS"))
+    }) {
+        assert_eq!(check["fused"], false, "{}", run.stdout);
+        assert_eq!(check["passed"], true, "{}", run.stdout);
     }
 }
 

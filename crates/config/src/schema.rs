@@ -493,6 +493,12 @@ pub struct OptimizationSection {
     /// without the matrix unit) or `math` (Burn's composition).
     #[serde(default)]
     pub attention: AttentionChoice,
+    /// Which library runs the linear layers' matrix products on a CUDA
+    /// GPU in bf16/fp16: `burn` (CubeCL's autotuned kernels) or `cublas`
+    /// (NVIDIA's cuBLAS, loaded at run time; a run where it cannot run is
+    /// refused at its start). f32 and other devices run Burn's either way.
+    #[serde(default)]
+    pub matmul: MatmulChoice,
     /// In a data-parallel job, how AdamW's state is kept (DeepSpeed's
     /// `zero_optimization.stage`): `0`, every rank holds all of it, as
     /// DDP; `1`, each rank holds the moments of its share of the
@@ -532,6 +538,29 @@ impl AttentionChoice {
             AttentionChoice::Flash => "flash",
             AttentionChoice::MemoryEfficient => "memory-efficient",
             AttentionChoice::Math => "math",
+        }
+    }
+}
+
+/// `optimization.matmul`: which library runs the linear layers' matrix
+/// products on a CUDA GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MatmulChoice {
+    /// Burn's (CubeCL's autotuned kernels).
+    #[default]
+    Burn,
+    /// NVIDIA's cuBLAS in bf16/fp16 with f32 sums; refused (exit 2) where
+    /// it cannot run.
+    Cublas,
+}
+
+impl MatmulChoice {
+    /// The name in configuration files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MatmulChoice::Burn => "burn",
+            MatmulChoice::Cublas => "cublas",
         }
     }
 }

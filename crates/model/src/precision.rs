@@ -67,7 +67,7 @@ pub(crate) fn linear<const D: usize>(
     }
     let low = dtype.float_dtype();
     let weight = layer.weight.val().cast(low);
-    let product = kernels::rows_product(x.cast(low), weight).cast(FloatDType::F32);
+    let product = kernels::rows_product(x.cast(low), weight, kernels).cast(FloatDType::F32);
     match &layer.bias {
         Some(bias) => kernels::add_bias(product, bias.val(), kernels),
         None => product,
@@ -84,7 +84,7 @@ fn linear_in<const D: usize>(
 ) -> Tensor<D> {
     let low = dtype.float_dtype();
     let weight = layer.weight.val().cast(low);
-    let product = kernels::rows_product(x.cast(low), weight);
+    let product = kernels::rows_product(x.cast(low), weight, kernels);
     match &layer.bias {
         Some(bias) => kernels::add_bias(product, bias.val().cast(low), kernels),
         None => product,

@@ -157,6 +157,15 @@ pub enum TrainError {
         why: String,
     },
 
+    /// `optimization.matmul = "cublas"` where cuBLAS cannot run.
+    #[error(
+        "optimization.matmul = \"cublas\" cannot run here: {why}; set optimization.matmul = \"burn\" to run Burn's products"
+    )]
+    CublasNotHere {
+        /// What is missing: a CUDA device, a CUDA build, the library.
+        why: String,
+    },
+
     /// Too many steps in a row had a non-finite loss or gradients.
     #[error(
         "{what} at step {step}, {in_a_row} step(s) in a row (precision.max_bad_steps): training diverged; the non-finite steps were skipped, so the last good checkpoint is intact; lower training.learning_rate or raise training.warmup_steps"
@@ -228,6 +237,7 @@ impl TrainError {
                 | Self::TextNotEncodable { .. }
                 | Self::Backend { .. }
                 | Self::FlashAttentionNotHere { .. }
+                | Self::CublasNotHere { .. }
                 | Self::ExportExists { .. }
                 | Self::Unsupported(..)
                 | Self::WorldSize { .. }

@@ -111,6 +111,9 @@ mod observe {
     pub(crate) struct Profiler {
         recorder: Arc<Recorder>,
         observation: LaunchObservation,
+        /// cuBLAS's products and their time when observing began
+        /// (`kiln_model::kernels::cublas_time`): they are no CubeCL launch.
+        cublas_before: (u64, std::time::Duration),
     }
 
     impl Profiler {
@@ -122,6 +125,7 @@ mod observe {
             Some(Self {
                 recorder,
                 observation,
+                cublas_before: kiln_model::kernels::cublas_time(),
             })
         }
 
@@ -141,10 +145,21 @@ mod observe {
                     None => untimed += 1,
                 }
             }
-            let launches = std::mem::take(&mut *lock(&recorder.launches));
+            let mut launches = std::mem::take(&mut *lock(&recorder.launches));
+            let (calls, time) = kiln_model::kernels::cublas_time();
+            let calls = calls - self.cublas_before.0;
+            if calls > 0 {
+                let seconds = (time - self.cublas_before.1).as_secs_f64();
+                launches.insert(CUBLAS_ROW, usize::try_from(calls).unwrap_or(usize::MAX));
+                read.push((CUBLAS_ROW, seconds, "system"));
+            }
             summarise(steps, median_step_ms, &launches, &read, untimed)
         }
     }
+
+    /// The row of cuBLAS's products (`optimization.matmul = "cublas"`),
+    /// timed on the host around each call and its stream's wait.
+    const CUBLAS_ROW: &str = "cuBLAS gemm (host-timed)";
 
     fn method_name(method: TimingMethod) -> &'static str {
         match method {

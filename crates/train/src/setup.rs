@@ -289,6 +289,12 @@ pub(crate) fn device_lines(
     if c.model.gradient_checkpointing {
         lines.push("gradient checkpointing: on (activations recomputed in backward)".into());
     }
+    if c.optimization.matmul == kiln_config::MatmulChoice::Cublas {
+        lines.push(
+            "matrix products: cuBLAS (the linear layers' in bf16/fp16, forward and backward)"
+                .into(),
+        );
+    }
     lines
 }
 
@@ -349,6 +355,7 @@ pub fn open_device(
     gpu: Option<kiln_hwdetect::GpuVendor>,
 ) -> Result<DeviceChoice, TrainError> {
     let mut probe = crate::device::select_device(&config.device, gpu)?;
+    set_matmul(config, &probe.device)?;
     let compile = crate::compile::apply_compile(&config.optimization, &probe);
     // wgpu's kernel language, once CubeCL's configuration is in place: it
     // is the adapter's and the build's (`vulkan`) to settle.
@@ -356,6 +363,27 @@ pub fn open_device(
         probe.name = format!("wgpu (GPU, {language})");
     }
     Ok(DeviceChoice { compile, ..probe })
+}
+
+/// Applies `optimization.matmul` to this process
+/// (`kiln_model::kernels::set_gpu_matmul`), refusing `cublas` where cuBLAS
+/// cannot run on `device` (exit 2, saying why).
+fn set_matmul(
+    config: &kiln_config::RunConfig,
+    device: &kiln_model::burn::tensor::Device,
+) -> Result<(), TrainError> {
+    use kiln_model::kernels::{GpuMatmul, cublas_unavailable, set_gpu_matmul};
+    let choice = match config.optimization.matmul {
+        kiln_config::MatmulChoice::Burn => GpuMatmul::Burn,
+        kiln_config::MatmulChoice::Cublas => {
+            if let Some(why) = cublas_unavailable(device) {
+                return Err(TrainError::CublasNotHere { why });
+            }
+            GpuMatmul::Cublas
+        }
+    };
+    set_gpu_matmul(choice);
+    Ok(())
 }
 
 /// The kernel language of a wgpu runtime named as CubeCL names it

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 
 use kiln_train::kiln_model::kernels::{
     KernelCheck, check_adamw, check_attention, check_bias, check_gelu, check_layer_norm,
-    check_lm_head_loss, check_sum_of_squares,
+    check_lm_head_loss, check_matmul, check_sum_of_squares,
 };
 
 use super::{BadInput, Context, Layers, train_error};
@@ -20,7 +20,7 @@ pub(crate) struct Args {
     #[arg(long)]
     json: bool,
     /// Only these kernels' checks (comma-separated or repeated): adamw,
-    /// sum-of-squares, gelu, layer-norm, bias, attention, lm-head
+    /// sum-of-squares, gelu, layer-norm, bias, attention, lm-head, matmul
     #[arg(long, value_delimiter = ',', value_name = "KERNEL")]
     only: Vec<String>,
     #[command(flatten)]
@@ -29,7 +29,7 @@ pub(crate) struct Args {
 
 /// Each check's name for `--only`, and the check.
 type Check = fn(&kiln_train::kiln_model::burn::tensor::Device) -> Vec<KernelCheck>;
-const CHECKS: [(&str, Check); 7] = [
+const CHECKS: [(&str, Check); 8] = [
     ("adamw", |d| vec![check_adamw(d)]),
     ("sum-of-squares", |d| vec![check_sum_of_squares(d)]),
     ("gelu", |d| vec![check_gelu(d)]),
@@ -37,6 +37,7 @@ const CHECKS: [(&str, Check); 7] = [
     ("bias", check_bias),
     ("attention", check_attention),
     ("lm-head", |d| vec![check_lm_head_loss(d)]),
+    ("matmul", check_matmul),
 ];
 
 pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {

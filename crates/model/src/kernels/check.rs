@@ -661,6 +661,107 @@ fn attention_fused_here(qkv: &Tensor<3>) -> bool {
     memory_efficient_attention_runs(qkv, qkv.dtype(), 1, AttentionKernel::MemoryEfficient)
 }
 
+/// [`check_matmul`]'s tolerance in bf16, relative to the largest value
+/// of each result: cuBLAS rounds each sum once to bf16 (half a unit in
+/// the last place, 2⁻⁸ of the value), and the f32 sums run in another
+/// order; two units (bf16 keeps 8 bits) leave room for both.
+pub const MATMUL_BF16_TOLERANCE: f64 = 1.6e-2;
+
+/// [`check_matmul`]'s tolerance in f16, relative as in bf16: two units in
+/// the last place (f16 keeps 11 bits).
+pub const MATMUL_F16_TOLERANCE: f64 = 2e-3;
+
+/// The linear layers' products by cuBLAS (`optimization.matmul =
+/// "cublas"`, `cube::cublas`) on `device`, forward and backward, against
+/// Burn's product in f32 of the same rounded values (exact products of
+/// bf16/f16 inputs, which TF32 holds too): `[m, k] · [k, n]` at 300 × 200
+/// · 96 (rows CUDA pads: 96 and 200 bf16 values are not 512 bytes), 37 ×
+/// 1,009 · 50 (odd sizes) and GPT-2 small's MLP, 1,024 × 768 · 3,072; in
+/// bf16 and f16. The backward pass takes both operands transposed
+/// (Burn's `transpose` is a view: cuBLAS's `OP_T`). The difference is the
+/// largest of the output's and the two gradients', each relative to the
+/// largest value of its reference. Where cuBLAS does not run (not CUDA,
+/// no library) the check says so and compares Burn's product in the
+/// reduced dtype with its f32 one, at the first shape only.
+pub fn check_matmul(device: &burn::tensor::Device) -> Vec<KernelCheck> {
+    use burn::tensor::Distribution;
+    let device = device.clone().autodiff();
+    device.seed(23);
+    let mut checks = Vec::new();
+    #[cfg(all(feature = "cuda", not(feature = "fusion")))]
+    let available = super::cublas_unavailable(&device).is_none();
+    #[cfg(not(all(feature = "cuda", not(feature = "fusion"))))]
+    let available = false;
+    for (dtype, name, tolerance) in [
+        (FloatDType::BF16, "bf16", MATMUL_BF16_TOLERANCE),
+        (FloatDType::F16, "f16", MATMUL_F16_TOLERANCE),
+    ] {
+        if !device.supports_dtype(burn::tensor::DType::from(dtype)) {
+            continue;
+        }
+        // Where cuBLAS does not run the comparison says nothing about it:
+        // one small shape, not GPT-2's on a software GPU.
+        let shapes = [(300, 200, 96), (37, 1009, 50), (1024, 768, 3072)];
+        for (m, k, n) in shapes.into_iter().take(if available { 3 } else { 1 }) {
+            // Values about 1 in every result: b and the upstream gradient
+            // scaled by 1/√(the sum's length).
+            let normal = |shape: [usize; 2], spread: f64| {
+                Tensor::<2>::random(shape, Distribution::Normal(0.0, spread), &device).cast(dtype)
+            };
+            let a = normal([m, k], 1.0);
+            let b = normal([k, n], 1.0 / (k as f64).sqrt());
+            let upstream = normal([m, n], 1.0 / (m as f64).sqrt());
+            let fused = available && cublas_runs(&a, &b);
+            let (ta, tb) = (a.clone().require_grad(), b.clone().require_grad());
+            let y = cublas_product(ta.clone(), tb.clone(), fused);
+            let grads = (y.clone().cast(FloatDType::F32) * upstream.clone().cast(FloatDType::F32))
+                .sum()
+                .backward();
+            let da = ta.grad(&grads).expect("a's gradient");
+            let db = tb.grad(&grads).expect("b's gradient");
+            let wide = |t: Tensor<2>| t.cast(FloatDType::F32);
+            let (a, b, g) = (wide(a.inner()), wide(b.inner()), wide(upstream.inner()));
+            let y_ref = a.clone().matmul(b.clone());
+            let da_ref = g.clone().matmul(b.transpose());
+            let db_ref = a.transpose().matmul(g);
+            let relative = |x: Tensor<2>, r: Tensor<2>| {
+                let scale = f64::from(r.clone().abs().max().into_scalar::<f32>()).max(1e-30);
+                f64::from((wide(x) - r).abs().max().into_scalar::<f32>()) / scale
+            };
+            checks.push(KernelCheck {
+                kernel: format!("matmul by cuBLAS, {name} ({m} × {k} · {k} × {n}, relative)"),
+                fused,
+                max_abs_difference: relative(y.inner(), y_ref)
+                    .max(relative(da, da_ref))
+                    .max(relative(db, db_ref)),
+                tolerance,
+            });
+        }
+    }
+    checks
+}
+
+/// Whether cuBLAS's product takes `a · b` (the device, the dtypes).
+fn cublas_runs(a: &Tensor<2>, b: &Tensor<2>) -> bool {
+    #[cfg(all(feature = "cuda", not(feature = "fusion")))]
+    return super::cube::cublas::runs(a, b);
+    #[cfg(not(all(feature = "cuda", not(feature = "fusion"))))]
+    {
+        let _ = (a, b);
+        false
+    }
+}
+
+/// `a · b` by cuBLAS where `fused`, else Burn's.
+fn cublas_product(a: Tensor<2>, b: Tensor<2>, fused: bool) -> Tensor<2> {
+    #[cfg(all(feature = "cuda", not(feature = "fusion")))]
+    if fused {
+        return super::cube::cublas::matmul(a, b);
+    }
+    let _ = fused;
+    a.matmul(b)
+}
+
 /// The tolerance of [`check_lm_head_loss`]: the loss and the gradients of
 /// the hidden states and the embedding (each token's, about 1 in size),
 /// fused against composed, agree to within 1e-4 (f32; the sums run in

@@ -86,8 +86,48 @@ pub(crate) trait KilnLmLoss: Backend {
 #[cfg(feature = "flex")]
 impl KilnLmLoss for burn::backend::Flex {}
 
-#[cfg(feature = "cube")]
+#[cfg(all(feature = "cube", not(all(feature = "cuda", not(feature = "fusion")))))]
 impl KilnLmLoss for burn_cubecl::CubeBackend {}
+
+/// On a CUDA build the products go through `cube::cublas::product`:
+/// cuBLAS's where `optimization.matmul = "cublas"`, Burn's otherwise.
+#[cfg(all(feature = "cuda", not(feature = "fusion")))]
+impl KilnLmLoss for burn_cubecl::CubeBackend {
+    fn kiln_lm_loss(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shape: LmLossShape,
+    ) -> FloatTensor<Self> {
+        chunked_with::<Self>(
+            x,
+            weight,
+            targets,
+            shape,
+            false,
+            super::cube::cublas::product,
+        )
+        .0
+    }
+
+    fn kiln_lm_loss_grads(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shape: LmLossShape,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (loss, grads) = chunked_with::<Self>(
+            x,
+            weight,
+            targets,
+            shape,
+            true,
+            super::cube::cublas::product,
+        );
+        let (dx, dw) = grads.expect("the gradients were asked for");
+        (loss, dx, dw)
+    }
+}
 
 impl<B: Backend + KilnLmLoss, C: CheckpointStrategy> KilnLmLoss for Autodiff<B, C> {
     fn kiln_lm_loss(
@@ -131,8 +171,23 @@ impl<B: Backend + KilnLmLoss, C: CheckpointStrategy> KilnLmLoss for Autodiff<B, 
 type Pair<B> = (FloatTensor<B>, FloatTensor<B>);
 
 /// The loss over chunks of `chunk` rows and, with `grads`, the gradients
-/// of `x` and `weight` (f32, as they are).
+/// of `x` and `weight` (f32, as they are), the products by the backend's
+/// matmul.
 fn chunked<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    targets: IntTensor<B>,
+    shape: LmLossShape,
+    grads: bool,
+) -> (FloatTensor<B>, Option<Pair<B>>) {
+    chunked_with::<B>(x, weight, targets, shape, grads, B::float_matmul)
+}
+
+/// A matrix product of two 2-D tensors of one backend.
+type Product<B> = fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>;
+
+/// [`chunked`] with the products by `product`.
+fn chunked_with<B: Backend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     targets: IntTensor<B>,
@@ -143,6 +198,7 @@ fn chunked<B: Backend>(
         smoothing,
     }: LmLossShape,
     grads: bool,
+    product: Product<B>,
 ) -> (FloatTensor<B>, Option<Pair<B>>) {
     let (n, d) = (x.shape()[0], x.shape()[1]);
     let padded = weight.shape()[0];
@@ -190,7 +246,7 @@ fn chunked<B: Backend>(
             B::int_slice(targets.clone(), &[range]),
             Shape::new([rows, 1]),
         );
-        let mut logits = full(B::float_matmul(xc.clone(), weight_t.clone()));
+        let mut logits = full(product(xc.clone(), weight_t.clone()));
         if let Some(mask) = &mask {
             logits = B::float_add(logits, wide(mask.clone(), rows));
         }
@@ -238,8 +294,8 @@ fn chunked<B: Backend>(
                 minus_one,
                 IndexingUpdateOp::Add,
             ));
-            dx.push(full(B::float_matmul(g.clone(), weight.clone())));
-            let dwc = full(B::float_matmul(B::float_transpose(g), xc));
+            dx.push(full(product(g.clone(), weight.clone())));
+            let dwc = full(product(B::float_transpose(g), xc));
             dw = Some(match dw {
                 None => dwc,
                 Some(total) => B::float_add(total, dwc),

@@ -40,6 +40,14 @@
 
 #[cfg(any(feature = "flex", feature = "cube"))]
 mod autodiff;
+#[cfg_attr(
+    not(all(feature = "cuda", not(feature = "fusion"))),
+    allow(
+        dead_code,
+        reason = "the cuBLAS products' layout rules, tested on every build"
+    )
+)]
+mod blas_layout;
 mod check;
 #[cfg(feature = "flex")]
 mod cpu;
@@ -54,9 +62,9 @@ mod optim;
 pub use check::{
     ADAMW_TOLERANCE, ATTENTION_BF16_TOLERANCE, ATTENTION_F16_TOLERANCE, ATTENTION_TOLERANCE,
     BIAS_BF16_TOLERANCE, BIAS_F16_TOLERANCE, BIAS_TOLERANCE, GELU_TOLERANCE, KernelCheck,
-    LAYER_NORM_TOLERANCE, LM_HEAD_LOSS_TOLERANCE, SUM_OF_SQUARES_TOLERANCE, TF32_TOLERANCE,
-    check_adamw, check_attention, check_bias, check_gelu, check_layer_norm, check_lm_head_loss,
-    check_sum_of_squares, f32_products_round,
+    LAYER_NORM_TOLERANCE, LM_HEAD_LOSS_TOLERANCE, MATMUL_BF16_TOLERANCE, MATMUL_F16_TOLERANCE,
+    SUM_OF_SQUARES_TOLERANCE, TF32_TOLERANCE, check_adamw, check_attention, check_bias, check_gelu,
+    check_layer_norm, check_lm_head_loss, check_matmul, check_sum_of_squares, f32_products_round,
 };
 #[cfg(feature = "flex")]
 pub use cpu::peak::{MeasuredPeak, measure_fp32_peak};
@@ -345,7 +353,7 @@ pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>, kernels: Kernels) ->
     {
         return flex::linear(x, layer.weight.val(), bias.val());
     }
-    let product = rows_product(x, layer.weight.val());
+    let product = rows_product(x, layer.weight.val(), kernels);
     match &layer.bias {
         Some(bias) => add_bias(product, bias.val(), kernels),
         None => product,
@@ -362,12 +370,110 @@ pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>, kernels: Kernels) ->
 /// in f32, 16 × 768 × 3,072 for GPT-2 small's MLP) and then sums them, a
 /// product and a reduction per linear layer and micro-batch that this
 /// avoids.
-pub(crate) fn rows_product<const D: usize>(x: Tensor<D>, weight: Tensor<2>) -> Tensor<D> {
+///
+/// With `Fused` and [`GpuMatmul::Cublas`] chosen, the product (and its
+/// gradients) runs in cuBLAS where it can (bf16 or f16 on a CUDA GPU;
+/// `cube::cublas`).
+pub(crate) fn rows_product<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    kernels: Kernels,
+) -> Tensor<D> {
     let mut dims = x.dims();
     let width = dims[D - 1];
     let rows = dims.iter().product::<usize>() / width.max(1);
     dims[D - 1] = weight.dims()[1];
-    x.reshape([rows, width]).matmul(weight).reshape(dims)
+    let x = x.reshape([rows, width]);
+    #[cfg(all(feature = "cuda", not(feature = "fusion")))]
+    if kernels == Kernels::Fused
+        && gpu_matmul() == GpuMatmul::Cublas
+        && cube::cublas::runs(&x, &weight)
+    {
+        return cube::cublas::matmul(x, weight).reshape(dims);
+    }
+    let _ = kernels;
+    x.matmul(weight).reshape(dims)
+}
+
+/// Which library runs the linear layers' matrix products on a CUDA GPU
+/// (`optimization.matmul`): one choice for the process, as the products
+/// are deep inside the models. Elsewhere, and in f32, Burn's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GpuMatmul {
+    /// Burn's (CubeCL's autotuned kernels).
+    #[default]
+    Burn,
+    /// NVIDIA's cuBLAS (`cublasGemmEx`, f32 sums) in bf16 and f16, forward
+    /// and backward; see [`cublas_unavailable`].
+    Cublas,
+}
+
+static GPU_MATMUL_CUBLAS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sets [`GpuMatmul`] for this process (kiln-train does, as a run opens
+/// its device).
+pub fn set_gpu_matmul(choice: GpuMatmul) {
+    GPU_MATMUL_CUBLAS.store(
+        choice == GpuMatmul::Cublas,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}
+
+/// The [`GpuMatmul`] this process runs.
+pub fn gpu_matmul() -> GpuMatmul {
+    if GPU_MATMUL_CUBLAS.load(std::sync::atomic::Ordering::Relaxed) {
+        GpuMatmul::Cublas
+    } else {
+        GpuMatmul::Burn
+    }
+}
+
+static CUBLAS_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static CUBLAS_NANOS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// cuBLAS's products this process has run, and their time: the host's wall
+/// clock from each `cublasGemmEx` call to the end of the wait for its
+/// stream (the device is idle when each starts, so this is about the
+/// product's device time plus a launch). What `kiln bench
+/// --kernel-profile` adds to CubeCL's kernels, which do not include them.
+pub fn cublas_time() -> (u64, std::time::Duration) {
+    use std::sync::atomic::Ordering;
+    (
+        CUBLAS_CALLS.load(Ordering::Relaxed),
+        std::time::Duration::from_nanos(CUBLAS_NANOS.load(Ordering::Relaxed)),
+    )
+}
+
+/// Counts one cuBLAS product that took `elapsed` ([`cublas_time`]).
+#[cfg_attr(
+    not(all(feature = "cuda", not(feature = "fusion"))),
+    allow(dead_code, reason = "the cuBLAS products count themselves")
+)]
+pub(crate) fn record_cublas(elapsed: std::time::Duration) {
+    use std::sync::atomic::Ordering;
+    CUBLAS_CALLS.fetch_add(1, Ordering::Relaxed);
+    let nanos = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+    CUBLAS_NANOS.fetch_add(nanos, Ordering::Relaxed);
+}
+
+/// Why [`GpuMatmul::Cublas`] cannot run on `device`, or `None` where it
+/// can: a CUDA GPU in a build with CUDA (not under Burn's `fusion`), and
+/// cuBLAS's library found on the loader's path.
+pub fn cublas_unavailable(device: &burn::tensor::Device) -> Option<String> {
+    #[cfg(all(feature = "cuda", not(feature = "fusion")))]
+    {
+        cube::cublas::unavailable(device)
+    }
+    #[cfg(all(feature = "cuda", feature = "fusion"))]
+    {
+        let _ = device;
+        Some("cuBLAS's products are not built under Burn's `fusion`".into())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        Some("this kiln is built without CUDA".into())
+    }
 }
 
 /// `x + bias`, `bias` along `x`'s last dimension (a linear layer's). With

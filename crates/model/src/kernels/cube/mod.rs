@@ -16,6 +16,8 @@ use burn::tensor::Tensor;
 pub(crate) mod attention;
 #[cfg(not(feature = "fusion"))]
 pub(crate) mod bias;
+#[cfg(all(feature = "cuda", not(feature = "fusion")))]
+pub(crate) mod cublas;
 pub(crate) mod flash_attention;
 #[cfg(not(feature = "fusion"))]
 pub(crate) mod gelu;
