@@ -8,8 +8,9 @@ measured already goes last: `main`'s comments):
 1. the machine: `nvidia-smi`, `kiln check-hardware --json`;
 2. reference checks: `kiln check-kernels` (kiln's GPU kernels, the fused
    AdamW, the memory-efficient attention forward and backward, LayerNorm,
-   GELU, and the LM head fused with its loss, against the Burn operations
-   they replace); training steps on
+   GELU, the LM head fused with its loss, the token embedding's gradient
+   and the products by cuBLAS, against the Burn operations they replace);
+   training steps on
    the GPU against the same steps on the CPU (flex), for the GPT and the
    encoder: the loss after 1 step within 1e-4 and after 20 steps within
    1e-3 (the GPU suite's tolerances);

@@ -414,33 +414,22 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
     ] {
         assert_eq!(step(name)["status"], "ok", "{name}: {stdout}");
     }
-    // The NVRTC build's steps (`--kiln-cuda-cpp`) are skipped off CUDA,
-    // saying why: it would run the plain build's kernels again.
-    for name in [
-        "check-kernels (NVRTC)",
-        "bench lm gpt2-small bf16 (NVRTC)",
-        "bench lm tiny f32 (NVRTC)",
+    // Steps skipped off CUDA, saying why: the NVRTC build's
+    // (`--kiln-cuda-cpp`: it would run the plain build's kernels again)
+    // and cuBLAS's benches (`optimization.matmul=cublas`).
+    for (name, why) in [
+        ("check-kernels (NVRTC)", "CUDA's kernels only"),
+        ("bench lm gpt2-small bf16 (NVRTC)", "CUDA's kernels only"),
+        ("bench lm tiny f32 (NVRTC)", "CUDA's kernels only"),
+        ("bench lm gpt2-small bf16 cuBLAS", "CUDA only"),
+        ("bench nli bert-base bf16 cuBLAS", "CUDA only"),
+        ("bench lm h100 preset cuBLAS", "CUDA only"),
     ] {
         assert_eq!(step(name)["status"], "skipped", "{name}: {stdout}");
         assert!(
             step(name)["why"]
                 .as_str()
-                .is_some_and(|why| why.contains("CUDA's kernels only")),
-            "{name}: {stdout}"
-        );
-    }
-    // cuBLAS's benches (`optimization.matmul=cublas`) are CUDA's alone:
-    // skipped here, saying why.
-    for name in [
-        "bench lm gpt2-small bf16 cuBLAS",
-        "bench nli bert-base bf16 cuBLAS",
-        "bench lm h100 preset cuBLAS",
-    ] {
-        assert_eq!(step(name)["status"], "skipped", "{name}: {stdout}");
-        assert!(
-            step(name)["why"]
-                .as_str()
-                .is_some_and(|why| why.contains("CUDA only")),
+                .is_some_and(|reason| reason.contains(why)),
             "{name}: {stdout}"
         );
     }
@@ -491,8 +480,9 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
 /// with heads narrow enough for the kernels' unrolled loops and wider,
 /// and queries that see no key (zeros, not NaN); the LM head fused
 /// with its loss, in chunks of tokens, against the logits' composition;
-/// and a bias's column-sum gradient against Burn's sums (f32; the half
-/// dtypes where llvmpipe has them).
+/// a bias's column-sum gradient against Burn's sums (f32; the half
+/// dtypes where llvmpipe has them), and the token embedding's gradient
+/// against Burn's `select_assign`.
 /// Under Burn's `fusion` AdamW's composition runs (fusion fuses it) and
 /// the check says so; the attention kernels run there too, as custom
 /// operations of the fusion stream.
@@ -526,6 +516,9 @@ fn kiln_kernels_on_wgpu_agree_with_the_composition() {
         ("layer norm", 1e-4, !cfg!(feature = "fusion")),
         ("bias, f32 (6003 × 200)", 5e-3, !cfg!(feature = "fusion")),
         ("bias, f32 (150 × 96)", 5e-3, !cfg!(feature = "fusion")),
+        // The token embedding's gradient: the same sums in the same order.
+        ("embedding gradient (225", 1e-5, !cfg!(feature = "fusion")),
+        ("embedding gradient (100", 1e-5, !cfg!(feature = "fusion")),
         ("attention, causal", 1e-4, true),
         ("attention, padded", 1e-4, true),
         // Wider than the kernels unroll for: their loop path.

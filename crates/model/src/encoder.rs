@@ -348,11 +348,8 @@ impl EncoderClassifier {
         mask: Tensor<2, Bool>,
     ) -> Tensor<2> {
         let [b, t] = ids.dims();
-        let device = ids.device();
-        let pos = Tensor::<1, Int>::arange(0..t as i64, &device)
-            .reshape([1, t])
-            .expand([b, t]);
-        let x = self.tokens.forward(ids) + self.positions.forward(pos);
+        let x = kernels::token_embeddings(&self.tokens, ids, self.kernels)
+            + kernels::position_embeddings(&self.positions, b, 0, t, self.kernels);
         let x = match &self.segments {
             // One row (RoBERTa's): every token's, whatever its segment.
             Some(rows) if rows.weight.dims()[0] == 1 => {

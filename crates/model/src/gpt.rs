@@ -346,10 +346,8 @@ impl Gpt {
     /// first token at position `start`.
     fn embed(&self, idx: Tensor<2, Int>, start: usize) -> Tensor<3> {
         let [b, t] = idx.dims();
-        let pos = Tensor::<1, Int>::arange(start as i64..(start + t) as i64, &idx.device())
-            .reshape([1, t])
-            .expand([b, t]);
-        self.wte.forward(idx) + self.wpe.forward(pos)
+        kernels::token_embeddings(&self.wte, idx, self.kernels)
+            + kernels::position_embeddings(&self.wpe, b, start, t, self.kernels)
     }
 
     /// The final LayerNorm's output, `[batch, time, hidden]`: what the LM

@@ -8,8 +8,8 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use kiln_train::kiln_model::kernels::{
-    KernelCheck, check_adamw, check_attention, check_bias, check_gelu, check_layer_norm,
-    check_lm_head_loss, check_matmul, check_sum_of_squares,
+    KernelCheck, check_adamw, check_attention, check_bias, check_embedding, check_gelu,
+    check_layer_norm, check_lm_head_loss, check_matmul, check_sum_of_squares,
 };
 
 use super::{BadInput, Context, Layers, train_error};
@@ -20,7 +20,8 @@ pub(crate) struct Args {
     #[arg(long)]
     json: bool,
     /// Only these kernels' checks (comma-separated or repeated): adamw,
-    /// sum-of-squares, gelu, layer-norm, bias, attention, lm-head, matmul
+    /// sum-of-squares, gelu, layer-norm, bias, embedding, attention,
+    /// lm-head, matmul
     #[arg(long, value_delimiter = ',', value_name = "KERNEL")]
     only: Vec<String>,
     #[command(flatten)]
@@ -29,12 +30,13 @@ pub(crate) struct Args {
 
 /// Each check's name for `--only`, and the check.
 type Check = fn(&kiln_train::kiln_model::burn::tensor::Device) -> Vec<KernelCheck>;
-const CHECKS: [(&str, Check); 8] = [
+const CHECKS: [(&str, Check); 9] = [
     ("adamw", |d| vec![check_adamw(d)]),
     ("sum-of-squares", |d| vec![check_sum_of_squares(d)]),
     ("gelu", |d| vec![check_gelu(d)]),
     ("layer-norm", |d| vec![check_layer_norm(d)]),
     ("bias", check_bias),
+    ("embedding", check_embedding),
     ("attention", check_attention),
     ("lm-head", |d| vec![check_lm_head_loss(d)]),
     ("matmul", check_matmul),

@@ -16,7 +16,7 @@ use super::optim::{AdamWParam, AdamWStep, adamw_many};
 use super::{
     AttentionKernel, Kernels, LAYER_NORM_EPSILON, add_bias, gelu, layer_norm,
     lm_head_loss_fused_here, lm_head_loss_in_chunks, memory_efficient_attention_runs,
-    self_attention,
+    self_attention, token_embeddings,
 };
 
 /// One fused kernel compared with the composition it replaces, on one
@@ -659,6 +659,65 @@ fn attention_fused_here(qkv: &Tensor<3>) -> bool {
     // kiln's kernels (flex's, the scalar CubeCL ones), which the f32 cases
     // check whichever `auto` picks (Burn's attention in f32 on CUDA).
     memory_efficient_attention_runs(qkv, qkv.dtype(), 1, AttentionKernel::MemoryEfficient)
+}
+
+/// The tolerance of [`check_embedding`]: the kernel sums each table row's
+/// tokens in order of position, as Burn's `select_assign` does, so the
+/// two agree to f32's rounding of the same sums (1e-5 leaves room for a
+/// compiler's contractions).
+pub const EMBEDDING_TOLERANCE: f64 = 1e-5;
+
+/// [`token_embeddings`] fused (on a CubeCL GPU, kiln's kernel for the
+/// table's gradient) against Burn's embedding, on `device`, forward and
+/// the table's gradient, in f32: 3 × 75 tokens of 203 rows 200 wide
+/// (rows repeated, rows unused, columns ragged against the kernel's 256),
+/// and 2 × 50 tokens of 40,000 rows 8 wide (more rows than the grid's
+/// second dimension takes: its third). The difference is the largest of
+/// the output's and the gradient's.
+pub fn check_embedding(device: &burn::tensor::Device) -> Vec<KernelCheck> {
+    use burn::nn::EmbeddingConfig;
+    use burn::tensor::Distribution;
+    let device = device.clone().autodiff();
+    device.seed(29);
+    let mut checks = Vec::new();
+    for (b, t, rows, width) in [(3, 75, 203, 200), (2, 50, 40_000, 8)] {
+        let table = EmbeddingConfig::new(rows, width).init(&device);
+        // Ids that repeat and leave rows out: a quarter of the rows.
+        let ids: Vec<i64> = (0..b * t)
+            .map(|i| ((i * 7919 + 13) % (rows / 4).max(1)) as i64 * 4 % rows as i64)
+            .collect();
+        let ids = Tensor::<2, Int>::from_data(burn::tensor::TensorData::new(ids, [b, t]), &device);
+        let upstream = Tensor::<3>::random([b, t, width], Distribution::Normal(0.0, 1.0), &device);
+        let fused = embedding_fused_here(&table.weight.val());
+        let run = |kernels| {
+            let y = token_embeddings(&table, ids.clone(), kernels);
+            let grads = (y.clone() * upstream.clone()).sum().backward();
+            let grad = table.weight.grad(&grads).expect("the table's gradient");
+            (y.inner(), grad)
+        };
+        let (y, grad) = run(Kernels::Fused);
+        let (y_ref, grad_ref) = run(Kernels::Reference);
+        let max3 = |a: Tensor<3>, r: Tensor<3>| f64::from((a - r).abs().max().into_scalar::<f32>());
+        let max2 = |a: Tensor<2>, r: Tensor<2>| f64::from((a - r).abs().max().into_scalar::<f32>());
+        checks.push(KernelCheck {
+            kernel: format!("embedding gradient ({} tokens, {rows} × {width})", b * t),
+            fused,
+            max_abs_difference: max3(y, y_ref).max(max2(grad, grad_ref)),
+            tolerance: EMBEDDING_TOLERANCE,
+        });
+    }
+    checks
+}
+
+/// Whether [`token_embeddings`] runs kiln's kernel for a table like `weight`.
+fn embedding_fused_here(weight: &Tensor<2>) -> bool {
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    return super::cube::embedding::runs(weight);
+    #[cfg(not(all(feature = "cube", not(feature = "fusion"))))]
+    {
+        let _ = weight;
+        false
+    }
 }
 
 /// [`check_matmul`]'s tolerance in bf16, relative to the largest value

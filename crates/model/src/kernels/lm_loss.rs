@@ -65,7 +65,7 @@ pub(crate) trait KilnLmLoss: Backend {
         targets: IntTensor<Self>,
         shape: LmLossShape,
     ) -> FloatTensor<Self> {
-        chunked::<Self>(x, weight, targets, shape, false).0
+        chunked::<Self>(x, weight, targets, shape, false, Self::kiln_lm_product).0
     }
 
     /// [`KilnLmLoss::kiln_lm_loss`] with the gradients of `x` and `weight`
@@ -77,55 +77,28 @@ pub(crate) trait KilnLmLoss: Backend {
         targets: IntTensor<Self>,
         shape: LmLossShape,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (loss, grads) = chunked::<Self>(x, weight, targets, shape, true);
+        let (loss, grads) = chunked::<Self>(x, weight, targets, shape, true, Self::kiln_lm_product);
         let (dx, dw) = grads.expect("the gradients were asked for");
         (loss, dx, dw)
+    }
+
+    /// The chunks' matrix products (`a · b`, 2-D): the backend's.
+    #[fusion(default)]
+    fn kiln_lm_product(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(a, b)
     }
 }
 
 #[cfg(feature = "flex")]
 impl KilnLmLoss for burn::backend::Flex {}
 
-#[cfg(all(feature = "cube", not(all(feature = "cuda", not(feature = "fusion")))))]
-impl KilnLmLoss for burn_cubecl::CubeBackend {}
-
-/// On a CUDA build the products go through `cube::cublas::product`:
-/// cuBLAS's where `optimization.matmul = "cublas"`, Burn's otherwise.
-#[cfg(all(feature = "cuda", not(feature = "fusion")))]
+#[cfg(feature = "cube")]
 impl KilnLmLoss for burn_cubecl::CubeBackend {
-    fn kiln_lm_loss(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        targets: IntTensor<Self>,
-        shape: LmLossShape,
-    ) -> FloatTensor<Self> {
-        chunked_with::<Self>(
-            x,
-            weight,
-            targets,
-            shape,
-            false,
-            super::cube::cublas::product,
-        )
-        .0
-    }
-
-    fn kiln_lm_loss_grads(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        targets: IntTensor<Self>,
-        shape: LmLossShape,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (loss, grads) = chunked_with::<Self>(
-            x,
-            weight,
-            targets,
-            shape,
-            true,
-            super::cube::cublas::product,
-        );
-        let (dx, dw) = grads.expect("the gradients were asked for");
-        (loss, dx, dw)
+    /// On a CUDA build, `cube::cublas::product`: cuBLAS's where
+    /// `optimization.matmul = "cublas"`, Burn's otherwise.
+    #[cfg(all(feature = "cuda", not(feature = "fusion")))]
+    fn kiln_lm_product(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        super::cube::cublas::product(a, b)
     }
 }
 
@@ -170,24 +143,12 @@ impl<B: Backend + KilnLmLoss, C: CheckpointStrategy> KilnLmLoss for Autodiff<B, 
 /// Two tensors of one backend: the gradients of `x` and of the weight.
 type Pair<B> = (FloatTensor<B>, FloatTensor<B>);
 
-/// The loss over chunks of `chunk` rows and, with `grads`, the gradients
-/// of `x` and `weight` (f32, as they are), the products by the backend's
-/// matmul.
-fn chunked<B: Backend>(
-    x: FloatTensor<B>,
-    weight: FloatTensor<B>,
-    targets: IntTensor<B>,
-    shape: LmLossShape,
-    grads: bool,
-) -> (FloatTensor<B>, Option<Pair<B>>) {
-    chunked_with::<B>(x, weight, targets, shape, grads, B::float_matmul)
-}
-
 /// A matrix product of two 2-D tensors of one backend.
 type Product<B> = fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>;
 
-/// [`chunked`] with the products by `product`.
-fn chunked_with<B: Backend>(
+/// The loss over chunks of `chunk` rows and, with `grads`, the gradients
+/// of `x` and `weight` (f32, as they are), the products by `product`.
+fn chunked<B: Backend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     targets: IntTensor<B>,

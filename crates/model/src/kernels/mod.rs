@@ -28,7 +28,9 @@
 //! | module | runs on | what |
 //! |---|---|---|
 //! | `cpu/` | flex (CPU) | the fused kernels (`cpu/mod.rs`), their SIMD math (`cpu/math.rs`), the measured fp32 peak (`cpu/peak.rs`) |
-//! | `cube/` | CubeCL GPUs (wgpu, CUDA) | memory-efficient attention and FlashAttention-2 on the matrix unit, exact GELU, LayerNorm in f32, a bias with its gradient's column sums, the helpers they share |
+//! | `cube/` | CubeCL GPUs (wgpu, CUDA) | memory-efficient attention and FlashAttention-2 on the matrix unit, exact GELU, LayerNorm in f32, a bias with its gradient's column sums, the helpers they share; on CUDA the products by cuBLAS (`cube/cublas.rs`, `optimization.matmul`) |
+//! | `group.rs` | (the host) | the token embedding's gradient's grouping of tokens by row |
+//! | `blas_layout.rs` | (the host) | how a column-major BLAS reads Burn's row-major, pitched and transposed operands |
 //! | `norm.rs`, `optim.rs` | flex and CubeCL | the gradients' sum of squares and AdamW's update: one kernel per device in each file |
 //! | `lm_loss.rs` | every backend | the LM head fused with its loss (Burn's primitives in chunks) |
 //! | `autodiff.rs` | every backend | the backward-pass glue the extensions share |
@@ -53,6 +55,14 @@ mod check;
 mod cpu;
 #[cfg(feature = "cube")]
 mod cube;
+#[cfg_attr(
+    not(all(feature = "cube", not(feature = "fusion"))),
+    allow(
+        dead_code,
+        reason = "the embedding kernel's grouping, tested on every build"
+    )
+)]
+mod group;
 mod isa;
 #[cfg(any(feature = "flex", feature = "cube"))]
 mod lm_loss;
@@ -61,17 +71,18 @@ mod optim;
 
 pub use check::{
     ADAMW_TOLERANCE, ATTENTION_BF16_TOLERANCE, ATTENTION_F16_TOLERANCE, ATTENTION_TOLERANCE,
-    BIAS_BF16_TOLERANCE, BIAS_F16_TOLERANCE, BIAS_TOLERANCE, GELU_TOLERANCE, KernelCheck,
-    LAYER_NORM_TOLERANCE, LM_HEAD_LOSS_TOLERANCE, MATMUL_BF16_TOLERANCE, MATMUL_F16_TOLERANCE,
-    SUM_OF_SQUARES_TOLERANCE, TF32_TOLERANCE, check_adamw, check_attention, check_bias, check_gelu,
-    check_layer_norm, check_lm_head_loss, check_matmul, check_sum_of_squares, f32_products_round,
+    BIAS_BF16_TOLERANCE, BIAS_F16_TOLERANCE, BIAS_TOLERANCE, EMBEDDING_TOLERANCE, GELU_TOLERANCE,
+    KernelCheck, LAYER_NORM_TOLERANCE, LM_HEAD_LOSS_TOLERANCE, MATMUL_BF16_TOLERANCE,
+    MATMUL_F16_TOLERANCE, SUM_OF_SQUARES_TOLERANCE, TF32_TOLERANCE, check_adamw, check_attention,
+    check_bias, check_embedding, check_gelu, check_layer_norm, check_lm_head_loss, check_matmul,
+    check_sum_of_squares, f32_products_round,
 };
 #[cfg(feature = "flex")]
 pub use cpu::peak::{MeasuredPeak, measure_fp32_peak};
-#[cfg(all(feature = "cube", not(feature = "fusion")))]
-pub(crate) use cube::{cube_empty, from_cube, into_cube};
 #[cfg(feature = "cube")]
-pub(crate) use cube::{cube_gpu, cube_gpu_float};
+pub(crate) use cube::{cube_empty, cube_gpu, cube_gpu_float};
+#[cfg(all(feature = "cube", not(feature = "fusion")))]
+pub(crate) use cube::{from_cube, into_cube};
 pub use isa::{AVX512_BUILT, CpuIsa, cpu_isa};
 pub use norm::{sum_of_squares, sum_of_squares_value};
 pub use optim::{AdamWParam, AdamWStep, adamw, adamw_many};
@@ -474,6 +485,59 @@ pub fn cublas_unavailable(device: &burn::tensor::Device) -> Option<String> {
         let _ = device;
         Some("this kiln is built without CUDA".into())
     }
+}
+
+/// The token embeddings of `ids` (`[batch, time]`): `table`'s rows. On a
+/// CubeCL GPU with `Fused` (not under Burn's `fusion`) the table's
+/// gradient is kiln's kernel (`cube::embedding`: the ids sorted on the
+/// host, a unit a column of a table row summing its tokens in order);
+/// elsewhere, and with `Reference`, Burn's embedding, whose gradient on
+/// CubeCL is its `select_assign` (one unit a column looping over every
+/// token). The same rows forward.
+pub fn token_embeddings(
+    table: &burn::nn::Embedding,
+    ids: Tensor<2, Int>,
+    kernels: Kernels,
+) -> Tensor<3> {
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    if kernels == Kernels::Fused && cube::embedding::runs(&table.weight.val()) {
+        return cube::embedding::embedding(table.weight.val(), ids);
+    }
+    let _ = kernels;
+    table.forward(ids)
+}
+
+/// The position embeddings of `batch` sequences of `t` positions from
+/// `start` (`table`'s rows `start..start + t`, `[batch, t, width]`). On a
+/// CubeCL GPU with `Fused` the rows are sliced and broadcast over the
+/// batch, so that their gradient is a sum over the batch (`[batch, t,
+/// width]` to `[t, width]`: many short sums side by side). Elsewhere, and
+/// with `Reference`, Burn's embedding of the positions, whose gradient on
+/// CubeCL is its `select_assign`: one unit a column looping over every
+/// token (4.8 ms a launch for GPT-2 small's 16,384 tokens on an H200, the
+/// 2026-12-04 profile's `SelectAssignKernel`, with the token embedding's).
+/// The same rows either way.
+pub fn position_embeddings(
+    table: &burn::nn::Embedding,
+    batch: usize,
+    start: usize,
+    t: usize,
+    kernels: Kernels,
+) -> Tensor<3> {
+    let weight = table.weight.val();
+    let width = weight.dims()[1];
+    #[cfg(feature = "cube")]
+    if kernels == Kernels::Fused && cube::cube_gpu_float(&weight) {
+        return weight
+            .narrow(0, start, t)
+            .unsqueeze_dim::<3>(0)
+            .expand([batch, t, width]);
+    }
+    let _ = (kernels, width);
+    let pos = Tensor::<1, Int>::arange(start as i64..(start + t) as i64, &weight.device())
+        .reshape([1, t])
+        .expand([batch, t]);
+    table.forward(pos)
 }
 
 /// `x + bias`, `bias` along `x`'s last dimension (a linear layer's). With

@@ -2,8 +2,11 @@
 //! Burn backend extension with an autodiff route: the memory-efficient
 //! self-attention (`attention`), exact GELU (`gelu`), LayerNorm in f32
 //! (`layer_norm`) and a bias's addition with its gradient's column sums
-//! (`bias`, which LayerNorm's gamma and beta gradients use too); the
-//! helpers they share are here. The gradient norm's
+//! (`bias`, which LayerNorm's gamma and beta gradients use too), the
+//! token embedding's gradient (`embedding`); on CUDA
+//! the linear layers' and the LM head's products by cuBLAS (`cublas`,
+//! where `optimization.matmul = "cublas"`); the helpers they share are
+//! here. The gradient norm's
 //! sum of squares and AdamW's update have CubeCL kernels too, in
 //! `kernels::norm` and `kernels::optim` beside their flex versions; the LM
 //! head with its loss (`kernels::lm_loss`) is Burn's primitives in chunks
@@ -18,6 +21,8 @@ pub(crate) mod attention;
 pub(crate) mod bias;
 #[cfg(all(feature = "cuda", not(feature = "fusion")))]
 pub(crate) mod cublas;
+#[cfg(not(feature = "fusion"))]
+pub(crate) mod embedding;
 pub(crate) mod flash_attention;
 #[cfg(not(feature = "fusion"))]
 pub(crate) mod gelu;
