@@ -240,12 +240,22 @@ mod gemm {
             cubecl::Device::Cuda(d) => d.index,
             other => panic!("cuBLAS's product runs on CUDA devices, not {other:?}"),
         };
+        let (a, b) = (untile(a), untile(b));
+        let ((sa, _), (sb, _)) = (layout(&a), layout(&b));
+        if sa[0] == 0 || sa[1] == 0 || sb[1] == 0 {
+            // Nothing to multiply (no rows, columns or inner size): zeros.
+            use burn_backend::ops::FloatTensorOps;
+            type B = burn::backend::Cube;
+            let device = a.device.clone();
+            return <B as FloatTensorOps<B>>::float_zeros(
+                [sa[0], sb[1]].into(),
+                &device,
+                dtype.into(),
+            );
+        }
         let (a, b, gemm) = operands(a, b);
         let [n, m, k] = gemm.mnk;
         let out = crate::kernels::cube_empty(&a, vec![m, n], dtype);
-        if m == 0 || n == 0 {
-            return out;
-        }
         let client = a.client.clone();
         let resource = |t: &CubeTensor, what: &str| {
             client
