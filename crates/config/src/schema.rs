@@ -555,16 +555,6 @@ pub enum MatmulChoice {
     Cublas,
 }
 
-impl MatmulChoice {
-    /// The name in configuration files.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            MatmulChoice::Burn => "burn",
-            MatmulChoice::Cublas => "cublas",
-        }
-    }
-}
-
 /// Which CPU kernels the models use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -747,10 +747,7 @@ pub fn check_matmul(device: &burn::tensor::Device) -> Vec<KernelCheck> {
     let device = device.clone().autodiff();
     device.seed(23);
     let mut checks = Vec::new();
-    #[cfg(all(feature = "cuda", not(feature = "fusion")))]
     let available = super::cublas_unavailable(&device).is_none();
-    #[cfg(not(all(feature = "cuda", not(feature = "fusion"))))]
-    let available = false;
     for (dtype, name, tolerance) in [
         (FloatDType::BF16, "bf16", MATMUL_BF16_TOLERANCE),
         (FloatDType::F16, "f16", MATMUL_F16_TOLERANCE),

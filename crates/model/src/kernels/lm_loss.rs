@@ -65,7 +65,7 @@ pub(crate) trait KilnLmLoss: Backend {
         targets: IntTensor<Self>,
         shape: LmLossShape,
     ) -> FloatTensor<Self> {
-        chunked::<Self>(x, weight, targets, shape, false, Self::kiln_lm_product).0
+        chunked::<Self>(x, weight, targets, shape, false).0
     }
 
     /// [`KilnLmLoss::kiln_lm_loss`] with the gradients of `x` and `weight`
@@ -77,7 +77,7 @@ pub(crate) trait KilnLmLoss: Backend {
         targets: IntTensor<Self>,
         shape: LmLossShape,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (loss, grads) = chunked::<Self>(x, weight, targets, shape, true, Self::kiln_lm_product);
+        let (loss, grads) = chunked::<Self>(x, weight, targets, shape, true);
         let (dx, dw) = grads.expect("the gradients were asked for");
         (loss, dx, dw)
     }
@@ -143,12 +143,10 @@ impl<B: Backend + KilnLmLoss, C: CheckpointStrategy> KilnLmLoss for Autodiff<B, 
 /// Two tensors of one backend: the gradients of `x` and of the weight.
 type Pair<B> = (FloatTensor<B>, FloatTensor<B>);
 
-/// A matrix product of two 2-D tensors of one backend.
-type Product<B> = fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>;
-
 /// The loss over chunks of `chunk` rows and, with `grads`, the gradients
-/// of `x` and `weight` (f32, as they are), the products by `product`.
-fn chunked<B: Backend>(
+/// of `x` and `weight` (f32, as they are), the products by the backend's
+/// `kiln_lm_product`.
+fn chunked<B: KilnLmLoss>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     targets: IntTensor<B>,
@@ -159,7 +157,6 @@ fn chunked<B: Backend>(
         smoothing,
     }: LmLossShape,
     grads: bool,
-    product: Product<B>,
 ) -> (FloatTensor<B>, Option<Pair<B>>) {
     let (n, d) = (x.shape()[0], x.shape()[1]);
     let padded = weight.shape()[0];
@@ -207,7 +204,7 @@ fn chunked<B: Backend>(
             B::int_slice(targets.clone(), &[range]),
             Shape::new([rows, 1]),
         );
-        let mut logits = full(product(xc.clone(), weight_t.clone()));
+        let mut logits = full(B::kiln_lm_product(xc.clone(), weight_t.clone()));
         if let Some(mask) = &mask {
             logits = B::float_add(logits, wide(mask.clone(), rows));
         }
@@ -255,8 +252,8 @@ fn chunked<B: Backend>(
                 minus_one,
                 IndexingUpdateOp::Add,
             ));
-            dx.push(full(product(g.clone(), weight.clone())));
-            let dwc = full(product(B::float_transpose(g), xc));
+            dx.push(full(B::kiln_lm_product(g.clone(), weight.clone())));
+            let dwc = full(B::kiln_lm_product(B::float_transpose(g), xc));
             dw = Some(match dw {
                 None => dwc,
                 Some(total) => B::float_add(total, dwc),

@@ -500,8 +500,11 @@ pub fn token_embeddings(
     kernels: Kernels,
 ) -> Tensor<3> {
     #[cfg(all(feature = "cube", not(feature = "fusion")))]
-    if kernels == Kernels::Fused && cube::embedding::runs(&table.weight.val()) {
-        return cube::embedding::embedding(table.weight.val(), ids);
+    if kernels == Kernels::Fused {
+        let weight = table.weight.val();
+        if cube::embedding::runs(&weight) {
+            return cube::embedding::embedding(weight, ids);
+        }
     }
     let _ = kernels;
     table.forward(ids)
@@ -525,15 +528,15 @@ pub fn position_embeddings(
     kernels: Kernels,
 ) -> Tensor<3> {
     let weight = table.weight.val();
-    let width = weight.dims()[1];
     #[cfg(feature = "cube")]
     if kernels == Kernels::Fused && cube::cube_gpu_float(&weight) {
+        let width = weight.dims()[1];
         return weight
             .narrow(0, start, t)
             .unsqueeze_dim::<3>(0)
             .expand([batch, t, width]);
     }
-    let _ = (kernels, width);
+    let _ = kernels;
     let pos = Tensor::<1, Int>::arange(start as i64..(start + t) as i64, &weight.device())
         .reshape([1, t])
         .expand([batch, t]);

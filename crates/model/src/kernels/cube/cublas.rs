@@ -92,13 +92,20 @@ impl<B: Backend + KilnCublas, C: CheckpointStrategy> KilnCublas for Autodiff<B, 
 /// Whether `a · b` can run here: both on a CUDA GPU, 2-D, chaining, in
 /// one dtype cuBLAS takes with f32 sums (bf16, f16).
 pub(crate) fn runs(a: &Tensor<2>, b: &Tensor<2>) -> bool {
-    matches!(a.dtype(), DType::BF16 | DType::F16)
-        && a.dtype() == b.dtype()
-        && a.dims()[1] == b.dims()[0]
-        && matches!(
-            crate::device_memory::cube_gpu_device(&a.device()),
-            Some(cubecl::Device::Cuda(_))
-        )
+    crate::device_memory::cube_gpu_device(&a.device())
+        .is_some_and(|device| takes([a.dtype(), b.dtype()], [&a.dims(), &b.dims()], &device))
+}
+
+/// What [`runs`] asks, of dtypes, shapes and a device: the one rule for
+/// autodiff tensors and for the CubeCL backend's ([`product`]).
+fn takes(dtypes: [DType; 2], shapes: [&[usize]; 2], device: &cubecl::Device) -> bool {
+    let ([a, b], [sa, sb]) = (dtypes, shapes);
+    matches!(a, DType::BF16 | DType::F16)
+        && a == b
+        && sa.len() == 2
+        && sb.len() == 2
+        && sa[1] == sb[0]
+        && matches!(device, cubecl::Device::Cuda(_))
 }
 
 /// `a · b` by cuBLAS (the caller checked [`runs`]), with its gradients by
@@ -120,16 +127,13 @@ pub(crate) fn product(
     b: burn_cubecl::tensor::CubeTensor,
 ) -> burn_cubecl::tensor::CubeTensor {
     use burn::backend::ops::FloatTensorOps;
-    let chosen = crate::kernels::gpu_matmul() == crate::kernels::GpuMatmul::Cublas;
-    let (sa, sb) = (a.meta.shape(), b.meta.shape());
-    let takes = chosen
-        && sa.num_dims() == 2
-        && sb.num_dims() == 2
-        && sa[1] == sb[0]
-        && matches!(a.dtype, DType::BF16 | DType::F16)
-        && a.dtype == b.dtype
-        && matches!(a.device, cubecl::Device::Cuda(_));
-    if takes {
+    if crate::kernels::gpu_matmul() == crate::kernels::GpuMatmul::Cublas
+        && takes(
+            [a.dtype, b.dtype],
+            [a.meta.shape().as_slice(), b.meta.shape().as_slice()],
+            &a.device,
+        )
+    {
         gemm::matmul(a, b)
     } else {
         <burn::backend::Cube as FloatTensorOps<burn::backend::Cube>>::float_matmul(a, b)
@@ -273,13 +277,13 @@ mod gemm {
         cubecl::future::block_on(client.sync())
             .unwrap_or_else(|e| panic!("cuBLAS's product: waiting for the device: {e:?}"));
         let mut all = BLAS.lock().unwrap_or_else(|e| e.into_inner());
-        if !all.iter().any(|b| b.ordinal == ordinal) {
-            all.push(Blas::new(ordinal));
-        }
-        let blas = all
-            .iter()
-            .find(|b| b.ordinal == ordinal)
-            .expect("made above");
+        let blas = match all.iter().position(|b| b.ordinal == ordinal) {
+            Some(at) => &all[at],
+            None => {
+                all.push(Blas::new(ordinal));
+                &all[all.len() - 1]
+            }
+        };
         blas.ctx
             .bind_to_thread()
             .unwrap_or_else(|e| panic!("cuBLAS's product: CUDA device {ordinal}: {e}"));
