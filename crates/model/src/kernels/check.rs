@@ -239,6 +239,13 @@ pub const ATTENTION_F16_TOLERANCE: f64 = 1e-2;
 /// The same for bf16 (8 significant bits: eight times f16's rounding).
 pub const ATTENTION_BF16_TOLERANCE: f64 = 8e-2;
 
+/// How much larger the queries are in [`check_attention`]'s sharp case.
+const SHARP_QUERIES: f32 = 12.0;
+
+/// The sharp case's tolerances, relative to each result's largest value,
+/// as a share of the absolute ones (which allow for values up to about 4).
+const ATTENTION_RELATIVE_PER_ABSOLUTE: f64 = 0.25;
+
 /// [`self_attention`] fused (`memory-efficient`: kiln's kernels, which
 /// `auto` runs everywhere but in f32 on CUDA) and composed (Burn's
 /// attention) on `device`, forward and backward: a causal case (the GPT's) and a padded one (the
@@ -305,6 +312,16 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
     // (`AttentionKernel::MemoryEfficient`, what a run with
     // `optimization.attention = "memory-efficient"` gets there).
     let (gpt2_qkv, gpt2_upstream) = inputs(1, 64);
+    // Sharp scores (the queries `SHARP_QUERIES` times larger: scores of
+    // standard deviation about 12), so that a row's maximum keeps growing
+    // along the keys past the forward kernel's margin and its sums are
+    // rescaled (the softmax nearly one-hot: relative differences).
+    let sharp: Vec<f32> = (0..3 * h * hd)
+        .map(|i| if i < h * hd { SHARP_QUERIES } else { 1.0 })
+        .collect();
+    let sharp = Tensor::<1>::from_data(burn::tensor::TensorData::new(sharp, [3 * h * hd]), &device)
+        .reshape([1, 1, 3 * h * hd]);
+    let sharp_qkv = qkv.clone() * sharp;
     let half_cases = [
         ("causal", &qkv, &upstream, h, hd, None, true),
         ("padded", &qkv, &upstream, h, hd, Some(pad.clone()), false),
@@ -317,12 +334,22 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             None,
             true,
         ),
+        (
+            "causal, sharp scores",
+            &sharp_qkv,
+            &upstream,
+            h,
+            hd,
+            None,
+            true,
+        ),
     ];
     for (dtype, name, tolerance) in [
         (FloatDType::F16, "f16", ATTENTION_F16_TOLERANCE),
         (FloatDType::BF16, "bf16", ATTENTION_BF16_TOLERANCE),
     ] {
         for (case, qkv, upstream, heads, head_dim, key_pad, causal) in half_cases.clone() {
+            let relative = std::ptr::eq(qkv, &sharp_qkv);
             // (Before any cast: a device without the dtype may not survive
             // one.)
             if !super::attention_on_tensor_cores(&device, dtype.into(), head_dim) {
@@ -344,11 +371,27 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
                 (AttentionKernel::MemoryEfficient, "scalar"),
             ] {
                 let (y, dqkv) = run(&half, &half_upstream, attention);
+                let difference = |x: Tensor<3>, reference: Tensor<3>| {
+                    let of = if relative {
+                        f64::from(reference.clone().abs().max().into_scalar::<f32>())
+                    } else {
+                        1.0
+                    };
+                    max_abs(widen(x), round(reference)) / of
+                };
+                let (kernel, tolerance) = if relative {
+                    (
+                        format!("attention, {case}, {name} {on} (t={t}, relative)"),
+                        tolerance * ATTENTION_RELATIVE_PER_ABSOLUTE,
+                    )
+                } else {
+                    (format!("attention, {case}, {name} {on} (t={t})"), tolerance)
+                };
                 checks.push(KernelCheck {
-                    kernel: format!("attention, {case}, {name} {on} (t={t})"),
+                    kernel,
                     fused,
-                    max_abs_difference: max_abs(widen(y), round(y_ref.clone()))
-                        .max(max_abs(widen(dqkv), round(dqkv_ref.clone()))),
+                    max_abs_difference: difference(y, y_ref.clone())
+                        .max(difference(dqkv, dqkv_ref.clone())),
                     tolerance,
                 });
             }

@@ -10,17 +10,22 @@
 //! `causal`, none past the cube's last query) and for each:
 //!
 //! 1. copies the key and value tile into shared memory (zeros past the
-//!    sequence's end);
-//! 2. `S = Q·Kᵀ` on the matrix unit (inputs in the tensor's dtype, the sum
-//!    in f32), spilled to shared memory;
+//!    sequence's end), the one step where the cube's planes meet;
+//! 2. each plane on its own (meeting only its own units: a warp's barrier
+//!    on CUDA), and only where some of its queries see the tile: `S = Q·Kᵀ`
+//!    on the matrix unit (inputs in the tensor's dtype, the sum in f32;
+//!    the plane's queries kept as the unit's operands in its registers),
+//!    spilled to shared memory;
 //! 3. the plane's units spread over its query rows (two a row on a 32-unit
 //!    warp): masking (padding, causal, past the end; each key's flag read
-//!    once into shared memory), the online softmax in f32 (running maximum
-//!    and sum, the factor that rescales what was summed so far), `P`
-//!    rounded to the input dtype;
-//! 4. `O = O·factor + P·V`, O kept in f32 in shared memory, the product on
-//!    the matrix unit (the rescaling pass skipped where no row's maximum
-//!    grew).
+//!    once into shared memory), the online softmax in f32 against each
+//!    row's reference maximum, which moves only when a score passes it by
+//!    more than ln 256 (FlashAttention-4's lazy rescaling: [`RESCALE_MARGIN`]),
+//!    `P` rounded to the input dtype;
+//! 4. `O = O·factor + P·V`, O the matrix unit's f32 accumulators in the
+//!    plane's registers for the whole walk; where some row's reference
+//!    moved (on the first tiles mostly), O passes through shared memory
+//!    to be rescaled row by row (the unit's fragments cannot be).
 //!
 //! It ends as the scalar kernel does: the merged heads (`O / sum`, zeros for
 //! a query that sees no key) and each query's log-sum-exp. The backward
@@ -48,18 +53,17 @@
 //!
 //! The tile is the instruction's size. Each step of a walk takes one tile
 //! of the inner rows (keys, or with dK/dV queries), or several with
-//! `FLASH_KEYS` (fewer syncs and, in the forward pass, fewer passes
-//! over O a key); each plane's scores are a tile tall and that wide. A
-//! cube takes four planes where its shared memory (48 KiB, or
-//! `FLASH_SHARED_KIB`: CubeCL's CUDA kernels take it dynamically, up
-//! to the device's 227 KiB on an H100) and the sequence allow, else two or
-//! one (GPT-2's 64-wide heads in bf16 by default: four in each kernel).
-//! The backward kernels keep their sums (dQ, or dK and dV) in the planes'
-//! registers, as the matrix unit's accumulators, for the whole walk; the
-//! forward kernel keeps O in shared memory, since each key step rescales
-//! its rows (the matrix unit's fragments cannot be scaled row by row).
-//! The two variables are experiments the GPU check times
-//! (`bench/gpu_check.py`'s `FLASH_VARIANTS`).
+//! `FLASH_KEYS` (fewer cube-wide syncs); each plane's scores are a tile
+//! tall and that wide. A cube takes four planes where its shared memory
+//! (48 KiB, or `FLASH_SHARED_KIB`: CubeCL's CUDA kernels take it
+//! dynamically, up to the device's 227 KiB on an H100) and the sequence
+//! allow, else two or one (GPT-2's 64-wide heads in bf16 by default: four
+//! in each kernel). All three kernels keep their sums (O, dQ, or dK and
+//! dV) in the planes' registers, as the matrix unit's accumulators, and
+//! meet cube-wide only around the shared loads (two barriers a step), the
+//! rest of a step synchronised within each plane. The two variables are
+//! experiments the GPU check times (`bench/gpu_check.py`'s
+//! `FLASH_VARIANTS`).
 
 use burn::tensor::DType;
 use burn_backend::cubecl::{dtype_to_elem_type, dtype_to_storage_type};
@@ -143,14 +147,18 @@ fn grid_fits(client: &cubecl::client::Client, tiles: usize, heads: usize, batch:
     tiles <= x as usize && heads <= y as usize && batch <= z as usize
 }
 
-/// Copies `tile` rows of one head into `dst` (row-major, `head_dim` wide):
-/// rows `first..first + tile` of batch entry `b`, each `row_stride` apart in
-/// `src`, from column `col0`; zeros for rows past `seq`.
+/// Reads a unit's share of `tile` rows of one head (row-major, `head_dim`
+/// wide, the cube's `units` taking every `units`-th element): rows
+/// `first..first + tile` of batch entry `b`, each `row_stride` apart in
+/// `src`, from column `col0`; zeros for rows past `seq`. Into registers,
+/// the loop unrolled, for [`write_rows`] to store once every read a
+/// caller needs is issued: the loads are then all in flight at once,
+/// where a load followed by its store waits out the memory's latency
+/// once an element.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_rows<E: Float>(
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+fn read_rows<E: Float>(
     src: &[E],
-    dst: &mut Shared<[E]>,
     b: usize,
     first: usize,
     seq: usize,
@@ -159,16 +167,42 @@ fn load_rows<E: Float>(
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
     #[comptime] units: usize,
-) {
-    let mut e = UNIT_POS as usize;
-    while e < tile * head_dim {
+) -> Array<E> {
+    let unit = UNIT_POS as usize;
+    let len = comptime!(tile * head_dim);
+    let mut values = Array::<E>::new(comptime!((len + units - 1) / units));
+    #[unroll]
+    for k in 0..comptime!((len + units - 1) / units) {
+        let e = unit + k * units;
         let row = first + e / head_dim;
         let mut x = E::from_int(0);
-        if row < seq {
+        if e < len && row < seq {
             x = src[(b * seq + row) * row_stride + col0 + e % head_dim];
         }
-        dst[e] = x;
-        e += units;
+        values[k] = x;
+    }
+    values
+}
+
+/// Stores what [`read_rows`] read (the same `head_dim`, `tile` and
+/// `units`) into `dst`.
+#[cube]
+#[allow(clippy::manual_div_ceil)]
+fn write_rows<E: Float>(
+    values: &Array<E>,
+    dst: &mut Shared<[E]>,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] units: usize,
+) {
+    let unit = UNIT_POS as usize;
+    let len = comptime!(tile * head_dim);
+    #[unroll]
+    for k in 0..comptime!((len + units - 1) / units) {
+        let e = unit + k * units;
+        if e < len {
+            dst[e] = values[k];
+        }
     }
 }
 
@@ -291,51 +325,6 @@ fn column_block<E: Float>(
     )
 }
 
-/// `acc += A·B` on the matrix unit, `acc` in shared memory: `A` a
-/// row-major `tile × (subs·tile)` block at `a_off` in `a`, `B` row-major
-/// `(subs·tile) × head_dim` and `acc` row-major `tile × head_dim` (in
-/// f32, at `acc_off`: a plane's part of a cube's tiles). The forward
-/// pass's `P·V`, into O, which each key step rescales: each fragment of
-/// `acc` is loaded and stored once for the `subs` products into it.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn accumulate_ab<E: Float>(
-    a: &Shared<[E]>,
-    a_off: usize,
-    b: &Shared<[E]>,
-    acc: &mut Shared<[f32]>,
-    acc_off: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] tile: usize,
-    #[comptime] subs: usize,
-) {
-    let a_stride = comptime!(subs * tile);
-    let end = acc_off + tile * head_dim;
-    #[unroll]
-    for step in 0..head_dim / tile {
-        let at = acc_off + step * tile;
-        let sum = fragment::<f32>(
-            MatrixIdent::Accumulator,
-            MatrixLayout::RowMajor,
-            &acc[at..end],
-            head_dim as u32,
-            tile,
-        );
-        #[unroll]
-        for sub in 0..subs {
-            let lhs = square_operand(a, a_off + sub * tile, false, tile, a_stride);
-            let rhs = column_block(b, comptime!(sub * tile * head_dim), step, head_dim, tile);
-            cmma::execute(&lhs, &rhs, &sum, &sum);
-        }
-        cmma::store(
-            &mut acc[at..end],
-            &sum,
-            head_dim as u32,
-            MatrixLayout::RowMajor,
-        );
-    }
-}
-
 /// `head_dim / tile` accumulators of the matrix unit (f32, zeros): a
 /// `tile × head_dim` tile of sums kept in the plane's registers.
 #[cube]
@@ -358,8 +347,8 @@ fn accumulators(#[comptime] head_dim: usize, #[comptime] tile: usize) -> Sequenc
 /// `sums += Σ A_s·B_s` over `subs` pairs on the matrix unit, the sums in
 /// registers ([`accumulators`]): `A_s` the [`square_operand`] at `a_off +
 /// s·sub_off` (rows `stride` apart; with `transposed` its transpose),
-/// `B_s` the `s`-th row-major `tile × head_dim` tile of `b`. The backward
-/// pass's `Pᵀ·dO`, `dSᵀ·Q`, `dS·K`.
+/// `B_s` the `s`-th row-major `tile × head_dim` tile of `b`. The forward
+/// pass's `P·V`, the backward pass's `Pᵀ·dO`, `dSᵀ·Q`, `dS·K`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn accumulate_in<E: Float>(
@@ -386,8 +375,9 @@ fn accumulate_in<E: Float>(
     }
 }
 
-/// Writes a plane's register sums ([`accumulators`]) times `factor` to
-/// rows `first..` (those before `seq`) of batch entry `b` in `dst`, each
+/// Writes a plane's register sums ([`accumulators`]) times `factor` (and
+/// with `rowwise`, each row times its `row_scale[scale_off + row]`) to rows
+/// `first..` (those before `seq`) of batch entry `b` in `dst`, each
 /// `row_stride` apart, from column `col0`, through `stage` (`tile × tile`
 /// f32 at `stage_off`, the plane's own) a fragment at a time.
 #[cube]
@@ -395,6 +385,8 @@ fn accumulate_in<E: Float>(
 fn write_sums<E: Float>(
     sums: &Sequence<Matrix<f32>>,
     factor: f32,
+    row_scale: &Shared<[f32]>,
+    scale_off: usize,
     stage: &mut Shared<[f32]>,
     stage_off: usize,
     dst: &mut [E],
@@ -403,6 +395,7 @@ fn write_sums<E: Float>(
     seq: usize,
     row_stride: usize,
     col0: usize,
+    #[comptime] rowwise: bool,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
     #[comptime] plane: usize,
@@ -416,27 +409,21 @@ fn write_sums<E: Float>(
             tile as u32,
             MatrixLayout::RowMajor,
         );
-        sync_cube();
+        sync_plane();
         let mut e = lane;
         while e < tile * tile {
-            let row = first + e / tile;
+            let r = e / tile;
+            let row = first + r;
             if row < seq {
-                dst[(b * seq + row) * row_stride + col0 + step * tile + e % tile] =
-                    E::cast_from(stage[stage_off + e] * factor);
+                let mut x = stage[stage_off + e] * factor;
+                if rowwise {
+                    x *= row_scale[scale_off + r];
+                }
+                dst[(b * seq + row) * row_stride + col0 + step * tile + e % tile] = E::cast_from(x);
             }
             e += plane;
         }
-        sync_cube();
-    }
-}
-
-/// Zeros `len` floats of `dst`.
-#[cube]
-fn zero(dst: &mut Shared<[f32]>, #[comptime] len: usize, #[comptime] units: usize) {
-    let mut e = UNIT_POS as usize;
-    while e < len {
-        dst[e] = f32::new(0.0);
-        e += units;
+        sync_plane();
     }
 }
 
@@ -458,6 +445,16 @@ fn query_sees(
     }
     sees
 }
+
+/// How far above a row's reference maximum a score may be before the
+/// forward kernel moves the reference (ln 256): FlashAttention-4's lazy
+/// rescaling. The probabilities are `exp(score − reference)`, so they stay
+/// below 256 (well inside f16's and bf16's range, summed in f32), and the
+/// sums in the plane's registers are rescaled only when some row's
+/// reference moves — on the first key tiles mostly, rarely after. The
+/// result is the same up to rounding: the output divides by a sum taken
+/// against the same reference, and the log-sum-exp adds it back.
+const RESCALE_MARGIN: f32 = 5.545_177;
 
 #[cube(launch)]
 // (`div_ceil` is not a CubeCL operation: the key tiles are counted by hand.)
@@ -498,27 +495,37 @@ fn flash_attention_kernel<E: Float>(
     let q_start = block + warp * tile;
     let tile_elems = tile * head_dim;
     let mine = warp * tile_elems;
-    let my_scores = warp * tile * step_keys;
+    let my_rows = warp * tile;
+    // Each plane's part of `ss`: its scores (`tile × step_keys`, rows
+    // `step_keys` apart), and once they are read the stage its sums pass
+    // through to be rescaled (`tile × head_dim`).
+    let region = comptime!(
+        tile * if step_keys > head_dim {
+            step_keys
+        } else {
+            head_dim
+        }
+    );
+    let my_scores = warp * region;
+    let region_end = my_scores + region;
 
     let mut sq = tile_memory::<E>(comptime!(rows * head_dim));
     let mut sk = tile_memory::<E>(comptime!(step_keys * head_dim));
     let mut sv = tile_memory::<E>(comptime!(step_keys * head_dim));
     let mut seen = Shared::<[f32]>::new_slice(step_keys);
-    let mut so = tile_memory::<f32>(comptime!(rows * head_dim));
-    let mut ss = tile_memory::<f32>(comptime!(rows * step_keys));
+    let mut ss = tile_memory::<f32>(comptime!(planes * region));
     let mut sp = tile_memory::<E>(comptime!(rows * step_keys));
     let mut row_max = Shared::<[f32]>::new_slice(rows);
     let mut row_sum = Shared::<[f32]>::new_slice(rows);
     let mut row_factor = Shared::<[f32]>::new_slice(rows);
     let mut part_max = Shared::<[f32]>::new_slice(comptime!(rows * parts));
     let mut part_sum = Shared::<[f32]>::new_slice(comptime!(rows * parts));
-    // Whether a row's maximum grew at this key tile (any unit sets it).
-    let mut rescale = Shared::<[u32]>::new_slice(1usize);
+    // Whether some row of a plane moved its reference at this key tile.
+    let mut rescale = Shared::<[u32]>::new_slice(planes);
 
-    // The cube's queries (zeros past the end) and the accumulator.
-    load_rows(
+    // The cube's queries (zeros past the end) and the rows' statistics.
+    let read = read_rows(
         qkv,
-        &mut sq,
         b,
         block,
         seq,
@@ -528,7 +535,7 @@ fn flash_attention_kernel<E: Float>(
         rows,
         units,
     );
-    zero(&mut so, comptime!(rows * head_dim), units);
+    write_rows(&read, &mut sq, head_dim, rows, units);
     let mut r = unit;
     while r < rows {
         row_max[r] = f32::new(LOWEST);
@@ -536,6 +543,20 @@ fn flash_attention_kernel<E: Float>(
         r += units;
     }
     sync_cube();
+    // This plane's queries as the matrix unit's left operands and its sums
+    // O, both in the plane's registers for the whole walk.
+    let mut queries = Sequence::<Matrix<E>>::new();
+    #[unroll]
+    for step in 0..head_dim / tile {
+        queries.push(fragment::<E>(
+            MatrixIdent::A,
+            MatrixLayout::RowMajor,
+            &sq[mine + step * tile..mine + tile_elems],
+            head_dim as u32,
+            tile,
+        ));
+    }
+    let mut o = accumulators(head_dim, tile);
 
     // With `causal`, no key after the cube's last query.
     let mut keys = seq;
@@ -545,67 +566,93 @@ fn flash_attention_kernel<E: Float>(
     let key_steps = (keys + step_keys - 1) / step_keys;
     for k_step in 0..key_steps {
         let k_start = k_step * step_keys;
+        // (Every plane is done with the previous keys and values.)
+        sync_cube();
         load_keys(
             qkv, pad, &mut sk, &mut sv, &mut seen, b, h, heads, k_start, seq, head_dim, step_keys,
             units,
         );
-        if unit == 0 {
-            rescale[0] = 0;
+        if lane == 0 {
+            rescale[warp] = 0;
         }
         sync_cube();
-        // Each plane its queries' scores, a key tile at a time.
-        #[unroll]
-        for sub in 0..subs {
-            product_abt(
-                &sq,
-                mine,
-                &sk,
-                sub * tile_elems,
-                &mut ss,
-                my_scores + sub * tile,
-                head_dim,
-                tile,
-                step_keys,
-            );
+        // From here on each plane works on its own rows, meeting only its
+        // own units (a plane's barrier: a warp's on CUDA; every plane
+        // reaches every one of them, as lavapipe's Vulkan wants). With
+        // `causal`, a plane whose queries all come before the step's keys
+        // has no product to take (the cube's other planes may): its rows
+        // see none of the keys, so the softmax leaves them as they are.
+        let mut visible = true;
+        if causal {
+            visible = k_start < q_start + tile;
         }
-        sync_cube();
+        if visible {
+            // The plane's scores, a key tile at a time.
+            #[unroll]
+            for sub in 0..subs {
+                let acc = Matrix::<f32>::from_value(
+                    MatrixIdent::Accumulator,
+                    tile,
+                    tile,
+                    tile,
+                    MatrixLayout::Undefined,
+                    f32::new(0.0),
+                );
+                let keys_at = sub * tile_elems;
+                #[unroll]
+                for step in 0..head_dim / tile {
+                    let rhs = fragment::<E>(
+                        MatrixIdent::B,
+                        MatrixLayout::ColMajor,
+                        &sk[keys_at + step * tile..keys_at + tile_elems],
+                        head_dim as u32,
+                        tile,
+                    );
+                    cmma::execute(queries.index(step), &rhs, &acc, &acc);
+                }
+                cmma::store(
+                    &mut ss[my_scores + sub * tile..region_end],
+                    &acc,
+                    step_keys as u32,
+                    MatrixLayout::RowMajor,
+                );
+            }
+        }
+        sync_plane();
 
         // The online softmax, `parts` units a query row, `cols` keys each:
-        // the parts' maxima, then with the row's the probabilities and the
-        // parts' sums, then the row's running maximum, sum and factor.
+        // the parts' maxima; then, each part from the row's, the row's
+        // reference (moved only past `RESCALE_MARGIN`), the probabilities
+        // and the parts' sums; then the row's reference, sum and factor.
         let mut idx = lane;
         while idx < tile * parts {
             let r = idx / parts;
-            let row = warp * tile + r;
             let first = (idx % parts) * cols;
             let i = q_start + r;
-            let mut m = row_max[row];
+            let mut m = f32::new(LOWEST);
             for cc in 0..cols {
                 let c = first + cc;
                 if query_sees(&seen, c, i, k_start + c, seq, causal) {
-                    m = max(m, ss[row * step_keys + c] * scale);
+                    m = max(m, ss[my_scores + r * step_keys + c] * scale);
                 }
             }
-            part_max[row * parts + idx % parts] = m;
+            part_max[(my_rows + r) * parts + idx % parts] = m;
             idx += plane;
         }
-        sync_cube();
+        sync_plane();
         let mut idx = lane;
         while idx < tile * parts {
             let r = idx / parts;
-            let row = warp * tile + r;
+            let row = my_rows + r;
             let first = (idx % parts) * cols;
             let i = q_start + r;
-            let mut new_max = part_max[row * parts];
-            for q in 1..parts {
-                new_max = max(new_max, part_max[row * parts + q]);
-            }
+            let reference = moved_reference(&part_max, &row_max, row, parts);
             let mut sum = f32::new(0.0);
             for cc in 0..cols {
                 let c = first + cc;
                 let mut p = f32::new(0.0);
                 if query_sees(&seen, c, i, k_start + c, seq, causal) {
-                    p = (ss[row * step_keys + c] * scale - new_max).exp();
+                    p = (ss[my_scores + r * step_keys + c] * scale - reference).exp();
                 }
                 sum += p;
                 sp[row * step_keys + c] = E::cast_from(p);
@@ -613,71 +660,138 @@ fn flash_attention_kernel<E: Float>(
             part_sum[row * parts + idx % parts] = sum;
             idx += plane;
         }
-        sync_cube();
-        let mut r = unit;
-        while r < rows {
-            let old_max = row_max[r];
-            let mut new_max = part_max[r * parts];
-            let mut sum = part_sum[r * parts];
+        sync_plane();
+        let mut r = lane;
+        while r < tile {
+            let row = my_rows + r;
+            let old = row_max[row];
+            let reference = moved_reference(&part_max, &row_max, row, parts);
+            let mut sum = part_sum[row * parts];
             for q in 1..parts {
-                new_max = max(new_max, part_max[r * parts + q]);
-                sum += part_sum[r * parts + q];
+                sum += part_sum[row * parts + q];
             }
-            let factor = (old_max - new_max).exp();
-            row_max[r] = new_max;
-            row_sum[r] = row_sum[r] * factor + sum;
-            row_factor[r] = factor;
-            if factor != f32::new(1.0) {
-                rescale[0] = 1;
+            let factor = (old - reference).exp();
+            row_max[row] = reference;
+            row_sum[row] = row_sum[row] * factor + sum;
+            row_factor[row] = factor;
+            // (Before its first seen key a row's sums are zeros.)
+            if old != reference && old != f32::new(LOWEST) {
+                rescale[warp] = 1;
             }
-            r += units;
+            r += plane;
         }
-        sync_cube();
+        sync_plane();
 
-        // O = O·factor + P·V; the rescaling pass only where some row's
-        // maximum grew (a factor of exactly 1 elsewhere: the later key
-        // tiles of a long sequence mostly).
-        if rescale[0] != 0 {
-            let mut e = unit;
-            while e < rows * head_dim {
-                so[e] *= row_factor[e / head_dim];
-                e += units;
+        // O = O·factor + P·V: where some row's reference moved, O through
+        // the plane's stage (its scores are read: P is in `sp`), rescaled
+        // row by row.
+        let rescaling = rescale[warp] != 0;
+        if rescaling {
+            #[unroll]
+            for step in 0..head_dim / tile {
+                cmma::store(
+                    &mut ss[my_scores + step * tile..region_end],
+                    o.index(step),
+                    head_dim as u32,
+                    MatrixLayout::RowMajor,
+                );
             }
         }
-        sync_cube();
-        accumulate_ab(&sp, my_scores, &sv, &mut so, mine, head_dim, tile, subs);
-        sync_cube();
+        sync_plane();
+        if rescaling {
+            let mut e = lane;
+            while e < tile * head_dim {
+                ss[my_scores + e] *= row_factor[my_rows + e / head_dim];
+                e += plane;
+            }
+        }
+        sync_plane();
+        if rescaling {
+            #[unroll]
+            for step in 0..head_dim / tile {
+                cmma::load_with_layout(
+                    o.index_mut(step),
+                    &ss[my_scores + step * tile..region_end],
+                    head_dim as u32,
+                    MatrixLayout::RowMajor,
+                );
+            }
+        }
+        if visible {
+            accumulate_in(
+                &sp,
+                my_rows * step_keys,
+                &sv,
+                &o,
+                false,
+                head_dim,
+                tile,
+                subs,
+                tile,
+                step_keys,
+            );
+        }
     }
 
-    // The merged heads and the log-sum-exp, as the scalar kernel writes
-    // them (zeros and 0 for a query that sees no key).
-    let mut e = unit;
-    while e < rows * head_dim {
-        let r = e / head_dim;
-        let i = block + r;
-        if i < seq {
-            let sum = row_sum[r];
-            let mut o = f32::new(0.0);
-            if sum > f32::new(0.0) {
-                o = so[e] / sum;
-            }
-            out[(b * seq + i) * width + h * head_dim + e % head_dim] = E::cast_from(o);
+    // The merged heads (`O / sum`, zeros for a query that sees no key) and
+    // the log-sum-exp, as the scalar kernel writes them.
+    let mut r = lane;
+    while r < tile {
+        let i = q_start + r;
+        let sum = row_sum[my_rows + r];
+        let mut inverse = f32::new(0.0);
+        let mut l = f32::new(0.0);
+        if sum > f32::new(0.0) {
+            inverse = f32::new(1.0) / sum;
+            l = row_max[my_rows + r] + sum.ln();
         }
-        e += units;
-    }
-    let mut r = unit;
-    while r < rows {
-        let i = block + r;
+        row_factor[my_rows + r] = inverse;
         if i < seq {
-            let sum = row_sum[r];
-            let mut l = f32::new(0.0);
-            if sum > f32::new(0.0) {
-                l = row_max[r] + sum.ln();
-            }
             lse[(b * heads + h) * seq + i] = l;
         }
-        r += units;
+        r += plane;
     }
+    sync_plane();
+    write_sums(
+        &o,
+        f32::new(1.0),
+        &row_factor,
+        my_rows,
+        &mut ss,
+        my_scores,
+        out,
+        b,
+        q_start,
+        seq,
+        width,
+        h * head_dim,
+        true,
+        head_dim,
+        tile,
+        plane,
+    );
+}
+
+/// A row's reference maximum after a key tile: the old one, or the tile's
+/// maximum (the parts' in `part_max`) where that is more than
+/// [`RESCALE_MARGIN`] above it.
+#[cube]
+fn moved_reference(
+    part_max: &Shared<[f32]>,
+    row_max: &Shared<[f32]>,
+    row: usize,
+    #[comptime] parts: usize,
+) -> f32 {
+    let old = row_max[row];
+    let mut m = part_max[row * parts];
+    for q in 1..parts {
+        m = max(m, part_max[row * parts + q]);
+    }
+    let mut reference = old;
+    if m > old + f32::new(RESCALE_MARGIN) {
+        reference = m;
+    }
+    reference
 }
 
 /// Loads `n` query rows from `q_start` of head `h` (zeros past the end):
@@ -704,8 +818,10 @@ fn load_queries<E: Float>(
 ) {
     let width = heads * head_dim;
     let q0 = h * head_dim;
-    load_rows(qkv, sq, b, q_start, seq, 3 * width, q0, head_dim, n, units);
-    load_rows(grad, sdo, b, q_start, seq, width, q0, head_dim, n, units);
+    let queries = read_rows(qkv, b, q_start, seq, 3 * width, q0, head_dim, n, units);
+    let gradients = read_rows(grad, b, q_start, seq, width, q0, head_dim, n, units);
+    write_rows(&queries, sq, head_dim, n, units);
+    write_rows(&gradients, sdo, head_dim, n, units);
     let row0 = (b * heads + h) * seq + q_start;
     let mut r = UNIT_POS as usize;
     while r < n {
@@ -743,10 +859,9 @@ fn load_keys<E: Float>(
 ) {
     let width = heads * head_dim;
     let k0 = width + h * head_dim;
-    load_rows(qkv, sk, b, k_start, seq, 3 * width, k0, head_dim, n, units);
-    load_rows(
+    let keys = read_rows(qkv, b, k_start, seq, 3 * width, k0, head_dim, n, units);
+    let values = read_rows(
         qkv,
-        sv,
         b,
         k_start,
         seq,
@@ -756,6 +871,8 @@ fn load_keys<E: Float>(
         n,
         units,
     );
+    write_rows(&keys, sk, head_dim, n, units);
+    write_rows(&values, sv, head_dim, n, units);
     let mut c = UNIT_POS as usize;
     while c < n {
         let j = k_start + c;
@@ -932,49 +1049,70 @@ fn flash_backward_kernel<E: Float>(
             );
         }
         sync_cube();
-        #[unroll]
-        for sub in 0..subs {
-            let q_at = q_off + sub * q_step;
-            let k_at = k_off + sub * k_step;
-            let at = my_scores + sub * sub_off;
-            product_abt(&sq, q_at, &sk, k_at, &mut ss, at, head_dim, tile, stride);
-            product_abt(&sdo, q_at, &sv, k_at, &mut sdp, at, head_dim, tile, stride);
-        }
-        sync_cube();
-        let mut e = lane;
-        while e < tile * inner_rows {
-            let r = e / stride;
-            let c = e % stride;
-            let at = my_scores + e;
-            let mut p = f32::new(0.0);
-            if query_sees(&seen, k_row0 + c, q_first + r, k_first + c, seq, causal) {
-                p = (ss[at] * scale - slse[q_row0 + r]).exp();
+        // From here on each plane works on its own scores, meeting only
+        // its own units (a plane's barrier: a warp's on CUDA; every plane
+        // reaches every one, as lavapipe's Vulkan wants). With `causal`, a
+        // plane none of whose queries sees a key of the pair has nothing to
+        // add (the cube's other planes may).
+        let mut visible = true;
+        if causal {
+            if keys_outer {
+                visible = inner_start + inner_rows > my_start;
+            } else {
+                visible = inner_start < my_start + tile;
             }
-            sp[at] = E::cast_from(p);
-            sds[at] = E::cast_from(p * (sdp[at] - sdelta[q_row0 + r]));
-            e += plane;
         }
-        sync_cube();
-        if keys_outer {
-            accumulate_in(
-                &sp, my_scores, &sdo, &acc_v, true, head_dim, tile, subs, sub_off, stride,
-            );
-            accumulate_in(
-                &sds, my_scores, &sq, &acc, true, head_dim, tile, subs, sub_off, stride,
-            );
-        } else {
-            accumulate_in(
-                &sds, my_scores, &sk, &acc, false, head_dim, tile, subs, sub_off, stride,
-            );
+        if visible {
+            #[unroll]
+            for sub in 0..subs {
+                let q_at = q_off + sub * q_step;
+                let k_at = k_off + sub * k_step;
+                let at = my_scores + sub * sub_off;
+                product_abt(&sq, q_at, &sk, k_at, &mut ss, at, head_dim, tile, stride);
+                product_abt(&sdo, q_at, &sv, k_at, &mut sdp, at, head_dim, tile, stride);
+            }
+        }
+        sync_plane();
+        if visible {
+            let mut e = lane;
+            while e < tile * inner_rows {
+                let r = e / stride;
+                let c = e % stride;
+                let at = my_scores + e;
+                let mut p = f32::new(0.0);
+                if query_sees(&seen, k_row0 + c, q_first + r, k_first + c, seq, causal) {
+                    p = (ss[at] * scale - slse[q_row0 + r]).exp();
+                }
+                sp[at] = E::cast_from(p);
+                sds[at] = E::cast_from(p * (sdp[at] - sdelta[q_row0 + r]));
+                e += plane;
+            }
+        }
+        sync_plane();
+        if visible {
+            if keys_outer {
+                accumulate_in(
+                    &sp, my_scores, &sdo, &acc_v, true, head_dim, tile, subs, sub_off, stride,
+                );
+                accumulate_in(
+                    &sds, my_scores, &sq, &acc, true, head_dim, tile, subs, sub_off, stride,
+                );
+            } else {
+                accumulate_in(
+                    &sds, my_scores, &sk, &acc, false, head_dim, tile, subs, sub_off, stride,
+                );
+            }
         }
     }
-    sync_cube();
+    sync_plane();
 
     // dK (scaled) and dV, or dQ (scaled), through each plane's scores'
-    // buffer.
+    // buffer (`slse` unread: no row's own scale).
     write_sums(
         &acc,
         scale,
+        &slse,
+        0,
         &mut ss,
         my_scores,
         dqkv,
@@ -983,6 +1121,7 @@ fn flash_backward_kernel<E: Float>(
         seq,
         3 * width,
         col0,
+        false,
         head_dim,
         tile,
         plane,
@@ -991,6 +1130,8 @@ fn flash_backward_kernel<E: Float>(
         write_sums(
             &acc_v,
             f32::new(1.0),
+            &slse,
+            0,
             &mut ss,
             my_scores,
             dqkv,
@@ -999,6 +1140,7 @@ fn flash_backward_kernel<E: Float>(
             seq,
             3 * width,
             col0 + width,
+            false,
             head_dim,
             tile,
             plane,
@@ -1017,9 +1159,10 @@ fn softmax_parts(tile: usize, plane: usize) -> usize {
 }
 
 /// The forward kernel's shared memory with `planes` planes a cube and
-/// `subs` key tiles a step: their queries and f32 accumulators, the shared
-/// keys and values with their flags, each plane's scores in f32 and
-/// rounded, and the rows' statistics.
+/// `subs` key tiles a step: their queries, the shared keys and values with
+/// their flags, each plane's scores in f32 (also the stage its sums pass
+/// through) and rounded, the rows' statistics and the planes' flags. (The
+/// sums, O, are in the planes' registers.)
 fn forward_shared_bytes(
     tile: usize,
     head_dim: usize,
@@ -1029,12 +1172,13 @@ fn forward_shared_bytes(
 ) -> usize {
     let rows = tile * planes;
     let keys = tile * subs;
-    rows * head_dim * (elem + 4)
+    rows * head_dim * elem
         + 2 * keys * head_dim * elem
         + 4 * keys
-        + rows * keys * (4 + elem)
+        + rows * keys.max(head_dim) * 4
+        + rows * keys * elem
         + 4 * rows * (3 + 2 * parts)
-        + 4
+        + 4 * planes
 }
 
 /// Inner rows the kernels take a step, as tiles: the keys of the forward
