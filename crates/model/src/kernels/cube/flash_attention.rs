@@ -10,7 +10,9 @@
 //! `causal`, none past the cube's last query) and for each:
 //!
 //! 1. copies the key and value tile into shared memory (zeros past the
-//!    sequence's end), the one step where the cube's planes meet;
+//!    sequence's end), the one step where the cube's planes meet, from
+//!    the units' registers, into which the step before read it (the next
+//!    tile's loads are in flight while a step is computed);
 //! 2. each plane on its own (meeting only its own units: a warp's barrier
 //!    on CUDA), and only where some of its queries see the tile: `S = Q·Kᵀ`
 //!    on the matrix unit (inputs in the tensor's dtype, the sum in f32;
@@ -148,17 +150,18 @@ fn grid_fits(client: &cubecl::client::Client, tiles: usize, heads: usize, batch:
 }
 
 /// Reads a unit's share of `tile` rows of one head (row-major, `head_dim`
-/// wide, the cube's `units` taking every `units`-th element): rows
-/// `first..first + tile` of batch entry `b`, each `row_stride` apart in
-/// `src`, from column `col0`; zeros for rows past `seq`. Into registers,
-/// the loop unrolled, for [`write_rows`] to store once every read a
-/// caller needs is issued: the loads are then all in flight at once,
-/// where a load followed by its store waits out the memory's latency
-/// once an element.
+/// wide, the cube's `units` taking every `units`-th element) into
+/// `values`: rows `first..first + tile` of batch entry `b`, each
+/// `row_stride` apart in `src`, from column `col0`; zeros for rows past
+/// `seq`. Into registers, the loop unrolled, for [`write_rows`] to store
+/// once every read a caller needs is issued: the loads are then all in
+/// flight at once, where a load followed by its store waits out the
+/// memory's latency once an element.
 #[cube]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
 fn read_rows<E: Float>(
     src: &[E],
+    values: &mut Array<E>,
     b: usize,
     first: usize,
     seq: usize,
@@ -167,10 +170,9 @@ fn read_rows<E: Float>(
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
     #[comptime] units: usize,
-) -> Array<E> {
+) {
     let unit = UNIT_POS as usize;
     let len = comptime!(tile * head_dim);
-    let mut values = Array::<E>::new(comptime!((len + units - 1) / units));
     #[unroll]
     for k in 0..comptime!((len + units - 1) / units) {
         let e = unit + k * units;
@@ -181,7 +183,6 @@ fn read_rows<E: Float>(
         }
         values[k] = x;
     }
-    values
 }
 
 /// Stores what [`read_rows`] read (the same `head_dim`, `tile` and
@@ -524,8 +525,10 @@ fn flash_attention_kernel<E: Float>(
     let mut rescale = Shared::<[u32]>::new_slice(planes);
 
     // The cube's queries (zeros past the end) and the rows' statistics.
-    let read = read_rows(
+    let mut read = Array::<E>::new(comptime!((rows * head_dim + units - 1) / units));
+    read_rows(
         qkv,
+        &mut read,
         b,
         block,
         seq,
@@ -564,18 +567,38 @@ fn flash_attention_kernel<E: Float>(
         keys = block + rows;
     }
     let key_steps = (keys + step_keys - 1) / step_keys;
+    let mut next = staged::<E>(head_dim, step_keys, units);
+    read_keys(
+        qkv, pad, &mut next, b, h, heads, 0, seq, head_dim, step_keys, units,
+    );
     for k_step in 0..key_steps {
         let k_start = k_step * step_keys;
         // (Every plane is done with the previous keys and values.)
         sync_cube();
-        load_keys(
-            qkv, pad, &mut sk, &mut sv, &mut seen, b, h, heads, k_start, seq, head_dim, step_keys,
-            units,
+        write_keys(
+            &next, &mut sk, &mut sv, &mut seen, head_dim, step_keys, units,
         );
         if lane == 0 {
             rescale[warp] = 0;
         }
         sync_cube();
+        // The next step's keys and values, in flight while this one is
+        // computed.
+        if k_step + 1 < key_steps {
+            read_keys(
+                qkv,
+                pad,
+                &mut next,
+                b,
+                h,
+                heads,
+                k_start + step_keys,
+                seq,
+                head_dim,
+                step_keys,
+                units,
+            );
+        }
         // From here on each plane works on its own rows, meeting only its
         // own units (a plane's barrier: a warp's on CUDA; every plane
         // reaches every one of them, as lavapipe's Vulkan wants). With
@@ -794,19 +817,45 @@ fn moved_reference(
     reference
 }
 
-/// Loads `n` query rows from `q_start` of head `h` (zeros past the end):
-/// the queries, their output gradient, log-sum-exp and `delta`.
+/// One step's tile of `n` rows of one head in a unit's registers, read
+/// ahead of the step that uses it so that its loads are in flight while
+/// the cube computes the step before ([`read_keys`] and [`write_keys`],
+/// [`read_queries`] and [`write_queries`]): a pair of row tiles (keys
+/// and values, or queries and their output gradient) and each row's
+/// figures (a key's flag, or a query's log-sum-exp and `delta`).
+#[derive(CubeType)]
+struct Staged<E: Float> {
+    first: Array<E>,
+    second: Array<E>,
+    stats: Array<f32>,
+}
+
+/// Registers for a [`Staged`] tile of `n` rows `head_dim` wide over
+/// `units` units.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_queries<E: Float>(
+#[allow(clippy::manual_div_ceil)]
+fn staged<E: Float>(
+    #[comptime] head_dim: usize,
+    #[comptime] n: usize,
+    #[comptime] units: usize,
+) -> Staged<E> {
+    Staged::<E> {
+        first: Array::<E>::new(comptime!((n * head_dim + units - 1) / units)),
+        second: Array::<E>::new(comptime!((n * head_dim + units - 1) / units)),
+        stats: Array::<f32>::new(comptime!(2 * ((n + units - 1) / units))),
+    }
+}
+
+/// Reads `n` query rows from `q_start` of head `h` into `tile` (zeros past
+/// the end): the queries, their output gradient, log-sum-exp and `delta`.
+#[cube]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+fn read_queries<E: Float>(
     qkv: &[E],
     grad: &[E],
     lse: &[f32],
     delta: &[f32],
-    sq: &mut Shared<[E]>,
-    sdo: &mut Shared<[E]>,
-    slse: &mut Shared<[f32]>,
-    sdelta: &mut Shared<[f32]>,
+    tile: &mut Staged<E>,
     b: usize,
     h: usize,
     heads: usize,
@@ -818,36 +867,71 @@ fn load_queries<E: Float>(
 ) {
     let width = heads * head_dim;
     let q0 = h * head_dim;
-    let queries = read_rows(qkv, b, q_start, seq, 3 * width, q0, head_dim, n, units);
-    let gradients = read_rows(grad, b, q_start, seq, width, q0, head_dim, n, units);
-    write_rows(&queries, sq, head_dim, n, units);
-    write_rows(&gradients, sdo, head_dim, n, units);
+    let (queries, gradients) = (&mut tile.first, &mut tile.second);
+    read_rows(
+        qkv,
+        queries,
+        b,
+        q_start,
+        seq,
+        3 * width,
+        q0,
+        head_dim,
+        n,
+        units,
+    );
+    read_rows(
+        grad, gradients, b, q_start, seq, width, q0, head_dim, n, units,
+    );
     let row0 = (b * heads + h) * seq + q_start;
-    let mut r = UNIT_POS as usize;
-    while r < n {
+    #[unroll]
+    for k in 0..comptime!((n + units - 1) / units) {
+        let r = UNIT_POS as usize + k * units;
         let mut l = f32::new(0.0);
         let mut d = f32::new(0.0);
-        if q_start + r < seq {
+        if r < n && q_start + r < seq {
             l = lse[row0 + r];
             d = delta[row0 + r];
         }
-        slse[r] = l;
-        sdelta[r] = d;
-        r += units;
+        tile.stats[2 * k] = l;
+        tile.stats[2 * k + 1] = d;
     }
 }
 
-/// Loads `n` key rows from `k_start` of head `h` (zeros past the end): the
-/// keys, the values, and each key's flag (1 where it is in the sequence
-/// and not padding).
+/// Stores a tile [`read_queries`] read.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_keys<E: Float>(
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+fn write_queries<E: Float>(
+    tile: &Staged<E>,
+    sq: &mut Shared<[E]>,
+    sdo: &mut Shared<[E]>,
+    slse: &mut Shared<[f32]>,
+    sdelta: &mut Shared<[f32]>,
+    #[comptime] head_dim: usize,
+    #[comptime] n: usize,
+    #[comptime] units: usize,
+) {
+    write_rows(&tile.first, sq, head_dim, n, units);
+    write_rows(&tile.second, sdo, head_dim, n, units);
+    #[unroll]
+    for k in 0..comptime!((n + units - 1) / units) {
+        let r = UNIT_POS as usize + k * units;
+        if r < n {
+            slse[r] = tile.stats[2 * k];
+            sdelta[r] = tile.stats[2 * k + 1];
+        }
+    }
+}
+
+/// Reads `n` key rows from `k_start` of head `h` into `tile` (zeros past
+/// the end): the keys, the values, and each key's flag (1 where it is in
+/// the sequence and not padding).
+#[cube]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+fn read_keys<E: Float>(
     qkv: &[E],
     pad: &[f32],
-    sk: &mut Shared<[E]>,
-    sv: &mut Shared<[E]>,
-    seen: &mut Shared<[f32]>,
+    tile: &mut Staged<E>,
     b: usize,
     h: usize,
     heads: usize,
@@ -859,9 +943,22 @@ fn load_keys<E: Float>(
 ) {
     let width = heads * head_dim;
     let k0 = width + h * head_dim;
-    let keys = read_rows(qkv, b, k_start, seq, 3 * width, k0, head_dim, n, units);
-    let values = read_rows(
+    let (keys, values) = (&mut tile.first, &mut tile.second);
+    read_rows(
         qkv,
+        keys,
+        b,
+        k_start,
+        seq,
+        3 * width,
+        k0,
+        head_dim,
+        n,
+        units,
+    );
+    read_rows(
+        qkv,
+        values,
         b,
         k_start,
         seq,
@@ -871,17 +968,68 @@ fn load_keys<E: Float>(
         n,
         units,
     );
-    write_rows(&keys, sk, head_dim, n, units);
-    write_rows(&values, sv, head_dim, n, units);
-    let mut c = UNIT_POS as usize;
-    while c < n {
+    #[unroll]
+    for k in 0..comptime!((n + units - 1) / units) {
+        let c = UNIT_POS as usize + k * units;
         let j = k_start + c;
         let mut flag = f32::new(0.0);
-        if j < seq && pad[b * seq + j] == f32::new(0.0) {
+        if c < n && j < seq && pad[b * seq + j] == f32::new(0.0) {
             flag = f32::new(1.0);
         }
-        seen[c] = flag;
-        c += units;
+        tile.stats[2 * k] = flag;
+    }
+}
+
+/// Stores a tile [`read_keys`] read.
+#[cube]
+#[allow(clippy::manual_div_ceil)]
+fn write_keys<E: Float>(
+    tile: &Staged<E>,
+    sk: &mut Shared<[E]>,
+    sv: &mut Shared<[E]>,
+    seen: &mut Shared<[f32]>,
+    #[comptime] head_dim: usize,
+    #[comptime] n: usize,
+    #[comptime] units: usize,
+) {
+    write_rows(&tile.first, sk, head_dim, n, units);
+    write_rows(&tile.second, sv, head_dim, n, units);
+    #[unroll]
+    for k in 0..comptime!((n + units - 1) / units) {
+        let c = UNIT_POS as usize + k * units;
+        if c < n {
+            seen[c] = tile.stats[2 * k];
+        }
+    }
+}
+
+/// The backward kernels' inner tile from row `start`: queries (with
+/// `keys_outer`, [`read_queries`]) or keys ([`read_keys`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn read_inner<E: Float>(
+    qkv: &[E],
+    pad: &[f32],
+    grad: &[E],
+    lse: &[f32],
+    delta: &[f32],
+    tile: &mut Staged<E>,
+    b: usize,
+    h: usize,
+    heads: usize,
+    start: usize,
+    seq: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] n: usize,
+    #[comptime] units: usize,
+    #[comptime] keys_outer: bool,
+) {
+    if keys_outer {
+        read_queries(
+            qkv, grad, lse, delta, tile, b, h, heads, start, seq, head_dim, n, units,
+        );
+    } else {
+        read_keys(qkv, pad, tile, b, h, heads, start, seq, head_dim, n, units);
     }
 }
 
@@ -975,9 +1123,11 @@ fn flash_backward_kernel<E: Float>(
         if causal {
             first = start / inner_rows;
         }
-        load_keys(
-            qkv, pad, &mut sk, &mut sv, &mut seen, b, h, heads, start, seq, head_dim, rows, units,
+        let mut outer = staged::<E>(head_dim, rows, units);
+        read_keys(
+            qkv, pad, &mut outer, b, h, heads, start, seq, head_dim, rows, units,
         );
+        write_keys(&outer, &mut sk, &mut sv, &mut seen, head_dim, rows, units);
     } else {
         q_off = mine;
         q_row0 = warp * tile;
@@ -985,25 +1135,41 @@ fn flash_backward_kernel<E: Float>(
         if causal && start + rows < seq {
             inner_steps = (start + rows + inner_rows - 1) / inner_rows;
         }
-        load_queries(
-            qkv,
-            grad,
-            lse,
-            delta,
+        let mut outer = staged::<E>(head_dim, rows, units);
+        read_queries(
+            qkv, grad, lse, delta, &mut outer, b, h, heads, start, seq, head_dim, rows, units,
+        );
+        write_queries(
+            &outer,
             &mut sq,
             &mut sdo,
             &mut slse,
             &mut sdelta,
-            b,
-            h,
-            heads,
-            start,
-            seq,
             head_dim,
             rows,
             units,
         );
     }
+    // The inner side's tiles, each read a step ahead: in flight while the
+    // step before is computed.
+    let mut next = staged::<E>(head_dim, inner_rows, units);
+    read_inner(
+        qkv,
+        pad,
+        grad,
+        lse,
+        delta,
+        &mut next,
+        b,
+        h,
+        heads,
+        first * inner_rows,
+        seq,
+        head_dim,
+        inner_rows,
+        units,
+        keys_outer,
+    );
     for inner in first..inner_steps {
         let inner_start = inner * inner_rows;
         // (The previous tile's products are done with these buffers.)
@@ -1013,42 +1179,41 @@ fn flash_backward_kernel<E: Float>(
         if keys_outer {
             q_first = inner_start;
             k_first = my_start;
-            load_queries(
-                qkv,
-                grad,
-                lse,
-                delta,
+            write_queries(
+                &next,
                 &mut sq,
                 &mut sdo,
                 &mut slse,
                 &mut sdelta,
-                b,
-                h,
-                heads,
-                inner_start,
-                seq,
                 head_dim,
                 inner_rows,
                 units,
             );
         } else {
-            load_keys(
+            write_keys(
+                &next, &mut sk, &mut sv, &mut seen, head_dim, inner_rows, units,
+            );
+        }
+        sync_cube();
+        if inner + 1 < inner_steps {
+            read_inner(
                 qkv,
                 pad,
-                &mut sk,
-                &mut sv,
-                &mut seen,
+                grad,
+                lse,
+                delta,
+                &mut next,
                 b,
                 h,
                 heads,
-                inner_start,
+                inner_start + inner_rows,
                 seq,
                 head_dim,
                 inner_rows,
                 units,
+                keys_outer,
             );
         }
-        sync_cube();
         // From here on each plane works on its own scores, meeting only
         // its own units (a plane's barrier: a warp's on CUDA; every plane
         // reaches every one, as lavapipe's Vulkan wants). With `causal`, a
