@@ -30,8 +30,10 @@ measured already goes last: `main`'s comments):
    (`optimization.kernels=reference`), for what kiln's kernels gain, and
    GPT-2 small and the `h100` preset with attention's scalar kernels
    (`optimization.attention=memory-efficient`), for what the matrix-unit
-   (FlashAttention-2) kernels gain; last, FlashAttention-2 with more rows
-   a step and more shared memory (`FLASH_VARIANTS`), checked and timed;
+   (FlashAttention-2) kernels gain; FlashAttention-2 with more rows
+   a step and more shared memory (`FLASH_VARIANTS`), checked and timed,
+   before those comparisons (the kernels changed after they were last
+   timed);
    GPT-2 small, BERT-base and the `h100` preset again with cuBLAS's
    products (`optimization.matmul=cublas`, right after each default run;
    its library from PyTorch's pip wheels where `LD_LIBRARY_PATH` has none),
@@ -111,8 +113,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (`FLASH_SHARED_KIB`): each checked by `check-kernels --only
 # attention`, then timed on GPT-2 small with the kernel profile.
 FLASH_VARIANTS = {
-    "flash 64 keys, 100 KiB": {"FLASH_KEYS": "64", "FLASH_SHARED_KIB": "100"},
     "flash 32 keys": {"FLASH_KEYS": "32"},
+    "flash 64 keys, 100 KiB": {"FLASH_KEYS": "64", "FLASH_SHARED_KIB": "100"},
     "flash 64 keys": {"FLASH_KEYS": "64"},
 }
 
@@ -1031,6 +1033,15 @@ def main():
         check.bench_named("bench lm h100 preset")
         check.cublas("bench lm h100 preset")
         check.ddp_bench()
+        # FlashAttention-2's variants: checked, then timed (on a GPU only:
+        # a software GPU has no matrix unit for these kernels). All three
+        # were slower than the default on the second 2026-12-04 H200 check
+        # (GPT-2 small bf16: 51,937, 49,382 and 44,372 against 58,450
+        # tokens/s); the kernels changed since (two cube-wide barriers a
+        # step, O in registers), which may favour more keys a step.
+        for variant in () if args.tiny else FLASH_VARIANTS:
+            check.kernels(flash=variant)
+            check.bench_named(f"bench lm gpt2-small bf16 {variant}")
         check.bench_named("bench lm gpt2-small f32")
         check.pytorch([tiny_f32])
         check.pytorch([compiled])
@@ -1052,14 +1063,6 @@ def main():
         check.bench_named("bench lm tiny f32", "NVRTC")
         check.bench_named("bench lm tiny f32", "fusion")
         check.bench_named("bench lm gpt2-small bf16", "fusion")
-        # FlashAttention-2's variants: checked, then timed (on a GPU only:
-        # a software GPU has no matrix unit for these kernels). All three
-        # were slower than the default on the second 2026-12-04 H200 check
-        # (GPT-2 small bf16: 51,937, 49,382 and 44,372 against 58,450
-        # tokens/s), hence last.
-        for variant in () if args.tiny else FLASH_VARIANTS:
-            check.kernels(flash=variant)
-            check.bench_named(f"bench lm gpt2-small bf16 {variant}")
     finally:
         check.derive()
         check.write()
