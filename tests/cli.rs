@@ -743,6 +743,18 @@ fn check_kernels_on_flex_agree_and_only_picks_by_name() {
             "unknown kernel `softmax` in --only",
             "adamw, sum-of-squares",
         ]);
+
+    // Compiling the CUDA kernels without a GPU needs CubeCL's CUDA
+    // compilers, which this (CPU) build does not have; CI runs it on the
+    // CUDA build.
+    kiln(&["check-kernels", "--cuda-arch", "90"])
+        .run()
+        .expect_code(2)
+        .stderr_has(&["--cuda-arch needs a CUDA build", "cargo xtask build-cuda"]);
+    kiln(&["check-kernels", "--emit", "ptx"])
+        .run()
+        .expect_code(2)
+        .stderr_has(&["--cuda-arch"]);
 }
 
 #[test]

@@ -3,6 +3,9 @@
 //! (`device.backend=…`). Exit 1 when a kernel disagrees; one that does not
 //! run on the device (the composition runs there) is said so. Text for
 //! people, `--json` for scripts (CI on llvmpipe, the GPU check on CUDA).
+//! With `--cuda-arch SM` (a CUDA build), no device: kiln's CUDA kernels
+//! compiled for that compute capability by both of CubeCL's CUDA
+//! compilers, and what their PTX does counted.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -24,6 +27,18 @@ pub(crate) struct Args {
     /// lm-head, matmul
     #[arg(long, value_delimiter = ',', value_name = "KERNEL")]
     only: Vec<String>,
+    /// Instead of checking kernels on a device: compile kiln's CUDA
+    /// kernels (FlashAttention-2's, as GPT-2 small runs them) for this
+    /// compute capability (90: H100/H200, 89: RTX 4090, 80: A100, 75: T4)
+    /// without a GPU, with both of CubeCL's CUDA compilers, and count what
+    /// their PTX does (barriers, tensor-core products, local memory). A
+    /// CUDA build only
+    #[arg(long, value_name = "SM", conflicts_with = "only")]
+    cuda_arch: Option<u32>,
+    /// With --cuda-arch: write each kernel's PTX (`.ptx`) and CUDA C++
+    /// (`.cu`) into this folder
+    #[arg(long, value_name = "DIR", requires = "cuda_arch")]
+    emit: Option<std::path::PathBuf>,
     #[command(flatten)]
     layers: Layers,
 }
@@ -43,6 +58,9 @@ const CHECKS: [(&str, Check); 9] = [
 ];
 
 pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
+    if let Some(arch) = args.cuda_arch {
+        return compile_offline(arch, args.emit.as_deref(), args.json);
+    }
     let names: Vec<&str> = CHECKS.iter().map(|(name, _)| *name).collect();
     if let Some(unknown) = args.only.iter().find(|o| !names.contains(&o.as_str())) {
         return Err(BadInput(format!(
@@ -95,4 +113,127 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// `--cuda-arch`: kiln's CUDA kernels compiled for compute capability
+/// `arch` without a device; exit 1 where one does not compile.
+#[cfg(feature = "cuda")]
+fn compile_offline(
+    arch: u32,
+    emit: Option<&std::path::Path>,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    use kiln_train::kiln_model::kernels::{PtxCounts, compile_cuda_kernels};
+    if !(50..=130).contains(&arch) {
+        return Err(BadInput(format!(
+            "--cuda-arch {arch}: expected a compute capability as CUDA writes it without \
+             the dot, from 50 to 130 (90 for an H100 or H200, 80 for an A100)"
+        ))
+        .into());
+    }
+    let kernels = compile_cuda_kernels(arch);
+    if let Some(dir) = emit {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| BadInput(format!("--emit {}: {e}", dir.display())))?;
+        for (i, kernel) in kernels.iter().enumerate() {
+            if let Ok(text) = &kernel.assembly {
+                let ext = if kernel.compiler == "llvm" {
+                    "ptx"
+                } else {
+                    "cu"
+                };
+                let path = dir.join(format!("{:02}-{}.{ext}", i / 2, slug(&kernel.name)));
+                std::fs::write(&path, text)
+                    .map_err(|e| BadInput(format!("--emit: writing {}: {e}", path.display())))?;
+            }
+        }
+    }
+    let passed = kernels.iter().all(|k| k.assembly.is_ok());
+    let mut out = std::io::stdout().lock();
+    if json {
+        let value = serde_json::json!({
+            "schema": "kiln.check-kernels.cuda/1",
+            "arch": arch,
+            "passed": passed,
+            "kernels": kernels.iter().map(|k| {
+                let mut v = serde_json::json!({"kernel": k.name, "compiler": k.compiler});
+                match &k.assembly {
+                    Ok(text) if k.compiler == "llvm" => {
+                        v["ptx"] = serde_json::to_value(PtxCounts::of(text)).unwrap_or_default();
+                    }
+                    Ok(text) => v["lines"] = text.lines().count().into(),
+                    Err(e) => v["error"] = e.clone().into(),
+                }
+                v["passed"] = k.assembly.is_ok().into();
+                v
+            }).collect::<Vec<_>>(),
+        });
+        writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+    } else {
+        writeln!(
+            out,
+            "kiln's CUDA kernels compiled for sm_{arch} (no device)"
+        )?;
+        for k in &kernels {
+            match (&k.assembly, k.compiler) {
+                (Ok(ptx), "llvm") => {
+                    let c = PtxCounts::of(ptx);
+                    writeln!(
+                        out,
+                        "  {} (LLVM, PTX): ok, {} lines, {} cube barriers, {} warp barriers, \
+                         {} tensor-core products, {} local-memory accesses, {} global loads",
+                        k.name,
+                        c.lines,
+                        c.cube_barriers,
+                        c.warp_barriers,
+                        c.tensor_core_products,
+                        c.local_memory,
+                        c.global_loads
+                    )?;
+                }
+                (Ok(source), _) => writeln!(
+                    out,
+                    "  {} (CUDA C++ for NVRTC): ok, {} lines",
+                    k.name,
+                    source.lines().count()
+                )?,
+                (Err(e), compiler) => {
+                    writeln!(out, "  {} ({compiler}): DOES NOT COMPILE: {e}", k.name)?
+                }
+            }
+        }
+    }
+    Ok(if passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// A kernel's name as a file name: letters, digits and dashes.
+#[cfg(feature = "cuda")]
+fn slug(name: &str) -> String {
+    let mut slug = String::new();
+    for c in name.chars() {
+        if c.is_ascii_alphanumeric() {
+            slug.push(c.to_ascii_lowercase());
+        } else if !slug.ends_with('-') {
+            slug.push('-');
+        }
+    }
+    slug.trim_matches('-').to_string()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn compile_offline(
+    _arch: u32,
+    _emit: Option<&std::path::Path>,
+    _json: bool,
+) -> anyhow::Result<ExitCode> {
+    Err(BadInput(
+        "--cuda-arch needs a CUDA build of kiln (`cargo xtask build-cuda`, docs/HARDWARE.md): \
+         this one has no CUDA compiler"
+            .to_string(),
+    )
+    .into())
 }

@@ -79,6 +79,8 @@ pub use check::{
 };
 #[cfg(feature = "flex")]
 pub use cpu::peak::{MeasuredPeak, measure_fp32_peak};
+#[cfg(feature = "cuda")]
+pub use cube::offline::{OfflineKernel, PtxCounts, compile_kernels as compile_cuda_kernels};
 #[cfg(feature = "cube")]
 pub(crate) use cube::{cube_empty, cube_gpu, cube_gpu_float};
 #[cfg(all(feature = "cube", not(feature = "fusion")))]

@@ -190,6 +190,9 @@ pub(crate) fn self_attention(
     Tensor::from_dispatch(out)
 }
 
+#[cfg(feature = "cuda")]
+pub(super) use cube::offline_kernels;
+
 mod cube {
     //! The CubeCL kernels: one unit per (batch entry, head, query or key).
 
@@ -634,5 +637,95 @@ mod cube {
             dtype_to_storage_type(dtype),
         );
         dqkv
+    }
+
+    /// The scalar kernels as `optimization.attention = "memory-efficient"`
+    /// runs them for GPT-2 small in bf16 (heads 64 wide, causal), for
+    /// `kiln check-kernels --cuda-arch`.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn offline_kernels(
+        o: &super::super::offline::Offline,
+    ) -> super::super::offline::Kernels {
+        use super::super::offline::buffer;
+        let elem = dtype_to_storage_type(burn::tensor::DType::BF16);
+        let settings = o.settings(CUBE_UNITS as u32, 1);
+        let (props, target) = (o.props.clone(), o.target.clone());
+        let (head_dim, causal) = (64, true);
+        let mut kernels: super::super::offline::Kernels = vec![
+            (
+                "scalar attention forward (BF16, heads 64 wide, causal)".to_string(),
+                Box::new(attention_kernel::AttentionKernel::new(
+                    settings.clone(),
+                    props.clone(),
+                    target.clone(),
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    (),
+                    (),
+                    (),
+                    head_dim,
+                    causal,
+                    elem,
+                )),
+            ),
+            (
+                "attention's delta (BF16, heads 64 wide)".to_string(),
+                Box::new(delta_kernel::DeltaKernel::new(
+                    settings.clone(),
+                    props.clone(),
+                    target.clone(),
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    (),
+                    (),
+                    head_dim,
+                    elem,
+                )),
+            ),
+        ];
+        kernels.push((
+            "scalar attention dQ (BF16, heads 64 wide, causal)".to_string(),
+            Box::new(dq_kernel::DqKernel::new(
+                settings.clone(),
+                props.clone(),
+                target.clone(),
+                buffer(),
+                buffer(),
+                buffer(),
+                buffer(),
+                buffer(),
+                buffer(),
+                (),
+                (),
+                (),
+                head_dim,
+                causal,
+                elem,
+            )),
+        ));
+        kernels.push((
+            "scalar attention dK and dV (BF16, heads 64 wide, causal)".to_string(),
+            Box::new(dkdv_kernel::DkdvKernel::new(
+                settings,
+                props,
+                target,
+                buffer(),
+                buffer(),
+                buffer(),
+                buffer(),
+                buffer(),
+                buffer(),
+                (),
+                (),
+                (),
+                head_dim,
+                causal,
+                elem,
+            )),
+        ));
+        kernels
     }
 }

@@ -105,6 +105,9 @@ pub(crate) fn add_bias<const D: usize>(x: Tensor<D>, bias: Tensor<1>) -> Tensor<
     ))
 }
 
+#[cfg(feature = "cuda")]
+pub(super) use cube::offline_kernels;
+
 pub(super) mod cube {
     //! The CubeCL kernel: a cube per 32 columns and split of the rows.
 
@@ -209,5 +212,30 @@ pub(super) mod cube {
             sums = launch_sums(sums, splits, width, 1);
         }
         <B as FloatTensorOps<B>>::float_reshape(sums, [width].into())
+    }
+
+    /// The kernel in bf16, for `kiln check-kernels --cuda-arch`.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn offline_kernels(
+        o: &super::super::offline::Offline,
+    ) -> super::super::offline::Kernels {
+        use super::super::offline::buffer;
+        let kernel = column_sum_kernel::ColumnSumKernel::new(
+            o.settings((TILE * PHASES) as u32, 1),
+            o.props.clone(),
+            o.target.clone(),
+            buffer(),
+            buffer(),
+            (),
+            (),
+            (),
+            TILE,
+            PHASES,
+            dtype_to_storage_type(burn::tensor::DType::BF16),
+        );
+        vec![(
+            "column sums: bias gradient (BF16)".to_string(),
+            Box::new(kernel),
+        )]
     }
 }

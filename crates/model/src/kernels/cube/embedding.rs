@@ -96,6 +96,9 @@ pub(crate) fn embedding(weight: Tensor<2>, ids: Tensor<2, Int>) -> Tensor<3> {
     ))
 }
 
+#[cfg(feature = "cuda")]
+pub(super) use cube::offline_kernels;
+
 mod cube {
     //! The kernel: a cube per table row and 256 columns.
 
@@ -189,5 +192,34 @@ mod cube {
             ],
         );
         out
+    }
+
+    /// The kernel as GPT-2 small's token embedding runs it (bf16, i32
+    /// ids), for `kiln check-kernels --cuda-arch`.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn offline_kernels(
+        o: &super::super::offline::Offline,
+    ) -> super::super::offline::Kernels {
+        use super::super::offline::buffer;
+        use burn::tensor::DType;
+        let kernel = embedding_grad_kernel::EmbeddingGradKernel::new(
+            o.settings(COLUMNS as u32, 1),
+            o.props.clone(),
+            o.target.clone(),
+            buffer(),
+            buffer(),
+            buffer(),
+            buffer(),
+            (),
+            (),
+            [
+                dtype_to_storage_type(DType::BF16),
+                dtype_to_storage_type(DType::I32),
+            ],
+        );
+        vec![(
+            "token embedding's gradient (BF16)".to_string(),
+            Box::new(kernel),
+        )]
     }
 }

@@ -1508,3 +1508,70 @@ pub(super) fn backward(
     }
     Some(dqkv)
 }
+
+/// The three kernels as GPT-2 small runs them on an NVIDIA GPU in `dtype`
+/// (heads 64 wide, causal, 16-row tiles, 32-unit warps, four planes a cube,
+/// one tile a step), for `kiln check-kernels --cuda-arch`.
+#[cfg(feature = "cuda")]
+pub(super) fn offline_kernels(
+    o: &super::offline::Offline,
+    dtype: DType,
+) -> super::offline::Kernels {
+    use super::offline::buffer;
+    let (head_dim, tile, plane, planes, subs, causal) = (64, 16, 32, 4, 1, true);
+    let settings = o.settings(plane as u32, planes as u32);
+    let elem = dtype_to_storage_type(dtype);
+    let forward = flash_attention_kernel::FlashAttentionKernel::new(
+        settings.clone(),
+        o.props.clone(),
+        o.target.clone(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        (),
+        (),
+        (),
+        head_dim,
+        tile,
+        plane,
+        planes,
+        softmax_parts(tile, plane),
+        subs,
+        causal,
+        elem,
+    );
+    let mut kernels: super::offline::Kernels = vec![(
+        format!("flash attention forward ({dtype:?}, heads {head_dim} wide, causal)"),
+        Box::new(forward),
+    )];
+    for (keys_outer, name) in [(false, "dQ"), (true, "dK and dV")] {
+        let backward = flash_backward_kernel::FlashBackwardKernel::new(
+            settings.clone(),
+            o.props.clone(),
+            o.target.clone(),
+            buffer(),
+            buffer(),
+            buffer(),
+            buffer(),
+            buffer(),
+            buffer(),
+            (),
+            (),
+            (),
+            head_dim,
+            tile,
+            plane,
+            planes,
+            subs,
+            causal,
+            keys_outer,
+            elem,
+        );
+        kernels.push((
+            format!("flash attention {name} ({dtype:?}, heads {head_dim} wide, causal)"),
+            Box::new(backward),
+        ));
+    }
+    kernels
+}

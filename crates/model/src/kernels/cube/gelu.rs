@@ -63,6 +63,9 @@ pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     ))
 }
 
+#[cfg(feature = "cuda")]
+pub(super) use cube::offline_kernels;
+
 mod cube {
     //! The CubeCL kernels: one unit per element.
 
@@ -160,5 +163,41 @@ mod cube {
             dtype_to_storage_type(dtype),
         );
         dx
+    }
+
+    /// The kernels in bf16, for `kiln check-kernels --cuda-arch`.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn offline_kernels(
+        o: &super::super::offline::Offline,
+    ) -> super::super::offline::Kernels {
+        use super::super::offline::buffer;
+        let elem = dtype_to_storage_type(burn::tensor::DType::BF16);
+        let settings = o.settings(CUBE_UNITS as u32, 1);
+        let (props, target) = (o.props.clone(), o.target.clone());
+        vec![
+            (
+                "GELU (BF16)".to_string(),
+                Box::new(gelu_kernel::GeluKernel::new(
+                    settings.clone(),
+                    props.clone(),
+                    target.clone(),
+                    buffer(),
+                    buffer(),
+                    elem,
+                )),
+            ),
+            (
+                "GELU's gradient (BF16)".to_string(),
+                Box::new(gelu_backward_kernel::GeluBackwardKernel::new(
+                    settings,
+                    props,
+                    target,
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    elem,
+                )),
+            ),
+        ]
     }
 }

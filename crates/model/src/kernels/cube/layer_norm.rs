@@ -125,6 +125,9 @@ pub(crate) fn layer_norm<const D: usize>(
     Tensor::from_dispatch(y)
 }
 
+#[cfg(feature = "cuda")]
+pub(super) use cube::offline_kernels;
+
 mod cube {
     //! The CubeCL kernels: one cube per row.
 
@@ -346,5 +349,55 @@ mod cube {
         let dgamma = super::super::bias::cube::column_sum(grad_xhat);
         let dbeta = super::super::bias::cube::column_sum(grad);
         (dx, dgamma, dbeta)
+    }
+
+    /// The kernels at GPT-2's width (768: 256 units a row), for `kiln
+    /// check-kernels --cuda-arch`.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn offline_kernels(
+        o: &super::super::offline::Offline,
+    ) -> super::super::offline::Kernels {
+        use super::super::offline::buffer;
+        let units = super::cube_units(768);
+        let settings = o.settings(units as u32, 1);
+        let (props, target) = (o.props.clone(), o.target.clone());
+        vec![
+            (
+                "LayerNorm (F32)".to_string(),
+                Box::new(layer_norm_kernel::LayerNormKernel::new(
+                    settings.clone(),
+                    props.clone(),
+                    target.clone(),
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    (),
+                    (),
+                    (),
+                    units,
+                )),
+            ),
+            (
+                "LayerNorm's gradient (F32)".to_string(),
+                Box::new(layer_norm_backward_kernel::LayerNormBackwardKernel::new(
+                    settings,
+                    props,
+                    target,
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    buffer(),
+                    (),
+                    (),
+                    units,
+                )),
+            ),
+        ]
     }
 }

@@ -28,6 +28,8 @@ pub(crate) mod flash_attention;
 pub(crate) mod gelu;
 #[cfg(not(feature = "fusion"))]
 pub(crate) mod layer_norm;
+#[cfg(feature = "cuda")]
+pub(crate) mod offline;
 
 /// Whether a CubeCL device is a GPU, where kiln's CubeCL kernels run; not
 /// Burn's CubeCL CPU backend (the `cubecl-cpu` feature), which runs Burn's
