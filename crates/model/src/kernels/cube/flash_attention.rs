@@ -12,7 +12,8 @@
 //! 1. copies the key and value tile into shared memory (zeros past the
 //!    sequence's end), the one step where the cube's planes meet, from
 //!    the units' registers, into which the step before read it (the next
-//!    tile's loads are in flight while a step is computed);
+//!    tile's loads are in flight while a step is computed), in vectors
+//!    as wide as the device loads (16 bytes on CUDA);
 //! 2. each plane on its own (meeting only its own units: a warp's barrier
 //!    on CUDA), and only where some of its queries see the tile: `S = Q·Kᵀ`
 //!    on the matrix unit (inputs in the tensor's dtype, the sum in f32;
@@ -150,18 +151,19 @@ fn grid_fits(client: &cubecl::client::Client, tiles: usize, heads: usize, batch:
 }
 
 /// Reads a unit's share of `tile` rows of one head (row-major, `head_dim`
-/// wide, the cube's `units` taking every `units`-th element) into
-/// `values`: rows `first..first + tile` of batch entry `b`, each
-/// `row_stride` apart in `src`, from column `col0`; zeros for rows past
-/// `seq`. Into registers, the loop unrolled, for [`write_rows`] to store
-/// once every read a caller needs is issued: the loads are then all in
-/// flight at once, where a load followed by its store waits out the
-/// memory's latency once an element.
+/// wide, in vectors of `N` elements, the cube's `units` taking every
+/// `units`-th vector) into `values`: rows `first..first + tile` of batch
+/// entry `b`, each `row_stride` elements apart in `src`, from column
+/// `col0` (both multiples of `N`); zeros for rows past `seq`. Into
+/// registers, the loop unrolled, for [`write_rows`] to store once every
+/// read a caller needs is issued: the loads are then all in flight at
+/// once, where a load followed by its store waits out the memory's latency
+/// once an element.
 #[cube]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn read_rows<E: Float>(
-    src: &[E],
-    values: &mut Array<E>,
+fn read_rows<E: Float, N: Size>(
+    src: &[Vector<E, N>],
+    values: &mut Array<Vector<E, N>>,
     b: usize,
     first: usize,
     seq: usize,
@@ -172,37 +174,44 @@ fn read_rows<E: Float>(
     #[comptime] units: usize,
 ) {
     let unit = UNIT_POS as usize;
-    let len = comptime!(tile * head_dim);
+    let n = src.vector_size().comptime();
+    let per_row = comptime!(head_dim / n);
+    let len = comptime!(tile * per_row);
     #[unroll]
     for k in 0..comptime!((len + units - 1) / units) {
-        let e = unit + k * units;
-        let row = first + e / head_dim;
-        let mut x = E::from_int(0);
-        if e < len && row < seq {
-            x = src[(b * seq + row) * row_stride + col0 + e % head_dim];
+        let v = unit + k * units;
+        let row = first + v / per_row;
+        let mut x = Vector::<E, N>::new(E::from_int(0));
+        if v < len && row < seq {
+            x = src[((b * seq + row) * row_stride + col0) / n + v % per_row];
         }
         values[k] = x;
     }
 }
 
 /// Stores what [`read_rows`] read (the same `head_dim`, `tile` and
-/// `units`) into `dst`.
+/// `units`) into `dst`, row-major.
 #[cube]
 #[allow(clippy::manual_div_ceil)]
-fn write_rows<E: Float>(
-    values: &Array<E>,
+fn write_rows<E: Float, N: Size>(
+    values: &Array<Vector<E, N>>,
     dst: &mut Shared<[E]>,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
     #[comptime] units: usize,
 ) {
     let unit = UNIT_POS as usize;
-    let len = comptime!(tile * head_dim);
+    let n = values[0].vector_size().comptime();
+    let len = comptime!(tile * head_dim / n);
     #[unroll]
     for k in 0..comptime!((len + units - 1) / units) {
-        let e = unit + k * units;
-        if e < len {
-            dst[e] = values[k];
+        let v = unit + k * units;
+        if v < len {
+            let x = values[k];
+            #[unroll]
+            for i in 0..n {
+                dst[v * n + i] = x.extract(i);
+            }
         }
     }
 }
@@ -460,8 +469,8 @@ const RESCALE_MARGIN: f32 = 5.545_177;
 #[cube(launch)]
 // (`div_ceil` is not a CubeCL operation: the key tiles are counted by hand.)
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn flash_attention_kernel<E: Float>(
-    qkv: &[E],
+fn flash_attention_kernel<E: Float, N: Size>(
+    qkv: &[Vector<E, N>],
     pad: &[f32],
     out: &mut [E],
     lse: &mut [f32],
@@ -483,6 +492,8 @@ fn flash_attention_kernel<E: Float>(
     // The cube's units, its rows (a `tile` of queries a plane), and this
     // plane's.
     let units = comptime!(plane * planes);
+    // The elements a vector of `qkv` (and `grad`) holds.
+    let vec = qkv.vector_size().comptime();
     let rows = comptime!(tile * planes);
     // The keys a step: `subs` tiles of them.
     let step_keys = comptime!(tile * subs);
@@ -525,7 +536,8 @@ fn flash_attention_kernel<E: Float>(
     let mut rescale = Shared::<[u32]>::new_slice(planes);
 
     // The cube's queries (zeros past the end) and the rows' statistics.
-    let mut read = Array::<E>::new(comptime!((rows * head_dim + units - 1) / units));
+    let mut read =
+        Array::<Vector<E, N>>::new(comptime!((rows * head_dim / vec + units - 1) / units));
     read_rows(
         qkv,
         &mut read,
@@ -567,7 +579,7 @@ fn flash_attention_kernel<E: Float>(
         keys = block + rows;
     }
     let key_steps = (keys + step_keys - 1) / step_keys;
-    let mut next = staged::<E>(head_dim, step_keys, units);
+    let mut next = staged::<E, N>(head_dim, step_keys, units, vec);
     read_keys(
         qkv, pad, &mut next, b, h, heads, 0, seq, head_dim, step_keys, units,
     );
@@ -824,24 +836,25 @@ fn moved_reference(
 /// and values, or queries and their output gradient) and each row's
 /// figures (a key's flag, or a query's log-sum-exp and `delta`).
 #[derive(CubeType)]
-struct Staged<E: Float> {
-    first: Array<E>,
-    second: Array<E>,
+struct Staged<E: Float, N: Size> {
+    first: Array<Vector<E, N>>,
+    second: Array<Vector<E, N>>,
     stats: Array<f32>,
 }
 
 /// Registers for a [`Staged`] tile of `n` rows `head_dim` wide over
-/// `units` units.
+/// `units` units, in vectors of `vec` elements.
 #[cube]
 #[allow(clippy::manual_div_ceil)]
-fn staged<E: Float>(
+fn staged<E: Float, N: Size>(
     #[comptime] head_dim: usize,
     #[comptime] n: usize,
     #[comptime] units: usize,
-) -> Staged<E> {
-    Staged::<E> {
-        first: Array::<E>::new(comptime!((n * head_dim + units - 1) / units)),
-        second: Array::<E>::new(comptime!((n * head_dim + units - 1) / units)),
+    #[comptime] vec: usize,
+) -> Staged<E, N> {
+    Staged::<E, N> {
+        first: Array::<Vector<E, N>>::new(comptime!((n * head_dim / vec + units - 1) / units)),
+        second: Array::<Vector<E, N>>::new(comptime!((n * head_dim / vec + units - 1) / units)),
         stats: Array::<f32>::new(comptime!(2 * ((n + units - 1) / units))),
     }
 }
@@ -850,12 +863,12 @@ fn staged<E: Float>(
 /// the end): the queries, their output gradient, log-sum-exp and `delta`.
 #[cube]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn read_queries<E: Float>(
-    qkv: &[E],
-    grad: &[E],
+fn read_queries<E: Float, N: Size>(
+    qkv: &[Vector<E, N>],
+    grad: &[Vector<E, N>],
     lse: &[f32],
     delta: &[f32],
-    tile: &mut Staged<E>,
+    tile: &mut Staged<E, N>,
     b: usize,
     h: usize,
     heads: usize,
@@ -901,8 +914,8 @@ fn read_queries<E: Float>(
 /// Stores a tile [`read_queries`] read.
 #[cube]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn write_queries<E: Float>(
-    tile: &Staged<E>,
+fn write_queries<E: Float, N: Size>(
+    tile: &Staged<E, N>,
     sq: &mut Shared<[E]>,
     sdo: &mut Shared<[E]>,
     slse: &mut Shared<[f32]>,
@@ -928,10 +941,10 @@ fn write_queries<E: Float>(
 /// the sequence and not padding).
 #[cube]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn read_keys<E: Float>(
-    qkv: &[E],
+fn read_keys<E: Float, N: Size>(
+    qkv: &[Vector<E, N>],
     pad: &[f32],
-    tile: &mut Staged<E>,
+    tile: &mut Staged<E, N>,
     b: usize,
     h: usize,
     heads: usize,
@@ -983,8 +996,8 @@ fn read_keys<E: Float>(
 /// Stores a tile [`read_keys`] read.
 #[cube]
 #[allow(clippy::manual_div_ceil)]
-fn write_keys<E: Float>(
-    tile: &Staged<E>,
+fn write_keys<E: Float, N: Size>(
+    tile: &Staged<E, N>,
     sk: &mut Shared<[E]>,
     sv: &mut Shared<[E]>,
     seen: &mut Shared<[f32]>,
@@ -1007,13 +1020,13 @@ fn write_keys<E: Float>(
 /// `keys_outer`, [`read_queries`]) or keys ([`read_keys`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn read_inner<E: Float>(
-    qkv: &[E],
+fn read_inner<E: Float, N: Size>(
+    qkv: &[Vector<E, N>],
     pad: &[f32],
-    grad: &[E],
+    grad: &[Vector<E, N>],
     lse: &[f32],
     delta: &[f32],
-    tile: &mut Staged<E>,
+    tile: &mut Staged<E, N>,
     b: usize,
     h: usize,
     heads: usize,
@@ -1043,10 +1056,10 @@ fn read_inner<E: Float>(
 /// key) and `dS = P·(dP − delta)`. Each writes its part of `dqkv`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn flash_backward_kernel<E: Float>(
-    qkv: &[E],
+fn flash_backward_kernel<E: Float, N: Size>(
+    qkv: &[Vector<E, N>],
     pad: &[f32],
-    grad: &[E],
+    grad: &[Vector<E, N>],
     lse: &[f32],
     delta: &[f32],
     dqkv: &mut [E],
@@ -1067,6 +1080,8 @@ fn flash_backward_kernel<E: Float>(
     let warp = UNIT_POS_Y as usize;
     let lane = UNIT_POS_X as usize;
     let units = comptime!(plane * planes);
+    // The elements a vector of `qkv` (and `grad`) holds.
+    let vec = qkv.vector_size().comptime();
     let rows = comptime!(tile * planes);
     // The inner rows a step: `subs` tiles of them.
     let inner_rows = comptime!(tile * subs);
@@ -1123,7 +1138,7 @@ fn flash_backward_kernel<E: Float>(
         if causal {
             first = start / inner_rows;
         }
-        let mut outer = staged::<E>(head_dim, rows, units);
+        let mut outer = staged::<E, N>(head_dim, rows, units, vec);
         read_keys(
             qkv, pad, &mut outer, b, h, heads, start, seq, head_dim, rows, units,
         );
@@ -1135,7 +1150,7 @@ fn flash_backward_kernel<E: Float>(
         if causal && start + rows < seq {
             inner_steps = (start + rows + inner_rows - 1) / inner_rows;
         }
-        let mut outer = staged::<E>(head_dim, rows, units);
+        let mut outer = staged::<E, N>(head_dim, rows, units, vec);
         read_queries(
             qkv, grad, lse, delta, &mut outer, b, h, heads, start, seq, head_dim, rows, units,
         );
@@ -1152,7 +1167,7 @@ fn flash_backward_kernel<E: Float>(
     }
     // The inner side's tiles, each read a step ahead: in flight while the
     // step before is computed.
-    let mut next = staged::<E>(head_dim, inner_rows, units);
+    let mut next = staged::<E, N>(head_dim, inner_rows, units, vec);
     read_inner(
         qkv,
         pad,
@@ -1406,6 +1421,18 @@ fn planes_and_steps(
     (planes, subs)
 }
 
+/// The elements a load of `qkv` (and of the output's gradient, its dtype)
+/// takes at once: the widest vector the device loads (16 bytes on CUDA)
+/// that divides the heads' width, so that a vector never straddles two
+/// heads.
+fn vector_size(qkv: &CubeTensor, head_dim: usize) -> usize {
+    qkv.client
+        .io_optimized_vector_sizes(qkv.dtype.size())
+        .filter(|&n| n > 0 && head_dim.is_multiple_of(n))
+        .max()
+        .unwrap_or(1)
+}
+
 /// The forward pass on the matrix unit where [`tile_for`] finds one: the
 /// merged heads and the log-sum-exp (`[b, heads, t]`, f32), as the scalar
 /// kernel's; `None` where it does not run. `qkv` and `pad` are contiguous.
@@ -1434,6 +1461,7 @@ pub(super) fn forward(
         &qkv.client,
         cube_count,
         CubeDim::new_2d(plane as u32, planes as u32),
+        vector_size(qkv, head_dim),
         qkv.clone().into_buffer_arg(),
         pad.clone().into_buffer_arg(),
         out.clone().into_buffer_arg(),
@@ -1487,6 +1515,7 @@ pub(super) fn backward(
             &qkv.client,
             CubeCount::Static(seq.div_ceil(rows) as u32, heads as u32, batch as u32),
             CubeDim::new_2d(plane as u32, planes as u32),
+            vector_size(qkv, head_dim),
             qkv.clone().into_buffer_arg(),
             pad.clone().into_buffer_arg(),
             grad.clone().into_buffer_arg(),
@@ -1519,6 +1548,8 @@ pub(super) fn offline_kernels(
 ) -> super::offline::Kernels {
     use super::offline::buffer;
     let (head_dim, tile, plane, planes, subs, causal) = (64, 16, 32, 4, 1, true);
+    // 16-byte loads of qkv, as on CUDA.
+    let vec = 16 / dtype.size();
     let settings = o.settings(plane as u32, planes as u32);
     let elem = dtype_to_storage_type(dtype);
     let forward = flash_attention_kernel::FlashAttentionKernel::new(
@@ -1532,6 +1563,9 @@ pub(super) fn offline_kernels(
         (),
         (),
         (),
+        // (The vector size, `N`, comes first among the compile-time
+        // arguments.)
+        vec,
         head_dim,
         tile,
         plane,
@@ -1559,6 +1593,7 @@ pub(super) fn offline_kernels(
             (),
             (),
             (),
+            vec,
             head_dim,
             tile,
             plane,
