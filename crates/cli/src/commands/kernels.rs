@@ -117,7 +117,6 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
 
 /// `--cuda-arch`: kiln's CUDA kernels compiled for compute capability
 /// `arch` without a device; exit 1 where one does not compile.
-#[cfg(feature = "cuda")]
 fn compile_offline(
     arch: u32,
     emit: Option<&std::path::Path>,
@@ -131,7 +130,14 @@ fn compile_offline(
         ))
         .into());
     }
-    let kernels = compile_cuda_kernels(arch);
+    let Some(kernels) = compile_cuda_kernels(arch) else {
+        return Err(BadInput(
+            "--cuda-arch needs a CUDA build of kiln (`cargo xtask build-cuda`, \
+             docs/HARDWARE.md): this one has no CUDA compiler"
+                .to_string(),
+        )
+        .into());
+    };
     if let Some(dir) = emit {
         std::fs::create_dir_all(dir)
             .map_err(|e| BadInput(format!("--emit {}: {e}", dir.display())))?;
@@ -211,7 +217,6 @@ fn compile_offline(
 }
 
 /// A kernel's name as a file name: letters, digits and dashes.
-#[cfg(feature = "cuda")]
 fn slug(name: &str) -> String {
     let mut slug = String::new();
     for c in name.chars() {
@@ -222,18 +227,4 @@ fn slug(name: &str) -> String {
         }
     }
     slug.trim_matches('-').to_string()
-}
-
-#[cfg(not(feature = "cuda"))]
-fn compile_offline(
-    _arch: u32,
-    _emit: Option<&std::path::Path>,
-    _json: bool,
-) -> anyhow::Result<ExitCode> {
-    Err(BadInput(
-        "--cuda-arch needs a CUDA build of kiln (`cargo xtask build-cuda`, docs/HARDWARE.md): \
-         this one has no CUDA compiler"
-            .to_string(),
-    )
-    .into())
 }

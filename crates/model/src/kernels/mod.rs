@@ -68,6 +68,7 @@ mod isa;
 mod lm_loss;
 mod norm;
 mod optim;
+mod ptx;
 
 pub use check::{
     ADAMW_TOLERANCE, ATTENTION_BF16_TOLERANCE, ATTENTION_F16_TOLERANCE, ATTENTION_TOLERANCE,
@@ -79,8 +80,21 @@ pub use check::{
 };
 #[cfg(feature = "flex")]
 pub use cpu::peak::{MeasuredPeak, measure_fp32_peak};
-#[cfg(feature = "cuda")]
-pub use cube::offline::{OfflineKernel, PtxCounts, compile_kernels as compile_cuda_kernels};
+pub use ptx::{OfflineKernel, PtxCounts};
+
+/// kiln's CubeCL kernels compiled for NVIDIA compute capability `arch`
+/// (90 for an H100 or H200) without a device, by both of CubeCL's CUDA
+/// compilers (`kiln check-kernels --cuda-arch`); `None` where this build
+/// has no CUDA backend.
+pub fn compile_cuda_kernels(arch: u32) -> Option<Vec<OfflineKernel>> {
+    #[cfg(feature = "cuda")]
+    return Some(cube::offline::compile_kernels(arch));
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = arch;
+        None
+    }
+}
 #[cfg(feature = "cube")]
 pub(crate) use cube::{cube_empty, cube_gpu, cube_gpu_float};
 #[cfg(all(feature = "cube", not(feature = "fusion")))]

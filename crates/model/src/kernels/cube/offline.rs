@@ -19,62 +19,7 @@ use cubecl::ir::{DeviceIdentity, HardwareProperties, MemoryDeviceProperties};
 use cubecl::prelude::*;
 
 use super::flash_attention;
-
-/// One kernel compiled for a CUDA architecture by one of CubeCL's
-/// compilers.
-#[derive(Debug)]
-pub struct OfflineKernel {
-    /// Which kernel, with the shape it was compiled for.
-    pub name: String,
-    /// `"llvm"` (PTX, what kiln runs by default) or `"cpp"` (CUDA C++
-    /// source for NVRTC, the `cuda-cpp` build's).
-    pub compiler: &'static str,
-    /// The PTX or the C++ source, or why it did not compile.
-    pub assembly: Result<String, String>,
-}
-
-/// What a kernel's PTX does, counted in its text: how often each kind of
-/// instruction is written (not how often it runs: a loop's body counts
-/// once).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct PtxCounts {
-    /// Lines of PTX.
-    pub lines: usize,
-    /// Barriers of the whole cube (`bar.sync`, `barrier.sync`).
-    pub cube_barriers: usize,
-    /// Barriers of one warp (`bar.warp.sync`).
-    pub warp_barriers: usize,
-    /// Tensor-core products (`wmma.mma`, `mma.sync`).
-    pub tensor_core_products: usize,
-    /// Loads and stores of local memory (`ld.local`, `st.local`): arrays
-    /// the compiler could not keep in registers.
-    pub local_memory: usize,
-    /// Loads from global memory (`ld.global`).
-    pub global_loads: usize,
-}
-
-impl PtxCounts {
-    /// Counts `ptx`'s instructions.
-    pub fn of(ptx: &str) -> Self {
-        let mut counts = PtxCounts::default();
-        for line in ptx.lines() {
-            let op = line.trim_start();
-            counts.lines += 1;
-            if op.starts_with("bar.sync") || op.starts_with("barrier.sync") {
-                counts.cube_barriers += 1;
-            } else if op.starts_with("bar.warp.sync") {
-                counts.warp_barriers += 1;
-            } else if op.starts_with("wmma.mma") || op.starts_with("mma.sync") {
-                counts.tensor_core_products += 1;
-            } else if op.starts_with("ld.local") || op.starts_with("st.local") {
-                counts.local_memory += 1;
-            } else if op.starts_with("ld.global") {
-                counts.global_loads += 1;
-            }
-        }
-        counts
-    }
-}
+use crate::kernels::ptx::OfflineKernel;
 
 /// The device CubeCL's CUDA runtime would describe for compute capability
 /// `arch` (e.g. 90 for an H100 or H200): 32-unit warps, 227 KiB of shared
@@ -194,7 +139,7 @@ pub(crate) fn buffer() -> BufferCompilationArg {
 /// for compute capability `arch` by both compilers. (The fused AdamW's and
 /// the gradient norm's kernels, which take sequences of tensors, are not
 /// among them.)
-pub fn compile_kernels(arch: u32) -> Vec<OfflineKernel> {
+pub(crate) fn compile_kernels(arch: u32) -> Vec<OfflineKernel> {
     let offline = Offline {
         props: device(arch),
         target: Arc::new(TargetProperties::default()),
