@@ -323,8 +323,18 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
         .reshape([1, 1, 3 * h * hd]);
     let sharp_qkv = qkv.clone() * sharp;
     let half_cases = [
-        ("causal", &qkv, &upstream, h, hd, None, true),
-        ("padded", &qkv, &upstream, h, hd, Some(pad.clone()), false),
+        // (The last field: differences relative to the largest value.)
+        ("causal", &qkv, &upstream, h, hd, None, true, false),
+        (
+            "padded",
+            &qkv,
+            &upstream,
+            h,
+            hd,
+            Some(pad.clone()),
+            false,
+            false,
+        ),
         (
             "causal, heads 64 wide",
             &gpt2_qkv,
@@ -333,6 +343,7 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             64,
             None,
             true,
+            false,
         ),
         (
             "causal, sharp scores",
@@ -342,14 +353,15 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             hd,
             None,
             true,
+            true,
         ),
     ];
     for (dtype, name, tolerance) in [
         (FloatDType::F16, "f16", ATTENTION_F16_TOLERANCE),
         (FloatDType::BF16, "bf16", ATTENTION_BF16_TOLERANCE),
     ] {
-        for (case, qkv, upstream, heads, head_dim, key_pad, causal) in half_cases.clone() {
-            let relative = std::ptr::eq(qkv, &sharp_qkv);
+        for (case, qkv, upstream, heads, head_dim, key_pad, causal, relative) in half_cases.clone()
+        {
             // (Before any cast: a device without the dtype may not survive
             // one.)
             if !super::attention_on_tensor_cores(&device, dtype.into(), head_dim) {
@@ -372,12 +384,11 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             ] {
                 let (y, dqkv) = run(&half, &half_upstream, attention);
                 let difference = |x: Tensor<3>, reference: Tensor<3>| {
-                    let of = if relative {
-                        f64::from(reference.clone().abs().max().into_scalar::<f32>())
+                    if relative {
+                        relative_difference(widen(x), round(reference))
                     } else {
-                        1.0
-                    };
-                    max_abs(widen(x), round(reference)) / of
+                        max_abs(widen(x), round(reference))
+                    }
                 };
                 let (kernel, tolerance) = if relative {
                     (
@@ -704,6 +715,13 @@ fn attention_fused_here(qkv: &Tensor<3>) -> bool {
     memory_efficient_attention_runs(qkv, qkv.dtype(), 1, AttentionKernel::MemoryEfficient)
 }
 
+/// `max |x − reference|` over `reference`'s largest magnitude (the
+/// checks whose values span orders of magnitude).
+fn relative_difference<const D: usize>(x: Tensor<D>, reference: Tensor<D>) -> f64 {
+    let scale = f64::from(reference.clone().abs().max().into_scalar::<f32>()).max(1e-30);
+    f64::from((x - reference).abs().max().into_scalar::<f32>()) / scale
+}
+
 /// The tolerance of [`check_embedding`]: the kernel sums each table row's
 /// tokens in order of position, as Burn's `select_assign` does, so the
 /// two agree to f32's rounding of the same sums (1e-5 leaves room for a
@@ -823,10 +841,7 @@ pub fn check_matmul(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             let y_ref = a.clone().matmul(b.clone());
             let da_ref = g.clone().matmul(b.transpose());
             let db_ref = a.transpose().matmul(g);
-            let relative = |x: Tensor<2>, r: Tensor<2>| {
-                let scale = f64::from(r.clone().abs().max().into_scalar::<f32>()).max(1e-30);
-                f64::from((wide(x) - r).abs().max().into_scalar::<f32>()) / scale
-            };
+            let relative = |x: Tensor<2>, r: Tensor<2>| relative_difference(wide(x), r);
             checks.push(KernelCheck {
                 kernel: format!("matmul by cuBLAS, {name} ({m} × {k} · {k} × {n}, relative)"),
                 fused,
