@@ -113,6 +113,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (`FLASH_SHARED_KIB`): each checked by `check-kernels --only
 # attention`, then timed on GPT-2 small with the kernel profile.
 FLASH_VARIANTS = {
+    # (32 keys in 48 KiB halve the backward's warps a cube; with 100 KiB
+    # they keep four: docs/GPU_TUNING.md, from `kiln check-kernels
+    # --cuda-arch 90` with ptxas.)
+    "flash 32 keys, 100 KiB": {"FLASH_KEYS": "32", "FLASH_SHARED_KIB": "100"},
     "flash 32 keys": {"FLASH_KEYS": "32"},
     "flash 64 keys, 100 KiB": {"FLASH_KEYS": "64", "FLASH_SHARED_KIB": "100"},
     "flash 64 keys": {"FLASH_KEYS": "64"},

@@ -755,6 +755,21 @@ fn check_kernels_on_flex_agree_and_only_picks_by_name() {
         .run()
         .expect_code(2)
         .stderr_has(&["--cuda-arch"]);
+    kiln(&["check-kernels", "--ptxas", "ptxas"])
+        .run()
+        .expect_code(2)
+        .stderr_has(&["--cuda-arch"]);
+    // A ptxas that is not there is named (before anything is compiled).
+    kiln(&[
+        "check-kernels",
+        "--cuda-arch",
+        "90",
+        "--ptxas",
+        "/nonexistent/ptxas",
+    ])
+    .run()
+    .expect_code(2)
+    .stderr_has(&["--ptxas /nonexistent/ptxas: no such file"]);
 }
 
 #[test]

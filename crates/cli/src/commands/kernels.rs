@@ -5,14 +5,18 @@
 //! people, `--json` for scripts (CI on llvmpipe, the GPU check on CUDA).
 //! With `--cuda-arch SM` (a CUDA build), no device: kiln's CUDA kernels
 //! compiled for that compute capability by both of CubeCL's CUDA
-//! compilers, and what their PTX does counted.
+//! compilers, and what their PTX does counted; where NVIDIA's assembler
+//! (`ptxas`) is at hand, each kernel's registers, spills and the cubes a
+//! multiprocessor holds.
 
 use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use kiln_train::kiln_model::kernels::{
-    KernelCheck, check_adamw, check_attention, check_bias, check_embedding, check_gelu,
-    check_layer_norm, check_lm_head_loss, check_matmul, check_sum_of_squares,
+    KernelCheck, OfflineKernel, Registers, check_adamw, check_attention, check_bias,
+    check_embedding, check_gelu, check_layer_norm, check_lm_head_loss, check_matmul,
+    check_sum_of_squares, occupancy, ptx_target,
 };
 
 use super::{BadInput, Context, Layers, train_error};
@@ -39,6 +43,13 @@ pub(crate) struct Args {
     /// (`.cu`) into this folder
     #[arg(long, value_name = "DIR", requires = "cuda_arch")]
     emit: Option<std::path::PathBuf>,
+    /// With --cuda-arch: NVIDIA's assembler, to count each kernel's
+    /// registers and spills (`ptxas -v`) and the cubes a multiprocessor
+    /// holds. Default: `$CUDA_PATH/bin/ptxas`, `/usr/local/cuda/bin/ptxas`
+    /// or `ptxas` on PATH, where one is; without one the PTX is counted
+    /// only
+    #[arg(long, value_name = "PATH", requires = "cuda_arch")]
+    ptxas: Option<std::path::PathBuf>,
     #[command(flatten)]
     layers: Layers,
 }
@@ -59,7 +70,7 @@ const CHECKS: [(&str, Check); 9] = [
 
 pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     if let Some(arch) = args.cuda_arch {
-        return compile_offline(arch, args.emit.as_deref(), args.json);
+        return compile_offline(arch, args.emit.as_deref(), args.ptxas, args.json);
     }
     let names: Vec<&str> = CHECKS.iter().map(|(name, _)| *name).collect();
     if let Some(unknown) = args.only.iter().find(|o| !names.contains(&o.as_str())) {
@@ -108,18 +119,16 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
             )?;
         }
     }
-    Ok(if passed {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    Ok(exit(passed))
 }
 
 /// `--cuda-arch`: kiln's CUDA kernels compiled for compute capability
-/// `arch` without a device; exit 1 where one does not compile.
+/// `arch` without a device, and assembled by `ptxas` where one is; exit 1
+/// where one does not compile or assemble.
 fn compile_offline(
     arch: u32,
-    emit: Option<&std::path::Path>,
+    emit: Option<&Path>,
+    ptxas: Option<PathBuf>,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
     use kiln_train::kiln_model::kernels::{PtxCounts, compile_cuda_kernels};
@@ -130,6 +139,13 @@ fn compile_offline(
         ))
         .into());
     }
+    let ptxas = match ptxas {
+        Some(path) if !path.is_file() => {
+            return Err(BadInput(format!("--ptxas {}: no such file", path.display())).into());
+        }
+        Some(path) => Some(path),
+        None => find_ptxas(),
+    };
     let Some(kernels) = compile_cuda_kernels(arch) else {
         return Err(BadInput(
             "--cuda-arch needs a CUDA build of kiln (`cargo xtask build-cuda`, \
@@ -154,15 +170,30 @@ fn compile_offline(
             }
         }
     }
-    let passed = kernels.iter().all(|k| k.assembly.is_ok());
+    // ptxas' verdict on each PTX, where there is a ptxas.
+    let assembled: Vec<Option<Result<Registers, String>>> = kernels
+        .iter()
+        .map(|k| match (&k.assembly, k.compiler, &ptxas) {
+            (Ok(ptx), "llvm", Some(ptxas)) => Some(assemble(ptxas, ptx)),
+            _ => None,
+        })
+        .collect();
+    let passed =
+        kernels.iter().all(|k| k.assembly.is_ok()) && assembled.iter().flatten().all(Result::is_ok);
     let mut out = std::io::stdout().lock();
     if json {
         let value = serde_json::json!({
-            "schema": "kiln.check-kernels.cuda/1",
+            "schema": "kiln.check-kernels.cuda/2",
             "arch": arch,
+            "ptxas": ptxas.as_ref().map(|p| p.display().to_string()),
             "passed": passed,
-            "kernels": kernels.iter().map(|k| {
-                let mut v = serde_json::json!({"kernel": k.name, "compiler": k.compiler});
+            "kernels": kernels.iter().zip(&assembled).map(|(k, assembled)| {
+                let mut v = serde_json::json!({
+                    "kernel": k.name,
+                    "compiler": k.compiler,
+                    "units": k.units,
+                    "shared_bytes": k.shared_bytes,
+                });
                 match &k.assembly {
                     Ok(text) if k.compiler == "llvm" => {
                         v["ptx"] = serde_json::to_value(PtxCounts::of(text)).unwrap_or_default();
@@ -170,50 +201,134 @@ fn compile_offline(
                     Ok(text) => v["lines"] = text.lines().count().into(),
                     Err(e) => v["error"] = e.clone().into(),
                 }
-                v["passed"] = k.assembly.is_ok().into();
+                match assembled {
+                    Some(Ok(r)) => {
+                        v["ptxas"] = serde_json::to_value(r).unwrap_or_default();
+                        v["occupancy"] = serde_json::to_value(
+                            occupancy(arch, k.units, r.registers, k.shared_bytes),
+                        )
+                        .unwrap_or_default();
+                    }
+                    Some(Err(e)) => v["ptxas_error"] = e.clone().into(),
+                    None => {}
+                }
+                v["passed"] = (k.assembly.is_ok() && !matches!(assembled, Some(Err(_)))).into();
                 v
             }).collect::<Vec<_>>(),
         });
         writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
-    } else {
-        writeln!(
-            out,
-            "kiln's CUDA kernels compiled for sm_{arch} (no device)"
-        )?;
-        for k in &kernels {
-            match (&k.assembly, k.compiler) {
-                (Ok(ptx), "llvm") => {
-                    let c = PtxCounts::of(ptx);
-                    writeln!(
-                        out,
-                        "  {} (LLVM, PTX): ok, {} lines, {} cube barriers, {} warp barriers, \
-                         {} tensor-core products, {} local-memory accesses, {} global loads",
-                        k.name,
-                        c.lines,
-                        c.cube_barriers,
-                        c.warp_barriers,
-                        c.tensor_core_products,
-                        c.local_memory,
-                        c.global_loads
-                    )?;
-                }
-                (Ok(source), _) => writeln!(
+        return Ok(exit(passed));
+    }
+    writeln!(
+        out,
+        "kiln's CUDA kernels compiled for sm_{arch} (no device); {}",
+        match &ptxas {
+            Some(path) => format!("assembled by {}", path.display()),
+            None => "no ptxas, so no register counts (--ptxas PATH, or CUDA_PATH)".to_string(),
+        }
+    )?;
+    for (k, assembled) in kernels.iter().zip(&assembled) {
+        match (&k.assembly, k.compiler) {
+            (Ok(ptx), "llvm") => {
+                let c = PtxCounts::of(ptx);
+                writeln!(
                     out,
-                    "  {} (CUDA C++ for NVRTC): ok, {} lines",
+                    "  {} (LLVM, PTX): ok, {} lines, {} cube barriers, {} warp barriers, \
+                     {} tensor-core products, {} local-memory accesses, {} global loads; \
+                     {} units and {:.1} KiB shared a cube",
                     k.name,
-                    source.lines().count()
-                )?,
-                (Err(e), compiler) => {
-                    writeln!(out, "  {} ({compiler}): DOES NOT COMPILE: {e}", k.name)?
+                    c.lines,
+                    c.cube_barriers,
+                    c.warp_barriers,
+                    c.tensor_core_products,
+                    c.local_memory,
+                    c.global_loads,
+                    k.units,
+                    k.shared_bytes as f64 / 1024.0,
+                )?;
+                match assembled {
+                    Some(Ok(r)) => writeln!(out, "    ptxas: {}", describe(arch, k, r))?,
+                    Some(Err(e)) => writeln!(out, "    ptxas: DOES NOT ASSEMBLE: {e}")?,
+                    None => {}
                 }
+            }
+            (Ok(source), _) => writeln!(
+                out,
+                "  {} (CUDA C++ for NVRTC): ok, {} lines",
+                k.name,
+                source.lines().count()
+            )?,
+            (Err(e), compiler) => {
+                writeln!(out, "  {} ({compiler}): DOES NOT COMPILE: {e}", k.name)?
             }
         }
     }
-    Ok(if passed {
+    Ok(exit(passed))
+}
+
+fn exit(passed: bool) -> ExitCode {
+    if passed {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
-    })
+    }
+}
+
+/// ptxas' figures for one kernel in words: registers, spills, and the
+/// cubes a multiprocessor holds.
+fn describe(arch: u32, k: &OfflineKernel, r: &Registers) -> String {
+    let spills = if r.spills() {
+        format!(
+            "SPILLS {} bytes a unit to local memory (loads {} bytes)",
+            r.spill_stores, r.spill_loads
+        )
+    } else {
+        "no spills".to_string()
+    };
+    let held = match occupancy(arch, k.units, r.registers, k.shared_bytes) {
+        Some(o) if o.cubes == 0 => format!("does not fit a multiprocessor ({})", o.limited_by),
+        Some(o) => format!(
+            "{} cubes a multiprocessor ({} of {} warps; bound by {})",
+            o.cubes, o.warps, o.max_warps, o.limited_by
+        ),
+        None => format!("occupancy of sm_{arch} not known to kiln"),
+    };
+    format!("{} registers, {spills}, {held}", r.registers)
+}
+
+/// NVIDIA's assembler where a CUDA toolkit (or PyPI's
+/// `nvidia-cuda-nvcc-cu12`, as `CUDA_PATH`) puts it.
+fn find_ptxas() -> Option<PathBuf> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(home) = std::env::var_os("CUDA_PATH") {
+        candidates.push(PathBuf::from(home).join("bin/ptxas"));
+    }
+    candidates.push(PathBuf::from("/usr/local/cuda/bin/ptxas"));
+    if let Some(path) = std::env::var_os("PATH") {
+        candidates.extend(std::env::split_paths(&path).map(|dir| dir.join("ptxas")));
+    }
+    candidates.into_iter().find(|p| p.is_file())
+}
+
+/// `ptxas -v` on `ptx`, for the architecture its `.target` names.
+fn assemble(ptxas: &Path, ptx: &str) -> Result<Registers, String> {
+    let target = ptx_target(ptx).ok_or("the PTX names no .target")?;
+    let dir = tempfile::tempdir().map_err(|e| format!("a temporary folder: {e}"))?;
+    let input = dir.path().join("kernel.ptx");
+    std::fs::write(&input, ptx).map_err(|e| format!("writing {}: {e}", input.display()))?;
+    let output = std::process::Command::new(ptxas)
+        .arg(format!("-arch={target}"))
+        .arg("-v")
+        .arg(&input)
+        .arg("-o")
+        .arg(dir.path().join("kernel.cubin"))
+        .output()
+        .map_err(|e| format!("running {}: {e}", ptxas.display()))?;
+    let report = String::from_utf8_lossy(&output.stderr);
+    if !output.status.success() {
+        return Err(report.trim().to_string());
+    }
+    Registers::parse(&report).ok_or_else(|| format!("no register count in: {}", report.trim()))
 }
 
 /// A kernel's name as a file name: letters, digits and dashes.

@@ -80,7 +80,9 @@ pub use check::{
 };
 #[cfg(feature = "flex")]
 pub use cpu::peak::{MeasuredPeak, measure_fp32_peak};
-pub use ptx::{OfflineKernel, PtxCounts};
+pub use ptx::{
+    Occupancy, OfflineKernel, PtxCounts, Registers, max_shared_per_cube, occupancy, ptx_target,
+};
 
 /// kiln's CubeCL kernels compiled for NVIDIA compute capability `arch`
 /// (90 for an H100 or H200) without a device, by both of CubeCL's CUDA

@@ -1383,13 +1383,13 @@ fn setting(name: &str) -> Option<usize> {
 /// CUDA, CubeCL's kernels take their shared memory dynamically and opt in
 /// to the device's maximum, 227 KiB on an H100, at the cost of fewer
 /// cubes a multiprocessor); never more than the device's.
-fn shared_budget(client: &cubecl::client::Client) -> usize {
+fn shared_budget(hardware: &cubecl::ir::HardwareProperties) -> usize {
     static KIB: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let kib = KIB
         .get_or_init(|| setting("FLASH_SHARED_KIB"))
         .filter(|&kib| kib > 0)
         .unwrap_or(48);
-    (kib * 1024).min(client.properties().hardware.max_shared_memory_size)
+    (kib * 1024).min(hardware.max_shared_memory_size)
 }
 
 /// Planes a cube and inner tiles a step, for a kernel whose shared memory
@@ -1400,18 +1400,18 @@ fn shared_budget(client: &cubecl::client::Client) -> usize {
 /// else fewer; the inner tiles [`inner_tiles`] asks for, fewer where one
 /// plane's memory would not fit them.
 fn planes_and_steps(
-    client: &cubecl::client::Client,
+    hardware: &cubecl::ir::HardwareProperties,
     (tile, plane): (usize, usize),
     seq: usize,
     bytes: impl Fn(usize, usize) -> usize,
 ) -> (usize, usize) {
-    let budget = shared_budget(client);
+    let budget = shared_budget(hardware);
     let fits = |planes: usize, subs: usize| bytes(planes, subs) <= budget;
     let mut subs = inner_tiles(tile);
     while subs > 1 && !fits(1, subs) {
         subs /= 2;
     }
-    let units = client.properties().hardware.max_units_per_cube as usize;
+    let units = hardware.max_units_per_cube as usize;
     let planes = [4, 2]
         .into_iter()
         .find(|&planes| {
@@ -1447,7 +1447,8 @@ pub(super) fn forward(
     let dtype = qkv.dtype;
     let (tile, plane) = tile_for(&qkv.client, dtype, head_dim)?;
     let parts = softmax_parts(tile, plane);
-    let (planes, subs) = planes_and_steps(&qkv.client, (tile, plane), seq, |planes, subs| {
+    let hardware = &qkv.client.properties().hardware;
+    let (planes, subs) = planes_and_steps(hardware, (tile, plane), seq, |planes, subs| {
         forward_shared_bytes(tile, head_dim, dtype.size(), (planes, subs), parts)
     });
     let rows = tile * planes;
@@ -1507,7 +1508,8 @@ pub(super) fn backward(
     let scale = (1.0 / (head_dim as f64).sqrt()) as f32;
     // dQ per query tile, then dK and dV per key tile.
     for keys_outer in [false, true] {
-        let (planes, subs) = planes_and_steps(&qkv.client, (tile, plane), seq, |planes, subs| {
+        let hardware = &qkv.client.properties().hardware;
+        let (planes, subs) = planes_and_steps(hardware, (tile, plane), seq, |planes, subs| {
             backward_shared_bytes(tile, head_dim, dtype.size(), (planes, subs), keys_outer)
         });
         let rows = tile * planes;
@@ -1547,13 +1549,21 @@ pub(super) fn offline_kernels(
     dtype: DType,
 ) -> super::offline::Kernels {
     use super::offline::buffer;
-    let (head_dim, tile, plane, planes, subs, causal) = (64, 16, 32, 4, 1, true);
+    // GPT-2 small's heads and block, and CUDA's tile and warps.
+    let (head_dim, seq, tile, plane, causal) = (64, 1024, 16, 32, true);
+    let hardware = &o.props.hardware;
     // 16-byte loads of qkv, as on CUDA.
     let vec = 16 / dtype.size();
-    let settings = o.settings(plane as u32, planes as u32);
     let elem = dtype_to_storage_type(dtype);
+    let parts = softmax_parts(tile, plane);
+    // Planes a cube and inner tiles a step as a launch picks them
+    // (`FLASH_KEYS`, `FLASH_SHARED_KIB` included), so that the variants
+    // the GPU check times are compiled here too.
+    let (planes, subs) = planes_and_steps(hardware, (tile, plane), seq, |planes, subs| {
+        forward_shared_bytes(tile, head_dim, dtype.size(), (planes, subs), parts)
+    });
     let forward = flash_attention_kernel::FlashAttentionKernel::new(
-        settings.clone(),
+        o.settings(plane as u32, planes as u32),
         o.props.clone(),
         o.target.clone(),
         buffer(),
@@ -1570,18 +1580,24 @@ pub(super) fn offline_kernels(
         tile,
         plane,
         planes,
-        softmax_parts(tile, plane),
+        parts,
         subs,
         causal,
         elem,
     );
     let mut kernels: super::offline::Kernels = vec![(
-        format!("flash attention forward ({dtype:?}, heads {head_dim} wide, causal)"),
+        format!(
+            "flash attention forward ({dtype:?}, heads {head_dim} wide, causal, {} keys a step, {planes} warps)",
+            tile * subs
+        ),
         Box::new(forward),
     )];
-    for (keys_outer, name) in [(false, "dQ"), (true, "dK and dV")] {
+    for (keys_outer, name, rows) in [(false, "dQ", "keys"), (true, "dK and dV", "queries")] {
+        let (planes, subs) = planes_and_steps(hardware, (tile, plane), seq, |planes, subs| {
+            backward_shared_bytes(tile, head_dim, dtype.size(), (planes, subs), keys_outer)
+        });
         let backward = flash_backward_kernel::FlashBackwardKernel::new(
-            settings.clone(),
+            o.settings(plane as u32, planes as u32),
             o.props.clone(),
             o.target.clone(),
             buffer(),
@@ -1604,7 +1620,10 @@ pub(super) fn offline_kernels(
             elem,
         );
         kernels.push((
-            format!("flash attention {name} ({dtype:?}, heads {head_dim} wide, causal)"),
+            format!(
+                "flash attention {name} ({dtype:?}, heads {head_dim} wide, causal, {} {rows} a step, {planes} warps)",
+                tile * subs
+            ),
             Box::new(backward),
         ));
     }

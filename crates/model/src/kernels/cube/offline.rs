@@ -22,8 +22,9 @@ use super::flash_attention;
 use crate::kernels::ptx::OfflineKernel;
 
 /// The device CubeCL's CUDA runtime would describe for compute capability
-/// `arch` (e.g. 90 for an H100 or H200): 32-unit warps, 227 KiB of shared
-/// memory a cube, and tensor-core products of bf16 and f16 summing in f32
+/// `arch` (e.g. 90 for an H100 or H200): 32-unit warps, the shared memory
+/// a cube may have there (227 KiB on an H100, where kiln does not know the
+/// architecture), and tensor-core products of bf16 and f16 summing in f32
 /// (16 × 16 × 16), what the kernels ask for.
 fn device(arch: u32) -> Arc<DeviceProperties> {
     use cubecl::features::MmaConfig;
@@ -33,7 +34,8 @@ fn device(arch: u32) -> Arc<DeviceProperties> {
         plane_size_min: 32,
         plane_size_max: 32,
         max_bindings: 32,
-        max_shared_memory_size: 227 * 1024,
+        max_shared_memory_size: crate::kernels::ptx::max_shared_per_cube(arch)
+            .unwrap_or(227 * 1024),
         max_cube_count: (u32::MAX, u16::MAX as u32, u16::MAX as u32),
         max_units_per_cube: 1024,
         max_cube_dim: (1024, 1024, 64),
@@ -72,6 +74,7 @@ fn device(arch: u32) -> Arc<DeviceProperties> {
 
 /// Compiles `kernel` with both compilers for `arch`.
 fn compile(name: &str, arch: u32, kernel: &dyn CubeKernel, out: &mut Vec<OfflineKernel>) {
+    let units = kernel.define().settings.cube_dim.num_elems();
     for (backend, compiler) in [(CudaBackend::Llvm, "llvm"), (CudaBackend::Cpp, "cpp")] {
         let options = CudaCompilationOptions {
             arch: Some(SmArch::new(arch, false)),
@@ -87,8 +90,11 @@ fn compile(name: &str, arch: u32, kernel: &dyn CubeKernel, out: &mut Vec<Offline
                 .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "the compiler panicked".to_string())
         })
-        .and_then(|compiled| compiled.map_err(|error| format!("{error:?}")))
-        .map(|representation| match representation {
+        .and_then(|compiled| compiled.map_err(|error| format!("{error:?}")));
+        let shared_bytes = assembly
+            .as_ref()
+            .map_or(0, CudaRepresentation::shared_memory_size);
+        let assembly = assembly.map(|representation| match representation {
             CudaRepresentation::Llvm(module) => {
                 // (The module's PTX is NUL-terminated.)
                 let bytes: Vec<u8> = module.ptx.iter().map(|&c| c as u8).collect();
@@ -102,6 +108,8 @@ fn compile(name: &str, arch: u32, kernel: &dyn CubeKernel, out: &mut Vec<Offline
             name: name.to_string(),
             compiler,
             assembly,
+            units,
+            shared_bytes,
         });
     }
 }
