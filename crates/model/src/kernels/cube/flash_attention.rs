@@ -64,9 +64,12 @@
 //! in each kernel). All three kernels keep their sums (O, dQ, or dK and
 //! dV) in the planes' registers, as the matrix unit's accumulators, and
 //! meet cube-wide only around the shared loads (two barriers a step), the
-//! rest of a step synchronised within each plane. The two variables are
-//! experiments the GPU check times (`bench/gpu_check.py`'s
-//! `FLASH_VARIANTS`).
+//! rest of a step synchronised within each plane. The forward kernel keeps
+//! its plane's queries in registers as the unit's operands too; with
+//! `FLASH_HOLD=1` the backward kernels keep theirs (Q and dO, or K and V).
+//! The three variables are experiments the GPU check times
+//! (`bench/gpu_check.py`'s `FLASH_VARIANTS`); `kiln check-kernels
+//! --cuda-arch 90` gives each variant's registers and occupancy.
 
 use burn::tensor::DType;
 use burn_backend::cubecl::{dtype_to_elem_type, dtype_to_storage_type};
@@ -242,19 +245,25 @@ fn fragment<T: CubePrimitive>(
 /// tiles on the matrix unit: the scores `Q·Kᵀ`, or `dO·Vᵀ`. `Bᵀ` is `B`
 /// read column-major. `A` starts at `a_off` in `a`, `B` at `b_off` in
 /// `b`, the result at `out_off` in `out` (a plane's part of a cube's
-/// tiles), its rows `out_stride` apart.
+/// tiles), its rows `out_stride` apart. With `a_held` (`b_held`), `A`'s
+/// (`B`'s) fragments are `held_a` (`held_b`), in the plane's registers
+/// ([`held_operands`]), instead of loaded from shared memory.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn product_abt<E: Float>(
     a: &Shared<[E]>,
     a_off: usize,
+    held_a: &Sequence<Matrix<E>>,
     b: &Shared<[E]>,
     b_off: usize,
+    held_b: &Sequence<Matrix<E>>,
     out: &mut Shared<[f32]>,
     out_off: usize,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
     #[comptime] out_stride: usize,
+    #[comptime] a_held: bool,
+    #[comptime] b_held: bool,
 ) {
     let acc = Matrix::<f32>::from_value(
         MatrixIdent::Accumulator,
@@ -267,21 +276,41 @@ fn product_abt<E: Float>(
     let end = tile * head_dim;
     #[unroll]
     for step in 0..head_dim / tile {
-        let lhs = fragment::<E>(
-            MatrixIdent::A,
-            MatrixLayout::RowMajor,
-            &a[a_off + step * tile..a_off + end],
-            head_dim as u32,
-            tile,
-        );
-        let rhs = fragment::<E>(
-            MatrixIdent::B,
-            MatrixLayout::ColMajor,
-            &b[b_off + step * tile..b_off + end],
-            head_dim as u32,
-            tile,
-        );
-        cmma::execute(&lhs, &rhs, &acc, &acc);
+        if comptime!(a_held) {
+            let rhs = fragment::<E>(
+                MatrixIdent::B,
+                MatrixLayout::ColMajor,
+                &b[b_off + step * tile..b_off + end],
+                head_dim as u32,
+                tile,
+            );
+            cmma::execute(held_a.index(step), &rhs, &acc, &acc);
+        } else if comptime!(b_held) {
+            let lhs = fragment::<E>(
+                MatrixIdent::A,
+                MatrixLayout::RowMajor,
+                &a[a_off + step * tile..a_off + end],
+                head_dim as u32,
+                tile,
+            );
+            cmma::execute(&lhs, held_b.index(step), &acc, &acc);
+        } else {
+            let lhs = fragment::<E>(
+                MatrixIdent::A,
+                MatrixLayout::RowMajor,
+                &a[a_off + step * tile..a_off + end],
+                head_dim as u32,
+                tile,
+            );
+            let rhs = fragment::<E>(
+                MatrixIdent::B,
+                MatrixLayout::ColMajor,
+                &b[b_off + step * tile..b_off + end],
+                head_dim as u32,
+                tile,
+            );
+            cmma::execute(&lhs, &rhs, &acc, &acc);
+        }
     }
     cmma::store(
         &mut out[out_off..out_off + (tile - 1) * out_stride + tile],
@@ -289,6 +318,45 @@ fn product_abt<E: Float>(
         out_stride as u32,
         MatrixLayout::RowMajor,
     );
+}
+
+/// The `count` fragments of a row-major `tile × head_dim` tile at `off` in
+/// `s` as the matrix unit's operands, to keep in the plane's registers:
+/// as left operands (`A`), or (`right`) as the right operands of a product
+/// with the tile's transpose (`B`, read column-major). `count` is
+/// `head_dim / tile`, or 0 for none.
+#[cube]
+fn held_operands<E: Float>(
+    s: &Shared<[E]>,
+    off: usize,
+    #[comptime] right: bool,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] count: usize,
+) -> Sequence<Matrix<E>> {
+    let mut out = Sequence::new();
+    let end = tile * head_dim;
+    #[unroll]
+    for step in 0..count {
+        if comptime!(right) {
+            out.push(fragment::<E>(
+                MatrixIdent::B,
+                MatrixLayout::ColMajor,
+                &s[off + step * tile..off + end],
+                head_dim as u32,
+                tile,
+            ));
+        } else {
+            out.push(fragment::<E>(
+                MatrixIdent::A,
+                MatrixLayout::RowMajor,
+                &s[off + step * tile..off + end],
+                head_dim as u32,
+                tile,
+            ));
+        }
+    }
+    out
 }
 
 /// The `tile × tile` left operand at `a_off` in `a`, row-major with rows
@@ -1073,6 +1141,7 @@ fn flash_backward_kernel<E: Float, N: Size>(
     #[comptime] subs: usize,
     #[comptime] causal: bool,
     #[comptime] keys_outer: bool,
+    #[comptime] hold: bool,
     #[define(E)] _dtype: ElemType,
 ) {
     let h = CUBE_POS_Y as usize;
@@ -1165,6 +1234,20 @@ fn flash_backward_kernel<E: Float, N: Size>(
             units,
         );
     }
+    // With `hold`, the plane's own rows' operands of the two score
+    // products (Q and dO as left operands in the dQ kernel, K and V as
+    // right ones in dK/dV's) in its registers for the whole walk instead
+    // of loaded from shared memory at every step.
+    let held = comptime!(if hold { head_dim / tile } else { 0 });
+    if comptime!(hold) {
+        sync_cube();
+    }
+    let held_left = comptime!(if keys_outer { 0 } else { held });
+    let held_right = comptime!(if keys_outer { held } else { 0 });
+    let held_q = held_operands(&sq, q_off, false, head_dim, tile, held_left);
+    let held_do = held_operands(&sdo, q_off, false, head_dim, tile, held_left);
+    let held_k = held_operands(&sk, k_off, true, head_dim, tile, held_right);
+    let held_v = held_operands(&sv, k_off, true, head_dim, tile, held_right);
     // The inner side's tiles, each read a step ahead: in flight while the
     // step before is computed.
     let mut next = staged::<E, N>(head_dim, inner_rows, units, vec);
@@ -1248,8 +1331,36 @@ fn flash_backward_kernel<E: Float, N: Size>(
                 let q_at = q_off + sub * q_step;
                 let k_at = k_off + sub * k_step;
                 let at = my_scores + sub * sub_off;
-                product_abt(&sq, q_at, &sk, k_at, &mut ss, at, head_dim, tile, stride);
-                product_abt(&sdo, q_at, &sv, k_at, &mut sdp, at, head_dim, tile, stride);
+                product_abt(
+                    &sq,
+                    q_at,
+                    &held_q,
+                    &sk,
+                    k_at,
+                    &held_k,
+                    &mut ss,
+                    at,
+                    head_dim,
+                    tile,
+                    stride,
+                    comptime!(held_left > 0),
+                    comptime!(held_right > 0),
+                );
+                product_abt(
+                    &sdo,
+                    q_at,
+                    &held_do,
+                    &sv,
+                    k_at,
+                    &held_v,
+                    &mut sdp,
+                    at,
+                    head_dim,
+                    tile,
+                    stride,
+                    comptime!(held_left > 0),
+                    comptime!(held_right > 0),
+                );
             }
         }
         sync_plane();
@@ -1370,6 +1481,16 @@ fn inner_tiles(tile: usize) -> usize {
     KEYS.get_or_init(|| setting("FLASH_KEYS"))
         .filter(|&keys| keys.is_multiple_of(tile) && (tile..=8 * tile).contains(&keys))
         .map_or(1, |keys| keys / tile)
+}
+
+/// Whether the backward kernels keep their own rows' operands of the
+/// score products in registers: `FLASH_HOLD=1` (an experiment for the GPU
+/// check to time: fewer shared-memory loads a step, 32 more registers a
+/// unit, so fewer cubes a multiprocessor; `kiln check-kernels --cuda-arch`
+/// counts them). Off by default.
+fn hold_operands() -> bool {
+    static HOLD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HOLD.get_or_init(|| setting("FLASH_HOLD") == Some(1))
 }
 
 /// The environment variable `name` as a number, or None: read once a
@@ -1534,6 +1655,7 @@ pub(super) fn backward(
             subs,
             causal,
             keys_outer,
+            hold_operands(),
             dtype_to_storage_type(dtype),
         );
     }
@@ -1617,12 +1739,14 @@ pub(super) fn offline_kernels(
             subs,
             causal,
             keys_outer,
+            hold_operands(),
             elem,
         );
         kernels.push((
             format!(
-                "flash attention {name} ({dtype:?}, heads {head_dim} wide, causal, {} {rows} a step, {planes} warps)",
-                tile * subs
+                "flash attention {name} ({dtype:?}, heads {head_dim} wide, causal, {} {rows} a step, {planes} warps{})",
+                tile * subs,
+                if hold_operands() { ", operands held" } else { "" }
             ),
             Box::new(backward),
         ));
