@@ -1045,7 +1045,9 @@ def main():
         # were slower than the default on the second 2026-12-04 H200 check
         # (GPT-2 small bf16: 51,937, 49,382 and 44,372 against 58,450
         # tokens/s); the kernels changed since (two cube-wide barriers a
-        # step, O in registers), which may favour more keys a step.
+        # step, O in registers), which may favour more keys a step. New:
+        # 32 keys in 100 KiB (four warps a cube in the backward, where 48
+        # KiB leaves two) and the backward's operands held in registers.
         for variant in () if args.tiny else FLASH_VARIANTS:
             check.kernels(flash=variant)
             check.bench_named(f"bench lm gpt2-small bf16 {variant}")
