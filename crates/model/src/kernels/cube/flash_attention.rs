@@ -125,8 +125,9 @@ pub(crate) fn tile_for(
 /// `subs` inner tiles a step: the queries with their output gradient,
 /// log-sum-exp and `delta`, the keys and values with their flags (the
 /// cube's rows', or the step's inner tiles shared by the planes), each
-/// plane's scores and their gradient in f32 and rounded. (The sums, dK
-/// and dV or dQ, are in the planes' registers.)
+/// plane's scores and their gradient in f32 and rounded (the rounded
+/// probabilities only with `keys_outer`: the dQ kernel has no product of
+/// them). (The sums, dK and dV or dQ, are in the planes' registers.)
 fn backward_shared_bytes(
     tile: usize,
     head_dim: usize,
@@ -141,9 +142,12 @@ fn backward_shared_bytes(
     } else {
         (rows, inner)
     };
+    let rounded = if keys_outer { 2 } else { 1 };
+    // (The dK/dV kernel's key flags are in its units' registers where the
+    // plane is a whole number of tiles wide: counted here anyway.)
     2 * (q_rows + k_rows) * head_dim * elem
         + 4 * (2 * q_rows + k_rows)
-        + rows * inner * (8 + 2 * elem)
+        + rows * inner * (8 + rounded * elem)
 }
 
 /// Whether the launch grid (query or key tiles, heads, batch entries) fits
@@ -518,6 +522,18 @@ fn query_sees(
     #[comptime] causal: bool,
 ) -> bool {
     let mut sees = i < seq && seen[c] != f32::new(0.0);
+    if causal {
+        sees = sees && j <= i;
+    }
+    sees
+}
+
+/// Whether key `j`, seen at all (`key_seen`: in the sequence and not
+/// padding), is seen by query `i` (in the sequence, and with `causal` not
+/// before the key).
+#[cube]
+fn sees(key_seen: bool, i: usize, j: usize, seq: usize, #[comptime] causal: bool) -> bool {
+    let mut sees = i < seq && key_seen;
     if causal {
         sees = sees && j <= i;
     }
@@ -1177,10 +1193,27 @@ fn flash_backward_kernel<E: Float, N: Size>(
     let mut sdelta = Shared::<[f32]>::new_slice(q_rows);
     let mut sk = tile_memory::<E>(comptime!(k_rows * head_dim));
     let mut sv = tile_memory::<E>(comptime!(k_rows * head_dim));
-    let mut seen = Shared::<[f32]>::new_slice(k_rows);
+    // In the dK/dV kernel each unit of a plane meets the same one of the
+    // plane's keys at every step where the plane is a whole number of
+    // tiles wide (NVIDIA's 32-unit warps and 16-row tiles; lavapipe's 8 and
+    // 8): the unit keeps whether its key is seen in a register, and the
+    // cube no flags in shared memory (256 bytes less: three cubes a
+    // multiprocessor instead of two on an RTX 4090's 100 KiB).
+    let unit_flags = comptime!(keys_outer && plane.is_multiple_of(tile));
+    let mut seen = Shared::<[f32]>::new_slice(comptime!(if unit_flags { 1 } else { k_rows }));
+    let mut key_seen = false;
+    if comptime!(unit_flags) {
+        let key = my_start + lane % tile;
+        if key < seq {
+            key_seen = pad[b * seq + key] == f32::new(0.0);
+        }
+    }
     let mut ss = tile_memory::<f32>(comptime!(rows * inner_rows));
     let mut sdp = tile_memory::<f32>(comptime!(rows * inner_rows));
-    let mut sp = tile_memory::<E>(comptime!(rows * inner_rows));
+    // (`P` rounded is the left operand of dK/dV's `Pᵀ·dO` only: the dQ
+    // kernel takes none of it, and its shared memory is what bounds its
+    // cubes a multiprocessor.)
+    let mut sp = tile_memory::<E>(comptime!(if keys_outer { rows * inner_rows } else { 1 }));
     let mut sds = tile_memory::<E>(comptime!(rows * inner_rows));
     // dK (or dQ), and dV (dK/dV only): each plane's rows, in its
     // registers (nothing rescales them, unlike the forward pass's O).
@@ -1211,7 +1244,12 @@ fn flash_backward_kernel<E: Float, N: Size>(
         read_keys(
             qkv, pad, &mut outer, b, h, heads, start, seq, head_dim, rows, units,
         );
-        write_keys(&outer, &mut sk, &mut sv, &mut seen, head_dim, rows, units);
+        if comptime!(unit_flags) {
+            write_rows(&outer.first, &mut sk, head_dim, rows, units);
+            write_rows(&outer.second, &mut sv, head_dim, rows, units);
+        } else {
+            write_keys(&outer, &mut sk, &mut sv, &mut seen, head_dim, rows, units);
+        }
     } else {
         q_off = mine;
         q_row0 = warp * tile;
@@ -1371,10 +1409,17 @@ fn flash_backward_kernel<E: Float, N: Size>(
                 let c = e % stride;
                 let at = my_scores + e;
                 let mut p = f32::new(0.0);
-                if query_sees(&seen, k_row0 + c, q_first + r, k_first + c, seq, causal) {
+                let visible_pair = if comptime!(unit_flags) {
+                    sees(key_seen, q_first + r, k_first + c, seq, causal)
+                } else {
+                    query_sees(&seen, k_row0 + c, q_first + r, k_first + c, seq, causal)
+                };
+                if visible_pair {
                     p = (ss[at] * scale - slse[q_row0 + r]).exp();
                 }
-                sp[at] = E::cast_from(p);
+                if comptime!(keys_outer) {
+                    sp[at] = E::cast_from(p);
+                }
                 sds[at] = E::cast_from(p * (sdp[at] - sdelta[q_row0 + r]));
                 e += plane;
             }
