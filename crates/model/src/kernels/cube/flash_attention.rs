@@ -245,6 +245,38 @@ fn fragment<T: CubePrimitive>(
     Matrix::<T>::from_slice(ident, tile, tile, tile, layout, slice, stride)
 }
 
+/// The `step`-th `tile × tile` block of columns of a row-major `tile ×
+/// head_dim` tile at `off` in `s`, as the matrix unit's left operand, or
+/// (`right`) read column-major as the right operand of a product with the
+/// tile's transpose (`A·Bᵀ`).
+#[cube]
+fn block<E: Float>(
+    s: &Shared<[E]>,
+    off: usize,
+    step: usize,
+    #[comptime] right: bool,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+) -> Matrix<E> {
+    let ident = comptime!(if right {
+        MatrixIdent::B
+    } else {
+        MatrixIdent::A
+    });
+    let layout = comptime!(if right {
+        MatrixLayout::ColMajor
+    } else {
+        MatrixLayout::RowMajor
+    });
+    fragment::<E>(
+        ident,
+        layout,
+        &s[off + step * tile..off + tile * head_dim],
+        head_dim as u32,
+        tile,
+    )
+}
+
 /// `out = A·Bᵀ` (`tile × tile`, f32) of two row-major `tile × head_dim`
 /// tiles on the matrix unit: the scores `Q·Kᵀ`, or `dO·Vᵀ`. `Bᵀ` is `B`
 /// read column-major. `A` starts at `a_off` in `a`, `B` at `b_off` in
@@ -277,42 +309,17 @@ fn product_abt<E: Float>(
         MatrixLayout::Undefined,
         f32::new(0.0),
     );
-    let end = tile * head_dim;
     #[unroll]
     for step in 0..head_dim / tile {
         if comptime!(a_held) {
-            let rhs = fragment::<E>(
-                MatrixIdent::B,
-                MatrixLayout::ColMajor,
-                &b[b_off + step * tile..b_off + end],
-                head_dim as u32,
-                tile,
-            );
+            let rhs = block(b, b_off, step, true, head_dim, tile);
             cmma::execute(held_a.index(step), &rhs, &acc, &acc);
         } else if comptime!(b_held) {
-            let lhs = fragment::<E>(
-                MatrixIdent::A,
-                MatrixLayout::RowMajor,
-                &a[a_off + step * tile..a_off + end],
-                head_dim as u32,
-                tile,
-            );
+            let lhs = block(a, a_off, step, false, head_dim, tile);
             cmma::execute(&lhs, held_b.index(step), &acc, &acc);
         } else {
-            let lhs = fragment::<E>(
-                MatrixIdent::A,
-                MatrixLayout::RowMajor,
-                &a[a_off + step * tile..a_off + end],
-                head_dim as u32,
-                tile,
-            );
-            let rhs = fragment::<E>(
-                MatrixIdent::B,
-                MatrixLayout::ColMajor,
-                &b[b_off + step * tile..b_off + end],
-                head_dim as u32,
-                tile,
-            );
+            let lhs = block(a, a_off, step, false, head_dim, tile);
+            let rhs = block(b, b_off, step, true, head_dim, tile);
             cmma::execute(&lhs, &rhs, &acc, &acc);
         }
     }
@@ -339,26 +346,9 @@ fn held_operands<E: Float>(
     #[comptime] count: usize,
 ) -> Sequence<Matrix<E>> {
     let mut out = Sequence::new();
-    let end = tile * head_dim;
     #[unroll]
     for step in 0..count {
-        if comptime!(right) {
-            out.push(fragment::<E>(
-                MatrixIdent::B,
-                MatrixLayout::ColMajor,
-                &s[off + step * tile..off + end],
-                head_dim as u32,
-                tile,
-            ));
-        } else {
-            out.push(fragment::<E>(
-                MatrixIdent::A,
-                MatrixLayout::RowMajor,
-                &s[off + step * tile..off + end],
-                head_dim as u32,
-                tile,
-            ));
-        }
+        out.push(block(s, off, step, right, head_dim, tile));
     }
     out
 }
@@ -644,17 +634,7 @@ fn flash_attention_kernel<E: Float, N: Size>(
     sync_cube();
     // This plane's queries as the matrix unit's left operands and its sums
     // O, both in the plane's registers for the whole walk.
-    let mut queries = Sequence::<Matrix<E>>::new();
-    #[unroll]
-    for step in 0..head_dim / tile {
-        queries.push(fragment::<E>(
-            MatrixIdent::A,
-            MatrixLayout::RowMajor,
-            &sq[mine + step * tile..mine + tile_elems],
-            head_dim as u32,
-            tile,
-        ));
-    }
+    let queries = held_operands(&sq, mine, false, head_dim, tile, comptime!(head_dim / tile));
     let mut o = accumulators(head_dim, tile);
 
     // With `causal`, no key after the cube's last query.
@@ -709,31 +689,20 @@ fn flash_attention_kernel<E: Float, N: Size>(
             // The plane's scores, a key tile at a time.
             #[unroll]
             for sub in 0..subs {
-                let acc = Matrix::<f32>::from_value(
-                    MatrixIdent::Accumulator,
+                product_abt(
+                    &sq,
+                    mine,
+                    &queries,
+                    &sk,
+                    sub * tile_elems,
+                    &queries,
+                    &mut ss,
+                    my_scores + sub * tile,
+                    head_dim,
                     tile,
-                    tile,
-                    tile,
-                    MatrixLayout::Undefined,
-                    f32::new(0.0),
-                );
-                let keys_at = sub * tile_elems;
-                #[unroll]
-                for step in 0..head_dim / tile {
-                    let rhs = fragment::<E>(
-                        MatrixIdent::B,
-                        MatrixLayout::ColMajor,
-                        &sk[keys_at + step * tile..keys_at + tile_elems],
-                        head_dim as u32,
-                        tile,
-                    );
-                    cmma::execute(queries.index(step), &rhs, &acc, &acc);
-                }
-                cmma::store(
-                    &mut ss[my_scores + sub * tile..region_end],
-                    &acc,
-                    step_keys as u32,
-                    MatrixLayout::RowMajor,
+                    step_keys,
+                    true,
+                    false,
                 );
             }
         }
