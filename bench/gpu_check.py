@@ -118,7 +118,8 @@ FLASH_VARIANTS = {
     # --cuda-arch 90` with ptxas.)
     "flash 32 keys, 100 KiB": {"FLASH_KEYS": "32", "FLASH_SHARED_KIB": "100"},
     # The backward's own rows' operands in registers: a third fewer shared
-    # loads a step, 104 and 164 registers instead of 72 and 126.
+    # loads a step, 104 and 162 registers instead of 71 and 125 (4 and 3
+    # cubes an SM instead of 7 and 4).
     "flash operands held": {"FLASH_HOLD": "1"},
     "flash 32 keys": {"FLASH_KEYS": "32"},
     "flash 64 keys, 100 KiB": {"FLASH_KEYS": "64", "FLASH_SHARED_KIB": "100"},
