@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use kiln_train::kiln_model::kernels::{
     KernelCheck, OfflineKernel, Registers, check_adamw, check_attention, check_bias,
     check_embedding, check_gelu, check_layer_norm, check_lm_head_loss, check_matmul,
-    check_sum_of_squares, occupancy, ptx_target,
+    check_sum_of_squares, find_ptxas, occupancy, ptx_target,
 };
 
 use super::{BadInput, Context, Layers, train_error};
@@ -45,9 +45,9 @@ pub(crate) struct Args {
     emit: Option<std::path::PathBuf>,
     /// With --cuda-arch: NVIDIA's assembler, to count each kernel's
     /// registers and spills (`ptxas -v`) and the cubes a multiprocessor
-    /// holds. Default: `$CUDA_PATH/bin/ptxas`, `/usr/local/cuda/bin/ptxas`
-    /// or `ptxas` on PATH, where one is; without one the PTX is counted
-    /// only
+    /// holds. Default: the CUDA toolkit's (`$CUDA_PATH/bin/ptxas`, else
+    /// /usr/local/cuda's or /opt/cuda's) or `ptxas` on PATH, where one is;
+    /// without one the PTX is counted only
     #[arg(long, value_name = "PATH", requires = "cuda_arch")]
     ptxas: Option<std::path::PathBuf>,
     #[command(flatten)]
@@ -294,20 +294,6 @@ fn describe(arch: u32, k: &OfflineKernel, r: &Registers) -> String {
         None => format!("occupancy of sm_{arch} not known to kiln"),
     };
     format!("{} registers, {spills}, {held}", r.registers)
-}
-
-/// NVIDIA's assembler where a CUDA toolkit (or PyPI's
-/// `nvidia-cuda-nvcc-cu12`, as `CUDA_PATH`) puts it.
-fn find_ptxas() -> Option<PathBuf> {
-    let mut candidates: Vec<PathBuf> = Vec::new();
-    if let Some(home) = std::env::var_os("CUDA_PATH") {
-        candidates.push(PathBuf::from(home).join("bin/ptxas"));
-    }
-    candidates.push(PathBuf::from("/usr/local/cuda/bin/ptxas"));
-    if let Some(path) = std::env::var_os("PATH") {
-        candidates.extend(std::env::split_paths(&path).map(|dir| dir.join("ptxas")));
-    }
-    candidates.into_iter().find(|p| p.is_file())
 }
 
 /// `ptxas -v` on `ptx`, for the architecture its `.target` names.

@@ -80,9 +80,7 @@ pub use check::{
 };
 #[cfg(feature = "flex")]
 pub use cpu::peak::{MeasuredPeak, measure_fp32_peak};
-pub use ptx::{
-    Occupancy, OfflineKernel, PtxCounts, Registers, max_shared_per_cube, occupancy, ptx_target,
-};
+pub use ptx::{Occupancy, OfflineKernel, PtxCounts, Registers, occupancy, ptx_target};
 
 /// kiln's CubeCL kernels compiled for NVIDIA compute capability `arch`
 /// (90 for an H100 or H200) without a device, by both of CubeCL's CUDA
@@ -96,6 +94,21 @@ pub fn compile_cuda_kernels(arch: u32) -> Option<Vec<OfflineKernel>> {
         let _ = arch;
         None
     }
+}
+/// NVIDIA's assembler, to count what [`compile_cuda_kernels`]' PTX needs:
+/// `bin/ptxas` of the CUDA toolkit CubeCL finds (`CUDA_PATH`, else
+/// `/usr/local/cuda`, `/opt/cuda`: CubeCL's own lookup, in CUDA builds),
+/// else `ptxas` on `PATH`; `None` where there is none.
+pub fn find_ptxas() -> Option<std::path::PathBuf> {
+    #[cfg(feature = "cuda")]
+    let toolkit = cubecl::cuda::install::cuda_path().map(|root| root.join("bin").join("ptxas"));
+    #[cfg(not(feature = "cuda"))]
+    let toolkit = None;
+    let on_path = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|path| std::env::split_paths(&path).collect::<Vec<_>>())
+        .map(|dir| dir.join("ptxas"));
+    toolkit.into_iter().chain(on_path).find(|p| p.is_file())
 }
 #[cfg(feature = "cube")]
 pub(crate) use cube::{cube_empty, cube_gpu, cube_gpu_float};

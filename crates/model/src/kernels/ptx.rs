@@ -173,8 +173,9 @@ fn multiprocessor(arch: u32) -> Option<Multiprocessor> {
 }
 
 /// The most shared memory one cube may have on compute capability `arch`,
-/// in bytes, where kiln knows it.
-pub fn max_shared_per_cube(arch: u32) -> Option<usize> {
+/// in bytes, where kiln knows it (the offline compile's assumed device).
+#[cfg(feature = "cuda")]
+pub(crate) fn max_shared_per_cube(arch: u32) -> Option<usize> {
     multiprocessor(arch).map(|m| m.shared_per_cube_kib * 1024)
 }
 
