@@ -35,9 +35,13 @@ measured already goes last: `main`'s comments):
    before those comparisons (the kernels changed after they were last
    timed);
    GPT-2 small, BERT-base and the `h100` preset again with cuBLAS's
-   products (`optimization.matmul=cublas`, right after each default run;
+   products (`optimization.matmul=cublas`, right after each default run,
+   and GPT-2 small in f32 with TF32 after its f32 run;
    its library from PyTorch's pip wheels where `LD_LIBRARY_PATH` has none),
-   and GPT-2 small's loss after its steps against the default's;
+   and GPT-2 small's loss after its steps against the default's; GPT-2
+   small with cuBLAS waited for on the host around each product
+   (`KILN_CUBLAS_WAIT=1`) at once where the cuBLAS run failed or its loss
+   differs, otherwise last among the speed comparisons;
 5. data parallelism on the one GPU: `kiln launch` of 2 ranks (NCCL, then
    kiln's sockets, then NCCL with the gradients in bf16) against one
    process with their whole batch, and (after
@@ -254,10 +258,10 @@ class Check:
         # kiln's own refusal says what is missing, on the run that asks.
         return None
 
-    def cublas(self, name):
+    def cublas(self, name, suffix=""):
         """The bench `name` again with cuBLAS's products (its shape's
-        `cuBLAS` entry), skipped off CUDA."""
-        label = f"{name} cuBLAS"
+        `cuBLAS` entry, `suffix` after it), skipped off CUDA."""
+        label = f"{name} cuBLAS{suffix}"
         if self.cublas_why is not None:
             self.skip(label, self.cublas_why)
             return None
@@ -280,6 +284,14 @@ class Check:
         }
         print(f"-- {verdict['name']}: {verdict['status']} {losses}", flush=True)
         self.steps.append(verdict)
+
+    def passed(self, name):
+        """Whether the step `name` ran and passed (False where it failed,
+        None where it did not run)."""
+        found = [s for s in self.steps if s.get("name") == name]
+        if not found or found[-1].get("status") == "skipped":
+            return None
+        return found[-1].get("status") == "ok"
 
     def left(self):
         return self.args.budget - (time.monotonic() - self.start)
@@ -542,7 +554,16 @@ class Check:
             # NVIDIA's cuBLAS for the linear layers' and the LM head's
             # products (issue 49's largest bar: Burn's at ~60 TFLOP/s).
             "bench lm gpt2-small bf16 cuBLAS": ("lm", [*gpu, *gpt2, *bf16, *cublas], profile, *large),
+            # The same with `KILN_CUBLAS_WAIT=1`: each product waited for on
+            # the host, on a stream of kiln's, instead of queued on CubeCL's
+            # (see `bench_named`): a check on that ordering, and its gain.
+            "bench lm gpt2-small bf16 cuBLAS host waits": (
+                "lm", [*gpu, *gpt2, *bf16, *cublas], profile, *large),
             "bench lm h100 preset cuBLAS": ("lm", [*gpu, *h100, *cublas], [], 2, 5, 300),
+            # f32's products by cuBLAS on TF32 tensor cores (`precision.tf32`;
+            # Burn's autotune may pick TF32 kernels for f32 too).
+            "bench lm gpt2-small f32 cuBLAS": (
+                "lm", [*gpu, *gpt2, *f32, "precision.tf32=true", *cublas], profile, *large),
             "bench nli bert-base bf16 cuBLAS": (
                 "nli",
                 [*gpu, *bert, *bf16, *cublas],
@@ -612,6 +633,8 @@ class Check:
         for variant, flash_env in FLASH_VARIANTS.items():
             if name.endswith(" " + variant):
                 env = dict(env or self.env, **flash_env)
+        if name.endswith(" host waits"):
+            env = dict(env or self.env, KILN_CUBLAS_WAIT="1")
         step = self.bench(label, workload, overrides, warmup, steps, limit, extra, binary, env, cwd)
         decisions = self.scratch(name, suffix=".decisions.jsonl")
         if build is None and os.path.exists(decisions):
@@ -1034,6 +1057,14 @@ def main():
         # loss after the same steps against Burn's products'.
         check.cublas("bench lm gpt2-small bf16")
         check.same_loss("bench lm gpt2-small bf16", "bench lm gpt2-small bf16 cuBLAS", 0.05)
+        # cuBLAS's products are queued on CubeCL's stream, unwaited for
+        # (new): where that run failed or its loss differs, the same with
+        # the host waiting around each product says whether the ordering
+        # is at fault. Otherwise it is timed last (what the waits cost).
+        cublas_loss = "bench lm gpt2-small bf16 cuBLAS: final loss against bench lm gpt2-small bf16"
+        if False in (check.passed("bench lm gpt2-small bf16 cuBLAS"), check.passed(cublas_loss)):
+            check.cublas("bench lm gpt2-small bf16", " host waits")
+            check.same_loss("bench lm gpt2-small bf16", "bench lm gpt2-small bf16 cuBLAS host waits", 0.05)
         check.bench_named("bench nli bert-base bf16")
         check.pytorch_encoder("pytorch bert-base bf16", "bench nli bert-base bf16", "bf16")
         check.cublas("bench nli bert-base bf16")
@@ -1053,6 +1084,7 @@ def main():
             check.kernels(flash=variant)
             check.bench_named(f"bench lm gpt2-small bf16 {variant}")
         check.bench_named("bench lm gpt2-small f32")
+        check.cublas("bench lm gpt2-small f32")
         check.pytorch([tiny_f32])
         check.pytorch([compiled])
         check.train_auto()
@@ -1065,6 +1097,8 @@ def main():
             check.bench_named("bench lm h100 preset scalar attention")
             check.bench_named("bench lm gpt2-small bf16 max-autotune")
             check.bench_named("bench lm gpt2-small bf16 async allocator")
+            if check.passed("bench lm gpt2-small bf16 cuBLAS host waits") is None:
+                check.cublas("bench lm gpt2-small bf16", " host waits")
         # The same kernels compiled by NVRTC instead of LLVM: checked, then
         # timed at the step the issue's MFU is measured on.
         check.kernels("NVRTC")

@@ -706,8 +706,10 @@ fn check_kernels_on_flex_agree_and_only_picks_by_name() {
     assert!(!ran("sum of squares"), "{}", run.stdout);
     assert!(!ran("bias, f32"), "{}", run.stdout);
     assert!(!ran("embedding gradient"), "{}", run.stdout);
-    // cuBLAS's products: CUDA only, said so, one shape each dtype.
+    // cuBLAS's products: CUDA only, said so, one shape each dtype (bf16,
+    // f16, f32 and f32 as TF32).
     assert!(!ran("matmul by cuBLAS, bf16"), "{}", run.stdout);
+    assert!(!ran("matmul by cuBLAS, f32 as TF32"), "{}", run.stdout);
     assert_eq!(
         kernels
             .iter()
@@ -715,7 +717,7 @@ fn check_kernels_on_flex_agree_and_only_picks_by_name() {
                 .as_str()
                 .is_some_and(|n| n.starts_with("matmul by cuBLAS")))
             .count(),
-        2,
+        4,
         "{}",
         run.stdout
     );

@@ -424,6 +424,7 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
         ("bench lm gpt2-small bf16 cuBLAS", "CUDA only"),
         ("bench nli bert-base bf16 cuBLAS", "CUDA only"),
         ("bench lm h100 preset cuBLAS", "CUDA only"),
+        ("bench lm gpt2-small f32 cuBLAS", "CUDA only"),
     ] {
         assert_eq!(step(name)["status"], "skipped", "{name}: {stdout}");
         assert!(

@@ -494,9 +494,9 @@ pub struct OptimizationSection {
     #[serde(default)]
     pub attention: AttentionChoice,
     /// Which library runs the linear layers' matrix products on a CUDA
-    /// GPU in bf16/fp16: `burn` (CubeCL's autotuned kernels) or `cublas`
-    /// (NVIDIA's cuBLAS, loaded at run time; a run where it cannot run is
-    /// refused at its start). f32 and other devices run Burn's either way.
+    /// GPU: `burn` (CubeCL's autotuned kernels) or `cublas` (NVIDIA's
+    /// cuBLAS, loaded at run time; a run where it cannot run is refused at
+    /// its start). Other devices run Burn's either way.
     #[serde(default)]
     pub matmul: MatmulChoice,
     /// In a data-parallel job, how AdamW's state is kept (DeepSpeed's
@@ -550,8 +550,8 @@ pub enum MatmulChoice {
     /// Burn's (CubeCL's autotuned kernels).
     #[default]
     Burn,
-    /// NVIDIA's cuBLAS in bf16/fp16 with f32 sums; refused (exit 2) where
-    /// it cannot run.
+    /// NVIDIA's cuBLAS in bf16/fp16 with f32 sums, and in f32 (TF32 as
+    /// `precision.tf32` says); refused (exit 2) where it cannot run.
     Cublas,
 }
 

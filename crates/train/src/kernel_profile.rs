@@ -122,6 +122,7 @@ mod observe {
         pub(crate) fn start() -> Option<Self> {
             let recorder = Arc::new(Recorder::default());
             let observation = LaunchObservation::new(recorder.clone());
+            kiln_model::kernels::cublas_timing(true);
             Some(Self {
                 recorder,
                 observation,
@@ -147,19 +148,20 @@ mod observe {
             }
             let mut launches = std::mem::take(&mut *lock(&recorder.launches));
             let (calls, time) = kiln_model::kernels::cublas_time();
+            kiln_model::kernels::cublas_timing(false);
             let calls = calls - self.cublas_before.0;
             if calls > 0 {
                 let seconds = (time - self.cublas_before.1).as_secs_f64();
                 launches.insert(CUBLAS_ROW, usize::try_from(calls).unwrap_or(usize::MAX));
-                read.push((CUBLAS_ROW, seconds, "system"));
+                read.push((CUBLAS_ROW, seconds, "device"));
             }
             summarise(steps, median_step_ms, &launches, &read, untimed)
         }
     }
 
     /// The row of cuBLAS's products (`optimization.matmul = "cublas"`),
-    /// timed on the host around each call and its stream's wait.
-    const CUBLAS_ROW: &str = "cuBLAS gemm (host-timed)";
+    /// timed by CUDA events queued around each on its stream.
+    const CUBLAS_ROW: &str = "cuBLAS gemm";
 
     fn method_name(method: TimingMethod) -> &'static str {
         match method {

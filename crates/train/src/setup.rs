@@ -244,6 +244,29 @@ pub(crate) fn check_attention_choice(
     Err(TrainError::FlashAttentionNotHere { why })
 }
 
+/// The precision line's words on TF32 for a GPU that has it: which f32
+/// products `precision.tf32` decides (cuBLAS's, with `matmul` `cublas`),
+/// and that CubeCL's autotune decides Burn's.
+fn tf32_note(gpu: &str, matmul: kiln_config::MatmulChoice, tf32: bool) -> String {
+    let cublas = match (matmul, tf32) {
+        (kiln_config::MatmulChoice::Cublas, true) => {
+            "cuBLAS's f32 products use it (precision.tf32 = true), and "
+        }
+        (kiln_config::MatmulChoice::Cublas, false) => {
+            "cuBLAS's f32 products do not (precision.tf32 = false), but "
+        }
+        (kiln_config::MatmulChoice::Burn, _) => "",
+    };
+    let whose = if cublas.is_empty() {
+        "its"
+    } else {
+        "the other"
+    };
+    format!(
+        "; TF32: the {gpu} has it; {cublas}CubeCL's matmul autotuner may pick TF32 tensor-core kernels for {whose} f32 products whatever precision.tf32 says"
+    )
+}
+
 /// Start lines about the device, precision, compile, loader and MFU.
 pub(crate) fn device_lines(
     c: &RunConfig,
@@ -253,10 +276,9 @@ pub(crate) fn device_lines(
     peak_name: &str,
 ) -> Vec<String> {
     let tf32 = match (device.is_gpu, run_gpu(c, &options.hardware)) {
-        (true, Some(gpu)) if gpu.capabilities.tf32 => format!(
-            "; TF32: the {} has it, and CubeCL's matmul autotuner may pick TF32 tensor-core kernels for f32 products whatever precision.tf32 says",
-            gpu.name
-        ),
+        (true, Some(gpu)) if gpu.capabilities.tf32 => {
+            tf32_note(&gpu.name, c.optimization.matmul, c.precision.tf32)
+        }
         (true, _) => "; TF32: not on this device".to_string(),
         (false, _) => String::new(),
     };
@@ -372,7 +394,7 @@ fn set_matmul(
     config: &kiln_config::RunConfig,
     device: &kiln_model::burn::tensor::Device,
 ) -> Result<(), TrainError> {
-    use kiln_model::kernels::{GpuMatmul, cublas_unavailable, set_gpu_matmul};
+    use kiln_model::kernels::{GpuMatmul, cublas_unavailable, set_gpu_matmul, set_tf32};
     let choice = match config.optimization.matmul {
         kiln_config::MatmulChoice::Burn => GpuMatmul::Burn,
         kiln_config::MatmulChoice::Cublas => {
@@ -383,6 +405,7 @@ fn set_matmul(
         }
     };
     set_gpu_matmul(choice);
+    set_tf32(config.precision.tf32);
     Ok(())
 }
 
@@ -408,6 +431,23 @@ mod tests {
         assert_eq!(three_digits(0.1f64.powi(2)), "0.01");
         assert_eq!(three_digits(0.9), "0.9");
         assert_eq!(three_digits(1.0), "1");
+    }
+
+    #[test]
+    fn the_tf32_line_says_which_products_precision_tf32_decides() {
+        use kiln_config::MatmulChoice;
+        let burn = tf32_note("H200", MatmulChoice::Burn, true);
+        assert!(!burn.contains("cuBLAS"), "{burn}");
+        assert!(burn.contains("the H200 has it"), "{burn}");
+        assert!(burn.contains("for its f32 products"), "{burn}");
+        let on = tf32_note("H200", MatmulChoice::Cublas, true);
+        assert!(on.contains("cuBLAS's f32 products use it"), "{on}");
+        assert!(on.contains("for the other f32 products"), "{on}");
+        let off = tf32_note("H200", MatmulChoice::Cublas, false);
+        assert!(
+            off.contains("cuBLAS's f32 products do not (precision.tf32 = false)"),
+            "{off}"
+        );
     }
 
     #[test]

@@ -791,13 +791,28 @@ pub const MATMUL_BF16_TOLERANCE: f64 = 1.6e-2;
 /// the last place (f16 keeps 11 bits).
 pub const MATMUL_F16_TOLERANCE: f64 = 2e-3;
 
+/// [`check_matmul`]'s tolerance in f32 with TF32 (`precision.tf32`), and
+/// wherever Burn's f32 reference may itself run on TF32 tensor cores
+/// ([`f32_products_round`]): TF32 keeps f16's 11 bits, and rounds the
+/// inputs too. Each term's error is then about 4e-4 of it (both inputs'
+/// roundings), their sum's about 4e-4 of the result's spread (about 1
+/// here), the worst of 3 M results about 5 times that, against largest
+/// values of about 5: 4e-4 relative, five times under this.
+pub const MATMUL_TF32_TOLERANCE: f64 = MATMUL_F16_TOLERANCE;
+
+/// [`check_matmul`]'s tolerance in f32 without TF32: the same sums in
+/// another order (each about 1e-7 of the result's spread, over up to
+/// 16,384 terms for a gradient).
+pub const MATMUL_F32_TOLERANCE: f64 = 1e-5;
+
 /// The linear layers' products by cuBLAS (`optimization.matmul =
 /// "cublas"`, `cube::cublas`) on `device`, forward and backward, against
 /// Burn's product in f32 of the same rounded values (exact products of
 /// bf16/f16 inputs, which TF32 holds too): `[m, k] · [k, n]` at 300 × 200
 /// · 96 (rows CUDA pads: 96 and 200 bf16 values are not 512 bytes), 37 ×
 /// 1,009 · 50 (odd sizes) and GPT-2 small's MLP, 1,024 × 768 · 3,072; in
-/// bf16 and f16. The backward pass takes both operands transposed
+/// bf16, f16, and f32 with TF32 allowed and not ([`super::set_tf32`], put
+/// back as it was after). The backward pass takes both operands transposed
 /// (Burn's `transpose` is a view: cuBLAS's `OP_T`). The difference is the
 /// largest of the output's and the two gradients', each relative to the
 /// largest value of its reference. Where cuBLAS does not run (not CUDA,
@@ -809,13 +824,28 @@ pub fn check_matmul(device: &burn::tensor::Device) -> Vec<KernelCheck> {
     device.seed(23);
     let mut checks = Vec::new();
     let available = super::cublas_unavailable(&device).is_none();
-    for (dtype, name, tolerance) in [
-        (FloatDType::BF16, "bf16", MATMUL_BF16_TOLERANCE),
-        (FloatDType::F16, "f16", MATMUL_F16_TOLERANCE),
+    let tf32_was = super::tf32();
+    let (f32_name, f32_tolerance) = f32_check(&device, "f32".into(), MATMUL_F32_TOLERANCE);
+    for (dtype, name, tolerance, tf32) in [
+        (
+            FloatDType::BF16,
+            "bf16".into(),
+            MATMUL_BF16_TOLERANCE,
+            false,
+        ),
+        (FloatDType::F16, "f16".into(), MATMUL_F16_TOLERANCE, false),
+        (FloatDType::F32, f32_name, f32_tolerance, false),
+        (
+            FloatDType::F32,
+            "f32 as TF32".into(),
+            MATMUL_TF32_TOLERANCE,
+            true,
+        ),
     ] {
         if !device.supports_dtype(burn::tensor::DType::from(dtype)) {
             continue;
         }
+        super::set_tf32(tf32);
         // Where cuBLAS does not run the comparison says nothing about it:
         // one small shape, not GPT-2's on a software GPU.
         let shapes = [(300, 200, 96), (37, 1009, 50), (1024, 768, 3072)];
@@ -852,6 +882,7 @@ pub fn check_matmul(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             });
         }
     }
+    super::set_tf32(tf32_was);
     checks
 }
 

@@ -74,9 +74,9 @@ pub use check::{
     ADAMW_TOLERANCE, ATTENTION_BF16_TOLERANCE, ATTENTION_F16_TOLERANCE, ATTENTION_TOLERANCE,
     BIAS_BF16_TOLERANCE, BIAS_F16_TOLERANCE, BIAS_TOLERANCE, EMBEDDING_TOLERANCE, GELU_TOLERANCE,
     KernelCheck, LAYER_NORM_TOLERANCE, LM_HEAD_LOSS_TOLERANCE, MATMUL_BF16_TOLERANCE,
-    MATMUL_F16_TOLERANCE, SUM_OF_SQUARES_TOLERANCE, TF32_TOLERANCE, check_adamw, check_attention,
-    check_bias, check_embedding, check_gelu, check_layer_norm, check_lm_head_loss, check_matmul,
-    check_sum_of_squares, f32_products_round,
+    MATMUL_F16_TOLERANCE, MATMUL_F32_TOLERANCE, MATMUL_TF32_TOLERANCE, SUM_OF_SQUARES_TOLERANCE,
+    TF32_TOLERANCE, check_adamw, check_attention, check_bias, check_embedding, check_gelu,
+    check_layer_norm, check_lm_head_loss, check_matmul, check_sum_of_squares, f32_products_round,
 };
 #[cfg(feature = "flex")]
 pub use cpu::peak::{MeasuredPeak, measure_fp32_peak};
@@ -414,7 +414,7 @@ pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>, kernels: Kernels) ->
 /// avoids.
 ///
 /// With `Fused` and [`GpuMatmul::Cublas`] chosen, the product (and its
-/// gradients) runs in cuBLAS where it can (bf16 or f16 on a CUDA GPU;
+/// gradients) runs in cuBLAS where it can (bf16, f16 or f32 on a CUDA GPU;
 /// `cube::cublas`).
 pub(crate) fn rows_product<const D: usize>(
     x: Tensor<D>,
@@ -439,14 +439,15 @@ pub(crate) fn rows_product<const D: usize>(
 
 /// Which library runs the linear layers' matrix products on a CUDA GPU
 /// (`optimization.matmul`): one choice for the process, as the products
-/// are deep inside the models. Elsewhere, and in f32, Burn's.
+/// are deep inside the models. Elsewhere Burn's.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum GpuMatmul {
     /// Burn's (CubeCL's autotuned kernels).
     #[default]
     Burn,
-    /// NVIDIA's cuBLAS (`cublasGemmEx`, f32 sums) in bf16 and f16, forward
-    /// and backward; see [`cublas_unavailable`].
+    /// NVIDIA's cuBLAS (`cublasGemmEx`, f32 sums) in bf16, f16 and f32
+    /// (TF32 as [`set_tf32`] says), forward and backward; see
+    /// [`cublas_unavailable`].
     Cublas,
 }
 
@@ -461,6 +462,22 @@ pub fn set_gpu_matmul(choice: GpuMatmul) {
     );
 }
 
+static TF32: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether cuBLAS's f32 products (with [`GpuMatmul::Cublas`]) may round
+/// their inputs to TF32 on the tensor cores (`precision.tf32`, PyTorch's
+/// `allow_tf32`): kiln-train sets it with the matmul choice. Off, they
+/// are f32's (`CUBLAS_COMPUTE_32F`). Burn's own f32 products are
+/// CubeCL's autotune's to choose, whatever this says.
+pub fn set_tf32(allowed: bool) {
+    TF32.store(allowed, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// [`set_tf32`]'s setting.
+pub fn tf32() -> bool {
+    TF32.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The [`GpuMatmul`] this process runs.
 pub fn gpu_matmul() -> GpuMatmul {
     if GPU_MATMUL_CUBLAS.load(std::sync::atomic::Ordering::Relaxed) {
@@ -472,14 +489,32 @@ pub fn gpu_matmul() -> GpuMatmul {
 
 static CUBLAS_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 static CUBLAS_NANOS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static CUBLAS_TIMING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// cuBLAS's products this process has run, and their time: the host's wall
-/// clock from each `cublasGemmEx` call to the end of the wait for its
-/// stream (the device is idle when each starts, so this is about the
-/// product's device time plus a launch). What `kiln bench
-/// --kernel-profile` adds to CubeCL's kernels, which do not include them.
+/// Whether cuBLAS's products are timed on the device from now on: each is
+/// queued between two CUDA events, read by [`cublas_time`]. What `kiln
+/// bench --kernel-profile` turns on for its window (cuBLAS's kernels are
+/// no CubeCL launches, which CubeCL times); off otherwise, so that a
+/// product costs no events.
+pub fn cublas_timing(on: bool) {
+    CUBLAS_TIMING.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+#[cfg_attr(
+    not(all(feature = "cuda", not(feature = "fusion"))),
+    allow(dead_code, reason = "the cuBLAS products ask it")
+)]
+pub(crate) fn cublas_timing_on() -> bool {
+    CUBLAS_TIMING.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// cuBLAS's products this process has timed ([`cublas_timing`]) and their
+/// device time, between the CUDA events queued around each on its stream.
+/// Waits for the products not read yet.
 pub fn cublas_time() -> (u64, std::time::Duration) {
     use std::sync::atomic::Ordering;
+    #[cfg(all(feature = "cuda", not(feature = "fusion")))]
+    cube::cublas::settle_timings();
     (
         CUBLAS_CALLS.load(Ordering::Relaxed),
         std::time::Duration::from_nanos(CUBLAS_NANOS.load(Ordering::Relaxed)),
