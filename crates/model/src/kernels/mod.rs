@@ -95,6 +95,7 @@ pub fn compile_cuda_kernels(arch: u32) -> Option<Vec<OfflineKernel>> {
         None
     }
 }
+
 /// NVIDIA's assembler, to count what [`compile_cuda_kernels`]' PTX needs:
 /// `bin/ptxas` of the CUDA toolkit CubeCL finds (`CUDA_PATH`, else
 /// `/usr/local/cuda`, `/opt/cuda`: CubeCL's own lookup, in CUDA builds),

@@ -356,17 +356,17 @@ mod gemm {
         }
         let mut blas = super::blas();
         let device = blas.device(ordinal);
-        // The output was allocated on this thread's CubeCL stream: the one
-        // its launches run on.
-        let stream = if waits {
-            device.stream.cu_stream()
-        } else {
-            rc.resource().stream
-        };
         device
             .ctx
             .bind_to_thread()
             .unwrap_or_else(|e| panic!("cuBLAS's product: CUDA device {ordinal}: {e}"));
+        // With host waits kiln's own stream, waited for below; else the
+        // output's: it was allocated on this thread's CubeCL stream, the
+        // one its launches run on.
+        let own = waits.then(|| device.stream.clone());
+        let stream = own
+            .as_ref()
+            .map_or(rc.resource().stream, |own| own.cu_stream());
         let handle = blas.handle(ordinal, stream);
         let timed = crate::kernels::cublas_timing_on().then(|| Blas::events(ordinal, stream));
         let (alpha, beta) = (1.0f32, 0.0f32);
@@ -404,26 +404,19 @@ mod gemm {
             )
         };
         status.unwrap_or_else(|e| panic!("cublasGemmEx ({m} × {k} · {k} × {n}, {dtype:?}): {e:?}"));
-        if let Some([_, end]) = timed {
+        if let Some(pair @ [_, end]) = timed {
             // SAFETY: a live event of this context, recorded on a live stream.
             unsafe { cudarc::driver::result::event::record(end, stream) }
                 .unwrap_or_else(|e| panic!("cuBLAS's product: an event after it: {e}"));
-        }
-        if let Some(pair) = timed {
             blas.timed.push((ordinal, pair));
         }
-        if waits {
-            device_stream(&blas, ordinal)
-                .synchronize()
+        drop(blas);
+        if let Some(own) = own {
+            own.synchronize()
                 .unwrap_or_else(|e| panic!("cuBLAS's product: waiting for its stream: {e}"));
         }
-        drop(blas);
         drop((ra, rb, rc));
         out
-    }
-
-    fn device_stream(blas: &Blas, ordinal: usize) -> &cudarc::driver::CudaStream {
-        &blas.devices[blas.at(ordinal).expect("Blas::device made it")].stream
     }
 
     impl Blas {
