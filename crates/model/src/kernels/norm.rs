@@ -81,6 +81,9 @@ pub(crate) fn fused_here(t: &Tensor<1>) -> bool {
     }
 }
 
+#[cfg(all(feature = "cuda", not(feature = "fusion")))]
+pub(super) use fused::offline_kernels;
+
 #[cfg(all(feature = "cube", not(feature = "fusion")))]
 mod fused {
     //! The kernel and the grouping of tensors into its launches.
@@ -197,5 +200,28 @@ mod fused {
             dtype_to_storage_type(dtype),
         );
         partials
+    }
+
+    /// The kernel as clipping launches it on CUDA: a full group
+    /// ([`MAX_GROUP`] tensors, CUDA binds 1,024 buffers) of f32 gradients
+    /// (a bf16 run's too: its master weights are f32), for `kiln
+    /// check-kernels --cuda-arch`.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn offline_kernels(
+        o: &super::super::cube::offline::Offline,
+    ) -> super::super::cube::offline::Kernels {
+        use super::super::cube::offline::{buffer, tensor};
+        vec![(
+            format!("sum of squares ({MAX_GROUP} F32 tensors)"),
+            Box::new(add_squares_kernel::AddSquaresKernel::new(
+                o.settings(CUBE_UNITS as u32, 1),
+                o.props.clone(),
+                o.target.clone(),
+                (0..MAX_GROUP).map(|_| tensor(None)).collect(),
+                buffer(),
+                (0..MAX_GROUP).map(|_| ()).collect(),
+                dtype_to_storage_type(burn::tensor::DType::F32),
+            )),
+        )]
     }
 }

@@ -276,6 +276,9 @@ mod flex {
     }
 }
 
+#[cfg(all(feature = "cuda", not(feature = "fusion")))]
+pub(super) use cube::offline_kernels;
+
 #[cfg(all(feature = "cube", not(feature = "fusion")))]
 mod cube {
     //! The CubeCL kernel (one unit per element of a group of parameters)
@@ -557,6 +560,59 @@ mod cube {
             .zip(v)
             .map(|((w, m), v)| [from(w), from(m), from(v)])
             .collect()
+    }
+
+    /// The kernel as a training step on CUDA launches it for GPT-2 small:
+    /// a full group ([`MAX_GROUP`] parameters, CUDA binds 1,024 buffers)
+    /// with every result written in place over its gradient and moments
+    /// (a step's usual case: no other owner), and a group whose results
+    /// have buffers of their own (a gradient or moment with another
+    /// owner), for `kiln check-kernels --cuda-arch`.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn offline_kernels(
+        o: &super::super::cube::offline::Offline,
+    ) -> super::super::cube::offline::Kernels {
+        use super::super::cube::offline::tensor;
+        let n = MAX_GROUP;
+        let tensors =
+            |inplace: &dyn Fn(usize) -> Option<usize>| -> SequenceCompilationArg<OwnedTensor<f32>> {
+                (0..n).map(|k| tensor(inplace(k))).collect()
+            };
+        let kernel = |in_place: bool| {
+            // Output `i` (weight, m, v) over input `i + 1` (gradient, m, v),
+            // input `k` of the `j`-th list being binding `j·n + k`.
+            let out = |i: usize| tensors(&move |k| in_place.then_some((i + 1) * n + k));
+            Box::new(adamw_kernel::AdamwKernel::new(
+                o.settings(CUBE_UNITS as u32, 1),
+                o.props.clone(),
+                o.target.clone(),
+                tensors(&|_| None),
+                tensors(&|_| None),
+                tensors(&|_| None),
+                tensors(&|_| None),
+                out(0),
+                out(1),
+                out(2),
+                (0..=n).map(|_| ()).collect(),
+                (0..n).map(|_| ()).collect(),
+                (),
+                (),
+                (),
+                (),
+                (),
+                (),
+                (),
+                (),
+                (),
+            )) as Box<dyn CubeKernel>
+        };
+        vec![
+            (format!("AdamW ({n} parameters, in place)"), kernel(true)),
+            (
+                format!("AdamW ({n} parameters, new buffers)"),
+                kernel(false),
+            ),
+        ]
     }
 }
 

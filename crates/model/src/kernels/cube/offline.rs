@@ -142,11 +142,20 @@ pub(crate) fn buffer() -> BufferCompilationArg {
     BufferCompilationArg { inplace: None }
 }
 
+/// A tensor argument's compilation argument: its own buffer, or written
+/// over input binding `inplace`.
+pub(crate) fn tensor(inplace: Option<usize>) -> TensorCompilationArg {
+    TensorCompilationArg {
+        meta: TensorMetaCompilationArg { len: (), rank: () },
+        buffer: BufferCompilationArg { inplace },
+    }
+}
+
 /// kiln's CubeCL kernels as GPT-2 small runs them (bf16, heads 64 wide,
 /// width 768; the embedding's and the scalar attention's too), compiled
-/// for compute capability `arch` by both compilers. (The fused AdamW's and
-/// the gradient norm's kernels, which take sequences of tensors, are not
-/// among them.)
+/// for compute capability `arch` by both compilers; with the gradient
+/// norm's sum of squares and the fused AdamW as a step launches them, over
+/// groups of 32 tensors.
 pub(crate) fn compile_kernels(arch: u32) -> Vec<OfflineKernel> {
     let offline = Offline {
         props: device(arch),
@@ -160,6 +169,8 @@ pub(crate) fn compile_kernels(arch: u32) -> Vec<OfflineKernel> {
         kernels.extend(super::gelu::offline_kernels(&offline));
         kernels.extend(super::layer_norm::offline_kernels(&offline));
         kernels.extend(super::bias::offline_kernels(&offline));
+        kernels.extend(super::super::norm::offline_kernels(&offline));
+        kernels.extend(super::super::optim::offline_kernels(&offline));
     }
     let mut out = Vec::new();
     for (name, kernel) in kernels {
