@@ -34,6 +34,11 @@ measured already goes last: `main`'s comments):
    a step and more shared memory (`FLASH_VARIANTS`), checked and timed,
    before those comparisons (the kernels changed after they were last
    timed);
+   the GPT's self-attention alone (`kiln bench attention`: each
+   implementation kiln has, forward and backward, in TFLOP/s) at GPT-2
+   small's micro-batch and at one head of one sequence, with PyTorch's
+   `scaled_dot_product_attention` at the same shapes
+   (bench/pytorch_attention.py);
    GPT-2 small, BERT-base and the `h100` preset again with cuBLAS's
    products (`optimization.matmul=cublas`, right after each default run,
    and GPT-2 small in f32 with TF32 after its f32 run;
@@ -708,6 +713,54 @@ class Check:
         ]
         self.run(name, cmd, 180)
 
+    def attention(self):
+        """The GPT's self-attention alone (`kiln bench attention`, each
+        implementation kiln has here, forward and backward, TFLOP/s by
+        FlashAttention's count) at GPT-2 small's micro-batch, and at one
+        head of one sequence (a few cubes: a step's latency with the GPU
+        otherwise idle, against the full grid's throughput); PyTorch's
+        `scaled_dot_product_attention` at the same shapes
+        (bench/pytorch_attention.py: each SDPA backend), for a ratio."""
+        shapes = {
+            "gpt2-small bf16": ["experiment=gpt2_small"],
+            "one head, one sequence, bf16": [
+                "experiment=gpt2_small", "model.heads=1", "model.hidden=64", "training.batch_size=1"],
+        }
+        if self.args.tiny:
+            shapes = {
+                "gpt2-small bf16": [
+                    "experiment=gpt2_small", "model.heads=2", "model.hidden=32", "model.max_length=32",
+                    "training.batch_size=2"],
+                "one head, one sequence, bf16": [
+                    "experiment=gpt2_small", "model.heads=1", "model.hidden=16", "model.max_length=32",
+                    "training.batch_size=1"],
+            }
+        bf16 = ["precision.amp=true", "precision.amp_dtype=bf16"]
+        warmup, steps = (1, 2) if self.args.tiny else (5, 20)
+        for name, overrides in shapes.items():
+            label = f"bench attention {name}"
+            step = self.bench(label, "attention", [f"device.backend={self.gpu}", *overrides, *bf16],
+                              warmup, steps, 120)
+            if self.args.skip_pytorch or not self.torch or step["status"] != "ok":
+                if step["status"] != "ok":
+                    self.skip(f"pytorch attention {name}", f"{label} did not run")
+                continue
+            a = step["result"]["attention"]
+            cmd = [
+                sys.executable,
+                os.path.join(ROOT, "bench", "pytorch_attention.py"),
+                "--device=cuda",
+                "--dtype=bf16",
+                f"--batch={a['batch']}",
+                f"--block={a['seq']}",
+                f"--heads={a['heads']}",
+                f"--hidden={a['heads'] * a['head_dim']}",
+                f"--warmup={warmup}",
+                f"--steps={steps}",
+                *([] if a["causal"] else ["--no-causal"]),
+            ]
+            self.run(f"pytorch attention {name}", cmd, 120)
+
     def kiln_shape(self, step_name):
         """The model shape and vocabulary a kiln bench step ran with."""
         step = next((s for s in self.steps if s["name"] == step_name and s["status"] == "ok"), None)
@@ -930,9 +983,31 @@ class Check:
                 row += f"  |Δloss| {s['difference']:.2e} (tolerance {s['tolerance']:.0e})"
             print(row)
         self.kernel_table()
+        self.attention_table()
         self.autotune_table()
         failed = [s["name"] for s in self.steps if s.get("status") not in ("ok", "skipped")]
         print(f"\n{len(self.steps) - len(failed)} passed, {len(failed)} failed")
+
+    def attention_table(self):
+        """`kiln bench attention` and bench/pytorch_attention.py: each
+        implementation's forward and backward, ms and TFLOP/s."""
+        for s in self.steps:
+            r = s.get("result") if s.get("status") == "ok" else None
+            if not isinstance(r, dict):
+                continue
+            r = r.get("attention", r)
+            if not isinstance(r, dict) or "forward_flops" not in r or "rows" not in r:
+                continue
+            print(f"\n{s['name']}: batch {r['batch']} × {r['seq']}, {r['heads']} heads "
+                  f"{r['head_dim']} wide, {r['dtype']}{', causal' if r['causal'] else ''}")
+            for row in r["rows"]:
+                name = row.get("attention") or row.get("backend")
+                if row.get("skipped"):
+                    print(f"  {name:18} skipped: {row['skipped'][:100]}")
+                    continue
+                rate = lambda t: f"{t:7.1f}" if isinstance(t, (int, float)) else "      -"
+                print(f"  {name:18} forward {row['forward_ms']:9.3f} ms {rate(row.get('forward_tflops'))} TFLOP/s"
+                      f", + backward {row['forward_backward_ms']:9.3f} ms {rate(row.get('backward_tflops'))} TFLOP/s")
 
     def autotune_table(self, top=12):
         """Which kernels autotune chose, the longest-running keys first."""
@@ -1065,6 +1140,10 @@ def main():
         if False in (check.passed("bench lm gpt2-small bf16 cuBLAS"), check.passed(cublas_loss)):
             check.cublas("bench lm gpt2-small bf16", " host waits")
             check.same_loss("bench lm gpt2-small bf16", "bench lm gpt2-small bf16 cuBLAS host waits", 0.05)
+        # Attention alone, against PyTorch's SDPA (new): what FlashAttention-2's
+        # kernels reach by themselves (12 TFLOP/s forward in the 2026-12-04
+        # profile), and at one head of one sequence.
+        check.attention()
         check.bench_named("bench nli bert-base bf16")
         check.pytorch_encoder("pytorch bert-base bf16", "bench nli bert-base bf16", "bf16")
         check.cublas("bench nli bert-base bf16")

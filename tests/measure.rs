@@ -415,6 +415,72 @@ fn bench_json_follows_the_documented_schema() {
     );
 }
 
+/// `kiln bench attention`: the model's attention alone, each
+/// implementation the device has. On flex in f32: no matrix unit, so
+/// `flash` is skipped with the reason; the memory-efficient row is flex's
+/// fused kernel and `math` Burn's composition, both timed forward and
+/// backward. A kernel profile (which times training steps) is refused.
+#[test]
+fn bench_attention_times_each_implementation_the_device_has() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let v = bench_json(
+        tmp.path(),
+        &["bench", "attention", "--warmup=1", "--steps=2"],
+        "attention-schema",
+    );
+    let a = &v["attention"];
+    assert_eq!(a["causal"], true, "{a}");
+    assert_eq!(a["calls"], 2);
+    let (batch, seq, heads, width) = (
+        a["batch"].as_f64().expect("batch"),
+        a["seq"].as_f64().expect("seq"),
+        a["heads"].as_f64().expect("heads"),
+        a["head_dim"].as_f64().expect("head_dim"),
+    );
+    assert_eq!(
+        a["forward_flops"].as_f64(),
+        Some(2.0 * batch * heads * width * seq * seq),
+        "{a}"
+    );
+    let rows = a["rows"].as_array().expect("rows");
+    let names: Vec<&str> = rows
+        .iter()
+        .filter_map(|r| r["attention"].as_str())
+        .collect();
+    assert_eq!(names, ["flash", "memory-efficient", "math"]);
+    assert!(
+        rows[0]["skipped"]
+            .as_str()
+            .is_some_and(|w| w.contains("no matrix instruction")),
+        "{}",
+        rows[0]
+    );
+    assert_eq!(rows[1]["runs"], "kiln's fused kernel on flex");
+    assert_eq!(
+        rows[2]["runs"],
+        "Burn's composition, which keeps the scores"
+    );
+    for row in &rows[1..] {
+        let forward = row["forward_ms"].as_f64().expect("forward_ms");
+        let both = row["forward_backward_ms"]
+            .as_f64()
+            .expect("forward_backward_ms");
+        assert!(forward > 0.0 && both > forward, "{row}");
+        assert!(
+            row["forward_tflops"].as_f64().is_some_and(|t| t > 0.0),
+            "{row}"
+        );
+    }
+    let mut args: Vec<String> = ["bench", "attention", "--kernel-profile"]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    args.extend(tiny_layers(tmp.path()));
+    run(&args)
+        .expect_code(2)
+        .stderr_has(&["--kernel-profile times training steps"]);
+}
+
 /// `cargo xtask bench --steps=N` appends its arguments to entries that
 /// give their own `--steps`: the last one given counts, not an error.
 #[test]
@@ -472,6 +538,22 @@ fn the_gpu_check_dry_runs_on_flex() {
             .is_some_and(|c| c.contains("--kernel-profile"))),
         "a step asked flex for a kernel profile: {stdout}"
     );
+    // Attention alone at both shapes (bf16 on flex: Burn's composition).
+    for name in [
+        "bench attention gpt2-small bf16",
+        "bench attention one head, one sequence, bf16",
+    ] {
+        let step = steps
+            .iter()
+            .find(|s| s["name"] == name)
+            .unwrap_or_else(|| panic!("no `{name}` in {stdout}"));
+        assert_eq!(step["status"], "ok", "{step}");
+        let math = &step["result"]["attention"]["rows"][2];
+        assert!(
+            math["forward_ms"].as_f64().is_some_and(|t| t > 0.0),
+            "{step}"
+        );
+    }
     let reference = steps
         .iter()
         .find(|s| s["name"] == "reference nli: flex vs flex after 5 step(s)")

@@ -596,7 +596,7 @@ fn loader_rows<S: BatchSource>(
 
 /// The device a benchmark runs on, its seeded training device, and the
 /// precision the model computes in there.
-fn bench_device(
+pub(crate) fn bench_device(
     config: &RunConfig,
     hardware: &HardwareReport,
     options: BenchOptions,

@@ -33,6 +33,7 @@
 pub use {kiln_config, kiln_data, kiln_dist, kiln_hwdetect, kiln_model, kiln_plan};
 
 mod bench;
+mod bench_attention;
 mod checkpoint;
 mod compile;
 mod device;
@@ -67,6 +68,7 @@ pub use bench::{
     BenchOptions, BenchResult, LoaderBenchResult, LoaderRow, PhaseTimes, bench_lm, bench_lm_job,
     bench_loader, bench_nli,
 };
+pub use bench_attention::{AttentionBenchResult, AttentionRow, bench_attention};
 pub use checkpoint::{CheckpointInfo, latest_good_checkpoint};
 pub use compile::{FUSION_BUILT_IN, apply_compile, autotune_level};
 pub use device::{BACKENDS_BUILT_IN, DeviceChoice, backend_for_vendor, select_device};

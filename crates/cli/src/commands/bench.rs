@@ -1,6 +1,7 @@
-//! `kiln bench lm | nli | loader`: the training step timed (tokens/s,
-//! ms/step, MFU, data-wait, peak memory, its phases), or the loader alone;
-//! text for people, `--json` by the schema in docs/PERFORMANCE.md.
+//! `kiln bench lm | nli | loader | attention`: the training step timed
+//! (tokens/s, ms/step, MFU, data-wait, peak memory, its phases), the
+//! loader alone, or the model's self-attention alone; text for people,
+//! `--json` by the schema in docs/PERFORMANCE.md.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -51,6 +52,10 @@ pub(crate) enum Workload {
     Nli,
     /// The configured experiment's loader alone, with 0, 1, 2 and 4 workers
     Loader,
+    /// The model's self-attention alone at the configured shape and dtype,
+    /// forward and backward, with each implementation the device has
+    /// (`--steps` timed calls after `--warmup`)
+    Attention,
 }
 
 pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
@@ -92,6 +97,37 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     crate::data::provide_for(&resolved.config)?;
     let mut out = std::io::stdout().lock();
     let config = &resolved.config;
+    if workload == Workload::Attention {
+        let options = kiln_train::BenchOptions {
+            warmup,
+            steps,
+            min_seconds,
+            pad_to_max_length,
+            kernel_profile_steps: 0,
+        };
+        if kernel_profile > 0 {
+            return Err(BadInput(
+                "--kernel-profile times training steps: `bench attention` times its calls itself"
+                    .to_string(),
+            )
+            .into());
+        }
+        let result = kiln_train::bench_attention(config, report, options).map_err(train_error)?;
+        if json {
+            let value = serde_json::to_value(&result)?;
+            write_json(
+                &mut out,
+                ATTENTION_SCHEMA,
+                "attention",
+                value,
+                report,
+                config,
+            )?;
+        } else {
+            write!(out, "{}", attention_text(&result))?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     if workload == Workload::Loader {
         let result = kiln_train::bench_loader(config, batches).map_err(train_error)?;
         if json {
@@ -153,6 +189,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
 /// The version of `kiln bench --json`'s layout (docs/PERFORMANCE.md).
 const BENCH_SCHEMA: &str = "kiln.bench/1";
 const LOADER_SCHEMA: &str = "kiln.bench-loader/1";
+const ATTENTION_SCHEMA: &str = "kiln.bench-attention/1";
 
 /// A benchmark's JSON: its schema, the result under `name`, the machine and
 /// the resolved configuration.
@@ -214,6 +251,45 @@ fn loader_text(r: &kiln_train::LoaderBenchResult) -> String {
     }
     s.push_str("compare samples/s with `kiln bench`'s: a loader slower than the step makes the run data-bound
 ");
+    s
+}
+
+fn attention_text(r: &kiln_train::AttentionBenchResult) -> String {
+    let mut s = format!(
+        "bench attention on {}: batch {} × {} tokens, {} heads {} wide, {}{}; {} timed calls after {} warm-up\n\
+         FLOPs (FlashAttention's count): {:.2} G forward, {:.2} G backward\n",
+        r.backend,
+        r.batch,
+        r.seq,
+        r.heads,
+        r.head_dim,
+        r.dtype,
+        if r.causal { ", causal" } else { "" },
+        r.calls,
+        r.warmup,
+        r.forward_flops / 1e9,
+        r.backward_flops / 1e9,
+    );
+    let rate = |t: Option<f64>| match t {
+        None => "n/a".to_string(),
+        Some(t) if t < 1.0 => format!("{:.1} GFLOP/s", t * 1e3),
+        Some(t) => format!("{t:.1} TFLOP/s"),
+    };
+    for row in &r.rows {
+        match (&row.skipped, row.forward_ms, row.forward_backward_ms) {
+            (Some(why), _, _) => {
+                s.push_str(&format!("  {}: skipped: {why}\n", row.attention));
+            }
+            (None, Some(forward), Some(both)) => s.push_str(&format!(
+                "  {} ({}): forward {forward:.3} ms ({}), forward + backward {both:.3} ms (backward {})\n",
+                row.attention,
+                row.runs,
+                rate(row.forward_tflops),
+                rate(row.backward_tflops),
+            )),
+            _ => {}
+        }
+    }
     s
 }
 

@@ -234,16 +234,16 @@ pub fn self_attention(
         causal,
         matrix_unit: attention != AttentionKernel::MemoryEfficient,
     };
+    let route = attention_route(&qkv, heads, attention);
     #[cfg(feature = "flex")]
-    if attention != AttentionKernel::Math && flex::runs_fused(&qkv) {
+    if route == AttentionRoute::Flex {
         return flex::self_attention(qkv, key_pad, spec);
     }
-    let head_dim = qkv.dims()[2] / 3 / heads.max(1);
-    if memory_efficient_attention_runs(&qkv, qkv.dtype(), head_dim, attention) {
-        #[cfg(feature = "cube")]
+    #[cfg(feature = "cube")]
+    if matches!(route, AttentionRoute::MatrixUnit | AttentionRoute::Scalar) {
         return cube::attention::self_attention(qkv, key_pad, spec);
     }
-    let _ = spec;
+    let _ = (spec, route);
     let [q, k, v] = split_heads(qkv, heads);
     let [b, h, t, hd] = q.dims();
     let mask = key_pad.map(|pad| pad.reshape([b, 1, 1, t]).expand([b, h, t, t]));
@@ -255,6 +255,56 @@ pub fn self_attention(
     burn_attention(q, k, v, mask, None, options)
         .swap_dims(1, 2)
         .reshape([b, t, h * hd])
+}
+
+/// Which implementation [`self_attention`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionRoute {
+    /// flex's fused kernel (f32 on the CPU).
+    Flex,
+    /// FlashAttention-2 on the matrix unit (`cube/flash_attention.rs`).
+    MatrixUnit,
+    /// kiln's memory-efficient CubeCL kernels without the matrix unit.
+    Scalar,
+    /// Burn's composition, which keeps the `heads × T × T` scores.
+    Burn,
+}
+
+impl AttentionRoute {
+    /// The route in words.
+    pub fn describe(self) -> &'static str {
+        match self {
+            AttentionRoute::Flex => "kiln's fused kernel on flex",
+            AttentionRoute::MatrixUnit => "FlashAttention-2 on the matrix unit",
+            AttentionRoute::Scalar => "kiln's memory-efficient scalar kernels",
+            AttentionRoute::Burn => "Burn's composition, which keeps the scores",
+        }
+    }
+}
+
+/// Which implementation [`self_attention`] runs for `qkv` (its device,
+/// dtype and heads' width) when `attention` is asked for: the one rule it
+/// follows.
+pub fn attention_route(
+    qkv: &Tensor<3>,
+    heads: usize,
+    attention: AttentionKernel,
+) -> AttentionRoute {
+    #[cfg(feature = "flex")]
+    if attention != AttentionKernel::Math && flex::runs_fused(qkv) {
+        return AttentionRoute::Flex;
+    }
+    let head_dim = qkv.dims()[2] / 3 / heads.max(1);
+    if memory_efficient_attention_runs(qkv, qkv.dtype(), head_dim, attention) {
+        return if attention != AttentionKernel::MemoryEfficient
+            && attention_on_tensor_cores(&qkv.device(), qkv.dtype(), head_dim)
+        {
+            AttentionRoute::MatrixUnit
+        } else {
+            AttentionRoute::Scalar
+        };
+    }
+    AttentionRoute::Burn
 }
 
 /// Whether [`self_attention`] (forward and backward) in `dtype`, heads

@@ -143,7 +143,9 @@ pub(crate) fn buffer() -> BufferCompilationArg {
 }
 
 /// A tensor argument's compilation argument: its own buffer, or written
-/// over input binding `inplace`.
+/// over input binding `inplace` (the optimizer's kernels', not under
+/// `fusion`).
+#[cfg(not(feature = "fusion"))]
 pub(crate) fn tensor(inplace: Option<usize>) -> TensorCompilationArg {
     TensorCompilationArg {
         meta: TensorMetaCompilationArg { len: (), rank: () },
