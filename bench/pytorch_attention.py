@@ -4,7 +4,8 @@ keys and values, each viewed as heads, `scaled_dot_product_attention`, the
 heads merged back; forward, and forward + backward to the packed
 projection's gradient. Each of PyTorch's SDPA backends (flash, efficient,
 math) and its default choice, timed as kiln times its own: `--warmup`
-calls, then `--steps` calls between two device synchronisations, the mean.
+calls, then `--steps` calls between two device synchronisations (again
+until they add up to `--min-seconds`), the mean.
 FLOPs by FlashAttention's count (4·b·h·t²·d forward, halved when causal;
 the backward 2.5 times that), as kiln's.
 
@@ -57,6 +58,8 @@ def main():
     ap.add_argument("--no-causal", action="store_true", help="every query sees every key (an encoder)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--min-seconds", type=float, default=0.0,
+                    help="time more calls until they add up to this (up to 50 × --steps), as kiln's --min-seconds")
     ap.add_argument("--device", default="cuda", help="cuda or cpu")
     ap.add_argument("--dtype", default="bf16", choices=["f32", "bf16", "fp16"])
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (--device cpu)")
@@ -80,11 +83,15 @@ def main():
         for _ in range(args.warmup):
             call()
         sync()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            call()
-        sync()
-        return (time.perf_counter() - start) * 1e3 / args.steps
+        calls, seconds = 0, 0.0
+        while calls == 0 or (seconds < args.min_seconds and calls < 50 * args.steps):
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                call()
+            sync()
+            seconds += time.perf_counter() - start
+            calls += args.steps
+        return seconds * 1e3 / calls
 
     grad = torch.ones(args.batch, args.block, args.hidden, device=args.device, dtype=dtype)
     rows = []

@@ -30,6 +30,9 @@ pub struct AttentionRow {
     pub runs: &'static str,
     /// Why it did not run here, where it did not (then no times).
     pub skipped: Option<String>,
+    /// The calls timed of each pass, forward and forward + backward:
+    /// `--steps`, or more to fill `--min-seconds`.
+    pub calls: Option<[usize; 2]>,
     /// Milliseconds a forward pass (the mean over the timed calls).
     pub forward_ms: Option<f64>,
     /// Milliseconds a forward and backward pass (the gradient of the
@@ -61,7 +64,8 @@ pub struct AttentionBenchResult {
     pub causal: bool,
     /// Untimed calls of each pass first (`--warmup`)...
     pub warmup: usize,
-    /// ...then the timed ones (`--steps`).
+    /// ...then at least this many timed ones (`--steps`; more where
+    /// `--min-seconds` asks: each row's `calls`).
     pub calls: usize,
     /// FlashAttention's count: `4 · batch · heads · seq² · head_dim`, halved
     /// when causal (the two products; the softmax not counted).
@@ -80,7 +84,8 @@ fn forward_flops(batch: usize, seq: usize, heads: usize, head_dim: usize, causal
 
 /// Times the configured model's self-attention alone; see the module's
 /// documentation. `options.warmup` untimed calls of each pass, then
-/// `options.steps` timed ones (at least one).
+/// `options.steps` timed ones (at least one), more until they add up to
+/// `options.min_seconds`.
 pub fn bench_attention(
     config: &RunConfig,
     hardware: &HardwareReport,
@@ -105,18 +110,26 @@ pub fn bench_attention(
     let sync = || {
         let _ = device.sync();
     };
-    // Mean milliseconds of `calls` calls of `pass`, after the warm-up ones.
+    // Mean milliseconds a call of `pass` and the calls timed: after the
+    // warm-up ones, `calls` calls, then as many again until they add up
+    // to `options.min_seconds` (up to 50 × `calls`), each batch between
+    // two synchronisations.
     let time = |pass: &dyn Fn()| {
         for _ in 0..options.warmup {
             pass();
         }
         sync();
-        let start = Instant::now();
-        for _ in 0..calls {
-            pass();
+        let (mut timed, mut seconds) = (0, 0.0);
+        while timed == 0 || (seconds < options.min_seconds && timed < 50 * calls) {
+            let start = Instant::now();
+            for _ in 0..calls {
+                pass();
+            }
+            sync();
+            seconds += start.elapsed().as_secs_f64();
+            timed += calls;
         }
-        sync();
-        start.elapsed().as_secs_f64() * 1e3 / calls as f64
+        (seconds * 1e3 / timed as f64, timed)
     };
     let mut rows = Vec::new();
     for (name, kernel) in [
@@ -142,21 +155,23 @@ pub fn bench_attention(
             attention: name,
             runs: route.describe(),
             skipped,
+            calls: None,
             forward_ms: None,
             forward_backward_ms: None,
             forward_tflops: None,
             backward_tflops: None,
         };
         if row.skipped.is_none() {
-            let forward = time(&|| {
+            let (forward, forward_calls) = time(&|| {
                 drop(self_attention(qkv.clone(), heads, None, causal, kernel));
             });
-            let both = time(&|| {
+            let (both, both_calls) = time(&|| {
                 let x = qkv.clone().require_grad();
                 drop(self_attention(x, heads, None, causal, kernel).backward());
             });
             row.forward_ms = Some(forward);
             row.forward_backward_ms = Some(both);
+            row.calls = Some([forward_calls, both_calls]);
             row.forward_tflops = Some(flops / (forward * 1e-3) / 1e12);
             let backward = both - forward;
             row.backward_tflops = (backward > 0.0).then(|| 2.5 * flops / (backward * 1e-3) / 1e12);

@@ -256,7 +256,7 @@ fn loader_text(r: &kiln_train::LoaderBenchResult) -> String {
 
 fn attention_text(r: &kiln_train::AttentionBenchResult) -> String {
     let mut s = format!(
-        "bench attention on {}: batch {} × {} tokens, {} heads {} wide, {}{}; {} timed calls after {} warm-up\n\
+        "bench attention on {}: batch {} × {} tokens, {} heads {} wide, {}{}; at least {} timed calls a pass after {} warm-up\n\
          FLOPs (FlashAttention's count): {:.2} G forward, {:.2} G backward\n",
         r.backend,
         r.batch,
