@@ -36,7 +36,9 @@ measured already goes last: `main`'s comments):
    timed);
    the GPT's self-attention alone (`kiln bench attention`: each
    implementation kiln has, forward and backward, in TFLOP/s) at GPT-2
-   small's micro-batch and at one head of one sequence, with PyTorch's
+   small's micro-batch (again with the forward's softmax reading its
+   scores in order, `FLASH_ROTATE=0`) and at one head of one sequence,
+   with PyTorch's
    `scaled_dot_product_attention` at the same shapes
    (bench/pytorch_attention.py);
    GPT-2 small, BERT-base and the `h100` preset again with cuBLAS's
@@ -739,8 +741,14 @@ class Check:
         warmup, steps = (1, 2) if self.args.tiny else (5, 20)
         for name, overrides in shapes.items():
             label = f"bench attention {name}"
-            step = self.bench(label, "attention", [f"device.backend={self.gpu}", *overrides, *bf16],
-                              warmup, steps, 120)
+            args = [f"device.backend={self.gpu}", *overrides, *bf16]
+            step = self.bench(label, "attention", args, warmup, steps, 120)
+            if name == "gpt2-small bf16" and not self.args.tiny:
+                # The forward's softmax reading its scores in order, with
+                # 8-way bank conflicts (`FLASH_ROTATE=0`: before 2026-12-05)
+                # against the rotated walk just timed.
+                self.bench(f"{label}, scores read in order", "attention", args, warmup, steps, 120,
+                           env=dict(self.env, FLASH_ROTATE="0"))
             if self.args.skip_pytorch or not self.torch or step["status"] != "ok":
                 if step["status"] != "ok":
                     self.skip(f"pytorch attention {name}", f"{label} did not run")

@@ -561,6 +561,7 @@ fn flash_attention_kernel<E: Float, N: Size>(
     #[comptime] parts: usize,
     #[comptime] subs: usize,
     #[comptime] causal: bool,
+    #[comptime] rotate: bool,
     #[define(E)] _dtype: ElemType,
 ) {
     let h = CUBE_POS_Y as usize;
@@ -722,7 +723,7 @@ fn flash_attention_kernel<E: Float, N: Size>(
             let i = q_start + r;
             let mut m = f32::new(LOWEST);
             for cc in 0..cols {
-                let c = first + cc;
+                let c = first + softmax_column(cc, r, step_keys, cols, rotate);
                 if query_sees(&seen, c, i, k_start + c, seq, causal) {
                     m = max(m, ss[my_scores + r * step_keys + c] * scale);
                 }
@@ -740,7 +741,7 @@ fn flash_attention_kernel<E: Float, N: Size>(
             let reference = moved_reference(&part_max, &row_max, row, parts);
             let mut sum = f32::new(0.0);
             for cc in 0..cols {
-                let c = first + cc;
+                let c = first + softmax_column(cc, r, step_keys, cols, rotate);
                 let mut p = f32::new(0.0);
                 if query_sees(&seen, c, i, k_start + c, seq, causal) {
                     p = (ss[my_scores + r * step_keys + c] * scale - reference).exp();
@@ -861,6 +862,31 @@ fn flash_attention_kernel<E: Float, N: Size>(
         tile,
         plane,
     );
+}
+
+/// The `cc`-th of a unit's `cols` keys in its part of row `r`'s scores
+/// (`step_keys` a row, f32). In order, the 32 units of a warp reading
+/// their `cc`-th key together are `cols` floats apart (two a row of 16
+/// keys on CUDA: 8-way conflicts in shared memory's 32 banks); with
+/// `rotate`, each row starts its walk `r · step_keys / 32` keys on
+/// (mod `cols`), which puts the units of a read in distinct banks on
+/// CUDA's 16-row tiles and 32-unit warps (the probabilities' bf16 writes
+/// too). The same keys either way: the maximum is the same, the sum adds
+/// them in another order. `FLASH_ROTATE=0` keeps the order (an
+/// experiment for the GPU check to time).
+#[cube]
+fn softmax_column(
+    cc: usize,
+    r: usize,
+    #[comptime] step_keys: usize,
+    #[comptime] cols: usize,
+    #[comptime] rotate: bool,
+) -> usize {
+    let mut c = cc;
+    if comptime!(rotate) {
+        c = (cc + r * step_keys / 32) % cols;
+    }
+    c
 }
 
 /// A row's reference maximum after a key tile: the old one, or the tile's
@@ -1510,6 +1536,14 @@ fn hold_operands() -> bool {
     *HOLD.get_or_init(|| setting("FLASH_HOLD") == Some(1))
 }
 
+/// Whether the forward kernel's softmax walks each row's keys from a
+/// rotated start ([`softmax_column`]): yes, unless `FLASH_ROTATE=0` (an
+/// experiment for the GPU check to time against).
+fn rotate_softmax() -> bool {
+    static ROTATE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ROTATE.get_or_init(|| setting("FLASH_ROTATE") != Some(0))
+}
+
 /// The environment variable `name` as a number, or None: read once a
 /// process by its caller (these are consulted at every launch).
 fn setting(name: &str) -> Option<usize> {
@@ -1615,6 +1649,7 @@ pub(super) fn forward(
         parts,
         subs,
         causal,
+        rotate_softmax(),
         dtype_to_storage_type(dtype),
     );
     Some((out, lse))
@@ -1722,6 +1757,7 @@ pub(super) fn offline_kernels(
         parts,
         subs,
         causal,
+        rotate_softmax(),
         elem,
     );
     let mut kernels: super::offline::Kernels = vec![(
