@@ -256,12 +256,13 @@ fn loader_text(r: &kiln_train::LoaderBenchResult) -> String {
 
 fn attention_text(r: &kiln_train::AttentionBenchResult) -> String {
     let mut s = format!(
-        "bench attention on {}: batch {} × {} tokens, {} heads {} wide, {}{}; at least {} timed calls a pass after {} warm-up\n\
+        "bench attention on {}: batch {} × {} tokens, {} head{} {} wide, {}{}; at least {} timed calls a pass after {} warm-up\n\
          FLOPs (FlashAttention's count): {:.2} G forward, {:.2} G backward\n",
         r.backend,
         r.batch,
         r.seq,
         r.heads,
+        if r.heads == 1 { "" } else { "s" },
         r.head_dim,
         r.dtype,
         if r.causal { ", causal" } else { "" },
