@@ -723,20 +723,14 @@ class Check:
         otherwise idle, against the full grid's throughput); PyTorch's
         `scaled_dot_product_attention` at the same shapes
         (bench/pytorch_attention.py: each SDPA backend), for a ratio."""
-        shapes = {
-            "gpt2-small bf16": ["experiment=gpt2_small"],
-            "one head, one sequence, bf16": [
-                "experiment=gpt2_small", "model.heads=1", "model.hidden=64", "training.batch_size=1"],
-        }
+        gpt2 = ["experiment=gpt2_small"]
         if self.args.tiny:
-            shapes = {
-                "gpt2-small bf16": [
-                    "experiment=gpt2_small", "model.heads=2", "model.hidden=32", "model.max_length=32",
-                    "training.batch_size=2"],
-                "one head, one sequence, bf16": [
-                    "experiment=gpt2_small", "model.heads=1", "model.hidden=16", "model.max_length=32",
-                    "training.batch_size=1"],
-            }
+            gpt2 += ["model.max_length=32", "model.heads=2", "model.hidden=32", "training.batch_size=2"]
+        shapes = {
+            "gpt2-small bf16": gpt2,
+            "one head, one sequence, bf16": [
+                *gpt2, "model.heads=1", f"model.hidden={16 if self.args.tiny else 64}", "training.batch_size=1"],
+        }
         bf16 = ["precision.amp=true", "precision.amp_dtype=bf16"]
         warmup, steps = (1, 2) if self.args.tiny else (5, 20)
         for name, overrides in shapes.items():

@@ -97,14 +97,14 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     crate::data::provide_for(&resolved.config)?;
     let mut out = std::io::stdout().lock();
     let config = &resolved.config;
+    let options = kiln_train::BenchOptions {
+        warmup,
+        steps,
+        min_seconds,
+        pad_to_max_length,
+        kernel_profile_steps: kernel_profile,
+    };
     if workload == Workload::Attention {
-        let options = kiln_train::BenchOptions {
-            warmup,
-            steps,
-            min_seconds,
-            pad_to_max_length,
-            kernel_profile_steps: 0,
-        };
         if kernel_profile > 0 {
             return Err(BadInput(
                 "--kernel-profile times training steps: `bench attention` times its calls itself"
@@ -138,13 +138,6 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let options = kiln_train::BenchOptions {
-        warmup,
-        steps,
-        min_seconds,
-        pad_to_max_length,
-        kernel_profile_steps: kernel_profile,
-    };
     let result = match workload {
         Workload::Nli => kiln_train::bench_nli(config, report, options),
         _ => kiln_train::bench_lm_job(config, report, options, group.as_ref()),

@@ -234,13 +234,15 @@ pub fn self_attention(
         causal,
         matrix_unit: attention != AttentionKernel::MemoryEfficient,
     };
-    let route = attention_route(&qkv, heads, attention);
+    // (Whether CubeCL's kernels take the matrix unit is theirs to decide,
+    // from `spec`, at each launch: not asked here as well.)
+    let route = kernel_route(&qkv, heads, attention);
     #[cfg(feature = "flex")]
     if route == AttentionRoute::Flex {
         return flex::self_attention(qkv, key_pad, spec);
     }
     #[cfg(feature = "cube")]
-    if matches!(route, AttentionRoute::MatrixUnit | AttentionRoute::Scalar) {
+    if route == AttentionRoute::Scalar {
         return cube::attention::self_attention(qkv, key_pad, spec);
     }
     let _ = (spec, route);
@@ -290,21 +292,32 @@ pub fn attention_route(
     heads: usize,
     attention: AttentionKernel,
 ) -> AttentionRoute {
+    let route = kernel_route(qkv, heads, attention);
+    let head_dim = qkv.dims()[2] / 3 / heads.max(1);
+    if route == AttentionRoute::Scalar
+        && attention != AttentionKernel::MemoryEfficient
+        && attention_on_tensor_cores(&qkv.device(), qkv.dtype(), head_dim)
+    {
+        AttentionRoute::MatrixUnit
+    } else {
+        route
+    }
+}
+
+/// [`attention_route`] without telling the CubeCL kernels apart: `Flex`,
+/// `Scalar` for either of CubeCL's (which one runs the kernels decide at
+/// their launch), or `Burn`. What [`self_attention`] asks on every call.
+fn kernel_route(qkv: &Tensor<3>, heads: usize, attention: AttentionKernel) -> AttentionRoute {
     #[cfg(feature = "flex")]
     if attention != AttentionKernel::Math && flex::runs_fused(qkv) {
         return AttentionRoute::Flex;
     }
     let head_dim = qkv.dims()[2] / 3 / heads.max(1);
     if memory_efficient_attention_runs(qkv, qkv.dtype(), head_dim, attention) {
-        return if attention != AttentionKernel::MemoryEfficient
-            && attention_on_tensor_cores(&qkv.device(), qkv.dtype(), head_dim)
-        {
-            AttentionRoute::MatrixUnit
-        } else {
-            AttentionRoute::Scalar
-        };
+        AttentionRoute::Scalar
+    } else {
+        AttentionRoute::Burn
     }
-    AttentionRoute::Burn
 }
 
 /// Whether [`self_attention`] (forward and backward) in `dtype`, heads

@@ -574,22 +574,23 @@ mod cube {
     ) -> super::super::cube::offline::Kernels {
         use super::super::cube::offline::tensor;
         let n = MAX_GROUP;
-        let tensors =
-            |inplace: &dyn Fn(usize) -> Option<usize>| -> SequenceCompilationArg<OwnedTensor<f32>> {
-                (0..n).map(|k| tensor(inplace(k))).collect()
-            };
+        // `n` tensors, the `k`-th written over input binding `first + k`
+        // where there is a `first`.
+        let tensors = |first: Option<usize>| -> SequenceCompilationArg<OwnedTensor<f32>> {
+            (0..n).map(|k| tensor(first.map(|f| f + k))).collect()
+        };
         let kernel = |in_place: bool| {
             // Output `i` (weight, m, v) over input `i + 1` (gradient, m, v),
             // input `k` of the `j`-th list being binding `j·n + k`.
-            let out = |i: usize| tensors(&move |k| in_place.then_some((i + 1) * n + k));
+            let out = |i: usize| tensors(in_place.then_some((i + 1) * n));
             Box::new(adamw_kernel::AdamwKernel::new(
                 o.settings(CUBE_UNITS as u32, 1),
                 o.props.clone(),
                 o.target.clone(),
-                tensors(&|_| None),
-                tensors(&|_| None),
-                tensors(&|_| None),
-                tensors(&|_| None),
+                tensors(None),
+                tensors(None),
+                tensors(None),
+                tensors(None),
                 out(0),
                 out(1),
                 out(2),
