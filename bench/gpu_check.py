@@ -38,7 +38,8 @@ measured already goes last: `main`'s comments):
    implementation kiln has, forward and backward, in TFLOP/s) at GPT-2
    small's micro-batch (again with the forward's softmax reading its
    scores in order, `FLASH_ROTATE=0`) and at one head of one sequence,
-   with PyTorch's
+   each again with the forward in registers (`FLASH_MMA=1`, after
+   `check-kernels --only attention` with it), with PyTorch's
    `scaled_dot_product_attention` at the same shapes
    (bench/pytorch_attention.py);
    GPT-2 small, BERT-base and the `h100` preset again with cuBLAS's
@@ -124,6 +125,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (`FLASH_SHARED_KIB`): each checked by `check-kernels --only
 # attention`, then timed on GPT-2 small with the kernel profile.
 FLASH_VARIANTS = {
+    # The forward kernel with the scores, softmax and sums in each warp's
+    # registers (CUDA's manual `mma.sync`, `cube/flash_mma.rs`; new, never
+    # run on a GPU before): 64 keys a step, no score through shared memory.
+    "flash registers": {"FLASH_MMA": "1"},
     # (32 keys in 48 KiB halve the backward's warps a cube; with 100 KiB
     # they keep four: docs/GPU_TUNING.md, from `kiln check-kernels
     # --cuda-arch 90` with ptxas.)
@@ -176,6 +181,8 @@ class Check:
         self.torch = None
         # NVIDIA GPUs `nvidia-smi -L` lists (None without it).
         self.gpus = None
+        # The `FLASH_VARIANTS` whose `check-kernels` ran.
+        self.checked_flash = set()
         self.env = dict(os.environ)
         # With RUST_BACKTRACE=1 (set on many machines) CubeCL's compiler
         # (pliron) captures a backtrace at every type cast that fails, which
@@ -404,6 +411,11 @@ class Check:
         found = self.variant("check-kernels", build)
         if found is None:
             return
+        if flash is not None:
+            # (A variant's check runs once, however many steps ask for it.)
+            if flash in self.checked_flash:
+                return
+            self.checked_flash.add(flash)
         label, binary, env = found
         cmd = [binary, "check-kernels", "--json", f"device.backend={self.gpu}"]
         if flash is not None:
@@ -743,6 +755,13 @@ class Check:
                 # against the rotated walk just timed.
                 self.bench(f"{label}, scores read in order", "attention", args, warmup, steps, 120,
                            env=dict(self.env, FLASH_ROTATE="0"))
+            if not self.args.tiny:
+                # The forward with its softmax in registers (`FLASH_MMA=1`),
+                # checked against Burn's composition first: its `flash` row
+                # is the register kernel's forward (the backward is the same).
+                self.kernels(flash="flash registers")
+                self.bench(f"{label}, forward in registers", "attention", args, warmup, steps, 120,
+                           env=dict(self.env, **FLASH_VARIANTS["flash registers"]))
             if self.args.skip_pytorch or not self.torch or step["status"] != "ok":
                 if step["status"] != "ok":
                     self.skip(f"pytorch attention {name}", f"{label} did not run")

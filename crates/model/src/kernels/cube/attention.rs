@@ -531,7 +531,14 @@ mod cube {
         let (qkv, pad) = (into_contiguous(qkv), into_contiguous(key_pad));
         let (heads, causal) = (spec.heads, spec.causal);
         // On the matrix unit where the device has one for the dtype (and
-        // the caller did not ask for the scalar kernels).
+        // the caller did not ask for the scalar kernels): with
+        // `FLASH_MMA=1` the register kernel where it runs (CUDA).
+        if spec.matrix_unit
+            && super::super::flash_mma::asked()
+            && let Some(result) = super::super::flash_mma::forward(&qkv, &pad, heads, causal)
+        {
+            return result;
+        }
         if spec.matrix_unit
             && let Some(result) = super::super::flash_attention::forward(&qkv, &pad, heads, causal)
         {

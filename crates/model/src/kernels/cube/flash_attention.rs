@@ -69,7 +69,9 @@
 //! `FLASH_HOLD=1` the backward kernels keep theirs (Q and dO, or K and V).
 //! The three variables are experiments the GPU check times
 //! (`bench/gpu_check.py`'s `FLASH_VARIANTS`); `kiln check-kernels
-//! --cuda-arch 90` gives each variant's registers and occupancy.
+//! --cuda-arch 90` gives each variant's registers and occupancy. On CUDA,
+//! `FLASH_MMA=1` replaces this forward kernel by `flash_mma.rs`'s, whose
+//! softmax is in the warps' registers (CUDA's manual MMA).
 
 use burn::tensor::DType;
 use burn_backend::cubecl::{dtype_to_elem_type, dtype_to_storage_type};
@@ -83,7 +85,7 @@ use super::super::cube_empty as empty;
 
 /// Below any score: the running maximum before the first key (as the
 /// scalar kernel's, a finite stand-in for −∞).
-const LOWEST: f32 = -3.0e38;
+pub(super) const LOWEST: f32 = -3.0e38;
 
 /// The matrix instruction's size this kernel uses for `dtype` and
 /// `head_dim` on `client`'s device, and the plane's size; `None` where the
@@ -152,7 +154,12 @@ fn backward_shared_bytes(
 
 /// Whether the launch grid (query or key tiles, heads, batch entries) fits
 /// the device's.
-fn grid_fits(client: &cubecl::client::Client, tiles: usize, heads: usize, batch: usize) -> bool {
+pub(super) fn grid_fits(
+    client: &cubecl::client::Client,
+    tiles: usize,
+    heads: usize,
+    batch: usize,
+) -> bool {
     let (x, y, z) = client.properties().hardware.max_cube_count;
     tiles <= x as usize && heads <= y as usize && batch <= z as usize
 }
@@ -168,7 +175,7 @@ fn grid_fits(client: &cubecl::client::Client, tiles: usize, heads: usize, batch:
 /// once an element.
 #[cube]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn read_rows<E: Float, N: Size>(
+pub(super) fn read_rows<E: Float, N: Size>(
     src: &[Vector<E, N>],
     values: &mut Array<Vector<E, N>>,
     b: usize,
@@ -197,27 +204,31 @@ fn read_rows<E: Float, N: Size>(
 }
 
 /// Stores what [`read_rows`] read (the same `head_dim`, `tile` and
-/// `units`) into `dst`, row-major.
+/// `units`) into `dst`, row-major, rows `stride` elements apart
+/// (`head_dim`, or more for rows padded against bank conflicts).
 #[cube]
 #[allow(clippy::manual_div_ceil)]
-fn write_rows<E: Float, N: Size>(
+pub(super) fn write_rows<E: Float, N: Size>(
     values: &Array<Vector<E, N>>,
     dst: &mut Shared<[E]>,
     #[comptime] head_dim: usize,
+    #[comptime] stride: usize,
     #[comptime] tile: usize,
     #[comptime] units: usize,
 ) {
     let unit = UNIT_POS as usize;
     let n = values[0].vector_size().comptime();
-    let len = comptime!(tile * head_dim / n);
+    let per_row = comptime!(head_dim / n);
+    let len = comptime!(tile * per_row);
     #[unroll]
     for k in 0..comptime!((len + units - 1) / units) {
         let v = unit + k * units;
         if v < len {
             let x = values[k];
+            let at = (v / per_row) * stride + (v % per_row) * n;
             #[unroll]
             for i in 0..n {
-                dst[v * n + i] = x.extract(i);
+                dst[at + i] = x.extract(i);
             }
         }
     }
@@ -628,7 +639,7 @@ fn flash_attention_kernel<E: Float, N: Size>(
         rows,
         units,
     );
-    write_rows(&read, &mut sq, head_dim, rows, units);
+    write_rows(&read, &mut sq, head_dim, head_dim, rows, units);
     let mut r = unit;
     while r < rows {
         row_max[r] = f32::new(LOWEST);
@@ -656,7 +667,7 @@ fn flash_attention_kernel<E: Float, N: Size>(
         // (Every plane is done with the previous keys and values.)
         sync_cube();
         write_keys(
-            &next, &mut sk, &mut sv, &mut seen, head_dim, step_keys, units,
+            &next, &mut sk, &mut sv, &mut seen, head_dim, head_dim, step_keys, units,
         );
         if lane == 0 {
             rescale[warp] = 0;
@@ -918,7 +929,7 @@ fn moved_reference(
 /// and values, or queries and their output gradient) and each row's
 /// figures (a key's flag, or a query's log-sum-exp and `delta`).
 #[derive(CubeType)]
-struct Staged<E: Float, N: Size> {
+pub(super) struct Staged<E: Float, N: Size> {
     first: Array<Vector<E, N>>,
     second: Array<Vector<E, N>>,
     stats: Array<f32>,
@@ -928,7 +939,7 @@ struct Staged<E: Float, N: Size> {
 /// `units` units, in vectors of `vec` elements.
 #[cube]
 #[allow(clippy::manual_div_ceil)]
-fn staged<E: Float, N: Size>(
+pub(super) fn staged<E: Float, N: Size>(
     #[comptime] head_dim: usize,
     #[comptime] n: usize,
     #[comptime] units: usize,
@@ -1006,8 +1017,8 @@ fn write_queries<E: Float, N: Size>(
     #[comptime] n: usize,
     #[comptime] units: usize,
 ) {
-    write_rows(&tile.first, sq, head_dim, n, units);
-    write_rows(&tile.second, sdo, head_dim, n, units);
+    write_rows(&tile.first, sq, head_dim, head_dim, n, units);
+    write_rows(&tile.second, sdo, head_dim, head_dim, n, units);
     #[unroll]
     for k in 0..comptime!((n + units - 1) / units) {
         let r = UNIT_POS as usize + k * units;
@@ -1023,7 +1034,7 @@ fn write_queries<E: Float, N: Size>(
 /// the sequence and not padding).
 #[cube]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn read_keys<E: Float, N: Size>(
+pub(super) fn read_keys<E: Float, N: Size>(
     qkv: &[Vector<E, N>],
     pad: &[f32],
     tile: &mut Staged<E, N>,
@@ -1075,20 +1086,21 @@ fn read_keys<E: Float, N: Size>(
     }
 }
 
-/// Stores a tile [`read_keys`] read.
+/// Stores a tile [`read_keys`] read, rows `stride` elements apart.
 #[cube]
-#[allow(clippy::manual_div_ceil)]
-fn write_keys<E: Float, N: Size>(
+#[allow(clippy::manual_div_ceil, clippy::too_many_arguments)]
+pub(super) fn write_keys<E: Float, N: Size>(
     tile: &Staged<E, N>,
     sk: &mut Shared<[E]>,
     sv: &mut Shared<[E]>,
     seen: &mut Shared<[f32]>,
     #[comptime] head_dim: usize,
+    #[comptime] stride: usize,
     #[comptime] n: usize,
     #[comptime] units: usize,
 ) {
-    write_rows(&tile.first, sk, head_dim, n, units);
-    write_rows(&tile.second, sv, head_dim, n, units);
+    write_rows(&tile.first, sk, head_dim, stride, n, units);
+    write_rows(&tile.second, sv, head_dim, stride, n, units);
     #[unroll]
     for k in 0..comptime!((n + units - 1) / units) {
         let c = UNIT_POS as usize + k * units;
@@ -1243,10 +1255,12 @@ fn flash_backward_kernel<E: Float, N: Size>(
             qkv, pad, &mut outer, b, h, heads, start, seq, head_dim, rows, units,
         );
         if comptime!(unit_flags) {
-            write_rows(&outer.first, &mut sk, head_dim, rows, units);
-            write_rows(&outer.second, &mut sv, head_dim, rows, units);
+            write_rows(&outer.first, &mut sk, head_dim, head_dim, rows, units);
+            write_rows(&outer.second, &mut sv, head_dim, head_dim, rows, units);
         } else {
-            write_keys(&outer, &mut sk, &mut sv, &mut seen, head_dim, rows, units);
+            write_keys(
+                &outer, &mut sk, &mut sv, &mut seen, head_dim, head_dim, rows, units,
+            );
         }
     } else {
         q_off = mine;
@@ -1325,7 +1339,7 @@ fn flash_backward_kernel<E: Float, N: Size>(
             );
         } else {
             write_keys(
-                &next, &mut sk, &mut sv, &mut seen, head_dim, inner_rows, units,
+                &next, &mut sk, &mut sv, &mut seen, head_dim, head_dim, inner_rows, units,
             );
         }
         sync_cube();
@@ -1597,7 +1611,7 @@ fn planes_and_steps(
 /// takes at once: the widest vector the device loads (16 bytes on CUDA)
 /// that divides the heads' width, so that a vector never straddles two
 /// heads.
-fn vector_size(qkv: &CubeTensor, head_dim: usize) -> usize {
+pub(super) fn vector_size(qkv: &CubeTensor, head_dim: usize) -> usize {
     qkv.client
         .io_optimized_vector_sizes(qkv.dtype.size())
         .filter(|&n| n > 0 && head_dim.is_multiple_of(n))

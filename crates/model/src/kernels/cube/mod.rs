@@ -24,6 +24,7 @@ pub(crate) mod cublas;
 #[cfg(not(feature = "fusion"))]
 pub(crate) mod embedding;
 pub(crate) mod flash_attention;
+pub(crate) mod flash_mma;
 #[cfg(not(feature = "fusion"))]
 pub(crate) mod gelu;
 #[cfg(not(feature = "fusion"))]

@@ -161,9 +161,13 @@ pub(crate) fn tensor(inplace: Option<usize>) -> TensorCompilationArg {
 pub(crate) fn compile_kernels(arch: u32) -> Vec<OfflineKernel> {
     let offline = Offline {
         props: device(arch),
-        target: Arc::new(TargetProperties::default()),
+        // CUDA's own: the manual MMA's register layout is the target's.
+        target: Arc::new(
+            <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::target_properties(),
+        ),
     };
     let mut kernels = flash_attention::offline_kernels(&offline, DType::BF16);
+    kernels.extend(super::flash_mma::offline_kernels(&offline, DType::BF16));
     kernels.extend(super::attention::offline_kernels(&offline));
     #[cfg(not(feature = "fusion"))]
     {

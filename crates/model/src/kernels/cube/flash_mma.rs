@@ -1,0 +1,501 @@
+//! FlashAttention-2's forward pass as its authors wrote it for NVIDIA's
+//! tensor cores: the scores, the softmax and the sums in each warp's
+//! registers, through `mma.sync` with its register layout known
+//! (CubeCL's manual MMA, `MmaDefinition`), where `flash_attention.rs`'s
+//! kernel goes through the opaque `cmma` fragments and so passes every
+//! score through shared memory and its softmax through a loop of units
+//! over rows. `FLASH_MMA=1` runs it (an experiment the GPU check
+//! verifies with `kiln check-kernels` and times with `kiln bench
+//! attention`); CUDA only (bf16 or f16, heads a multiple of 16 wide, 32-unit
+//! warps): the manual MMA is CUDA's.
+//!
+//! A warp owns 16 queries of one head, a cube four warps (64 queries,
+//! their keys and values shared through shared memory: two cube-wide
+//! barriers a step, as in the other kernel). For each step of
+//! [`STEP_KEYS`] keys, a warp:
+//!
+//! 1. takes `S = Q·Kᵀ` (`m16n8k16`: the warp's 16 queries against 8 keys
+//!    a product, over the head's width 16 at a time): each unit holds
+//!    four scores of each 8-key block, two of row `g = lane / 4` and two
+//!    of row `g + 8`, at keys `2·(lane % 4)` and the next;
+//! 2. masks (only where the step needs it: a padded or missing key, or
+//!    the causal diagonal), takes each row's maximum over its own eight
+//!    blocks and then over the four units that share the row (two
+//!    shuffles), moves the row's running maximum and rescales its sums O
+//!    and its partial sum of probabilities by `exp(old − new)`;
+//! 3. `P = exp(scale·S − max)`, in registers, rounded to the input dtype:
+//!    two 8-key blocks of the accumulator's layout are exactly one
+//!    16-key left operand of the next product, so P never leaves the
+//!    registers;
+//! 4. `O += P·V` (the values read transposed from shared memory by
+//!    `ldmatrix.trans`).
+//!
+//! The queries' fragments are loaded once; the keys' and values' by
+//! `ldmatrix` from rows padded by 16 bytes (no bank conflicts). It ends as
+//! the other kernels do: `O / sum` (zeros for a query that sees no key)
+//! and each query's log-sum-exp for the backward pass, which stays
+//! `flash_attention.rs`'s.
+
+use burn::tensor::DType;
+use burn_backend::cubecl::{dtype_to_elem_type, dtype_to_storage_type};
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
+use cubecl::features::MmaConfig;
+use cubecl::prelude::*;
+use cubecl::{CubeCount, CubeDim};
+
+use super::super::cube_empty as empty;
+use super::flash_attention::{
+    LOWEST, Staged, grid_fits, read_keys, read_rows, staged, vector_size, write_keys, write_rows,
+};
+
+/// Keys a step (a multiple of 16).
+const STEP_KEYS: usize = 64;
+/// Warps a cube.
+const PLANES: usize = 4;
+/// Queries a warp: the instruction's `m`.
+const ROWS: usize = 16;
+/// The units of a warp.
+const WARP: usize = 32;
+/// Elements each shared row is padded by (16 bytes of bf16 or f16), so
+/// that the eight rows an `ldmatrix` reads start in distinct banks.
+const PAD: usize = 8;
+
+/// Whether `FLASH_MMA=1` asks for this kernel (off by default until the
+/// GPU check has verified and timed it).
+pub(crate) fn asked() -> bool {
+    static ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ASKED.get_or_init(|| std::env::var("FLASH_MMA").is_ok_and(|v| v.trim() == "1"))
+}
+
+/// Whether the kernel runs on `qkv`'s device for its dtype and heads
+/// `head_dim` wide: CUDA (whose register layout the kernel is written
+/// for; HIP's manual MMA lays its registers out otherwise), its
+/// `mma.m16n8k16` with f32 sums for the dtype, `ldmatrix`, and 32-unit
+/// warps.
+fn runs(qkv: &CubeTensor, head_dim: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    let cuda = matches!(qkv.device, cubecl::Device::Cuda(_));
+    #[cfg(not(feature = "cuda"))]
+    let cuda = false;
+    let dtype = qkv.dtype;
+    if !cuda || !matches!(dtype, DType::BF16 | DType::F16) || !head_dim.is_multiple_of(16) {
+        return false;
+    }
+    let props = qkv.client.properties();
+    let (elem, acc) = (dtype_to_elem_type(dtype), dtype_to_elem_type(DType::F32));
+    props.hardware.plane_size_min == WARP as u32
+        && props.hardware.plane_size_max == WARP as u32
+        && props.features.matmul.ldmatrix.contains(&elem)
+        && props.features.matmul.mma.contains(&MmaConfig {
+            a_type: elem,
+            b_type: elem,
+            cd_type: acc,
+            m: 16,
+            n: 8,
+            k: 16,
+        })
+        && shared_bytes(head_dim, dtype.size()) <= props.hardware.max_shared_memory_size
+}
+
+/// The kernel's shared memory: the cube's queries, one step's keys and
+/// values (rows padded by [`PAD`]) and the keys' flags.
+fn shared_bytes(head_dim: usize, elem: usize) -> usize {
+    (PLANES * ROWS + 2 * STEP_KEYS) * (head_dim + PAD) * elem + 4 * STEP_KEYS
+}
+
+/// One 32-bit register of a fragment: two elements.
+type Pair<T> = Vector<T, Const<2>>;
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+fn flash_mma_forward_kernel<E: Float, N: Size>(
+    qkv: &[Vector<E, N>],
+    pad: &[f32],
+    out: &mut [E],
+    lse: &mut [f32],
+    seq: usize,
+    heads: usize,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+    #[define(E)] _dtype: ElemType,
+) {
+    let h = CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let units = comptime!(WARP * PLANES);
+    let rows = comptime!(ROWS * PLANES);
+    let stride = comptime!(head_dim + PAD);
+    let vec = qkv.vector_size().comptime();
+    let warp = UNIT_POS_Y as usize;
+    let lane = UNIT_POS_X as usize;
+    // The unit's rows and columns in the accumulators' layout.
+    let g = lane / 4;
+    let t = lane % 4;
+    let width = heads * head_dim;
+    let block = CUBE_POS_X as usize * rows;
+    let q_start = block + warp * ROWS;
+    let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
+
+    let mut sq = Shared::<[E]>::new_aligned_slice(comptime!(rows * stride), 16usize);
+    let mut sk = Shared::<[E]>::new_aligned_slice(comptime!(STEP_KEYS * stride), 16usize);
+    let mut sv = Shared::<[E]>::new_aligned_slice(comptime!(STEP_KEYS * stride), 16usize);
+    let mut seen = Shared::<[f32]>::new_slice(STEP_KEYS);
+
+    // The cube's queries, then this warp's as left operands, 16 columns
+    // a fragment (`ldmatrix.x4`: units 0–15 address rows 0–15 of columns
+    // 0–7, units 16–31 of columns 8–15).
+    let mut read =
+        Array::<Vector<E, N>>::new(comptime!((rows * head_dim / vec + units - 1) / units));
+    read_rows(
+        qkv,
+        &mut read,
+        b,
+        block,
+        seq,
+        3 * width,
+        h * head_dim,
+        head_dim,
+        rows,
+        units,
+    );
+    write_rows(&read, &mut sq, head_dim, stride, rows, units);
+    sync_cube();
+    let mut queries = Sequence::<Array<Pair<E>>>::new();
+    #[unroll]
+    for kb in 0..head_dim / 16 {
+        let row = warp * ROWS + lane % 16;
+        let col = kb * 16 + (lane / 16) * 8;
+        queries.push(def.load_matrix::<E, Const<2>>(
+            &sq[row * stride + col..row * stride + col + 8],
+            MatrixIdent::A,
+            4usize,
+            false,
+        ));
+    }
+    // O, 8 columns an accumulator (two registers: row g, row g + 8).
+    let mut o = Sequence::<Array<Pair<f32>>>::new();
+    #[unroll]
+    for _ in 0..head_dim / 8 {
+        o.push(zeros());
+    }
+    // Each of the unit's two rows: its running maximum (of scaled
+    // scores; LOWEST before its first seen key) and the unit's share of
+    // its sum of probabilities.
+    let mut max_lo = f32::new(LOWEST);
+    let mut max_hi = f32::new(LOWEST);
+    let mut sum_lo = f32::new(0.0);
+    let mut sum_hi = f32::new(0.0);
+    let i_lo = q_start + g;
+    let i_hi = i_lo + 8;
+
+    // With `causal`, no key after the cube's last query.
+    let mut keys = seq;
+    if causal && block + rows < seq {
+        keys = block + rows;
+    }
+    let key_steps = (keys + STEP_KEYS - 1) / STEP_KEYS;
+    let mut next: Staged<E, N> = staged::<E, N>(head_dim, STEP_KEYS, units, vec);
+    read_keys(
+        qkv, pad, &mut next, b, h, heads, 0, seq, head_dim, STEP_KEYS, units,
+    );
+    for k_step in 0..key_steps {
+        let k_start = k_step * STEP_KEYS;
+        sync_cube();
+        write_keys(
+            &next, &mut sk, &mut sv, &mut seen, head_dim, stride, STEP_KEYS, units,
+        );
+        sync_cube();
+        if k_step + 1 < key_steps {
+            read_keys(
+                qkv,
+                pad,
+                &mut next,
+                b,
+                h,
+                heads,
+                k_start + STEP_KEYS,
+                seq,
+                head_dim,
+                STEP_KEYS,
+                units,
+            );
+        }
+        // Whether some key of the step is padding or past the end (each
+        // unit looks at two flags, the warp answers together).
+        let mut unseen = false;
+        #[unroll]
+        for k in 0..STEP_KEYS / WARP {
+            unseen = unseen || seen[lane + k * WARP] == f32::new(0.0);
+        }
+        let unseen = plane_any(unseen);
+        // With `causal`, a warp whose queries all come before the step's
+        // keys has nothing to do; one whose first query comes before the
+        // step's last key masks.
+        let mut visible = true;
+        let mut diagonal = false;
+        if causal {
+            visible = k_start < q_start + ROWS;
+            diagonal = k_start + STEP_KEYS > q_start + 1;
+        }
+        if visible {
+            // S = Q·Kᵀ, 8 keys an accumulator: the keys' rows are the
+            // right operand read as it lies (`ldmatrix.x2`: units 0–7
+            // address the 8 keys at columns 0–7, units 8–15 at 8–15).
+            let mut s = Sequence::<Array<Pair<f32>>>::new();
+            #[unroll]
+            for nt in 0..STEP_KEYS / 8 {
+                let mut acc = zeros();
+                #[unroll]
+                for kb in 0..head_dim / 16 {
+                    let key = nt * 8 + lane % 8;
+                    let col = kb * 16 + ((lane / 8) % 2) * 8;
+                    let k_frag = def.load_matrix::<E, Const<2>>(
+                        &sk[key * stride + col..key * stride + col + 8],
+                        MatrixIdent::B,
+                        2usize,
+                        false,
+                    );
+                    def.execute_inplace(queries.index(kb), &k_frag, &mut acc);
+                }
+                s.push(acc);
+            }
+            // The masks, where the step has some: a key a query does not
+            // see scores LOWEST.
+            if unseen || diagonal {
+                #[unroll]
+                for nt in 0..STEP_KEYS / 8 {
+                    let acc = s.index_mut(nt);
+                    #[unroll]
+                    for half in 0..2 {
+                        let i = q_start + g + half * 8;
+                        let mut pair = acc[half];
+                        #[unroll]
+                        for e in 0..2 {
+                            let c = nt * 8 + 2 * t + e;
+                            let mut sees = seen[c] != f32::new(0.0);
+                            if causal {
+                                sees = sees && k_start + c <= i;
+                            }
+                            if !sees {
+                                pair.insert(e, f32::new(LOWEST));
+                            }
+                        }
+                        acc[half] = pair;
+                    }
+                }
+            }
+            // Each row's maximum: the unit's eight blocks, then the four
+            // units of the row.
+            let mut top_lo = f32::new(LOWEST);
+            let mut top_hi = f32::new(LOWEST);
+            #[unroll]
+            for nt in 0..STEP_KEYS / 8 {
+                let acc = s.index(nt);
+                top_lo = max(top_lo, max(acc[0].extract(0usize), acc[0].extract(1usize)));
+                top_hi = max(top_hi, max(acc[1].extract(0usize), acc[1].extract(1usize)));
+            }
+            top_lo = max(top_lo, plane_shuffle_xor(top_lo, 1));
+            top_lo = max(top_lo, plane_shuffle_xor(top_lo, 2));
+            top_hi = max(top_hi, plane_shuffle_xor(top_hi, 1));
+            top_hi = max(top_hi, plane_shuffle_xor(top_hi, 2));
+            let (new_lo, factor_lo) = moved(max_lo, top_lo, scale);
+            let (new_hi, factor_hi) = moved(max_hi, top_hi, scale);
+            max_lo = new_lo;
+            max_hi = new_hi;
+            sum_lo *= factor_lo;
+            sum_hi *= factor_hi;
+            #[unroll]
+            for dt in 0..head_dim / 8 {
+                let acc = o.index_mut(dt);
+                acc[0] *= Pair::<f32>::new(factor_lo);
+                acc[1] *= Pair::<f32>::new(factor_hi);
+            }
+            // (Before a row's first seen key its reference is 0: its
+            // masked scores' exponentials are then 0, not 1.)
+            let ref_lo = select(max_lo == f32::new(LOWEST), f32::new(0.0), max_lo);
+            let ref_hi = select(max_hi == f32::new(LOWEST), f32::new(0.0), max_hi);
+            // P, and O += P·V 16 keys at a time: accumulators 2·kb and
+            // 2·kb + 1 are the left operand's four registers.
+            #[unroll]
+            for kb in 0..STEP_KEYS / 16 {
+                let mut p = Array::<Pair<E>>::new(4usize);
+                #[unroll]
+                for half in 0..2 {
+                    let acc = s.index(2 * kb + half);
+                    let lo = probabilities(acc[0], scale, ref_lo);
+                    let hi = probabilities(acc[1], scale, ref_hi);
+                    sum_lo += lo.extract(0usize) + lo.extract(1usize);
+                    sum_hi += hi.extract(0usize) + hi.extract(1usize);
+                    p[2 * half] = Pair::<E>::cast_from(lo);
+                    p[2 * half + 1] = Pair::<E>::cast_from(hi);
+                }
+                #[unroll]
+                for dt in 0..head_dim / 8 {
+                    // The values as the right operand, transposed on
+                    // their way (`ldmatrix.x2.trans`: units 0–15 address
+                    // the 16 keys' rows at the 8 columns).
+                    let key = kb * 16 + lane % 16;
+                    let v_frag = def.load_matrix::<E, Const<2>>(
+                        &sv[key * stride + dt * 8..key * stride + dt * 8 + 8],
+                        MatrixIdent::B,
+                        2usize,
+                        true,
+                    );
+                    def.execute_inplace(&p, &v_frag, o.index_mut(dt));
+                }
+            }
+        }
+    }
+
+    // The rows' sums over their four units; O / sum (zeros for a query
+    // that sees no key) and the log-sum-exp, as the other kernels write
+    // them.
+    sum_lo += plane_shuffle_xor(sum_lo, 1);
+    sum_lo += plane_shuffle_xor(sum_lo, 2);
+    sum_hi += plane_shuffle_xor(sum_hi, 1);
+    sum_hi += plane_shuffle_xor(sum_hi, 2);
+    let (inv_lo, lse_lo) = finish(sum_lo, max_lo);
+    let (inv_hi, lse_hi) = finish(sum_hi, max_hi);
+    let row0 = (b * heads + h) * seq;
+    if t == 0 {
+        if i_lo < seq {
+            lse[row0 + i_lo] = lse_lo;
+        }
+        if i_hi < seq {
+            lse[row0 + i_hi] = lse_hi;
+        }
+    }
+    #[unroll]
+    for dt in 0..head_dim / 8 {
+        let acc = o.index(dt);
+        let col = h * head_dim + dt * 8 + 2 * t;
+        if i_lo < seq {
+            let at = (b * seq + i_lo) * width + col;
+            out[at] = E::cast_from(acc[0].extract(0usize) * inv_lo);
+            out[at + 1] = E::cast_from(acc[0].extract(1usize) * inv_lo);
+        }
+        if i_hi < seq {
+            let at = (b * seq + i_hi) * width + col;
+            out[at] = E::cast_from(acc[1].extract(0usize) * inv_hi);
+            out[at + 1] = E::cast_from(acc[1].extract(1usize) * inv_hi);
+        }
+    }
+}
+
+/// An accumulator of zeros: an 8-column block, two registers.
+#[cube]
+fn zeros() -> Array<Pair<f32>> {
+    let mut acc = Array::<Pair<f32>>::new(2usize);
+    acc[0] = Pair::<f32>::new(f32::new(0.0));
+    acc[1] = Pair::<f32>::new(f32::new(0.0));
+    acc
+}
+
+/// A row's running maximum after a step whose largest raw score is `top`
+/// (LOWEST where the row sees none of its keys), and the factor its sums
+/// so far are rescaled by (0 before its first seen key, when they are
+/// zeros anyway).
+#[cube]
+fn moved(old: f32, top: f32, scale: f32) -> (f32, f32) {
+    let mut new = old;
+    if top > f32::new(LOWEST) {
+        new = max(old, top * scale);
+    }
+    let mut factor = f32::new(0.0);
+    if old != f32::new(LOWEST) {
+        factor = (old - new).exp();
+    }
+    (new, factor)
+}
+
+/// `exp(scale·s − reference)` of a register's two scores.
+#[cube]
+fn probabilities(s: Pair<f32>, scale: f32, reference: f32) -> Pair<f32> {
+    let mut p = s;
+    p.insert(0usize, (s.extract(0usize) * scale - reference).exp());
+    p.insert(1usize, (s.extract(1usize) * scale - reference).exp());
+    p
+}
+
+/// A row's `1 / sum` and log-sum-exp (0 and 0 for a row that saw no key).
+#[cube]
+fn finish(sum: f32, top: f32) -> (f32, f32) {
+    let mut inverse = f32::new(0.0);
+    let mut l = f32::new(0.0);
+    if sum > f32::new(0.0) {
+        inverse = f32::new(1.0) / sum;
+        l = top + sum.ln();
+    }
+    (inverse, l)
+}
+
+/// The forward pass by this kernel where [`runs`] says it does (`None`
+/// elsewhere): the merged heads and the log-sum-exp, as
+/// `flash_attention::forward`'s. `qkv` and `pad` are contiguous.
+pub(super) fn forward(
+    qkv: &CubeTensor,
+    pad: &CubeTensor,
+    heads: usize,
+    causal: bool,
+) -> Option<(CubeTensor, CubeTensor)> {
+    let [batch, seq, three_width] = qkv.meta.shape().dims::<3>();
+    let head_dim = three_width / 3 / heads;
+    let dtype = qkv.dtype;
+    let rows = ROWS * PLANES;
+    if !runs(qkv, head_dim) || !grid_fits(&qkv.client, seq.div_ceil(rows), heads, batch) {
+        return None;
+    }
+    let out = empty(qkv, vec![batch, seq, heads * head_dim], dtype);
+    let lse = empty(qkv, vec![batch, heads, seq], DType::F32);
+    flash_mma_forward_kernel::launch(
+        &qkv.client,
+        CubeCount::Static(seq.div_ceil(rows) as u32, heads as u32, batch as u32),
+        CubeDim::new_2d(WARP as u32, PLANES as u32),
+        vector_size(qkv, head_dim),
+        qkv.clone().into_buffer_arg(),
+        pad.clone().into_buffer_arg(),
+        out.clone().into_buffer_arg(),
+        lse.clone().into_buffer_arg(),
+        seq,
+        heads,
+        (1.0 / (head_dim as f64).sqrt()) as f32,
+        head_dim,
+        causal,
+        dtype_to_storage_type(dtype),
+    );
+    Some((out, lse))
+}
+
+/// The kernel as GPT-2 small runs it on an NVIDIA GPU in `dtype` (heads
+/// 64 wide, causal), for `kiln check-kernels --cuda-arch`.
+#[cfg(feature = "cuda")]
+pub(super) fn offline_kernels(
+    o: &super::offline::Offline,
+    dtype: DType,
+) -> super::offline::Kernels {
+    use super::offline::buffer;
+    let head_dim = 64;
+    let kernel = flash_mma_forward_kernel::FlashMmaForwardKernel::new(
+        o.settings(WARP as u32, PLANES as u32),
+        o.props.clone(),
+        o.target.clone(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        (),
+        (),
+        (),
+        16 / dtype.size(),
+        head_dim,
+        true,
+        dtype_to_storage_type(dtype),
+    );
+    vec![(
+        format!(
+            "flash attention forward, registers (FLASH_MMA=1; {dtype:?}, heads {head_dim} wide, causal, {STEP_KEYS} keys a step, {PLANES} warps)"
+        ),
+        Box::new(kernel),
+    )]
+}
