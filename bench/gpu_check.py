@@ -38,8 +38,8 @@ measured already goes last: `main`'s comments):
    implementation kiln has, forward and backward, in TFLOP/s) at GPT-2
    small's micro-batch (again with the forward's softmax reading its
    scores in order, `FLASH_ROTATE=0`) and at one head of one sequence,
-   each again with the forward in registers (`FLASH_MMA=1`, after
-   `check-kernels --only attention` with it), with PyTorch's
+   each again with the scores in registers (`FLASH_MMA=1`: forward, dQ
+   and dK/dV; after `check-kernels --only attention` with it), with PyTorch's
    `scaled_dot_product_attention` at the same shapes
    (bench/pytorch_attention.py);
    GPT-2 small, BERT-base and the `h100` preset again with cuBLAS's
@@ -125,9 +125,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (`FLASH_SHARED_KIB`): each checked by `check-kernels --only
 # attention`, then timed on GPT-2 small with the kernel profile.
 FLASH_VARIANTS = {
-    # The forward kernel with the scores, softmax and sums in each warp's
+    # The kernels with the scores, softmax and sums in each warp's
     # registers (CUDA's manual `mma.sync`, `cube/flash_mma.rs`; new, never
-    # run on a GPU before): 64 keys a step, no score through shared memory.
+    # run on a GPU before): forward, dQ and dK/dV, 64 rows a step, no score
+    # through shared memory.
     "flash registers": {"FLASH_MMA": "1"},
     # (32 keys in 48 KiB halve the backward's warps a cube; with 100 KiB
     # they keep four: docs/GPU_TUNING.md, from `kiln check-kernels
@@ -140,6 +141,13 @@ FLASH_VARIANTS = {
     "flash 32 keys": {"FLASH_KEYS": "32"},
     "flash 64 keys, 100 KiB": {"FLASH_KEYS": "64", "FLASH_SHARED_KIB": "100"},
     "flash 64 keys": {"FLASH_KEYS": "64"},
+}
+
+# `FLASH_MMA`'s kernels one side at a time: checked where all three
+# together disagree, to tell which does.
+FLASH_MMA_PARTS = {
+    "flash registers, forward only": {"FLASH_MMA": "forward"},
+    "flash registers, backward only": {"FLASH_MMA": "backward"},
 }
 
 # The tiny GPT and encoder of the reference checks (the GPU suite's shapes).
@@ -420,7 +428,7 @@ class Check:
         cmd = [binary, "check-kernels", "--json", f"device.backend={self.gpu}"]
         if flash is not None:
             label = f"{label}, attention, {flash}"
-            env = dict(env or self.env, **FLASH_VARIANTS[flash])
+            env = dict(env or self.env, **{**FLASH_VARIANTS, **FLASH_MMA_PARTS}[flash])
             cmd.append("--only=attention")
         elif self.args.tiny:
             # What --tiny checks is this script; every kernel on llvmpipe is
@@ -756,11 +764,14 @@ class Check:
                 self.bench(f"{label}, scores read in order", "attention", args, warmup, steps, 120,
                            env=dict(self.env, FLASH_ROTATE="0"))
             if not self.args.tiny:
-                # The forward with its softmax in registers (`FLASH_MMA=1`),
-                # checked against Burn's composition first: its `flash` row
-                # is the register kernel's forward (the backward is the same).
+                # The kernels with their scores in registers (`FLASH_MMA=1`),
+                # checked against Burn's composition first: their `flash`
+                # row is the register kernels' forward and backward.
                 self.kernels(flash="flash registers")
-                self.bench(f"{label}, forward in registers", "attention", args, warmup, steps, 120,
+                if self.passed("check-kernels, attention, flash registers") is False:
+                    for part in FLASH_MMA_PARTS:
+                        self.kernels(flash=part)
+                self.bench(f"{label}, scores in registers", "attention", args, warmup, steps, 120,
                            env=dict(self.env, **FLASH_VARIANTS["flash registers"]))
             if self.args.skip_pytorch or not self.torch or step["status"] != "ok":
                 if step["status"] != "ok":

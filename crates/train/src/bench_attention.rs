@@ -139,11 +139,15 @@ pub fn bench_attention(
     ] {
         let route = attention_route(&qkv, heads, kernel);
         let skipped = match (kernel, route) {
-            (AttentionKernel::Flash, r) if r != AttentionRoute::MatrixUnit => Some(format!(
-                "{} has no matrix instruction kiln's kernels use for {} with heads {head_dim} wide",
-                choice.name,
-                precision.compute.name()
-            )),
+            (AttentionKernel::Flash, r)
+                if !matches!(r, AttentionRoute::MatrixUnit | AttentionRoute::Registers) =>
+            {
+                Some(format!(
+                    "{} has no matrix instruction kiln's kernels use for {} with heads {head_dim} wide",
+                    choice.name,
+                    precision.compute.name()
+                ))
+            }
             (AttentionKernel::MemoryEfficient, AttentionRoute::Burn) => Some(format!(
                 "kiln has no memory-efficient kernel for {} on {}",
                 precision.compute.name(),

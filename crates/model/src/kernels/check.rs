@@ -378,8 +378,14 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
                 &widen(half_upstream.clone()),
                 AttentionKernel::Math,
             );
+            // (Which kernels run on the matrix unit, in the name: with
+            // `FLASH_MMA` on CUDA those with their scores in registers.)
+            let matrix_unit = match super::attention_route(&half, heads, AttentionKernel::Auto) {
+                super::AttentionRoute::Registers => "on the matrix unit, scores in registers",
+                _ => "on the matrix unit",
+            };
             for (attention, on) in [
-                (AttentionKernel::Auto, "on the matrix unit"),
+                (AttentionKernel::Auto, matrix_unit),
                 (AttentionKernel::MemoryEfficient, "scalar"),
             ] {
                 let (y, dqkv) = run(&half, &half_upstream, attention);

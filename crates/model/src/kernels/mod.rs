@@ -266,6 +266,10 @@ pub enum AttentionRoute {
     Flex,
     /// FlashAttention-2 on the matrix unit (`cube/flash_attention.rs`).
     MatrixUnit,
+    /// FlashAttention-2 with its scores in the warps' registers
+    /// (`cube/flash_mma.rs`): where `FLASH_MMA` asks for its forward on
+    /// CUDA.
+    Registers,
     /// kiln's memory-efficient CubeCL kernels without the matrix unit.
     Scalar,
     /// Burn's composition, which keeps the `heads × T × T` scores.
@@ -278,6 +282,9 @@ impl AttentionRoute {
         match self {
             AttentionRoute::Flex => "kiln's fused kernel on flex",
             AttentionRoute::MatrixUnit => "FlashAttention-2 on the matrix unit",
+            AttentionRoute::Registers => {
+                "FlashAttention-2 on the matrix unit, its scores in registers (FLASH_MMA)"
+            }
             AttentionRoute::Scalar => "kiln's memory-efficient scalar kernels",
             AttentionRoute::Burn => "Burn's composition, which keeps the scores",
         }
@@ -298,6 +305,10 @@ pub fn attention_route(
         && attention != AttentionKernel::MemoryEfficient
         && attention_on_tensor_cores(&qkv.device(), qkv.dtype(), head_dim)
     {
+        #[cfg(feature = "cube")]
+        if cube::attention::in_registers(&qkv.device(), qkv.dtype(), head_dim) {
+            return AttentionRoute::Registers;
+        }
         AttentionRoute::MatrixUnit
     } else {
         route

@@ -167,6 +167,18 @@ pub(crate) fn on_tensor_cores(
         .is_some_and(|d| super::flash_attention::tile_for(&d.client(), dtype, head_dim).is_some())
 }
 
+/// Whether the forward pass on `device`'s matrix unit is `flash_mma.rs`'s
+/// (its scores in registers): where `FLASH_MMA` asks for it and it runs.
+pub(crate) fn in_registers(
+    device: &burn::tensor::Device,
+    dtype: burn::tensor::DType,
+    head_dim: usize,
+) -> bool {
+    super::flash_mma::forward_asked()
+        && crate::device_memory::cube_gpu_device(device)
+            .is_some_and(|d| super::flash_mma::runs_on(&d, dtype, head_dim))
+}
+
 /// The kernels' self-attention of `qkv` (see `kernels::self_attention`);
 /// the result has qkv's dtype.
 pub(crate) fn self_attention(
@@ -534,7 +546,7 @@ mod cube {
         // the caller did not ask for the scalar kernels): with
         // `FLASH_MMA=1` the register kernel where it runs (CUDA).
         if spec.matrix_unit
-            && super::super::flash_mma::asked()
+            && super::super::flash_mma::forward_asked()
             && let Some(result) = super::super::flash_mma::forward(&qkv, &pad, heads, causal)
         {
             return result;
@@ -600,7 +612,15 @@ mod cube {
             p.head_dim,
             dtype_to_storage_type(dtype),
         );
-        // On the matrix unit where the forward pass ran.
+        // On the matrix unit where the forward pass ran: with
+        // `FLASH_MMA=1` the register kernels where they run (CUDA).
+        if spec.matrix_unit
+            && super::super::flash_mma::backward_asked()
+            && let Some(dqkv) =
+                super::super::flash_mma::backward(&qkv, &pad, &grad, &lse, &delta, heads, causal)
+        {
+            return dqkv;
+        }
         if spec.matrix_unit
             && let Some(dqkv) = super::super::flash_attention::backward(
                 &qkv, &pad, &grad, &lse, &delta, heads, causal,

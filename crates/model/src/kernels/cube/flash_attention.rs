@@ -70,7 +70,7 @@
 //! The three variables are experiments the GPU check times
 //! (`bench/gpu_check.py`'s `FLASH_VARIANTS`); `kiln check-kernels
 //! --cuda-arch 90` gives each variant's registers and occupancy. On CUDA,
-//! `FLASH_MMA=1` replaces this forward kernel by `flash_mma.rs`'s, whose
+//! `FLASH_MMA=1` replaces these kernels by `flash_mma.rs`'s, whose
 //! softmax is in the warps' registers (CUDA's manual MMA).
 
 use burn::tensor::DType;
@@ -956,7 +956,7 @@ pub(super) fn staged<E: Float, N: Size>(
 /// the end): the queries, their output gradient, log-sum-exp and `delta`.
 #[cube]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn read_queries<E: Float, N: Size>(
+pub(super) fn read_queries<E: Float, N: Size>(
     qkv: &[Vector<E, N>],
     grad: &[Vector<E, N>],
     lse: &[f32],
@@ -1004,21 +1004,22 @@ fn read_queries<E: Float, N: Size>(
     }
 }
 
-/// Stores a tile [`read_queries`] read.
+/// Stores a tile [`read_queries`] read, rows `stride` elements apart.
 #[cube]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn write_queries<E: Float, N: Size>(
+pub(super) fn write_queries<E: Float, N: Size>(
     tile: &Staged<E, N>,
     sq: &mut Shared<[E]>,
     sdo: &mut Shared<[E]>,
     slse: &mut Shared<[f32]>,
     sdelta: &mut Shared<[f32]>,
     #[comptime] head_dim: usize,
+    #[comptime] stride: usize,
     #[comptime] n: usize,
     #[comptime] units: usize,
 ) {
-    write_rows(&tile.first, sq, head_dim, head_dim, n, units);
-    write_rows(&tile.second, sdo, head_dim, head_dim, n, units);
+    write_rows(&tile.first, sq, head_dim, stride, n, units);
+    write_rows(&tile.second, sdo, head_dim, stride, n, units);
     #[unroll]
     for k in 0..comptime!((n + units - 1) / units) {
         let r = UNIT_POS as usize + k * units;
@@ -1280,6 +1281,7 @@ fn flash_backward_kernel<E: Float, N: Size>(
             &mut slse,
             &mut sdelta,
             head_dim,
+            head_dim,
             rows,
             units,
         );
@@ -1333,6 +1335,7 @@ fn flash_backward_kernel<E: Float, N: Size>(
                 &mut sdo,
                 &mut slse,
                 &mut sdelta,
+                head_dim,
                 head_dim,
                 inner_rows,
                 units,
