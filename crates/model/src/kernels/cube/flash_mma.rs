@@ -158,19 +158,12 @@ fn flash_mma_forward_kernel<E: Float, N: Size>(
     #[comptime] causal: bool,
     #[define(E)] _dtype: ElemType,
 ) {
-    let h = CUBE_POS_Y as usize;
-    let b = CUBE_POS_Z as usize;
     let units = comptime!(WARP * PLANES);
     let rows = comptime!(ROWS * PLANES);
     let stride = comptime!(head_dim + PAD);
     let vec = qkv.vector_size().comptime();
-    let warp = UNIT_POS_Y as usize;
-    let lane = UNIT_POS_X as usize;
-    // The unit's rows and columns in the accumulators' layout.
-    let g = lane / 4;
-    let t = lane % 4;
+    let (h, b, block, warp, lane, g, t) = place();
     let width = heads * head_dim;
-    let block = CUBE_POS_X as usize * rows;
     let q_start = block + warp * ROWS;
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
 
@@ -424,15 +417,12 @@ fn flash_mma_forward_kernel<E: Float, N: Size>(
 /// dK/dV's; a multiple of 16).
 const STEP_ROWS: usize = 64;
 
-/// dQ with the scores in each warp's registers (`FLASH_MMA=1`): a warp
-/// owns 16 queries, a cube four warps; over the key steps they see, 16
-/// keys at a time, `S = Q·Kᵀ` and `dP = dO·Vᵀ` (two 8-key accumulators
-/// each), `P = exp(scale·S − lse)` and `dS = P·(dP − delta)` in registers,
-/// and `dQ += dS·K` with dS the left operand as it lies (the forward
-/// kernel's P). Writes `scale · dQ`, as `flash_attention.rs`'s dQ.
+/// The backward pass with the scores in each warp's registers: with
+/// `keys_outer` dK and dV ([`dkdv_walk`]), else dQ ([`dq_walk`]), as
+/// `flash_attention.rs`'s two launches of its backward kernel.
 #[cube(launch)]
-#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn flash_mma_dq_kernel<E: Float, N: Size>(
+#[allow(clippy::too_many_arguments)]
+fn flash_mma_backward_kernel<E: Float, N: Size>(
     qkv: &[Vector<E, N>],
     pad: &[f32],
     grad: &[Vector<E, N>],
@@ -444,20 +434,47 @@ fn flash_mma_dq_kernel<E: Float, N: Size>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
+    #[comptime] keys_outer: bool,
     #[define(E)] _dtype: ElemType,
 ) {
-    let h = CUBE_POS_Y as usize;
-    let b = CUBE_POS_Z as usize;
+    if comptime!(keys_outer) {
+        dkdv_walk(
+            qkv, pad, grad, lse, delta, dqkv, seq, heads, scale, head_dim, causal,
+        );
+    } else {
+        dq_walk(
+            qkv, pad, grad, lse, delta, dqkv, seq, heads, scale, head_dim, causal,
+        );
+    }
+}
+
+/// dQ with the scores in each warp's registers (`FLASH_MMA=1`): a warp
+/// owns 16 queries, a cube four warps; over the key steps they see, 16
+/// keys at a time, `S = Q·Kᵀ` and `dP = dO·Vᵀ` (two 8-key accumulators
+/// each), `P = exp(scale·S − lse)` and `dS = P·(dP − delta)` in registers,
+/// and `dQ += dS·K` with dS the left operand as it lies (the forward
+/// kernel's P). Writes `scale · dQ`, as `flash_attention.rs`'s dQ.
+#[cube]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+fn dq_walk<E: Float, N: Size>(
+    qkv: &[Vector<E, N>],
+    pad: &[f32],
+    grad: &[Vector<E, N>],
+    lse: &[f32],
+    delta: &[f32],
+    dqkv: &mut [E],
+    seq: usize,
+    heads: usize,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+) {
     let units = comptime!(WARP * PLANES);
     let rows = comptime!(ROWS * PLANES);
     let stride = comptime!(head_dim + PAD);
     let vec = qkv.vector_size().comptime();
-    let warp = UNIT_POS_Y as usize;
-    let lane = UNIT_POS_X as usize;
-    let g = lane / 4;
-    let t = lane % 4;
+    let (h, b, block, warp, lane, g, t) = place();
     let width = heads * head_dim;
-    let block = CUBE_POS_X as usize * rows;
     let q_start = block + warp * ROWS;
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
 
@@ -645,9 +662,9 @@ fn flash_mma_dq_kernel<E: Float, N: Size>(
 /// `dV += Pᵀ·dO` and `dK += dSᵀ·Q` (each query's log-sum-exp and `delta`
 /// from shared memory, by column). Writes `scale · dK` and dV, as
 /// `flash_attention.rs`'s dK/dV.
-#[cube(launch)]
+#[cube]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-fn flash_mma_dkdv_kernel<E: Float, N: Size>(
+fn dkdv_walk<E: Float, N: Size>(
     qkv: &[Vector<E, N>],
     pad: &[f32],
     grad: &[Vector<E, N>],
@@ -659,20 +676,13 @@ fn flash_mma_dkdv_kernel<E: Float, N: Size>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
-    #[define(E)] _dtype: ElemType,
 ) {
-    let h = CUBE_POS_Y as usize;
-    let b = CUBE_POS_Z as usize;
     let units = comptime!(WARP * PLANES);
     let rows = comptime!(ROWS * PLANES);
     let stride = comptime!(head_dim + PAD);
     let vec = qkv.vector_size().comptime();
-    let warp = UNIT_POS_Y as usize;
-    let lane = UNIT_POS_X as usize;
-    let g = lane / 4;
-    let t = lane % 4;
+    let (h, b, block, warp, lane, g, t) = place();
     let width = heads * head_dim;
-    let block = CUBE_POS_X as usize * rows;
     let k_first = block + warp * ROWS;
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
 
@@ -945,6 +955,24 @@ fn write_pair<E: Float>(dst: &mut [E], sums: Pair<f32>, factor: f32, at: usize, 
     }
 }
 
+/// Where a unit works: its cube's head and batch entry and first row
+/// (of queries, or of keys in dK/dV's), its warp and lane, and its rows
+/// and columns in the accumulators' layout (`g`: rows `g` and `g + 8`;
+/// `t`: columns `2t` and `2t + 1` of each 8-column block).
+#[cube]
+fn place() -> (usize, usize, usize, usize, usize, usize, usize) {
+    let lane = UNIT_POS_X as usize;
+    (
+        CUBE_POS_Y as usize,
+        CUBE_POS_Z as usize,
+        CUBE_POS_X as usize * comptime!(ROWS * PLANES),
+        UNIT_POS_Y as usize,
+        lane,
+        lane / 4,
+        lane % 4,
+    )
+}
+
 /// An accumulator of zeros: an 8-column block, two registers.
 #[cube]
 fn zeros() -> Array<Pair<f32>> {
@@ -1056,45 +1084,28 @@ pub(super) fn backward(
     }
     let dqkv = empty(qkv, qkv.meta.shape().to_vec(), dtype);
     let scale = (1.0 / (head_dim as f64).sqrt()) as f32;
-    let cube_count = || CubeCount::Static(seq.div_ceil(rows) as u32, heads as u32, batch as u32);
-    let cube_dim = CubeDim::new_2d(WARP as u32, PLANES as u32);
-    let vec = vector_size(qkv, head_dim);
-    flash_mma_dq_kernel::launch(
-        &qkv.client,
-        cube_count(),
-        cube_dim,
-        vec,
-        qkv.clone().into_buffer_arg(),
-        pad.clone().into_buffer_arg(),
-        grad.clone().into_buffer_arg(),
-        lse.clone().into_buffer_arg(),
-        delta.clone().into_buffer_arg(),
-        dqkv.clone().into_buffer_arg(),
-        seq,
-        heads,
-        scale,
-        head_dim,
-        causal,
-        dtype_to_storage_type(dtype),
-    );
-    flash_mma_dkdv_kernel::launch(
-        &qkv.client,
-        cube_count(),
-        cube_dim,
-        vec,
-        qkv.clone().into_buffer_arg(),
-        pad.clone().into_buffer_arg(),
-        grad.clone().into_buffer_arg(),
-        lse.clone().into_buffer_arg(),
-        delta.clone().into_buffer_arg(),
-        dqkv.clone().into_buffer_arg(),
-        seq,
-        heads,
-        scale,
-        head_dim,
-        causal,
-        dtype_to_storage_type(dtype),
-    );
+    // dQ per query tile, then dK and dV per key tile.
+    for keys_outer in [false, true] {
+        flash_mma_backward_kernel::launch(
+            &qkv.client,
+            CubeCount::Static(seq.div_ceil(rows) as u32, heads as u32, batch as u32),
+            CubeDim::new_2d(WARP as u32, PLANES as u32),
+            vector_size(qkv, head_dim),
+            qkv.clone().into_buffer_arg(),
+            pad.clone().into_buffer_arg(),
+            grad.clone().into_buffer_arg(),
+            lse.clone().into_buffer_arg(),
+            delta.clone().into_buffer_arg(),
+            dqkv.clone().into_buffer_arg(),
+            seq,
+            heads,
+            scale,
+            head_dim,
+            causal,
+            keys_outer,
+            dtype_to_storage_type(dtype),
+        );
+    }
     Some(dqkv)
 }
 
@@ -1130,61 +1141,33 @@ pub(super) fn offline_kernels(
         true,
         dtype_to_storage_type(dtype),
     );
-    let backward = |name: &str, dkdv: bool| -> (String, Box<dyn cubecl::CubeKernel>) {
-        let name = format!(
-            "flash attention {name}, registers (FLASH_MMA=1; {dtype:?}, heads {head_dim} wide, causal, {STEP_ROWS} {} a step, {PLANES} warps)",
-            if dkdv { "queries" } else { "keys" }
+    let backward = |name: &str, keys_outer: bool| -> (String, Box<dyn cubecl::CubeKernel>) {
+        let kernel = flash_mma_backward_kernel::FlashMmaBackwardKernel::new(
+            o.settings(WARP as u32, PLANES as u32),
+            o.props.clone(),
+            o.target.clone(),
+            buffer(),
+            buffer(),
+            buffer(),
+            buffer(),
+            buffer(),
+            buffer(),
+            (),
+            (),
+            (),
+            16 / dtype.size(),
+            head_dim,
+            true,
+            keys_outer,
+            dtype_to_storage_type(dtype),
         );
-        let args = || {
-            (
-                o.settings(WARP as u32, PLANES as u32),
-                o.props.clone(),
-                o.target.clone(),
-            )
-        };
-        let (settings, props, target) = args();
-        let elem = dtype_to_storage_type(dtype);
-        let vec = 16 / dtype.size();
-        let kernel: Box<dyn cubecl::CubeKernel> = if dkdv {
-            Box::new(flash_mma_dkdv_kernel::FlashMmaDkdvKernel::new(
-                settings,
-                props,
-                target,
-                buffer(),
-                buffer(),
-                buffer(),
-                buffer(),
-                buffer(),
-                buffer(),
-                (),
-                (),
-                (),
-                vec,
-                head_dim,
-                true,
-                elem,
-            ))
-        } else {
-            Box::new(flash_mma_dq_kernel::FlashMmaDqKernel::new(
-                settings,
-                props,
-                target,
-                buffer(),
-                buffer(),
-                buffer(),
-                buffer(),
-                buffer(),
-                buffer(),
-                (),
-                (),
-                (),
-                vec,
-                head_dim,
-                true,
-                elem,
-            ))
-        };
-        (name, kernel)
+        let rows = if keys_outer { "queries" } else { "keys" };
+        (
+            format!(
+                "flash attention {name}, registers (FLASH_MMA=1; {dtype:?}, heads {head_dim} wide, causal, {STEP_ROWS} {rows} a step, {PLANES} warps)"
+            ),
+            Box::new(kernel),
+        )
     };
     vec![
         (
