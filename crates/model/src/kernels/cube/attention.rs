@@ -176,7 +176,7 @@ pub(crate) fn in_registers(
 ) -> bool {
     super::flash_mma::forward_asked()
         && crate::device_memory::cube_gpu_device(device)
-            .is_some_and(|d| super::flash_mma::runs_on(&d, dtype, head_dim))
+            .is_some_and(|d| super::flash_mma::runs_on(&d, &d.client(), dtype, head_dim))
 }
 
 /// The kernels' self-attention of `qkv` (see `kernels::self_attention`);

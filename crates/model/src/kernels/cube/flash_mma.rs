@@ -106,19 +106,26 @@ pub(crate) fn backward_asked() -> bool {
 /// `mma.m16n8k16` with f32 sums for the dtype, `ldmatrix`, and 32-unit
 /// warps.
 fn runs(qkv: &CubeTensor, head_dim: usize) -> bool {
-    runs_on(&qkv.device, qkv.dtype, head_dim)
+    runs_on(&qkv.device, &qkv.client, qkv.dtype, head_dim)
 }
 
-/// [`runs`] for `device`, `dtype` and `head_dim`.
-pub(crate) fn runs_on(device: &cubecl::Device, dtype: DType, head_dim: usize) -> bool {
+/// [`runs`] for `device` (its `client`), `dtype` and `head_dim`.
+pub(crate) fn runs_on(
+    device: &cubecl::Device,
+    client: &cubecl::client::Client,
+    dtype: DType,
+    head_dim: usize,
+) -> bool {
     #[cfg(feature = "cuda")]
     let cuda = matches!(device, cubecl::Device::Cuda(_));
     #[cfg(not(feature = "cuda"))]
-    let cuda = false;
+    let cuda = {
+        let _ = device;
+        false
+    };
     if !cuda || !matches!(dtype, DType::BF16 | DType::F16) || !head_dim.is_multiple_of(16) {
         return false;
     }
-    let client = device.client();
     let props = client.properties();
     let (elem, acc) = (dtype_to_elem_type(dtype), dtype_to_elem_type(DType::F32));
     props.hardware.plane_size_min == WARP as u32
@@ -144,6 +151,8 @@ fn shared_bytes(head_dim: usize, elem: usize) -> usize {
 /// One 32-bit register of a fragment: two elements.
 type Pair<T> = Vector<T, Const<2>>;
 
+/// The forward pass (the module's doc): the merged heads into `out`, each
+/// query's log-sum-exp into `lse`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
 fn flash_mma_forward_kernel<E: Float, N: Size>(
@@ -172,9 +181,8 @@ fn flash_mma_forward_kernel<E: Float, N: Size>(
     let mut sv = Shared::<[E]>::new_aligned_slice(comptime!(STEP_KEYS * stride), 16usize);
     let mut seen = Shared::<[f32]>::new_slice(STEP_KEYS);
 
-    // The cube's queries, then this warp's as left operands, 16 columns
-    // a fragment (`ldmatrix.x4`: units 0–15 address rows 0–15 of columns
-    // 0–7, units 16–31 of columns 8–15).
+    // The cube's queries, then this warp's as left operands
+    // ([`left_operands`]).
     let mut read =
         Array::<Vector<E, N>>::new(comptime!((rows * head_dim / vec + units - 1) / units));
     read_rows(
@@ -191,18 +199,7 @@ fn flash_mma_forward_kernel<E: Float, N: Size>(
     );
     write_rows(&read, &mut sq, head_dim, stride, rows, units);
     sync_cube();
-    let mut queries = Sequence::<Array<Pair<E>>>::new();
-    #[unroll]
-    for kb in 0..head_dim / 16 {
-        let row = warp * ROWS + lane % 16;
-        let col = kb * 16 + (lane / 16) * 8;
-        queries.push(def.load_matrix::<E, Const<2>>(
-            &sq[row * stride + col..row * stride + col + 8],
-            MatrixIdent::A,
-            4usize,
-            false,
-        ));
-    }
+    let queries = left_operands(&def, &sq, warp * ROWS, head_dim, stride);
     // O, 8 columns an accumulator (two registers: row g, row g + 8).
     let mut o = Sequence::<Array<Pair<f32>>>::new();
     #[unroll]
@@ -269,26 +266,18 @@ fn flash_mma_forward_kernel<E: Float, N: Size>(
             diagonal = k_start + STEP_KEYS > q_start + 1;
         }
         if visible {
-            // S = Q·Kᵀ, 8 keys an accumulator: the keys' rows are the
-            // right operand read as it lies (`ldmatrix.x2`: units 0–7
-            // address the 8 keys at columns 0–7, units 8–15 at 8–15).
+            // S = Q·Kᵀ, 8 keys an accumulator ([`transposed_product`]).
             let mut s = Sequence::<Array<Pair<f32>>>::new();
             #[unroll]
             for nt in 0..STEP_KEYS / 8 {
-                let mut acc = zeros();
-                #[unroll]
-                for kb in 0..head_dim / 16 {
-                    let key = nt * 8 + lane % 8;
-                    let col = kb * 16 + ((lane / 8) % 2) * 8;
-                    let k_frag = def.load_matrix::<E, Const<2>>(
-                        &sk[key * stride + col..key * stride + col + 8],
-                        MatrixIdent::B,
-                        2usize,
-                        false,
-                    );
-                    def.execute_inplace(queries.index(kb), &k_frag, &mut acc);
-                }
-                s.push(acc);
+                s.push(transposed_product(
+                    &def,
+                    &queries,
+                    &sk,
+                    nt * 8,
+                    head_dim,
+                    stride,
+                ));
             }
             // The masks, where the step has some: a key a query does not
             // see scores LOWEST.
