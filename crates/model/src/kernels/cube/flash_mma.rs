@@ -80,14 +80,17 @@ const PAD: usize = 8;
 /// where `1` does).
 fn asked_for() -> (bool, bool) {
     static ASKED: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
-    *ASKED.get_or_init(
-        || match std::env::var("FLASH_MMA").unwrap_or_default().trim() {
-            "1" => (true, true),
-            "forward" => (true, false),
-            "backward" => (false, true),
-            _ => (false, false),
-        },
-    )
+    *ASKED.get_or_init(|| sides(&std::env::var("FLASH_MMA").unwrap_or_default()))
+}
+
+/// The sides (forward, backward) a value of `FLASH_MMA` asks for.
+fn sides(value: &str) -> (bool, bool) {
+    match value.trim() {
+        "1" => (true, true),
+        "forward" => (true, false),
+        "backward" => (false, true),
+        _ => (false, false),
+    }
 }
 
 /// Whether `FLASH_MMA` asks for the forward kernel ([`asked_for`]).
@@ -1168,4 +1171,31 @@ pub(super) fn offline_kernels(
         backward("dQ", false),
         backward("dK and dV", true),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `FLASH_MMA`: `1` both sides, `forward` or `backward` one, anything
+    /// else (unset, `0`, a typo) neither: the default kernels.
+    #[test]
+    fn flash_mma_asks_for_its_sides() {
+        assert_eq!(sides("1"), (true, true));
+        assert_eq!(sides(" forward\n"), (true, false));
+        assert_eq!(sides("backward"), (false, true));
+        for value in ["", "0", "yes", "Forward"] {
+            assert_eq!(sides(value), (false, false), "{value:?}");
+        }
+    }
+
+    /// The shared memory the kernels take at GPT-2's heads in bf16 (what
+    /// `kiln check-kernels --cuda-arch` reports from the compiled kernels):
+    /// under every CUDA GPU's 48 KiB a cube without opting in.
+    #[test]
+    fn shared_memory_fits_48_kib_at_gpt2s_heads() {
+        assert_eq!(shared_bytes(64, 2), 27_904);
+        assert_eq!(backward_shared_bytes(64, 2), 37_632);
+        assert!(backward_shared_bytes(64, 2) <= 48 * 1024);
+    }
 }
