@@ -501,7 +501,8 @@ impl EncoderClassifier {
     }
 }
 
-#[cfg(test)]
+// (The tests run on flex, the CPU backend of the default features.)
+#[cfg(all(test, feature = "flex"))]
 mod tests {
     use burn::tensor::TensorData;
 

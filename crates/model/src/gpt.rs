@@ -618,7 +618,8 @@ fn sample(logits: &[f32], sampling: &Sampling, rng: &mut impl RngExt) -> u32 {
     order[order.len() - 1] as u32
 }
 
-#[cfg(test)]
+// (The tests run on flex, the CPU backend of the default features.)
+#[cfg(all(test, feature = "flex"))]
 mod tests {
     use super::*;
 

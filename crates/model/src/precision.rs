@@ -227,7 +227,8 @@ pub(crate) fn attend(
         .reshape([b, t, h * d])
 }
 
-#[cfg(test)]
+// (The tests run on flex, the CPU backend of the default features.)
+#[cfg(all(test, feature = "flex"))]
 mod tests {
     use burn::tensor::{DType, Device, Distribution};
 

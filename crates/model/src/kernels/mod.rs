@@ -420,6 +420,7 @@ pub fn attention_keeps_scores(
     dtype: crate::ComputeDtype,
     attention: AttentionKernel,
 ) -> bool {
+    #[cfg(any(feature = "flex", feature = "cube"))]
     use burn::backend::DispatchDevice;
     if attention == AttentionKernel::Math {
         return true;
@@ -717,7 +718,7 @@ pub fn add_bias<const D: usize>(x: Tensor<D>, bias: Tensor<1>, kernels: Kernels)
 /// Burn's `fusion`): the largest divisor of `rows` at most √rows, where it
 /// is at least 8 (16,384 rows: 128 chunks of 128); `None` where there is
 /// none (a prime number of rows), for one stage.
-#[cfg(any(all(feature = "cube", feature = "fusion"), test))]
+#[cfg(any(all(feature = "cube", feature = "fusion"), all(test, feature = "flex")))]
 pub(crate) fn row_chunk(rows: usize) -> Option<usize> {
     let mut chunk = (rows as f64).sqrt() as usize;
     while chunk >= 8 {
@@ -850,6 +851,7 @@ pub const LM_HEAD_CHUNK_ELEMENTS: usize = 1 << 25;
 /// goes through them in chunks of [`LM_HEAD_CHUNK_ELEMENTS`] (flex and the
 /// CubeCL GPUs). What memory estimates count.
 pub fn lm_head_keeps_logits(device: &burn::tensor::Device, kernels: Kernels) -> bool {
+    #[cfg(any(feature = "flex", feature = "cube"))]
     use burn::backend::DispatchDevice;
     if kernels == Kernels::Reference {
         return true;
