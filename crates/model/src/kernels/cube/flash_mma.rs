@@ -337,21 +337,22 @@ fn flash_mma_forward_kernel<E: Float, N: Size>(
             // masked scores' exponentials are then 0, not 1.)
             let ref_lo = select(max_lo == f32::new(LOWEST), f32::new(0.0), max_lo);
             let ref_hi = select(max_hi == f32::new(LOWEST), f32::new(0.0), max_hi);
-            // P, and O += P·V 16 keys at a time: accumulators 2·kb and
-            // 2·kb + 1 are the left operand's four registers.
+            // P in place of the scores, and O += P·V 16 keys at a time:
+            // accumulators 2·kb and 2·kb + 1 are the left operand
+            // ([`left_of`]).
+            #[unroll]
+            for nt in 0..STEP_KEYS / 8 {
+                let acc = s.index_mut(nt);
+                let lo = probabilities(acc[0], scale, ref_lo);
+                let hi = probabilities(acc[1], scale, ref_hi);
+                sum_lo += lo.extract(0usize) + lo.extract(1usize);
+                sum_hi += hi.extract(0usize) + hi.extract(1usize);
+                acc[0] = lo;
+                acc[1] = hi;
+            }
             #[unroll]
             for kb in 0..STEP_KEYS / 16 {
-                let mut p = Array::<Pair<E>>::new(4usize);
-                #[unroll]
-                for half in 0..2 {
-                    let acc = s.index(2 * kb + half);
-                    let lo = probabilities(acc[0], scale, ref_lo);
-                    let hi = probabilities(acc[1], scale, ref_hi);
-                    sum_lo += lo.extract(0usize) + lo.extract(1usize);
-                    sum_hi += hi.extract(0usize) + hi.extract(1usize);
-                    p[2 * half] = Pair::<E>::cast_from(lo);
-                    p[2 * half + 1] = Pair::<E>::cast_from(hi);
-                }
+                let p = left_of::<E>(s.index(2 * kb), s.index(2 * kb + 1));
                 #[unroll]
                 for dt in 0..head_dim / 8 {
                     // The values as the right operand, transposed on
