@@ -465,11 +465,21 @@ fn bench_attention_times_each_implementation_the_device_has() {
         let both = row["forward_backward_ms"]
             .as_f64()
             .expect("forward_backward_ms");
-        assert!(forward > 0.0 && both > forward, "{row}");
+        // Positive and finite, not ordered: two calls of a kernel this
+        // small are timed in microseconds, and one scheduling hiccup on
+        // a shared CI machine made the forward alone 8× the forward and
+        // backward (stop 79's CI). Speed is for benchmarks, not tests.
+        assert!(forward.is_finite() && forward > 0.0, "{row}");
+        assert!(both.is_finite() && both > 0.0, "{row}");
+        let flops = a["forward_flops"].as_f64().expect("forward_flops");
+        let tflops = row["forward_tflops"].as_f64().expect("forward_tflops");
         assert!(
-            row["forward_tflops"].as_f64().is_some_and(|t| t > 0.0),
+            (tflops - flops / (forward * 1e-3) / 1e12).abs() <= 1e-9 * tflops.max(1.0),
             "{row}"
         );
+        // The backward's rate is reported only when the difference it
+        // rests on is positive.
+        assert_eq!(row["backward_tflops"].is_null(), both <= forward, "{row}");
     }
     let mut args: Vec<String> = ["bench", "attention", "--kernel-profile"]
         .iter()
