@@ -460,6 +460,7 @@ fn bench_attention_times_each_implementation_the_device_has() {
         rows[2]["runs"],
         "Burn's composition, which keeps the scores"
     );
+    let flops = a["forward_flops"].as_f64().expect("forward_flops");
     for row in &rows[1..] {
         let forward = row["forward_ms"].as_f64().expect("forward_ms");
         let both = row["forward_backward_ms"]
@@ -471,7 +472,6 @@ fn bench_attention_times_each_implementation_the_device_has() {
         // backward (stop 79's CI). Speed is for benchmarks, not tests.
         assert!(forward.is_finite() && forward > 0.0, "{row}");
         assert!(both.is_finite() && both > 0.0, "{row}");
-        let flops = a["forward_flops"].as_f64().expect("forward_flops");
         let tflops = row["forward_tflops"].as_f64().expect("forward_tflops");
         assert!(
             (tflops - flops / (forward * 1e-3) / 1e12).abs() <= 1e-9 * tflops.max(1.0),
