@@ -493,12 +493,31 @@ fn preset_layer(
     })
 }
 
+/// Environment variables named `KILN_…` that are not configuration: the
+/// settings of kiln's build tool (`cargo xtask`), which runs `kiln` with
+/// them still set, and process-wide switches of its GPU code that are
+/// experiments rather than keys. The environment layer passes them over;
+/// any other `KILN_…` variable is a key, and an unknown one an error.
+pub const NOT_CONFIGURATION: &[&str] = &[
+    // `cargo xtask`: the Cargo features kiln is built with, and where
+    // `build-cuda` puts its LLVM.
+    "KILN_FEATURES",
+    "KILN_CUDA_LLVM_HOME",
+    // cuBLAS's products waited for on the host (docs/GPU_TUNING.md).
+    "KILN_CUBLAS_WAIT",
+    // libdevice's fast exponential on CUDA (vendor/cubecl-llvm).
+    "KILN_FAST_EXP",
+];
+
 fn env_layer(env: &[(OsString, OsString)]) -> Result<Layer, ConfigError> {
     let mut pairs = Vec::new();
     for (name, value) in env {
         let Some(name_str) = name.to_str() else {
             continue;
         };
+        if NOT_CONFIGURATION.contains(&name_str) {
+            continue;
+        }
         let Some(rest) = name_str.strip_prefix("KILN_") else {
             continue;
         };

@@ -4,7 +4,9 @@
 use std::ffi::OsString;
 use std::path::Path;
 
-use kiln_config::{ConfigError, LayerKind, LoadOptions, Presets, ResolvedConfig, resolve};
+use kiln_config::{
+    ConfigError, LayerKind, LoadOptions, NOT_CONFIGURATION, Presets, ResolvedConfig, resolve,
+};
 use kiln_hwdetect::{DriverInfo, FixedProbe, GpuInfo, GpuStatus, HardwareReport, detect_with};
 
 fn no_gpu() -> HardwareReport {
@@ -162,6 +164,27 @@ fn layers_win_in_order() {
     case.args = &["hardware=t4", "training.batch_size=20"];
     check(&case.ok(), "training.batch_size", "20", "command line");
     check(&case.ok(), "training.seed", "9", "config file");
+}
+
+/// `cargo xtask` runs kiln with its own `KILN_FEATURES` still set (`KILN_FEATURES=wgpu,fusion
+/// cargo xtask train-auto`), and the GPU check sets kiln's process switches (`KILN_FAST_EXP`,
+/// `KILN_CUBLAS_WAIT`): none is a key, and the environment's keys still apply beside them.
+#[test]
+fn kiln_s_own_process_variables_are_not_configuration() {
+    let mut env: Vec<(&str, &str)> = NOT_CONFIGURATION.iter().map(|name| (*name, "1")).collect();
+    assert!(env.iter().any(|(name, _)| *name == "KILN_FEATURES"));
+    env.push(("KILN_TRAINING__BATCH_SIZE", "7"));
+    let mut case = Case::new(&["hardware=t4"]);
+    case.env = &env;
+    check(
+        &case.ok(),
+        "training.batch_size",
+        "7",
+        "environment (KILN_TRAINING__BATCH_SIZE)",
+    );
+    // A name near one of them is still an unknown key.
+    case.env = &[("KILN_FAST_EXPS", "1")];
+    assert!(case.err().contains("unknown key `fast_exps`"));
 }
 
 #[test]
