@@ -39,7 +39,11 @@ measured already goes last: `main`'s comments):
    small's micro-batch (again with the forward's softmax reading its
    scores in order, `FLASH_ROTATE=0`) and at one head of one sequence,
    each again with the scores in registers (`FLASH_MMA=1`: forward, dQ
-   and dK/dV; after `check-kernels --only attention` with it), with PyTorch's
+   and dK/dV; after `check-kernels --only attention` with it), and at
+   GPT-2 small's micro-batch with libdevice's fast exponential
+   (`KILN_FAST_EXP=1`, both kinds of kernels; after the checks of the
+   kernels that compute an exponential, with it), then GPT-2 small's step with it, its loss against the
+   default's; with PyTorch's
    `scaled_dot_product_attention` at the same shapes
    (bench/pytorch_attention.py);
    GPT-2 small, BERT-base and the `h100` preset again with cuBLAS's
@@ -142,6 +146,13 @@ FLASH_VARIANTS = {
     "flash 64 keys, 100 KiB": {"FLASH_KEYS": "64", "FLASH_SHARED_KIB": "100"},
     "flash 64 keys": {"FLASH_KEYS": "64"},
 }
+
+# libdevice's fast exponential for every `exp` the process compiles, kiln's
+# kernels' and Burn's (vendor/cubecl-llvm, the LLVM build only): one
+# `ex2.approx` after a product by log2(e) where the accurate `__nv_expf`
+# spends about ten instructions; 32 exponentials a unit a 64-key step are a
+# quarter of the register forward's instructions (new, never run on a GPU).
+FAST_EXP = {"KILN_FAST_EXP": "1"}
 
 # `FLASH_MMA`'s kernels one side at a time: checked where all three
 # together disagree, to tell which does.
@@ -412,10 +423,12 @@ class Check:
             if listed.returncode == 0:
                 self.gpus = sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
 
-    def kernels(self, build=None, flash=None):
+    def kernels(self, build=None, flash=None, fast_exp=False):
         """kiln's GPU kernels against the Burn operations they replace, on
         `build` (see `variant`); with `flash` (one of `FLASH_VARIANTS`),
-        the attention kernels only, with that variant's settings."""
+        the attention kernels only, with that variant's settings; with
+        `fast_exp`, those that compute an exponential (attention, the LM
+        head's loss, GELU) with libdevice's fast one (`FAST_EXP`)."""
         found = self.variant("check-kernels", build)
         if found is None:
             return
@@ -430,6 +443,11 @@ class Check:
             label = f"{label}, attention, {flash}"
             env = dict(env or self.env, **{**FLASH_VARIANTS, **FLASH_MMA_PARTS}[flash])
             cmd.append("--only=attention")
+        elif fast_exp:
+            # The kernels that compute an exponential.
+            label = f"{label}, fast exp"
+            env = dict(env or self.env, **FAST_EXP)
+            cmd.append("--only=attention,lm-head,gelu")
         elif self.args.tiny:
             # What --tiny checks is this script; every kernel on llvmpipe is
             # the GPU suite's own test (kiln_kernels_on_wgpu_agree_with_the_composition).
@@ -587,6 +605,8 @@ class Check:
             "bench lm gpt2-small bf16 cuBLAS host waits": (
                 "lm", [*gpu, *gpt2, *bf16, *cublas], profile, *large),
             "bench lm h100 preset cuBLAS": ("lm", [*gpu, *h100, *cublas], [], 2, 5, 300),
+            # libdevice's fast exponential in every kernel (`FAST_EXP`).
+            "bench lm gpt2-small bf16 fast exp": ("lm", [*gpu, *gpt2, *bf16], profile, *large),
             # f32's products by cuBLAS on TF32 tensor cores (`precision.tf32`;
             # Burn's autotune may pick TF32 kernels for f32 too).
             "bench lm gpt2-small f32 cuBLAS": (
@@ -662,6 +682,8 @@ class Check:
                 env = dict(env or self.env, **flash_env)
         if name.endswith(" host waits"):
             env = dict(env or self.env, KILN_CUBLAS_WAIT="1")
+        if name.endswith(" fast exp"):
+            env = dict(env or self.env, **FAST_EXP)
         step = self.bench(label, workload, overrides, warmup, steps, limit, extra, binary, env, cwd)
         decisions = self.scratch(name, suffix=".decisions.jsonl")
         if build is None and os.path.exists(decisions):
@@ -773,6 +795,15 @@ class Check:
                         self.kernels(flash=part)
                 self.bench(f"{label}, scores in registers", "attention", args, warmup, steps, 120,
                            env=dict(self.env, **FLASH_VARIANTS["flash registers"]))
+            if name == "gpt2-small bf16" and not self.args.tiny:
+                # libdevice's fast exponential (`FAST_EXP`), the kernels
+                # that compute one checked with it first; then both kinds
+                # of attention kernels timed with it.
+                self.kernels(fast_exp=True)
+                self.bench(f"{label}, fast exp", "attention", args, warmup, steps, 120,
+                           env=dict(self.env, **FAST_EXP))
+                self.bench(f"{label}, scores in registers, fast exp", "attention", args, warmup,
+                           steps, 120, env=dict(self.env, **FLASH_VARIANTS["flash registers"], **FAST_EXP))
             if self.args.skip_pytorch or not self.torch or step["status"] != "ok":
                 if step["status"] != "ok":
                     self.skip(f"pytorch attention {name}", f"{label} did not run")
@@ -1176,6 +1207,12 @@ def main():
         # kernels reach by themselves (12 TFLOP/s forward in the 2026-12-04
         # profile), and at one head of one sequence.
         check.attention()
+        # libdevice's fast exponential in every kernel (new): GPT-2 small's
+        # step with it, its loss against the default's (a GPU's matter:
+        # only CUDA's LLVM path links libdevice).
+        if not args.tiny:
+            check.bench_named("bench lm gpt2-small bf16 fast exp")
+            check.same_loss("bench lm gpt2-small bf16", "bench lm gpt2-small bf16 fast exp", 0.05)
         check.bench_named("bench nli bert-base bf16")
         check.pytorch_encoder("pytorch bert-base bf16", "bench nli bert-base bf16", "bf16")
         check.cublas("bench nli bert-base bf16")

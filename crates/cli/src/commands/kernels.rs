@@ -35,8 +35,8 @@ pub(crate) struct Args {
     /// kernels (FlashAttention-2's, as GPT-2 small runs them) for this
     /// compute capability (90: H100/H200, 89: RTX 4090, 80: A100, 75: T4)
     /// without a GPU, with both of CubeCL's CUDA compilers, and count what
-    /// their PTX does (barriers, tensor-core products, local memory). A
-    /// CUDA build only
+    /// their PTX does (instructions, barriers, tensor-core products,
+    /// exponentials, local memory). A CUDA build only
     #[arg(long, value_name = "SM", conflicts_with = "only")]
     cuda_arch: Option<u32>,
     /// With --cuda-arch: write each kernel's PTX (`.ptx`) and CUDA C++
@@ -233,14 +233,17 @@ fn compile_offline(
                 let c = PtxCounts::of(ptx);
                 writeln!(
                     out,
-                    "  {} (LLVM, PTX): ok, {} lines, {} cube barriers, {} warp barriers, \
-                     {} tensor-core products, {} local-memory accesses, {} global loads; \
+                    "  {} (LLVM, PTX): ok, {} lines, {} instructions, {} cube barriers, \
+                     {} warp barriers, {} tensor-core products, {} exponentials, \
+                     {} local-memory accesses, {} global loads; \
                      {} units and {:.1} KiB shared a cube",
                     k.name,
                     c.lines,
+                    c.instructions,
                     c.cube_barriers,
                     c.warp_barriers,
                     c.tensor_core_products,
+                    c.exponentials,
                     c.local_memory,
                     c.global_loads,
                     k.units,

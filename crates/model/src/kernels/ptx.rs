@@ -28,6 +28,14 @@ pub struct OfflineKernel {
 pub struct PtxCounts {
     /// Lines of PTX.
     pub lines: usize,
+    /// Instructions: lines ending in `;` that are not directives
+    /// (`.reg`, `.shared`, ...), labels or comments.
+    pub instructions: usize,
+    /// Exponentials by the special-function unit (`ex2.approx`): one per
+    /// `exp` in the kernel, fast (`KILN_FAST_EXP=1`: the instruction and a
+    /// product before it) or accurate (libdevice's `__nv_expf`: a range
+    /// reduction of about eight instructions around it).
+    pub exponentials: usize,
     /// Barriers of the whole cube (`bar.sync`, `barrier.sync`).
     pub cube_barriers: usize,
     /// Barriers of one warp (`bar.warp.sync`).
@@ -46,9 +54,14 @@ impl PtxCounts {
     pub fn of(ptx: &str) -> Self {
         let mut counts = PtxCounts::default();
         for line in ptx.lines() {
-            let op = line.trim_start();
+            let op = line.trim();
             counts.lines += 1;
-            if op.starts_with("bar.sync") || op.starts_with("barrier.sync") {
+            if op.ends_with(';') && !op.starts_with('.') && !op.starts_with("//") {
+                counts.instructions += 1;
+            }
+            if op.starts_with("ex2.approx") {
+                counts.exponentials += 1;
+            } else if op.starts_with("bar.sync") || op.starts_with("barrier.sync") {
                 counts.cube_barriers += 1;
             } else if op.starts_with("bar.warp.sync") {
                 counts.warp_barriers += 1;
@@ -256,6 +269,34 @@ mod tests {
     }
 
     #[test]
+    fn ptx_instructions_and_exponentials_are_counted() {
+        // LLVM's PTX for one accurate exponential (libdevice's `__nv_expf`)
+        // and one fast (`__nv_fast_expf`), with a kernel's directives,
+        // labels and braces around them.
+        let ptx = "//\n.version 8.0\n.target sm_90a\n.visible .entry k(\n\t.param .u64 k_param_0\n)\n{\n\
+            \t.reg .b32 \t%r<16>;\n\
+            \tld.param.b64 \t%rd1, [k_param_0];\n\
+            \tfma.rn.f32 \t%r2, %r1, 0f3BBB989D, 0f3F000000;\n\
+            \tcvt.sat.f32.f32 \t%r3, %r2;\n\
+            \tfma.rm.f32 \t%r4, %r3, %r5, %r6;\n\
+            \tadd.rn.f32 \t%r7, %r4, 0fCB40007F;\n\
+            \tfma.rn.f32 \t%r8, %r1, 0f3FB8AA3B, %r7;\n\
+            \tshl.b32 \t%r9, %r4, 23;\n\
+            \tex2.approx.ftz.f32 \t%r10, %r8;\n\
+            \tmul.rn.f32 \t%r11, %r10, %r9;\n\
+            $L__BB0_1:\n\
+            \tmul.rn.f32 \t%r12, %r11, 0f3FB8AA3B;\n\
+            \tex2.approx.ftz.f32 \t%r13, %r12;\n\
+            \tbar.sync \t0;\n\
+            \tret;\n}\n";
+        let c = PtxCounts::of(ptx);
+        assert_eq!(c.exponentials, 2);
+        assert_eq!(c.instructions, 13);
+        assert_eq!(c.cube_barriers, 1);
+        assert_eq!(c.lines, ptx.lines().count());
+    }
+
+    #[test]
     fn ptx_target_is_read() {
         assert_eq!(
             ptx_target("//\n.version 8.0\n.target sm_90a\n"),
@@ -311,6 +352,8 @@ mod tests {
             PtxCounts::of(ptx),
             PtxCounts {
                 lines: 8,
+                instructions: 8,
+                exponentials: 0,
                 cube_barriers: 1,
                 warp_barriers: 1,
                 tensor_core_products: 1,

@@ -115,11 +115,16 @@ impl CudaContext {
         backend: CudaBackend,
         comm_stream: CUstream,
     ) -> Self {
-        let fingerprint = cache_namespace(
+        let mut fingerprint = cache_namespace(
             &format!("ptx_sm{}", arch.version),
             backend,
             compilation_options.ptx_version,
         );
+        // (kiln) LLVM's PTX with libdevice's fast exponential
+        // (`KILN_FAST_EXP=1`) is another artifact: never read back without it.
+        if backend == CudaBackend::Llvm && cubecl_llvm::nvptx::libdevice::fast_exp() {
+            fingerprint.push_str("-fast-exp");
+        }
         let ptx_cache = compilation_store("cuda", &fingerprint);
         let second_line_ptx_cache = compilation_store("cuda-second-line", fingerprint);
 
