@@ -42,8 +42,8 @@ measured already goes last: `main`'s comments):
    and dK/dV; after `check-kernels --only attention` with it), and at
    GPT-2 small's micro-batch with libdevice's fast exponential
    (`KILN_FAST_EXP=1`, both kinds of kernels; after the checks of the
-   kernels that compute an exponential, with it), then GPT-2 small's step with it, its loss against the
-   default's; with PyTorch's
+   kernels that compute an exponential, with it), then GPT-2 small's
+   step with it, its loss against the default's; with PyTorch's
    `scaled_dot_product_attention` at the same shapes
    (bench/pytorch_attention.py);
    GPT-2 small, BERT-base and the `h100` preset again with cuBLAS's
@@ -150,8 +150,9 @@ FLASH_VARIANTS = {
 # libdevice's fast exponential for every `exp` the process compiles, kiln's
 # kernels' and Burn's (vendor/cubecl-llvm, the LLVM build only): one
 # `ex2.approx` after a product by log2(e) where the accurate `__nv_expf`
-# spends about ten instructions; 32 exponentials a unit a 64-key step are a
-# quarter of the register forward's instructions (new, never run on a GPU).
+# spends about ten PTX instructions: for sm_90, 11-14 % fewer machine
+# instructions a step in the register kernels, 5 % in the default forward
+# (docs/PERFORMANCE.md; new, never run on a GPU).
 FAST_EXP = {"KILN_FAST_EXP": "1"}
 
 # `FLASH_MMA`'s kernels one side at a time: checked where all three
