@@ -780,7 +780,9 @@ class Check:
             label = f"bench attention {name}"
             args = [f"device.backend={self.gpu}", *overrides, *bf16]
             step = self.bench(label, "attention", args, warmup, steps, 120)
-            if name == "gpt2-small bf16" and not self.args.tiny:
+            # GPT-2 small's micro-batch on a real GPU: the variants below.
+            micro_batch = name == "gpt2-small bf16" and not self.args.tiny
+            if micro_batch:
                 # The forward's softmax reading its scores in order, with
                 # 8-way bank conflicts (`FLASH_ROTATE=0`: before 2026-12-05)
                 # against the rotated walk just timed.
@@ -796,7 +798,7 @@ class Check:
                         self.kernels(flash=part)
                 self.bench(f"{label}, scores in registers", "attention", args, warmup, steps, 120,
                            env=dict(self.env, **FLASH_VARIANTS["flash registers"]))
-            if name == "gpt2-small bf16" and not self.args.tiny:
+            if micro_batch:
                 # libdevice's fast exponential (`FAST_EXP`), the kernels
                 # that compute one checked with it first; then both kinds
                 # of attention kernels timed with it.

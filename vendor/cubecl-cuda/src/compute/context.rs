@@ -93,15 +93,23 @@ pub struct PtxCacheEntry {
 /// load and run happily under the other -- tests passing while measuring nothing. The LLVM
 /// backend's PTX version follows the driver, so it is in the key too: after a driver downgrade,
 /// PTX newer than the driver loads would otherwise be read back and refused.
+/// (kiln) LLVM's PTX with libdevice's fast exponential (`KILN_FAST_EXP=1`,
+/// vendor/cubecl-llvm) is another artifact again: `-fast-exp` after it.
 fn cache_namespace(
     fingerprint: &str,
     backend: CudaBackend,
     ptx_version: Option<PtxVersion>,
 ) -> String {
-    match (backend, ptx_version) {
-        (CudaBackend::Cpp, _) => format!("{fingerprint}-cpp"),
-        (CudaBackend::Llvm, None) => format!("{fingerprint}-llvm"),
-        (CudaBackend::Llvm, Some(ptx_version)) => format!("{fingerprint}-llvm-{ptx_version}"),
+    let llvm = match ptx_version {
+        None => format!("{fingerprint}-llvm"),
+        Some(ptx_version) => format!("{fingerprint}-llvm-{ptx_version}"),
+    };
+    match backend {
+        CudaBackend::Cpp => format!("{fingerprint}-cpp"),
+        CudaBackend::Llvm if cubecl_llvm::nvptx::libdevice::fast_exp() => {
+            format!("{llvm}-fast-exp")
+        }
+        CudaBackend::Llvm => llvm,
     }
 }
 
@@ -115,16 +123,11 @@ impl CudaContext {
         backend: CudaBackend,
         comm_stream: CUstream,
     ) -> Self {
-        let mut fingerprint = cache_namespace(
+        let fingerprint = cache_namespace(
             &format!("ptx_sm{}", arch.version),
             backend,
             compilation_options.ptx_version,
         );
-        // (kiln) LLVM's PTX with libdevice's fast exponential
-        // (`KILN_FAST_EXP=1`) is another artifact: never read back without it.
-        if backend == CudaBackend::Llvm && cubecl_llvm::nvptx::libdevice::fast_exp() {
-            fingerprint.push_str("-fast-exp");
-        }
         let ptx_cache = compilation_store("cuda", &fingerprint);
         let second_line_ptx_cache = compilation_store("cuda-second-line", fingerprint);
 
