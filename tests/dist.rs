@@ -100,6 +100,12 @@ fn two_and_three_ranks_train_as_one_process_with_the_whole_batch() {
         ))
         .expect_code(0);
         job.stdout_has(&[&format!("accumulation 1 × {n} ranks → 6 sequences")]);
+        // The ranks split the machine's cores (RAYON_NUM_THREADS, as
+        // torchrun sets OMP_NUM_THREADS), and each says so.
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        if cores >= n {
+            job.stdout_has(&[&format!("threads: {} of the ", cores / n)]);
+        }
         let ranked = dir.join(&name);
         // The same batches, summed in another order: within float rounding
         // after 200 AdamW steps (measured 4.7e-6 for 2 ranks; docs/DISTRIBUTED.md).

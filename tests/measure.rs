@@ -47,7 +47,7 @@ fn diagnose_catches_each_config_problem_with_its_fix() {
         (
             &["training.max_steps=100", "logging.logging_steps=500"],
             "logging.logging_steps",
-            "nothing is logged",
+            "only its first and last steps are logged",
             "fix: logging.logging_steps=5",
             0,
         ),
@@ -162,7 +162,7 @@ fn diagnose_catches_each_config_problem_with_its_fix() {
 fn level(code: i32, key: &str) -> &'static str {
     match (code, key) {
         (2, _) => "error",
-        (_, "checkpoint.every_steps") => "note",
+        (_, "checkpoint.every_steps" | "logging.logging_steps") => "note",
         _ => "warning",
     }
 }

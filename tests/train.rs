@@ -95,6 +95,8 @@ fn a_run_leaves_a_complete_run_directory() {
         "eval    100: train loss",
         "held back by: ",
     ]);
+    // Its schedule fits its config: no warnings as it starts.
+    assert!(!run.stdout.contains("warning"), "{}", run.stdout);
     let dir = tmp.path().join("run");
     for file in [
         "config.toml",
@@ -139,6 +141,24 @@ fn a_run_leaves_a_complete_run_directory() {
     let again = run_kiln(&tiny(tmp.path(), "run", 100));
     assert_eq!(again.code, 2, "{}", again.stderr);
     again.stderr_has(&["already holds a run", "kiln resume"]);
+}
+
+/// A run shorter than its evaluation interval and its warm-up says so as
+/// it starts, each with the fix `kiln diagnose` gives, and trains as
+/// configured.
+#[test]
+fn a_run_warns_as_it_starts_of_a_schedule_its_config_does_not_fit() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let run = train_tiny(tmp.path(), "short", 10, &[]).expect_code(0);
+    run.stdout_has(&[
+        "kiln: warning: eval.eval_steps=100 is beyond the run's 10 steps: no evaluation before the end; fix: eval.eval_steps=2\n",
+        "kiln: warning: training.warmup_steps=20 is not below the run's 10 steps: the learning rate never reaches training.learning_rate; fix: training.warmup_steps=1\n",
+        "step    10/10 | loss ",
+    ]);
+    // logging.logging_steps=50 and checkpoint.every_steps=100 are beyond
+    // it too, but the first and last steps are logged and checkpointed:
+    // notes for `kiln diagnose`, not warnings.
+    assert_eq!(run.stdout.matches("warning").count(), 2, "{}", run.stdout);
 }
 
 /// The tiny run of `steps` uninterrupted in `dir/whole`, and the same run
@@ -1295,6 +1315,19 @@ fn sample_gives_the_runs_samples_again_and_reads_gpt2_folders() {
     assert_eq!(from_run["continuations"], from_hf["continuations"]);
     assert_ne!(from_run["continuations"], again["continuations"]);
     assert_eq!(from_hf["source"], format!("the GPT-2 folder `{hf_str}`"));
+    // transformers' `generate` names for the same settings.
+    let hf_names = [
+        "--seed",
+        "7",
+        "--num-return-sequences",
+        "3",
+        "--max-new-tokens",
+        "15",
+        "--top-k",
+        "5",
+    ];
+    let by_hf_names = json(&[&[hf_str][..], &hf_names[..]].concat());
+    assert_eq!(by_hf_names["continuations"], from_hf["continuations"]);
 
     // Plain text: the prompt, then what follows it.
     let out = kiln(&["sample", run_str, "--prompt", "ROMEO:", "-n", "1"])

@@ -38,9 +38,9 @@ mod tuned;
 pub use error::ConfigError;
 pub use layer::{LayerKind, Source};
 pub use load::{
-    ExplainRow, LoadOptions, NOT_CONFIGURATION, ResolvedConfig, ResumeChange, ResumedConfig,
-    experiment_chosen, fixed_when_resuming, read_run_config, resolve, resolve_overrides,
-    resume_run_config, tuned_path,
+    ExplainRow, FOREIGN_NAMES, LoadOptions, NOT_CONFIGURATION, ResolvedConfig, ResumeChange,
+    ResumedConfig, experiment_chosen, fixed_when_resuming, read_run_config, resolve,
+    resolve_overrides, resume_run_config, tuned_path,
 };
 pub use preset::{
     ANY_GPU_PRESETS, APPLE_PRESET, EffectivePrecision, PRESET_GPUS, PRESET_OTHER_GPUS,

@@ -661,6 +661,9 @@ impl<'a> Resolver<'a> {
                     .iter()
                     .find(|k| k.rsplit('.').next() == Some(field.as_str()))
                     .cloned();
+                // Then the name the key has in nanoGPT, transformers or
+                // Lightning: `n_embd` means `model.hidden`.
+                let foreign = || foreign_name(&field).map(str::to_string);
                 let within = || {
                     did_you_mean(&field, expected.iter().copied()).map(|s| {
                         if parent.is_empty() {
@@ -672,7 +675,7 @@ impl<'a> Resolver<'a> {
                 };
                 ConfigError::UnknownKey {
                     set_by: Box::new(self.source_of(&key)),
-                    did_you_mean: elsewhere.or_else(within),
+                    did_you_mean: elsewhere.or_else(foreign).or_else(within),
                     key,
                 }
             }
@@ -768,4 +771,83 @@ fn value_text(v: &Value) -> String {
             .map(|t| t.to_string())
             .unwrap_or_else(|_| format!("{other:?}")),
     }
+}
+
+/// Names other training tools give kiln's keys (nanoGPT's `train.py`
+/// and `GPTConfig`, transformers' `TrainingArguments` and model configs,
+/// Lightning's `Trainer`, torchtitan's), each with the kiln key it means:
+/// an unknown key with one of these names is answered with the kiln key.
+pub const FOREIGN_NAMES: &[(&str, &str)] = &[
+    ("n_layer", "model.layers"),
+    ("n_layers", "model.layers"),
+    ("num_layers", "model.layers"),
+    ("num_hidden_layers", "model.layers"),
+    ("n_head", "model.heads"),
+    ("n_heads", "model.heads"),
+    ("num_heads", "model.heads"),
+    ("num_attention_heads", "model.heads"),
+    ("n_embd", "model.hidden"),
+    ("n_embed", "model.hidden"),
+    ("d_model", "model.hidden"),
+    ("dim", "model.hidden"),
+    ("hidden_size", "model.hidden"),
+    ("n_inner", "model.intermediate"),
+    ("d_ff", "model.intermediate"),
+    ("ffn_dim", "model.intermediate"),
+    ("intermediate_size", "model.intermediate"),
+    ("block_size", "model.max_length"),
+    ("n_ctx", "model.max_length"),
+    ("n_positions", "model.max_length"),
+    ("max_position_embeddings", "model.max_length"),
+    ("seq_len", "model.max_length"),
+    ("max_seq_len", "model.max_length"),
+    ("max_seq_length", "model.max_length"),
+    ("context_length", "model.max_length"),
+    ("resid_pdrop", "model.dropout"),
+    ("hidden_dropout_prob", "model.dropout"),
+    ("lr", "training.learning_rate"),
+    ("max_lr", "training.learning_rate"),
+    ("max_iters", "training.max_steps"),
+    ("num_steps", "training.max_steps"),
+    ("train_steps", "training.max_steps"),
+    ("total_steps", "training.max_steps"),
+    ("max_train_steps", "training.max_steps"),
+    ("warmup_iters", "training.warmup_steps"),
+    ("num_warmup_steps", "training.warmup_steps"),
+    ("lr_scheduler_type", "training.lr_schedule"),
+    ("per_device_train_batch_size", "training.batch_size"),
+    ("train_batch_size", "training.batch_size"),
+    ("micro_batch_size", "training.batch_size"),
+    (
+        "accumulate_grad_batches",
+        "training.gradient_accumulation_steps",
+    ),
+    ("grad_accum_steps", "training.gradient_accumulation_steps"),
+    ("num_train_epochs", "training.epochs"),
+    ("max_epochs", "training.epochs"),
+    ("max_grad_norm", "training.grad_clip"),
+    ("gradient_clip_val", "training.grad_clip"),
+    ("adam_beta1", "training.beta1"),
+    ("adam_beta2", "training.beta2"),
+    ("adam_epsilon", "training.eps"),
+    ("label_smoothing_factor", "training.label_smoothing"),
+    ("eval_interval", "eval.eval_steps"),
+    ("val_check_interval", "eval.eval_steps"),
+    ("per_device_eval_batch_size", "eval.batch_size"),
+    ("early_stopping_patience", "eval.patience"),
+    ("log_interval", "logging.logging_steps"),
+    ("log_every_n_steps", "logging.logging_steps"),
+    ("save_steps", "checkpoint.every_steps"),
+    ("save_total_limit", "checkpoint.keep"),
+    ("dataloader_num_workers", "loader.num_workers"),
+    ("out_dir", "run.dir"),
+    ("output_dir", "run.dir"),
+];
+
+/// The kiln key another tool's name `field` means ([`FOREIGN_NAMES`]).
+fn foreign_name(field: &str) -> Option<&'static str> {
+    FOREIGN_NAMES
+        .iter()
+        .find(|(name, _)| *name == field)
+        .map(|(_, key)| *key)
 }

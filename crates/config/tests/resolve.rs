@@ -5,7 +5,8 @@ use std::ffi::OsString;
 use std::path::Path;
 
 use kiln_config::{
-    ConfigError, LayerKind, LoadOptions, NOT_CONFIGURATION, Presets, ResolvedConfig, resolve,
+    ConfigError, FOREIGN_NAMES, LayerKind, LoadOptions, NOT_CONFIGURATION, Presets, ResolvedConfig,
+    resolve,
 };
 use kiln_hwdetect::{DriverInfo, FixedProbe, GpuInfo, GpuStatus, HardwareReport, detect_with};
 
@@ -399,6 +400,34 @@ fn bad_values_name_key_value_and_layer() {
             );
         }
     }
+}
+
+/// Another tool's name for a key (nanoGPT's `n_embd`, transformers'
+/// `per_device_train_batch_size`), in any section, is answered with the
+/// kiln key it means, and each such key is one kiln has.
+#[test]
+fn other_tools_names_for_keys_are_answered_with_kilns() {
+    let keys: Vec<String> = Case::new(&[])
+        .run()
+        .expect("defaults")
+        .explain()
+        .into_iter()
+        .map(|row| row.key)
+        .collect();
+    for (name, key) in FOREIGN_NAMES {
+        assert!(keys.iter().any(|k| k == key), "{name} → {key}: no such key");
+        for arg in [format!("{name}=1"), format!("model.{name}=1")] {
+            let args = [arg.as_str()];
+            let err = Case::new(&args).err();
+            assert!(
+                err.contains("unknown key `") && err.ends_with(&format!("; did you mean `{key}`?")),
+                "{arg}: {err}"
+            );
+        }
+    }
+    // A kiln key's own name in another section still points there first.
+    let err = Case::new(&["training.max_length=5"]).err();
+    assert!(err.contains("did you mean `model.max_length`?"), "{err}");
 }
 
 /// A presets directory over the built-in ones, to add broken presets to.

@@ -130,8 +130,8 @@ pub struct CheckInput<'a> {
     pub data: &'a DataSize,
     /// The memory estimate of one step.
     pub memory: &'a MemoryEstimate,
-    /// Optimizer steps the run would make.
-    pub total_steps: usize,
+    /// The run's steps and epochs.
+    pub schedule: &'a Schedule,
 }
 
 /// The config problems kiln knows, each with its fix.
@@ -142,7 +142,7 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
         is_gpu,
         data,
         memory,
-        total_steps,
+        schedule,
     } = *input;
     let mut out = Vec::new();
     let mut add = |severity, key: &str, problem: String, fix: String| {
@@ -223,51 +223,8 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
         }
     }
 
-    // Step budget against evaluation, logging, checkpoints and warm-up:
-    // (value, key, severity, what follows, the fix as a fraction of the run).
-    let cadences = [
-        (
-            c.eval.eval_steps,
-            "eval.eval_steps",
-            Severity::Warning,
-            "no evaluation before the end",
-            4,
-        ),
-        (
-            c.logging.logging_steps,
-            "logging.logging_steps",
-            Severity::Warning,
-            "nothing is logged",
-            20,
-        ),
-        (
-            c.checkpoint.every_steps,
-            "checkpoint.every_steps",
-            Severity::Note,
-            "only the final checkpoint is written, so a crash loses the run",
-            4,
-        ),
-    ];
-    for (value, key, severity, consequence, part) in cadences {
-        if value > total_steps {
-            add(
-                severity,
-                key,
-                format!("{key}={value} is beyond the run's {total_steps} steps: {consequence}"),
-                format!("{key}={}", (total_steps / part).max(1)),
-            );
-        }
-    }
-    if t.warmup_steps >= total_steps {
-        add(
-            Severity::Warning,
-            "training.warmup_steps",
-            format!(
-                "training.warmup_steps={} is not below the run's {total_steps} steps: the learning rate never reaches training.learning_rate",
-                t.warmup_steps
-            ),
-            format!("training.warmup_steps={}", total_steps / 10),
-        );
+    for f in check_schedule(c, schedule) {
+        add(f.severity, &f.key, f.problem, f.fix);
     }
 
     // Loader workers against cores.
@@ -406,6 +363,64 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
             ),
             fix,
         );
+    }
+    out
+}
+
+/// The checks of the step budget against evaluation, logging, checkpoints
+/// and the warm-up: what `kiln train` warns of as it starts, and part of
+/// [`check_config`]. A pure function of the config and the run's schedule.
+pub fn check_schedule(c: &RunConfig, schedule: &Schedule) -> Vec<Finding> {
+    let total_steps = schedule.total_steps as usize;
+    // The sentence-pair classifier also evaluates at each epoch's end.
+    let epoch_ends = c.workload == Workload::Nli && schedule.epochs() > 1.0;
+    // (value, key, severity, what follows, the fix as a fraction of the run).
+    let cadences = [
+        (
+            c.eval.eval_steps,
+            "eval.eval_steps",
+            Severity::Warning,
+            "no evaluation before the end",
+            4,
+        ),
+        (
+            c.logging.logging_steps,
+            "logging.logging_steps",
+            Severity::Note,
+            "only its first and last steps are logged",
+            20,
+        ),
+        (
+            c.checkpoint.every_steps,
+            "checkpoint.every_steps",
+            Severity::Note,
+            "only the final checkpoint is written, so a crash loses the run",
+            4,
+        ),
+    ];
+    let mut out = Vec::new();
+    for (value, key, severity, consequence, part) in cadences {
+        if value > total_steps && !(key == "eval.eval_steps" && epoch_ends) {
+            out.push(Finding {
+                severity,
+                key: key.to_string(),
+                problem: format!(
+                    "{key}={value} is beyond the run's {total_steps} steps: {consequence}"
+                ),
+                fix: format!("{key}={}", (total_steps / part).max(1)),
+            });
+        }
+    }
+    if c.training.warmup_steps >= total_steps {
+        out.push(Finding {
+            severity: Severity::Warning,
+            key: "training.warmup_steps".into(),
+            problem: format!(
+                "training.warmup_steps={} is not below the run's {total_steps} steps: the learning rate never reaches training.learning_rate",
+                c.training.warmup_steps
+            ),
+            fix: format!("training.warmup_steps={}", total_steps / 10),
+        });
     }
     out
 }

@@ -8,7 +8,9 @@
 //! - [`Schedule`]: optimizer steps per run and per epoch, where epochs end,
 //!   the learning rate at each step — for the run, `kiln diagnose` and its
 //!   time estimate alike.
-//! - [`check_config`]: `kiln diagnose`'s checks, each problem with its fix;
+//! - [`check_config`]: `kiln diagnose`'s checks, each problem with its fix
+//!   ([`check_schedule`], the schedule's part, also warns as `kiln train`
+//!   starts);
 //!   [`estimate_memory`]: what a step needs, from the shapes.
 //! - [`tune`] and [`sweep`]: the tuner's search over a [`Probe`] (a child
 //!   `kiln bench` in the CLI, a fake machine in tests), and the block it
@@ -31,7 +33,8 @@ use kiln_config::RunConfig;
 use kiln_hwdetect::{GpuInfo, HardwareReport};
 
 pub use checks::{
-    Burst, CheckInput, DataSize, Finding, Severity, check_config, gib, loader_verdict,
+    Burst, CheckInput, DataSize, Finding, Severity, check_config, check_schedule, gib,
+    loader_verdict,
 };
 pub use memory::{
     AttentionMemory, LogitsMemory, MemoryEstimate, ModelSize, estimate_memory, estimate_memory_with,

@@ -137,7 +137,7 @@ pub fn diagnose(
         is_gpu,
         data: &data,
         memory: &memory,
-        total_steps: schedule.total_steps as usize,
+        schedule: &schedule,
     });
     if ranks > 1 && config.optimization.zero_stage == 0 && !unsharded.fits() && sharded.fits() {
         findings.push(Finding {

@@ -295,10 +295,17 @@ pub(crate) fn device_lines(
         format!("MFU is measured against {peak_name}"),
         match (device.is_gpu, run_gpu(c, &options.hardware)) {
             (true, Some(gpu)) => format!("device: {}", gpu.name),
-            _ => format!(
-                "threads: {} cores for compute",
-                options.hardware.cpu.logical_cores
-            ),
+            _ => {
+                let cores = options.hardware.cpu.logical_cores;
+                // flex's pool: fewer than the cores where ranks share them
+                // (`kiln launch` splits them) or RAYON_NUM_THREADS says so.
+                match measured_cpu_peak().filter(|_| device.is_flex()) {
+                    Some(p) if p.threads < cores => {
+                        format!("threads: {} of the {cores} cores for compute", p.threads)
+                    }
+                    _ => format!("threads: {cores} cores for compute"),
+                }
+            }
         },
     ];
     if precision.loss_scaling() {
@@ -355,6 +362,18 @@ pub(crate) fn schedule_line(c: &RunConfig, schedule: &kiln_plan::Schedule) -> St
         t.weight_decay,
         t.grad_clip
     )
+}
+
+/// Start lines that warn of a schedule the config does not fit (an
+/// evaluation, logging or warm-up longer than the run:
+/// [`kiln_plan::check_schedule`]'s warnings, as `kiln diagnose` gives
+/// them), each with its fix. The run goes on as configured.
+pub(crate) fn schedule_warnings(c: &RunConfig, schedule: &kiln_plan::Schedule) -> Vec<String> {
+    kiln_plan::check_schedule(c, schedule)
+        .into_iter()
+        .filter(|f| f.severity >= kiln_plan::Severity::Warning)
+        .map(|f| format!("warning: {}; fix: {}", f.problem, f.fix))
+        .collect()
 }
 
 /// `x` (positive) to three significant digits, without trailing zeros:

@@ -21,11 +21,13 @@ pub(crate) struct Args {
     /// Read the prompt from a file
     #[arg(long, value_name = "FILE")]
     prompt_file: Option<PathBuf>,
-    /// Texts to generate [default: the run's sample.count]
-    #[arg(long, short = 'n')]
+    /// Texts to generate (transformers' `num_return_sequences`) [default:
+    /// the run's sample.count]
+    #[arg(long, short = 'n', visible_alias = "num-return-sequences")]
     count: Option<usize>,
-    /// Tokens each [default: the run's sample.tokens]
-    #[arg(long)]
+    /// Tokens each (transformers' `max_new_tokens`) [default: the run's
+    /// sample.tokens]
+    #[arg(long, visible_alias = "max-new-tokens")]
     tokens: Option<usize>,
     /// Sampling temperature: lower is more conservative, 0 takes the most
     /// likely token (greedy) [default: the run's sample.temperature]

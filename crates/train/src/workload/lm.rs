@@ -23,7 +23,8 @@ use crate::optim::AdamW;
 use crate::records::{EvalMetrics, EvalRecord, Record, StepMetrics};
 use crate::report::{Event, LmEval, Observer, Summary, held_back_by, median, write_plots};
 use crate::setup::{
-    device_lines, init_model, mfu_peak, run_precision, schedule_line, train_device,
+    device_lines, init_model, mfu_peak, run_precision, schedule_line, schedule_warnings,
+    train_device,
 };
 use crate::task::{Evaluation, Task, Work};
 use crate::trainer::{EarlyStopping, LoopEnd, LoopPlan, LoopPlanStart, restore, run_loop};
@@ -764,6 +765,7 @@ impl Session {
             c.effective_batch() * world * c.model.max_length
         ));
         lines.push(schedule_line(c, &p.schedule));
+        lines.extend(schedule_warnings(c, &p.schedule));
         if let Some(shard) = &self.optim.shard {
             lines.push(format!("optimizer: {}", shard.describe()));
         }

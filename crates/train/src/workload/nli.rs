@@ -24,7 +24,8 @@ use crate::optim::AdamW;
 use crate::records::{CvSummary, EvalMetrics, FoldResult, Record, Scores, mean_std};
 use crate::report::{Event, Observer, median};
 use crate::setup::{
-    device_lines, init_model, mfu_peak, run_precision, schedule_line, train_device,
+    device_lines, init_model, mfu_peak, run_precision, schedule_line, schedule_warnings,
+    train_device,
 };
 use crate::task::{Evaluation, Task, Work};
 use crate::trainer::{EarlyStopping, LoopEnd, LoopPlan, LoopPlanStart, restore, run_loop};
@@ -634,6 +635,7 @@ fn train_fold(
         steps_text(p.schedule.steps_per_epoch())
     ));
     lines.push(schedule_line(config, &p.schedule));
+    lines.extend(schedule_warnings(config, &p.schedule));
     observer.event(&Event::Start {
         lines,
         first_step: start.first_step,

@@ -36,12 +36,13 @@ impl MeasuredPeak {
     /// One line for people: the rate and how it was measured.
     pub fn describe(&self) -> String {
         format!(
-            "{:.1} GFLOP/s fp32, measured: the fastest of {} square f32 products (n = {}) by the gemm crate's {} kernels on {} threads",
+            "{:.1} GFLOP/s fp32, measured: the fastest of {} square f32 products (n = {}) by the gemm crate's {} kernels on {} thread{}",
             self.flops / 1e9,
             self.products,
             self.n,
             self.gemm,
-            self.threads
+            self.threads,
+            if self.threads == 1 { "" } else { "s" }
         )
     }
 }
