@@ -1400,6 +1400,38 @@ fn a_wsd_schedule_holds_the_peak_then_decays_and_says_so() {
     assert!((lr(60) - 1e-4).abs() < 1e-12, "{}", lr(60));
 }
 
+/// `training.warmup_ratio` warms up for that share of the run, rounded up,
+/// in place of `training.warmup_steps` (20 in the tiny run, beyond its 10
+/// steps: no warning now), and the start line says so.
+#[test]
+fn a_warm_up_ratio_warms_up_for_that_share_of_the_run() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let run = train_tiny(
+        tmp.path(),
+        "ratio",
+        10,
+        &["training.warmup_ratio=0.25", "logging.logging_steps=1"],
+    )
+    .expect_code(0);
+    run.stdout_has(&["(warm-up 3: training.warmup_ratio 0.25, cosine to 0.0001)"]);
+    assert!(
+        !run.stdout.contains("warning: training.warmup"),
+        "{}",
+        run.stdout
+    );
+    let records = step_records(&tmp.path().join("ratio/metrics.jsonl"));
+    let lr = |step: u64| {
+        records
+            .iter()
+            .find(|m| m["step"] == step)
+            .and_then(|m| m["lr"].as_f64())
+            .unwrap_or_else(|| panic!("lr at step {step}"))
+    };
+    assert!((lr(1) - 1e-3 / 3.0).abs() < 1e-12, "{}", lr(1));
+    assert!((lr(3) - 1e-3).abs() < 1e-12, "{}", lr(3));
+    assert!(lr(4) < 1e-3);
+}
+
 /// WSD's point: a run's length need not be fixed in advance. A 200-step
 /// run decays over its last 36; resumed from its step-100 checkpoint (still
 /// at the peak) with 300 steps, it ends bitwise where a 300-step run

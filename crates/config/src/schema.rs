@@ -320,6 +320,13 @@ pub struct TrainingSection {
     pub min_lr: f64,
     /// Linear warm-up steps.
     pub warmup_steps: usize,
+    /// The warm-up as a share of the run's optimizer steps, rounded up
+    /// (transformers' `warmup_ratio`: BERT's 0.1), in [0, 1); above 0 it
+    /// replaces `warmup_steps`, so a run by epochs warms up for the same
+    /// share on any corpus. A run saved before this key existed resumes
+    /// with 0.
+    #[serde(default)]
+    pub warmup_ratio: f64,
     /// After the warm-up: `cosine` decay to `min_lr` (nanoGPT's), `linear`
     /// decay to it (BERT's, `transformers`' Trainer's default), `constant`
     /// at `learning_rate`, or `wsd` (held, then linear over the last
@@ -872,6 +879,11 @@ impl RunConfig {
             t.grad_clip >= 0.0 && t.grad_clip.is_finite(),
             "training.grad_clip",
             "must be 0 (off) or more",
+        );
+        check(
+            (0.0..1.0).contains(&t.warmup_ratio),
+            "training.warmup_ratio",
+            "must be in [0, 1): the share of the run's steps that warm up (0: training.warmup_steps decides)",
         );
         check(
             t.decay_fraction > 0.0 && t.decay_fraction <= 1.0,

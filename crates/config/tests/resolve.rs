@@ -334,6 +334,11 @@ fn bad_values_name_key_value_and_layer() {
             &["training.decay_fraction", "must be in (0, 1]"],
         ),
         (
+            &["training.warmup_ratio=1"],
+            &[],
+            &["training.warmup_ratio", "must be in [0, 1)"],
+        ),
+        (
             &["experiment=nli_snli", "eval.patience=2"],
             &[],
             &[

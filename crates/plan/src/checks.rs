@@ -411,15 +411,33 @@ pub fn check_schedule(c: &RunConfig, schedule: &Schedule) -> Vec<Finding> {
             });
         }
     }
-    if c.training.warmup_steps >= total_steps {
+    if schedule.warmup_steps >= total_steps as u64 {
+        let (key, problem, fix) = match c.training.warmup_ratio {
+            ratio if ratio > 0.0 => (
+                "training.warmup_ratio",
+                format!(
+                    "training.warmup_ratio={ratio} warms up for {} of the run's {total_steps} steps: the learning rate never reaches training.learning_rate",
+                    schedule.warmup_steps
+                ),
+                format!(
+                    "training.warmup_ratio=0 with training.warmup_steps={}",
+                    total_steps / 10
+                ),
+            ),
+            _ => (
+                "training.warmup_steps",
+                format!(
+                    "training.warmup_steps={} is not below the run's {total_steps} steps: the learning rate never reaches training.learning_rate",
+                    c.training.warmup_steps
+                ),
+                format!("training.warmup_steps={}", total_steps / 10),
+            ),
+        };
         out.push(Finding {
             severity: Severity::Warning,
-            key: "training.warmup_steps".into(),
-            problem: format!(
-                "training.warmup_steps={} is not below the run's {total_steps} steps: the learning rate never reaches training.learning_rate",
-                c.training.warmup_steps
-            ),
-            fix: format!("training.warmup_steps={}", total_steps / 10),
+            key: key.into(),
+            problem,
+            fix,
         });
     }
     out

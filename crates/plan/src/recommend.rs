@@ -93,8 +93,10 @@ impl Recommendation {
             (
                 "loader",
                 format!(
-                    "{} workers, prefetch {}",
-                    self.num_workers, self.prefetch_factor
+                    "{} worker{}, prefetch {}",
+                    self.num_workers,
+                    if self.num_workers == 1 { "" } else { "s" },
+                    self.prefetch_factor
                 ),
             ),
             ("compile", on_off(self.compile).to_string()),

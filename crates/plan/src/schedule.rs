@@ -19,7 +19,8 @@ pub struct Schedule {
     pub accumulation: u64,
     /// Optimizer steps the run makes.
     pub total_steps: u64,
-    /// Linear warm-up steps before the cosine decay.
+    /// Linear warm-up steps before the decay: `warmup_steps`, or
+    /// ⌈`warmup_ratio` × `total_steps`⌉ where the ratio is above 0.
     pub warmup_steps: u64,
     /// The peak learning rate.
     pub learning_rate: f64,
@@ -46,7 +47,11 @@ impl Schedule {
             batches_per_epoch,
             accumulation,
             total_steps,
-            warmup_steps: training.warmup_steps as u64,
+            warmup_steps: if training.warmup_ratio > 0.0 {
+                (training.warmup_ratio * total_steps as f64).ceil() as u64
+            } else {
+                training.warmup_steps as u64
+            },
             learning_rate: training.learning_rate,
             min_lr: training.min_lr,
             kind: training.lr_schedule,
@@ -146,6 +151,22 @@ mod tests {
         // max_steps wins; a tiny data set still makes one step.
         assert_eq!(Schedule::new(&training(4, 3, 100), 10).total_steps, 100);
         assert_eq!(Schedule::new(&training(8, 1, 0), 3).total_steps, 1);
+    }
+
+    #[test]
+    fn a_warm_up_ratio_is_that_share_of_the_run_rounded_up_in_place_of_its_steps() {
+        let mut t = training(1, 3, 0);
+        (t.warmup_steps, t.warmup_ratio) = (100, 0.1);
+        // 3 epochs of 75 batches: 225 steps, 22.5 of them warm up → 23.
+        let s = Schedule::new(&t, 75);
+        assert_eq!((s.total_steps, s.warmup_steps), (225, 23));
+        assert!((s.lr_at(23) - t.learning_rate).abs() < 1e-15);
+        assert!(s.lr_at(22) < t.learning_rate);
+        // The same share of a corpus ten times the size.
+        assert_eq!(Schedule::new(&t, 750).warmup_steps, 225);
+        // 0: the steps decide.
+        t.warmup_ratio = 0.0;
+        assert_eq!(Schedule::new(&t, 75).warmup_steps, 100);
     }
 
     #[test]

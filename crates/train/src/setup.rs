@@ -343,10 +343,15 @@ pub(crate) fn schedule_line(c: &RunConfig, schedule: &kiln_plan::Schedule) -> St
         extra += &format!(", label smoothing {}", t.label_smoothing);
     }
     format!(
-        "schedule: {} steps, AdamW lr {} (warm-up {}, {}), β {}/{}, weight decay {} on matrices, clip {}{extra}",
+        "schedule: {} steps, AdamW lr {} (warm-up {}{}, {}), β {}/{}, weight decay {} on matrices, clip {}{extra}",
         schedule.total_steps,
         t.learning_rate,
-        t.warmup_steps,
+        schedule.warmup_steps,
+        if t.warmup_ratio > 0.0 {
+            format!(": training.warmup_ratio {}", t.warmup_ratio)
+        } else {
+            String::new()
+        },
         match t.lr_schedule {
             kiln_config::LrSchedule::Cosine => format!("cosine to {}", t.min_lr),
             kiln_config::LrSchedule::Linear => format!("linear to {}", t.min_lr),
