@@ -87,10 +87,57 @@ pub(crate) trait KilnLmLoss: Backend {
     fn kiln_lm_product(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::float_matmul(a, b)
     }
+
+    /// One chunk's loss, summed over its rows (`[1]`, f32): from their
+    /// logits (`[rows, padded]`, f32, the columns from `shape.vocab` on
+    /// padding, not masked yet) and targets (`[rows, 1]`).
+    #[fusion(default)]
+    fn kiln_lm_rows(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shape: LmLossShape,
+    ) -> FloatTensor<Self> {
+        rows::<Self>(logits, targets, shape, false).0
+    }
+
+    /// [`KilnLmLoss::kiln_lm_rows`], and the gradient of that sum with
+    /// respect to the logits: `softmax − target` (the one-hot, or its
+    /// smoothed version), f32, 0 on the padding.
+    #[fusion(default)]
+    fn kiln_lm_rows_grad(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shape: LmLossShape,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (loss, grad) = rows::<Self>(logits, targets, shape, true);
+        (loss, grad.expect("the gradient was asked for"))
+    }
 }
 
+/// On flex, a chunk's rows in one pass each (`cpu::lm_rows`: kiln's
+/// vectorised exponential instead of libm's, one scan for the maximum, one
+/// for the exponentials and their sum, the gradient written over the
+/// logits) rather than the composition's passes and buffers of the chunk's
+/// size.
 #[cfg(feature = "flex")]
-impl KilnLmLoss for burn::backend::Flex {}
+impl KilnLmLoss for burn::backend::Flex {
+    fn kiln_lm_rows(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shape: LmLossShape,
+    ) -> FloatTensor<Self> {
+        super::cpu::lm_rows(logits, targets, shape.vocab, shape.smoothing, false).0
+    }
+
+    fn kiln_lm_rows_grad(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shape: LmLossShape,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (loss, grad) = super::cpu::lm_rows(logits, targets, shape.vocab, shape.smoothing, true);
+        (loss, grad.expect("the gradient was asked for"))
+    }
+}
 
 #[cfg(feature = "cube")]
 impl KilnLmLoss for burn_cubecl::CubeBackend {
@@ -145,22 +192,16 @@ type Pair<B> = (FloatTensor<B>, FloatTensor<B>);
 
 /// The loss over chunks of `chunk` rows and, with `grads`, the gradients
 /// of `x` and `weight` (f32, as they are), the products by the backend's
-/// `kiln_lm_product`.
+/// `kiln_lm_product`, each chunk's rows by its `kiln_lm_rows`.
 fn chunked<B: KilnLmLoss>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     targets: IntTensor<B>,
-    LmLossShape {
-        vocab,
-        compute,
-        chunk,
-        smoothing,
-    }: LmLossShape,
+    shape: LmLossShape,
     grads: bool,
 ) -> (FloatTensor<B>, Option<Pair<B>>) {
     let (n, d) = (x.shape()[0], x.shape()[1]);
-    let padded = weight.shape()[0];
-    let device = x.device();
+    let compute = shape.compute;
     let reduced = compute != FloatDType::F32;
     let low = |t: FloatTensor<B>| {
         if reduced {
@@ -178,87 +219,42 @@ fn chunked<B: KilnLmLoss>(
     };
     let weight = low(weight);
     let weight_t = B::float_transpose(weight.clone());
-    let mask = (padded > vocab).then(|| {
-        let bias = TensorData::new(padding_bias(vocab, padded), [1, padded]);
-        B::float_from_data(bias, &device)
-    });
-    let wide = |t: FloatTensor<B>, rows: usize| B::float_expand(t, Shape::new([rows, padded]));
-    // Label smoothing's uniform share, ε / vocab on the true vocabulary's
-    // columns (none on the padding's).
-    let uniform = (smoothing != 0.0).then(|| {
-        let share = (smoothing / vocab as f64) as f32;
-        let row: Vec<f32> = (0..padded)
-            .map(|i| if i < vocab { share } else { 0.0 })
-            .collect();
-        B::float_from_data(TensorData::new(row, [1, padded]), &device)
-    });
     let mut loss: Option<FloatTensor<B>> = None;
     let mut dx = Vec::new();
     let mut dw: Option<FloatTensor<B>> = None;
     let mut start = 0;
     while start < n {
-        let rows = chunk.max(1).min(n - start);
+        let rows = shape.chunk.max(1).min(n - start);
         let range = Slice::from(start..start + rows);
         let xc = low(B::float_slice(x.clone(), &[range, Slice::from(0..d)]));
         let tc = B::int_reshape(
             B::int_slice(targets.clone(), &[range]),
             Shape::new([rows, 1]),
         );
-        let mut logits = full(B::kiln_lm_product(xc.clone(), weight_t.clone()));
-        if let Some(mask) = &mask {
-            logits = B::float_add(logits, wide(mask.clone(), rows));
-        }
-        let max = B::float_max_dim(logits.clone(), 1);
-        let exp = B::float_exp(B::float_sub(logits.clone(), wide(max.clone(), rows)));
-        let sum = B::float_sum_dim(exp.clone(), 1);
-        let lse = B::float_add(max, B::float_log(sum.clone()));
-        // −log p of the token, and with smoothing (1 − ε) of it plus the
-        // uniform target's ε/vocab · Σ −log p = lse·ε − Σ ε/vocab · z.
-        let per_row = match &uniform {
-            None => B::float_sub(lse, B::float_gather(1, logits, tc.clone())),
-            Some(u) => {
-                let picked = B::float_gather(1, logits.clone(), tc.clone());
-                let spread = B::float_sum_dim(B::float_mul(logits, wide(u.clone(), rows)), 1);
-                let kept = B::float_mul_scalar(picked, Scalar::from(1.0 - smoothing));
-                B::float_sub(B::float_sub(lse, kept), spread)
-            }
-        };
-        let part = B::float_sum(per_row);
-        loss = Some(match loss {
-            None => part,
-            Some(total) => B::float_add(total, part),
-        });
-        if grads {
+        let logits = full(B::kiln_lm_product(xc.clone(), weight_t.clone()));
+        let part = if grads {
             // d(mean loss)/d logits = (softmax − one-hot) / tokens. The
             // products take `softmax − one-hot` (in [−1, 1]) and the 1/tokens
             // is applied to their f32 results after the loop: in fp16,
             // 1/tokens times a small probability would underflow before the
             // loss scaler's factor (which comes with the upstream gradient)
             // could help.
-            let mut softmax = B::float_div(exp, wide(sum, rows));
-            if let Some(u) = &uniform {
-                softmax = B::float_sub(softmax, wide(u.clone(), rows));
-            }
-            let minus_one = B::float_full(
-                Shape::new([rows, 1]),
-                Scalar::from(smoothing - 1.0),
-                &device,
-                FloatDType::F32,
-            );
-            let g = low(B::float_scatter(
-                1,
-                softmax,
-                tc,
-                minus_one,
-                IndexingUpdateOp::Add,
-            ));
+            let (part, g) = B::kiln_lm_rows_grad(logits, tc, shape);
+            let g = low(g);
             dx.push(full(B::kiln_lm_product(g.clone(), weight.clone())));
             let dwc = full(B::kiln_lm_product(B::float_transpose(g), xc));
             dw = Some(match dw {
                 None => dwc,
                 Some(total) => B::float_add(total, dwc),
             });
-        }
+            part
+        } else {
+            B::kiln_lm_rows(logits, tc, shape)
+        };
+        loss = Some(match loss {
+            None => part,
+            Some(total) => B::float_add(total, part),
+        });
         start += rows;
     }
     let loss = B::float_div_scalar(loss.expect("at least one token"), Scalar::from(n as f64));
@@ -274,6 +270,66 @@ fn chunked<B: KilnLmLoss>(
         (per_token(dx), per_token(dw.expect("at least one token")))
     });
     (loss, grads)
+}
+
+/// A chunk's rows in Burn's operations (the default of
+/// [`KilnLmLoss::kiln_lm_rows`]): the loss summed over the rows and, with
+/// `grads`, its gradient with respect to the logits.
+fn rows<B: Backend>(
+    logits: FloatTensor<B>,
+    targets: IntTensor<B>,
+    LmLossShape {
+        vocab, smoothing, ..
+    }: LmLossShape,
+    grads: bool,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    let [rows, padded] = [logits.shape()[0], logits.shape()[1]];
+    let device = logits.device();
+    let wide = |t: FloatTensor<B>| B::float_expand(t, Shape::new([rows, padded]));
+    let mut logits = logits;
+    if padded > vocab {
+        let bias = TensorData::new(padding_bias(vocab, padded), [1, padded]);
+        logits = B::float_add(logits, wide(B::float_from_data(bias, &device)));
+    }
+    // Label smoothing's uniform share, ε / vocab on the true vocabulary's
+    // columns (none on the padding's).
+    let uniform = (smoothing != 0.0).then(|| {
+        let share = (smoothing / vocab as f64) as f32;
+        let row: Vec<f32> = (0..padded)
+            .map(|i| if i < vocab { share } else { 0.0 })
+            .collect();
+        B::float_from_data(TensorData::new(row, [1, padded]), &device)
+    });
+    let max = B::float_max_dim(logits.clone(), 1);
+    let exp = B::float_exp(B::float_sub(logits.clone(), wide(max.clone())));
+    let sum = B::float_sum_dim(exp.clone(), 1);
+    let lse = B::float_add(max, B::float_log(sum.clone()));
+    // −log p of the token, and with smoothing (1 − ε) of it plus the
+    // uniform target's ε/vocab · Σ −log p = lse·ε − Σ ε/vocab · z.
+    let per_row = match &uniform {
+        None => B::float_sub(lse, B::float_gather(1, logits, targets.clone())),
+        Some(u) => {
+            let picked = B::float_gather(1, logits.clone(), targets.clone());
+            let spread = B::float_sum_dim(B::float_mul(logits, wide(u.clone())), 1);
+            let kept = B::float_mul_scalar(picked, Scalar::from(1.0 - smoothing));
+            B::float_sub(B::float_sub(lse, kept), spread)
+        }
+    };
+    let loss = B::float_sum(per_row);
+    let grad = grads.then(|| {
+        let mut softmax = B::float_div(exp, wide(sum));
+        if let Some(u) = &uniform {
+            softmax = B::float_sub(softmax, wide(u.clone()));
+        }
+        let minus_one = B::float_full(
+            Shape::new([rows, 1]),
+            Scalar::from(smoothing - 1.0),
+            &device,
+            FloatDType::F32,
+        );
+        B::float_scatter(1, softmax, targets, minus_one, IndexingUpdateOp::Add)
+    });
+    (loss, grad)
 }
 
 /// The fused head and loss on tensors (see [`super::lm_head_loss`]).

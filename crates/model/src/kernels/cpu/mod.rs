@@ -636,6 +636,106 @@ simd_levels! {
     }
 }
 
+/// A chunk of the fused LM head's rows ([`super::lm_loss`]), from their
+/// logits (`[rows, padded]`, f32) and targets (`[rows, 1]`): the sum of
+/// the rows' cross-entropies over the first `vocab` columns (label
+/// smoothing ε: `(1 − ε)` on the target, `ε / vocab` on each column) as a
+/// `[1]` tensor and, with `grads`, their gradient with respect to the
+/// logits, `softmax − target`, written over the logits (0 on the padding).
+/// A row is one scan for its maximum, one for the exponentials (kiln's,
+/// which vectorise, not libm's) and their sum, and with `grads` one to
+/// scale them: where Burn's composition makes seven passes and four
+/// buffers the size of the chunk. The rows go over rayon's threads; the
+/// sum is taken in row order, so the result does not depend on them.
+pub(crate) fn lm_rows(
+    logits: FlexTensor,
+    targets: FlexTensor,
+    vocab: usize,
+    smoothing: f64,
+    grads: bool,
+) -> (FlexTensor, Option<FlexTensor>) {
+    let [rows, padded] = [shape(&logits)[0], shape(&logits)[1]];
+    let targets: Vec<i64> = targets
+        .into_data()
+        .convert::<i64>()
+        .try_into_vec::<i64>()
+        .expect("integer targets");
+    assert_eq!(targets.len(), rows, "lm_rows: a target a row");
+    assert!(
+        targets.iter().all(|&t| (0..vocab as i64).contains(&t)),
+        "lm_rows: a target outside the vocabulary of {vocab}"
+    );
+    let eps = smoothing as f32;
+    let mut losses = vec![0.0f32; rows];
+    let grad = if grads {
+        let mut g = owned(logits);
+        let buf = writable(&mut g).expect("an owned tensor is writable");
+        buf.par_chunks_mut(padded)
+            .zip(losses.par_iter_mut())
+            .zip(targets.par_iter())
+            .for_each(|((row, loss), &t)| lm_row_grad(row, vocab, t as usize, eps, loss));
+        Some(g)
+    } else {
+        let logits = contiguous(logits);
+        slice(&logits)
+            .par_chunks(padded)
+            .zip(losses.par_iter_mut())
+            .zip(targets.par_iter())
+            .for_each(|((row, loss), &t)| lm_row_loss(row, vocab, t as usize, eps, loss));
+        None
+    };
+    let total: f64 = losses.iter().map(|&l| f64::from(l)).sum();
+    (from_vec(vec![total as f32], Shape::new([1])), grad)
+}
+
+simd_levels! {
+    /// One row's cross-entropy into `loss` ([`lm_rows`]), the logits left
+    /// as they are.
+    fn lm_row_loss(row: &[f32], vocab: usize, target: usize, eps: f32, loss: &mut f32) {
+        const FMA: bool = has_fma!();
+        let z = &row[..vocab];
+        let max = max_of(z);
+        let mut acc = [0.0f32; LANES];
+        let chunks = z.chunks_exact(LANES);
+        let tail: f32 = chunks
+            .remainder()
+            .iter()
+            .map(|&v| math::exp::<FMA>(v - max))
+            .sum();
+        for c in chunks {
+            for (a, &v) in acc.iter_mut().zip(c) {
+                *a += math::exp::<FMA>(v - max);
+            }
+        }
+        let lse = max + (acc.iter().sum::<f32>() + tail).ln();
+        let spread = if eps != 0.0 { eps / vocab as f32 * sum_of(z) } else { 0.0 };
+        *loss = lse - (1.0 - eps) * z[target] - spread;
+    }
+}
+
+simd_levels! {
+    /// One row's cross-entropy into `loss` and its gradient over the row
+    /// ([`lm_rows`]).
+    fn lm_row_grad(row: &mut [f32], vocab: usize, target: usize, eps: f32, loss: &mut f32) {
+        const FMA: bool = has_fma!();
+        let (z, padding) = row.split_at_mut(vocab);
+        let max = max_of(z);
+        let picked = z[target];
+        let spread = if eps != 0.0 { eps / vocab as f32 * sum_of(z) } else { 0.0 };
+        for x in z.iter_mut() {
+            *x = math::exp::<FMA>(*x - max);
+        }
+        let sum = sum_of(z);
+        *loss = max + sum.ln() - (1.0 - eps) * picked - spread;
+        let (inv, share) = (1.0 / sum, eps / vocab as f32);
+        for x in z.iter_mut() {
+            *x = *x * inv - share;
+        }
+        z[target] += eps - 1.0;
+        padding.fill(0.0);
+    }
+}
+
 /// Lanes of the partial sums and maxima below: two AVX-512 registers, so
 /// that the reductions vectorise (a single running f32 would not).
 const LANES: usize = 32;
