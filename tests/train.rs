@@ -300,11 +300,7 @@ fn a_resume_takes_overrides_that_leave_the_model_and_data_as_they_are() {
     assert_eq!(seen(350) - seen(325), 25 * 8 * 32);
     // The rate is the cosine of the new peak and length (warm-up 20 steps,
     // the experiment's floor 1e-4); the old peak would give 1.23e-4 here.
-    let lr = records
-        .iter()
-        .find(|m| m["step"] == 325)
-        .and_then(|m| m["lr"].as_f64())
-        .expect("lr");
+    let lr = logged_lr(&run.join("metrics.jsonl"), 325);
     let progress = (325.0 - 20.0) / (360.0 - 20.0);
     let want = 1e-4 + 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()) * (5e-4 - 1e-4);
     assert!((lr - want).abs() < 1e-12, "lr {lr}, want {want}");
@@ -683,6 +679,15 @@ pub(crate) fn step_records(metrics: &Path) -> Vec<serde_json::Value> {
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|m| m["kind"] == "step")
         .collect()
+}
+
+/// The learning rate a run's `metrics.jsonl` logged at `step`.
+pub(crate) fn logged_lr(metrics: &Path, step: u64) -> f64 {
+    step_records(metrics)
+        .iter()
+        .find(|m| m["step"] == step)
+        .and_then(|m| m["lr"].as_f64())
+        .unwrap_or_else(|| panic!("no lr logged at step {step} in {}", metrics.display()))
 }
 
 /// The steps of a run's last logged step, from its `metrics.jsonl`.
@@ -1386,14 +1391,7 @@ fn a_wsd_schedule_holds_the_peak_then_decays_and_says_so() {
     )
     .expect_code(0)
     .stdout_has(&["(warm-up 20, then constant, linear to 0.0001 over the last 10 steps)"]);
-    let records = step_records(&tmp.path().join("wsd/metrics.jsonl"));
-    let lr = |step: u64| {
-        records
-            .iter()
-            .find(|m| m["step"] == step)
-            .and_then(|m| m["lr"].as_f64())
-            .unwrap_or_else(|| panic!("lr at step {step}"))
-    };
+    let lr = |step| logged_lr(&tmp.path().join("wsd/metrics.jsonl"), step);
     assert!((lr(30) - 1e-3).abs() < 1e-12, "{}", lr(30));
     assert!((lr(50) - 1e-3).abs() < 1e-12, "{}", lr(50));
     assert!((lr(55) - 5.5e-4).abs() < 1e-12, "{}", lr(55));
@@ -1419,14 +1417,7 @@ fn a_warm_up_ratio_warms_up_for_that_share_of_the_run() {
         "{}",
         run.stdout
     );
-    let records = step_records(&tmp.path().join("ratio/metrics.jsonl"));
-    let lr = |step: u64| {
-        records
-            .iter()
-            .find(|m| m["step"] == step)
-            .and_then(|m| m["lr"].as_f64())
-            .unwrap_or_else(|| panic!("lr at step {step}"))
-    };
+    let lr = |step| logged_lr(&tmp.path().join("ratio/metrics.jsonl"), step);
     assert!((lr(1) - 1e-3 / 3.0).abs() < 1e-12, "{}", lr(1));
     assert!((lr(3) - 1e-3).abs() < 1e-12, "{}", lr(3));
     assert!(lr(4) < 1e-3);
@@ -1474,12 +1465,7 @@ fn a_linear_schedule_decays_in_a_line_and_says_so() {
     train_tiny(tmp.path(), "linear", 60, &["training.lr_schedule=linear"])
         .expect_code(0)
         .stdout_has(&["(warm-up 20, linear to 0.0001)"]);
-    let records = step_records(&tmp.path().join("linear/metrics.jsonl"));
-    let lr = records
-        .iter()
-        .find(|m| m["step"] == 50)
-        .and_then(|m| m["lr"].as_f64())
-        .expect("lr at step 50");
+    let lr = logged_lr(&tmp.path().join("linear/metrics.jsonl"), 50);
     // Three quarters of the way from the peak 1e-3 to the floor 1e-4.
     let want = 1e-3 + (50.0 - 20.0) / (60.0 - 20.0) * (1e-4 - 1e-3);
     assert!((lr - want).abs() < 1e-12, "lr {lr}, want {want}");
