@@ -428,11 +428,21 @@ impl Gpt {
     /// The log-probability (natural log, f32) the model gives each target
     /// token, `[batch, time]`: for scoring text token by token (perplexity
     /// over windows, where some positions count and others are context).
+    /// Through [`kernels::lm_head_token_losses`]: the head fused with the
+    /// loss, in chunks of tokens, where the device has it.
     pub fn token_log_probs(&self, inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<2> {
-        let [b, t] = targets.dims();
-        activation::log_softmax(self.forward(inputs), 2)
-            .gather(2, targets.reshape([b, t, 1]))
-            .reshape([b, t])
+        kernels::lm_head_token_losses(
+            self.hidden_states(inputs),
+            self.wte.weight.val(),
+            targets,
+            kernels::LmHead {
+                vocab: self.vocab,
+                compute: self.compute,
+                smoothing: 0.0,
+            },
+            self.kernels,
+        )
+        .neg()
     }
 
     /// The true vocabulary's size (the logits' last dimension).

@@ -974,7 +974,24 @@ pub fn check_lm_head_loss(device: &burn::tensor::Device) -> KernelCheck {
         )
     };
     let max_abs = |a: Tensor<1>, b: Tensor<1>| f64::from((a - b).abs().max().into_scalar::<f32>());
-    let mut worst = 0f64;
+    // Each token's loss (scoring a text): the fused rows against the
+    // composition's log-softmax.
+    let per_token = |kernels| {
+        let head = super::LmHead {
+            vocab,
+            compute: crate::ComputeDtype::F32,
+            smoothing: 0.0,
+        };
+        super::lm_head_token_losses(
+            x.clone().inner(),
+            weight.clone().inner(),
+            targets.clone().inner(),
+            head,
+            kernels,
+        )
+        .reshape([-1])
+    };
+    let mut worst = max_abs(per_token(Kernels::Fused), per_token(Kernels::Reference));
     for smoothing in [0.0, 0.1] {
         worst = worst.max(max_abs(
             untracked(Kernels::Fused, smoothing),
@@ -998,7 +1015,7 @@ pub fn check_lm_head_loss(device: &burn::tensor::Device) -> KernelCheck {
     let (kernel, tolerance) = f32_check(
         &device,
         format!(
-            "lm head and loss ({} × {d}, vocabulary {vocab} as {padded}, label smoothing 0 and 0.1, with and without autodiff)",
+            "lm head and loss ({} × {d}, vocabulary {vocab} as {padded}, label smoothing 0 and 0.1, with and without autodiff, and each token's)",
             b * t
         ),
         LM_HEAD_LOSS_TOLERANCE,

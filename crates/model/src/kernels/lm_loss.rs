@@ -100,6 +100,35 @@ pub(crate) trait KilnLmLoss: Backend {
         rows::<Self>(logits, targets, shape, false).0
     }
 
+    /// Each row's cross-entropy (`[rows]`, f32), as
+    /// [`KilnLmLoss::kiln_lm_rows`] sums them: what scoring a text token
+    /// by token needs.
+    #[fusion(default)]
+    fn kiln_lm_row_losses(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shape: LmLossShape,
+    ) -> FloatTensor<Self> {
+        let rows = logits.shape()[0];
+        Self::float_reshape(
+            per_row::<Self>(logits, targets, shape, false).0,
+            Shape::new([rows]),
+        )
+    }
+
+    /// Each token's cross-entropy (`[tokens]`, f32) of the logits `x ·
+    /// weightᵀ`, in chunks of `shape.chunk` rows as
+    /// [`KilnLmLoss::kiln_lm_loss`] (no gradient).
+    #[fusion(default)]
+    fn kiln_lm_token_losses(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shape: LmLossShape,
+    ) -> FloatTensor<Self> {
+        per_token::<Self>(x, weight, targets, shape)
+    }
+
     /// [`KilnLmLoss::kiln_lm_rows`], and the gradient of that sum with
     /// respect to the logits: `softmax − target` (the one-hot, or its
     /// smoothed version), f32, 0 on the padding.
@@ -126,7 +155,17 @@ impl KilnLmLoss for burn::backend::Flex {
         targets: IntTensor<Self>,
         shape: LmLossShape,
     ) -> FloatTensor<Self> {
-        super::cpu::lm_rows(logits, targets, shape.vocab, shape.smoothing, false).0
+        let (losses, _) = super::cpu::lm_rows(logits, targets, shape.vocab, shape.smoothing, false);
+        super::cpu::lm_total(&losses)
+    }
+
+    fn kiln_lm_row_losses(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shape: LmLossShape,
+    ) -> FloatTensor<Self> {
+        let (losses, _) = super::cpu::lm_rows(logits, targets, shape.vocab, shape.smoothing, false);
+        super::cpu::lm_each(losses)
     }
 
     fn kiln_lm_rows_grad(
@@ -134,8 +173,12 @@ impl KilnLmLoss for burn::backend::Flex {
         targets: IntTensor<Self>,
         shape: LmLossShape,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (loss, grad) = super::cpu::lm_rows(logits, targets, shape.vocab, shape.smoothing, true);
-        (loss, grad.expect("the gradient was asked for"))
+        let (losses, grad) =
+            super::cpu::lm_rows(logits, targets, shape.vocab, shape.smoothing, true);
+        (
+            super::cpu::lm_total(&losses),
+            grad.expect("the gradient was asked for"),
+        )
     }
 }
 
@@ -278,6 +321,17 @@ fn chunked<B: KilnLmLoss>(
 fn rows<B: Backend>(
     logits: FloatTensor<B>,
     targets: IntTensor<B>,
+    shape: LmLossShape,
+    grads: bool,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    let (per_row, grad) = per_row::<B>(logits, targets, shape, grads);
+    (B::float_sum(per_row), grad)
+}
+
+/// [`rows`] before the sum: each row's loss (`[rows, 1]`).
+fn per_row<B: Backend>(
+    logits: FloatTensor<B>,
+    targets: IntTensor<B>,
     LmLossShape {
         vocab, smoothing, ..
     }: LmLossShape,
@@ -315,7 +369,6 @@ fn rows<B: Backend>(
             B::float_sub(B::float_sub(lse, kept), spread)
         }
     };
-    let loss = B::float_sum(per_row);
     let grad = grads.then(|| {
         let mut softmax = B::float_div(exp, wide(sum));
         if let Some(u) = &uniform {
@@ -329,7 +382,66 @@ fn rows<B: Backend>(
         );
         B::float_scatter(1, softmax, targets, minus_one, IndexingUpdateOp::Add)
     });
-    (loss, grad)
+    (per_row, grad)
+}
+
+/// Each token's loss in chunks of rows (the default of
+/// [`KilnLmLoss::kiln_lm_token_losses`]): the product and each chunk's
+/// [`KilnLmLoss::kiln_lm_row_losses`].
+fn per_token<B: KilnLmLoss>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    targets: IntTensor<B>,
+    shape: LmLossShape,
+) -> FloatTensor<B> {
+    let (n, d) = (x.shape()[0], x.shape()[1]);
+    let reduced = shape.compute != FloatDType::F32;
+    let low = |t: FloatTensor<B>| {
+        if reduced {
+            B::float_cast(t, shape.compute)
+        } else {
+            t
+        }
+    };
+    let weight_t = B::float_transpose(low(weight));
+    let mut parts = Vec::new();
+    let mut start = 0;
+    while start < n {
+        let rows = shape.chunk.max(1).min(n - start);
+        let range = Slice::from(start..start + rows);
+        let xc = low(B::float_slice(x.clone(), &[range, Slice::from(0..d)]));
+        let tc = B::int_reshape(
+            B::int_slice(targets.clone(), &[range]),
+            Shape::new([rows, 1]),
+        );
+        let mut logits = B::kiln_lm_product(xc, weight_t.clone());
+        if reduced {
+            logits = B::float_cast(logits, FloatDType::F32);
+        }
+        parts.push(B::kiln_lm_row_losses(logits, tc, shape));
+        start += rows;
+    }
+    if parts.len() == 1 {
+        parts.pop().expect("one chunk")
+    } else {
+        B::float_cat(parts, 0)
+    }
+}
+
+/// Each token's loss through the fused head, on tensors (see
+/// [`super::lm_head_token_losses`]).
+pub(crate) fn token_losses(
+    x: Tensor<2>,
+    weight: Tensor<2>,
+    targets: Tensor<1, Int>,
+    shape: LmLossShape,
+) -> Tensor<1> {
+    Tensor::from_dispatch(<Dispatch as KilnLmLoss>::kiln_lm_token_losses(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+        targets.into_dispatch(),
+        shape,
+    ))
 }
 
 /// The fused head and loss on tensors (see [`super::lm_head_loss`]).

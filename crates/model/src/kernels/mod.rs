@@ -826,6 +826,44 @@ fn lm_head_loss_in_chunks(
     crate::gpt::smoothed_cross_entropy(mask_padding(logits, vocab), targets, vocab, smoothing)
 }
 
+/// Each token's cross-entropy `[batch, time]` (f32) of the logits `x ·
+/// weightᵀ` (the padding's masked) against `targets`: [`lm_head_loss`]
+/// before its mean, without label smoothing or a gradient, for scoring a
+/// text token by token. Fused where [`lm_head_loss`] is (in chunks of
+/// rows, no `tokens × vocabulary` tensor at once), else the composition.
+pub fn lm_head_token_losses(
+    x: Tensor<3>,
+    weight: Tensor<2>,
+    targets: Tensor<2, Int>,
+    head: LmHead,
+    kernels: Kernels,
+) -> Tensor<2> {
+    let [b, t, d] = x.dims();
+    #[cfg(any(feature = "flex", feature = "cube"))]
+    if kernels == Kernels::Fused && lm_head_loss_fused_here(&x) {
+        let shape = lm_loss::LmLossShape {
+            vocab: head.vocab,
+            compute: head.compute.float_dtype(),
+            chunk: (LM_HEAD_CHUNK_ELEMENTS / weight.dims()[0].max(1)).max(1),
+            smoothing: 0.0,
+        };
+        return lm_loss::token_losses(
+            x.reshape([b * t, d]),
+            weight,
+            targets.reshape([b * t]),
+            shape,
+        )
+        .reshape([b, t]);
+    }
+    let _ = kernels;
+    let logits = crate::precision::matmul(x.reshape([b * t, d]), weight.transpose(), head.compute);
+    let logits = mask_padding(logits.reshape([b as i64, t as i64, -1]), head.vocab);
+    activation::log_softmax(logits, 2)
+        .gather(2, targets.reshape([b, t, 1]))
+        .reshape([b, t])
+        .neg()
+}
+
 /// Whether [`lm_head_loss`] runs the fused version for `x`: flex, or a
 /// CubeCL GPU, in f32.
 fn lm_head_loss_fused_here(x: &Tensor<3>) -> bool {

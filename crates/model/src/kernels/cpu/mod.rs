@@ -637,23 +637,23 @@ simd_levels! {
 }
 
 /// A chunk of the fused LM head's rows ([`super::lm_loss`]), from their
-/// logits (`[rows, padded]`, f32) and targets (`[rows, 1]`): the sum of
-/// the rows' cross-entropies over the first `vocab` columns (label
-/// smoothing ε: `(1 − ε)` on the target, `ε / vocab` on each column) as a
-/// `[1]` tensor and, with `grads`, their gradient with respect to the
-/// logits, `softmax − target`, written over the logits (0 on the padding).
+/// logits (`[rows, padded]`, f32) and targets (`[rows, 1]`): each row's
+/// cross-entropy over the first `vocab` columns (label smoothing ε: `(1 −
+/// ε)` on the target, `ε / vocab` on each column) and, with `grads`,
+/// their gradient with respect to the logits, `softmax − target`, written
+/// over the logits (0 on the padding).
 /// A row is one scan for its maximum, one for the exponentials (kiln's,
 /// which vectorise, not libm's) and their sum, and with `grads` one to
 /// scale them: where Burn's composition makes seven passes and four
-/// buffers the size of the chunk. The rows go over rayon's threads; the
-/// sum is taken in row order, so the result does not depend on them.
+/// buffers the size of the chunk. The rows go over rayon's threads; each
+/// row's result does not depend on them.
 pub(crate) fn lm_rows(
     logits: FlexTensor,
     targets: FlexTensor,
     vocab: usize,
     smoothing: f64,
     grads: bool,
-) -> (FlexTensor, Option<FlexTensor>) {
+) -> (Vec<f32>, Option<FlexTensor>) {
     let [rows, padded] = [shape(&logits)[0], shape(&logits)[1]];
     let targets: Vec<i64> = targets
         .into_data()
@@ -684,8 +684,19 @@ pub(crate) fn lm_rows(
             .for_each(|((row, loss), &t)| lm_row_loss(row, vocab, t as usize, eps, loss));
         None
     };
+    (losses, grad)
+}
+
+/// [`lm_rows`]'s losses summed in row order, as a `[1]` tensor.
+pub(crate) fn lm_total(losses: &[f32]) -> FlexTensor {
     let total: f64 = losses.iter().map(|&l| f64::from(l)).sum();
-    (from_vec(vec![total as f32], Shape::new([1])), grad)
+    from_vec(vec![total as f32], Shape::new([1]))
+}
+
+/// [`lm_rows`]'s losses as a `[rows]` tensor.
+pub(crate) fn lm_each(losses: Vec<f32>) -> FlexTensor {
+    let rows = losses.len();
+    from_vec(losses, Shape::new([rows]))
 }
 
 simd_levels! {
