@@ -428,33 +428,24 @@ fn per_token<B: KilnLmLoss>(
     }
 }
 
-/// Each token's loss through the fused head, on tensors (see
-/// [`super::lm_head_token_losses`]).
-pub(crate) fn token_losses(
-    x: Tensor<2>,
-    weight: Tensor<2>,
-    targets: Tensor<1, Int>,
-    shape: LmLossShape,
-) -> Tensor<1> {
-    Tensor::from_dispatch(<Dispatch as KilnLmLoss>::kiln_lm_token_losses(
-        x.into_dispatch(),
-        weight.into_dispatch(),
-        targets.into_dispatch(),
-        shape,
-    ))
-}
-
-/// The fused head and loss on tensors (see [`super::lm_head_loss`]).
+/// The fused head on tensors: the mean loss (`[1]`, see
+/// [`super::lm_head_loss`]), or with `each_token` each token's (`[tokens]`,
+/// no gradient: see [`super::lm_head_token_losses`]).
 pub(crate) fn lm_loss(
     x: Tensor<2>,
     weight: Tensor<2>,
     targets: Tensor<1, Int>,
     shape: LmLossShape,
+    each_token: bool,
 ) -> Tensor<1> {
-    Tensor::from_dispatch(<Dispatch as KilnLmLoss>::kiln_lm_loss(
+    let (x, weight, targets) = (
         x.into_dispatch(),
         weight.into_dispatch(),
         targets.into_dispatch(),
-        shape,
-    ))
+    );
+    Tensor::from_dispatch(if each_token {
+        <Dispatch as KilnLmLoss>::kiln_lm_token_losses(x, weight, targets, shape)
+    } else {
+        <Dispatch as KilnLmLoss>::kiln_lm_loss(x, weight, targets, shape)
+    })
 }

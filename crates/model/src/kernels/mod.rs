@@ -819,6 +819,7 @@ fn lm_head_loss_in_chunks(
             weight,
             targets.reshape([b * t]),
             shape,
+            false,
         );
     }
     let _ = (kernels, chunk);
@@ -847,11 +848,12 @@ pub fn lm_head_token_losses(
             chunk: (LM_HEAD_CHUNK_ELEMENTS / weight.dims()[0].max(1)).max(1),
             smoothing: 0.0,
         };
-        return lm_loss::token_losses(
+        return lm_loss::lm_loss(
             x.reshape([b * t, d]),
             weight,
             targets.reshape([b * t]),
             shape,
+            true,
         )
         .reshape([b, t]);
     }
