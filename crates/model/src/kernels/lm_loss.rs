@@ -243,7 +243,7 @@ fn chunked<B: KilnLmLoss>(
     shape: LmLossShape,
     grads: bool,
 ) -> (FloatTensor<B>, Option<Pair<B>>) {
-    let (n, d) = (x.shape()[0], x.shape()[1]);
+    let n = x.shape()[0];
     let compute = shape.compute;
     let reduced = compute != FloatDType::F32;
     let low = |t: FloatTensor<B>| {
@@ -265,15 +265,8 @@ fn chunked<B: KilnLmLoss>(
     let mut loss: Option<FloatTensor<B>> = None;
     let mut dx = Vec::new();
     let mut dw: Option<FloatTensor<B>> = None;
-    let mut start = 0;
-    while start < n {
-        let rows = shape.chunk.max(1).min(n - start);
-        let range = Slice::from(start..start + rows);
-        let xc = low(B::float_slice(x.clone(), &[range, Slice::from(0..d)]));
-        let tc = B::int_reshape(
-            B::int_slice(targets.clone(), &[range]),
-            Shape::new([rows, 1]),
-        );
+    for (xc, tc) in row_chunks::<B>(&x, &targets, shape.chunk) {
+        let xc = low(xc);
         let logits = full(B::kiln_lm_product(xc.clone(), weight_t.clone()));
         let part = if grads {
             // d(mean loss)/d logits = (softmax − one-hot) / tokens. The
@@ -298,7 +291,6 @@ fn chunked<B: KilnLmLoss>(
             None => part,
             Some(total) => B::float_add(total, part),
         });
-        start += rows;
     }
     let loss = B::float_div_scalar(loss.expect("at least one token"), Scalar::from(n as f64));
     let loss = B::float_reshape(loss, Shape::new([1]));
@@ -313,6 +305,28 @@ fn chunked<B: KilnLmLoss>(
         (per_token(dx), per_token(dw.expect("at least one token")))
     });
     (loss, grads)
+}
+
+/// `x`'s rows (`[tokens, hidden]`) and `targets` (`[tokens]`, as
+/// `[rows, 1]`) in chunks of `chunk` rows, in order.
+fn row_chunks<'a, B: Backend>(
+    x: &'a FloatTensor<B>,
+    targets: &'a IntTensor<B>,
+    chunk: usize,
+) -> impl Iterator<Item = (FloatTensor<B>, IntTensor<B>)> + 'a {
+    let (n, d) = (x.shape()[0], x.shape()[1]);
+    let chunk = chunk.max(1);
+    (0..n).step_by(chunk).map(move |start| {
+        let rows = chunk.min(n - start);
+        let range = Slice::from(start..start + rows);
+        (
+            B::float_slice(x.clone(), &[range, Slice::from(0..d)]),
+            B::int_reshape(
+                B::int_slice(targets.clone(), &[range]),
+                Shape::new([rows, 1]),
+            ),
+        )
+    })
 }
 
 /// A chunk's rows in Burn's operations (the default of
@@ -394,7 +408,6 @@ fn per_token<B: KilnLmLoss>(
     targets: IntTensor<B>,
     shape: LmLossShape,
 ) -> FloatTensor<B> {
-    let (n, d) = (x.shape()[0], x.shape()[1]);
     let reduced = shape.compute != FloatDType::F32;
     let low = |t: FloatTensor<B>| {
         if reduced {
@@ -404,23 +417,15 @@ fn per_token<B: KilnLmLoss>(
         }
     };
     let weight_t = B::float_transpose(low(weight));
-    let mut parts = Vec::new();
-    let mut start = 0;
-    while start < n {
-        let rows = shape.chunk.max(1).min(n - start);
-        let range = Slice::from(start..start + rows);
-        let xc = low(B::float_slice(x.clone(), &[range, Slice::from(0..d)]));
-        let tc = B::int_reshape(
-            B::int_slice(targets.clone(), &[range]),
-            Shape::new([rows, 1]),
-        );
-        let mut logits = B::kiln_lm_product(xc, weight_t.clone());
-        if reduced {
-            logits = B::float_cast(logits, FloatDType::F32);
-        }
-        parts.push(B::kiln_lm_row_losses(logits, tc, shape));
-        start += rows;
-    }
+    let mut parts: Vec<_> = row_chunks::<B>(&x, &targets, shape.chunk)
+        .map(|(xc, tc)| {
+            let mut logits = B::kiln_lm_product(low(xc), weight_t.clone());
+            if reduced {
+                logits = B::float_cast(logits, FloatDType::F32);
+            }
+            B::kiln_lm_row_losses(logits, tc, shape)
+        })
+        .collect();
     if parts.len() == 1 {
         parts.pop().expect("one chunk")
     } else {
