@@ -372,11 +372,14 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
 /// [`check_config`]. A pure function of the config and the run's schedule.
 pub fn check_schedule(c: &RunConfig, schedule: &Schedule) -> Vec<Finding> {
     let total_steps = schedule.total_steps as usize;
-    // The sentence-pair classifier also evaluates at each epoch's end.
+    // The sentence-pair classifier also evaluates at each epoch's end, so
+    // its interval matters only in a run of one epoch or less.
     let epoch_ends = c.workload == Workload::Nli && schedule.epochs() > 1.0;
-    // (value, key, severity, what follows, the fix as a fraction of the run).
+    // (whether it applies, value, key, severity, what follows, the fix as
+    // a fraction of the run).
     let cadences = [
         (
+            !epoch_ends,
             c.eval.eval_steps,
             "eval.eval_steps",
             Severity::Warning,
@@ -384,6 +387,7 @@ pub fn check_schedule(c: &RunConfig, schedule: &Schedule) -> Vec<Finding> {
             4,
         ),
         (
+            true,
             c.logging.logging_steps,
             "logging.logging_steps",
             Severity::Note,
@@ -391,6 +395,7 @@ pub fn check_schedule(c: &RunConfig, schedule: &Schedule) -> Vec<Finding> {
             20,
         ),
         (
+            true,
             c.checkpoint.every_steps,
             "checkpoint.every_steps",
             Severity::Note,
@@ -399,8 +404,8 @@ pub fn check_schedule(c: &RunConfig, schedule: &Schedule) -> Vec<Finding> {
         ),
     ];
     let mut out = Vec::new();
-    for (value, key, severity, consequence, part) in cadences {
-        if value > total_steps && !(key == "eval.eval_steps" && epoch_ends) {
+    for (applies, value, key, severity, consequence, part) in cadences {
+        if applies && value > total_steps {
             out.push(Finding {
                 severity,
                 key: key.to_string(),
