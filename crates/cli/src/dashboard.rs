@@ -221,7 +221,8 @@ impl Observer for Dashboard {
                 ));
             }
             Event::EarlyStopped { step, evaluations } => self.after.push(format!(
-                "kiln: early stop at step {step}: no better score in {evaluations} evaluations"
+                "kiln: early stop at step {step}: no better score in {}",
+                kiln_train::counted(*evaluations, "evaluation")
             )),
             Event::Note(note) => self.after.push(format!("kiln: {note}")),
             Event::FoldDone(result) => self.after.extend(progress::fold_lines(result)),

@@ -288,7 +288,8 @@ impl Observer for Printer {
                 self.line(&format!("kiln: {text}"));
             }
             Event::EarlyStopped { step, evaluations } => self.line(&format!(
-                "kiln: early stop at step {step}: no better score in {evaluations} evaluations"
+                "kiln: early stop at step {step}: no better score in {}",
+                kiln_train::counted(*evaluations, "evaluation")
             )),
             Event::Checkpoint { step, path } => {
                 self.line(&format!("checkpoint {step}: {}", path.display()));

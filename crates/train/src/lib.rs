@@ -91,7 +91,7 @@ pub use records::{
     ClassMetrics, CvSummary, EvalMetrics, EvalRecord, FoldResult, Record, Scores, Skipped,
     StepMetrics,
 };
-pub use report::{Event, Observer, Silent, Summary, median};
+pub use report::{Event, Observer, Silent, Summary, counted, median};
 pub use run::{ResumeRequest, resume, resume_with, train, train_cv};
 pub use rundir::{RunDir, RunLock, utc_stamp, write_atomic};
 pub use setup::{measured_cpu_peak, open_device};

@@ -196,8 +196,8 @@ pub(crate) fn prepare_cached(
     let out = Path::new(&config.data.cache_dir).join(format!("store-{}", &sha256_hex(&key)[..16]));
     let total: u64 = inputs.iter().map(|f| f.bytes).sum();
     observer.event(&Event::Note(format!(
-        "data.path names documents ({} files, {:.1} MiB): preparing them into the token store `{}` (once; `kiln prepare` does this ahead)",
-        inputs.len(),
+        "data.path names documents ({}, {:.1} MiB): preparing them into the token store `{}` (once; `kiln prepare` does this ahead)",
+        crate::counted(inputs.len(), "file"),
         total as f64 / f64::from(1u32 << 20),
         out.display()
     )));

@@ -155,7 +155,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         let m = &config.model;
         writeln!(
             out,
-            "machine: {} ({}, {} cores{}); experiment `{}`: {} layers × {} wide, {} heads, max_length {}, batch {} (hardware preset `{}`)",
+            "machine: {} ({}, {} cores{}); experiment `{}`: {} × {} wide, {}, max_length {}, batch {} (hardware preset `{}`)",
             report.machine_id(),
             report.cpu.model,
             report.cpu.logical_cores,
@@ -165,9 +165,9 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
                 .map(|g| format!(", {}", g.name))
                 .collect::<String>(),
             config.experiment,
-            m.layers,
+            kiln_train::counted(m.layers, "layer"),
             m.hidden,
-            m.heads,
+            kiln_train::counted(m.heads, "head"),
             m.max_length,
             batch_text(
                 config.training.batch_size,

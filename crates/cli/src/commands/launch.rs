@@ -131,8 +131,8 @@ pub(crate) fn run(
     }
     let host = kiln_dist::hostname();
     eprintln!(
-        "kiln launch: {} ranks — {nproc} on {host} (node {} of {}), rendezvous at {}:{}",
-        spec.world_size(),
+        "kiln launch: {} — {nproc} on {host} (node {} of {}), rendezvous at {}:{}",
+        kiln_train::counted(spec.world_size(), "rank"),
         spec.node_rank,
         spec.nnodes,
         spec.master_addr,

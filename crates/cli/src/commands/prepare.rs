@@ -56,8 +56,8 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         let mb = m.text_bytes as f64 / 1e6;
         writeln!(
             stdout,
-            "prepared {} documents ({mb:.1} MB of text) in {:.1} s ({:.1} MB/s)",
-            m.documents,
+            "prepared {} ({mb:.1} MB of text) in {:.1} s ({:.1} MB/s)",
+            kiln_train::counted(m.documents, "document"),
             outcome.seconds,
             mb / outcome.seconds.max(1e-9)
         )?;

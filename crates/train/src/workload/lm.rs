@@ -733,9 +733,9 @@ impl Session {
                 p.tokenizer.vocab_size()
             ),
             format!(
-                "model: GPT, {} layers × {} heads × {} wide, block {}, {:.2} M parameters, {:.2} M FLOPs per token",
-                gpt.layers,
-                gpt.heads,
+                "model: GPT, {} × {} × {} wide, block {}, {:.2} M parameters, {:.2} M FLOPs per token",
+                crate::counted(gpt.layers, "layer"),
+                crate::counted(gpt.heads, "head"),
                 gpt.hidden,
                 gpt.block_size,
                 gpt.num_params() as f64 / 1e6,

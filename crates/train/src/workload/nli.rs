@@ -609,9 +609,9 @@ fn train_fold(
             }
         ),
         format!(
-            "model: encoder, {} layers × {} heads × {} wide, max length {}, {:.2} M parameters{}",
-            encoder.layers,
-            encoder.heads,
+            "model: encoder, {} × {} × {} wide, max length {}, {:.2} M parameters{}",
+            crate::counted(encoder.layers, "layer"),
+            crate::counted(encoder.heads, "head"),
             encoder.hidden,
             config.model.max_length,
             encoder.num_params() as f64 / 1e6,
