@@ -53,6 +53,9 @@ pub struct ExplainRow {
     pub value: String,
     /// Where it was set.
     pub source: Source,
+    /// Why a run of this configuration does not read the key, if it does
+    /// not ([`RunConfig::unused_keys`]).
+    pub unused: Option<String>,
 }
 
 impl ResolvedConfig {
@@ -67,6 +70,7 @@ impl ResolvedConfig {
         let Ok(value) = toml::Value::try_from(&self.config) else {
             return Vec::new();
         };
+        let unused = self.config.unused_keys();
         let mut rows = Vec::new();
         flatten(&value, "", &mut |key, v| {
             if let Some(source) = self.sources.get(key) {
@@ -74,6 +78,10 @@ impl ResolvedConfig {
                     key: key.to_string(),
                     value: v.to_string(),
                     source: source.clone(),
+                    unused: unused
+                        .iter()
+                        .find(|(k, _)| *k == key)
+                        .map(|(_, why)| why.clone()),
                 });
             }
         });

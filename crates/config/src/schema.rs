@@ -957,6 +957,106 @@ impl RunConfig {
     pub fn effective_batch(&self) -> usize {
         self.training.batch_size * self.training.gradient_accumulation_steps
     }
+
+    /// The keys this configuration sets but a run of it does not read, each
+    /// with the key that makes it so: `training.warmup_steps` beside a
+    /// `training.warmup_ratio`, `training.epochs` beside a `max_steps`,
+    /// the other workload's sections. `kiln config --explain` marks them.
+    ///
+    /// ```
+    /// let mut config = kiln_config::RunConfig::default();
+    /// config.training.warmup_ratio = 0.1;
+    /// let unused = config.unused_keys();
+    /// assert!(unused.iter().any(|(key, _)| *key == "training.warmup_steps"));
+    /// ```
+    pub fn unused_keys(&self) -> Vec<(&'static str, String)> {
+        let mut out: Vec<(&'static str, String)> = Vec::new();
+        let mut unused = |keys: &[&'static str], why: String| {
+            out.extend(keys.iter().map(|key| (*key, why.clone())));
+        };
+        let t = &self.training;
+        if t.warmup_ratio > 0.0 {
+            unused(
+                &["training.warmup_steps"],
+                format!("training.warmup_ratio {} sets the warm-up", t.warmup_ratio),
+            );
+        }
+        if t.max_steps > 0 {
+            unused(
+                &["training.epochs"],
+                format!("training.max_steps {} sets the run's length", t.max_steps),
+            );
+        }
+        match t.lr_schedule {
+            LrSchedule::Constant => unused(
+                &["training.min_lr", "training.decay_fraction"],
+                "training.lr_schedule \"constant\" holds learning_rate".into(),
+            ),
+            LrSchedule::Wsd => {}
+            LrSchedule::Cosine | LrSchedule::Linear => unused(
+                &["training.decay_fraction"],
+                "only training.lr_schedule \"wsd\" reads it".into(),
+            ),
+        }
+        let d = &self.data;
+        let lm = self.workload == Workload::Lm;
+        if d.tokenizer_file.is_some() {
+            unused(
+                &["data.vocab_size"],
+                "data.tokenizer_file is loaded, not trained".into(),
+            );
+        } else if lm && matches!(d.tokenizer, TokenizerKind::Char | TokenizerKind::Gpt2) {
+            unused(
+                &["data.vocab_size"],
+                format!(
+                    "data.tokenizer \"{}\" has no size to choose",
+                    match d.tokenizer {
+                        TokenizerKind::Char => "char",
+                        _ => "gpt2",
+                    }
+                ),
+            );
+        } else if !lm && self.model.init_from.is_some() {
+            unused(
+                &["data.vocab_size"],
+                "model.init_from's tokenizer is used".into(),
+            );
+        }
+        if !lm && d.tokenizer != TokenizerKind::Wordpiece {
+            unused(
+                &["data.tokenizer"],
+                "the sentence-pair encoder trains a WordPiece (or loads model.init_from's or data.tokenizer_file)".into(),
+            );
+        }
+        if !self.precision.amp {
+            unused(
+                &[
+                    "precision.amp_dtype",
+                    "precision.loss_scale_init",
+                    "precision.loss_scale_growth_interval",
+                ],
+                "precision.amp is off".into(),
+            );
+        }
+        if lm {
+            unused(
+                &["cv.folds", "cv.patience"],
+                "a language model is not cross-validated (workload = \"lm\")".into(),
+            );
+        } else {
+            unused(
+                &[
+                    "sample.count",
+                    "sample.tokens",
+                    "sample.temperature",
+                    "sample.top_k",
+                    "sample.top_p",
+                ],
+                "only a language model samples text (workload = \"nli\")".into(),
+            );
+        }
+        out
+    }
 }
 
 /// `Option` keys in TOML, which has no null: `None` is written `"none"`.

@@ -248,6 +248,69 @@ fn every_value_has_a_source() {
     );
 }
 
+/// `--explain` marks what a run would not read, with the key that makes it
+/// so, and nothing it reads.
+#[test]
+fn explain_marks_the_keys_a_run_does_not_read() {
+    let unused = |args: &[&str]| -> Vec<(String, String)> {
+        let r = Case::new(args).ok();
+        let rows = r.explain();
+        rows.into_iter()
+            .filter_map(|row| Some((row.key, row.unused?)))
+            .collect()
+    };
+    let keys = |rows: &[(String, String)]| -> Vec<String> {
+        let mut keys: Vec<String> = rows.iter().map(|(k, _)| k.clone()).collect();
+        keys.sort();
+        keys
+    };
+    // The default run: a character-level LM by steps on the cosine, in f32.
+    let plain = unused(&[]);
+    assert_eq!(
+        keys(&plain),
+        [
+            "cv.folds",
+            "cv.patience",
+            "data.vocab_size",
+            "precision.amp_dtype",
+            "precision.loss_scale_growth_interval",
+            "precision.loss_scale_init",
+            "training.decay_fraction",
+            "training.epochs",
+        ]
+    );
+    let why = |rows: &[(String, String)], key: &str| {
+        rows.iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, why)| why.clone())
+            .unwrap_or_default()
+    };
+    assert!(why(&plain, "training.epochs").contains("training.max_steps "));
+    assert!(why(&plain, "data.vocab_size").contains("\"char\""));
+    // Each setting that reads a key takes it off the list.
+    let wsd = unused(&[
+        "training.lr_schedule=wsd",
+        "training.max_steps=0",
+        "data.tokenizer=bpe",
+        "precision.amp=true",
+    ]);
+    assert_eq!(keys(&wsd), ["cv.folds", "cv.patience"]);
+    // BERT fine-tuned by epochs with a warm-up ratio: its fixed warm-up,
+    // the tokenizer keys and the sampling are not read.
+    let bert = unused(&["experiment=bert_finetune"]);
+    assert!(
+        why(&bert, "training.warmup_steps").contains("training.warmup_ratio 0.1"),
+        "{bert:?}"
+    );
+    assert!(why(&bert, "data.vocab_size").contains("model.init_from"));
+    for key in ["data.tokenizer", "sample.top_k", "training.decay_fraction"] {
+        assert!(!why(&bert, key).is_empty(), "{key}: {bert:?}");
+    }
+    for key in ["training.epochs", "cv.folds", "training.min_lr"] {
+        assert!(why(&bert, key).is_empty(), "{key}: {bert:?}");
+    }
+}
+
 #[test]
 fn bad_values_name_key_value_and_layer() {
     /// (overrides, environment, what the error must say)

@@ -47,7 +47,11 @@ pub(crate) fn explain_text(resolved: &ResolvedConfig) -> String {
     let mut text = String::new();
     for row in rows {
         let lhs = format!("{} = {}", row.key, row.value);
-        text.push_str(&format!("{lhs:<width$}  # {}\n", row.source));
+        let unused = row
+            .unused
+            .map(|why| format!("; unused: {why}"))
+            .unwrap_or_default();
+        text.push_str(&format!("{lhs:<width$}  # {}{unused}\n", row.source));
     }
     text
 }
