@@ -15,8 +15,8 @@ use super::norm::{SLOTS, sum_of_squares, sum_of_squares_value};
 use super::optim::{AdamWParam, AdamWStep, adamw_many};
 use super::{
     AttentionKernel, Kernels, LAYER_NORM_EPSILON, add_bias, gelu, layer_norm,
-    lm_head_loss_fused_here, lm_head_loss_in_chunks, memory_efficient_attention_runs,
-    self_attention, token_embeddings,
+    lm_head_loss_fused_here, lm_head_loss_in_chunks, lm_head_token_losses_in_chunks,
+    memory_efficient_attention_runs, self_attention, token_embeddings,
 };
 
 /// One fused kernel compared with the composition it replaces, on one
@@ -976,22 +976,27 @@ pub fn check_lm_head_loss(device: &burn::tensor::Device) -> KernelCheck {
     let max_abs = |a: Tensor<1>, b: Tensor<1>| f64::from((a - b).abs().max().into_scalar::<f32>());
     // Each token's loss (scoring a text): the fused rows against the
     // composition's log-softmax.
-    let per_token = |kernels| {
+    // The fused version in one chunk and in ragged chunks of 64 rows (64,
+    // 64, 22).
+    let per_token = |kernels, chunk| {
         let head = super::LmHead {
             vocab,
             compute: crate::ComputeDtype::F32,
             smoothing: 0.0,
         };
-        super::lm_head_token_losses(
+        lm_head_token_losses_in_chunks(
             x.clone().inner(),
             weight.clone().inner(),
             targets.clone().inner(),
             head,
             kernels,
+            chunk,
         )
         .reshape([-1])
     };
-    let mut worst = max_abs(per_token(Kernels::Fused), per_token(Kernels::Reference));
+    let reference = per_token(Kernels::Reference, None);
+    let mut worst = max_abs(per_token(Kernels::Fused, None), reference.clone())
+        .max(max_abs(per_token(Kernels::Fused, Some(64)), reference));
     for smoothing in [0.0, 0.1] {
         worst = worst.max(max_abs(
             untracked(Kernels::Fused, smoothing),
@@ -1015,7 +1020,7 @@ pub fn check_lm_head_loss(device: &burn::tensor::Device) -> KernelCheck {
     let (kernel, tolerance) = f32_check(
         &device,
         format!(
-            "lm head and loss ({} × {d}, vocabulary {vocab} as {padded}, label smoothing 0 and 0.1, with and without autodiff, and each token's)",
+            "lm head and loss ({} × {d}, vocabulary {vocab} as {padded}, label smoothing 0 and 0.1, with and without autodiff, and each token's, in chunks of 64 rows and in one)",
             b * t
         ),
         LM_HEAD_LOSS_TOLERANCE,

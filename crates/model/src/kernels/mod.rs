@@ -839,13 +839,26 @@ pub fn lm_head_token_losses(
     head: LmHead,
     kernels: Kernels,
 ) -> Tensor<2> {
+    lm_head_token_losses_in_chunks(x, weight, targets, head, kernels, None)
+}
+
+/// [`lm_head_token_losses`] with the fused version's rows per chunk chosen
+/// (`None`: [`LM_HEAD_CHUNK_ELEMENTS`] logits a chunk).
+fn lm_head_token_losses_in_chunks(
+    x: Tensor<3>,
+    weight: Tensor<2>,
+    targets: Tensor<2, Int>,
+    head: LmHead,
+    kernels: Kernels,
+    chunk: Option<usize>,
+) -> Tensor<2> {
     let [b, t, d] = x.dims();
     #[cfg(any(feature = "flex", feature = "cube"))]
     if kernels == Kernels::Fused && lm_head_loss_fused_here(&x) {
         let shape = lm_loss::LmLossShape {
             vocab: head.vocab,
             compute: head.compute.float_dtype(),
-            chunk: (LM_HEAD_CHUNK_ELEMENTS / weight.dims()[0].max(1)).max(1),
+            chunk: chunk.unwrap_or((LM_HEAD_CHUNK_ELEMENTS / weight.dims()[0].max(1)).max(1)),
             smoothing: 0.0,
         };
         return lm_loss::lm_loss(
@@ -857,7 +870,7 @@ pub fn lm_head_token_losses(
         )
         .reshape([b, t]);
     }
-    let _ = kernels;
+    let _ = (kernels, chunk);
     let logits = crate::precision::matmul(x.reshape([b * t, d]), weight.transpose(), head.compute);
     let logits = mask_padding(logits.reshape([b as i64, t as i64, -1]), head.vocab);
     activation::log_softmax(logits, 2)
