@@ -91,7 +91,18 @@ fn cv_runs_folds_prints_the_table_and_predicts() {
         "majority baseline",
         "  mean | ",
         " ± ",
+        "kiln: model: encoder, 1 layer × 2 heads × 16 wide",
+        "setup lines as above, not repeated",
     ]);
+    // The setup every fold shares is printed once, at the first fold.
+    for line in ["kiln: backend:", "kiln: model:", "kiln: loader:"] {
+        assert_eq!(
+            run.stdout.matches(line).count(),
+            1,
+            "{line}\n{}",
+            run.stdout
+        );
+    }
     let dir = tmp.path().join("cv");
     for f in [
         "cv_summary.json",

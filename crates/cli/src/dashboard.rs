@@ -161,7 +161,7 @@ impl Observer for Dashboard {
                 // The setup lines stay on the terminal's main screen, above
                 // where the dashboard's alternate screen opens.
                 // A later fold's are printed after it closes.
-                let lines = lines.iter().map(|l| format!("kiln: {l}"));
+                let lines = self.printer.start_lines(lines, *fold).into_iter();
                 if self.tui.is_none() {
                     lines.for_each(|l| println!("{l}"));
                 } else {

@@ -12,6 +12,8 @@ use kiln_train::{
 pub(crate) struct Printer {
     bar: Option<ProgressBar>,
     total: u64,
+    /// The setup lines an earlier fold's start printed.
+    shown: Vec<String>,
 }
 
 impl Printer {
@@ -19,7 +21,36 @@ impl Printer {
         Self {
             bar: None,
             total: 0,
+            shown: Vec::new(),
         }
+    }
+
+    /// The setup lines of a start to print, each as `kiln: …`: all of them
+    /// for a run or the first fold; for a later fold of a cross-validation,
+    /// those an earlier fold did not print (its size, vocabulary, steps),
+    /// the rest (model, device, loader) counted in one line.
+    pub(crate) fn start_lines(
+        &mut self,
+        lines: &[String],
+        fold: Option<(usize, usize)>,
+    ) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut same = 0;
+        for l in lines {
+            if fold.is_some() && self.shown.contains(l) {
+                same += 1;
+            } else {
+                out.push(format!("kiln: {l}"));
+                self.shown.push(l.clone());
+            }
+        }
+        if same > 0 {
+            out.push(format!(
+                "kiln: {} as above, not repeated",
+                kiln_train::counted(same, "setup line")
+            ));
+        }
+        out
     }
 
     /// Result lines, printed to stdout as they are, after the bar.
@@ -239,12 +270,12 @@ impl Observer for Printer {
                 lines,
                 first_step,
                 total_steps,
-                ..
+                fold,
             } => {
                 self.finish_prepare();
                 self.total = *total_steps;
-                for l in lines {
-                    self.line(&format!("kiln: {l}"));
+                for l in self.start_lines(lines, *fold) {
+                    self.line(&l);
                 }
                 if std::io::stderr().is_terminal() {
                     let bar = ProgressBar::new(*total_steps);
