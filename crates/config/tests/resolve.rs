@@ -193,11 +193,11 @@ fn workload_sections_of_hardware_presets_apply_to_their_workload_only() {
     let lm = Case::new(&["hardware=cpu"]).ok();
     check(&lm, "training.batch_size", "12", "cpu.toml");
     let nli = Case::new(&["hardware=cpu", "experiment=nli_snli"]).ok();
-    check(&nli, "training.batch_size", "2", "[nli] section");
+    check(&nli, "training.batch_size", "8", "[nli] section");
     check(
         &nli,
         "training.gradient_accumulation_steps",
-        "8",
+        "2",
         "[nli] section",
     );
     assert_eq!(nli.config.effective_batch(), 16);
