@@ -560,7 +560,7 @@ fn one_rank_trains_in_place_and_planning_knows_the_world() {
     args.extend(tiny(dir, "alone", 20));
     run(&args)
         .expect_code(0)
-        .stderr_has(&["1 rank(s) on this machine — no GPU"]);
+        .stderr_has(&["1 rank on this machine — no GPU"]);
     assert!(ckpt(&dir.join("alone"), 20).exists());
     // check-hardware says how many ranks train-auto starts: four GPUs of
     // one kind, but this test build has no GPU backend.

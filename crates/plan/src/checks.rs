@@ -112,7 +112,8 @@ pub fn loader_verdict(data_wait_pct: f64, workers: usize, cores: usize) -> Strin
         }
     } else {
         format!(
-            "not data-bound: the step waited for data {data_wait_pct:.2} % of the time with {workers} loader worker(s)"
+            "not data-bound: the step waited for data {data_wait_pct:.2} % of the time with {}",
+            crate::counted(workers, "loader worker")
         )
     }
 }

@@ -60,6 +60,21 @@ pub fn run_gpu<'a>(config: &RunConfig, hardware: &'a HardwareReport) -> Option<&
         .or(gpus.first())
 }
 
+/// `n` and its noun, singular for one: `counted(1, "layer")` is "1 layer",
+/// `counted(4, "layer")` "4 layers" (the nouns kiln counts take an "s").
+///
+/// ```
+/// assert_eq!(kiln_plan::counted(1, "head"), "1 head");
+/// assert_eq!(kiln_plan::counted(12, "head"), "12 heads");
+/// ```
+pub fn counted<N: std::fmt::Display + PartialEq + From<u8>>(n: N, noun: &str) -> String {
+    if n == N::from(1) {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use kiln_config::{RunConfig, TrainingSection};

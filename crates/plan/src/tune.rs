@@ -376,8 +376,10 @@ pub fn tune<P: Probe>(space: &TuneSpace, probe: &mut P) -> Result<TuneResult, No
     };
     if m.data_wait_pct <= 2.0 {
         let why = format!(
-            "data-wait {:.2} % at the chosen batch: not data-bound, loader kept at {} worker(s), prefetch {}",
-            m.data_wait_pct, chosen.num_workers, chosen.prefetch_factor
+            "data-wait {:.2} % at the chosen batch: not data-bound, loader kept at {}, prefetch {}",
+            m.data_wait_pct,
+            crate::counted(chosen.num_workers, "worker"),
+            chosen.prefetch_factor
         );
         return s.finish(Some((chosen, m)), why);
     }
@@ -497,7 +499,7 @@ pub fn tuned_block(
         "# == {experiment} ==\n\
          # {header}\n\
          [{experiment}.training]\n\
-         # The smallest micro-batch within 3 % of the fastest: {:.1} samples/s. Measured at {} worker(s), prefetch {}:{climb}\n\
+         # The smallest micro-batch within 3 % of the fastest: {:.1} samples/s. Measured at {}, prefetch {}:{climb}\n\
          batch_size = {}\n\
          # {} / {} = {}: the experiment's effective batch of {} is kept.\n\
          gradient_accumulation_steps = {}\n\
@@ -507,7 +509,7 @@ pub fn tuned_block(
          num_workers = {}\n\
          prefetch_factor = {}\n",
         m.samples_per_s,
-        space.workers[0],
+        crate::counted(space.workers[0], "worker"),
         space.prefetch[0],
         c.micro_batch,
         space.effective_batch,

@@ -78,6 +78,7 @@ pub use export::{Exported, export_hf};
 pub use generate::{SampleRequest, Samples, sample};
 pub use kernel_profile::{KernelProfile, KernelRow};
 pub use kiln_data::{PrepareOutcome, PrepareProgress};
+pub use kiln_plan::counted;
 pub use lr_find::{LrFind, LrFindOptions, LrPoint, lr_find, write_lr_plot};
 pub use memory::MemoryTracker;
 pub use optim::AdamW;
@@ -91,7 +92,7 @@ pub use records::{
     ClassMetrics, CvSummary, EvalMetrics, EvalRecord, FoldResult, Record, Scores, Skipped,
     StepMetrics,
 };
-pub use report::{Event, Observer, Silent, Summary, counted, median};
+pub use report::{Event, Observer, Silent, Summary, median};
 pub use run::{ResumeRequest, resume, resume_with, train, train_cv};
 pub use rundir::{RunDir, RunLock, utc_stamp, write_atomic};
 pub use setup::{measured_cpu_peak, open_device};

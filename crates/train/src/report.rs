@@ -142,21 +142,6 @@ pub fn median(values: &mut [f64]) -> f64 {
     }
 }
 
-/// `n` and its noun, singular for one: `counted(1, "layer")` is "1 layer",
-/// `counted(4, "layer")` "4 layers" (the nouns kiln counts take an "s").
-///
-/// ```
-/// assert_eq!(kiln_train::counted(1, "head"), "1 head");
-/// assert_eq!(kiln_train::counted(12, "head"), "12 heads");
-/// ```
-pub fn counted<N: std::fmt::Display + PartialEq + From<u8>>(n: N, noun: &str) -> String {
-    if n == N::from(1) {
-        format!("1 {noun}")
-    } else {
-        format!("{n} {noun}s")
-    }
-}
-
 /// The verdict on what held the run back. `memory_total` is what
 /// `peak_memory` is measured against: the GPU's memory where the peak is
 /// its allocator's (`on_gpu`), else the machine's RAM.

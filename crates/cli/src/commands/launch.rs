@@ -92,7 +92,8 @@ pub(crate) fn run(
     let nproc = args.nproc_per_node.unwrap_or(planned.count);
     if args.nproc_per_node.is_none() {
         eprintln!(
-            "kiln launch: {nproc} rank(s) on this machine — {}",
+            "kiln launch: {} on this machine — {}",
+            kiln_train::counted(nproc, "rank"),
             planned.why
         );
     }
@@ -306,7 +307,8 @@ impl Restart {
         }
         if done >= max {
             return Err(format!(
-                "the job restarted {max} time(s) already (--max-restarts {max})"
+                "the job restarted {} already (--max-restarts {max})",
+                kiln_train::counted(max, "time")
             ));
         }
         let checkpoints = self.run.join("checkpoints");

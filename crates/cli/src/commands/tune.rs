@@ -400,8 +400,11 @@ fn compare_with_sweep(
 fn comparison_text(space: &TuneSpace, c: &Comparison) -> String {
     let show = |c: &Candidate| {
         format!(
-            "batch {} × accumulation {}, {} worker(s), prefetch {}",
-            c.micro_batch, c.accumulation, c.num_workers, c.prefetch_factor
+            "batch {} × accumulation {}, {}, prefetch {}",
+            c.micro_batch,
+            c.accumulation,
+            kiln_train::counted(c.num_workers, "worker"),
+            c.prefetch_factor
         )
     };
     let list = |v: &[f64]| {
