@@ -15,8 +15,8 @@ use super::norm::{SLOTS, sum_of_squares, sum_of_squares_value};
 use super::optim::{AdamWParam, AdamWStep, adamw_many};
 use super::{
     AttentionKernel, Kernels, LAYER_NORM_EPSILON, add_bias, gelu, layer_norm,
-    lm_head_loss_fused_here, lm_head_loss_in_chunks, lm_head_token_losses_in_chunks,
-    memory_efficient_attention_runs, self_attention, token_embeddings,
+    lm_head_loss_fused_here, lm_head_losses, memory_efficient_attention_runs, self_attention,
+    token_embeddings,
 };
 
 /// One fused kernel compared with the composition it replaces, on one
@@ -942,13 +942,14 @@ pub fn check_lm_head_loss(device: &burn::tensor::Device) -> KernelCheck {
             compute: crate::ComputeDtype::F32,
             smoothing,
         };
-        let loss = lm_head_loss_in_chunks(
+        let loss = lm_head_losses(
             x.clone(),
             weight.clone(),
             targets.clone(),
             head,
             kernels,
             Some(64),
+            false,
         );
         // An upstream gradient of the token count: the gradients are each
         // token's own (about 1), not a mean's (1/150 of that).
@@ -964,13 +965,14 @@ pub fn check_lm_head_loss(device: &burn::tensor::Device) -> KernelCheck {
             compute: crate::ComputeDtype::F32,
             smoothing,
         };
-        lm_head_loss_in_chunks(
+        lm_head_losses(
             x.clone().inner(),
             weight.clone().inner(),
             targets.clone().inner(),
             head,
             kernels,
             Some(64),
+            false,
         )
     };
     let max_abs = |a: Tensor<1>, b: Tensor<1>| f64::from((a - b).abs().max().into_scalar::<f32>());
@@ -984,15 +986,15 @@ pub fn check_lm_head_loss(device: &burn::tensor::Device) -> KernelCheck {
             compute: crate::ComputeDtype::F32,
             smoothing: 0.0,
         };
-        lm_head_token_losses_in_chunks(
+        lm_head_losses(
             x.clone().inner(),
             weight.clone().inner(),
             targets.clone().inner(),
             head,
             kernels,
             chunk,
+            true,
         )
-        .reshape([-1])
     };
     let reference = per_token(Kernels::Reference, None);
     let mut worst = max_abs(per_token(Kernels::Fused, None), reference.clone())

@@ -775,7 +775,7 @@ pub fn lm_head_loss(
     head: LmHead,
     kernels: Kernels,
 ) -> Tensor<1> {
-    lm_head_loss_in_chunks(x, weight, targets, head, kernels, None)
+    lm_head_losses(x, weight, targets, head, kernels, None, false)
 }
 
 /// What [`lm_head_loss`] needs besides its tensors.
@@ -789,29 +789,32 @@ pub struct LmHead {
     pub smoothing: f64,
 }
 
-/// [`lm_head_loss`] with the fused version's rows per chunk chosen
-/// (`None`: [`LM_HEAD_CHUNK_ELEMENTS`] logits a chunk).
-fn lm_head_loss_in_chunks(
+/// [`lm_head_loss`] (the mean, `[1]`) or with `each_token` each token's
+/// loss (`[batch × time]`, `head.smoothing` ignored), the fused version's
+/// rows per chunk chosen (`None`: [`LM_HEAD_CHUNK_ELEMENTS`] logits a
+/// chunk).
+fn lm_head_losses(
     x: Tensor<3>,
     weight: Tensor<2>,
     targets: Tensor<2, Int>,
     head: LmHead,
     kernels: Kernels,
     chunk: Option<usize>,
+    each_token: bool,
 ) -> Tensor<1> {
     let LmHead {
         vocab,
         compute,
         smoothing,
     } = head;
+    let smoothing = if each_token { 0.0 } else { smoothing };
+    let [b, t, d] = x.dims();
     #[cfg(any(feature = "flex", feature = "cube"))]
     if kernels == Kernels::Fused && lm_head_loss_fused_here(&x) {
-        let [b, t, d] = x.dims();
-        let chunk = chunk.unwrap_or((LM_HEAD_CHUNK_ELEMENTS / weight.dims()[0].max(1)).max(1));
         let shape = lm_loss::LmLossShape {
             vocab,
             compute: compute.float_dtype(),
-            chunk,
+            chunk: chunk.unwrap_or((LM_HEAD_CHUNK_ELEMENTS / weight.dims()[0].max(1)).max(1)),
             smoothing,
         };
         return lm_loss::lm_loss(
@@ -819,12 +822,20 @@ fn lm_head_loss_in_chunks(
             weight,
             targets.reshape([b * t]),
             shape,
-            false,
+            each_token,
         );
     }
     let _ = (kernels, chunk);
-    let logits = crate::precision::matmul(x, weight.transpose().unsqueeze::<3>(), compute);
-    crate::gpt::smoothed_cross_entropy(mask_padding(logits, vocab), targets, vocab, smoothing)
+    let logits = crate::precision::matmul(x.reshape([b * t, d]), weight.transpose(), compute);
+    let logits = mask_padding(logits.reshape([b as i64, t as i64, -1]), vocab);
+    if each_token {
+        activation::log_softmax(logits, 2)
+            .gather(2, targets.reshape([b, t, 1]))
+            .reshape([b * t])
+            .neg()
+    } else {
+        crate::gpt::smoothed_cross_entropy(logits, targets, vocab, smoothing)
+    }
 }
 
 /// Each token's cross-entropy `[batch, time]` (f32) of the logits `x ·
@@ -839,44 +850,8 @@ pub fn lm_head_token_losses(
     head: LmHead,
     kernels: Kernels,
 ) -> Tensor<2> {
-    lm_head_token_losses_in_chunks(x, weight, targets, head, kernels, None)
-}
-
-/// [`lm_head_token_losses`] with the fused version's rows per chunk chosen
-/// (`None`: [`LM_HEAD_CHUNK_ELEMENTS`] logits a chunk).
-fn lm_head_token_losses_in_chunks(
-    x: Tensor<3>,
-    weight: Tensor<2>,
-    targets: Tensor<2, Int>,
-    head: LmHead,
-    kernels: Kernels,
-    chunk: Option<usize>,
-) -> Tensor<2> {
-    let [b, t, d] = x.dims();
-    #[cfg(any(feature = "flex", feature = "cube"))]
-    if kernels == Kernels::Fused && lm_head_loss_fused_here(&x) {
-        let shape = lm_loss::LmLossShape {
-            vocab: head.vocab,
-            compute: head.compute.float_dtype(),
-            chunk: chunk.unwrap_or((LM_HEAD_CHUNK_ELEMENTS / weight.dims()[0].max(1)).max(1)),
-            smoothing: 0.0,
-        };
-        return lm_loss::lm_loss(
-            x.reshape([b * t, d]),
-            weight,
-            targets.reshape([b * t]),
-            shape,
-            true,
-        )
-        .reshape([b, t]);
-    }
-    let _ = (kernels, chunk);
-    let logits = crate::precision::matmul(x.reshape([b * t, d]), weight.transpose(), head.compute);
-    let logits = mask_padding(logits.reshape([b as i64, t as i64, -1]), head.vocab);
-    activation::log_softmax(logits, 2)
-        .gather(2, targets.reshape([b, t, 1]))
-        .reshape([b, t])
-        .neg()
+    let [b, t, _] = x.dims();
+    lm_head_losses(x, weight, targets, head, kernels, None, true).reshape([b, t])
 }
 
 /// Whether [`lm_head_loss`] runs the fused version for `x`: flex, or a
