@@ -1601,6 +1601,9 @@ fn lr_find_runs_the_range_test_and_suggests_a_rate_it_tried() {
     }
     let suggestion = found["suggestion"].as_f64().expect("a suggestion");
     assert!(lrs.contains(&suggestion));
+    // Looked for before the lowest smoothed loss, which is past the start.
+    assert_eq!(found["fell"], true);
+    assert!(suggestion <= found["min_loss_lr"].as_f64().expect("min_loss_lr"));
     // The loss falls somewhere in the range: the tiny model learns.
     let smoothed: Vec<f64> = points
         .iter()

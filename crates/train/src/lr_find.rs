@@ -7,9 +7,12 @@
 //! loss falls fastest against the logarithm of the rate (the steepest
 //! negative gradient, the first 10 points and the last left out): Lightning
 //! 1.x's rule (NumPy's gradient over the geometric steps) and fastai's
-//! `steep`. Lightning 2.6 takes the gradient against the rate itself,
-//! which divides the flat start's noise by its tiny steps (on the tests'
-//! model it suggested 1.1e-7); see docs/TRAINING.md.
+//! `steep`, searched up to the lowest smoothed loss (as fastai's `valley`
+//! does): a fall after it is noise on the way to divergence, and a loss
+//! that never fell below its start gives no suggestion. Lightning 2.6
+//! takes the gradient against the rate itself, which divides the flat
+//! start's noise by its tiny steps (on the tests' model it suggested
+//! 1.1e-7); see docs/TRAINING.md.
 
 use std::path::Path;
 
@@ -76,11 +79,16 @@ pub struct LrFind {
     /// `max_lr`.
     pub diverged: bool,
     /// The rate where the smoothed loss fell fastest against log(rate)
-    /// (Lightning 1.x's suggestion, fastai's `steep`); `None` with too few
-    /// steps.
+    /// before its lowest point (Lightning 1.x's suggestion, fastai's
+    /// `steep`, within fastai's `valley`); `None` with too few steps, or
+    /// where the loss never fell (`fell`).
     pub suggestion: Option<f64>,
     /// The rate of the lowest smoothed loss.
     pub min_loss_lr: f64,
+    /// Whether the smoothed loss reached its lowest after the first steps
+    /// the suggestion leaves out (10): false where no rate of the range
+    /// lowered it, a loss too noisy at this batch or too few steps.
+    pub fell: bool,
 }
 
 /// Runs the range test on the model and data `config` describes (a
@@ -128,18 +136,16 @@ pub fn lr_find(
         }
     };
     let diverged = points.len() < options.steps;
-    let smoothed: Vec<(f64, f64)> = points.iter().map(|p| (p.lr.ln(), p.smoothed)).collect();
-    let min_loss_lr = points
-        .iter()
-        .min_by(|a, b| a.smoothed.total_cmp(&b.smoothed))
-        .map_or(options.min_lr, |p| p.lr);
+    let (suggested, lowest) = suggest(&points);
+    let min_loss_lr = points.get(lowest).map_or(options.min_lr, |p| p.lr);
     Ok(LrFind {
         workload: match config.workload {
             Workload::Lm => "lm".into(),
             Workload::Nli => "nli".into(),
         },
         device: choice.name,
-        suggestion: steepest(&smoothed).map(|i| points[i].lr),
+        suggestion: suggested.map(|i| points[i].lr),
+        fell: lowest >= SKIP_BEGIN,
         points,
         diverged,
         min_loss_lr,
@@ -204,13 +210,29 @@ fn range_test<T: Task>(
     Ok(points)
 }
 
+/// The first points the suggestion leaves out, as Lightning does.
+const SKIP_BEGIN: usize = 10;
+
+/// The suggested point of a range test (the steepest fall of the smoothed
+/// loss against log(rate), up to its lowest point: a fall after it is not a
+/// rate to train at) and the lowest point's index.
+fn suggest(points: &[LrPoint]) -> (Option<usize>, usize) {
+    let lowest = (0..points.len())
+        .min_by(|&a, &b| points[a].smoothed.total_cmp(&points[b].smoothed))
+        .unwrap_or(0);
+    let smoothed: Vec<(f64, f64)> = points[..points.len().min(lowest + 1)]
+        .iter()
+        .map(|p| (p.lr.ln(), p.smoothed))
+        .collect();
+    (steepest(&smoothed), lowest)
+}
+
 /// The index of the steepest fall of `(x, loss)` points against `x`
 /// (`torch.gradient` with `x` as the coordinates: second-order central
 /// differences for unequal steps, one-sided at the ends), the first 10 and
 /// the last point left out, as Lightning leaves them; `None` with fewer
 /// than 2 between. `x` is log(rate) for the suggestion (equal steps).
 fn steepest(points: &[(f64, f64)]) -> Option<usize> {
-    const SKIP_BEGIN: usize = 10;
     const SKIP_END: usize = 1;
     let kept = points.get(SKIP_BEGIN..points.len().checked_sub(SKIP_END)?)?;
     let n = kept.len();
@@ -349,5 +371,39 @@ mod tests {
             (115.0, 2.9),
         ]);
         assert_eq!(steepest(&points), Some(12));
+    }
+
+    #[test]
+    fn the_suggestion_is_looked_for_before_the_lowest_loss_and_needs_one_after_the_start() {
+        let test = |smoothed: &[f64]| -> Vec<LrPoint> {
+            smoothed
+                .iter()
+                .enumerate()
+                .map(|(i, &s)| LrPoint {
+                    lr: 1e-6 * 2f64.powi(i as i32),
+                    loss: s,
+                    smoothed: s,
+                })
+                .collect()
+        };
+        // A fall to the lowest point at 15, then a steeper fall (11 → 10)
+        // on the way to divergence: the suggestion is the first fall's.
+        let mut falls = vec![5.0; 12];
+        falls.extend([4.9, 4.3, 4.25, 4.2, 9.0, 11.0, 10.0, 10.0, 30.0]);
+        assert_eq!(suggest(&test(&falls)), (Some(12), 15));
+        // Without the lowest point as the limit, the later fall would win.
+        let whole: Vec<(f64, f64)> = test(&falls)
+            .iter()
+            .map(|p| (p.lr.ln(), p.smoothed))
+            .collect();
+        assert_eq!(steepest(&whole), Some(18));
+        // Lowest in the first ten steps (a loss that never fell below its
+        // start, noise after it): no suggestion.
+        let mut flat = vec![1.10, 1.08, 1.11, 1.12];
+        flat.extend([
+            1.12, 1.13, 1.12, 1.14, 1.12, 1.13, 1.13, 1.12, 1.13, 1.2, 1.15,
+        ]);
+        let (suggestion, lowest) = suggest(&test(&flat));
+        assert_eq!((suggestion, lowest), (None, 1));
     }
 }

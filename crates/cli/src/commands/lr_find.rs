@@ -67,7 +67,12 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     match found.suggestion {
         Some(lr) => writeln!(
             out,
-            "suggested learning rate: {lr:.2e} (where the smoothed loss falls fastest against log(rate)): training.learning_rate={lr:.1e}"
+            "suggested learning rate: {lr:.2e} (where the smoothed loss falls fastest against log(rate) before its lowest point): training.learning_rate={lr:.1e}"
+        )?,
+        None if !found.fell => writeln!(
+            out,
+            "no suggestion: the smoothed loss was lowest within the first 10 steps, so no rate of the range lowered it in {} steps; take more --steps or a larger batch (a noisy loss), or keep the configured rate",
+            found.points.len()
         )?,
         None => writeln!(
             out,
