@@ -19,6 +19,11 @@ runs it so at BERT-base's shape against `kiln bench nli` in bf16) the model
 is on the device, TF32 is on for what stays in f32, AdamW is the fused one,
 and each step ends when the device has finished it.
 
+`--dropout 0.1` adds BERT's dropout where kiln's encoder has it (the
+embeddings, each block's attention and MLP outputs, the pooled [CLS]; not
+the attention probabilities, which kiln's encoder does not drop), to
+compare with kiln's default `model.dropout`.
+
 Prints one JSON object: samples/s (median, min, max) and ms/step.
 Not used by tests or CI.
 """
@@ -38,9 +43,10 @@ import torch.nn.functional as F
 
 
 class Layer(nn.Module):
-    def __init__(self, d, h, f):
+    def __init__(self, d, h, f, p):
         super().__init__()
         self.h = h
+        self.drop = nn.Dropout(p)
         self.qkv = nn.Linear(d, 3 * d)
         self.out = nn.Linear(d, d)
         self.ln1 = nn.LayerNorm(d)
@@ -53,26 +59,28 @@ class Layer(nn.Module):
         q, k, v = self.qkv(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=~pad[:, None, None, :])
-        x = self.ln1(x + self.out(y.transpose(1, 2).reshape(b, t, d)))
-        return self.ln2(x + self.fc_out(F.gelu(self.fc(x))))
+        x = self.ln1(x + self.drop(self.out(y.transpose(1, 2).reshape(b, t, d))))
+        return self.ln2(x + self.drop(self.fc_out(F.gelu(self.fc(x)))))
 
 
 class Encoder(nn.Module):
-    def __init__(self, vocab, max_len, layers, heads, d, f, classes):
+    def __init__(self, vocab, max_len, layers, heads, d, f, classes, p):
         super().__init__()
+        self.drop = nn.Dropout(p)
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(max_len, d)
         self.seg = nn.Embedding(2, d)
         self.ln = nn.LayerNorm(d)
-        self.layers = nn.ModuleList(Layer(d, heads, f) for _ in range(layers))
+        self.layers = nn.ModuleList(Layer(d, heads, f, p) for _ in range(layers))
         self.head = nn.Linear(d, classes)
 
     def forward(self, ids, seg, pad, labels):
         t = ids.shape[1]
         x = self.ln(self.tok(ids) + self.pos(torch.arange(t, device=ids.device)) + self.seg(seg))
+        x = self.drop(x)
         for layer in self.layers:
             x = layer(x, pad)
-        return F.cross_entropy(self.head(x[:, 0]), labels)
+        return F.cross_entropy(self.head(self.drop(x[:, 0])), labels)
 
 
 def main():
@@ -93,6 +101,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="dropout where kiln's encoder has it: after the embeddings' LayerNorm, "
+                         "on the attention's and the MLP's outputs, on the pooled [CLS]")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "fp16"],
                     help="bf16/fp16: autocast (mixed precision), the weights in f32")
     args = ap.parse_args()
@@ -103,7 +114,8 @@ def main():
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    model = Encoder(args.vocab, args.max_len, args.layers, args.heads, args.hidden, args.intermediate, 3).to(device)
+    model = Encoder(args.vocab, args.max_len, args.layers, args.heads, args.hidden, args.intermediate, 3,
+                    args.dropout).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
                             **({"fused": True} if cuda else {}))
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
@@ -135,6 +147,7 @@ def main():
         "threads": args.threads,
         "cpu_capability": None if cuda else torch.backends.cpu.get_cpu_capability(),
         "batch": args.batch,
+        "dropout": args.dropout,
         "max_len": args.max_len,
         "shape": [args.layers, args.heads, args.hidden, args.intermediate, args.vocab],
         "samples_per_s_median": statistics.median(sps),

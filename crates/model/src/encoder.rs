@@ -325,13 +325,20 @@ impl EncoderBlock {
             k,
             a,
         );
-        let x = kernels::layer_norm_with(&self.ln1, x + self.dropout.forward(y), self.ln_eps, k);
+        let x = kernels::layer_norm_with(
+            &self.ln1,
+            x + kernels::dropout(&self.dropout, y, k),
+            self.ln_eps,
+            k,
+        );
         let hidden = precision::mlp_hidden(&self.fc, x.clone(), self.tanh_gelu, c, k);
         kernels::layer_norm_with(
             &self.ln2,
-            x + self
-                .dropout
-                .forward(precision::linear(&self.fc_out, hidden, c, k)),
+            x + kernels::dropout(
+                &self.dropout,
+                precision::linear(&self.fc_out, hidden, c, k),
+                k,
+            ),
             self.ln_eps,
             k,
         )
@@ -359,12 +366,8 @@ impl EncoderClassifier {
             Some(rows) => x + rows.forward(segments),
             None => x,
         };
-        let mut x = self.dropout.forward(kernels::layer_norm_with(
-            &self.ln_embed,
-            x,
-            self.ln_eps,
-            self.kernels,
-        ));
+        let x = kernels::layer_norm_with(&self.ln_embed, x, self.ln_eps, self.kernels);
+        let mut x = kernels::dropout(&self.dropout, x, self.kernels);
         if let Some(projection) = &self.embed_proj {
             x = precision::linear(projection, x, self.compute, self.kernels);
         }
@@ -393,7 +396,7 @@ impl EncoderClassifier {
         };
         precision::linear(
             &self.head,
-            self.dropout.forward(pooled),
+            kernels::dropout(&self.dropout, pooled, self.kernels),
             self.compute,
             self.kernels,
         )

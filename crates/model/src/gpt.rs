@@ -264,8 +264,8 @@ impl Block {
             k,
             a,
         );
-        let x = x + self.dropout.forward(y);
-        x.clone() + self.dropout.forward(self.mlp(x, c, k))
+        let x = x + kernels::dropout(&self.dropout, y, k);
+        x.clone() + kernels::dropout(&self.dropout, self.mlp(x, c, k), k)
     }
 
     /// The MLP branch of `x`: `mlp_proj(gelu(fc(ln2(x))))`.
@@ -359,7 +359,7 @@ impl Gpt {
     /// The final LayerNorm's output, `[batch, time, hidden]`: what the LM
     /// head multiplies by the token embedding.
     fn hidden_states(&self, idx: Tensor<2, Int>) -> Tensor<3> {
-        let mut x = self.dropout.forward(self.embed(idx, 0));
+        let mut x = kernels::dropout(&self.dropout, self.embed(idx, 0), self.kernels);
         for block in &self.blocks {
             x = block.forward(x, self.compute, self.kernels, self.attention);
         }

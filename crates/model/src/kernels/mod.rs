@@ -119,7 +119,7 @@ pub use isa::{AVX512_BUILT, CpuIsa, cpu_isa};
 pub use norm::{sum_of_squares, sum_of_squares_value};
 pub use optim::{AdamWParam, AdamWStep, adamw, adamw_many};
 
-use burn::nn::{LayerNorm, Linear};
+use burn::nn::{Dropout, LayerNorm, Linear};
 use burn::tensor::module::attention as burn_attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Int, Tensor, activation};
@@ -195,6 +195,36 @@ pub fn gelu<const D: usize>(x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
     }
     let _ = kernels;
     activation::gelu(x)
+}
+
+/// Burn's `Dropout` module applied to `x`, as its `forward` decides (only
+/// while training, on an autodiff device, with a probability above 0): on
+/// flex with the fused kernels, kiln's dropout in one pass, its mask a
+/// counter-based hash of a seed drawn from the device's generator (so a
+/// run's masks are as reproducible as Burn's) and of each element's index,
+/// made again in the backward pass rather than kept; elsewhere Burn's
+/// (a Bernoulli draw per element, then two products).
+pub fn dropout<const D: usize>(module: &Dropout, x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
+    #[cfg(feature = "flex")]
+    if kernels == Kernels::Fused
+        && module.prob > 0.0
+        && module.training.is_enabled()
+        && x.device().is_autodiff()
+        && flex::runs_fused(&x)
+    {
+        // 48 random bits of the device's generator, seeded for each step.
+        let draw = burn::tensor::Distribution::Default;
+        let bits = Tensor::<1>::random([2], draw, &x.device().without_autodiff())
+            .into_data()
+            .try_into_vec::<f32>()
+            .unwrap_or_default();
+        let seed = bits
+            .iter()
+            .fold(0u64, |s, b| (s << 32) | u64::from(b.to_bits()));
+        return flex::dropout(x, seed, 1.0 - module.prob);
+    }
+    let _ = kernels;
+    module.forward(x)
 }
 
 /// Whether [`gelu`] runs kiln's kernel for a tensor on `x`'s device in
@@ -955,6 +985,9 @@ mod flex {
     pub(crate) trait KilnKernels: Backend {
         fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self>;
         fn kiln_gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self>;
+        /// Dropout with the mask `seed` draws (`cpu::dropout`); its own
+        /// backward.
+        fn kiln_dropout(x: FloatTensor<Self>, seed: u64, keep: f64) -> FloatTensor<Self>;
         /// Attention's output and each query's log-sum-exp (see
         /// `cpu::attention`).
         fn kiln_attention(
@@ -1007,6 +1040,10 @@ mod flex {
 
         fn kiln_gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
             cpu::gelu_backward(x, grad)
+        }
+
+        fn kiln_dropout(x: FloatTensor<Self>, seed: u64, keep: f64) -> FloatTensor<Self> {
+            cpu::dropout(x, seed, keep)
         }
 
         fn kiln_attention(
@@ -1071,6 +1108,19 @@ mod flex {
 
         fn kiln_gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
             autodiff::unary_backward::<B, C>(x, grad, B::kiln_gelu_backward)
+        }
+
+        fn kiln_dropout(x: FloatTensor<Self>, seed: u64, keep: f64) -> FloatTensor<Self> {
+            // Nothing saved but the seed: the backward draws the same mask.
+            let backward = KernelBackward::<B, (u64, f64), 1>(|(seed, keep), grad| {
+                [B::kiln_dropout(grad, seed, keep)]
+            });
+            let node = x.node();
+            let y = B::kiln_dropout(Self::inner(x), seed, keep);
+            match backward.prepare::<C>([node]).compute_bound().stateful() {
+                OpsKind::Tracked(prep) => prep.finish((seed, keep), y),
+                OpsKind::UnTracked(prep) => prep.finish(y),
+            }
         }
 
         fn kiln_attention(
@@ -1168,6 +1218,14 @@ mod flex {
         Tensor::from_dispatch(<Dispatch as KilnKernels>::kiln_gelu(x.into_dispatch()))
     }
 
+    pub(crate) fn dropout<const D: usize>(x: Tensor<D>, seed: u64, keep: f64) -> Tensor<D> {
+        Tensor::from_dispatch(<Dispatch as KilnKernels>::kiln_dropout(
+            x.into_dispatch(),
+            seed,
+            keep,
+        ))
+    }
+
     pub(crate) fn linear<const D: usize>(
         x: Tensor<D>,
         weight: Tensor<2>,
@@ -1261,6 +1319,74 @@ mod tests {
         assert!(check.fused, "{check:?}");
         assert!(check.max_abs_difference > 0.0, "{check:?}");
         assert!(check.passed(), "{check:?}");
+    }
+
+    /// The mask's hash keeps each element with the probability asked for,
+    /// independently of its neighbour's and of another seed's mask.
+    #[test]
+    fn dropout_masks_keep_the_share_asked_for_independently() {
+        let n = 1u64 << 20;
+        for keep in [0.9, 0.5, 0.1] {
+            let threshold = cpu::dropout_threshold(keep);
+            let mask = |seed: u64| -> Vec<bool> {
+                (0..n)
+                    .map(|i| cpu::dropout_keeps(seed, i, threshold))
+                    .collect()
+            };
+            let (a, b) = (mask(0x1234_5678_9ABC_DEF0), mask(0x1234_5678_9ABC_DEF1));
+            let share = |hits: usize| hits as f64 / n as f64;
+            let kept = share(a.iter().filter(|&&k| k).count());
+            let both_neighbours = share(a.windows(2).filter(|w| w[0] && w[1]).count());
+            let both_seeds = share(a.iter().zip(&b).filter(|(x, y)| **x && **y).count());
+            // Binomial standard deviations are under 5e-4 here.
+            assert!((kept - keep).abs() < 3e-3, "{keep}: kept {kept}");
+            assert!(
+                (both_neighbours - keep * keep).abs() < 3e-3,
+                "{keep}: {both_neighbours}"
+            );
+            assert!(
+                (both_seeds - keep * keep).abs() < 3e-3,
+                "{keep}: {both_seeds}"
+            );
+        }
+        assert_eq!(cpu::dropout_threshold(1.0), u32::MAX);
+    }
+
+    /// Fused dropout on flex: kept elements scaled by 1/keep, the rest 0;
+    /// the backward pass applies the same mask; the same seed of the
+    /// device's generator gives the same mask; outside training (no
+    /// autodiff) it is the identity, as Burn's is.
+    #[test]
+    fn flex_dropout_scales_what_it_keeps_and_its_gradient_uses_the_same_mask() {
+        let device = Device::flex().autodiff();
+        let module = burn::nn::DropoutConfig::new(0.25).init();
+        let x = Tensor::<2>::random([300, 70], Distribution::Uniform(1.0, 2.0), &device);
+        let upstream = Tensor::<2>::random([300, 70], Distribution::Uniform(1.0, 2.0), &device);
+        let run = || {
+            device.seed(7);
+            let x = x.clone().require_grad();
+            let y = dropout(&module, x.clone(), Kernels::Fused);
+            let grads = (y.clone() * upstream.clone()).sum().backward();
+            (y.inner(), x.grad(&grads).expect("input gradient"))
+        };
+        let (y, dx) = run();
+        let kept = y.clone().greater_elem(0.0).float();
+        let share = f64::from(kept.clone().mean().into_scalar::<f32>());
+        assert!((share - 0.75).abs() < 0.02, "kept {share}");
+        let scale = 1.0 / 0.75;
+        let expected_y = x.clone().inner() * kept.clone() * scale;
+        assert!(max_abs(y.clone(), expected_y) < 1e-6);
+        let expected_dx = upstream.clone().inner() * kept * scale;
+        assert!(max_abs(dx, expected_dx) < 1e-6);
+        // The same step seed, the same mask; another, another mask.
+        assert!(max_abs(run().0, y.clone()) == 0.0);
+        device.seed(8);
+        let other = dropout(&module, x.clone(), Kernels::Fused).inner();
+        assert!(max_abs(other, y) > 0.5);
+        // Not training: the input itself.
+        let plain = x.clone().inner();
+        let eval = dropout(&module, plain.clone(), Kernels::Fused);
+        assert!(max_abs(eval, plain) == 0.0);
     }
 
     #[test]

@@ -164,6 +164,58 @@ simd_levels! {
     }
 }
 
+/// Whether dropout keeps element `index` under `seed`: a counter-based hash
+/// below `threshold` (keep × 2³²). The hash is murmur3's 32-bit finalizer
+/// over the index multiplied by an odd key of the seed, then keyed again,
+/// so that two seeds' masks are neither shifts nor permutations of one
+/// another; each element's bits depend on its index alone, so a mask is
+/// made again for the backward pass instead of kept, in any chunking.
+#[inline(always)]
+pub(crate) fn dropout_keeps(seed: u64, index: u64, threshold: u32) -> bool {
+    #[inline(always)]
+    fn fmix32(mut h: u32) -> u32 {
+        h ^= h >> 16;
+        h = h.wrapping_mul(0x85EB_CA6B);
+        h ^= h >> 13;
+        h = h.wrapping_mul(0xC2B2_AE35);
+        h ^ (h >> 16)
+    }
+    let (lo, hi) = (seed as u32, (seed >> 32) as u32);
+    let i = (index as u32) ^ ((index >> 32) as u32).wrapping_mul(0x27D4_EB2F);
+    let h = fmix32(i.wrapping_mul(hi | 1) ^ lo);
+    fmix32(h ^ hi.rotate_left(16)) < threshold
+}
+
+/// The hash threshold of a keep probability: `keep × 2³²`, at most
+/// `u32::MAX`.
+pub(crate) fn dropout_threshold(keep: f64) -> u32 {
+    (keep * 4_294_967_296.0).min(f64::from(u32::MAX)) as u32
+}
+
+simd_levels! {
+    fn dropout_slice(values: &mut [f32], first: u64, seed: u64, threshold: u32, scale: f32) {
+        for (j, v) in values.iter_mut().enumerate() {
+            let keep = dropout_keeps(seed, first + j as u64, threshold);
+            *v = if keep { *v * scale } else { 0.0 };
+        }
+    }
+}
+
+/// Dropout with its mask drawn from `seed` ([`dropout_keeps`]): each kept
+/// element times `1 / keep`, the others 0, written over `x` when nothing
+/// else holds it. Its own backward: the same call on the output's gradient
+/// applies the same mask and scale.
+pub(crate) fn dropout(x: FlexTensor, seed: u64, keep: f64) -> FlexTensor {
+    let mut x = owned(x);
+    let (threshold, scale) = (dropout_threshold(keep), (1.0 / keep) as f32);
+    let values = writable(&mut x).expect("`owned` returns a writable tensor");
+    values
+        .par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(c, v)| dropout_slice(v, (c * CHUNK) as u64, seed, threshold, scale));
+    x
+}
+
 /// Exact GELU, forward.
 pub(crate) fn gelu(x: FlexTensor) -> FlexTensor {
     let x = contiguous(x);
