@@ -958,8 +958,9 @@ pub fn check_lm_head_loss(device: &burn::tensor::Device) -> KernelCheck {
         let dw = weight.grad(&grads).expect("weight gradient");
         (loss.inner(), dx, dw)
     };
-    // Without autodiff (an evaluation): the loss alone, no gradient made.
-    let untracked = |kernels, smoothing| {
+    // Without autodiff (an evaluation): the mean loss, or each token's
+    // (scoring a text), no gradient made.
+    let untracked = |kernels, smoothing, chunk, each_token| {
         let head = super::LmHead {
             vocab,
             compute: crate::ComputeDtype::F32,
@@ -971,38 +972,21 @@ pub fn check_lm_head_loss(device: &burn::tensor::Device) -> KernelCheck {
             targets.clone().inner(),
             head,
             kernels,
-            Some(64),
-            false,
+            chunk,
+            each_token,
         )
     };
     let max_abs = |a: Tensor<1>, b: Tensor<1>| f64::from((a - b).abs().max().into_scalar::<f32>());
-    // Each token's loss (scoring a text): the fused rows against the
-    // composition's log-softmax.
-    // The fused version in one chunk and in ragged chunks of 64 rows (64,
-    // 64, 22).
-    let per_token = |kernels, chunk| {
-        let head = super::LmHead {
-            vocab,
-            compute: crate::ComputeDtype::F32,
-            smoothing: 0.0,
-        };
-        lm_head_losses(
-            x.clone().inner(),
-            weight.clone().inner(),
-            targets.clone().inner(),
-            head,
-            kernels,
-            chunk,
-            true,
-        )
-    };
+    // Each token's loss: the fused rows, in one chunk and in ragged chunks
+    // of 64 rows (64, 64, 22), against the composition's log-softmax.
+    let per_token = |kernels, chunk| untracked(kernels, 0.0, chunk, true);
     let reference = per_token(Kernels::Reference, None);
     let mut worst = max_abs(per_token(Kernels::Fused, None), reference.clone())
         .max(max_abs(per_token(Kernels::Fused, Some(64)), reference));
     for smoothing in [0.0, 0.1] {
         worst = worst.max(max_abs(
-            untracked(Kernels::Fused, smoothing),
-            untracked(Kernels::Reference, smoothing),
+            untracked(Kernels::Fused, smoothing, Some(64), false),
+            untracked(Kernels::Reference, smoothing, Some(64), false),
         ));
         let (loss, dx, dw) = run(Kernels::Fused, smoothing);
         let (loss_ref, dx_ref, dw_ref) = run(Kernels::Reference, smoothing);
