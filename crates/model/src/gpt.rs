@@ -416,13 +416,19 @@ impl Gpt {
             self.hidden_states(inputs),
             self.wte.weight.val(),
             targets,
-            kernels::LmHead {
-                vocab: self.vocab,
-                compute: self.compute,
-                smoothing: epsilon,
-            },
+            self.lm_head(epsilon),
             self.kernels,
         )
+    }
+
+    /// What the fused head needs besides its tensors, with label smoothing
+    /// `smoothing`.
+    fn lm_head(&self, smoothing: f64) -> kernels::LmHead {
+        kernels::LmHead {
+            vocab: self.vocab,
+            compute: self.compute,
+            smoothing,
+        }
     }
 
     /// The log-probability (natural log, f32) the model gives each target
@@ -435,11 +441,7 @@ impl Gpt {
             self.hidden_states(inputs),
             self.wte.weight.val(),
             targets,
-            kernels::LmHead {
-                vocab: self.vocab,
-                compute: self.compute,
-                smoothing: 0.0,
-            },
+            self.lm_head(0.0),
             self.kernels,
         )
         .neg()
