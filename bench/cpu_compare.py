@@ -47,6 +47,7 @@ WORKLOADS = {
     ),
     "encoder": (
         ["bench", "nli", "--pad-to-max-length", "training.batch_size=32", "model.dropout=0.0",
+         "model.attention_dropout=0.0",
          "training.gradient_accumulation_steps=1", "--steps", "16", "--warmup", "4"],
         ["pytorch_encoder.py", "--batch", "32", "--steps", "16", "--warmup", "4"],
         "samples_per_s_median",
@@ -59,6 +60,7 @@ TINY_KILN = {
             "training.batch_size=4", "--steps", "2", "--warmup", "1"],
     "encoder": ["bench", "nli", "--pad-to-max-length", "model.layers=1", "model.heads=2", "model.hidden=32",
                 "model.intermediate=64", "model.max_length=16", "training.batch_size=4", "model.dropout=0.0",
+                "model.attention_dropout=0.0",
                 "training.gradient_accumulation_steps=1", "--steps", "2", "--warmup", "1"],
 }
 

@@ -174,6 +174,7 @@ TINY_MODEL = [
 TINY_NLI = [
     "experiment=nli_snli",
     "model.dropout=0.0",
+    "model.attention_dropout=0.0",
     "model.layers=2",
     "model.heads=2",
     "model.hidden=32",
@@ -541,7 +542,7 @@ class Check:
         lm_tiny = ["model.max_length=128", "training.batch_size=32"]
         gpt2 = ["experiment=gpt2_small"]
         # No dropout, as bench/pytorch_encoder.py, the reference.
-        bert = ["experiment=bert_base", "model.dropout=0.0"]
+        bert = ["experiment=bert_base", "model.dropout=0.0", "model.attention_dropout=0.0"]
         if self.args.tiny:
             shrink = [
                 "model.layers=2",

@@ -12,17 +12,18 @@ an optimizer step):
 
     python bench/pytorch_encoder.py --batch 32 --steps 10 --warmup 3
     kiln bench nli --pad-to-max-length training.batch_size=32 \
-        training.gradient_accumulation_steps=1 model.dropout=0.0
+        training.gradient_accumulation_steps=1 model.dropout=0.0 model.attention_dropout=0.0
 
 On a GPU (`--device cuda`, `--dtype bf16` for autocast; `bench/gpu_check.py`
 runs it so at BERT-base's shape against `kiln bench nli` in bf16) the model
 is on the device, TF32 is on for what stays in f32, AdamW is the fused one,
 and each step ends when the device has finished it.
 
-`--dropout 0.1` adds BERT's dropout where kiln's encoder has it (the
-embeddings, each block's attention and MLP outputs, the pooled [CLS]; not
-the attention probabilities, which kiln's encoder does not drop), to
-compare with kiln's default `model.dropout`.
+`--dropout 0.1` adds BERT's dropout where kiln's `model.dropout` applies
+(the embeddings, each block's attention and MLP outputs, the pooled [CLS]),
+`--attention-dropout 0.1` BERT's on the attention probabilities (kiln's
+`model.attention_dropout`; SDPA's `dropout_p`): the NLI experiments set
+both to 0.1.
 
 Prints one JSON object: samples/s (median, min, max) and ms/step.
 Not used by tests or CI.
@@ -43,9 +44,10 @@ import torch.nn.functional as F
 
 
 class Layer(nn.Module):
-    def __init__(self, d, h, f, p):
+    def __init__(self, d, h, f, p, attn_p):
         super().__init__()
         self.h = h
+        self.attn_p = attn_p
         self.drop = nn.Dropout(p)
         self.qkv = nn.Linear(d, 3 * d)
         self.out = nn.Linear(d, d)
@@ -58,20 +60,21 @@ class Layer(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=~pad[:, None, None, :])
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=~pad[:, None, None, :],
+                                           dropout_p=self.attn_p if self.training else 0.0)
         x = self.ln1(x + self.drop(self.out(y.transpose(1, 2).reshape(b, t, d))))
         return self.ln2(x + self.drop(self.fc_out(F.gelu(self.fc(x)))))
 
 
 class Encoder(nn.Module):
-    def __init__(self, vocab, max_len, layers, heads, d, f, classes, p):
+    def __init__(self, vocab, max_len, layers, heads, d, f, classes, p, attn_p):
         super().__init__()
         self.drop = nn.Dropout(p)
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(max_len, d)
         self.seg = nn.Embedding(2, d)
         self.ln = nn.LayerNorm(d)
-        self.layers = nn.ModuleList(Layer(d, heads, f, p) for _ in range(layers))
+        self.layers = nn.ModuleList(Layer(d, heads, f, p, attn_p) for _ in range(layers))
         self.head = nn.Linear(d, classes)
 
     def forward(self, ids, seg, pad, labels):
@@ -104,6 +107,8 @@ def main():
     ap.add_argument("--dropout", type=float, default=0.0,
                     help="dropout where kiln's encoder has it: after the embeddings' LayerNorm, "
                          "on the attention's and the MLP's outputs, on the pooled [CLS]")
+    ap.add_argument("--attention-dropout", type=float, default=0.0,
+                    help="dropout on the attention probabilities (kiln's model.attention_dropout)")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "fp16"],
                     help="bf16/fp16: autocast (mixed precision), the weights in f32")
     args = ap.parse_args()
@@ -115,7 +120,7 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     model = Encoder(args.vocab, args.max_len, args.layers, args.heads, args.hidden, args.intermediate, 3,
-                    args.dropout).to(device)
+                    args.dropout, args.attention_dropout).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
                             **({"fused": True} if cuda else {}))
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
@@ -148,6 +153,7 @@ def main():
         "cpu_capability": None if cuda else torch.backends.cpu.get_cpu_capability(),
         "batch": args.batch,
         "dropout": args.dropout,
+        "attention_dropout": args.attention_dropout,
         "max_len": args.max_len,
         "shape": [args.layers, args.heads, args.hidden, args.intermediate, args.vocab],
         "samples_per_s_median": statistics.median(sps),

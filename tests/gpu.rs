@@ -595,6 +595,38 @@ fn out_of_device_memory_says_what_to_lower() {
     assert!(!run.stderr.contains("stack backtrace"), "{}", run.stderr);
 }
 
+/// Dropout on the attention probabilities on a GPU, whose attention
+/// kernels have none: with `auto` the run trains through Burn's
+/// composition and a start line says so; asking for the kernels by name
+/// (`memory-efficient`) is refused with exit code 2, naming both keys.
+#[test]
+fn attention_dropout_on_wgpu_composes_or_is_refused_by_name() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (loss, out) = train_on_wgpu(tmp.path(), "auto", 5, &["model.attention_dropout=0.1"]);
+    assert!(loss.is_finite(), "{out}");
+    assert!(
+        out.contains(
+            "attention: Burn's composition while training, for model.attention_dropout = 0.1"
+        ),
+        "{out}"
+    );
+    let named = train_tiny(
+        tmp.path(),
+        "named",
+        5,
+        &[
+            "device.backend=wgpu",
+            "model.attention_dropout=0.1",
+            "optimization.attention=memory-efficient",
+        ],
+    )
+    .expect_code(2);
+    named.stderr_has(&[
+        "optimization.attention = \"memory-efficient\" cannot train with model.attention_dropout = 0.1",
+        "set model.attention_dropout = 0",
+    ]);
+}
+
 /// Asking for CUDA where there is no NVIDIA driver is a clear error with
 /// exit code 2, not a panic in the driver's loader: CI's GPU build has the
 /// CUDA backend (with `cuda-cpp`) and its machine has no driver. A `kiln`

@@ -75,8 +75,14 @@ pub struct ModelSection {
     pub hidden: usize,
     /// Width of the MLP's inner layer.
     pub intermediate: usize,
-    /// Dropout probability, in [0, 1).
+    /// Dropout probability, in [0, 1): on the embeddings and the residual
+    /// branches (and before the encoder's head).
     pub dropout: f64,
+    /// Dropout on the attention probabilities, in [0, 1): BERT's
+    /// `attention_probs_dropout_prob`, GPT-2's `attn_pdrop`. A run saved
+    /// before this key existed resumes with 0 (kiln had none).
+    #[serde(default)]
+    pub attention_dropout: f64,
     /// Tokens per sequence (the LM's block size, the encoder's maximum).
     pub max_length: usize,
     /// Recompute activations in the backward pass: less memory, about 20–30 % more time.
@@ -746,6 +752,11 @@ impl RunConfig {
         check(
             (0.0..1.0).contains(&m.dropout),
             "model.dropout",
+            "must be in [0, 1)",
+        );
+        check(
+            (0.0..1.0).contains(&m.attention_dropout),
+            "model.attention_dropout",
             "must be in [0, 1)",
         );
         check(m.max_length >= 2, "model.max_length", "must be at least 2");

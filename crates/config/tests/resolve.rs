@@ -375,6 +375,11 @@ fn bad_values_name_key_value_and_layer() {
             &["model.dropout", "must be in [0, 1)"],
         ),
         (
+            &["model.attention_dropout=1"],
+            &[],
+            &["model.attention_dropout", "must be in [0, 1)"],
+        ),
+        (
             &[r#"model.init_labels=["entailment", "neutral", "contradiction"]"#],
             &[],
             &["model.init_labels", "set model.init_from, or leave it []"],

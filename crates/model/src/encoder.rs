@@ -61,9 +61,12 @@ pub struct EncoderConfig {
     pub hidden: usize,
     /// The MLP's inner width.
     pub intermediate: usize,
-    /// Dropout on embeddings, attention weights, residual branches and before
-    /// the head, in training.
+    /// Dropout on the embeddings, the residual branches and before the
+    /// head, in training (BERT's `hidden_dropout_prob`).
     pub dropout: f64,
+    /// Dropout on the attention probabilities, in training (BERT's
+    /// `attention_probs_dropout_prob`).
+    pub attention_dropout: f64,
     /// Output classes.
     pub classes: usize,
     /// The embeddings' width where it is not `hidden` (ELECTRA-small's 128
@@ -105,6 +108,7 @@ impl EncoderConfig {
             hidden,
             intermediate: 4 * hidden,
             dropout: 0.0,
+            attention_dropout: 0.0,
             classes,
             embedding: None,
             segments: 2,
@@ -120,6 +124,8 @@ impl EncoderConfig {
         with_intermediate: intermediate: usize;
         /// Dropout in training (0 for none).
         with_dropout: dropout: f64;
+        /// Dropout on the attention probabilities in training (0 for none).
+        with_attention_dropout: attention_dropout: f64;
         /// The embeddings' width, where it is not the model's.
         with_embedding: embedding: Option<usize>;
         /// Rows of the segment embedding (0, 1 or 2).
@@ -242,6 +248,7 @@ impl EncoderConfig {
                     fc_out: linear(self.intermediate, self.hidden),
                     ln2: layer_norm(),
                     dropout: DropoutConfig::new(self.dropout).init(),
+                    attention_dropout: self.attention_dropout,
                     heads: self.heads,
                     tanh_gelu: self.gelu == GeluKind::Tanh,
                     ln_eps: self.layer_norm_eps,
@@ -295,6 +302,11 @@ struct EncoderBlock {
     fc_out: Linear,
     ln2: LayerNorm,
     dropout: Dropout,
+    /// Dropout on the attention probabilities, while `dropout` trains (not
+    /// a module of its own: the records of runs saved before it stay
+    /// loadable).
+    #[module(skip)]
+    attention_dropout: f64,
     #[module(skip)]
     heads: usize,
     #[module(skip)]
@@ -324,6 +336,11 @@ impl EncoderBlock {
             c,
             k,
             a,
+            if self.dropout.training.is_enabled() {
+                self.attention_dropout
+            } else {
+                0.0
+            },
         );
         let x = kernels::layer_norm_with(
             &self.ln1,
@@ -546,6 +563,7 @@ mod tests {
             hidden: 256,
             intermediate: 1024,
             dropout: 0.0,
+            attention_dropout: 0.0,
             classes: 3,
             embedding: None,
             segments: 2,

@@ -44,8 +44,11 @@ pub struct GptConfig {
     pub hidden: usize,
     /// The MLP's inner width.
     pub intermediate: usize,
-    /// Dropout on embeddings, attention weights and residual branches, in training.
+    /// Dropout on the embeddings and the residual branches, in training.
     pub dropout: f64,
+    /// Dropout on the attention probabilities, in training (nanoGPT's
+    /// `attn_dropout`, GPT-2's `attn_pdrop`).
+    pub attention_dropout: f64,
     /// The MLP's GELU.
     pub gelu: GeluKind,
     /// The embedding and the logits padded to a multiple of this many
@@ -71,6 +74,7 @@ impl GptConfig {
             hidden,
             intermediate: 4 * hidden,
             dropout: 0.0,
+            attention_dropout: 0.0,
             gelu: GeluKind::Exact,
             vocab_multiple: 1,
         }
@@ -81,6 +85,8 @@ impl GptConfig {
         with_intermediate: intermediate: usize;
         /// Dropout in training (0 for none).
         with_dropout: dropout: f64;
+        /// Dropout on the attention probabilities in training (0 for none).
+        with_attention_dropout: attention_dropout: f64;
         /// The MLP's GELU.
         with_gelu: gelu: GeluKind;
         /// The vocabulary padded to a multiple of this (nanoGPT's 50,304
@@ -170,6 +176,7 @@ impl GptConfig {
                 fc: linear(self.hidden, self.intermediate, 0.02),
                 mlp_proj: linear(self.intermediate, self.hidden, proj_std),
                 dropout: DropoutConfig::new(self.dropout).init(),
+                attention_dropout: self.attention_dropout,
                 heads: self.heads,
                 gelu: self.gelu == GeluKind::Tanh,
             })
@@ -243,6 +250,11 @@ struct Block {
     fc: Linear,
     mlp_proj: Linear,
     dropout: Dropout,
+    /// Dropout on the attention probabilities, while `dropout` trains (not
+    /// a module of its own: the records of runs saved before it stay
+    /// loadable).
+    #[module(skip)]
+    attention_dropout: f64,
     #[module(skip)]
     heads: usize,
     #[module(skip)]
@@ -263,9 +275,19 @@ impl Block {
             c,
             k,
             a,
+            self.attention_dropout(),
         );
         let x = x + kernels::dropout(&self.dropout, y, k);
         x.clone() + kernels::dropout(&self.dropout, self.mlp(x, c, k), k)
+    }
+
+    /// The attention probabilities' dropout where the block trains, else 0.
+    fn attention_dropout(&self) -> f64 {
+        if self.dropout.training.is_enabled() {
+            self.attention_dropout
+        } else {
+            0.0
+        }
     }
 
     /// The MLP branch of `x`: `mlp_proj(gelu(fc(ln2(x))))`.
@@ -301,7 +323,7 @@ impl Block {
             ],
             None => [key, value],
         };
-        let y = precision::attend(q, key.clone(), value.clone(), None, true, c);
+        let y = precision::attend(q, key.clone(), value.clone(), None, true, c, |p| p);
         let x = x + precision::linear(&self.attn_proj, y, c, k);
         (x.clone() + self.mlp(x, c, k), [key, value])
     }
@@ -684,6 +706,7 @@ mod tests {
             hidden: 128,
             intermediate: 512,
             dropout: 0.0,
+            attention_dropout: 0.0,
             gelu: GeluKind::Exact,
             vocab_multiple: 1,
         }

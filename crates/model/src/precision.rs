@@ -127,7 +127,10 @@ pub(crate) fn mlp_hidden<const D: usize>(
 /// projection goes into them as its product made it and their result into
 /// the output projection as they wrote it (casting it to f32 and back in
 /// between lost nothing and cost a pass over the activations each way,
-/// forward and backward).
+/// forward and backward). `dropout` drops out the probabilities where the
+/// device is an autodiff one (the caller gives 0 where its model does not
+/// train): in f32 [`kernels::self_attention_with_dropout`], in a reduced
+/// dtype [`reduced_attention`] with it, since the CubeCL kernels have none.
 #[allow(
     clippy::too_many_arguments,
     reason = "the two layers and the attention's own arguments"
@@ -142,26 +145,57 @@ pub(crate) fn attention(
     dtype: ComputeDtype,
     kernels: Kernels,
     attention: AttentionKernel,
+    dropout: f64,
 ) -> Tensor<3> {
     let attention = kernels.attention(attention);
+    // Dropout on the probabilities applies on an autodiff device (the
+    // caller gives 0 where its model does not train).
+    let dropout = if x.device().is_autodiff() {
+        dropout
+    } else {
+        0.0
+    };
     let y = if !dtype.is_reduced() {
         let packed = linear(qkv, x, dtype, kernels);
-        kernels::self_attention(packed, heads, key_pad, causal, attention)
-    } else if kernels::memory_efficient_attention_runs(
-        &x,
-        dtype.float_dtype().into(),
-        x.dims()[2] / heads.max(1),
-        attention,
-    ) {
+        kernels::self_attention_with_dropout(
+            packed, heads, key_pad, causal, attention, dropout, kernels,
+        )
+    } else if dropout == 0.0
+        && kernels::memory_efficient_attention_runs(
+            &x,
+            dtype.float_dtype().into(),
+            x.dims()[2] / heads.max(1),
+            attention,
+        )
+    {
         let packed = linear_in(qkv, x, dtype, kernels);
         kernels::self_attention(packed, heads, key_pad, causal, attention)
     } else {
         let packed = linear(qkv, x, dtype, kernels);
-        reduced_attention(packed, heads, key_pad, causal, dtype)
+        let module = burn::nn::DropoutConfig::new(dropout).init();
+        let dropped = |probs| kernels::dropout(&module, probs, kernels);
+        reduced_attention(packed, heads, key_pad, causal, dtype, dropped)
     };
     // In `dtype` where the kernels took it: `linear`'s cast of its input is
     // then no operation.
     linear(proj, y, dtype, kernels)
+}
+
+/// Multi-head self-attention of a packed `[b, t, 3·d]` projection (see
+/// [`kernels::self_attention`]), heads merged in the `[b, t, d]` result, for
+/// [`attention`] in a reduced dtype where the memory-efficient kernels do
+/// not take it (or dropout on the probabilities applies): [`attend`]
+/// on its heads, `dropped` applied to the probabilities.
+fn reduced_attention(
+    qkv: Tensor<3>,
+    heads: usize,
+    key_pad: Option<Tensor<2, Bool>>,
+    causal: bool,
+    dtype: ComputeDtype,
+    dropped: impl FnOnce(Tensor<4>) -> Tensor<4>,
+) -> Tensor<3> {
+    let [q, k, v] = kernels::split_heads(qkv, heads);
+    attend(q, k, v, key_pad, causal, dtype, dropped)
 }
 
 /// `a · b` with the product in `dtype`; the result is f32.
@@ -173,27 +207,15 @@ pub(crate) fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>, dtype: ComputeD
     a.cast(low).matmul(b.cast(low)).cast(FloatDType::F32)
 }
 
-/// Multi-head self-attention of a packed `[b, t, 3·d]` projection (see
-/// [`kernels::self_attention`]), heads merged in the `[b, t, d]` result, for
-/// [`attention`] in a reduced dtype where the memory-efficient kernels do
-/// not take it: [`attend`] on its heads.
-fn reduced_attention(
-    qkv: Tensor<3>,
-    heads: usize,
-    key_pad: Option<Tensor<2, Bool>>,
-    causal: bool,
-    dtype: ComputeDtype,
-) -> Tensor<3> {
-    let [q, k, v] = kernels::split_heads(qkv, heads);
-    attend(q, k, v, key_pad, causal, dtype)
-}
-
 /// Attention of queries `q` (`[b, h, t, d]`) over keys `k` and values `v`
 /// (`[b, h, s, d]`, `s ≥ t`), heads merged in the `[b, t, h·d]` result:
 /// the two products run in `dtype`, the scores are masked and soft-maxed
 /// in f32. `key_pad` (`[b, s]`) is true where a key is padding. With
 /// `causal`, the queries are the last `t` of the `s` positions (the
 /// earlier ones a KV cache's), each seeing the keys up to its own.
+/// `dropped` is applied to the probabilities (`[b, h, t, s]`) before they
+/// weigh the values: dropout on them where a model trains, else the
+/// identity.
 pub(crate) fn attend(
     q: Tensor<4>,
     k: Tensor<4>,
@@ -201,6 +223,7 @@ pub(crate) fn attend(
     key_pad: Option<Tensor<2, Bool>>,
     causal: bool,
     dtype: ComputeDtype,
+    dropped: impl FnOnce(Tensor<4>) -> Tensor<4>,
 ) -> Tensor<3> {
     let [b, h, t, d] = q.dims();
     let s = k.dims()[2];
@@ -222,7 +245,7 @@ pub(crate) fn attend(
     } else {
         scores
     };
-    matmul(activation::softmax(scores, 3), v, dtype)
+    matmul(dropped(activation::softmax(scores, 3)), v, dtype)
         .swap_dims(1, 2)
         .reshape([b, t, h * d])
 }
@@ -259,7 +282,7 @@ mod tests {
             let reference =
                 kernels::self_attention(qkv.clone(), 3, None, causal, AttentionKernel::Math);
             for dtype in [ComputeDtype::Bf16, ComputeDtype::F16] {
-                let low = reduced_attention(qkv.clone(), 3, None, causal, dtype);
+                let low = reduced_attention(qkv.clone(), 3, None, causal, dtype, |p| p);
                 // bf16 keeps 8 bits of mantissa (2^-8 = 0.004), fp16 11.
                 assert_near(&reference, low, 0.05, &format!("{dtype:?} causal={causal}"));
             }
@@ -315,6 +338,7 @@ mod tests {
                 dtype,
                 Kernels::Fused,
                 AttentionKernel::Auto,
+                0.0,
             );
             let tolerance = if dtype.is_reduced() { 0.05 } else { 0.0 };
             assert_near(&steps, got, tolerance, &format!("{dtype:?}"));
@@ -336,7 +360,7 @@ mod tests {
             false,
             AttentionKernel::Math,
         );
-        let low = reduced_attention(qkv, 3, Some(pad), false, ComputeDtype::Bf16);
+        let low = reduced_attention(qkv, 3, Some(pad), false, ComputeDtype::Bf16, |p| p);
         assert_near(&reference, low, 0.05, "bf16 padded");
     }
 }

@@ -85,12 +85,19 @@ pub fn diagnose(
             let p = run_precision(config, d, hardware);
             let kernels = crate::translate::kernels(config);
             let choice = kernels.attention(crate::translate::attention(config));
-            let attention =
-                if kiln_model::kernels::attention_keeps_scores(&d.device, p.compute, choice) {
-                    AttentionMemory::Scores
-                } else {
-                    AttentionMemory::LogSumExp
-                };
+            // Dropout on the probabilities runs the composition wherever
+            // flex's kernel does not run.
+            let dropout_keeps = config.model.attention_dropout > 0.0
+                && kiln_model::kernels::attention_dropout_keeps_scores(
+                    &d.device, p.compute, choice,
+                );
+            let attention = if dropout_keeps
+                || kiln_model::kernels::attention_keeps_scores(&d.device, p.compute, choice)
+            {
+                AttentionMemory::Scores
+            } else {
+                AttentionMemory::LogSumExp
+            };
             let logits = if kiln_model::kernels::lm_head_keeps_logits(&d.device, kernels) {
                 LogitsMemory::All
             } else {

@@ -20,6 +20,7 @@ pub(crate) fn gpt_config(config: &RunConfig, vocab_size: usize) -> GptConfig {
     GptConfig::new(vocab_size, m.max_length, m.layers, m.heads, m.hidden)
         .with_intermediate(m.intermediate)
         .with_dropout(m.dropout)
+        .with_attention_dropout(m.attention_dropout)
         .with_gelu(gelu(m.gelu))
         .with_vocab_multiple(m.vocab_multiple)
 }
@@ -59,6 +60,7 @@ pub(crate) fn encoder_config(config: &RunConfig, vocab_size: usize) -> EncoderCo
     )
     .with_intermediate(m.intermediate)
     .with_dropout(m.dropout)
+    .with_attention_dropout(m.attention_dropout)
     .with_pooling(match m.pooling {
         Pooling::Cls => PoolingKind::Cls,
         Pooling::Pooler => PoolingKind::Pooler,

@@ -304,6 +304,36 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             }
         })
         .collect();
+    // Dropout 0.1 on the probabilities in flex's kernel (the GPUs' kernels
+    // have none: training there composes): against the composition with
+    // flex's dropout on the probabilities, the same seed giving the same
+    // mask (causal, then padded).
+    #[cfg(feature = "flex")]
+    if flex::runs_fused(&qkv) {
+        for (name, key_pad, causal) in
+            [("causal", None, true), ("padded", Some(pad.clone()), false)]
+        {
+            let run = |fused| {
+                let drop = super::ProbsDropout {
+                    seed: 0x6b69_6c6e_0000_0007,
+                    keep: 0.9,
+                };
+                attention_dropout_run(&qkv, &upstream, key_pad.clone(), causal, h, drop, fused)
+            };
+            let ((y, dqkv), (y_ref, dqkv_ref)) = (run(true), run(false));
+            let (kernel, tolerance) = f32_check(
+                &device,
+                format!("attention, {name}, dropout 0.1 (t={t})"),
+                ATTENTION_TOLERANCE,
+            );
+            checks.push(KernelCheck {
+                kernel,
+                fused,
+                max_abs_difference: max_abs(y, y_ref).max(max_abs(dqkv, dqkv_ref)),
+                tolerance,
+            });
+        }
+    }
     // Attention on the matrix unit (f16 or bf16 inputs, where the device
     // has an instruction for them; forward and backward): against the
     // composition in f32 on the same rounded inputs, its results rounded to
@@ -705,6 +735,34 @@ pub(super) fn attention_run(
 ) -> (Tensor<3>, Tensor<3>) {
     let qkv = qkv.clone().require_grad();
     let y = self_attention(qkv.clone(), heads, key_pad, causal, attention);
+    let grads = (y.clone() * upstream.clone()).sum().backward();
+    (y.detach(), qkv.grad(&grads).expect("qkv gradient"))
+}
+
+/// Self-attention's output and qkv gradient with the probabilities dropped
+/// out by `drop`, for the upstream gradient `upstream`: flex's fused kernel
+/// (`fused`), or the composition with flex's dropout on the probabilities
+/// (`[b, h, t, t]`, so element `(bh·t + i)·t + j` as in the kernel: the
+/// same mask).
+#[cfg(feature = "flex")]
+pub(super) fn attention_dropout_run(
+    qkv: &Tensor<3>,
+    upstream: &Tensor<3>,
+    key_pad: Option<Tensor<2, Bool>>,
+    causal: bool,
+    heads: usize,
+    drop: super::ProbsDropout,
+    fused: bool,
+) -> (Tensor<3>, Tensor<3>) {
+    let qkv = qkv.clone().require_grad();
+    let y = if fused {
+        let attention = AttentionKernel::MemoryEfficient;
+        super::attention_with(qkv.clone(), heads, key_pad, causal, attention, Some(drop))
+    } else {
+        let [q, k, v] = super::split_heads(qkv.clone(), heads);
+        let dropped = |p| flex::dropout(p, drop.seed, drop.keep);
+        crate::precision::attend(q, k, v, key_pad, causal, crate::ComputeDtype::F32, dropped)
+    };
     let grads = (y.clone() * upstream.clone()).sum().backward();
     (y.detach(), qkv.grad(&grads).expect("qkv gradient"))
 }

@@ -181,7 +181,28 @@ pub(crate) struct AttentionSpec {
     /// The matrix-unit kernels where the device and dtype have them
     /// (`AttentionKernel::MemoryEfficient` says no).
     pub(crate) matrix_unit: bool,
+    /// Dropout on the probabilities: flex's kernel alone takes it (the
+    /// other routes run the composition where it applies).
+    pub(crate) dropout: Option<ProbsDropout>,
 }
+
+/// Dropout on attention's probabilities (BERT's
+/// `attention_probs_dropout_prob`, nanoGPT's `attn_dropout`): the mask of
+/// `seed` ([`dropout_keeps`]) with probability `keep`, kept probabilities
+/// times `1 / keep`. Query `i`'s probability of key `j` in head `bh` (of
+/// the `batch × heads` heads, `t` positions) is element `(bh·t + i)·t + j`
+/// of the mask, whatever part of the `t × t` scores a head computes, so the
+/// backward pass draws the same mask again.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct ProbsDropout {
+    /// The mask's seed.
+    pub(crate) seed: u64,
+    /// The probability of keeping each, in (0, 1].
+    pub(crate) keep: f64,
+}
+
+// `keep` is a probability, never NaN.
+impl Eq for ProbsDropout {}
 
 /// Exact GELU, `x · Φ(x)`.
 pub fn gelu<const D: usize>(x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
@@ -212,20 +233,25 @@ pub fn dropout<const D: usize>(module: &Dropout, x: Tensor<D>, kernels: Kernels)
         && x.device().is_autodiff()
         && flex::runs_fused(&x)
     {
-        // Two uniform f32 draws of the device's generator, which the loop
-        // seeds each step: about 46 random bits (their mantissas).
-        let draw = burn::tensor::Distribution::Default;
-        let bits = Tensor::<1>::random([2], draw, &x.device().without_autodiff())
-            .into_data()
-            .try_into_vec::<f32>()
-            .unwrap_or_default();
-        let seed = bits
-            .iter()
-            .fold(0u64, |s, b| (s << 32) | u64::from(b.to_bits()));
+        let seed = draw_seed(&x.device());
         return flex::dropout(x, seed, 1.0 - module.prob);
     }
     let _ = kernels;
     module.forward(x)
+}
+
+/// A dropout mask's seed: two uniform f32 draws of `device`'s generator,
+/// which the loop seeds each step, so that a run's masks are as
+/// reproducible as Burn's: about 46 random bits (their mantissas).
+#[cfg(feature = "flex")]
+fn draw_seed(device: &burn::tensor::Device) -> u64 {
+    let draw = burn::tensor::Distribution::Default;
+    let bits = Tensor::<1>::random([2], draw, &device.clone().without_autodiff())
+        .into_data()
+        .try_into_vec::<f32>()
+        .unwrap_or_default();
+    bits.iter()
+        .fold(0u64, |s, b| (s << 32) | u64::from(b.to_bits()))
 }
 
 /// Whether [`gelu`] runs kiln's kernel for a tensor on `x`'s device in
@@ -260,10 +286,87 @@ pub fn self_attention(
     causal: bool,
     attention: AttentionKernel,
 ) -> Tensor<3> {
+    attention_with(qkv, heads, key_pad, causal, attention, None)
+}
+
+/// [`self_attention`] with dropout of probability `dropout` on the
+/// attention probabilities (BERT's `attention_probs_dropout_prob`,
+/// nanoGPT's `attn_dropout`) on an autodiff device; the caller gives 0
+/// where its model does not train. Where [`self_attention`] runs flex's
+/// fused kernel, the kernel drops them out, its mask a counter-based hash
+/// of a seed drawn from the device's generator and of each probability's
+/// place, made again in the backward pass rather than kept; everywhere
+/// else (the CubeCL kernels, which have no dropout, and Burn's attention)
+/// it runs the composition with the probabilities dropped out
+/// ([`dropout`] on them with `kernels`), which keeps the `heads × T × T`
+/// scores ([`attention_dropout_keeps_scores`]).
+pub fn self_attention_with_dropout(
+    qkv: Tensor<3>,
+    heads: usize,
+    key_pad: Option<Tensor<2, Bool>>,
+    causal: bool,
+    attention: AttentionKernel,
+    dropout: f64,
+    kernels: Kernels,
+) -> Tensor<3> {
+    if dropout <= 0.0 || !qkv.device().is_autodiff() {
+        return self_attention(qkv, heads, key_pad, causal, attention);
+    }
+    #[cfg(feature = "flex")]
+    if kernel_route(&qkv, heads, attention) == AttentionRoute::Flex {
+        let seed = draw_seed(&qkv.device());
+        let drop = ProbsDropout {
+            seed,
+            keep: 1.0 - dropout,
+        };
+        return attention_with(qkv, heads, key_pad, causal, attention, Some(drop));
+    }
+    let [q, k, v] = split_heads(qkv, heads);
+    let module = burn::nn::DropoutConfig::new(dropout).init();
+    let dropped = |probs| self::dropout(&module, probs, kernels);
+    crate::precision::attend(q, k, v, key_pad, causal, crate::ComputeDtype::F32, dropped)
+}
+
+/// Whether [`self_attention_with_dropout`] keeps the `heads × T × T` scores
+/// on `device` in `dtype` with `attention` where dropout applies: everywhere
+/// but where flex's fused kernel runs (f32 on flex, `attention` not
+/// `Math`), which drops the probabilities out itself.
+pub fn attention_dropout_keeps_scores(
+    device: &burn::tensor::Device,
+    dtype: crate::ComputeDtype,
+    attention: AttentionKernel,
+) -> bool {
+    #[cfg(feature = "flex")]
+    {
+        use burn::backend::DispatchDevice;
+        let on_flex = matches!(
+            device.clone().inner().as_dispatch(),
+            DispatchDevice::Flex(_)
+        );
+        !(on_flex && !dtype.is_reduced() && attention != AttentionKernel::Math)
+    }
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = (device, dtype, attention);
+        true
+    }
+}
+
+/// [`self_attention`], the probabilities dropped out with `dropout` where
+/// flex's fused kernel runs (elsewhere `dropout` is not looked at).
+pub(crate) fn attention_with(
+    qkv: Tensor<3>,
+    heads: usize,
+    key_pad: Option<Tensor<2, Bool>>,
+    causal: bool,
+    attention: AttentionKernel,
+    dropout: Option<ProbsDropout>,
+) -> Tensor<3> {
     let spec = AttentionSpec {
         heads,
         causal,
         matrix_unit: attention != AttentionKernel::MemoryEfficient,
+        dropout,
     };
     // (Whether CubeCL's kernels take the matrix unit is theirs to decide,
     // from `spec`, at each launch: not asked here as well.)
@@ -274,6 +377,7 @@ pub fn self_attention(
     }
     #[cfg(feature = "cube")]
     if route == AttentionRoute::Scalar {
+        debug_assert!(spec.dropout.is_none(), "the CubeCL kernels have no dropout");
         return cube::attention::self_attention(qkv, key_pad, spec);
     }
     let _ = (spec, route);
@@ -1052,7 +1156,7 @@ mod flex {
             key_pad: FloatTensor<Self>,
             spec: AttentionSpec,
         ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-            cpu::attention(qkv, key_pad, spec.heads, spec.causal)
+            cpu::attention(qkv, key_pad, spec)
         }
 
         fn kiln_attention_backward(
@@ -1063,7 +1167,7 @@ mod flex {
             lse: FloatTensor<Self>,
             grad: FloatTensor<Self>,
         ) -> FloatTensor<Self> {
-            cpu::attention_backward(qkv, key_pad, spec.heads, spec.causal, out, lse, grad)
+            cpu::attention_backward(qkv, key_pad, spec, out, lse, grad)
         }
 
         fn kiln_linear(
@@ -1451,6 +1555,8 @@ mod tests {
                 "attention, causal (t=75)",
                 "attention, padded (t=75)",
                 "attention, causal, heads 136 wide (t=75)",
+                "attention, causal, dropout 0.1 (t=75)",
+                "attention, padded, dropout 0.1 (t=75)",
                 "attention, queries that see no key (t=75)"
             ]
         );
@@ -1485,26 +1591,37 @@ mod tests {
         (a - b).abs().max().into_scalar()
     }
 
+    /// The attention tests' inputs: heads, the packed qkv, an upstream
+    /// gradient, and a key-padding mask from each batch entry's real
+    /// length. 19 positions fit one causal row block; 75 make blocks of 32,
+    /// 32 and a ragged 11 (`cpu::CAUSAL_BLOCK`), so the products that skip
+    /// the masked keys and the key-block gradients cross block edges.
+    fn attention_inputs(device: &Device) -> Vec<(usize, Tensor<3>, Tensor<3>, Tensor<2, Bool>)> {
+        // (batch, time, heads, head width, each batch entry's real length).
+        let shapes: [(usize, usize, usize, usize, &[i64]); 2] =
+            [(3, 19, 4, 8, &[19, 14, 18]), (2, 75, 2, 8, &[75, 40])];
+        let normal =
+            |shape: [usize; 3]| Tensor::<3>::random(shape, Distribution::Normal(0.0, 1.0), device);
+        shapes
+            .into_iter()
+            .map(|(b, t, h, hd, lengths)| {
+                let lengths = Tensor::<1, Int>::from_data(lengths, device).reshape([b, 1]);
+                let pad = Tensor::<1, Int>::arange(0..t as i64, device)
+                    .reshape([1, t])
+                    .expand([b, t])
+                    .greater_equal(lengths.expand([b, t]));
+                (h, normal([b, t, 3 * h * hd]), normal([b, t, h * hd]), pad)
+            })
+            .collect()
+    }
+
     #[test]
     fn fused_attention_matches_burn_attention_forward_and_backward() {
         let device = Device::flex().autodiff();
         device.seed(9);
-        // (batch, time, heads, head width, each batch entry's real length).
-        // 19 positions fit one causal row block; 75 make blocks of 32, 32
-        // and a ragged 11 (`cpu::CAUSAL_BLOCK`), so the products that skip
-        // the masked keys and the key-block gradients cross block edges.
-        let shapes: [(usize, usize, usize, usize, &[i64]); 2] =
-            [(3, 19, 4, 8, &[19, 14, 18]), (2, 75, 2, 8, &[75, 40])];
-        for (b, t, h, hd, lengths) in shapes {
-            let qkv =
-                Tensor::<3>::random([b, t, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device);
-            let upstream =
-                Tensor::<3>::random([b, t, h * hd], Distribution::Normal(0.0, 1.0), &device);
-            let lengths = Tensor::<1, Int>::from_data(lengths, &device).reshape([b, 1]);
-            let pad = Tensor::<1, Int>::arange(0..t as i64, &device)
-                .reshape([1, t])
-                .expand([b, t])
-                .greater_equal(lengths.expand([b, t]));
+        for (h, qkv, upstream, pad) in attention_inputs(&device) {
+            let [b, t, width] = qkv.dims();
+            let hd = width / 3 / h;
             // A strided input too: a projection seen through a transpose.
             let strided =
                 Tensor::<3>::random([t, b, 3 * h * hd], Distribution::Normal(0.0, 1.0), &device)
@@ -1533,6 +1650,92 @@ mod tests {
                 assert!(bwd < 1e-4, "{label}: backward differs by {bwd}");
             }
         }
+    }
+
+    /// flex's kernel with dropout on the probabilities against the
+    /// composition with flex's dropout on them under the same seed (the
+    /// same mask), forward and backward, over the shapes and masks of the
+    /// test above; and the dropout does drop (the output moves off the one
+    /// without it).
+    #[test]
+    fn fused_attention_dropout_matches_the_composition_with_the_same_mask() {
+        use super::check::attention_dropout_run;
+        let device = Device::flex().autodiff();
+        device.seed(10);
+        for (h, qkv, upstream, pad) in attention_inputs(&device) {
+            let t = qkv.dims()[1];
+            for (key_pad, causal) in [(None, true), (Some(pad.clone()), false), (Some(pad), true)] {
+                for (seed, keep) in [(3u64, 0.9), (0xdead_beef_0123_4567, 0.5)] {
+                    let label = format!(
+                        "t={t} padded={} causal={causal} keep={keep}",
+                        key_pad.is_some()
+                    );
+                    let drop = ProbsDropout { seed, keep };
+                    let run = |fused| {
+                        attention_dropout_run(
+                            &qkv,
+                            &upstream,
+                            key_pad.clone(),
+                            causal,
+                            h,
+                            drop,
+                            fused,
+                        )
+                    };
+                    let ((y, dqkv), (y_ref, dqkv_ref)) = (run(true), run(false));
+                    let (plain, _) = attention_run(
+                        &qkv,
+                        &upstream,
+                        key_pad.clone(),
+                        causal,
+                        h,
+                        AttentionKernel::Auto,
+                    );
+                    let moved = max_abs3(y.clone(), plain);
+                    assert!(
+                        moved > 0.1,
+                        "{label}: dropout changed the output by {moved} only"
+                    );
+                    let fwd = max_abs3(y, y_ref);
+                    let bwd = max_abs3(dqkv, dqkv_ref);
+                    assert!(fwd < 1e-5, "{label}: forward differs by {fwd}");
+                    assert!(bwd < 1e-4, "{label}: backward differs by {bwd}");
+                }
+            }
+        }
+    }
+
+    /// `self_attention_with_dropout`: the kernel's own seed drawn on an
+    /// autodiff device (two draws under one seed agree, another seed
+    /// differs), and no dropout where the device is not an autodiff one or
+    /// the probability is 0.
+    #[test]
+    fn attention_dropout_applies_while_training_only() {
+        let train = Device::flex().autodiff();
+        let infer = Device::flex();
+        let run = |device: &Device, seed: u64, p: f64| {
+            device.seed(seed);
+            let qkv = Tensor::<3>::from_data(
+                Tensor::<3>::random([2, 9, 48], Distribution::Normal(0.0, 1.0), &infer).into_data(),
+                device,
+            );
+            let y = self_attention_with_dropout(
+                qkv.clone(),
+                2,
+                None,
+                true,
+                AttentionKernel::Auto,
+                p,
+                Kernels::Fused,
+            );
+            let plain = self_attention(qkv, 2, None, true, AttentionKernel::Auto);
+            max_abs3(y, plain)
+        };
+        // (Another test's thread may draw from flex's generator between
+        // the seed and the draw, so a draw is compared only as moved or not.)
+        assert!(run(&train, 4, 0.5) > 0.1, "dropout while training");
+        assert_eq!(run(&train, 4, 0.0), 0.0, "no dropout at 0");
+        assert_eq!(run(&infer, 4, 0.5), 0.0, "no dropout off autodiff");
     }
 
     /// A `[b, t]` key-padding mask, true in the `[start, end)` spans of

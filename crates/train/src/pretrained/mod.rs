@@ -197,7 +197,8 @@ pub(crate) fn config_for_folder(
         shape.intermediate,
         shape.gelu,
     );
-    (m.max_length, m.vocab_multiple, m.dropout) = (shape.positions, 1, 0.0);
+    (m.max_length, m.vocab_multiple) = (shape.positions, 1);
+    (m.dropout, m.attention_dropout) = (0.0, 0.0);
     m.init_from = Some(folder.display().to_string());
     config.data.tokenizer_file = Some(folder.join("tokenizer.json").display().to_string());
     Ok(config)

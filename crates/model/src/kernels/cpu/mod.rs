@@ -216,6 +216,30 @@ pub(crate) fn dropout(x: FlexTensor, seed: u64, keep: f64) -> FlexTensor {
     x
 }
 
+simd_levels! {
+    /// [`ProbsDropout`]'s mask over one head's `t × keys` buffer (`p`,
+    /// [`Span`]), that head's first element of the mask at `first`: each
+    /// row's visible keys kept times `scale` or zeroed.
+    fn drop_head(p: &mut [f32], span: Span, first: u64, seed: u64, threshold: u32, scale: f32) {
+        for (i, row) in p.chunks_exact_mut(span.keys).enumerate() {
+            let at = first + (i * span.t) as u64;
+            for (j, v) in row[..span.visible(i)].iter_mut().enumerate() {
+                let keep = dropout_keeps(seed, at + j as u64, threshold);
+                *v = if keep { *v * scale } else { 0.0 };
+            }
+        }
+    }
+}
+
+impl super::ProbsDropout {
+    /// Applies the mask to head `bh`'s buffer `p` ([`drop_head`]).
+    fn apply(self, p: &mut [f32], span: Span, bh: usize) {
+        let first = (bh * span.t * span.t) as u64;
+        let (threshold, scale) = (dropout_threshold(self.keep), (1.0 / self.keep) as f32);
+        drop_head(p, span, first, self.seed, threshold, scale);
+    }
+}
+
 /// Exact GELU, forward.
 pub(crate) fn gelu(x: FlexTensor) -> FlexTensor {
     let x = contiguous(x);
@@ -574,16 +598,19 @@ unsafe fn gemm_call(
 /// heads of `d / heads`), one head per rayon task, the scores of one head
 /// at a time in a task-local buffer (`time × keys`, [`Span`]; never the
 /// whole `[b, h, t, t]` tensor). `key_pad` (`[batch, time]`, 1.0 where a key is
-/// padding; all zeros for none) and `causal` mask keys. Returns the output
+/// padding; all zeros for none) and `spec.causal` mask keys; `spec.heads`
+/// heads. Returns the output
 /// with the heads merged (`[batch, time, d]`) and the log-sum-exp of each
 /// query's scores (`[batch, heads, time]`), which the backward pass uses to
-/// rebuild the probabilities. A query that sees no key gets zeros.
+/// rebuild the probabilities. A query that sees no key gets zeros. With
+/// `spec.dropout`, the probabilities are dropped out before they weigh the
+/// values (the log-sum-exp is of the scores before it).
 pub(crate) fn attention(
     qkv: FlexTensor,
     key_pad: FlexTensor,
-    heads: usize,
-    causal: bool,
+    spec: super::AttentionSpec,
 ) -> (FlexTensor, FlexTensor) {
+    let (heads, causal, dropout) = (spec.heads, spec.causal, spec.dropout);
     let qkv = positive(qkv);
     let key_pad = contiguous(key_pad);
     let d = qkv.layout().shape()[2] / 3;
@@ -616,6 +643,9 @@ pub(crate) fn attention(
                 let vm = Mat(vh.head(bi, hi), vh.row_stride(), vh.col_stride());
                 let mut p = square(span, hd, qm, km.t(), scale);
                 softmax_rows(&mut p, lse, span, pad);
+                if let Some(drop) = dropout {
+                    drop.apply(&mut p, span, bh);
+                }
                 let om = Mat(out_at, d as isize, 1);
                 let pm = Mat(p.as_ptr(), span.keys as isize, 1);
                 // O = P V, each row block over the keys it sees.
@@ -899,12 +929,12 @@ fn mask_row(row: &mut [f32], n: usize, pad: Option<&[f32]>) {
 pub(crate) fn attention_backward(
     qkv: FlexTensor,
     key_pad: FlexTensor,
-    heads: usize,
-    causal: bool,
+    spec: super::AttentionSpec,
     out: FlexTensor,
     lse: FlexTensor,
     grad: FlexTensor,
 ) -> FlexTensor {
+    let (heads, causal, dropout) = (spec.heads, spec.causal, spec.dropout);
     let (qkv, out, grad) = (positive(qkv), positive(out), positive(grad));
     let (key_pad, lse) = (contiguous(key_pad), contiguous(lse));
     let d = qkv.layout().shape()[2] / 3;
@@ -964,23 +994,32 @@ pub(crate) fn attention_backward(
                 let mut p = square(span, hd, qm, km.t(), scale);
                 probabilities(&mut p, lse, span, pad);
                 let width = span.keys as isize;
-                let pm = Mat(p.as_ptr(), width, 1);
-                // dP = dO Vᵀ, then dS = P ⊙ (dP − delta) · scale, into dp.
+                // dP = dO Vᵀ (with dropout, of the dropped-out
+                // probabilities: through the mask, the gradient of P), then
+                // dS = P ⊙ (dP − delta) · scale, into dp. `delta` is the
+                // same with dropout: Σ_j P ⊙ dP = dO · O.
                 let mut dp = square(span, hd, gm, vm.t(), 1.0);
+                if let Some(drop) = dropout {
+                    drop.apply(&mut dp, span, bh);
+                }
                 score_grads(&mut dp, &p, &delta, span, scale);
                 let dsm = Mat(dp.as_ptr(), width, 1);
                 // dQ = dS K, each query block over the keys it sees.
                 for (r0, r1, n) in span.row_blocks() {
                     matmul(r1 - r0, hd, n, part(0).at(r0, 0), dsm.at(r0, 0), km, 1.0);
                 }
-                // dV = Pᵀ dO and dK = dSᵀ Q, each key block over the queries
-                // that see it: with the causal mask, queries from its first
-                // key on.
-                for (c0, c1, from) in span.key_blocks() {
-                    let keys = c1 - c0;
-                    for (which, weights, by) in [(2, pm, gm), (1, dsm, qm)] {
+                // dK = dSᵀ Q and dV = P′ᵀ dO (P′ the probabilities that
+                // weighed the values: dropped out with dropout), each key
+                // block over the queries that see it: with the causal mask,
+                // queries from its first key on.
+                if let Some(drop) = dropout {
+                    drop.apply(&mut p, span, bh);
+                }
+                let pm = Mat(p.as_ptr(), width, 1);
+                for (which, weights, by) in [(1, dsm, qm), (2, pm, gm)] {
+                    for (c0, c1, from) in span.key_blocks() {
                         let (dst, lhs) = (part(which).at(c0, 0), weights.at(from, c0).t());
-                        matmul(keys, hd, t - from, dst, lhs, by.at(from, 0), 1.0);
+                        matmul(c1 - c0, hd, t - from, dst, lhs, by.at(from, 0), 1.0);
                     }
                 }
             })
