@@ -330,6 +330,34 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
         );
     }
 
+    // Small micro-batches accumulated where memory has room for larger.
+    if memory.fits()
+        && let Some((micro, bytes)) = larger_micro_batch(c, memory)
+    {
+        let effective = t.batch_size * t.gradient_accumulation_steps.max(1);
+        add(
+            Severity::Warning,
+            "training.batch_size",
+            format!(
+                "micro-batches of {} × {block} tokens (model.max_length), {} a step, are small for {}: memory has room for micro-batches of {micro} (about {} estimated of {} {})",
+                t.batch_size,
+                t.gradient_accumulation_steps,
+                if is_gpu {
+                    "the GPU"
+                } else {
+                    "the CPU's matrix products"
+                },
+                gib(bytes),
+                gib(memory.available),
+                memory.available_what,
+            ),
+            format!(
+                "training.batch_size={micro} with training.gradient_accumulation_steps={} keeps the effective batch of {effective} (`kiln tune` measures the choice)",
+                effective / micro
+            ),
+        );
+    }
+
     // Memory.
     if !memory.fits() {
         let per_sample = (memory.total - memory.weights - memory.gradients - memory.optimizer)
@@ -366,6 +394,36 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
         );
     }
     out
+}
+
+/// Tokens in a micro-batch (`batch_size × model.max_length`) below which
+/// accumulating several of them leaves the matrix products too small to
+/// keep the cores busy. Measured on the encoder on 2 cores (the same 16
+/// pairs a step, padded to 128): 2 × 8 171–177 samples/s, 4 × 4 221–228,
+/// 8 × 2 245–248, 16 × 1 247–249 (docs/PERFORMANCE.md, "The `cpu`
+/// preset's encoder batch"); a GPU's products want more still.
+pub const SMALL_MICRO_BATCH_TOKENS: usize = 1024;
+
+/// Where the config accumulates micro-batches of fewer than
+/// [`SMALL_MICRO_BATCH_TOKENS`] tokens and memory has room for larger ones
+/// (the estimate within half of what is available): the smallest divisor
+/// of the effective batch that reaches that many tokens (or the whole
+/// effective batch), and the step's estimated memory with it.
+fn larger_micro_batch(c: &RunConfig, memory: &MemoryEstimate) -> Option<(usize, u64)> {
+    let t = &c.training;
+    let len = c.model.max_length.max(1);
+    if t.gradient_accumulation_steps <= 1 || t.batch_size * len >= SMALL_MICRO_BATCH_TOKENS {
+        return None;
+    }
+    let effective = t.batch_size * t.gradient_accumulation_steps;
+    let micro = crate::divisors(effective)
+        .into_iter()
+        .find(|d| d * len >= SMALL_MICRO_BATCH_TOKENS)
+        .unwrap_or(effective);
+    let fixed = memory.weights + memory.gradients + memory.optimizer;
+    let per_sample = memory.total.saturating_sub(fixed) / t.batch_size.max(1) as u64;
+    let bytes = fixed + per_sample * micro as u64;
+    (micro > t.batch_size && bytes <= memory.available / 2).then_some((micro, bytes))
 }
 
 /// The checks of the step budget against evaluation, logging, checkpoints
@@ -456,5 +514,48 @@ pub fn gib(bytes: u64) -> String {
         format!("{:.1} GiB", b / f64::from(1u32 << 30))
     } else {
         format!("{:.0} MiB", b / f64::from(1u32 << 20))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tests::config;
+    use crate::{ModelSize, estimate_memory};
+
+    /// The micro-batch [`larger_micro_batch`] raises the encoder's to with
+    /// `available` bytes, for `batch × accumulation` (or the preset's).
+    fn raised(batch: Option<(usize, usize)>, available: u64) -> Option<usize> {
+        let mut overrides = vec!["experiment=nli_snli".to_string()];
+        if let Some((b, a)) = batch {
+            overrides.push(format!("training.batch_size={b}"));
+            overrides.push(format!("training.gradient_accumulation_steps={a}"));
+        }
+        let refs: Vec<&str> = overrides.iter().map(String::as_str).collect();
+        let c = config(&refs);
+        let size = ModelSize {
+            parameters: 5_000_000,
+            trainable: 5_000_000,
+        };
+        let mut memory = estimate_memory(&c, 8000, size);
+        memory.available = available;
+        larger_micro_batch(&c, &memory).map(|(micro, _)| micro)
+    }
+
+    #[test]
+    fn small_accumulated_micro_batches_are_raised_where_memory_has_room() {
+        let ample = 24 << 30;
+        // Pairs of 128 tokens: 8 of them are the 1,024 tokens, the fewest
+        // that divide the effective batch of 16.
+        assert_eq!(raised(Some((2, 8)), ample), Some(8));
+        assert_eq!(raised(Some((4, 4)), ample), Some(8));
+        // The `cpu` preset's 8 × 2 and no accumulation are left alone.
+        assert_eq!(raised(None, ample), None);
+        assert_eq!(raised(Some((8, 2)), ample), None);
+        assert_eq!(raised(Some((2, 1)), ample), None);
+        // No divisor of 2 × 3 reaches 1,024 tokens: the whole batch.
+        assert_eq!(raised(Some((2, 3)), ample), Some(6));
+        // Without room (the estimate above half of what is available).
+        assert_eq!(raised(Some((2, 8)), 64 << 20), None);
     }
 }

@@ -33,8 +33,8 @@ use kiln_config::RunConfig;
 use kiln_hwdetect::{GpuInfo, HardwareReport};
 
 pub use checks::{
-    Burst, CheckInput, DataSize, Finding, Severity, check_config, check_schedule, gib,
-    loader_verdict,
+    Burst, CheckInput, DataSize, Finding, SMALL_MICRO_BATCH_TOKENS, Severity, check_config,
+    check_schedule, gib, loader_verdict,
 };
 pub use memory::{
     AttentionMemory, LogitsMemory, MemoryEstimate, ModelSize, estimate_memory, estimate_memory_with,
