@@ -224,13 +224,16 @@ fn a_rank_killed_ends_the_job_and_the_resumed_job_matches_an_uninterrupted_one()
         "the resumed job's last checkpoint is the uninterrupted job's, bit for bit"
     );
     // With --max-restarts the launcher does that itself: it fixes the
-    // folder the run.dir template names ({time} included) before the ranks
-    // start, and when a rank dies every rank resumes it from its last
-    // checkpoint.
+    // folder the run.dir template names ({time} included; {data}, the
+    // corpus's name, too) before the ranks start, and when a rank dies
+    // every rank resumes it from its last checkpoint.
     let parent = dir.join("restarts");
     let mut args = launch_args(dir, "unused", steps, 2, &batch);
     args.splice(1..1, ["--max-restarts".to_string(), "2".into()]);
-    args.push(format!("run.dir={}/{{time}}-job", parent.display()));
+    args.push(format!(
+        "run.dir={}/{{time}}-{{data}}-job",
+        parent.display()
+    ));
     let launcher = start_until(&args, &parent);
     // Rank 0 makes the parent, then the run folder in it.
     let run_dir = crate::support::poll("the run folder", || {
@@ -238,7 +241,7 @@ fn a_rank_killed_ends_the_job_and_the_resumed_job_matches_an_uninterrupted_one()
             .ok()?
             .flatten()
             .map(|e| e.path())
-            .find(|p| p.to_string_lossy().ends_with("-job"))
+            .find(|p| p.to_string_lossy().ends_with("-corpus-job"))
     });
     crate::support::wait_for(&ckpt(&run_dir, 100));
     signal(rank_pid(launcher.id(), 1).expect("rank 1 runs"), "-KILL");

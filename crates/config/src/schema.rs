@@ -58,7 +58,9 @@ pub enum Workload {
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct RunSection {
-    /// Run directory; `{time}` and `{experiment}` are filled in at start.
+    /// Run directory; `{time}`, `{experiment}` and `{data}` (the data
+    /// file's name without its extension, or the folder's) are filled in
+    /// at start ([`RunConfig::run_dir_template`] fills the last two).
     pub dir: String,
 }
 
@@ -724,7 +726,36 @@ pub fn label_order(names: &[String], labels: &[String]) -> Option<Vec<usize>> {
         .collect()
 }
 
+/// The placeholders `run.dir` may hold.
+pub const RUN_DIR_PLACEHOLDERS: [&str; 3] = ["{time}", "{experiment}", "{data}"];
+
 impl RunConfig {
+    /// `run.dir` with `{experiment}` and `{data}` filled in: the data's
+    /// name is `data.path`'s last part without its extension
+    /// (`data/tinyshakespeare.txt` → `tinyshakespeare`, a shard folder
+    /// `corpus/` → `corpus`). `{time}` is left for the run's start.
+    ///
+    /// ```
+    /// let mut config = kiln_config::RunConfig::default();
+    /// config.run.dir = "runs/{time}-{experiment}-{data}".into();
+    /// config.data.path = "corpora/wiki.txt".into();
+    /// assert_eq!(config.run_dir_template(), "runs/{time}-shakespeare_char-wiki");
+    /// ```
+    pub fn run_dir_template(&self) -> String {
+        self.run
+            .dir
+            .replace("{experiment}", &self.experiment)
+            .replace("{data}", &self.data_name())
+    }
+
+    /// The data's name in `run.dir`'s `{data}`: `data.path`'s last part
+    /// without its extension ("data" where it has none).
+    pub fn data_name(&self) -> String {
+        let path = std::path::Path::new(&self.data.path);
+        path.file_stem()
+            .map_or_else(|| "data".into(), |n| n.to_string_lossy().into_owned())
+    }
+
     /// Checks what types cannot: ranges and relations between keys.
     pub fn validate(&self) -> Vec<RangeProblem> {
         let mut out = Vec::new();
@@ -736,6 +767,21 @@ impl RunConfig {
                 });
             }
         };
+        // A `{...}` in run.dir that is none of the placeholders is a typo.
+        let mut rest = self.run.dir.as_str();
+        while let Some(open) = rest.find('{') {
+            let close = rest[open..].find('}').map(|c| open + c + 1);
+            let token = &rest[open..close.unwrap_or(rest.len())];
+            check(
+                RUN_DIR_PLACEHOLDERS.contains(&token),
+                "run.dir",
+                &format!(
+                    "`{token}` is not a placeholder kiln fills in: use {}",
+                    RUN_DIR_PLACEHOLDERS.join(", ")
+                ),
+            );
+            rest = &rest[close.unwrap_or(rest.len())..];
+        }
         let m = &self.model;
         check(m.layers >= 1, "model.layers", "must be at least 1");
         check(m.heads >= 1, "model.heads", "must be at least 1");

@@ -375,6 +375,14 @@ fn bad_values_name_key_value_and_layer() {
             &["model.dropout", "must be in [0, 1)"],
         ),
         (
+            &["run.dir=runs/{date}-{experiment}"],
+            &[],
+            &[
+                "run.dir",
+                "`{date}` is not a placeholder kiln fills in: use {time}, {experiment}, {data}",
+            ],
+        ),
+        (
             &["model.attention_dropout=1"],
             &[],
             &["model.attention_dropout", "must be in [0, 1)"],

@@ -31,7 +31,7 @@ pub struct RunDir {
 
 impl RunDir {
     /// Creates a fresh run folder from the `run.dir` template (`{time}`,
-    /// `{experiment}`). An existing folder that already holds a run is
+    /// `{experiment}`; `RunConfig::run_dir_template` fills `{data}`). An existing folder that already holds a run is
     /// refused, so nothing saved is overwritten.
     pub fn create(template: &str, experiment: &str) -> Result<Self, TrainError> {
         let path = Self::path_of(template, experiment, std::time::SystemTime::now());
@@ -80,7 +80,7 @@ impl RunDir {
         config: &kiln_config::RunConfig,
         options: &crate::TrainOptions,
     ) -> Result<Self, TrainError> {
-        let run = Self::create(&config.run.dir, &config.experiment)?;
+        let run = Self::create(&config.run_dir_template(), &config.experiment)?;
         run.write_config(config)?;
         run.write("config-sources.txt", &(options.sources.join("\n") + "\n"))?;
         run.write(

@@ -255,7 +255,7 @@ impl Restart {
             "train" => {
                 let line = TrainLine::try_parse_from(&command[1..]).map_err(bad)?;
                 let resolved = ctx.resolve(&line.args.layers)?;
-                let template = &resolved.config.run.dir;
+                let template = &resolved.config.run_dir_template();
                 if nnodes > 1 && template.contains("{time}") {
                     return Err(BadInput(format!(
                         "`kiln launch --max-restarts` on {nnodes} nodes needs a run directory every node names alike, but run.dir is `{template}` (each node's clock fills in {{time}}): set run.dir=<a folder on a shared filesystem> on every node"

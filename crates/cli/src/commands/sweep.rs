@@ -327,7 +327,11 @@ pub(crate) fn run(start: &Start<'_>, ctx: &Context) -> anyhow::Result<ExitCode> 
     } else {
         "sweep".to_string()
     };
-    let dir = kiln_train::RunDir::path_of(&configs[0].run.dir, &name, std::time::SystemTime::now());
+    let template = configs[0]
+        .run
+        .dir
+        .replace("{data}", &configs[0].data_name());
+    let dir = kiln_train::RunDir::path_of(&template, &name, std::time::SystemTime::now());
     if dir.join(RECORD).exists() || dir.join("config.toml").exists() {
         return Err(BadInput(format!(
             "`{}` already holds a {}; resume it with `kiln resume {}`, or choose another run.dir",
