@@ -336,11 +336,7 @@ impl EncoderBlock {
             c,
             k,
             a,
-            if self.dropout.training.is_enabled() {
-                self.attention_dropout
-            } else {
-                0.0
-            },
+            precision::while_training(&self.dropout, self.attention_dropout),
         );
         let x = kernels::layer_norm_with(
             &self.ln1,

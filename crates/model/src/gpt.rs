@@ -275,19 +275,10 @@ impl Block {
             c,
             k,
             a,
-            self.attention_dropout(),
+            precision::while_training(&self.dropout, self.attention_dropout),
         );
         let x = x + kernels::dropout(&self.dropout, y, k);
         x.clone() + kernels::dropout(&self.dropout, self.mlp(x, c, k), k)
-    }
-
-    /// The attention probabilities' dropout where the block trains, else 0.
-    fn attention_dropout(&self) -> f64 {
-        if self.dropout.training.is_enabled() {
-            self.attention_dropout
-        } else {
-            0.0
-        }
     }
 
     /// The MLP branch of `x`: `mlp_proj(gelu(fc(ln2(x))))`.

@@ -172,13 +172,27 @@ pub(crate) fn attention(
         kernels::self_attention(packed, heads, key_pad, causal, attention)
     } else {
         let packed = linear(qkv, x, dtype, kernels);
-        let module = burn::nn::DropoutConfig::new(dropout).init();
-        let dropped = |probs| kernels::dropout(&module, probs, kernels);
+        let dropped = kernels::dropout_with(dropout, kernels);
         reduced_attention(packed, heads, key_pad, causal, dtype, dropped)
     };
     // In `dtype` where the kernels took it: `linear`'s cast of its input is
     // then no operation.
     linear(proj, y, dtype, kernels)
+}
+
+/// `p`, a layer's dropout on attention's probabilities, where `module` (its
+/// dropout) trains, else 0: what [`attention`] takes.
+pub(crate) fn while_training(module: &burn::nn::Dropout, p: f64) -> f64 {
+    if module.training.is_enabled() { p } else { 0.0 }
+}
+
+/// `a · b` with the product in `dtype`; the result is f32.
+pub(crate) fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>, dtype: ComputeDtype) -> Tensor<D> {
+    if !dtype.is_reduced() {
+        return a.matmul(b);
+    }
+    let low = dtype.float_dtype();
+    a.cast(low).matmul(b.cast(low)).cast(FloatDType::F32)
 }
 
 /// Multi-head self-attention of a packed `[b, t, 3·d]` projection (see
@@ -196,15 +210,6 @@ fn reduced_attention(
 ) -> Tensor<3> {
     let [q, k, v] = kernels::split_heads(qkv, heads);
     attend(q, k, v, key_pad, causal, dtype, dropped)
-}
-
-/// `a · b` with the product in `dtype`; the result is f32.
-pub(crate) fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>, dtype: ComputeDtype) -> Tensor<D> {
-    if !dtype.is_reduced() {
-        return a.matmul(b);
-    }
-    let low = dtype.float_dtype();
-    a.cast(low).matmul(b.cast(low)).cast(FloatDType::F32)
 }
 
 /// Attention of queries `q` (`[b, h, t, d]`) over keys `k` and values `v`

@@ -360,10 +360,8 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
 
     // Memory.
     if !memory.fits() {
-        let per_sample = (memory.total - memory.weights - memory.gradients - memory.optimizer)
-            / t.batch_size.max(1) as u64;
+        let (fixed, per_sample) = fixed_and_per_sample(memory, t.batch_size);
         let room = (0.9 * memory.available as f64) as u64;
-        let fixed = memory.weights + memory.gradients + memory.optimizer;
         let fits = (room.saturating_sub(fixed) / per_sample.max(1)) as usize;
         // The largest divisor of the effective batch that fits keeps it exactly.
         let effective = t.batch_size * t.gradient_accumulation_steps.max(1);
@@ -420,10 +418,17 @@ fn larger_micro_batch(c: &RunConfig, memory: &MemoryEstimate) -> Option<(usize, 
         .into_iter()
         .find(|d| d * len >= SMALL_MICRO_BATCH_TOKENS)
         .unwrap_or(effective);
-    let fixed = memory.weights + memory.gradients + memory.optimizer;
-    let per_sample = memory.total.saturating_sub(fixed) / t.batch_size.max(1) as u64;
+    let (fixed, per_sample) = fixed_and_per_sample(memory, t.batch_size);
     let bytes = fixed + per_sample * micro as u64;
     (micro > t.batch_size && bytes <= memory.available / 2).then_some((micro, bytes))
+}
+
+/// The estimate's bytes that do not grow with the micro-batch (weights,
+/// gradients, AdamW's moments) and those each of its `batch` samples adds.
+fn fixed_and_per_sample(memory: &MemoryEstimate, batch: usize) -> (u64, u64) {
+    let fixed = memory.weights + memory.gradients + memory.optimizer;
+    let per_sample = memory.total.saturating_sub(fixed) / batch.max(1) as u64;
+    (fixed, per_sample)
 }
 
 /// The checks of the step budget against evaluation, logging, checkpoints

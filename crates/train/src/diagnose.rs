@@ -85,15 +85,12 @@ pub fn diagnose(
             let p = run_precision(config, d, hardware);
             let kernels = crate::translate::kernels(config);
             let choice = kernels.attention(crate::translate::attention(config));
-            // Dropout on the probabilities runs the composition wherever
-            // flex's kernel does not run.
-            let dropout_keeps = config.model.attention_dropout > 0.0
-                && kiln_model::kernels::attention_dropout_keeps_scores(
-                    &d.device, p.compute, choice,
-                );
-            let attention = if dropout_keeps
-                || kiln_model::kernels::attention_keeps_scores(&d.device, p.compute, choice)
-            {
+            let attention = if kiln_model::kernels::attention_keeps_scores(
+                &d.device,
+                p.compute,
+                choice,
+                config.model.attention_dropout,
+            ) {
                 AttentionMemory::Scores
             } else {
                 AttentionMemory::LogSumExp

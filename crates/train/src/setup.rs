@@ -272,11 +272,11 @@ pub(crate) fn attention_dropout_composes(
     device: &DeviceChoice,
     precision: &PrecisionChoice,
 ) -> bool {
-    use kiln_model::kernels::{attention_dropout_keeps_scores, attention_keeps_scores};
+    use kiln_model::kernels::attention_keeps_scores;
     let choice = crate::translate::kernels(c).attention(crate::translate::attention(c));
-    c.model.attention_dropout > 0.0
-        && !attention_keeps_scores(&device.device, precision.compute, choice)
-        && attention_dropout_keeps_scores(&device.device, precision.compute, choice)
+    let keeps =
+        |dropout| attention_keeps_scores(&device.device, precision.compute, choice, dropout);
+    !keeps(0.0) && keeps(c.model.attention_dropout)
 }
 
 /// The precision line's words on TF32 for a GPU that has it: which f32

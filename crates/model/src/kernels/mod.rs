@@ -240,6 +240,16 @@ pub fn dropout<const D: usize>(module: &Dropout, x: Tensor<D>, kernels: Kernels)
     module.forward(x)
 }
 
+/// [`dropout`] of probability `p` (in training) as a function of the
+/// tensor: what the compositions apply to attention's probabilities.
+pub(crate) fn dropout_with<const D: usize>(
+    p: f64,
+    kernels: Kernels,
+) -> impl Fn(Tensor<D>) -> Tensor<D> {
+    let module = burn::nn::DropoutConfig::new(p).init();
+    move |x| dropout(&module, x, kernels)
+}
+
 /// A dropout mask's seed: two uniform f32 draws of `device`'s generator,
 /// which the loop seeds each step, so that a run's masks are as
 /// reproducible as Burn's: about 46 random bits (their mantissas).
@@ -299,7 +309,7 @@ pub fn self_attention(
 /// else (the CubeCL kernels, which have no dropout, and Burn's attention)
 /// it runs the composition with the probabilities dropped out
 /// ([`dropout`] on them with `kernels`), which keeps the `heads × T × T`
-/// scores ([`attention_dropout_keeps_scores`]).
+/// scores ([`attention_keeps_scores`] with the dropout).
 pub fn self_attention_with_dropout(
     qkv: Tensor<3>,
     heads: usize,
@@ -322,34 +332,8 @@ pub fn self_attention_with_dropout(
         return attention_with(qkv, heads, key_pad, causal, attention, Some(drop));
     }
     let [q, k, v] = split_heads(qkv, heads);
-    let module = burn::nn::DropoutConfig::new(dropout).init();
-    let dropped = |probs| self::dropout(&module, probs, kernels);
+    let dropped = dropout_with(dropout, kernels);
     crate::precision::attend(q, k, v, key_pad, causal, crate::ComputeDtype::F32, dropped)
-}
-
-/// Whether [`self_attention_with_dropout`] keeps the `heads × T × T` scores
-/// on `device` in `dtype` with `attention` where dropout applies: everywhere
-/// but where flex's fused kernel runs (f32 on flex, `attention` not
-/// `Math`), which drops the probabilities out itself.
-pub fn attention_dropout_keeps_scores(
-    device: &burn::tensor::Device,
-    dtype: crate::ComputeDtype,
-    attention: AttentionKernel,
-) -> bool {
-    #[cfg(feature = "flex")]
-    {
-        use burn::backend::DispatchDevice;
-        let on_flex = matches!(
-            device.clone().inner().as_dispatch(),
-            DispatchDevice::Flex(_)
-        );
-        !(on_flex && !dtype.is_reduced() && attention != AttentionKernel::Math)
-    }
-    #[cfg(not(feature = "flex"))]
-    {
-        let _ = (device, dtype, attention);
-        true
-    }
 }
 
 /// [`self_attention`], the probabilities dropped out with `dropout` where
@@ -549,11 +533,16 @@ fn is_cuda(device: &burn::tensor::Device) -> bool {
 /// attention (`Math`, other backends) and the
 /// reduced-precision composition on the CPU do; flex's kernel (f32) and the
 /// memory-efficient CubeCL kernels (wgpu, CUDA; any of the three dtypes)
-/// keep one log-sum-exp per query and head. What memory estimates count.
+/// keep one log-sum-exp per query and head. With `dropout` on the
+/// probabilities (a training step's `model.attention_dropout`), the CubeCL
+/// kernels, which have none, leave it to the composition
+/// ([`self_attention_with_dropout`]): flex's kernel alone keeps no scores
+/// then. What memory estimates count.
 pub fn attention_keeps_scores(
     device: &burn::tensor::Device,
     dtype: crate::ComputeDtype,
     attention: AttentionKernel,
+    dropout: f64,
 ) -> bool {
     #[cfg(any(feature = "flex", feature = "cube"))]
     use burn::backend::DispatchDevice;
@@ -569,10 +558,10 @@ pub fn attention_keeps_scores(
         #[cfg(feature = "flex")]
         DispatchDevice::Flex(_) => dtype.is_reduced(),
         #[cfg(feature = "cube")]
-        DispatchDevice::Cube(d) if cube_gpu(d) => false,
+        DispatchDevice::Cube(d) if cube_gpu(d) => dropout > 0.0,
         #[allow(unreachable_patterns)]
         _ => {
-            let _ = dtype;
+            let _ = (dtype, dropout);
             true
         }
     }
@@ -1829,8 +1818,9 @@ mod tests {
     fn only_burns_attention_and_the_reduced_composition_keep_scores() {
         use crate::ComputeDtype;
         let device = Device::flex();
-        let keeps =
-            |device: &Device, dtype, attention| attention_keeps_scores(device, dtype, attention);
+        let keeps = |device: &Device, dtype, attention| {
+            attention_keeps_scores(device, dtype, attention, 0.0)
+        };
         assert!(!keeps(&device, ComputeDtype::F32, AttentionKernel::Auto));
         assert!(!keeps(
             &device,

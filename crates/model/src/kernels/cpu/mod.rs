@@ -192,12 +192,37 @@ pub(crate) fn dropout_threshold(keep: f64) -> u32 {
     (keep * 4_294_967_296.0).min(f64::from(u32::MAX)) as u32
 }
 
-simd_levels! {
-    fn dropout_slice(values: &mut [f32], first: u64, seed: u64, threshold: u32, scale: f32) {
-        for (j, v) in values.iter_mut().enumerate() {
-            let keep = dropout_keeps(seed, first + j as u64, threshold);
-            *v = if keep { *v * scale } else { 0.0 };
+/// A dropout mask and its scale: elements kept where [`dropout_keeps`]
+/// says so under `seed`, times `1 / keep`; the others 0.
+#[derive(Clone, Copy, Debug)]
+struct Mask {
+    seed: u64,
+    threshold: u32,
+    scale: f32,
+}
+
+impl Mask {
+    fn new(seed: u64, keep: f64) -> Self {
+        Self {
+            seed,
+            threshold: dropout_threshold(keep),
+            scale: (1.0 / keep) as f32,
         }
+    }
+
+    /// The mask over `values`, elements `first ..` of it.
+    #[inline(always)]
+    fn apply(self, values: &mut [f32], first: u64) {
+        for (j, v) in values.iter_mut().enumerate() {
+            let keep = dropout_keeps(self.seed, first + j as u64, self.threshold);
+            *v = if keep { *v * self.scale } else { 0.0 };
+        }
+    }
+}
+
+simd_levels! {
+    fn dropout_slice(values: &mut [f32], first: u64, mask: Mask) {
+        mask.apply(values, first);
     }
 }
 
@@ -207,26 +232,22 @@ simd_levels! {
 /// applies the same mask and scale.
 pub(crate) fn dropout(x: FlexTensor, seed: u64, keep: f64) -> FlexTensor {
     let mut x = owned(x);
-    let (threshold, scale) = (dropout_threshold(keep), (1.0 / keep) as f32);
+    let mask = Mask::new(seed, keep);
     let values = writable(&mut x).expect("`owned` returns a writable tensor");
     values
         .par_chunks_mut(CHUNK)
         .enumerate()
-        .for_each(|(c, v)| dropout_slice(v, (c * CHUNK) as u64, seed, threshold, scale));
+        .for_each(|(c, v)| dropout_slice(v, (c * CHUNK) as u64, mask));
     x
 }
 
 simd_levels! {
-    /// [`ProbsDropout`]'s mask over one head's `t × keys` buffer (`p`,
-    /// [`Span`]), that head's first element of the mask at `first`: each
-    /// row's visible keys kept times `scale` or zeroed.
-    fn drop_head(p: &mut [f32], span: Span, first: u64, seed: u64, threshold: u32, scale: f32) {
+    /// The mask over one head's `t × keys` buffer (`p`, [`Span`]), that
+    /// head's first element of the mask at `first`: each row's visible
+    /// keys, row `i` at `first + i·t`.
+    fn drop_head(p: &mut [f32], span: Span, first: u64, mask: Mask) {
         for (i, row) in p.chunks_exact_mut(span.keys).enumerate() {
-            let at = first + (i * span.t) as u64;
-            for (j, v) in row[..span.visible(i)].iter_mut().enumerate() {
-                let keep = dropout_keeps(seed, at + j as u64, threshold);
-                *v = if keep { *v * scale } else { 0.0 };
-            }
+            mask.apply(&mut row[..span.visible(i)], first + (i * span.t) as u64);
         }
     }
 }
@@ -235,8 +256,7 @@ impl super::ProbsDropout {
     /// Applies the mask to head `bh`'s buffer `p` ([`drop_head`]).
     fn apply(self, p: &mut [f32], span: Span, bh: usize) {
         let first = (bh * span.t * span.t) as u64;
-        let (threshold, scale) = (dropout_threshold(self.keep), (1.0 / self.keep) as f32);
-        drop_head(p, span, first, self.seed, threshold, scale);
+        drop_head(p, span, first, Mask::new(self.seed, self.keep));
     }
 }
 
