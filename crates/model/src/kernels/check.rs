@@ -733,8 +733,20 @@ pub(super) fn attention_run(
     heads: usize,
     attention: AttentionKernel,
 ) -> (Tensor<3>, Tensor<3>) {
+    output_and_grad(qkv, upstream, |qkv| {
+        self_attention(qkv, heads, key_pad, causal, attention)
+    })
+}
+
+/// `attend(qkv)` and the gradient of qkv for the upstream gradient
+/// `upstream`.
+fn output_and_grad(
+    qkv: &Tensor<3>,
+    upstream: &Tensor<3>,
+    attend: impl FnOnce(Tensor<3>) -> Tensor<3>,
+) -> (Tensor<3>, Tensor<3>) {
     let qkv = qkv.clone().require_grad();
-    let y = self_attention(qkv.clone(), heads, key_pad, causal, attention);
+    let y = attend(qkv.clone());
     let grads = (y.clone() * upstream.clone()).sum().backward();
     (y.detach(), qkv.grad(&grads).expect("qkv gradient"))
 }
@@ -754,17 +766,16 @@ pub(super) fn attention_dropout_run(
     drop: super::ProbsDropout,
     fused: bool,
 ) -> (Tensor<3>, Tensor<3>) {
-    let qkv = qkv.clone().require_grad();
-    let y = if fused {
-        let attention = AttentionKernel::MemoryEfficient;
-        super::attention_with(qkv.clone(), heads, key_pad, causal, attention, Some(drop))
-    } else {
-        let [q, k, v] = super::split_heads(qkv.clone(), heads);
-        let dropped = |p| flex::dropout(p, drop.seed, drop.keep);
-        crate::precision::attend(q, k, v, key_pad, causal, crate::ComputeDtype::F32, dropped)
-    };
-    let grads = (y.clone() * upstream.clone()).sum().backward();
-    (y.detach(), qkv.grad(&grads).expect("qkv gradient"))
+    output_and_grad(qkv, upstream, |qkv| {
+        if fused {
+            let attention = AttentionKernel::MemoryEfficient;
+            super::attention_with(qkv, heads, key_pad, causal, attention, Some(drop))
+        } else {
+            let [q, k, v] = super::split_heads(qkv, heads);
+            let dropped = |p| flex::dropout(p, drop.seed, drop.keep);
+            crate::precision::attend(q, k, v, key_pad, causal, crate::ComputeDtype::F32, dropped)
+        }
+    })
 }
 
 /// Whether [`self_attention`] runs a kiln kernel (flex's or CubeCL's) for
