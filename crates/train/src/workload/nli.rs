@@ -343,8 +343,10 @@ pub(crate) fn train_cv(
     refuse_ranks(options)?;
     let device = open_device(config, options.hardware.gpu_vendor())?;
     let pairs = read(config)?;
-    // The weights `model.init_from` names are checked before anything is written.
+    // The weights `model.init_from` names and the attention asked for are
+    // checked before anything is written.
     crate::pretrained::bert::open(config)?;
+    check_attention(config, &device, options)?;
     let run = RunDir::start(config, options)?;
     let _lock = run.lock()?;
     run_cv(config, &run, &device, &pairs, options, observer)
@@ -381,10 +383,23 @@ pub(crate) fn resume_cv(
     )));
     let device = open_device(config, options.hardware.gpu_vendor())?;
     let pairs = read(config)?;
+    check_attention(config, &device, options)?;
     // Everything that can refuse the resume has run: the run takes the
     // changes.
     run.record_resume(resumed, None, observer)?;
     run_cv(config, run, &device, &pairs, options, observer)
+}
+
+/// `optimization.attention` against the device and precision the folds
+/// train with (`setup::check_attention_choice`): before a run directory is
+/// made or a resume's changes are recorded.
+fn check_attention(
+    config: &RunConfig,
+    device: &DeviceChoice,
+    options: &TrainOptions,
+) -> Result<(), TrainError> {
+    let precision = run_precision(config, device, &options.hardware);
+    crate::setup::check_attention_choice(config, device, &precision)
 }
 
 fn run_cv(
@@ -534,7 +549,6 @@ fn train_fold(
     let encoder = &p.encoder;
     let train_device = train_device(config, &device.device, p.seed);
     let precision = run_precision(config, device, &options.hardware);
-    crate::setup::check_attention_choice(config, device, &precision)?;
     let latest = checkpoint::latest_good(&dir.checkpoints());
     // A resumed fold's checkpoint holds every weight: none is drawn first.
     let mut model = match latest {
