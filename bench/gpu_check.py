@@ -55,11 +55,13 @@ measured already goes last: `main`'s comments):
    (`KILN_CUBLAS_WAIT=1`) at once where the cuBLAS run failed or its loss
    differs, otherwise last among the speed comparisons;
 5. data parallelism on the one GPU: `kiln launch` of 2 ranks (NCCL, then
-   kiln's sockets, then NCCL with the gradients in bf16) against one
-   process with their whole batch, and (after
+   kiln's sockets, then NCCL with the gradients in bf16) and of 1 rank
+   through NCCL against one process with their whole batch, and (after
    the `h100` preset) GPT-2 small bf16 benchmarked as a job of 2 ranks,
-   for the all-reduce's time per step (the NCCL jobs are skipped on a
-   machine with one GPU: NCCL before 2.30 refuses two ranks on one GPU);
+   for the all-reduce's time per step (the 2-rank NCCL jobs are skipped
+   on a machine with one GPU: NCCL before 2.30 refuses two ranks on one
+   GPU; there GPT-2 small is benchmarked as a job of 1 rank instead, with
+   the gradients reduced in place on the GPU and through host memory);
 6. 300 steps of `kiln train hardware=auto` (the `train-auto` run).
 
 With `--kiln-cuda-cpp` (a build with kiln's `cuda-cpp` feature: CubeCL
@@ -879,28 +881,37 @@ class Check:
     def ddp_bench(self):
         """GPT-2 small bf16 as a job of 2 ranks × 4 on the one GPU (`kiln
         launch … bench lm`, NCCL on CUDA): the gradients' all-reduce per
-        step (`phases.all_reduce_ms`: 124 M gradients through host memory
-        and NCCL) and its share of the step (`comm_pct`). Two ranks share
-        the GPU, so the job's tokens/s is not a scaling figure."""
+        step (`phases.all_reduce_ms`: 124 M gradients reduced in place on
+        the GPU by NCCL) and its share of the step (`comm_pct`). Two ranks
+        share the GPU, so the job's tokens/s is not a scaling figure.
+        Where NCCL refuses two ranks on the one GPU, a job of one rank × 4
+        instead, twice: NCCL in place on the GPU, then with the gradients
+        through host memory (`KILN_NCCL_VIA_HOST=1`, kiln's path before):
+        what the device path saves a step, NCCL's own ring aside."""
         _, overrides, _, warmup, steps, limit = self.shapes()["bench lm gpt2-small bf16"]
         if self.args.tiny:
             warmup, steps = 1, 2
-        port = str(29600 + int(time.monotonic()) % 1000)
-        cmd = self.kiln_cmd(
-            "launch", "--nproc-per-node", "2", "--master-port", port,
-            "bench", "lm", "--json", f"--warmup={warmup}", f"--steps={steps}",
-            *overrides, "training.batch_size=2" if self.args.tiny else "training.batch_size=4",
-        )
-        env = dict(self.env, NCCL_MULTI_RANK_GPU_ENABLE="1")
+        batch = "training.batch_size=2" if self.args.tiny else "training.batch_size=4"
+        jobs = [("bench lm gpt2-small bf16, 2 ranks", 2, {"NCCL_MULTI_RANK_GPU_ENABLE": "1"})]
         if self.nccl_refused():
-            self.skip("bench lm gpt2-small bf16, 2 ranks", self.nccl_refused())
-            return
-        step = self.run("bench lm gpt2-small bf16, 2 ranks", cmd, limit * 2, env=env)
-        if step["status"] == "ok":
-            b = step["result"]["bench"]
-            print(f"-- 2 ranks: {b['tokens_per_s_median']:.0f} tokens/s, all-reduce "
-                  f"{b['phases']['all_reduce_ms']:.1f} ms ({b['comm_pct']:.1f}% of the step); "
-                  f"{b['collectives']}", flush=True)
+            self.skip(jobs[0][0], self.nccl_refused())
+            jobs = [
+                ("bench lm gpt2-small bf16, 1 rank, NCCL on the GPU", 1, {}),
+                ("bench lm gpt2-small bf16, 1 rank, NCCL via host", 1, {"KILN_NCCL_VIA_HOST": "1"}),
+            ]
+        for name, ranks, extra_env in jobs:
+            port = str(29600 + int(time.monotonic()) % 1000)
+            cmd = self.kiln_cmd(
+                "launch", "--nproc-per-node", str(ranks), "--master-port", port,
+                "bench", "lm", "--json", f"--warmup={warmup}", f"--steps={steps}",
+                *overrides, batch,
+            )
+            step = self.run(name, cmd, limit * 2, env=dict(self.env, **extra_env))
+            if step["status"] == "ok":
+                b = step["result"]["bench"]
+                print(f"-- {name}: {b['tokens_per_s_median']:.0f} tokens/s, all-reduce "
+                      f"{b['phases']['all_reduce_ms']:.1f} ms ({b['comm_pct']:.1f}% of the step); "
+                      f"{b['collectives']}", flush=True)
 
     def ddp(self):
         """Data parallelism on the one GPU: one process with batch 8
@@ -941,6 +952,11 @@ class Check:
             # (ncclAllGather): the steps of "2 ranks × 4" to rounding (the
             # norm adds the ranks' per-tensor sums; NCCL sums in its order).
             ("2 ranks × 4, ZeRO-2", 2, ["training.batch_size=4", "optimization.zero_stage=2"], nccl, 1e-3),
+            # One rank through NCCL: the gradients reduced in place on the
+            # GPU (a world of one: NCCL's first run on a lent GPU where two
+            # ranks cannot share it; its average of one rank is the
+            # gradients themselves, so one process's losses to rounding).
+            ("1 rank × 8, NCCL", 1, ["training.batch_size=8"], {}, 1e-3),
         )
         if self.gpu != "cuda":
             # Off CUDA every multi-rank job reduces over the sockets, which
@@ -972,7 +988,7 @@ class Check:
                 if "reduces the gradients" in line or "reduced over" in line:
                     notes[label] = line.strip()
                     step["reduction"] = line.strip()
-        verdict = {"name": "ddp: 2 ranks against one process", "tolerance": tolerance, "losses": losses, "reduction": notes}
+        verdict = {"name": "ddp: the jobs of ranks against one process", "tolerance": tolerance, "losses": losses, "reduction": notes}
         one = losses.get("one process × 8")
         diffs = {k: abs(v - one) for k, v in losses.items() if one is not None and v is not None and k != "one process × 8"}
         verdict["differences"] = diffs

@@ -129,6 +129,32 @@ struct Peer {
     stream: TcpStream,
 }
 
+/// A buffer on a CUDA device for [`Group::all_reduce_device`]: its
+/// address, how many values it holds, their type, and the stream whose
+/// work writes and reads it (a `CUstream`).
+#[cfg(feature = "nccl")]
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceBuffer {
+    /// The device address of the first value (a `CUdeviceptr`).
+    pub ptr: u64,
+    /// How many values.
+    pub len: usize,
+    /// Their type.
+    pub dtype: DeviceDtype,
+    /// The stream the buffer's writers and readers are queued on.
+    pub stream: *mut std::ffi::c_void,
+}
+
+/// The value types [`Group::all_reduce_device`] reduces.
+#[cfg(feature = "nccl")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceDtype {
+    /// 32-bit floats (`ncclFloat32`).
+    F32,
+    /// bfloat16 (`ncclBfloat16`), summed by NCCL in bfloat16.
+    Bf16,
+}
+
 #[derive(Debug)]
 enum Links {
     /// Rank 0: a socket to every other rank, in rank order.
@@ -236,6 +262,47 @@ impl Group {
         let version = nccl.version;
         *self.nccl.lock().unwrap_or_else(|e| e.into_inner()) = Some(nccl);
         Ok(Some(version))
+    }
+
+    /// Whether the collectives go through NCCL ([`use_nccl`](Self::use_nccl)
+    /// found it and `COLLECTIVES=sockets` is unset): then
+    /// [`all_reduce_device`](Self::all_reduce_device) takes values where
+    /// they are, on the GPU.
+    #[cfg(feature = "nccl")]
+    pub fn uses_nccl(&self) -> bool {
+        self.nccl
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// [`all_reduce`](Self::all_reduce) of values on this rank's CUDA
+    /// device, in place, by NCCL (PyTorch DDP's way): no copy through the
+    /// host, nothing waited for on the host. The all-reduce is queued after
+    /// the work `buffer.stream` has queued so far and before its next, so
+    /// a reader of the values queued on that stream after this call reads
+    /// the result. An error where the group does not use NCCL.
+    ///
+    /// # Safety
+    /// `buffer.ptr` is live memory of the device [`use_nccl`](Self::use_nccl)
+    /// named, holding `buffer.len` values of `buffer.dtype`, neither freed
+    /// nor reused before the work queued on `buffer.stream` after this call
+    /// (an allocator that hands memory out in that stream's order keeps
+    /// this where the buffer's owner outlives the call), and `buffer.stream`
+    /// is a live stream of that device's primary context.
+    #[cfg(feature = "nccl")]
+    pub unsafe fn all_reduce_device(
+        &self,
+        buffer: &DeviceBuffer,
+        op: Reduce,
+    ) -> Result<(), DistError> {
+        match &*self.nccl.lock().unwrap_or_else(|e| e.into_inner()) {
+            // SAFETY: the caller's promise, passed on.
+            Some(nccl) => unsafe { nccl.all_reduce_device(buffer, op) },
+            None => Err(DistError::Nccl(
+                "an all-reduce on the device was asked of a job that does not use NCCL".into(),
+            )),
+        }
     }
 
     /// Combines `values` across the ranks; afterwards every rank holds the

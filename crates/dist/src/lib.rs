@@ -10,7 +10,8 @@
 //! - [`launch`]: one process per local rank, with the variables set; the
 //!   first one to fail ends the job.
 //! - [`nccl_lib`]: finding NCCL's library by the name cudarc opens; with the
-//!   `nccl` feature, [`Group::use_nccl`] routes the all-reduce through NCCL.
+//!   `nccl` feature, [`Group::use_nccl`] routes the all-reduce through NCCL,
+//!   and [`Group::all_reduce_device`] reduces a CUDA buffer in place.
 #![warn(missing_docs)]
 
 mod env;
@@ -23,6 +24,8 @@ pub mod nccl_lib;
 
 pub use env::{DEFAULT_PORT, WorldSpec};
 pub use error::DistError;
+#[cfg(feature = "nccl")]
+pub use group::{DeviceBuffer, DeviceDtype};
 pub use group::{Group, Reduce};
 pub use launch::{JobEnd, LaunchSpec, describe_exit, launch};
 

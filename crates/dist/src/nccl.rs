@@ -1,9 +1,14 @@
 //! The GPU path: NCCL's all-reduce on a CUDA device, as PyTorch DDP runs it.
 //! The communicator's id is made by rank 0 and handed out over the
-//! rendezvous's sockets (as torch's `TCPStore` hands it out). The values
-//! cross from the host to the device and back (kiln's gradients are on the
-//! host by then); NCCL's ring does the reduction over NVLink, PCIe or the
-//! network.
+//! rendezvous's sockets (as torch's `TCPStore` hands it out). NCCL's ring
+//! does the reduction over NVLink, PCIe or the network.
+//!
+//! Two ways in: values on the host ([`Nccl::all_reduce`] and the others),
+//! copied to the device and back; and a buffer already on the device
+//! ([`Nccl::all_reduce_device`], the gradients of a CUDA run), reduced in
+//! place, queued after the work of the stream that wrote it and before
+//! that stream's next work, with no copy and no wait on the host —
+//! DDP's way, its collectives on a stream of their own.
 
 use std::sync::Arc;
 
@@ -230,6 +235,119 @@ impl Nccl {
         self.stream
             .synchronize()
             .map_err(|e| cuda("waiting for the all-reduce", e))
+    }
+
+    /// `buffer` reduced across the ranks in place, on the device: NCCL's
+    /// stream waits for `buffer.stream`'s work queued so far (what wrote
+    /// the values), the all-reduce is queued on it, and `buffer.stream`
+    /// waits for the all-reduce before its next work. Nothing waits on the
+    /// host.
+    ///
+    /// # Safety
+    /// `buffer.ptr` is live device memory of this communicator's device
+    /// holding `buffer.len` values of `buffer.dtype`, not freed or reused
+    /// before the work queued on `buffer.stream` after this call, and
+    /// `buffer.stream` a live stream of that device's primary context.
+    pub(crate) unsafe fn all_reduce_device(
+        &self,
+        buffer: &crate::DeviceBuffer,
+        op: Reduce,
+    ) -> Result<(), DistError> {
+        use cudarc::driver::result::{event, stream};
+        use cudarc::driver::sys::{CUevent_flags, CUevent_wait_flags, CUstream};
+        let n = buffer.len;
+        let cuda = |what: &str, e: cudarc::driver::DriverError| {
+            DistError::Nccl(format!("{what} ({n} values on the device): {e}"))
+        };
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| cuda("binding the device's context", e))?;
+        let theirs = buffer.stream as CUstream;
+        let ours = self.stream.cu_stream();
+        let make = || {
+            event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(|e| cuda("an event to order the all-reduce", e))
+        };
+        let (written, reduced) = (make()?, make()?);
+        // SAFETY: live events of this context on live streams of it (the
+        // caller's promise for `theirs`); an event may be destroyed once
+        // recorded and waited on, CUDA releasing it when it completes.
+        unsafe {
+            let before = event::record(written, theirs)
+                .and_then(|()| {
+                    stream::wait_event(ours, written, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+                })
+                .map_err(|e| cuda("ordering the all-reduce after the gradients", e));
+            let reduce = before.and_then(|()| match buffer.dtype {
+                crate::DeviceDtype::F32 => self.reduce_borrowed::<f32>(buffer, op),
+                crate::DeviceDtype::Bf16 => self.reduce_borrowed::<half::bf16>(buffer, op),
+            });
+            let after = reduce.and_then(|()| {
+                event::record(reduced, ours)
+                    .and_then(|()| {
+                        stream::wait_event(
+                            theirs,
+                            reduced,
+                            CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                        )
+                    })
+                    .map_err(|e| cuda("ordering the gradients' readers after the all-reduce", e))
+            });
+            let _ = event::destroy(written);
+            let _ = event::destroy(reduced);
+            after
+        }
+    }
+
+    /// `ncclAllReduce` in place on `buffer`'s values as `T`, queued on
+    /// NCCL's stream.
+    fn reduce_borrowed<T: cudarc::nccl::NcclType>(
+        &self,
+        buffer: &crate::DeviceBuffer,
+        op: Reduce,
+    ) -> Result<(), DistError> {
+        let mut slice = Borrowed::<T> {
+            ptr: buffer.ptr,
+            len: buffer.len,
+            stream: &self.stream,
+            of: std::marker::PhantomData,
+        };
+        self.comm
+            .all_reduce_in_place(&mut slice, &reduce_op(op))
+            .map(|_| ())
+            .map_err(|e| nccl_error("ncclAllReduce", e))
+    }
+}
+
+/// Device memory that is not cudarc's (a CubeCL buffer), lent to NCCL for
+/// one call: no ordering of its own, [`Nccl::all_reduce_device`] orders it
+/// with events.
+struct Borrowed<'a, T> {
+    ptr: u64,
+    len: usize,
+    stream: &'a Arc<CudaStream>,
+    of: std::marker::PhantomData<T>,
+}
+
+impl<T> cudarc::driver::DeviceSlice<T> for Borrowed<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+}
+
+impl<T> cudarc::driver::DevicePtrMut<T> for Borrowed<'_, T> {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        _stream: &'a CudaStream,
+    ) -> (
+        cudarc::driver::sys::CUdeviceptr,
+        cudarc::driver::SyncOnDrop<'a>,
+    ) {
+        (self.ptr, cudarc::driver::SyncOnDrop::Sync(None))
     }
 }
 

@@ -174,10 +174,15 @@ pub(crate) fn load_values<M: Module>(
 /// Averages `grads` across a data-parallel job's ranks as one flat buffer,
 /// with `extra` values (the loss, the stop flag) at its end: one all-reduce
 /// per optimizer step, as DDP's buckets once accumulation is done. Every
-/// rank gets the same bytes back, so every rank takes the same update. A
-/// gradient leaves its device for the host and comes back in its dtype:
-/// the socket reduction's path (the CPU's); NCCL's would stay on the GPU.
-/// With `reduce_dtype` bf16 the gradients travel as bf16 (half the
+/// rank gets the same bytes back, so every rank takes the same update.
+///
+/// Where the job reduces through NCCL and the gradients are on a CUDA GPU,
+/// they stay there ([`reduce_flat`]): concatenated into one buffer,
+/// reduced in place by NCCL on the device, sliced back; only `extra`
+/// reaches the host. Elsewhere (the sockets; NCCL with
+/// `KILN_NCCL_VIA_HOST=1`, the path kiln had before, kept for comparison)
+/// each gradient leaves its device for the host and comes back in its
+/// dtype. With `reduce_dtype` bf16 the gradients travel as bf16 (half the
 /// bytes) and `extra` in a second, f32 all-reduce of its own (a loss
 /// rounded to bf16 would be logged so).
 pub(crate) fn all_reduce_grads<M: Module>(
@@ -187,61 +192,22 @@ pub(crate) fn all_reduce_grads<M: Module>(
     group: &kiln_dist::Group,
     reduce_dtype: kiln_config::ReduceDtype,
 ) -> Result<GradientsParams, kiln_dist::DistError> {
-    /// A gradient taken out of `grads` onto the host, as the module's
-    /// visiting order meets it (`global_grad_norm`'s walk).
-    struct Taken {
-        id: ParamId,
-        dims: Vec<usize>,
-        device: Device,
-        dtype: burn::tensor::DType,
+    let taken = take_flat(module, grads);
+    #[cfg(feature = "cuda")]
+    if let Some(device) = taken.pieces.first().map(|(t, _)| t.device.clone())
+        && group.uses_nccl()
+        && !nccl_via_host()
+        && kiln_model::kernels::lends_cuda_buffers(&device)
+    {
+        return nccl_on_device(module, taken, &device, extra, group, reduce_dtype);
     }
-    struct Gather {
-        grads: GradientsParams,
-        flat: Vec<f32>,
-        taken: Vec<Taken>,
+    let Taken { grads, pieces } = taken;
+    let mut flat = Vec::new();
+    let mut metas = Vec::with_capacity(pieces.len());
+    for (meta, piece) in pieces {
+        flat.extend(piece.into_data().iter::<f32>());
+        metas.push(meta);
     }
-    impl ModuleVisitor for Gather {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if let Some(g) = self.grads.remove::<D>(param.id) {
-                self.taken.push(Taken {
-                    id: param.id,
-                    dims: g.dims().to_vec(),
-                    device: g.device(),
-                    dtype: g.dtype(),
-                });
-                self.flat.extend(g.into_data().iter::<f32>());
-            }
-        }
-    }
-    /// Puts the reduced values back, in the same order.
-    struct Scatter<'a> {
-        grads: GradientsParams,
-        taken: std::slice::Iter<'a, Taken>,
-        values: &'a [f32],
-    }
-    impl ModuleVisitor for Scatter<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let Some(t) = self.taken.as_slice().first().filter(|t| t.id == param.id) else {
-                return;
-            };
-            self.taken.next();
-            let (mine, rest) = self.values.split_at(t.dims.iter().product());
-            self.values = rest;
-            let g: Tensor<D> = tensor_from(mine.to_vec(), &t.dims, &t.device).cast(t.dtype);
-            self.grads.register::<D>(t.id, g);
-        }
-    }
-    let mut gather = Gather {
-        grads,
-        flat: Vec::new(),
-        taken: Vec::new(),
-    };
-    module.visit(&mut gather);
-    let Gather {
-        grads,
-        mut flat,
-        taken,
-    } = gather;
     let n = flat.len();
     match reduce_dtype {
         kiln_config::ReduceDtype::F32 => {
@@ -254,13 +220,218 @@ pub(crate) fn all_reduce_grads<M: Module>(
             group.all_reduce(extra, kiln_dist::Reduce::Mean)?;
         }
     }
+    let mut rest = &flat[..n];
+    let pieces = metas.iter().map(|t| {
+        let (mine, after) = rest.split_at(t.dims.iter().product());
+        rest = after;
+        tensor_from::<1>(mine.to_vec(), &[mine.len()], &t.device).cast(t.dtype)
+    });
+    let grads = put_back(module, grads, &metas, pieces);
+    Ok(grads)
+}
+
+/// `KILN_NCCL_VIA_HOST=1`: NCCL's all-reduce of the gradients through host
+/// memory, as kiln ran it before they stayed on the device (the GPU
+/// check's comparison), read once a process.
+#[cfg(feature = "cuda")]
+pub(crate) fn nccl_via_host() -> bool {
+    static VIA_HOST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *VIA_HOST.get_or_init(|| {
+        std::env::var("KILN_NCCL_VIA_HOST").is_ok_and(|v| matches!(v.trim(), "1" | "true"))
+    })
+}
+
+/// [`all_reduce_grads`] on the device: the gradients in one buffer of the
+/// wire's dtype, reduced in place by NCCL on the thread's CubeCL stream
+/// ([`kiln_dist::Group::all_reduce_device`]), nothing waited for until
+/// `extra` is read back.
+#[cfg(feature = "cuda")]
+fn nccl_on_device<M: Module>(
+    module: &M,
+    taken: Taken,
+    device: &Device,
+    extra: &mut [f32],
+    group: &kiln_dist::Group,
+    reduce_dtype: kiln_config::ReduceDtype,
+) -> Result<GradientsParams, kiln_dist::DistError> {
+    use burn::tensor::DType;
+    use kiln_dist::{DeviceBuffer, DeviceDtype, DistError, Reduce};
+    let reduce = |flat: Tensor<1>| -> Result<Tensor<1>, DistError> {
+        let lent = kiln_model::kernels::with_cuda_buffer(flat, |buffer| {
+            let dtype = match buffer.dtype {
+                DType::F32 => DeviceDtype::F32,
+                DType::BF16 => DeviceDtype::Bf16,
+                other => {
+                    return Err(DistError::Nccl(format!(
+                        "gradients in {other:?}: NCCL's all-reduce here takes f32 or bf16"
+                    )));
+                }
+            };
+            let buffer = DeviceBuffer {
+                ptr: buffer.ptr,
+                len: buffer.len,
+                dtype,
+                stream: buffer.stream,
+            };
+            // SAFETY: the buffer is the flat tensor's, which
+            // `with_cuda_buffer` keeps and hands back: its memory outlives
+            // the call, and its readers (the slices, `extra`'s read) are
+            // queued after it on the same stream.
+            unsafe { group.all_reduce_device(&buffer, Reduce::Mean) }
+        });
+        match lent {
+            (flat, Some(done)) => done.map(|()| flat),
+            (_, None) => Err(DistError::Nccl(
+                "the gradients' buffer is not on a CUDA device".into(),
+            )),
+        }
+    };
+    match reduce_dtype {
+        kiln_config::ReduceDtype::F32 => {
+            reduce_flat(module, taken, device, extra, DType::F32, reduce)
+        }
+        kiln_config::ReduceDtype::Bf16 => {
+            let grads = reduce_flat(module, taken, device, &mut [], DType::BF16, reduce)?;
+            group.all_reduce(extra, Reduce::Mean)?;
+            Ok(grads)
+        }
+    }
+}
+
+/// A gradient taken out of its [`GradientsParams`], as the module's
+/// visiting order meets it.
+#[derive(Clone, Debug)]
+struct TakenMeta {
+    id: ParamId,
+    dims: Vec<usize>,
+    device: Device,
+    dtype: burn::tensor::DType,
+}
+
+/// [`take_flat`]'s result: what is left of the gradients, and each one
+/// taken, flat (1-D, on its device, in its dtype), in visiting order.
+struct Taken {
+    grads: GradientsParams,
+    pieces: Vec<(TakenMeta, Tensor<1>)>,
+}
+
+/// Takes every gradient of `module`'s parameters out of `grads`, flat.
+fn take_flat<M: Module>(module: &M, grads: GradientsParams) -> Taken {
+    struct Gather {
+        grads: GradientsParams,
+        pieces: Vec<(TakenMeta, Tensor<1>)>,
+    }
+    impl ModuleVisitor for Gather {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.remove::<D>(param.id) {
+                let dims = g.dims().to_vec();
+                let meta = TakenMeta {
+                    id: param.id,
+                    device: g.device(),
+                    dtype: g.dtype(),
+                    dims: dims.clone(),
+                };
+                self.pieces
+                    .push((meta, g.reshape([dims.iter().product::<usize>()])));
+            }
+        }
+    }
+    let mut gather = Gather {
+        grads,
+        pieces: Vec::new(),
+    };
+    module.visit(&mut gather);
+    Taken {
+        grads: gather.grads,
+        pieces: gather.pieces,
+    }
+}
+
+/// Registers `pieces` (flat, in `metas`' order and dtypes) in `grads` in
+/// their parameters' shapes. `module` is walked again only to meet each
+/// parameter at its rank.
+fn put_back<M: Module>(
+    module: &M,
+    grads: GradientsParams,
+    metas: &[TakenMeta],
+    pieces: impl Iterator<Item = Tensor<1>>,
+) -> GradientsParams {
+    struct Scatter<'a, I> {
+        grads: GradientsParams,
+        metas: std::slice::Iter<'a, TakenMeta>,
+        pieces: I,
+    }
+    impl<I: Iterator<Item = Tensor<1>>> ModuleVisitor for Scatter<'_, I> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(t) = self.metas.as_slice().first().filter(|t| t.id == param.id) else {
+                return;
+            };
+            self.metas.next();
+            let piece = self
+                .pieces
+                .next()
+                .expect("a piece for every gradient taken");
+            let dims: [usize; D] = t.dims.clone().try_into().expect("the parameter's rank");
+            self.grads.register::<D>(t.id, piece.reshape(dims));
+        }
+    }
     let mut scatter = Scatter {
         grads,
-        taken: taken.iter(),
-        values: &flat[..n],
+        metas: metas.iter(),
+        pieces,
     };
     module.visit(&mut scatter);
-    Ok(scatter.grads)
+    scatter.grads
+}
+
+/// The device side of [`all_reduce_grads`], for any `reduce` of one flat
+/// tensor: the gradients taken (each cast to `wire`) and `extra` (f32
+/// only) concatenated into one tensor on `device`, their device,
+/// `reduce`d, then sliced back into each gradient's shape and dtype;
+/// `extra` read back from its end, the one read to the host. A reduce
+/// that changes nothing gives back the gradients' own values (f32), or
+/// each rounded to bf16 once.
+#[cfg(any(feature = "cuda", test))]
+fn reduce_flat<M: Module, E>(
+    module: &M,
+    taken: Taken,
+    device: &Device,
+    extra: &mut [f32],
+    wire: burn::tensor::DType,
+    reduce: impl FnOnce(Tensor<1>) -> Result<Tensor<1>, E>,
+) -> Result<GradientsParams, E> {
+    assert!(
+        extra.is_empty() || wire == burn::tensor::DType::F32,
+        "extra values travel in f32 only"
+    );
+    let Taken { grads, pieces } = taken;
+    let mut metas = Vec::with_capacity(pieces.len());
+    let mut parts = Vec::with_capacity(pieces.len() + 1);
+    for (meta, piece) in pieces {
+        parts.push(piece.cast(wire));
+        metas.push(meta);
+    }
+    if !extra.is_empty() {
+        parts.push(tensor_from::<1>(extra.to_vec(), &[extra.len()], device));
+    }
+    let flat = reduce(Tensor::cat(parts, 0))?;
+    let mut at = 0;
+    let pieces: Vec<Tensor<1>> = metas
+        .iter()
+        .map(|t| {
+            let n: usize = t.dims.iter().product();
+            let piece = flat.clone().narrow(0, at, n).cast(t.dtype);
+            at += n;
+            piece
+        })
+        .collect();
+    if !extra.is_empty() {
+        let back = flat.narrow(0, at, extra.len()).into_data();
+        for (e, v) in extra.iter_mut().zip(back.iter::<f32>()) {
+            *e = v;
+        }
+    }
+    Ok(put_back(module, grads, &metas, pieces.into_iter()))
 }
 
 /// A checksum of every parameter's bits (FNV-1a), the same on every rank
@@ -303,6 +474,143 @@ mod tests {
         unique.sort_unstable();
         unique.dedup();
         assert_eq!(unique.len(), paths.len());
+    }
+
+    /// A gradient for every parameter of `m`: its weights times `factor`.
+    fn grads_of(m: &kiln_model::Gpt, factor: f32) -> GradientsParams {
+        struct Register {
+            grads: GradientsParams,
+            factor: f32,
+        }
+        impl ModuleVisitor for Register {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let g = param.val().mul_scalar(self.factor);
+                self.grads.register::<D>(param.id, g);
+            }
+        }
+        let mut register = Register {
+            grads: GradientsParams::new(),
+            factor,
+        };
+        m.visit(&mut register);
+        register.grads
+    }
+
+    /// Each parameter's gradient in `grads`, by path: its shape and values.
+    fn grad_values(
+        m: &kiln_model::Gpt,
+        grads: &GradientsParams,
+    ) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        param_entries(m)
+            .into_iter()
+            .map(|e| {
+                let values = match e.shape.len() {
+                    1 => grads.get::<1>(e.id).map(|g| (g.dims().to_vec(), host(&g))),
+                    2 => grads.get::<2>(e.id).map(|g| (g.dims().to_vec(), host(&g))),
+                    d => panic!("a parameter of rank {d}"),
+                };
+                let (dims, values) = values.unwrap_or_else(|| panic!("no gradient for {}", e.path));
+                (e.path, dims, values)
+            })
+            .collect()
+    }
+
+    /// The device path of the gradients' all-reduce (NCCL's on a GPU,
+    /// here any reduce of the flat tensor on flex): one flat tensor in the
+    /// wire's dtype with `extra` at its end, and every gradient back in its
+    /// place, shape and dtype, with exactly what the reduce made of it.
+    #[test]
+    fn gradients_reduce_as_one_flat_tensor_and_come_back_in_place() {
+        let _rng = crate::tests::flex_rng();
+        let device = Device::flex();
+        device.seed(3);
+        let m = model(&device);
+        let want = grad_values(&m, &grads_of(&m, 0.5));
+        let total: usize = want.iter().map(|(_, _, v)| v.len()).sum();
+
+        // f32: the gradients and then `extra`, doubled as a sum of two
+        // ranks holding the same values would be.
+        let mut extra = [1.25f32, 1.0];
+        let mut seen = None;
+        let grads = reduce_flat(
+            &m,
+            take_flat(&m, grads_of(&m, 0.5)),
+            &device,
+            &mut extra,
+            burn::tensor::DType::F32,
+            |flat| -> Result<Tensor<1>, ()> {
+                seen = Some((flat.dims(), flat.dtype(), host(&flat)));
+                Ok(flat.mul_scalar(2.0))
+            },
+        )
+        .expect("reduces");
+        let (dims, dtype, flat) = seen.expect("reduced once");
+        assert_eq!((dims, dtype), ([total + 2], burn::tensor::DType::F32));
+        let in_order: Vec<f32> = want
+            .iter()
+            .flat_map(|(_, _, v)| v.iter().copied())
+            .collect();
+        assert_eq!(
+            flat[..total],
+            in_order[..],
+            "the gradients in visiting order"
+        );
+        assert_eq!(flat[total..], [1.25, 1.0], "then `extra`");
+        assert_eq!(extra, [2.5, 2.0], "`extra` read back");
+        let got = grad_values(&m, &grads);
+        for ((path, dims, values), (p, d, v)) in want.iter().zip(&got) {
+            assert_eq!((path, dims), (p, d));
+            let doubled: Vec<f32> = values.iter().map(|x| x * 2.0).collect();
+            assert_eq!(&doubled, v, "{path}");
+        }
+
+        // bf16 on the wire: each value rounded to bf16 once, back in f32.
+        let grads = reduce_flat(
+            &m,
+            take_flat(&m, grads_of(&m, 0.5)),
+            &device,
+            &mut [],
+            burn::tensor::DType::BF16,
+            |flat| -> Result<Tensor<1>, ()> {
+                assert_eq!(
+                    (flat.dims(), flat.dtype()),
+                    ([total], burn::tensor::DType::BF16)
+                );
+                Ok(flat)
+            },
+        )
+        .expect("reduces");
+        for ((path, _, values), (_, _, v)) in want.iter().zip(&grad_values(&m, &grads)) {
+            let rounded: Vec<f32> = values
+                .iter()
+                .map(|&x| half::bf16::from_f32(x).to_f32())
+                .collect();
+            assert_eq!(&rounded, v, "{path}");
+        }
+        assert_eq!(
+            grads_dtype(&m, &grads),
+            burn::tensor::DType::F32,
+            "back in f32"
+        );
+
+        // A failed reduce is the caller's error.
+        let failed = reduce_flat(
+            &m,
+            take_flat(&m, grads_of(&m, 0.5)),
+            &device,
+            &mut [0.0],
+            burn::tensor::DType::F32,
+            |_| Err("the collective failed"),
+        );
+        assert_eq!(failed.err(), Some("the collective failed"));
+    }
+
+    fn grads_dtype(m: &kiln_model::Gpt, grads: &GradientsParams) -> burn::tensor::DType {
+        let wte = param_entries(m)
+            .into_iter()
+            .find(|e| e.path == "wte.weight")
+            .expect("wte");
+        grads.get::<2>(wte.id).expect("a gradient").dtype()
     }
 
     #[test]

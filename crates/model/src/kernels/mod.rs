@@ -733,6 +733,59 @@ pub(crate) fn record_cublas(elapsed: std::time::Duration) {
     CUBLAS_NANOS.fetch_add(nanos, Ordering::Relaxed);
 }
 
+/// A tensor's buffer on a CUDA device, as [`with_cuda_buffer`] lends it:
+/// where its values are, how many, their type, and the stream the
+/// tensor's work is queued on.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaBuffer {
+    /// The device address of the first value (a `CUdeviceptr`).
+    pub ptr: u64,
+    /// How many values, contiguous from `ptr`.
+    pub len: usize,
+    /// Their type.
+    pub dtype: burn::tensor::DType,
+    /// The CUDA stream (`CUstream`) that this thread's work on the tensor
+    /// is queued on: work queued there after the call reads what a library
+    /// queued on it (or made it wait for) during the call.
+    pub stream: *mut std::ffi::c_void,
+    /// The CUDA device's ordinal.
+    pub ordinal: usize,
+}
+
+/// Whether [`with_cuda_buffer`] lends the buffers of tensors on `device`:
+/// a CUDA GPU, in a build with CUDA and not under Burn's `fusion`.
+pub fn lends_cuda_buffers(device: &burn::tensor::Device) -> bool {
+    cfg!(all(feature = "cuda", not(feature = "fusion"))) && is_cuda(device)
+}
+
+/// Calls `f` with `t`'s buffer on its CUDA device, for a library that
+/// reads or writes it in place on the device (NCCL's all-reduce of a
+/// data-parallel job's gradients): `t` made contiguous, and copied first
+/// where another tensor shares its buffer. Returns the tensor, holding
+/// whatever `f` queued into it, and `f`'s result; `t` unchanged and
+/// `None`, `f` not called, where `t` is not on a CUDA device, or in a build
+/// without CUDA or under Burn's `fusion` ([`lends_cuda_buffers`]). `t` must
+/// be a tensor without autodiff (a gradient, say).
+///
+/// What `f` queues must run on `buffer.stream`, or on a stream ordered
+/// after its work so far and before its next (events), and must be done
+/// with the memory before that next work: CubeCL frees and reuses memory
+/// in that stream's order.
+pub fn with_cuda_buffer<R>(
+    t: Tensor<1>,
+    f: impl FnOnce(&CudaBuffer) -> R,
+) -> (Tensor<1>, Option<R>) {
+    #[cfg(all(feature = "cuda", not(feature = "fusion")))]
+    {
+        cube::cuda_buffer::with_buffer(t, f)
+    }
+    #[cfg(not(all(feature = "cuda", not(feature = "fusion"))))]
+    {
+        let _ = f;
+        (t, None)
+    }
+}
+
 /// Why [`GpuMatmul::Cublas`] cannot run on `device`, or `None` where it
 /// can: a CUDA GPU in a build with CUDA (not under Burn's `fusion`), and
 /// cuBLAS's library found on the loader's path.
@@ -1375,6 +1428,23 @@ mod tests {
 
     fn max_abs(a: Tensor<2>, b: Tensor<2>) -> f32 {
         (a - b).abs().max().into_scalar()
+    }
+
+    /// Off CUDA nothing is lent: the tensor comes back as it was and the
+    /// library's call is not made (a data-parallel job there reduces
+    /// through the host).
+    #[test]
+    fn no_cuda_buffer_is_lent_off_cuda() {
+        let device = Device::flex();
+        assert!(!lends_cuda_buffers(&device));
+        let t = Tensor::<1>::from_floats([1.0, 2.0, 3.0], &device);
+        let mut called = false;
+        let (back, lent) = with_cuda_buffer(t, |_| called = true);
+        assert!(lent.is_none() && !called, "flex lends nothing");
+        assert_eq!(
+            back.into_data().try_to_vec::<f32>().expect("f32"),
+            [1.0, 2.0, 3.0]
+        );
     }
 
     /// A two-stage sum's chunks divide the rows, near √rows; no chunking

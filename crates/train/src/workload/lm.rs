@@ -377,8 +377,10 @@ pub(crate) fn prepare_in_turn<T>(
 }
 
 /// A job on CUDA devices reduces its gradients through NCCL, the engine of
-/// PyTorch DDP (`COLLECTIVES=sockets` keeps the rendezvous's sockets);
-/// elsewhere (flex, wgpu) over the sockets, through host memory.
+/// PyTorch DDP, in place on the GPU (`COLLECTIVES=sockets` keeps the
+/// rendezvous's sockets; `KILN_NCCL_VIA_HOST=1` takes them through host
+/// memory to NCCL); elsewhere (flex, wgpu) over the sockets, through host
+/// memory.
 ///
 /// Returns what reduces the gradients, for the run's notes. `config` is
 /// the rank's ([`on_rank_device`]).
@@ -407,11 +409,21 @@ pub(crate) fn collectives(
         // that ranks sharing a GPU share its NCCL device too).
         return Ok(match group.use_nccl(config.device.index)? {
             Some(v) => format!(
-                "NCCL {}.{}.{} reduces the gradients of the {} ranks{dtype}",
+                "NCCL {}.{}.{} reduces the gradients of the {} ranks {}{dtype}",
                 v / 10000,
                 (v / 100) % 100,
                 v % 100,
-                group.world_size()
+                group.world_size(),
+                // `params::all_reduce_grads`' rule.
+                if crate::params::nccl_via_host() {
+                    "through host memory (KILN_NCCL_VIA_HOST=1)"
+                } else if !kiln_model::kernels::lends_cuda_buffers(&device.device) {
+                    "through host memory (a `fusion` build)"
+                } else if config.optimization.zero_stage >= 2 {
+                    "through host memory (ZeRO-2's reduce-scatter)"
+                } else {
+                    "in place on the GPU"
+                }
             ),
             None => format!(
                 "COLLECTIVES=sockets: the gradients are reduced over the rendezvous's sockets, through host memory{dtype}"

@@ -21,6 +21,8 @@ pub(crate) mod attention;
 pub(crate) mod bias;
 #[cfg(all(feature = "cuda", not(feature = "fusion")))]
 pub(crate) mod cublas;
+#[cfg(all(feature = "cuda", not(feature = "fusion")))]
+pub(crate) mod cuda_buffer;
 #[cfg(not(feature = "fusion"))]
 pub(crate) mod embedding;
 pub(crate) mod flash_attention;
