@@ -225,6 +225,38 @@ fn each_fold_tokenizer_saw_only_its_training_premises() {
     }
 }
 
+/// An attention the device cannot run (`flash` on the CPU, in f32) is
+/// refused before anything is written: no run directory at the start, and
+/// on a resume the run's `config.toml` as it was.
+#[test]
+fn cv_refuses_an_attention_it_cannot_run_before_writing_anything() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut args = tiny(tmp.path(), "refused", 1);
+    args.push("optimization.attention=flash".into());
+    run_kiln(&args).expect_code(2).stderr_has(&[
+        "optimization.attention = \"flash\" cannot run here",
+        "computes in f32",
+    ]);
+    assert!(
+        !tmp.path().join("refused").exists(),
+        "the refused run left a directory"
+    );
+
+    run_kiln(&tiny(tmp.path(), "cv", 1)).expect_code(0);
+    let dir = tmp.path().join("cv");
+    let before = std::fs::read_to_string(dir.join("config.toml")).expect("config.toml");
+    let dir_arg = dir.to_str().expect("utf-8");
+    kiln(&["resume", dir_arg, "optimization.attention=flash"])
+        .run()
+        .expect_code(2)
+        .stderr_has(&["optimization.attention = \"flash\" cannot run here"]);
+    assert_eq!(
+        std::fs::read_to_string(dir.join("config.toml")).expect("config.toml"),
+        before,
+        "the refused resume recorded its changes"
+    );
+}
+
 #[test]
 fn a_killed_cv_run_resumes_in_its_fold_and_ends_with_the_same_summary() {
     let tmp = tempfile::tempdir().expect("tempdir");
