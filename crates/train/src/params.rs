@@ -196,8 +196,7 @@ pub(crate) fn all_reduce_grads<M: Module>(
     #[cfg(feature = "cuda")]
     if let Some(device) = taken.pieces.first().map(|(t, _)| t.device.clone())
         && group.uses_nccl()
-        && !nccl_via_host()
-        && kiln_model::kernels::lends_cuda_buffers(&device)
+        && nccl_through_host(&device).is_none()
     {
         return nccl_on_device(module, taken, &device, extra, group, reduce_dtype);
     }
@@ -230,15 +229,25 @@ pub(crate) fn all_reduce_grads<M: Module>(
     Ok(grads)
 }
 
-/// `KILN_NCCL_VIA_HOST=1`: NCCL's all-reduce of the gradients through host
-/// memory, as kiln ran it before they stayed on the device (the GPU
-/// check's comparison), read once a process.
+/// Why a job that reduces through NCCL hands it the gradients on `device`
+/// through host memory, or `None` where they stay on the GPU: the one rule
+/// [`all_reduce_grads`] follows and the run's note tells. Through the host
+/// where `KILN_NCCL_VIA_HOST=1` asks (as kiln ran it before, the GPU
+/// check's comparison; read once a process) or where kiln-model lends no
+/// CUDA buffer (a `fusion` build).
 #[cfg(feature = "cuda")]
-pub(crate) fn nccl_via_host() -> bool {
+pub(crate) fn nccl_through_host(device: &Device) -> Option<&'static str> {
     static VIA_HOST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *VIA_HOST.get_or_init(|| {
+    let asked = *VIA_HOST.get_or_init(|| {
         std::env::var("KILN_NCCL_VIA_HOST").is_ok_and(|v| matches!(v.trim(), "1" | "true"))
-    })
+    });
+    if asked {
+        Some("KILN_NCCL_VIA_HOST=1")
+    } else if !kiln_model::kernels::lends_cuda_buffers(device) {
+        Some("a `fusion` build")
+    } else {
+        None
+    }
 }
 
 /// [`all_reduce_grads`] on the device: the gradients in one buffer of the

@@ -414,15 +414,12 @@ pub(crate) fn collectives(
                 (v / 100) % 100,
                 v % 100,
                 group.world_size(),
-                // `params::all_reduce_grads`' rule.
-                if crate::params::nccl_via_host() {
-                    "through host memory (KILN_NCCL_VIA_HOST=1)"
-                } else if !kiln_model::kernels::lends_cuda_buffers(&device.device) {
-                    "through host memory (a `fusion` build)"
-                } else if config.optimization.zero_stage >= 2 {
-                    "through host memory (ZeRO-2's reduce-scatter)"
-                } else {
-                    "in place on the GPU"
+                match crate::params::nccl_through_host(&device.device) {
+                    Some(why) => format!("through host memory ({why})"),
+                    None if config.optimization.zero_stage >= 2 => {
+                        "through host memory (ZeRO-2's reduce-scatter)".to_string()
+                    }
+                    None => "in place on the GPU".to_string(),
                 }
             ),
             None => format!(
