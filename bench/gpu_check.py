@@ -26,7 +26,8 @@ measured already goes last: `main`'s comments):
    bf16); GPT-2 small with CubeCL's full autotune level (logging which
    kernel each tuning chose) and with CUDA's stream-ordered allocator,
    each from an empty autotune cache (the settings issue 49 asked to
-   measure); GPT-2 small and the tiny GPT again with Burn's compositions
+   measure); BERT-base with BERT's dropout (0.1 on the hidden states and
+   the attention probabilities, the latter in kiln's kernels); GPT-2 small and the tiny GPT again with Burn's compositions
    (`optimization.kernels=reference`), for what kiln's kernels gain, and
    GPT-2 small and the `h100` preset with attention's scalar kernels
    (`optimization.attention=memory-efficient`), for what the matrix-unit
@@ -626,6 +627,17 @@ class Check:
             "bench nli bert-base bf16": (
                 "nli",
                 [*gpu, *bert, *bf16],
+                ["--pad-to-max-length", *profile],
+                *large,
+            ),
+            # BERT's own dropout (0.1 on the hidden states and on the
+            # attention probabilities, as `bert_base` trains): the
+            # probabilities' dropout in kiln's kernels since 2026-12-06
+            # (before, Burn's composition ran for it), its cost against
+            # the run without.
+            "bench nli bert-base bf16 dropout": (
+                "nli",
+                [*gpu, *bert, *bf16, "model.dropout=0.1", "model.attention_dropout=0.1"],
                 ["--pad-to-max-length", *profile],
                 *large,
             ),
@@ -1265,6 +1277,7 @@ def main():
             check.bench_named("bench lm h100 preset scalar attention")
             check.bench_named("bench lm gpt2-small bf16 max-autotune")
             check.bench_named("bench lm gpt2-small bf16 async allocator")
+            check.bench_named("bench nli bert-base bf16 dropout")
             if check.passed("bench lm gpt2-small bf16 cuBLAS host waits") is None:
                 check.cublas("bench lm gpt2-small bf16", " host waits")
         # The same kernels compiled by NVRTC instead of LLVM: checked, then

@@ -525,6 +525,17 @@ fn kiln_kernels_on_wgpu_agree_with_the_composition() {
         // Wider than the kernels unroll for: their loop path.
         ("attention, causal, heads 136 wide", 1e-4, true),
         ("attention, queries that see no key", 1e-4, true),
+        // Dropout on the probabilities in the scalar kernels, against the
+        // composition with the host's mask.
+        ("attention, causal, dropout 0.1", 1e-4, true),
+        ("attention, padded, dropout 0.1", 1e-4, true),
+        // The kernels' mask where an index passes 2³², against the host's:
+        // exactly (not under `fusion`, where it is not checked).
+        (
+            "attention's dropout mask, indices past 2³²",
+            0.0,
+            !cfg!(feature = "fusion"),
+        ),
         // Burn's primitive operations in chunks, on CubeCL and under fusion.
         ("lm head and loss", 1e-4, true),
     ];
@@ -595,36 +606,51 @@ fn out_of_device_memory_says_what_to_lower() {
     assert!(!run.stderr.contains("stack backtrace"), "{}", run.stderr);
 }
 
-/// Dropout on the attention probabilities on a GPU, whose attention
-/// kernels have none: with `auto` the run trains through Burn's
-/// composition and a start line says so; asking for the kernels by name
-/// (`memory-efficient`) is refused with exit code 2, naming both keys.
+/// Dropout on the attention probabilities on a GPU runs in kiln's CubeCL
+/// kernels, as on flex: asked for by name (`memory-efficient`), in f32 and
+/// in fp16 (where the device computes in it), the run trains (it was
+/// refused while the kernels had none) and ends elsewhere than the same
+/// run without dropout, so the mask took effect; `auto` trains too and
+/// says nothing of Burn's composition; and `kiln diagnose` counts no
+/// `T × T` scores for it. Whether the kernels' mask is the one asked for
+/// is `kiln check-kernels`' to say ("attention, …, dropout 0.1").
 #[test]
-fn attention_dropout_on_wgpu_composes_or_is_refused_by_name() {
+fn attention_dropout_on_wgpu_trains_in_the_kernels() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let (loss, out) = train_on_wgpu(tmp.path(), "auto", 5, &["model.attention_dropout=0.1"]);
-    assert!(loss.is_finite(), "{out}");
+    let named = "optimization.attention=memory-efficient";
+    let fp16 = ["precision.amp=true", "precision.amp_dtype=fp16"];
+    for (dtype, extra) in [("f32", &[][..]), ("fp16", &fp16[..])] {
+        let run = |name: &str, dropout: &str| {
+            let mut args = vec![named, dropout];
+            args.extend(extra);
+            train_on_wgpu(tmp.path(), &format!("{dtype}-{name}"), 5, &args)
+        };
+        let (plain, _) = run("plain", "model.attention_dropout=0.0");
+        let (dropped, out) = run("dropped", "model.attention_dropout=0.5");
+        assert!(dropped.is_finite(), "{dtype}: {out}");
+        assert!(
+            (dropped - plain).abs() > 1e-6,
+            "{dtype}: dropout 0.5 left the loss at {dropped} (without: {plain})"
+        );
+    }
+    let (auto, out) = train_on_wgpu(tmp.path(), "auto", 5, &["model.attention_dropout=0.1"]);
+    assert!(auto.is_finite(), "{out}");
+    assert!(!out.contains("Burn's composition"), "{out}");
+    let diagnose = kiln(&[
+        "diagnose",
+        "--burst=0",
+        "device.backend=wgpu",
+        "model.attention_dropout=0.1",
+    ])
+    .run();
     assert!(
-        out.contains(
-            "attention: Burn's composition while training, for model.attention_dropout = 0.1"
-        ),
-        "{out}"
+        diagnose
+            .stdout
+            .contains("attention keeps no T² scores, its log-sum-exp"),
+        "{}\n{}",
+        diagnose.stdout,
+        diagnose.stderr
     );
-    let named = train_tiny(
-        tmp.path(),
-        "named",
-        5,
-        &[
-            "device.backend=wgpu",
-            "model.attention_dropout=0.1",
-            "optimization.attention=memory-efficient",
-        ],
-    )
-    .expect_code(2);
-    named.stderr_has(&[
-        "optimization.attention = \"memory-efficient\" cannot train with model.attention_dropout = 0.1",
-        "set model.attention_dropout = 0",
-    ]);
 }
 
 /// Asking for CUDA where there is no NVIDIA driver is a clear error with

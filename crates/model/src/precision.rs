@@ -129,8 +129,9 @@ pub(crate) fn mlp_hidden<const D: usize>(
 /// between lost nothing and cost a pass over the activations each way,
 /// forward and backward). `dropout` drops out the probabilities where the
 /// device is an autodiff one (the caller gives 0 where its model does not
-/// train): in f32 [`kernels::self_attention_with_dropout`], in a reduced
-/// dtype [`reduced_attention`] with it, since the CubeCL kernels have none.
+/// train): [`kernels::self_attention_with_dropout`] in f32 and where the
+/// kernels take the reduced dtype (they drop them out themselves),
+/// [`reduced_attention`] with it elsewhere.
 #[allow(
     clippy::too_many_arguments,
     reason = "the two layers and the attention's own arguments"
@@ -160,16 +161,16 @@ pub(crate) fn attention(
         kernels::self_attention_with_dropout(
             packed, heads, key_pad, causal, attention, dropout, kernels,
         )
-    } else if dropout == 0.0
-        && kernels::memory_efficient_attention_runs(
-            &x,
-            dtype.float_dtype().into(),
-            x.dims()[2] / heads.max(1),
-            attention,
-        )
-    {
+    } else if kernels::memory_efficient_attention_runs(
+        &x,
+        dtype.float_dtype().into(),
+        x.dims()[2] / heads.max(1),
+        attention,
+    ) {
         let packed = linear_in(qkv, x, dtype, kernels);
-        kernels::self_attention(packed, heads, key_pad, causal, attention)
+        kernels::self_attention_with_dropout(
+            packed, heads, key_pad, causal, attention, dropout, kernels,
+        )
     } else {
         let packed = linear(qkv, x, dtype, kernels);
         let dropped = kernels::dropout_with(dropout, kernels);
@@ -198,7 +199,7 @@ pub(crate) fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>, dtype: ComputeD
 /// Multi-head self-attention of a packed `[b, t, 3·d]` projection (see
 /// [`kernels::self_attention`]), heads merged in the `[b, t, d]` result, for
 /// [`attention`] in a reduced dtype where the memory-efficient kernels do
-/// not take it (or dropout on the probabilities applies): [`attend`]
+/// not take it: [`attend`]
 /// on its heads, `dropped` applied to the probabilities.
 fn reduced_attention(
     qkv: Tensor<3>,

@@ -85,16 +85,12 @@ pub fn diagnose(
             let p = run_precision(config, d, hardware);
             let kernels = crate::translate::kernels(config);
             let choice = kernels.attention(crate::translate::attention(config));
-            let attention = if kiln_model::kernels::attention_keeps_scores(
-                &d.device,
-                p.compute,
-                choice,
-                config.model.attention_dropout,
-            ) {
-                AttentionMemory::Scores
-            } else {
-                AttentionMemory::LogSumExp
-            };
+            let attention =
+                if kiln_model::kernels::attention_keeps_scores(&d.device, p.compute, choice) {
+                    AttentionMemory::Scores
+                } else {
+                    AttentionMemory::LogSumExp
+                };
             let logits = if kiln_model::kernels::lm_head_keeps_logits(&d.device, kernels) {
                 LogitsMemory::All
             } else {

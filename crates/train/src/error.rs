@@ -157,21 +157,6 @@ pub enum TrainError {
         why: String,
     },
 
-    /// `optimization.attention` asks for kiln's kernels by name
-    /// (`flash`, `memory-efficient`) with `model.attention_dropout` where
-    /// they have no dropout (everywhere but flex's f32 kernel).
-    #[error(
-        "optimization.attention = \"{choice}\" cannot train with model.attention_dropout = {dropout} here: kiln's attention kernels on {device} have no dropout (flex's f32 kernel alone has); set model.attention_dropout = 0 to run them, or optimization.attention = \"auto\" to train with Burn's composition, which keeps the heads × T × T scores"
-    )]
-    AttentionDropoutNotHere {
-        /// The choice, as the configuration spells it.
-        choice: String,
-        /// `model.attention_dropout`.
-        dropout: f64,
-        /// The device, in words.
-        device: String,
-    },
-
     /// `optimization.matmul = "cublas"` where cuBLAS cannot run.
     #[error(
         "optimization.matmul = \"cublas\" cannot run here: {why}; set optimization.matmul = \"burn\" to run Burn's products"
@@ -252,7 +237,6 @@ impl TrainError {
                 | Self::TextNotEncodable { .. }
                 | Self::Backend { .. }
                 | Self::FlashAttentionNotHere { .. }
-                | Self::AttentionDropoutNotHere { .. }
                 | Self::CublasNotHere { .. }
                 | Self::ExportExists { .. }
                 | Self::Unsupported(..)

@@ -209,31 +209,16 @@ pub(crate) fn run_precision(
 /// matrix unit cannot run: Burn's composition asked for
 /// (`optimization.kernels = "reference"`), products in f32, or a device
 /// without a matrix instruction for the dtype and the heads' width
-/// (`kiln_model::kernels::attention_on_tensor_cores`). Refuses `flash` and
-/// `memory-efficient` with `model.attention_dropout` where the kernels
-/// have no dropout ([`attention_dropout_composes`]). Every other choice
-/// runs anywhere: `auto` takes the best there is.
+/// (`kiln_model::kernels::attention_on_tensor_cores`). Every other choice
+/// runs anywhere, with `model.attention_dropout` or without (kiln's
+/// kernels drop the probabilities out themselves): `auto` takes the best
+/// there is.
 pub(crate) fn check_attention_choice(
     c: &RunConfig,
     device: &DeviceChoice,
     precision: &PrecisionChoice,
 ) -> Result<(), TrainError> {
     use kiln_config::AttentionChoice;
-    let named = match c.optimization.attention {
-        AttentionChoice::Flash => Some("flash"),
-        AttentionChoice::MemoryEfficient => Some("memory-efficient"),
-        _ => None,
-    };
-    if let Some(choice) = named
-        && c.optimization.kernels != kiln_config::KernelChoice::Reference
-        && attention_dropout_composes(c, device, precision)
-    {
-        return Err(TrainError::AttentionDropoutNotHere {
-            choice: choice.to_string(),
-            dropout: c.model.attention_dropout,
-            device: device.name.clone(),
-        });
-    }
     if c.optimization.attention != AttentionChoice::Flash {
         return Ok(());
     }
@@ -260,23 +245,6 @@ pub(crate) fn check_attention_choice(
         )
     };
     Err(TrainError::FlashAttentionNotHere { why })
-}
-
-/// Whether `model.attention_dropout` makes the run's training attention
-/// Burn's composition (which keeps the `heads × T × T` scores) where
-/// kiln's kernels would run it without: on a GPU, whose kernels have no
-/// dropout. On flex in f32 the fused kernel drops the probabilities out
-/// itself; where the composition runs anyway it changes nothing.
-pub(crate) fn attention_dropout_composes(
-    c: &RunConfig,
-    device: &DeviceChoice,
-    precision: &PrecisionChoice,
-) -> bool {
-    use kiln_model::kernels::attention_keeps_scores;
-    let choice = crate::translate::kernels(c).attention(crate::translate::attention(c));
-    let keeps =
-        |dropout| attention_keeps_scores(&device.device, precision.compute, choice, dropout);
-    !keeps(0.0) && keeps(c.model.attention_dropout)
 }
 
 /// The precision line's words on TF32 for a GPU that has it: which f32
@@ -352,12 +320,6 @@ pub(crate) fn device_lines(
     }
     if c.model.gradient_checkpointing {
         lines.push("gradient checkpointing: on (activations recomputed in backward)".into());
-    }
-    if attention_dropout_composes(c, device, precision) {
-        lines.push(format!(
-            "attention: Burn's composition while training, for model.attention_dropout = {} (kiln's attention kernels on {} have no dropout): it keeps the heads × T × T scores; model.attention_dropout = 0 runs the kernels",
-            c.model.attention_dropout, device.name
-        ));
     }
     if c.optimization.matmul == kiln_config::MatmulChoice::Cublas {
         lines.push(

@@ -304,23 +304,21 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             }
         })
         .collect();
-    // Dropout 0.1 on the probabilities in flex's kernel (the GPUs' kernels
-    // have none: training there composes): against the composition with
-    // flex's dropout on the probabilities, the same seed giving the same
-    // mask (causal, then padded).
-    #[cfg(feature = "flex")]
-    if flex::runs_fused(&qkv) {
+    // Dropout 0.1 on the probabilities in kiln's kernel (flex's; on a GPU
+    // the scalar CubeCL kernels in f32): against the composition with the
+    // same mask on the probabilities (causal, then padded).
+    if fused {
         for (name, key_pad, causal) in
             [("causal", None, true), ("padded", Some(pad.clone()), false)]
         {
-            let run = |fused| {
-                let drop = super::ProbsDropout {
-                    seed: 0x6b69_6c6e_0000_0007,
-                    keep: 0.9,
-                };
-                attention_dropout_run(&qkv, &upstream, key_pad.clone(), causal, h, drop, fused)
-            };
-            let ((y, dqkv), (y_ref, dqkv_ref)) = (run(true), run(false));
+            let ((y, dqkv), (y_ref, dqkv_ref)) = attention_dropout_kernel_and_reference(
+                &qkv,
+                &upstream,
+                key_pad.clone(),
+                causal,
+                h,
+                CHECK_DROPOUT,
+            );
             let (kernel, tolerance) = f32_check(
                 &device,
                 format!("attention, {name}, dropout 0.1 (t={t})"),
@@ -352,9 +350,11 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
     let sharp = Tensor::<1>::from_data(burn::tensor::TensorData::new(sharp, [3 * h * hd]), &device)
         .reshape([1, 1, 3 * h * hd]);
     let sharp_qkv = qkv.clone() * sharp;
+    let drop = Some(CHECK_DROPOUT);
     let half_cases = [
-        // (The last field: differences relative to the largest value.)
-        ("causal", &qkv, &upstream, h, hd, None, true, false),
+        // (The last fields: differences relative to the largest value, and
+        // dropout on the probabilities.)
+        ("causal", &qkv, &upstream, h, hd, None, true, false, None),
         (
             "padded",
             &qkv,
@@ -364,6 +364,7 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             Some(pad.clone()),
             false,
             false,
+            None,
         ),
         (
             "causal, heads 64 wide",
@@ -374,6 +375,7 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             None,
             true,
             false,
+            None,
         ),
         (
             "causal, sharp scores",
@@ -384,13 +386,37 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             None,
             true,
             true,
+            None,
+        ),
+        (
+            "causal, dropout 0.1",
+            &qkv,
+            &upstream,
+            h,
+            hd,
+            None,
+            true,
+            false,
+            drop,
+        ),
+        (
+            "padded, dropout 0.1",
+            &qkv,
+            &upstream,
+            h,
+            hd,
+            Some(pad.clone()),
+            false,
+            false,
+            drop,
         ),
     ];
     for (dtype, name, tolerance) in [
         (FloatDType::F16, "f16", ATTENTION_F16_TOLERANCE),
         (FloatDType::BF16, "bf16", ATTENTION_BF16_TOLERANCE),
     ] {
-        for (case, qkv, upstream, heads, head_dim, key_pad, causal, relative) in half_cases.clone()
+        for (case, qkv, upstream, heads, head_dim, key_pad, causal, relative, drop) in
+            half_cases.clone()
         {
             // (Before any cast: a device without the dtype may not survive
             // one.)
@@ -400,8 +426,17 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
             let widen = |x: Tensor<3>| x.cast(FloatDType::F32);
             let round = |x: Tensor<3>| widen(x.cast(dtype));
             let (half, half_upstream) = (qkv.clone().cast(dtype), upstream.clone().cast(dtype));
-            let run = |qkv: &Tensor<3>, upstream: &Tensor<3>, attention| {
-                attention_run(qkv, upstream, key_pad.clone(), causal, heads, attention)
+            let run = |qkv: &Tensor<3>, upstream: &Tensor<3>, attention| match drop {
+                Some(drop) => attention_dropout_run(
+                    qkv,
+                    upstream,
+                    key_pad.clone(),
+                    causal,
+                    heads,
+                    drop,
+                    attention,
+                ),
+                None => attention_run(qkv, upstream, key_pad.clone(), causal, heads, attention),
             };
             let (y_ref, dqkv_ref) = run(
                 &widen(half.clone()),
@@ -409,9 +444,12 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
                 AttentionKernel::Math,
             );
             // (Which kernels run on the matrix unit, in the name: with
-            // `FLASH_MMA` on CUDA those with their scores in registers.)
+            // `FLASH_MMA` on CUDA those with their scores in registers,
+            // which give way to FlashAttention-2's for dropout.)
             let matrix_unit = match super::attention_route(&half, heads, AttentionKernel::Auto) {
-                super::AttentionRoute::Registers => "on the matrix unit, scores in registers",
+                super::AttentionRoute::Registers if drop.is_none() => {
+                    "on the matrix unit, scores in registers"
+                }
                 _ => "on the matrix unit",
             };
             for (attention, on) in [
@@ -452,6 +490,9 @@ pub fn check_attention(device: &burn::tensor::Device) -> Vec<KernelCheck> {
     // there, and the gradients (which its output there feeds) are not
     // compared. Without a kiln kernel here (Burn's attention both ways)
     // there is nothing to check.
+    if let Some(check) = check_dropout_mask(&device) {
+        checks.push(check);
+    }
     if !fused {
         return checks;
     }
@@ -751,12 +792,70 @@ fn output_and_grad(
     (y.detach(), qkv.grad(&grads).expect("qkv gradient"))
 }
 
+/// The CubeCL kernels' dropout mask against the host's
+/// ([`dropout_keeps`](super::dropout_keeps)) where a probability's index
+/// `row · t + j` passes 2³², which the kernels take in 32-bit halves and
+/// no attention check reaches: four rows of 3,000 keys on either side of
+/// the row whose keys cross 2³² (the carry into the high half), and four
+/// from row 50 million (a high half of 34 and more). Exact: the factors
+/// are `1 / keep` or 0. `None` off a CubeCL GPU (flex's kernels call the
+/// host's function); under `fusion` not run (`fused` false), its kernel
+/// launched outside a fusion stream.
+fn check_dropout_mask(device: &burn::tensor::Device) -> Option<KernelCheck> {
+    #[cfg(feature = "cube")]
+    crate::device_memory::cube_gpu_device(device)?;
+    let kernel = "attention's dropout mask, indices past 2³²".to_string();
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    {
+        let (seq, rows) = (3_000u32, 4u32);
+        let crossing = ((1u64 << 32) / u64::from(seq)) as u32 - rows / 2;
+        let (threshold, scale) = (CHECK_DROPOUT.threshold(), CHECK_DROPOUT.scale());
+        let mut difference = 0.0f64;
+        for row0 in [crossing, 50_000_000] {
+            let got = super::cube::dropout::factors(device, CHECK_DROPOUT, row0, rows, seq);
+            if got.len() != (rows * seq) as usize {
+                difference = f64::INFINITY;
+            }
+            for (k, got) in got.into_iter().enumerate() {
+                let index = u64::from(row0) * u64::from(seq) + k as u64;
+                let kept = super::dropout_keeps(CHECK_DROPOUT.seed, index, threshold);
+                let want = if kept { scale } else { 0.0 };
+                difference = difference.max(f64::from((got - want).abs()));
+            }
+        }
+        Some(KernelCheck {
+            kernel,
+            fused: true,
+            max_abs_difference: difference,
+            tolerance: 0.0,
+        })
+    }
+    #[cfg(all(feature = "cube", feature = "fusion"))]
+    return Some(KernelCheck {
+        kernel,
+        fused: false,
+        max_abs_difference: 0.0,
+        tolerance: 0.0,
+    });
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = (device, kernel);
+        None
+    }
+}
+
+/// The dropout the attention checks run: 0.1, a fixed seed whose two
+/// halves both matter to the hash.
+pub(super) const CHECK_DROPOUT: super::ProbsDropout = super::ProbsDropout {
+    seed: 0x6b69_6c6e_0000_0007,
+    keep: 0.9,
+};
+
 /// Self-attention's output and qkv gradient with the probabilities dropped
-/// out by `drop`, for the upstream gradient `upstream`: flex's fused kernel
-/// (`fused`), or the composition with flex's dropout on the probabilities
-/// (`[b, h, t, t]`, so element `(bh·t + i)·t + j` as in the kernel: the
-/// same mask).
-#[cfg(feature = "flex")]
+/// out by `drop`, for the upstream gradient `upstream`: kiln's kernel that
+/// `attention` picks, or with `Math` the composition with the mask
+/// [`reference_mask`] builds on the host multiplying the probabilities —
+/// the mask the kernels must draw.
 pub(super) fn attention_dropout_run(
     qkv: &Tensor<3>,
     upstream: &Tensor<3>,
@@ -764,18 +863,73 @@ pub(super) fn attention_dropout_run(
     causal: bool,
     heads: usize,
     drop: super::ProbsDropout,
-    fused: bool,
+    attention: AttentionKernel,
 ) -> (Tensor<3>, Tensor<3>) {
     output_and_grad(qkv, upstream, |qkv| {
-        if fused {
-            let attention = AttentionKernel::MemoryEfficient;
-            super::attention_with(qkv, heads, key_pad, causal, attention, Some(drop))
-        } else {
+        if attention == AttentionKernel::Math {
             let [q, k, v] = super::split_heads(qkv, heads);
-            let dropped = |p| flex::dropout(p, drop.seed, drop.keep);
+            let [b, h, t, _] = q.dims();
+            let mask = reference_mask(drop, [b, h, t], &q.device());
+            let dropped = |p| p * mask;
             crate::precision::attend(q, k, v, key_pad, causal, crate::ComputeDtype::F32, dropped)
+        } else {
+            super::attention_with(qkv, heads, key_pad, causal, attention, Some(drop))
         }
     })
+}
+
+/// [`attention_dropout_run`] by kiln's kernels (`MemoryEfficient`: flex's,
+/// or the scalar CubeCL ones), then by the composition with the host's
+/// mask: each one's output and qkv gradient.
+pub(super) fn attention_dropout_kernel_and_reference(
+    qkv: &Tensor<3>,
+    upstream: &Tensor<3>,
+    key_pad: Option<Tensor<2, Bool>>,
+    causal: bool,
+    heads: usize,
+    drop: super::ProbsDropout,
+) -> ((Tensor<3>, Tensor<3>), (Tensor<3>, Tensor<3>)) {
+    let run = |attention| {
+        attention_dropout_run(
+            qkv,
+            upstream,
+            key_pad.clone(),
+            causal,
+            heads,
+            drop,
+            attention,
+        )
+    };
+    (
+        run(AttentionKernel::MemoryEfficient),
+        run(AttentionKernel::Math),
+    )
+}
+
+/// The mask `drop` draws over `batch × heads` heads' `t × t` probabilities
+/// (`[b, heads, t, t]`: element `(bh·t + i)·t + j`, as the kernels number
+/// them), kept ones `1 / keep` and the others 0, from
+/// [`dropout_keeps`](super::dropout_keeps) on the host: what the kernels'
+/// masks are checked against.
+pub(super) fn reference_mask(
+    drop: super::ProbsDropout,
+    [b, heads, t]: [usize; 3],
+    device: &burn::tensor::Device,
+) -> Tensor<4> {
+    let (threshold, scale) = (drop.threshold(), drop.scale());
+    let values: Vec<f32> = (0..(b * heads * t * t) as u64)
+        .map(|i| {
+            if super::dropout_keeps(drop.seed, i, threshold) {
+                scale
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_data(
+        burn::tensor::TensorData::new(values, [b, heads, t, t]),
+        device,
+    )
 }
 
 /// Whether [`self_attention`] runs a kiln kernel (flex's or CubeCL's) for

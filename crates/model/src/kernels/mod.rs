@@ -181,8 +181,9 @@ pub(crate) struct AttentionSpec {
     /// The matrix-unit kernels where the device and dtype have them
     /// (`AttentionKernel::MemoryEfficient` says no).
     pub(crate) matrix_unit: bool,
-    /// Dropout on the probabilities: flex's kernel alone takes it (the
-    /// other routes run the composition where it applies).
+    /// Dropout on the probabilities (kiln's kernels: flex's, CubeCL's
+    /// scalar and FlashAttention-2 ones; `FLASH_MMA`'s register kernels
+    /// have none, and give way to FlashAttention-2's where it is asked).
     pub(crate) dropout: Option<ProbsDropout>,
 }
 
@@ -203,6 +204,78 @@ pub(crate) struct ProbsDropout {
 
 // `keep` is a probability, never NaN.
 impl Eq for ProbsDropout {}
+
+impl ProbsDropout {
+    /// The hash threshold of `keep` ([`dropout_threshold`]).
+    pub(crate) fn threshold(self) -> u32 {
+        dropout_threshold(self.keep)
+    }
+
+    /// What a kept probability is multiplied by: `1 / keep`.
+    pub(crate) fn scale(self) -> f32 {
+        (1.0 / self.keep) as f32
+    }
+}
+
+/// The keys [`dropout_keeps`] derives from a mask's seed: the odd
+/// multiplier of the index, the key the product is xored with, and the key
+/// between the two rounds. The GPUs' attention kernels take them as
+/// arguments and hash as [`dropout_keeps`] does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MaskKeys {
+    pub(crate) multiply: u32,
+    pub(crate) xor: u32,
+    pub(crate) last: u32,
+}
+
+impl MaskKeys {
+    /// The keys of `seed`.
+    #[inline(always)]
+    pub(crate) fn of(seed: u64) -> Self {
+        let (lo, hi) = (seed as u32, (seed >> 32) as u32);
+        Self {
+            multiply: hi | 1,
+            xor: lo,
+            last: hi.rotate_left(16),
+        }
+    }
+}
+
+/// murmur3's 32-bit finalizer's two multipliers, and the multiplier that
+/// folds an index's high 32 bits into its low ones ([`dropout_keeps`]).
+pub(crate) const MIX_1: u32 = 0x85EB_CA6B;
+pub(crate) const MIX_2: u32 = 0xC2B2_AE35;
+pub(crate) const INDEX_HIGH: u32 = 0x27D4_EB2F;
+
+/// Whether dropout keeps element `index` under `seed`: a counter-based hash
+/// below `threshold` (keep × 2³²). The hash is murmur3's 32-bit finalizer
+/// over the index multiplied by an odd key of the seed, then keyed again,
+/// so that two seeds' masks are neither shifts nor permutations of one
+/// another; each element's bits depend on its index alone, so a mask is
+/// made again for the backward pass instead of kept, in any chunking, and
+/// on any device: flex's kernels call this, the CubeCL attention kernels
+/// compute the same in 32-bit arithmetic (`cube/dropout.rs`).
+#[inline(always)]
+pub(crate) fn dropout_keeps(seed: u64, index: u64, threshold: u32) -> bool {
+    #[inline(always)]
+    fn fmix32(mut h: u32) -> u32 {
+        h ^= h >> 16;
+        h = h.wrapping_mul(MIX_1);
+        h ^= h >> 13;
+        h = h.wrapping_mul(MIX_2);
+        h ^ (h >> 16)
+    }
+    let keys = MaskKeys::of(seed);
+    let i = (index as u32) ^ ((index >> 32) as u32).wrapping_mul(INDEX_HIGH);
+    let h = fmix32(i.wrapping_mul(keys.multiply) ^ keys.xor);
+    fmix32(h ^ keys.last) < threshold
+}
+
+/// The hash threshold of a keep probability: `keep × 2³²`, at most
+/// `u32::MAX`.
+pub(crate) fn dropout_threshold(keep: f64) -> u32 {
+    (keep * 4_294_967_296.0).min(f64::from(u32::MAX)) as u32
+}
 
 /// Exact GELU, `x · Φ(x)`.
 pub fn gelu<const D: usize>(x: Tensor<D>, kernels: Kernels) -> Tensor<D> {
@@ -253,7 +326,7 @@ pub(crate) fn dropout_with<const D: usize>(
 /// A dropout mask's seed: two uniform f32 draws of `device`'s generator,
 /// which the loop seeds each step, so that a run's masks are as
 /// reproducible as Burn's: about 46 random bits (their mantissas).
-#[cfg(feature = "flex")]
+#[cfg(any(feature = "flex", feature = "cube"))]
 fn draw_seed(device: &burn::tensor::Device) -> u64 {
     let draw = burn::tensor::Distribution::Default;
     let bits = Tensor::<1>::random([2], draw, &device.clone().without_autodiff())
@@ -302,14 +375,15 @@ pub fn self_attention(
 /// [`self_attention`] with dropout of probability `dropout` on the
 /// attention probabilities (BERT's `attention_probs_dropout_prob`,
 /// nanoGPT's `attn_dropout`) on an autodiff device; the caller gives 0
-/// where its model does not train. Where [`self_attention`] runs flex's
-/// fused kernel, the kernel drops them out, its mask a counter-based hash
-/// of a seed drawn from the device's generator and of each probability's
-/// place, made again in the backward pass rather than kept; everywhere
-/// else (the CubeCL kernels, which have no dropout, and Burn's attention)
-/// it runs the composition with the probabilities dropped out
-/// ([`dropout`] on them with `kernels`), which keeps the `heads × T × T`
-/// scores ([`attention_keeps_scores`] with the dropout).
+/// where its model does not train. Where [`self_attention`] runs a kiln
+/// kernel (flex's fused one; CubeCL's scalar and matrix-unit ones on a
+/// GPU), the kernel drops them out, its mask a counter-based hash of a
+/// seed drawn from the device's generator and of each probability's place
+/// ([`dropout_keeps`], the same on every device), made again in the
+/// backward pass rather than kept, as FlashAttention does; where Burn's
+/// attention runs it runs the composition with the probabilities dropped
+/// out ([`dropout`] on them with `kernels`), which keeps the
+/// `heads × T × T` scores, as it does without dropout.
 pub fn self_attention_with_dropout(
     qkv: Tensor<3>,
     heads: usize,
@@ -322,8 +396,8 @@ pub fn self_attention_with_dropout(
     if dropout <= 0.0 || !qkv.device().is_autodiff() {
         return self_attention(qkv, heads, key_pad, causal, attention);
     }
-    #[cfg(feature = "flex")]
-    if kernel_route(&qkv, heads, attention) == AttentionRoute::Flex {
+    #[cfg(any(feature = "flex", feature = "cube"))]
+    if kernel_route(&qkv, heads, attention) != AttentionRoute::Burn {
         let seed = draw_seed(&qkv.device());
         let drop = ProbsDropout {
             seed,
@@ -337,7 +411,8 @@ pub fn self_attention_with_dropout(
 }
 
 /// [`self_attention`], the probabilities dropped out with `dropout` where
-/// flex's fused kernel runs (elsewhere `dropout` is not looked at).
+/// a kiln kernel runs (where Burn's attention runs, `dropout` is not
+/// looked at).
 pub(crate) fn attention_with(
     qkv: Tensor<3>,
     heads: usize,
@@ -361,7 +436,6 @@ pub(crate) fn attention_with(
     }
     #[cfg(feature = "cube")]
     if route == AttentionRoute::Scalar {
-        debug_assert!(spec.dropout.is_none(), "the CubeCL kernels have no dropout");
         return cube::attention::self_attention(qkv, key_pad, spec);
     }
     let _ = (spec, route);
@@ -533,16 +607,13 @@ fn is_cuda(device: &burn::tensor::Device) -> bool {
 /// attention (`Math`, other backends) and the
 /// reduced-precision composition on the CPU do; flex's kernel (f32) and the
 /// memory-efficient CubeCL kernels (wgpu, CUDA; any of the three dtypes)
-/// keep one log-sum-exp per query and head. With `dropout` on the
-/// probabilities (a training step's `model.attention_dropout`), the CubeCL
-/// kernels, which have none, leave it to the composition
-/// ([`self_attention_with_dropout`]): flex's kernel alone keeps no scores
-/// then. What memory estimates count.
+/// keep one log-sum-exp per query and head, with dropout on the
+/// probabilities too (a training step's `model.attention_dropout`:
+/// [`self_attention_with_dropout`]). What memory estimates count.
 pub fn attention_keeps_scores(
     device: &burn::tensor::Device,
     dtype: crate::ComputeDtype,
     attention: AttentionKernel,
-    dropout: f64,
 ) -> bool {
     #[cfg(any(feature = "flex", feature = "cube"))]
     use burn::backend::DispatchDevice;
@@ -558,10 +629,10 @@ pub fn attention_keeps_scores(
         #[cfg(feature = "flex")]
         DispatchDevice::Flex(_) => dtype.is_reduced(),
         #[cfg(feature = "cube")]
-        DispatchDevice::Cube(d) if cube_gpu(d) => dropout > 0.0,
+        DispatchDevice::Cube(d) if cube_gpu(d) => false,
         #[allow(unreachable_patterns)]
         _ => {
-            let _ = (dtype, dropout);
+            let _ = dtype;
             true
         }
     }
@@ -1491,11 +1562,9 @@ mod tests {
     fn dropout_masks_keep_the_share_asked_for_independently() {
         let n = 1u64 << 20;
         for keep in [0.9, 0.5, 0.1] {
-            let threshold = cpu::dropout_threshold(keep);
+            let threshold = dropout_threshold(keep);
             let mask = |seed: u64| -> Vec<bool> {
-                (0..n)
-                    .map(|i| cpu::dropout_keeps(seed, i, threshold))
-                    .collect()
+                (0..n).map(|i| dropout_keeps(seed, i, threshold)).collect()
             };
             let (a, b) = (mask(0x1234_5678_9ABC_DEF0), mask(0x1234_5678_9ABC_DEF1));
             let share = |hits: usize| hits as f64 / n as f64;
@@ -1513,7 +1582,7 @@ mod tests {
                 "{keep}: {both_seeds}"
             );
         }
-        assert_eq!(cpu::dropout_threshold(1.0), u32::MAX);
+        assert_eq!(dropout_threshold(1.0), u32::MAX);
     }
 
     /// Fused dropout on flex: kept elements scaled by 1/keep, the rest 0;
@@ -1728,7 +1797,7 @@ mod tests {
     /// without it).
     #[test]
     fn fused_attention_dropout_matches_the_composition_with_the_same_mask() {
-        use super::check::attention_dropout_run;
+        use super::check::attention_dropout_kernel_and_reference;
         let device = Device::flex().autodiff();
         device.seed(10);
         for (h, qkv, upstream, pad) in attention_inputs(&device) {
@@ -1740,18 +1809,14 @@ mod tests {
                         key_pad.is_some()
                     );
                     let drop = ProbsDropout { seed, keep };
-                    let run = |fused| {
-                        attention_dropout_run(
-                            &qkv,
-                            &upstream,
-                            key_pad.clone(),
-                            causal,
-                            h,
-                            drop,
-                            fused,
-                        )
-                    };
-                    let ((y, dqkv), (y_ref, dqkv_ref)) = (run(true), run(false));
+                    let ((y, dqkv), (y_ref, dqkv_ref)) = attention_dropout_kernel_and_reference(
+                        &qkv,
+                        &upstream,
+                        key_pad.clone(),
+                        causal,
+                        h,
+                        drop,
+                    );
                     let (plain, _) = attention_run(
                         &qkv,
                         &upstream,
@@ -1888,9 +1953,8 @@ mod tests {
     fn only_burns_attention_and_the_reduced_composition_keep_scores() {
         use crate::ComputeDtype;
         let device = Device::flex();
-        let keeps = |device: &Device, dtype, attention| {
-            attention_keeps_scores(device, dtype, attention, 0.0)
-        };
+        let keeps =
+            |device: &Device, dtype, attention| attention_keeps_scores(device, dtype, attention);
         assert!(!keeps(&device, ComputeDtype::F32, AttentionKernel::Auto));
         assert!(!keeps(
             &device,

@@ -11,6 +11,7 @@ use multiversion::target::target_cfg_f;
 use rayon::prelude::*;
 
 use super::optim::{Factors, update};
+use super::{dropout_keeps, dropout_threshold};
 
 mod math;
 pub(crate) mod peak;
@@ -162,34 +163,6 @@ simd_levels! {
             *g = math::gelu_grad::<FMA>(x, *g);
         }
     }
-}
-
-/// Whether dropout keeps element `index` under `seed`: a counter-based hash
-/// below `threshold` (keep × 2³²). The hash is murmur3's 32-bit finalizer
-/// over the index multiplied by an odd key of the seed, then keyed again,
-/// so that two seeds' masks are neither shifts nor permutations of one
-/// another; each element's bits depend on its index alone, so a mask is
-/// made again for the backward pass instead of kept, in any chunking.
-#[inline(always)]
-pub(crate) fn dropout_keeps(seed: u64, index: u64, threshold: u32) -> bool {
-    #[inline(always)]
-    fn fmix32(mut h: u32) -> u32 {
-        h ^= h >> 16;
-        h = h.wrapping_mul(0x85EB_CA6B);
-        h ^= h >> 13;
-        h = h.wrapping_mul(0xC2B2_AE35);
-        h ^ (h >> 16)
-    }
-    let (lo, hi) = (seed as u32, (seed >> 32) as u32);
-    let i = (index as u32) ^ ((index >> 32) as u32).wrapping_mul(0x27D4_EB2F);
-    let h = fmix32(i.wrapping_mul(hi | 1) ^ lo);
-    fmix32(h ^ hi.rotate_left(16)) < threshold
-}
-
-/// The hash threshold of a keep probability: `keep × 2³²`, at most
-/// `u32::MAX`.
-pub(crate) fn dropout_threshold(keep: f64) -> u32 {
-    (keep * 4_294_967_296.0).min(f64::from(u32::MAX)) as u32
 }
 
 /// A dropout mask and its scale: elements kept where [`dropout_keeps`]

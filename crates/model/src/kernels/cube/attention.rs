@@ -23,6 +23,15 @@
 //! (1 where a key is padding, per batch entry) skips padded keys. Inputs
 //! and outputs are f32, bf16 or f16; everything is accumulated in f32.
 //!
+//! With dropout on the probabilities (a training step's
+//! `model.attention_dropout`: the spec's `dropout`, compiled in only then),
+//! each kernel hashes a (query, key) pair's mask bit where it meets the
+//! pair (`dropout.rs`, the same mask as flex's kernel): the forward pass
+//! weighs the values by the kept probabilities times `1 / keep` (their sum
+//! and the log-sum-exp are those before dropout), the backward pass weighs
+//! dV the same way and multiplies `dP` by the mask before the softmax's
+//! gradient; `delta` (`Σ dO·O`) is unchanged, as in FlashAttention.
+//!
 //! Under Burn's `fusion` (where the backend is `Fusion<CubeBackend>`) the
 //! two kernels are custom operations of the fusion stream: the extension's
 //! `Fusion` route describes their outputs (shape, dtype) when they are
@@ -211,6 +220,7 @@ mod cube {
     use burn::tensor::DType;
     use burn_backend::cubecl::dtype_to_storage_type;
 
+    use super::super::dropout::{Mask, kept, launch_mask};
     use super::AttentionSpec;
     use burn_cubecl::kernel::into_contiguous;
     use burn_cubecl::tensor::CubeTensor;
@@ -273,8 +283,10 @@ mod cube {
         seq: usize,
         heads: usize,
         scale: f32,
+        mask: Mask,
         #[comptime] head_dim: usize,
         #[comptime] causal: bool,
+        #[comptime] dropout: bool,
         #[define(E)] _dtype: ElemType,
     ) {
         let unit = ABSOLUTE_POS;
@@ -309,9 +321,15 @@ mod cube {
                 let rescale = (running_max - new_max).exp();
                 let p = (s - new_max).exp();
                 sum = sum * rescale + p;
+                // The values weighed by the probability dropped out (the
+                // sum is of all of them: dropout comes after the softmax).
+                let mut weight = p;
+                if dropout {
+                    weight = p * kept(&mask, unit as u32, seq as u32, j as u32);
+                }
                 #[unroll(unroll)]
                 for c in 0..head_dim {
-                    acc[c] = acc[c] * rescale + p * f32::cast_from(qkv[v0 + c]);
+                    acc[c] = acc[c] * rescale + weight * f32::cast_from(qkv[v0 + c]);
                 }
                 running_max = new_max;
             }
@@ -373,8 +391,10 @@ mod cube {
         seq: usize,
         heads: usize,
         scale: f32,
+        mask: Mask,
         #[comptime] head_dim: usize,
         #[comptime] causal: bool,
+        #[comptime] dropout: bool,
         #[define(E)] _dtype: ElemType,
     ) {
         let unit = ABSOLUTE_POS;
@@ -410,6 +430,11 @@ mod cube {
                     dp += g[c] * f32::cast_from(qkv[v0 + c]);
                 }
                 let p = (s * scale - lse_i).exp();
+                // The gradient of the probability before its dropout: the
+                // mask's factor on that of the one after.
+                if dropout {
+                    dp *= kept(&mask, unit as u32, seq as u32, j as u32);
+                }
                 let ds = p * (dp - delta_i);
                 #[unroll(unroll)]
                 for c in 0..head_dim {
@@ -435,8 +460,10 @@ mod cube {
         seq: usize,
         heads: usize,
         scale: f32,
+        mask: Mask,
         #[comptime] head_dim: usize,
         #[comptime] causal: bool,
+        #[comptime] dropout: bool,
         #[define(E)] _dtype: ElemType,
     ) {
         let unit = ABSOLUTE_POS;
@@ -483,10 +510,18 @@ mod cube {
                 dp += f32::cast_from(grad[g0 + c]) * v[c];
             }
             let p = (s * scale - lse[row0 + i]).exp();
+            // dV takes the probability that weighed the value (dropped
+            // out), dS the gradient of the one before the dropout.
+            let mut weight = p;
+            if dropout {
+                let factor = kept(&mask, (row0 + i) as u32, seq as u32, j as u32);
+                weight = p * factor;
+                dp *= factor;
+            }
             let ds = p * (dp - delta[row0 + i]);
             #[unroll(unroll)]
             for c in 0..head_dim {
-                dv[c] += p * f32::cast_from(grad[g0 + c]);
+                dv[c] += weight * f32::cast_from(grad[g0 + c]);
                 dk[c] += ds * f32::cast_from(qkv[q0 + c]);
             }
         }
@@ -544,18 +579,21 @@ mod cube {
         let (heads, causal) = (spec.heads, spec.causal);
         // On the matrix unit where the device has one for the dtype (and
         // the caller did not ask for the scalar kernels): with
-        // `FLASH_MMA=1` the register kernel where it runs (CUDA).
+        // `FLASH_MMA=1` the register kernel where it runs (CUDA; it has
+        // no dropout).
         if spec.matrix_unit
+            && spec.dropout.is_none()
             && super::super::flash_mma::forward_asked()
             && let Some(result) = super::super::flash_mma::forward(&qkv, &pad, heads, causal)
         {
             return result;
         }
         if spec.matrix_unit
-            && let Some(result) = super::super::flash_attention::forward(&qkv, &pad, heads, causal)
+            && let Some(result) = super::super::flash_attention::forward(&qkv, &pad, spec)
         {
             return result;
         }
+        let (mask, dropout) = launch_mask(spec.dropout);
         let p = problem(&qkv, heads);
         let dtype = qkv.dtype;
         let out = empty(&qkv, vec![p.batch, p.seq, p.heads * p.head_dim], dtype);
@@ -571,8 +609,10 @@ mod cube {
             p.seq,
             p.heads,
             p.scale,
+            mask,
             p.head_dim,
             causal,
+            dropout,
             dtype_to_storage_type(dtype),
         );
         (out, lse)
@@ -613,8 +653,10 @@ mod cube {
             dtype_to_storage_type(dtype),
         );
         // On the matrix unit where the forward pass ran: with
-        // `FLASH_MMA=1` the register kernels where they run (CUDA).
+        // `FLASH_MMA=1` the register kernels where they run (CUDA; they
+        // have no dropout).
         if spec.matrix_unit
+            && spec.dropout.is_none()
             && super::super::flash_mma::backward_asked()
             && let Some(dqkv) =
                 super::super::flash_mma::backward(&qkv, &pad, &grad, &lse, &delta, heads, causal)
@@ -622,13 +664,15 @@ mod cube {
             return dqkv;
         }
         if spec.matrix_unit
-            && let Some(dqkv) = super::super::flash_attention::backward(
-                &qkv, &pad, &grad, &lse, &delta, heads, causal,
-            )
+            && let Some(dqkv) =
+                super::super::flash_attention::backward(&qkv, &pad, &grad, &lse, &delta, spec)
         {
             return dqkv;
         }
         let dqkv = empty(&qkv, qkv.meta.shape().to_vec(), dtype);
+        // (A launch takes its mask by value: one each.)
+        let ((dq_mask, dropout), (dkdv_mask, _)) =
+            (launch_mask(spec.dropout), launch_mask(spec.dropout));
         dq_kernel::launch(
             &client,
             p.cube_count.clone(),
@@ -642,8 +686,10 @@ mod cube {
             p.seq,
             p.heads,
             p.scale,
+            dq_mask,
             p.head_dim,
             causal,
+            dropout,
             dtype_to_storage_type(dtype),
         );
         dkdv_kernel::launch(
@@ -659,8 +705,10 @@ mod cube {
             p.seq,
             p.heads,
             p.scale,
+            dkdv_mask,
             p.head_dim,
             causal,
+            dropout,
             dtype_to_storage_type(dtype),
         );
         dqkv
@@ -673,6 +721,7 @@ mod cube {
     pub(crate) fn offline_kernels(
         o: &super::super::offline::Offline,
     ) -> super::super::offline::Kernels {
+        use super::super::dropout::compilation;
         use super::super::offline::buffer;
         let elem = dtype_to_storage_type(burn::tensor::DType::BF16);
         let settings = o.settings(CUBE_UNITS as u32, 1);
@@ -692,8 +741,10 @@ mod cube {
                     (),
                     (),
                     (),
+                    compilation(),
                     head_dim,
                     causal,
+                    false,
                     elem,
                 )),
             ),
@@ -728,8 +779,10 @@ mod cube {
                 (),
                 (),
                 (),
+                compilation(),
                 head_dim,
                 causal,
+                false,
                 elem,
             )),
         ));
@@ -748,8 +801,10 @@ mod cube {
                 (),
                 (),
                 (),
+                compilation(),
                 head_dim,
                 causal,
+                false,
                 elem,
             )),
         ));

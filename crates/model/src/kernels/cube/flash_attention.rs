@@ -43,6 +43,11 @@
 //!   `dK += dSᵀ·Q` (the transposes read column-major), summed in the
 //!   plane's registers and written once at the end.
 //!
+//! With dropout on the probabilities (`dropout.rs`'s mask, compiled in
+//! only then), `P` is multiplied by the mask where it is rounded for
+//! `P·V` and for dV's `Pᵀ·dO`, and `dP` where `dS` is formed, as in the
+//! scalar kernels.
+//!
 //! No atomics and nothing `time × time` in memory, as in the scalar
 //! kernels, and the same results up to rounding: `kiln check-kernels`
 //! compares these with Burn's composition in f16/bf16 where they run.
@@ -81,7 +86,9 @@ use cubecl::features::MmaConfig;
 use cubecl::prelude::*;
 use cubecl::{CubeCount, CubeDim};
 
+use super::super::AttentionSpec;
 use super::super::cube_empty as empty;
+use super::dropout::{Mask, kept, launch_mask};
 
 /// Below any score: the running maximum before the first key (as the
 /// scalar kernel's, a finite stand-in for −∞).
@@ -565,6 +572,7 @@ fn flash_attention_kernel<E: Float, N: Size>(
     seq: usize,
     heads: usize,
     scale: f32,
+    mask: Mask,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
     #[comptime] plane: usize,
@@ -573,6 +581,7 @@ fn flash_attention_kernel<E: Float, N: Size>(
     #[comptime] subs: usize,
     #[comptime] causal: bool,
     #[comptime] rotate: bool,
+    #[comptime] dropout: bool,
     #[define(E)] _dtype: ElemType,
 ) {
     let h = CUBE_POS_Y as usize;
@@ -754,11 +763,19 @@ fn flash_attention_kernel<E: Float, N: Size>(
             for cc in 0..cols {
                 let c = first + softmax_column(cc, r, step_keys, cols, rotate);
                 let mut p = f32::new(0.0);
+                // What weighs the values: the probability dropped out
+                // (the sum is of all of them).
+                let mut weight = f32::new(0.0);
                 if query_sees(&seen, c, i, k_start + c, seq, causal) {
                     p = (ss[my_scores + r * step_keys + c] * scale - reference).exp();
+                    weight = p;
+                    if dropout {
+                        let query_row = ((b * heads + h) * seq + i) as u32;
+                        weight = p * kept(&mask, query_row, seq as u32, (k_start + c) as u32);
+                    }
                 }
                 sum += p;
-                sp[row * step_keys + c] = E::cast_from(p);
+                sp[row * step_keys + c] = E::cast_from(weight);
             }
             part_sum[row * parts + idx % parts] = sum;
             idx += plane;
@@ -1161,6 +1178,7 @@ fn flash_backward_kernel<E: Float, N: Size>(
     seq: usize,
     heads: usize,
     scale: f32,
+    mask: Mask,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
     #[comptime] plane: usize,
@@ -1169,6 +1187,7 @@ fn flash_backward_kernel<E: Float, N: Size>(
     #[comptime] causal: bool,
     #[comptime] keys_outer: bool,
     #[comptime] hold: bool,
+    #[comptime] dropout: bool,
     #[define(E)] _dtype: ElemType,
 ) {
     let h = CUBE_POS_Y as usize;
@@ -1429,13 +1448,21 @@ fn flash_backward_kernel<E: Float, N: Size>(
                 } else {
                     query_sees(&seen, k_row0 + c, q_first + r, k_first + c, seq, causal)
                 };
+                // With dropout, dV's `Pᵀ·dO` takes the probabilities that
+                // weighed the values (dropped out), and dS the gradient
+                // of those before the dropout (the mask's factor on dP).
+                let mut factor = f32::new(1.0);
                 if visible_pair {
                     p = (ss[at] * scale - slse[q_row0 + r]).exp();
+                    if dropout {
+                        let query_row = ((b * heads + h) * seq + q_first + r) as u32;
+                        factor = kept(&mask, query_row, seq as u32, (k_first + c) as u32);
+                    }
                 }
                 if comptime!(keys_outer) {
-                    sp[at] = E::cast_from(p);
+                    sp[at] = E::cast_from(p * factor);
                 }
-                sds[at] = E::cast_from(p * (sdp[at] - sdelta[q_row0 + r]));
+                sds[at] = E::cast_from(p * (sdp[at] * factor - sdelta[q_row0 + r]));
                 e += plane;
             }
         }
@@ -1628,9 +1655,9 @@ pub(super) fn vector_size(qkv: &CubeTensor, head_dim: usize) -> usize {
 pub(super) fn forward(
     qkv: &CubeTensor,
     pad: &CubeTensor,
-    heads: usize,
-    causal: bool,
+    spec: AttentionSpec,
 ) -> Option<(CubeTensor, CubeTensor)> {
+    let (heads, causal) = (spec.heads, spec.causal);
     let [batch, seq, three_width] = qkv.meta.shape().dims::<3>();
     let head_dim = three_width / 3 / heads;
     let dtype = qkv.dtype;
@@ -1647,6 +1674,7 @@ pub(super) fn forward(
     let out = empty(qkv, vec![batch, seq, heads * head_dim], dtype);
     let lse = empty(qkv, vec![batch, heads, seq], DType::F32);
     let cube_count = CubeCount::Static(seq.div_ceil(rows) as u32, heads as u32, batch as u32);
+    let (mask, dropout) = launch_mask(spec.dropout);
     flash_attention_kernel::launch(
         &qkv.client,
         cube_count,
@@ -1659,6 +1687,7 @@ pub(super) fn forward(
         seq,
         heads,
         (1.0 / (head_dim as f64).sqrt()) as f32,
+        mask,
         head_dim,
         tile,
         plane,
@@ -1667,6 +1696,7 @@ pub(super) fn forward(
         subs,
         causal,
         rotate_softmax(),
+        dropout,
         dtype_to_storage_type(dtype),
     );
     Some((out, lse))
@@ -1683,9 +1713,9 @@ pub(super) fn backward(
     grad: &CubeTensor,
     lse: &CubeTensor,
     delta: &CubeTensor,
-    heads: usize,
-    causal: bool,
+    spec: AttentionSpec,
 ) -> Option<CubeTensor> {
+    let (heads, causal) = (spec.heads, spec.causal);
     let [batch, seq, three_width] = qkv.meta.shape().dims::<3>();
     let head_dim = three_width / 3 / heads;
     let dtype = qkv.dtype;
@@ -1703,6 +1733,7 @@ pub(super) fn backward(
             backward_shared_bytes(tile, head_dim, dtype.size(), (planes, subs), keys_outer)
         });
         let rows = tile * planes;
+        let (mask, dropout) = launch_mask(spec.dropout);
         flash_backward_kernel::launch(
             &qkv.client,
             CubeCount::Static(seq.div_ceil(rows) as u32, heads as u32, batch as u32),
@@ -1717,6 +1748,7 @@ pub(super) fn backward(
             seq,
             heads,
             scale,
+            mask,
             head_dim,
             tile,
             plane,
@@ -1725,6 +1757,7 @@ pub(super) fn backward(
             causal,
             keys_outer,
             hold_operands(),
+            dropout,
             dtype_to_storage_type(dtype),
         );
     }
@@ -1739,6 +1772,7 @@ pub(super) fn offline_kernels(
     o: &super::offline::Offline,
     dtype: DType,
 ) -> super::offline::Kernels {
+    use super::dropout::compilation;
     use super::offline::buffer;
     // GPT-2 small's heads and block, and CUDA's tile and warps.
     let (head_dim, seq, tile, plane, causal) = (64, 1024, 16, 32, true);
@@ -1753,42 +1787,12 @@ pub(super) fn offline_kernels(
     let (planes, subs) = planes_and_steps(hardware, (tile, plane), seq, |planes, subs| {
         forward_shared_bytes(tile, head_dim, dtype.size(), (planes, subs), parts)
     });
-    let forward = flash_attention_kernel::FlashAttentionKernel::new(
-        o.settings(plane as u32, planes as u32),
-        o.props.clone(),
-        o.target.clone(),
-        buffer(),
-        buffer(),
-        buffer(),
-        buffer(),
-        (),
-        (),
-        (),
-        // (The vector size, `N`, comes first among the compile-time
-        // arguments.)
-        vec,
-        head_dim,
-        tile,
-        plane,
-        planes,
-        parts,
-        subs,
-        causal,
-        rotate_softmax(),
-        elem,
-    );
-    let mut kernels: super::offline::Kernels = vec![(
-        format!(
-            "flash attention forward ({dtype:?}, heads {head_dim} wide, causal, {} keys a step, {planes} warps)",
-            tile * subs
-        ),
-        Box::new(forward),
-    )];
-    for (keys_outer, name, rows) in [(false, "dQ", "keys"), (true, "dK and dV", "queries")] {
-        let (planes, subs) = planes_and_steps(hardware, (tile, plane), seq, |planes, subs| {
-            backward_shared_bytes(tile, head_dim, dtype.size(), (planes, subs), keys_outer)
-        });
-        let backward = flash_backward_kernel::FlashBackwardKernel::new(
+    let mut kernels: super::offline::Kernels = Vec::new();
+    // Without dropout, then with it on the probabilities (BERT's and
+    // GPT-2's 0.1 in training: the mask hashed in the softmax's loop).
+    for dropout in [false, true] {
+        let with = if dropout { ", dropout" } else { "" };
+        let forward = flash_attention_kernel::FlashAttentionKernel::new(
             o.settings(plane as u32, planes as u32),
             o.props.clone(),
             o.target.clone(),
@@ -1796,30 +1800,70 @@ pub(super) fn offline_kernels(
             buffer(),
             buffer(),
             buffer(),
-            buffer(),
-            buffer(),
             (),
             (),
             (),
+            compilation(),
+            // (The vector size, `N`, comes first among the compile-time
+            // arguments.)
             vec,
             head_dim,
             tile,
             plane,
             planes,
+            parts,
             subs,
             causal,
-            keys_outer,
-            hold_operands(),
+            rotate_softmax(),
+            dropout,
             elem,
         );
         kernels.push((
             format!(
-                "flash attention {name} ({dtype:?}, heads {head_dim} wide, causal, {} {rows} a step, {planes} warps{})",
-                tile * subs,
-                if hold_operands() { ", operands held" } else { "" }
+                "flash attention forward ({dtype:?}, heads {head_dim} wide, causal{with}, {} keys a step, {planes} warps)",
+                tile * subs
             ),
-            Box::new(backward),
+            Box::new(forward),
         ));
+        for (keys_outer, name, rows) in [(false, "dQ", "keys"), (true, "dK and dV", "queries")] {
+            let (planes, subs) = planes_and_steps(hardware, (tile, plane), seq, |planes, subs| {
+                backward_shared_bytes(tile, head_dim, dtype.size(), (planes, subs), keys_outer)
+            });
+            let backward = flash_backward_kernel::FlashBackwardKernel::new(
+                o.settings(plane as u32, planes as u32),
+                o.props.clone(),
+                o.target.clone(),
+                buffer(),
+                buffer(),
+                buffer(),
+                buffer(),
+                buffer(),
+                buffer(),
+                (),
+                (),
+                (),
+                compilation(),
+                vec,
+                head_dim,
+                tile,
+                plane,
+                planes,
+                subs,
+                causal,
+                keys_outer,
+                hold_operands(),
+                dropout,
+                elem,
+            );
+            kernels.push((
+                format!(
+                    "flash attention {name} ({dtype:?}, heads {head_dim} wide, causal{with}, {} {rows} a step, {planes} warps{})",
+                    tile * subs,
+                    if hold_operands() { ", operands held" } else { "" }
+                ),
+                Box::new(backward),
+            ));
+        }
     }
     kernels
 }

@@ -1,6 +1,7 @@
 //! kiln's kernels on the CubeCL GPU backends (wgpu, CUDA), each its own
 //! Burn backend extension with an autodiff route: the memory-efficient
-//! self-attention (`attention`), exact GELU (`gelu`), LayerNorm in f32
+//! self-attention (`attention`, and on the matrix unit `flash_attention`;
+//! their dropout mask in `dropout`), exact GELU (`gelu`), LayerNorm in f32
 //! (`layer_norm`) and a bias's addition with its gradient's column sums
 //! (`bias`, which LayerNorm's gamma and beta gradients use too), the
 //! token embedding's gradient (`embedding`); on CUDA
@@ -23,6 +24,7 @@ pub(crate) mod bias;
 pub(crate) mod cublas;
 #[cfg(all(feature = "cuda", not(feature = "fusion")))]
 pub(crate) mod cuda_buffer;
+pub(crate) mod dropout;
 #[cfg(not(feature = "fusion"))]
 pub(crate) mod embedding;
 pub(crate) mod flash_attention;
