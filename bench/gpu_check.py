@@ -768,6 +768,10 @@ class Check:
             f"--max-len={m['max_length']}",
             f"--batch={cfg['training']['batch_size']}",
             f"--vocab={bench['vocab_size']}",
+            # kiln's dropout, on the hidden states and (SDPA's `dropout_p`)
+            # the attention probabilities: 0 in the plain BERT bench.
+            f"--dropout={m['dropout']}",
+            f"--attention-dropout={m['attention_dropout']}",
             "--warmup=3",
             "--steps=10",
         ]
@@ -1278,6 +1282,8 @@ def main():
             check.bench_named("bench lm gpt2-small bf16 max-autotune")
             check.bench_named("bench lm gpt2-small bf16 async allocator")
             check.bench_named("bench nli bert-base bf16 dropout")
+            check.pytorch_encoder("pytorch bert-base bf16 dropout", "bench nli bert-base bf16 dropout",
+                                  "bf16")
             if check.passed("bench lm gpt2-small bf16 cuBLAS host waits") is None:
                 check.cublas("bench lm gpt2-small bf16", " host waits")
         # The same kernels compiled by NVRTC instead of LLVM: checked, then
