@@ -10,7 +10,8 @@
 //! Query `i`'s probability of key `j` in head `bh` (of the `batch × heads`
 //! heads, `t` positions) is element `(bh·t + i)·t + j` of the mask. The
 //! kernels know `row = bh·t + i` (below 2³²: it indexes the log-sum-exp)
-//! and `j`; the product `row · t` can pass 2³² (64 × 12 × 2048² does), so
+//! and `j`; the product `row · t` can pass 2³² (a batch of 128 × 12 heads
+//! × 2048² does), so
 //! it is taken in 16-bit halves, and the 64-bit index folded into 32 bits
 //! as the host's hash folds it.
 
@@ -22,7 +23,7 @@ use super::super::{INDEX_HIGH, MIX_1, MIX_2, MaskKeys, ProbsDropout};
 /// threshold a kept element's hash is below, and the factor kept
 /// probabilities are multiplied by (`1 / keep`). Without dropout the
 /// kernels are compiled without reading it (their `dropout` is a
-/// compile-time flag) and it is zeros.
+/// compile-time flag): keys and threshold 0, scale 1.
 #[derive(CubeLaunch, CubeType)]
 pub(crate) struct Mask {
     pub(crate) multiply: u32,
