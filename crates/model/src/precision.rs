@@ -156,25 +156,26 @@ pub(crate) fn attention(
     } else {
         0.0
     };
-    let y = if !dtype.is_reduced() {
-        let packed = linear(qkv, x, dtype, kernels);
-        kernels::self_attention_with_dropout(
-            packed, heads, key_pad, causal, attention, dropout, kernels,
-        )
-    } else if kernels::memory_efficient_attention_runs(
-        &x,
-        dtype.float_dtype().into(),
-        x.dims()[2] / heads.max(1),
-        attention,
-    ) {
-        let packed = linear_in(qkv, x, dtype, kernels);
-        kernels::self_attention_with_dropout(
-            packed, heads, key_pad, causal, attention, dropout, kernels,
-        )
-    } else {
+    let kernels_take_dtype = dtype.is_reduced()
+        && kernels::memory_efficient_attention_runs(
+            &x,
+            dtype.float_dtype().into(),
+            x.dims()[2] / heads.max(1),
+            attention,
+        );
+    let y = if dtype.is_reduced() && !kernels_take_dtype {
         let packed = linear(qkv, x, dtype, kernels);
         let dropped = kernels::dropout_with(dropout, kernels);
         reduced_attention(packed, heads, key_pad, causal, dtype, dropped)
+    } else {
+        let packed = if kernels_take_dtype {
+            linear_in(qkv, x, dtype, kernels)
+        } else {
+            linear(qkv, x, dtype, kernels)
+        };
+        kernels::self_attention_with_dropout(
+            packed, heads, key_pad, causal, attention, dropout, kernels,
+        )
     };
     // In `dtype` where the kernels took it: `linear`'s cast of its input is
     // then no operation.

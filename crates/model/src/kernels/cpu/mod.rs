@@ -10,8 +10,8 @@ use multiversion::multiversion;
 use multiversion::target::target_cfg_f;
 use rayon::prelude::*;
 
+use super::dropout_keeps;
 use super::optim::{Factors, update};
-use super::{dropout_keeps, dropout_threshold};
 
 mod math;
 pub(crate) mod peak;
@@ -176,10 +176,11 @@ struct Mask {
 
 impl Mask {
     fn new(seed: u64, keep: f64) -> Self {
+        let drop = super::ProbsDropout { seed, keep };
         Self {
             seed,
-            threshold: dropout_threshold(keep),
-            scale: (1.0 / keep) as f32,
+            threshold: drop.threshold(),
+            scale: drop.scale(),
         }
     }
 

@@ -593,7 +593,6 @@ mod cube {
         {
             return result;
         }
-        let (mask, dropout) = launch_mask(spec.dropout);
         let p = problem(&qkv, heads);
         let dtype = qkv.dtype;
         let out = empty(&qkv, vec![p.batch, p.seq, p.heads * p.head_dim], dtype);
@@ -609,10 +608,10 @@ mod cube {
             p.seq,
             p.heads,
             p.scale,
-            mask,
+            launch_mask(spec.dropout),
             p.head_dim,
             causal,
-            dropout,
+            spec.dropout.is_some(),
             dtype_to_storage_type(dtype),
         );
         (out, lse)
@@ -670,9 +669,6 @@ mod cube {
             return dqkv;
         }
         let dqkv = empty(&qkv, qkv.meta.shape().to_vec(), dtype);
-        // (A launch takes its mask by value: one each.)
-        let ((dq_mask, dropout), (dkdv_mask, _)) =
-            (launch_mask(spec.dropout), launch_mask(spec.dropout));
         dq_kernel::launch(
             &client,
             p.cube_count.clone(),
@@ -686,10 +682,10 @@ mod cube {
             p.seq,
             p.heads,
             p.scale,
-            dq_mask,
+            launch_mask(spec.dropout),
             p.head_dim,
             causal,
-            dropout,
+            spec.dropout.is_some(),
             dtype_to_storage_type(dtype),
         );
         dkdv_kernel::launch(
@@ -705,10 +701,10 @@ mod cube {
             p.seq,
             p.heads,
             p.scale,
-            dkdv_mask,
+            launch_mask(spec.dropout),
             p.head_dim,
             causal,
-            dropout,
+            spec.dropout.is_some(),
             dtype_to_storage_type(dtype),
         );
         dqkv

@@ -33,24 +33,21 @@ pub(crate) struct Mask {
     pub(crate) scale: f32,
 }
 
-/// `drop`'s mask as a launch argument, and whether there is one (the
-/// kernels' compile-time `dropout`).
-pub(crate) fn launch_mask(drop: Option<ProbsDropout>) -> (MaskLaunch, bool) {
+/// `drop`'s mask as a launch argument (the kernels' compile-time
+/// `dropout` is whether there is one: `drop.is_some()`).
+pub(crate) fn launch_mask(drop: Option<ProbsDropout>) -> MaskLaunch {
     match drop {
         Some(drop) => {
             let keys = MaskKeys::of(drop.seed);
-            (
-                MaskLaunch::new(
-                    keys.multiply,
-                    keys.xor,
-                    keys.last,
-                    drop.threshold(),
-                    drop.scale(),
-                ),
-                true,
+            MaskLaunch::new(
+                keys.multiply,
+                keys.xor,
+                keys.last,
+                drop.threshold(),
+                drop.scale(),
             )
         }
-        None => (MaskLaunch::new(0, 0, 0, 0, 1.0), false),
+        None => MaskLaunch::new(0, 0, 0, 0, 1.0),
     }
 }
 
@@ -135,7 +132,7 @@ pub(crate) fn factors(
     let out = super::into_cube(Tensor::<1>::zeros([n], &device.clone().without_autodiff()));
     let cube_dim = CubeDim::new_1d(256);
     let cube_count = cubecl::calculate_cube_count_elemwise(&out.client, n, cube_dim);
-    let (mask, _) = launch_mask(Some(drop));
+    let mask = launch_mask(Some(drop));
     mask_kernel::launch(
         &out.client.clone(),
         cube_count,

@@ -1674,7 +1674,6 @@ pub(super) fn forward(
     let out = empty(qkv, vec![batch, seq, heads * head_dim], dtype);
     let lse = empty(qkv, vec![batch, heads, seq], DType::F32);
     let cube_count = CubeCount::Static(seq.div_ceil(rows) as u32, heads as u32, batch as u32);
-    let (mask, dropout) = launch_mask(spec.dropout);
     flash_attention_kernel::launch(
         &qkv.client,
         cube_count,
@@ -1687,7 +1686,7 @@ pub(super) fn forward(
         seq,
         heads,
         (1.0 / (head_dim as f64).sqrt()) as f32,
-        mask,
+        launch_mask(spec.dropout),
         head_dim,
         tile,
         plane,
@@ -1696,7 +1695,7 @@ pub(super) fn forward(
         subs,
         causal,
         rotate_softmax(),
-        dropout,
+        spec.dropout.is_some(),
         dtype_to_storage_type(dtype),
     );
     Some((out, lse))
@@ -1733,7 +1732,6 @@ pub(super) fn backward(
             backward_shared_bytes(tile, head_dim, dtype.size(), (planes, subs), keys_outer)
         });
         let rows = tile * planes;
-        let (mask, dropout) = launch_mask(spec.dropout);
         flash_backward_kernel::launch(
             &qkv.client,
             CubeCount::Static(seq.div_ceil(rows) as u32, heads as u32, batch as u32),
@@ -1748,7 +1746,7 @@ pub(super) fn backward(
             seq,
             heads,
             scale,
-            mask,
+            launch_mask(spec.dropout),
             head_dim,
             tile,
             plane,
@@ -1757,7 +1755,7 @@ pub(super) fn backward(
             causal,
             keys_outer,
             hold_operands(),
-            dropout,
+            spec.dropout.is_some(),
             dtype_to_storage_type(dtype),
         );
     }
