@@ -594,15 +594,14 @@ fn the_gpu_check_dry_runs_on_flex() {
 fn the_cpu_comparison_pairs_each_round_and_alternates_who_runs_first() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let out = tmp.path().join("compare.json");
-    let compare = |fail: bool| {
-        let bin = crate::support::kiln_bin();
+    let bin = crate::support::kiln_bin();
+    let run_with = |args: &[&std::ffi::OsStr], fail: bool| {
         Command::new("python3")
             .arg(root().join("bench/cpu_compare.py"))
-            .args(["--tiny", "--rounds=2", "--pause=0"])
+            .args(["--tiny", "--pause=0"])
             .arg("--kiln")
             .arg(bin)
-            .arg("--kiln-avx2")
-            .arg(bin)
+            .args(args)
             .arg("--scripts")
             .arg(root().join("tests/data/pytorch-stub"))
             .arg("--out")
@@ -610,6 +609,14 @@ fn the_cpu_comparison_pairs_each_round_and_alternates_who_runs_first() {
             .env("STUB_FAIL", if fail { "1" } else { "0" })
             .output()
             .expect("python3 runs bench/cpu_compare.py")
+    };
+    let compare = |fail: bool| {
+        let args = [
+            "--rounds=2".as_ref(),
+            "--kiln-avx2".as_ref(),
+            bin.as_os_str(),
+        ];
+        run_with(&args, fail)
     };
     let run = compare(false);
     let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
@@ -681,4 +688,41 @@ fn the_cpu_comparison_pairs_each_round_and_alternates_who_runs_first() {
     assert_eq!(failed.status.code(), Some(1), "a failed reference fails it");
     let stderr = String::from_utf8_lossy(&failed.stderr);
     assert!(stderr.contains("stub: failing as asked"), "{stderr}");
+
+    // The encoder as BERT trains (`--workloads encoder-dropout`): dropout
+    // on the hidden states and the probabilities on both sides.
+    let args = ["--rounds=1", "--workloads", "encoder-dropout"].map(std::ffi::OsStr::new);
+    let run = run_with(&args, false);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("compare.json")).expect("json");
+    let runs = v["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 2, "{v}");
+    for r in runs {
+        assert_eq!(r["workload"], "encoder-dropout", "{r}");
+        let command: Vec<&str> = r["command"]
+            .as_array()
+            .expect("command")
+            .iter()
+            .map(|a| a.as_str().expect("an argument"))
+            .collect();
+        if r["side"] == "kiln" {
+            for want in ["model.dropout=0.1", "model.attention_dropout=0.1"] {
+                assert!(command.contains(&want), "{command:?}");
+            }
+            assert!(
+                r["final_loss"].as_f64().is_some(),
+                "kiln trained with dropout: {r}"
+            );
+        } else {
+            for pair in [["--dropout", "0.1"], ["--attention-dropout", "0.1"]] {
+                assert!(command.windows(2).any(|w| w == pair), "{command:?}");
+            }
+        }
+    }
+    assert_eq!(v["summary"][0]["workload"], "encoder-dropout", "{v}");
 }
