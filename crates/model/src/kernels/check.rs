@@ -845,9 +845,11 @@ fn check_dropout_mask(device: &burn::tensor::Device) -> Option<KernelCheck> {
 }
 
 /// The dropout the attention checks run: 0.1, a fixed seed whose two
-/// halves both matter to the hash.
+/// halves both matter to the hash, each the bits of an f32 in [0, 1) as
+/// the seeds a run draws are (`MaskSeed::draw`: the GPUs' kernels read it
+/// as two such f32 on the device).
 pub(super) const CHECK_DROPOUT: super::ProbsDropout = super::ProbsDropout {
-    seed: 0x6b69_6c6e_0000_0007,
+    seed: 0x3f6b_696c_3e6e_0007,
     keep: 0.9,
 };
 
@@ -873,7 +875,8 @@ pub(super) fn attention_dropout_run(
             let dropped = |p| p * mask;
             crate::precision::attend(q, k, v, key_pad, causal, crate::ComputeDtype::F32, dropped)
         } else {
-            super::attention_with(qkv, heads, key_pad, causal, attention, Some(drop))
+            let drop = Some((super::MaskSeed::Host(drop.seed), drop.keep));
+            super::attention_with(qkv, heads, key_pad, causal, attention, drop)
         }
     })
 }

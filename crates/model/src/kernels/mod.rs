@@ -184,6 +184,9 @@ pub(crate) struct AttentionSpec {
     /// Dropout on the probabilities (kiln's kernels: flex's, CubeCL's
     /// scalar and FlashAttention-2 ones; `FLASH_MMA`'s register kernels
     /// have none, and give way to FlashAttention-2's where it is asked).
+    /// Its `seed` is flex's: the CubeCL kernels read theirs on the device
+    /// (after the key-padding flags, `cube::attention::self_attention`),
+    /// and it is 0 there.
     pub(crate) dropout: Option<ProbsDropout>,
 }
 
@@ -323,18 +326,79 @@ pub(crate) fn dropout_with<const D: usize>(
     move |x| dropout(&module, x, kernels)
 }
 
-/// A dropout mask's seed: two uniform f32 draws of `device`'s generator,
-/// which the loop seeds each step, so that a run's masks are as
-/// reproducible as Burn's: about 46 random bits (their mantissas).
-#[cfg(any(feature = "flex", feature = "cube"))]
+/// A dropout mask's seed for flex's dropout kernel: [`MaskSeed::draw`],
+/// read back.
+#[cfg(feature = "flex")]
 fn draw_seed(device: &burn::tensor::Device) -> u64 {
-    let draw = burn::tensor::Distribution::Default;
-    let bits = Tensor::<1>::random([2], draw, &device.clone().without_autodiff())
-        .into_data()
-        .try_into_vec::<f32>()
-        .unwrap_or_default();
-    bits.iter()
-        .fold(0u64, |s, b| (s << 32) | u64::from(b.to_bits()))
+    MaskSeed::draw(device).on_host()
+}
+
+/// A dropout mask's seed ([`dropout_keeps`]), where it is.
+// (A value moved once a layer from where it is drawn to where it is used:
+// the tensor's size does not call for a box.)
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub(crate) enum MaskSeed {
+    /// Known on the host (the kernel checks' fixed seeds).
+    #[cfg_attr(not(any(feature = "flex", feature = "cube")), allow(dead_code))]
+    Host(u64),
+    /// Two uniform f32 of a device's generator where they were drawn
+    /// ([`MaskSeed::draw`]): their bits are the seed's high and low
+    /// halves.
+    #[cfg_attr(not(any(feature = "flex", feature = "cube")), allow(dead_code))]
+    Drawn(Tensor<1>),
+}
+
+impl MaskSeed {
+    /// Two uniform f32 draws of `device`'s generator, which the loop seeds
+    /// each step, so that a run's masks are as reproducible as Burn's:
+    /// about 46 random bits (their mantissas). Left on the device: nothing
+    /// waits for it (a GPU's kernels read it there, [`MaskSeed::on_device`];
+    /// reading it back, once a layer and step, was a wait for the device).
+    #[cfg(any(feature = "flex", feature = "cube"))]
+    fn draw(device: &burn::tensor::Device) -> Self {
+        let draw = burn::tensor::Distribution::Default;
+        Self::Drawn(Tensor::random(
+            [2],
+            draw,
+            &device.clone().without_autodiff(),
+        ))
+    }
+
+    /// The seed as a number: a drawn one read back from its device (which
+    /// waits for the device: flex's kernels, whose device is the host).
+    #[cfg(feature = "flex")]
+    fn on_host(self) -> u64 {
+        match self {
+            Self::Host(seed) => seed,
+            Self::Drawn(words) => words
+                .into_data()
+                .try_into_vec::<f32>()
+                .unwrap_or_default()
+                .iter()
+                .fold(0u64, |s, b| (s << 32) | u64::from(b.to_bits())),
+        }
+    }
+
+    /// The seed as the CubeCL kernels read it: two f32 on `device` whose
+    /// bits are its high and low halves (a host seed is uploaded, which
+    /// waits for nothing).
+    #[cfg(feature = "cube")]
+    pub(crate) fn on_device(self, device: &burn::tensor::Device) -> Tensor<1> {
+        match self {
+            Self::Host(seed) => {
+                let words = vec![
+                    f32::from_bits((seed >> 32) as u32),
+                    f32::from_bits(seed as u32),
+                ];
+                Tensor::from_data(
+                    burn::tensor::TensorData::new(words, [2]),
+                    &device.clone().without_autodiff(),
+                )
+            }
+            Self::Drawn(words) => words,
+        }
+    }
 }
 
 /// Whether [`gelu`] runs kiln's kernel for a tensor on `x`'s device in
@@ -398,30 +462,27 @@ pub fn self_attention_with_dropout(
     }
     #[cfg(any(feature = "flex", feature = "cube"))]
     if kernel_route(&qkv, heads, attention) != AttentionRoute::Burn {
-        let seed = draw_seed(&qkv.device());
-        let drop = ProbsDropout {
-            seed,
-            keep: 1.0 - dropout,
-        };
-        return attention_with(qkv, heads, key_pad, causal, attention, Some(drop));
+        let seed = MaskSeed::draw(&qkv.device());
+        let drop = Some((seed, 1.0 - dropout));
+        return attention_with(qkv, heads, key_pad, causal, attention, drop);
     }
     let [q, k, v] = split_heads(qkv, heads);
     let dropped = dropout_with(dropout, kernels);
     crate::precision::attend(q, k, v, key_pad, causal, crate::ComputeDtype::F32, dropped)
 }
 
-/// [`self_attention`], the probabilities dropped out with `dropout` where
-/// a kiln kernel runs (where Burn's attention runs, `dropout` is not
-/// looked at).
+/// [`self_attention`], the probabilities dropped out with `dropout` (the
+/// mask's seed, and the probability of keeping each) where a kiln kernel
+/// runs (where Burn's attention runs, `dropout` is not looked at).
 pub(crate) fn attention_with(
     qkv: Tensor<3>,
     heads: usize,
     key_pad: Option<Tensor<2, Bool>>,
     causal: bool,
     attention: AttentionKernel,
-    dropout: Option<ProbsDropout>,
+    dropout: Option<(MaskSeed, f64)>,
 ) -> Tensor<3> {
-    let spec = AttentionSpec {
+    let spec = |dropout| AttentionSpec {
         heads,
         causal,
         matrix_unit: attention != AttentionKernel::MemoryEfficient,
@@ -432,13 +493,27 @@ pub(crate) fn attention_with(
     let route = kernel_route(&qkv, heads, attention);
     #[cfg(feature = "flex")]
     if route == AttentionRoute::Flex {
-        return flex::self_attention(qkv, key_pad, spec);
+        // The seed on the host (read back: flex's device is the host).
+        let drop = dropout.map(|(seed, keep)| ProbsDropout {
+            seed: seed.on_host(),
+            keep,
+        });
+        return flex::self_attention(qkv, key_pad, spec(drop));
     }
     #[cfg(feature = "cube")]
     if route == AttentionRoute::Scalar {
-        return cube::attention::self_attention(qkv, key_pad, spec);
+        // The seed stays on the device: the kernels read it there.
+        let device = qkv.device();
+        let (drop, seed) = match dropout {
+            Some((seed, keep)) => (
+                Some(ProbsDropout { seed: 0, keep }),
+                Some(seed.on_device(&device)),
+            ),
+            None => (None, None),
+        };
+        return cube::attention::self_attention(qkv, key_pad, seed, spec(drop));
     }
-    let _ = (spec, route);
+    let _ = (spec, route, dropout);
     let [q, k, v] = split_heads(qkv, heads);
     let [b, h, t, hd] = q.dims();
     let mask = key_pad.map(|pad| pad.reshape([b, 1, 1, t]).expand([b, h, t, t]));

@@ -189,18 +189,29 @@ pub(crate) fn in_registers(
 }
 
 /// The kernels' self-attention of `qkv` (see `kernels::self_attention`);
-/// the result has qkv's dtype.
+/// the result has qkv's dtype. With `spec.dropout`, `seed` is the mask's
+/// seed on the device (`MaskSeed::on_device`: the kernels read it there,
+/// `spec.dropout`'s own `seed` is not looked at).
 pub(crate) fn self_attention(
     qkv: Tensor<3>,
     key_pad: Option<Tensor<2, Bool>>,
+    seed: Option<Tensor<1>>,
     spec: AttentionSpec,
 ) -> Tensor<3> {
     // Always a mask, in f32 (the extension cannot route an optional
-    // tensor): zeros when nothing is padding.
+    // tensor): zeros when nothing is padding; its `b·t` flags, and with
+    // dropout the seed's two words after them (`dropout::seed_keys`), so
+    // that the seed reaches the backward kernels with the flags.
     let [b, t, _] = qkv.dims();
     let key_pad = match key_pad {
         Some(pad) => pad.float().cast(FloatDType::F32),
         None => Tensor::zeros([b, t], &qkv.device().without_autodiff()),
+    }
+    .reshape([b * t]);
+    let key_pad = match (spec.dropout, seed) {
+        (Some(_), Some(seed)) => Tensor::cat(vec![key_pad, seed.cast(FloatDType::F32)], 0),
+        (Some(_), None) => panic!("attention's dropout on a CubeCL GPU without its seed"),
+        (None, _) => key_pad,
     }
     .into_dispatch();
     let (out, _lse) = <Dispatch as KilnAttention>::kiln_memory_efficient_attention(
@@ -220,7 +231,7 @@ mod cube {
     use burn::tensor::DType;
     use burn_backend::cubecl::dtype_to_storage_type;
 
-    use super::super::dropout::{Mask, kept, launch_mask};
+    use super::super::dropout::{Mask, kept, launch_mask, seed_keys};
     use super::AttentionSpec;
     use burn_cubecl::kernel::into_contiguous;
     use burn_cubecl::tensor::CubeTensor;
@@ -290,6 +301,8 @@ mod cube {
         #[define(E)] _dtype: ElemType,
     ) {
         let unit = ABSOLUTE_POS;
+        // The mask seed's keys, after the padding flags (with dropout).
+        let mask_keys = seed_keys(pad, dropout);
         // The per-unit arrays in registers: see `UNROLL_WIDTH`.
         let unroll = head_dim <= UNROLL_WIDTH;
         if unit >= lse.len() {
@@ -325,7 +338,7 @@ mod cube {
                 // sum is of all of them: dropout comes after the softmax).
                 let mut weight = p;
                 if dropout {
-                    weight = p * kept(&mask, unit as u32, seq as u32, j as u32);
+                    weight = p * kept(&mask_keys, &mask, unit as u32, seq as u32, j as u32);
                 }
                 #[unroll(unroll)]
                 for c in 0..head_dim {
@@ -398,6 +411,8 @@ mod cube {
         #[define(E)] _dtype: ElemType,
     ) {
         let unit = ABSOLUTE_POS;
+        // The mask seed's keys, after the padding flags (with dropout).
+        let mask_keys = seed_keys(pad, dropout);
         // The per-unit arrays in registers: see `UNROLL_WIDTH`.
         let unroll = head_dim <= UNROLL_WIDTH;
         if unit >= lse.len() {
@@ -433,7 +448,7 @@ mod cube {
                 // The gradient of the probability before its dropout: the
                 // mask's factor on that of the one after.
                 if dropout {
-                    dp *= kept(&mask, unit as u32, seq as u32, j as u32);
+                    dp *= kept(&mask_keys, &mask, unit as u32, seq as u32, j as u32);
                 }
                 let ds = p * (dp - delta_i);
                 #[unroll(unroll)]
@@ -467,6 +482,8 @@ mod cube {
         #[define(E)] _dtype: ElemType,
     ) {
         let unit = ABSOLUTE_POS;
+        // The mask seed's keys, after the padding flags (with dropout).
+        let mask_keys = seed_keys(pad, dropout);
         // The per-unit arrays in registers: see `UNROLL_WIDTH_DKDV`.
         let unroll = head_dim <= UNROLL_WIDTH_DKDV;
         if unit >= lse.len() {
@@ -514,7 +531,7 @@ mod cube {
             // out), dS the gradient of the one before the dropout.
             let mut weight = p;
             if dropout {
-                let factor = kept(&mask, (row0 + i) as u32, seq as u32, j as u32);
+                let factor = kept(&mask_keys, &mask, (row0 + i) as u32, seq as u32, j as u32);
                 weight = p * factor;
                 dp *= factor;
             }

@@ -88,7 +88,7 @@ use cubecl::{CubeCount, CubeDim};
 
 use super::super::AttentionSpec;
 use super::super::cube_empty as empty;
-use super::dropout::{Mask, kept, launch_mask};
+use super::dropout::{Mask, kept, launch_mask, seed_keys};
 
 /// Below any score: the running maximum before the first key (as the
 /// scalar kernel's, a finite stand-in for −∞).
@@ -586,6 +586,8 @@ fn flash_attention_kernel<E: Float, N: Size>(
 ) {
     let h = CUBE_POS_Y as usize;
     let b = CUBE_POS_Z as usize;
+    // The mask seed's keys, after the padding flags (with dropout).
+    let mask_keys = seed_keys(pad, dropout);
     let unit = UNIT_POS as usize;
     // The cube's units, its rows (a `tile` of queries a plane), and this
     // plane's.
@@ -771,7 +773,13 @@ fn flash_attention_kernel<E: Float, N: Size>(
                     weight = p;
                     if dropout {
                         let query_row = ((b * heads + h) * seq + i) as u32;
-                        weight = p * kept(&mask, query_row, seq as u32, (k_start + c) as u32);
+                        weight = p * kept(
+                            &mask_keys,
+                            &mask,
+                            query_row,
+                            seq as u32,
+                            (k_start + c) as u32,
+                        );
                     }
                 }
                 sum += p;
@@ -1192,6 +1200,8 @@ fn flash_backward_kernel<E: Float, N: Size>(
 ) {
     let h = CUBE_POS_Y as usize;
     let b = CUBE_POS_Z as usize;
+    // The mask seed's keys, after the padding flags (with dropout).
+    let mask_keys = seed_keys(pad, dropout);
     let warp = UNIT_POS_Y as usize;
     let lane = UNIT_POS_X as usize;
     let units = comptime!(plane * planes);
@@ -1456,7 +1466,13 @@ fn flash_backward_kernel<E: Float, N: Size>(
                     p = (ss[at] * scale - slse[q_row0 + r]).exp();
                     if dropout {
                         let query_row = ((b * heads + h) * seq + q_first + r) as u32;
-                        factor = kept(&mask, query_row, seq as u32, (k_first + c) as u32);
+                        factor = kept(
+                            &mask_keys,
+                            &mask,
+                            query_row,
+                            seq as u32,
+                            (k_first + c) as u32,
+                        );
                     }
                 }
                 if comptime!(keys_outer) {
