@@ -222,8 +222,9 @@ impl ProbsDropout {
 
 /// The keys [`dropout_keeps`] derives from a mask's seed: the odd
 /// multiplier of the index, the key the product is xored with, and the key
-/// between the two rounds. The GPUs' attention kernels take them as
-/// arguments and hash as [`dropout_keeps`] does.
+/// between the two rounds. The GPUs' attention kernels derive the same
+/// keys from the seed on the device (`cube/dropout.rs`'s `seed_keys`) and
+/// hash as [`dropout_keeps`] does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct MaskKeys {
     pub(crate) multiply: u32,

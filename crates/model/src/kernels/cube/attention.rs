@@ -189,9 +189,9 @@ pub(crate) fn in_registers(
 }
 
 /// The kernels' self-attention of `qkv` (see `kernels::self_attention`);
-/// the result has qkv's dtype. With `spec.dropout`, `seed` is the mask's
-/// seed on the device (`MaskSeed::on_device`: the kernels read it there,
-/// `spec.dropout`'s own `seed` is not looked at).
+/// the result has qkv's dtype. `seed`, given with `spec.dropout` (and only
+/// then), is the mask's seed on the device (`MaskSeed::on_device`: the
+/// kernels read it there, `spec.dropout`'s own `seed` is not looked at).
 pub(crate) fn self_attention(
     qkv: Tensor<3>,
     key_pad: Option<Tensor<2, Bool>>,
@@ -208,10 +208,9 @@ pub(crate) fn self_attention(
         None => Tensor::zeros([b, t], &qkv.device().without_autodiff()),
     }
     .reshape([b * t]);
-    let key_pad = match (spec.dropout, seed) {
-        (Some(_), Some(seed)) => Tensor::cat(vec![key_pad, seed.cast(FloatDType::F32)], 0),
-        (Some(_), None) => panic!("attention's dropout on a CubeCL GPU without its seed"),
-        (None, _) => key_pad,
+    let key_pad = match seed {
+        Some(seed) => Tensor::cat(vec![key_pad, seed.cast(FloatDType::F32)], 0),
+        None => key_pad,
     }
     .into_dispatch();
     let (out, _lse) = <Dispatch as KilnAttention>::kiln_memory_efficient_attention(
