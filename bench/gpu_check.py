@@ -56,7 +56,8 @@ measured already goes last: `main`'s comments):
    (`KILN_CUBLAS_WAIT=1`) at once where the cuBLAS run failed or its loss
    differs, otherwise last among the speed comparisons;
 5. data parallelism on the one GPU: `kiln launch` of 2 ranks (NCCL, then
-   kiln's sockets, then NCCL with the gradients in bf16) and of 1 rank
+   kiln's sockets, then NCCL with the gradients in bf16, then ZeRO-2's
+   reduce-scatter and all-gather on the GPU) and of 1 rank
    through NCCL against one process with their whole batch, and (after
    the `h100` preset) GPT-2 small bf16 benchmarked as a job of 2 ranks,
    for the all-reduce's time per step (the 2-rank NCCL jobs are skipped
@@ -936,7 +937,8 @@ class Check:
         the same job reduced over kiln's sockets (COLLECTIVES=sockets), and
         through NCCL with the gradients in bf16 (precision.reduce_dtype),
         and under ZeRO-2 (optimization.zero_stage=2: ncclReduceScatter for
-        the gradients, ncclAllGather for the weights; ZeRO-1 differs from
+        the gradients, ncclAllGather for the weights, both on GPU buffers;
+        ZeRO-1 differs from
         it only by the all-reduce the DDP runs check): the final losses
         within 1e-3 (the same batches, summed in another order; 1e-2 with
         bf16 gradients), and NCCL's version from the job's note."""

@@ -515,8 +515,8 @@ pub const NOT_CONFIGURATION: &[&str] = &[
     "KILN_CUBLAS_WAIT",
     // libdevice's fast exponential on CUDA (vendor/cubecl-llvm).
     "KILN_FAST_EXP",
-    // A job's gradients through host memory to NCCL, as before they stayed
-    // on the GPU (docs/DISTRIBUTED.md).
+    // A job's gradients (and ZeRO's weights) through host memory to NCCL,
+    // as before they stayed on the GPU (docs/DISTRIBUTED.md).
     "KILN_NCCL_VIA_HOST",
 ];
 

@@ -129,7 +129,8 @@ struct Peer {
     stream: TcpStream,
 }
 
-/// A buffer on a CUDA device for [`Group::all_reduce_device`]: its
+/// A buffer on a CUDA device for [`Group::all_reduce_device`] (and
+/// [`Group::reduce_scatter_device`], [`Group::all_gather_device`]): its
 /// address, how many values it holds, their type, and the stream whose
 /// work writes and reads it (a `CUstream`).
 #[cfg(feature = "nccl")]
@@ -145,7 +146,7 @@ pub struct DeviceBuffer {
     pub stream: *mut std::ffi::c_void,
 }
 
-/// The value types [`Group::all_reduce_device`] reduces.
+/// The value types the collectives on the device take.
 #[cfg(feature = "nccl")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceDtype {
@@ -301,6 +302,59 @@ impl Group {
             Some(nccl) => unsafe { nccl.all_reduce_device(buffer, op) },
             None => Err(DistError::Nccl(
                 "an all-reduce on the device was asked of a job that does not use NCCL".into(),
+            )),
+        }
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) of values on this rank's
+    /// CUDA device, by NCCL (`ncclReduceScatter`, ZeRO-2's gradients on the
+    /// GPU): `send` holds every rank's part in rank order, each `recv.len`
+    /// values (pad the parts to the largest), and `recv` receives the
+    /// reduction of this rank's part. Queued after the work the buffers'
+    /// stream has queued so far and before its next, as
+    /// [`all_reduce_device`](Self::all_reduce_device) is; nothing waited
+    /// for on the host. An error where the group does not use NCCL, or
+    /// where the buffers differ in dtype or stream or `send` is not
+    /// `world × recv.len` values.
+    ///
+    /// # Safety
+    /// As [`all_reduce_device`](Self::all_reduce_device)'s, for each buffer.
+    #[cfg(feature = "nccl")]
+    pub unsafe fn reduce_scatter_device(
+        &self,
+        send: &DeviceBuffer,
+        recv: &DeviceBuffer,
+        op: Reduce,
+    ) -> Result<(), DistError> {
+        match &*self.nccl.lock().unwrap_or_else(|e| e.into_inner()) {
+            // SAFETY: the caller's promise, passed on.
+            Some(nccl) => unsafe { nccl.reduce_scatter_device(send, recv, op) },
+            None => Err(DistError::Nccl(
+                "a reduce-scatter on the device was asked of a job that does not use NCCL".into(),
+            )),
+        }
+    }
+
+    /// Every rank's `send` laid end to end in rank order into `recv`, on
+    /// this rank's CUDA device, by NCCL (`ncclAllGather`, ZeRO's updated
+    /// weights on the GPU): every rank sends as many values (pad them to
+    /// the largest), `recv` holds `world × send.len`. Ordered as
+    /// [`reduce_scatter_device`](Self::reduce_scatter_device) is, with its
+    /// errors.
+    ///
+    /// # Safety
+    /// As [`all_reduce_device`](Self::all_reduce_device)'s, for each buffer.
+    #[cfg(feature = "nccl")]
+    pub unsafe fn all_gather_device(
+        &self,
+        send: &DeviceBuffer,
+        recv: &DeviceBuffer,
+    ) -> Result<(), DistError> {
+        match &*self.nccl.lock().unwrap_or_else(|e| e.into_inner()) {
+            // SAFETY: the caller's promise, passed on.
+            Some(nccl) => unsafe { nccl.all_gather_device(send, recv) },
+            None => Err(DistError::Nccl(
+                "an all-gather on the device was asked of a job that does not use NCCL".into(),
             )),
         }
     }

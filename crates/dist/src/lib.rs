@@ -11,7 +11,9 @@
 //!   first one to fail ends the job.
 //! - [`nccl_lib`]: finding NCCL's library by the name cudarc opens; with the
 //!   `nccl` feature, [`Group::use_nccl`] routes the all-reduce through NCCL,
-//!   and [`Group::all_reduce_device`] reduces a CUDA buffer in place.
+//!   and [`Group::all_reduce_device`] reduces a CUDA buffer in place
+//!   ([`Group::reduce_scatter_device`] and [`Group::all_gather_device`]
+//!   for ZeRO's gradients and weights).
 #![warn(missing_docs)]
 
 mod env;

@@ -5,10 +5,11 @@
 //!
 //! Two ways in: values on the host ([`Nccl::all_reduce`] and the others),
 //! copied to the device and back; and a buffer already on the device
-//! ([`Nccl::all_reduce_device`], the gradients of a CUDA run), reduced in
-//! place, queued after the work of the stream that wrote it and before
-//! that stream's next work, with no copy and no wait on the host —
-//! DDP's way, its collectives on a stream of their own.
+//! ([`Nccl::all_reduce_device`], the gradients of a CUDA run, reduced in
+//! place; [`Nccl::reduce_scatter_device`] and [`Nccl::all_gather_device`],
+//! ZeRO's gradients and weights), queued after the work of the stream that
+//! wrote it and before that stream's next work, with no copy and no wait on
+//! the host — DDP's way, its collectives on a stream of their own.
 
 use std::sync::Arc;
 
@@ -237,11 +238,8 @@ impl Nccl {
             .map_err(|e| cuda("waiting for the all-reduce", e))
     }
 
-    /// `buffer` reduced across the ranks in place, on the device: NCCL's
-    /// stream waits for `buffer.stream`'s work queued so far (what wrote
-    /// the values), the all-reduce is queued on it, and `buffer.stream`
-    /// waits for the all-reduce before its next work. Nothing waits on the
-    /// host.
+    /// `buffer` reduced across the ranks in place, on the device, queued
+    /// as [`ordered`](Self::ordered) says.
     ///
     /// # Safety
     /// `buffer.ptr` is live device memory of this communicator's device
@@ -253,23 +251,150 @@ impl Nccl {
         buffer: &crate::DeviceBuffer,
         op: Reduce,
     ) -> Result<(), DistError> {
+        let what = format!("{} values on the device", buffer.len);
+        // SAFETY: the caller's promise, passed on.
+        unsafe {
+            self.ordered(buffer.stream, &what, || {
+                let op = reduce_op(op);
+                let status = match buffer.dtype {
+                    crate::DeviceDtype::F32 => self
+                        .comm
+                        .all_reduce_in_place(&mut self.borrow::<f32>(buffer), &op),
+                    crate::DeviceDtype::Bf16 => self
+                        .comm
+                        .all_reduce_in_place(&mut self.borrow::<half::bf16>(buffer), &op),
+                };
+                status
+                    .map(|_| ())
+                    .map_err(|e| nccl_error("ncclAllReduce", e))
+            })
+        }
+    }
+
+    /// `ncclReduceScatter` on the device: `send` holds every rank's part
+    /// in rank order, each `recv.len` values; `recv` receives the
+    /// reduction of this rank's part. Queued as [`ordered`](Self::ordered)
+    /// says, on the stream the two buffers share.
+    ///
+    /// # Safety
+    /// As [`all_reduce_device`](Self::all_reduce_device)'s, for each buffer.
+    pub(crate) unsafe fn reduce_scatter_device(
+        &self,
+        send: &crate::DeviceBuffer,
+        recv: &crate::DeviceBuffer,
+        op: Reduce,
+    ) -> Result<(), DistError> {
+        self.check_pair("reduce-scatter", send, recv, send.len)?;
+        let what = format!("{} values a rank on the device", recv.len);
+        // SAFETY: the caller's promise, passed on.
+        unsafe {
+            self.ordered(send.stream, &what, || {
+                let op = reduce_op(op);
+                let status = match send.dtype {
+                    crate::DeviceDtype::F32 => self.comm.reduce_scatter(
+                        &self.borrow::<f32>(send),
+                        &mut self.borrow::<f32>(recv),
+                        &op,
+                    ),
+                    crate::DeviceDtype::Bf16 => self.comm.reduce_scatter(
+                        &self.borrow::<half::bf16>(send),
+                        &mut self.borrow::<half::bf16>(recv),
+                        &op,
+                    ),
+                };
+                status
+                    .map(|_| ())
+                    .map_err(|e| nccl_error("ncclReduceScatter", e))
+            })
+        }
+    }
+
+    /// `ncclAllGather` on the device: every rank's `send` (as many values
+    /// on each) laid end to end in rank order into `recv`. Queued as
+    /// [`ordered`](Self::ordered) says, on the stream the two buffers
+    /// share.
+    ///
+    /// # Safety
+    /// As [`all_reduce_device`](Self::all_reduce_device)'s, for each buffer.
+    pub(crate) unsafe fn all_gather_device(
+        &self,
+        send: &crate::DeviceBuffer,
+        recv: &crate::DeviceBuffer,
+    ) -> Result<(), DistError> {
+        self.check_pair("all-gather", send, recv, recv.len)?;
+        let what = format!("{} values a rank on the device", send.len);
+        // SAFETY: the caller's promise, passed on.
+        unsafe {
+            self.ordered(send.stream, &what, || {
+                let status = match send.dtype {
+                    crate::DeviceDtype::F32 => self
+                        .comm
+                        .all_gather(&self.borrow::<f32>(send), &mut self.borrow::<f32>(recv)),
+                    crate::DeviceDtype::Bf16 => self.comm.all_gather(
+                        &self.borrow::<half::bf16>(send),
+                        &mut self.borrow::<half::bf16>(recv),
+                    ),
+                };
+                status
+                    .map(|_| ())
+                    .map_err(|e| nccl_error("ncclAllGather", e))
+            })
+        }
+    }
+
+    /// Refuses a pair of buffers a collective cannot take, before anything
+    /// is queued: another dtype or stream, or a `whole` (the buffer that
+    /// holds every rank's part) that is not the ranks' parts end to end.
+    fn check_pair(
+        &self,
+        what: &str,
+        send: &crate::DeviceBuffer,
+        recv: &crate::DeviceBuffer,
+        whole: usize,
+    ) -> Result<(), DistError> {
+        let world = self.comm.world_size();
+        let part = send.len.min(recv.len);
+        if send.dtype != recv.dtype || send.stream != recv.stream || part * world != whole {
+            return Err(DistError::Nccl(format!(
+                "a {what} on the device of {} {:?} values into {} {:?} values over {world} ranks: \
+                 the buffers must share a dtype and a stream, the larger holding {world} parts",
+                send.len, send.dtype, recv.len, recv.dtype
+            )));
+        }
+        Ok(())
+    }
+
+    /// `call` (collectives queued on NCCL's stream) ordered on the device
+    /// between the work of `theirs` (the stream of the buffers' owner):
+    /// NCCL's stream waits for what `theirs` queued so far (what wrote the
+    /// values), and `theirs` waits for the collectives before its next
+    /// work. Nothing waits on the host. `what` names the values in errors.
+    ///
+    /// # Safety
+    /// `theirs` is a live stream of this communicator's device's primary
+    /// context.
+    unsafe fn ordered(
+        &self,
+        theirs: *mut std::ffi::c_void,
+        what: &str,
+        call: impl FnOnce() -> Result<(), DistError>,
+    ) -> Result<(), DistError> {
         use cudarc::driver::result::{event, stream};
         use cudarc::driver::sys::{CUevent_flags, CUevent_wait_flags, CUstream};
-        let n = buffer.len;
-        let cuda = |what: &str, e: cudarc::driver::DriverError| {
-            DistError::Nccl(format!("{what} ({n} values on the device): {e}"))
+        let cuda = |doing: &str, e: cudarc::driver::DriverError| {
+            DistError::Nccl(format!("{doing} ({what}): {e}"))
         };
         self.stream
             .context()
             .bind_to_thread()
             .map_err(|e| cuda("binding the device's context", e))?;
-        let theirs = buffer.stream as CUstream;
+        let theirs = theirs as CUstream;
         let ours = self.stream.cu_stream();
         let make = || {
             event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .map_err(|e| cuda("an event to order the all-reduce", e))
+                .map_err(|e| cuda("an event to order the collective", e))
         };
-        let (written, reduced) = (make()?, make()?);
+        let (written, done) = (make()?, make()?);
         // SAFETY: live events of this context on live streams of it (the
         // caller's promise for `theirs`); an event may be destroyed once
         // recorded and waited on, CUDA releasing it when it completes.
@@ -278,51 +403,34 @@ impl Nccl {
                 .and_then(|()| {
                     stream::wait_event(ours, written, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
                 })
-                .map_err(|e| cuda("ordering the all-reduce after the gradients", e));
-            let reduce = before.and_then(|()| match buffer.dtype {
-                crate::DeviceDtype::F32 => self.reduce_borrowed::<f32>(buffer, op),
-                crate::DeviceDtype::Bf16 => self.reduce_borrowed::<half::bf16>(buffer, op),
-            });
-            let after = reduce.and_then(|()| {
-                event::record(reduced, ours)
+                .map_err(|e| cuda("ordering the collective after the values' writers", e));
+            let after = before.and_then(|()| call()).and_then(|()| {
+                event::record(done, ours)
                     .and_then(|()| {
-                        stream::wait_event(
-                            theirs,
-                            reduced,
-                            CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                        )
+                        stream::wait_event(theirs, done, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
                     })
-                    .map_err(|e| cuda("ordering the gradients' readers after the all-reduce", e))
+                    .map_err(|e| cuda("ordering the values' readers after the collective", e))
             });
             let _ = event::destroy(written);
-            let _ = event::destroy(reduced);
+            let _ = event::destroy(done);
             after
         }
     }
 
-    /// `ncclAllReduce` in place on `buffer`'s values as `T`, queued on
-    /// NCCL's stream.
-    fn reduce_borrowed<T: cudarc::nccl::NcclType>(
-        &self,
-        buffer: &crate::DeviceBuffer,
-        op: Reduce,
-    ) -> Result<(), DistError> {
-        let mut slice = Borrowed::<T> {
+    /// `buffer`'s values as `T`, lent to NCCL on its stream for one call.
+    fn borrow<T>(&self, buffer: &crate::DeviceBuffer) -> Borrowed<'_, T> {
+        Borrowed {
             ptr: buffer.ptr,
             len: buffer.len,
             stream: &self.stream,
             of: std::marker::PhantomData,
-        };
-        self.comm
-            .all_reduce_in_place(&mut slice, &reduce_op(op))
-            .map(|_| ())
-            .map_err(|e| nccl_error("ncclAllReduce", e))
+        }
     }
 }
 
 /// Device memory that is not cudarc's (a CubeCL buffer), lent to NCCL for
-/// one call: no ordering of its own, [`Nccl::all_reduce_device`] orders it
-/// with events.
+/// one call: no ordering of its own, [`Nccl::ordered`] orders it with
+/// events.
 struct Borrowed<'a, T> {
     ptr: u64,
     len: usize,
@@ -336,6 +444,18 @@ impl<T> cudarc::driver::DeviceSlice<T> for Borrowed<'_, T> {
     }
     fn stream(&self) -> &Arc<CudaStream> {
         self.stream
+    }
+}
+
+impl<T> cudarc::driver::DevicePtr<T> for Borrowed<'_, T> {
+    fn device_ptr<'a>(
+        &'a self,
+        _stream: &'a CudaStream,
+    ) -> (
+        cudarc::driver::sys::CUdeviceptr,
+        cudarc::driver::SyncOnDrop<'a>,
+    ) {
+        (self.ptr, cudarc::driver::SyncOnDrop::Sync(None))
     }
 }
 

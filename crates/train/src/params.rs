@@ -264,24 +264,10 @@ fn nccl_on_device<M: Module>(
     reduce_dtype: kiln_config::ReduceDtype,
 ) -> Result<GradientsParams, kiln_dist::DistError> {
     use burn::tensor::DType;
-    use kiln_dist::{DeviceBuffer, DeviceDtype, DistError, Reduce};
+    use kiln_dist::{DistError, Reduce};
     let reduce = |flat: Tensor<1>| -> Result<Tensor<1>, DistError> {
         let lent = kiln_model::kernels::with_cuda_buffer(flat, |buffer| {
-            let dtype = match buffer.dtype {
-                DType::F32 => DeviceDtype::F32,
-                DType::BF16 => DeviceDtype::Bf16,
-                other => {
-                    return Err(DistError::Nccl(format!(
-                        "gradients in {other:?}: NCCL's all-reduce here takes f32 or bf16"
-                    )));
-                }
-            };
-            let buffer = DeviceBuffer {
-                ptr: buffer.ptr,
-                len: buffer.len,
-                dtype,
-                stream: buffer.stream,
-            };
+            let buffer = nccl_buffer(buffer)?;
             // SAFETY: the buffer is the flat tensor's, which
             // `with_cuda_buffer` keeps and hands back: its memory outlives
             // the call, and its readers (the slices, `extra`'s read) are
@@ -290,9 +276,7 @@ fn nccl_on_device<M: Module>(
         });
         match lent {
             (flat, Some(done)) => done.map(|()| flat),
-            (_, None) => Err(DistError::Nccl(
-                "the gradients' buffer is not on a CUDA device".into(),
-            )),
+            (_, None) => Err(not_on_cuda("the gradients")),
         }
     };
     match reduce_dtype {
@@ -305,6 +289,37 @@ fn nccl_on_device<M: Module>(
             Ok(grads)
         }
     }
+}
+
+/// A CubeCL tensor's CUDA buffer as NCCL takes it: f32 or bf16.
+#[cfg(feature = "cuda")]
+pub(crate) fn nccl_buffer(
+    buffer: &kiln_model::kernels::CudaBuffer,
+) -> Result<kiln_dist::DeviceBuffer, kiln_dist::DistError> {
+    use burn::tensor::DType;
+    use kiln_dist::DeviceDtype;
+    let dtype = match buffer.dtype {
+        DType::F32 => DeviceDtype::F32,
+        DType::BF16 => DeviceDtype::Bf16,
+        other => {
+            return Err(kiln_dist::DistError::Nccl(format!(
+                "values in {other:?}: NCCL's collectives here take f32 or bf16"
+            )));
+        }
+    };
+    Ok(kiln_dist::DeviceBuffer {
+        ptr: buffer.ptr,
+        len: buffer.len,
+        dtype,
+        stream: buffer.stream,
+    })
+}
+
+/// The error of a buffer [`kiln_model::kernels::with_cuda_buffer`] did
+/// not lend: `what` is not on a CUDA device.
+#[cfg(feature = "cuda")]
+pub(crate) fn not_on_cuda(what: &str) -> kiln_dist::DistError {
+    kiln_dist::DistError::Nccl(format!("{what}' buffer is not on a CUDA device"))
 }
 
 /// A gradient taken out of its [`GradientsParams`], as the module's

@@ -377,10 +377,11 @@ pub(crate) fn prepare_in_turn<T>(
 }
 
 /// A job on CUDA devices reduces its gradients through NCCL, the engine of
-/// PyTorch DDP, in place on the GPU (`COLLECTIVES=sockets` keeps the
-/// rendezvous's sockets; `KILN_NCCL_VIA_HOST=1` takes them through host
-/// memory to NCCL); elsewhere (flex, wgpu) over the sockets, through host
-/// memory.
+/// PyTorch DDP, on the GPU (in place; reduce-scattered under ZeRO-2, whose
+/// weights NCCL all-gathers on the GPU too; `COLLECTIVES=sockets` keeps
+/// the rendezvous's sockets; `KILN_NCCL_VIA_HOST=1` takes them through
+/// host memory to NCCL); elsewhere (flex, wgpu) over the sockets, through
+/// host memory.
 ///
 /// Returns what reduces the gradients, for the run's notes. `config` is
 /// the rank's ([`on_rank_device`]).
@@ -417,7 +418,7 @@ pub(crate) fn collectives(
                 match crate::params::nccl_through_host(&device.device) {
                     Some(why) => format!("through host memory ({why})"),
                     None if config.optimization.zero_stage >= 2 => {
-                        "through host memory (ZeRO-2's reduce-scatter)".to_string()
+                        "on the GPU (ncclReduceScatter)".to_string()
                     }
                     None => "in place on the GPU".to_string(),
                 }
