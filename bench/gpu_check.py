@@ -63,7 +63,9 @@ measured already goes last: `main`'s comments):
    for the all-reduce's time per step (the 2-rank NCCL jobs are skipped
    on a machine with one GPU: NCCL before 2.30 refuses two ranks on one
    GPU; there GPT-2 small is benchmarked as a job of 1 rank instead, with
-   the gradients reduced in place on the GPU and through host memory);
+   the gradients reduced in place on the GPU and through host memory, and
+   the jobs of 1 rank train through NCCL, DDP's and ZeRO-2's, a world of
+   one: `--nproc-per-node 1` asked for is a job, not one process);
 6. 300 steps of `kiln train hardware=auto` (the `train-auto` run).
 
 With `--kiln-cuda-cpp` (a build with kiln's `cuda-cpp` feature: CubeCL
@@ -975,6 +977,11 @@ class Check:
             # ranks cannot share it; its average of one rank is the
             # gradients themselves, so one process's losses to rounding).
             ("1 rank × 8, NCCL", 1, ["training.batch_size=8"], {}, 1e-3),
+            # ZeRO-2 in a job of one rank: ncclReduceScatter and
+            # ncclAllGather on GPU buffers over a world of one (every
+            # parameter the rank's own), where two ranks cannot share the
+            # GPU: the device path's layouts and events on CUDA.
+            ("1 rank × 8, NCCL, ZeRO-2", 1, ["training.batch_size=8", "optimization.zero_stage=2"], {}, 1e-3),
         )
         if self.gpu != "cuda":
             # Off CUDA every multi-rank job reduces over the sockets, which

@@ -330,6 +330,32 @@ fn zero_1_and_2_keep_a_share_on_each_rank_and_take_ddps_steps_bit_for_bit() {
         checkpoint_digest(&ckpt(&dir.join("ddp"), 100)),
         "bf16 gradients round"
     );
+    // `--nproc-per-node 1` asked for is a job of one rank (torchrun's),
+    // not one process: ZeRO-2 runs over a world of one (every parameter
+    // its own: what a GPU check on one GPU runs NCCL's reduce-scatter and
+    // all-gather through) and takes the steps of DDP's job of one.
+    for (name, stage) in [("ddp-one", "0"), ("zero2-one", "2")] {
+        let mut extra = common.to_vec();
+        let stage = format!("optimization.zero_stage={stage}");
+        extra.push(&stage);
+        let ran = run(&launch_args(dir, name, 100, 1, &extra)).expect_code(0);
+        ran.stdout_has(&["the gradients of the 1 rank (a job of one) are reduced"]);
+        if name == "zero2-one" {
+            // "(rank 0: 26 of 26 tensors, …": every tensor its own.
+            let (mine, all) = ran
+                .stdout
+                .split_once("(rank 0: ")
+                .and_then(|(_, rest)| rest.split_once(" tensors"))
+                .and_then(|(counts, _)| counts.split_once(" of "))
+                .unwrap_or_else(|| panic!("no ZeRO line:\n{}", ran.stdout));
+            assert_eq!(mine, all, "{}", ran.stdout);
+        }
+    }
+    assert_eq!(
+        checkpoint_digest(&ckpt(&dir.join("zero2-one"), 100)),
+        checkpoint_digest(&ckpt(&dir.join("ddp-one"), 100)),
+        "a job of one rank, ZeRO-2 against DDP"
+    );
     // Resumed: each rank takes its share of the checkpoint's moments and
     // goes on as the DDP job does.
     let more = |run_dir: &str| {

@@ -29,8 +29,13 @@ impl WorldSpec {
     /// `MASTER_PORT`; else Slurm's `SLURM_PROCID`, `SLURM_NTASKS`,
     /// `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE` with `MASTER_ADDR` (or
     /// `SLURM_LAUNCH_NODE_IPADDR`). `None` where no launcher started the
-    /// process, or started it alone (a world of 1). A value that is not a
-    /// number, or a rank outside the world, is an error naming the variable.
+    /// process, or Slurm started it alone (`SLURM_NTASKS=1`, as every
+    /// single task has). A job of one rank (`WORLD_SIZE=1`, torchrun's or
+    /// `kiln launch`'s `--nproc-per-node 1`) is a job, as nanoGPT and
+    /// Hugging Face's Trainer make it one under torchrun: its collectives
+    /// run over a world of one, the way to try a job's path on one GPU. A
+    /// value that is not a number, or a rank outside the world, is an error
+    /// naming the variable.
     pub fn from_env<K: AsRef<str>, V: AsRef<str>>(
         env: &[(K, V)],
     ) -> Result<Option<Self>, DistError> {
@@ -51,7 +56,8 @@ impl WorldSpec {
                 })
                 .transpose()
         };
-        let (rank, world, local_rank, local_world, addr_var) = if get("WORLD_SIZE").is_some() {
+        let launched = get("WORLD_SIZE").is_some();
+        let (rank, world, local_rank, local_world, addr_var) = if launched {
             let world = number("WORLD_SIZE")?.unwrap_or(1);
             let rank = number("RANK")?.ok_or_else(|| DistError::BadLaunch {
                 what: "RANK".into(),
@@ -87,7 +93,8 @@ impl WorldSpec {
                 why: format!("out of range for LOCAL_WORLD_SIZE={local_world}"),
             });
         }
-        if world == 1 {
+        if world == 1 && !launched {
+            // Every single task of Slurm's says SLURM_NTASKS=1: alone.
             return Ok(None);
         }
         let master_port =
@@ -156,12 +163,17 @@ mod tests {
     }
 
     #[test]
-    fn no_launcher_or_a_world_of_one_is_a_single_process() {
+    fn no_launcher_or_slurms_single_task_is_a_single_process() {
         assert_eq!(spec(&[("HOME", "/root")]).expect("valid"), None);
         assert_eq!(
-            spec(&[("RANK", "0"), ("WORLD_SIZE", "1")]).expect("valid"),
+            spec(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")]).expect("valid"),
             None
         );
+        // A launcher's job of one rank is a job.
+        let one = spec(&[("RANK", "0"), ("WORLD_SIZE", "1")])
+            .expect("valid")
+            .expect("a job of one");
+        assert_eq!((one.rank, one.world_size, one.local_world_size), (0, 1, 1));
     }
 
     #[test]

@@ -56,7 +56,9 @@ impl AdamW {
 
     /// The optimizer a run of `config` trains `model` with: its
     /// hyper-parameters and kernels, and in a job with
-    /// `optimization.zero_stage` 1 or 2, this rank's share (ZeRO).
+    /// `optimization.zero_stage` 1 or 2, this rank's share (ZeRO; a job of
+    /// one rank owns every parameter and runs ZeRO's collectives over a
+    /// world of one, as a job of one rank runs DDP's all-reduce).
     pub(crate) fn for_run<M: Module>(
         config: &kiln_config::RunConfig,
         model: &M,
@@ -64,8 +66,7 @@ impl AdamW {
     ) -> Self {
         let mut optim =
             Self::for_training(&config.training).with_kernels(crate::translate::kernels(config));
-        if let Some(g) = group.filter(|g| config.optimization.zero_stage >= 1 && g.world_size() > 1)
-        {
+        if let Some(g) = group.filter(|_| config.optimization.zero_stage >= 1) {
             optim.shard = Some(crate::zero::Shard::new(
                 model,
                 g.rank(),

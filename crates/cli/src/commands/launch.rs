@@ -16,7 +16,8 @@ use super::{BadInput, Context};
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
     /// Processes on this machine, one per GPU [default: this machine's
-    /// GPUs, at least 1]
+    /// GPUs, at least 1; one planned trains in this process, alone, while
+    /// 1 asked for is a job of one rank, as torchrun's]
     #[arg(long, value_name = "N")]
     nproc_per_node: Option<usize>,
     /// Machines in the job (each runs `kiln launch` with its --node-rank)
@@ -47,9 +48,10 @@ pub(crate) struct Args {
     command: Vec<String>,
 }
 
-/// `kiln launch … train|resume|bench lm …`. One rank on one machine (the default
-/// where there is one GPU, or none) runs `single` with the command's
-/// arguments, in this process.
+/// `kiln launch … train|resume|bench lm …`. One rank on one machine as
+/// planned (the default where there is one GPU, or none) runs `single`
+/// with the command's arguments, in this process; `--nproc-per-node 1`
+/// starts a job of one rank.
 pub(crate) fn run(
     mut args: Args,
     ctx: &Context,
@@ -97,7 +99,11 @@ pub(crate) fn run(
             planned.why
         );
     }
-    if nproc == 1 && args.nnodes == 1 && restart.is_none() {
+    // One rank where the machine planned one (one GPU, or none) trains in
+    // this process; `--nproc-per-node 1` asked for is a job of one rank,
+    // as torchrun starts it: its collectives over a world of one (how a
+    // job's path is tried on one GPU).
+    if nproc == 1 && args.nproc_per_node.is_none() && args.nnodes == 1 && restart.is_none() {
         let mut argv = vec!["kiln".to_string()];
         argv.extend(ctx.prefix());
         argv.extend(args.command);

@@ -404,17 +404,20 @@ pub(crate) fn collectives(
         }
     };
     let dtype = format!("{reduce_dtype}{zero}");
+    let ranks = match group.world_size() {
+        1 => "1 rank (a job of one)".to_string(),
+        n => format!("{n} ranks"),
+    };
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
         // The rank's GPU (`on_rank_device`: LOCAL_RANK modulo the GPUs, so
         // that ranks sharing a GPU share its NCCL device too).
         return Ok(match group.use_nccl(config.device.index)? {
             Some(v) => format!(
-                "NCCL {}.{}.{} reduces the gradients of the {} ranks {}{dtype}",
+                "NCCL {}.{}.{} reduces the gradients of the {ranks} {}{dtype}",
                 v / 10000,
                 (v / 100) % 100,
                 v % 100,
-                group.world_size(),
                 match crate::params::nccl_through_host(&device.device) {
                     Some(why) => format!("through host memory ({why})"),
                     None if config.optimization.zero_stage >= 2 => {
@@ -429,8 +432,7 @@ pub(crate) fn collectives(
         });
     }
     Ok(format!(
-        "the gradients of the {} ranks are reduced over the rendezvous's sockets through rank 0 ({}){dtype}",
-        group.world_size(),
+        "the gradients of the {ranks} are reduced over the rendezvous's sockets through rank 0 ({}){dtype}",
         device.name
     ))
 }
