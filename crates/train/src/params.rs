@@ -177,9 +177,9 @@ pub(crate) fn load_values<M: Module>(
 /// rank gets the same bytes back, so every rank takes the same update.
 ///
 /// Where the job reduces through NCCL and the gradients are on a CUDA GPU,
-/// they stay there ([`reduce_flat`]): concatenated into one buffer,
-/// reduced in place by NCCL on the device, sliced back; only `extra`
-/// reaches the host. Elsewhere (the sockets; NCCL with
+/// they stay there ([`reduce_flat`]): concatenated into buffers of 25 MiB
+/// (DDP's buckets), each reduced in place by NCCL on the device, sliced
+/// back; only `extra` reaches the host. Elsewhere (the sockets; NCCL with
 /// `KILN_NCCL_VIA_HOST=1`, the path kiln had before, kept for comparison)
 /// each gradient leaves its device for the host and comes back in its
 /// dtype. With `reduce_dtype` bf16 the gradients travel as bf16 (half the
@@ -250,8 +250,9 @@ pub(crate) fn nccl_through_host(device: &Device) -> Option<&'static str> {
     }
 }
 
-/// [`all_reduce_grads`] on the device: the gradients in one buffer of the
-/// wire's dtype, reduced in place by NCCL on the thread's CubeCL stream
+/// [`all_reduce_grads`] on the device: the gradients in buffers of the
+/// wire's dtype (DDP's buckets of 25 MiB, [`BUCKET_BYTES`]), each reduced in
+/// place by NCCL on the thread's CubeCL stream
 /// ([`kiln_dist::Group::all_reduce_device`]), nothing waited for until
 /// `extra` is read back.
 #[cfg(feature = "cuda")]
@@ -280,11 +281,25 @@ fn nccl_on_device<M: Module>(
         }
     };
     match reduce_dtype {
-        kiln_config::ReduceDtype::F32 => {
-            reduce_flat(module, taken, device, extra, DType::F32, reduce)
-        }
+        kiln_config::ReduceDtype::F32 => reduce_flat(
+            module,
+            taken,
+            device,
+            extra,
+            DType::F32,
+            BUCKET_BYTES,
+            reduce,
+        ),
         kiln_config::ReduceDtype::Bf16 => {
-            let grads = reduce_flat(module, taken, device, &mut [], DType::BF16, reduce)?;
+            let grads = reduce_flat(
+                module,
+                taken,
+                device,
+                &mut [],
+                DType::BF16,
+                BUCKET_BYTES,
+                reduce,
+            )?;
             group.all_reduce(extra, Reduce::Mean)?;
             Ok(grads)
         }
@@ -408,13 +423,42 @@ fn put_back<M: Module>(
     scatter.grads
 }
 
+/// The largest bucket [`reduce_flat`] concatenates the gradients into
+/// before one collective: PyTorch DDP's `bucket_cap_mb = 25`. One buffer
+/// of every gradient would hold them twice at the concatenation (the
+/// gradients and their copy); a bucket at a time holds one bucket more.
+#[cfg(feature = "cuda")]
+pub(crate) const BUCKET_BYTES: usize = 25 << 20;
+
+/// Consecutive runs of `sizes` (values, each `bytes` wide) whose bytes
+/// reach `cap` (the last run may hold less; a value larger than `cap`
+/// alone), as ranges of indices: DDP's buckets, in the gradients' order.
+/// At least one run, empty where `sizes` is.
+#[cfg(any(feature = "cuda", test))]
+fn buckets(sizes: &[usize], bytes: usize, cap: usize) -> Vec<std::ops::Range<usize>> {
+    let mut runs = Vec::new();
+    let (mut start, mut filled) = (0, 0usize);
+    for (i, &n) in sizes.iter().enumerate() {
+        filled = filled.saturating_add(n.saturating_mul(bytes));
+        if filled >= cap {
+            runs.push(start..i + 1);
+            (start, filled) = (i + 1, 0);
+        }
+    }
+    if start < sizes.len() || runs.is_empty() {
+        runs.push(start..sizes.len());
+    }
+    runs
+}
+
 /// The device side of [`all_reduce_grads`], for any `reduce` of one flat
-/// tensor: the gradients taken (each cast to `wire`) and `extra` (f32
-/// only) concatenated into one tensor on `device`, their device,
-/// `reduce`d, then sliced back into each gradient's shape and dtype;
-/// `extra` read back from its end, the one read to the host. A reduce
-/// that changes nothing gives back the gradients' own values (f32), or
-/// each rounded to bf16 once.
+/// tensor: the gradients taken (each cast to `wire`) concatenated, in
+/// buckets of `bucket_bytes` ([`buckets`]; `extra`, f32 only, at the end
+/// of the last), into tensors on `device`, their device, each `reduce`d
+/// and sliced back into its gradients' shapes and dtypes; `extra` read
+/// back from the last one's end, the one read to the host. A reduce that
+/// changes nothing gives back the gradients' own values (f32), or each
+/// rounded to bf16 once.
 #[cfg(any(feature = "cuda", test))]
 fn reduce_flat<M: Module, E>(
     module: &M,
@@ -422,40 +466,48 @@ fn reduce_flat<M: Module, E>(
     device: &Device,
     extra: &mut [f32],
     wire: burn::tensor::DType,
-    reduce: impl FnOnce(Tensor<1>) -> Result<Tensor<1>, E>,
+    bucket_bytes: usize,
+    mut reduce: impl FnMut(Tensor<1>) -> Result<Tensor<1>, E>,
 ) -> Result<GradientsParams, E> {
     assert!(
         extra.is_empty() || wire == burn::tensor::DType::F32,
         "extra values travel in f32 only"
     );
     let Taken { grads, pieces } = taken;
-    let mut metas = Vec::with_capacity(pieces.len());
-    let mut parts = Vec::with_capacity(pieces.len() + 1);
-    for (meta, piece) in pieces {
-        parts.push(piece.cast(wire));
-        metas.push(meta);
-    }
-    if !extra.is_empty() {
-        parts.push(tensor_from::<1>(extra.to_vec(), &[extra.len()], device));
-    }
-    let flat = reduce(Tensor::cat(parts, 0))?;
-    let mut at = 0;
-    let pieces: Vec<Tensor<1>> = metas
-        .iter()
-        .map(|t| {
-            let n: usize = t.dims.iter().product();
-            let piece = flat.clone().narrow(0, at, n).cast(t.dtype);
-            at += n;
-            piece
-        })
-        .collect();
-    if !extra.is_empty() {
-        let back = flat.narrow(0, at, extra.len()).into_data();
-        for (e, v) in extra.iter_mut().zip(back.iter::<f32>()) {
-            *e = v;
+    let len = |t: &TakenMeta| t.dims.iter().product::<usize>();
+    let sizes: Vec<usize> = pieces.iter().map(|(t, _)| len(t)).collect();
+    let runs = buckets(&sizes, wire.size(), bucket_bytes);
+    let last = runs.len() - 1;
+    let mut pieces = pieces.into_iter();
+    let mut metas = Vec::with_capacity(sizes.len());
+    let mut back = Vec::with_capacity(sizes.len());
+    for (b, run) in runs.into_iter().enumerate() {
+        let mut parts = Vec::with_capacity(run.len() + 1);
+        for (meta, piece) in pieces.by_ref().take(run.len()) {
+            parts.push(piece.cast(wire));
+            metas.push(meta);
+        }
+        let with_extra = b == last && !extra.is_empty();
+        if with_extra {
+            parts.push(tensor_from::<1>(extra.to_vec(), &[extra.len()], device));
+        }
+        if parts.is_empty() {
+            continue;
+        }
+        let flat = reduce(Tensor::cat(parts, 0))?;
+        let mut at = 0;
+        for t in &metas[run] {
+            back.push(flat.clone().narrow(0, at, len(t)).cast(t.dtype));
+            at += len(t);
+        }
+        if with_extra {
+            let read = flat.narrow(0, at, extra.len()).into_data();
+            for (e, v) in extra.iter_mut().zip(read.iter::<f32>()) {
+                *e = v;
+            }
         }
     }
-    Ok(put_back(module, grads, &metas, pieces.into_iter()))
+    Ok(put_back(module, grads, &metas, back.into_iter()))
 }
 
 /// A checksum of every parameter's bits (FNV-1a), the same on every rank
@@ -541,8 +593,9 @@ mod tests {
 
     /// The device path of the gradients' all-reduce (NCCL's on a GPU,
     /// here any reduce of the flat tensor on flex): one flat tensor in the
-    /// wire's dtype with `extra` at its end, and every gradient back in its
-    /// place, shape and dtype, with exactly what the reduce made of it.
+    /// wire's dtype with `extra` at its end (or buckets of them), and every
+    /// gradient back in its place, shape and dtype, with exactly what the
+    /// reduce made of it.
     #[test]
     fn gradients_reduce_as_one_flat_tensor_and_come_back_in_place() {
         let _rng = crate::tests::flex_rng();
@@ -552,24 +605,35 @@ mod tests {
         let want = grad_values(&m, &grads_of(&m, 0.5));
         let total: usize = want.iter().map(|(_, _, v)| v.len()).sum();
 
-        // f32: the gradients and then `extra`, doubled as a sum of two
-        // ranks holding the same values would be.
+        // Reduced as a sum of two ranks holding the same values would be
+        // (each bucket doubled), in buckets of `cap` bytes; what each
+        // reduce was given: its dims, dtype and values.
+        type Seen = Vec<([usize; 1], burn::tensor::DType, Vec<f32>)>;
+        let doubled = |cap: usize, extra: &mut [f32]| -> (GradientsParams, Seen) {
+            let mut seen = Vec::new();
+            let grads = reduce_flat(
+                &m,
+                take_flat(&m, grads_of(&m, 0.5)),
+                &device,
+                extra,
+                burn::tensor::DType::F32,
+                cap,
+                |flat| -> Result<Tensor<1>, ()> {
+                    seen.push((flat.dims(), flat.dtype(), host(&flat)));
+                    Ok(flat.mul_scalar(2.0))
+                },
+            )
+            .expect("reduces");
+            (grads, seen)
+        };
+
+        // f32 in one bucket: the gradients and then `extra`.
         let mut extra = [1.25f32, 1.0];
-        let mut seen = None;
-        let grads = reduce_flat(
-            &m,
-            take_flat(&m, grads_of(&m, 0.5)),
-            &device,
-            &mut extra,
-            burn::tensor::DType::F32,
-            |flat| -> Result<Tensor<1>, ()> {
-                seen = Some((flat.dims(), flat.dtype(), host(&flat)));
-                Ok(flat.mul_scalar(2.0))
-            },
-        )
-        .expect("reduces");
-        let (dims, dtype, flat) = seen.expect("reduced once");
-        assert_eq!((dims, dtype), ([total + 2], burn::tensor::DType::F32));
+        let (grads, seen) = doubled(usize::MAX, &mut extra);
+        let [(dims, dtype, flat)] = &seen[..] else {
+            panic!("reduced once, not {} times", seen.len());
+        };
+        assert_eq!((*dims, *dtype), ([total + 2], burn::tensor::DType::F32));
         let in_order: Vec<f32> = want
             .iter()
             .flat_map(|(_, _, v)| v.iter().copied())
@@ -581,12 +645,31 @@ mod tests {
         );
         assert_eq!(flat[total..], [1.25, 1.0], "then `extra`");
         assert_eq!(extra, [2.5, 2.0], "`extra` read back");
-        let got = grad_values(&m, &grads);
-        for ((path, dims, values), (p, d, v)) in want.iter().zip(&got) {
-            assert_eq!((path, dims), (p, d));
-            let doubled: Vec<f32> = values.iter().map(|x| x * 2.0).collect();
-            assert_eq!(&doubled, v, "{path}");
+        assert_doubled(&want, &grad_values(&m, &grads));
+
+        // Buckets (DDP's, 25 MiB on a GPU; here 256 bytes, 64 values):
+        // the gradients in visiting order across several reduces, each
+        // bucket reaching the cap but the last, `extra` at the last one's
+        // end, and every gradient back in its place.
+        let cap = 256;
+        let mut extra = [3.0f32];
+        let (grads, seen) = doubled(cap, &mut extra);
+        let seen: Vec<Vec<f32>> = seen.into_iter().map(|(_, _, v)| v).collect();
+        assert!(seen.len() > 2, "several buckets: {}", seen.len());
+        let (last, full) = seen.split_last().expect("one bucket at least");
+        for b in full {
+            assert!(4 * b.len() >= cap, "a bucket of {} values", b.len());
         }
+        assert_eq!(last.last(), Some(&3.0), "`extra` ends the last bucket");
+        let mut sent_in_order = in_order.clone();
+        sent_in_order.push(3.0);
+        assert_eq!(
+            seen.concat(),
+            sent_in_order,
+            "every gradient once, in order"
+        );
+        assert_eq!(extra, [6.0]);
+        assert_doubled(&want, &grad_values(&m, &grads));
 
         // bf16 on the wire: each value rounded to bf16 once, back in f32.
         let grads = reduce_flat(
@@ -595,6 +678,7 @@ mod tests {
             &device,
             &mut [],
             burn::tensor::DType::BF16,
+            usize::MAX,
             |flat| -> Result<Tensor<1>, ()> {
                 assert_eq!(
                     (flat.dims(), flat.dtype()),
@@ -624,9 +708,36 @@ mod tests {
             &device,
             &mut [0.0],
             burn::tensor::DType::F32,
+            usize::MAX,
             |_| Err("the collective failed"),
         );
         assert_eq!(failed.err(), Some("the collective failed"));
+    }
+
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // one bucket is a result
+    fn buckets_fill_to_the_cap_in_order() {
+        // 4-byte values, a cap of 40 bytes (10 values).
+        assert_eq!(buckets(&[4, 4, 4, 30, 1], 4, 40), [0..3, 3..4, 4..5]);
+        assert_eq!(buckets(&[10, 10], 4, 40), [0..1, 1..2]);
+        assert_eq!(buckets(&[3, 3], 4, 40), [0..2]);
+        assert_eq!(buckets(&[], 4, 40), [0..0]);
+        assert_eq!(buckets(&[5, 5], 4, usize::MAX), [0..2]);
+        // bf16: twice the values a bucket.
+        assert_eq!(buckets(&[10, 10, 1], 2, 40), [0..2, 2..3]);
+    }
+
+    /// Each gradient of `got` is `want`'s doubled, in its place and shape.
+    fn assert_doubled(
+        want: &[(String, Vec<usize>, Vec<f32>)],
+        got: &[(String, Vec<usize>, Vec<f32>)],
+    ) {
+        assert_eq!(want.len(), got.len());
+        for ((path, dims, values), (p, d, v)) in want.iter().zip(got) {
+            assert_eq!((path, dims), (p, d));
+            let doubled: Vec<f32> = values.iter().map(|x| x * 2.0).collect();
+            assert_eq!(&doubled, v, "{path}");
+        }
     }
 
     fn grads_dtype(m: &kiln_model::Gpt, grads: &GradientsParams) -> burn::tensor::DType {
