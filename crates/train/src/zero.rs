@@ -493,6 +493,7 @@ pub(crate) fn reduce_scatter_grads<M: Module>(
             &device,
             wire,
             kernels,
+            crate::params::BUCKET_BYTES,
             |send, recv| {
                 lend_pair(send, recv, "the gradients", |send, recv| {
                     // SAFETY: both are tensors `lend_pair` keeps and hands
@@ -535,13 +536,17 @@ pub(crate) fn reduce_scatter_grads<M: Module>(
 }
 
 /// The device side of [`reduce_scatter_grads`], for any `scatter`: each
-/// rank's gradients (cast to `wire`) laid end to end in visiting order and
-/// padded to the largest share, the ranks' shares in rank order, `send`;
-/// a `recv` of zeros for one share, both on `device`. `scatter(send,
-/// recv)` fills `recv` as a reduce-scatter does (this rank's share,
-/// reduced), `send` and the gradients taken into it are freed, and this
-/// rank's gradients are read out of `recv` (views, or copies back to f32
-/// from bf16). Returns them and their sums of squares.
+/// rank's gradients (cast to `wire`) laid end to end in visiting order,
+/// its share, padded to the largest; then, bucket by bucket, the same
+/// stretch of every rank's share (`bucket_bytes` in all, DDP's buckets)
+/// laid end to end in rank order, `send`, and a `recv` of zeros for one
+/// stretch, both on `device`. `scatter(send, recv)` fills `recv` as a
+/// reduce-scatter does (this rank's stretch, reduced), and the gradients
+/// taken into `send` are freed as the buckets go, so the device holds one
+/// bucket beside them (one buffer of them all would hold them twice).
+/// This rank's stretches, end to end, are its share, out of which its
+/// gradients are read (views, or copies back to f32 from bf16). Returns
+/// them and their sums of squares.
 #[cfg(any(feature = "cuda", test))]
 #[allow(clippy::too_many_arguments)]
 fn scatter_flat<M: Module, E>(
@@ -552,7 +557,8 @@ fn scatter_flat<M: Module, E>(
     device: &Device,
     wire: DType,
     kernels: Kernels,
-    scatter: impl FnOnce(Tensor<1>, Tensor<1>) -> Result<Tensor<1>, E>,
+    bucket_bytes: usize,
+    mut scatter: impl FnMut(Tensor<1>, Tensor<1>) -> Result<Tensor<1>, E>,
 ) -> Result<(GradientsParams, Vec<Tensor<1>>), E> {
     let world = shard.counts.len();
     let counts = owned_counts(slots, world);
@@ -560,20 +566,34 @@ fn scatter_flat<M: Module, E>(
     if widest == 0 {
         return Ok((grads, Vec::new()));
     }
-    let mut parts: Vec<Vec<Tensor<1>>> = vec![Vec::new(); world];
+    let mut shares: Vec<std::collections::VecDeque<Tensor<1>>> =
+        vec![std::collections::VecDeque::new(); world];
     take_each(module, &mut grads, shard, |r, g| {
-        parts[r].push(g.cast(wire))
+        shares[r].push_back(g.cast(wire))
     });
-    let mut send = Vec::new();
-    for (part, &n) in parts.into_iter().zip(&counts) {
-        send.extend(part);
-        if n < widest {
-            send.push(Tensor::zeros([widest - n], (device, wire)));
+    // Values of each rank's share a bucket.
+    let stretch = (bucket_bytes / (wire.size() * world)).clamp(1, widest);
+    let mut mine = Vec::with_capacity(widest.div_ceil(stretch));
+    let mut start = 0;
+    while start < widest {
+        let n = stretch.min(widest - start);
+        let mut send = Vec::new();
+        for (share, &count) in shares.iter_mut().zip(&counts) {
+            let real = count.saturating_sub(start).min(n);
+            take_front(share, real, &mut send);
+            if real < n {
+                send.push(Tensor::zeros([n - real], (device, wire)));
+            }
         }
+        let recv = Tensor::zeros([n], (device, wire));
+        mine.push(scatter(Tensor::cat(send, 0), recv)?);
+        start += n;
     }
-    let send = Tensor::cat(send, 0);
-    let recv = Tensor::zeros([widest], (device, wire));
-    let mine = scatter(send, recv)?;
+    let mine = if mine.len() == 1 {
+        mine.swap_remove(0)
+    } else {
+        Tensor::cat(mine, 0)
+    };
     let mut at = 0;
     let pieces = slots.iter().filter(|s| s.owner == shard.rank).map(|s| {
         let piece = mine.clone().narrow(0, at, s.len()).cast(s.dtype);
@@ -581,6 +601,31 @@ fn scatter_flat<M: Module, E>(
         piece
     });
     Ok(put_mine(module, grads, slots, shard.rank, pieces, kernels))
+}
+
+/// The first `n` values of `share` (flat tensors end to end) moved to
+/// `out`: whole tensors, and the front of one cut in two, whose rest
+/// stays at the front.
+#[cfg(any(feature = "cuda", test))]
+fn take_front(
+    share: &mut std::collections::VecDeque<Tensor<1>>,
+    mut n: usize,
+    out: &mut Vec<Tensor<1>>,
+) {
+    while n > 0 {
+        let Some(t) = share.pop_front() else {
+            return;
+        };
+        let len = t.dims()[0];
+        if len <= n {
+            out.push(t);
+            n -= len;
+        } else {
+            out.push(t.clone().narrow(0, 0, n));
+            share.push_front(t.narrow(0, n, len - n));
+            n = 0;
+        }
+    }
 }
 
 /// The end of ZeRO-2's reduction: one small f32 all-reduce of `extra` and
@@ -757,14 +802,16 @@ mod tests {
     }
 
     /// [`scatter_flat`] of `m`'s weights times `factor` as `shard`'s rank
-    /// (the GPU's device standing in), sent as `wire`.
+    /// (the GPU's device standing in), sent as `wire` in buckets of
+    /// `bucket_bytes`.
     fn scatter_scaled<E>(
         m: &kiln_model::Gpt,
         slots: &[Slot],
         shard: &Shard,
         factor: f32,
         wire: DType,
-        scatter: impl FnOnce(Tensor<1>, Tensor<1>) -> Result<Tensor<1>, E>,
+        bucket_bytes: usize,
+        scatter: impl FnMut(Tensor<1>, Tensor<1>) -> Result<Tensor<1>, E>,
     ) -> Result<(GradientsParams, Vec<Tensor<1>>), E> {
         let device = m.devices()[0].clone();
         let grads = grads_of(m, factor);
@@ -776,6 +823,7 @@ mod tests {
             &device,
             wire,
             Kernels::Fused,
+            bucket_bytes,
             scatter,
         )
     }
@@ -783,9 +831,10 @@ mod tests {
     /// ZeRO-2's reduce-scatter on the device (NCCL's on a GPU), here two
     /// ranks on flex, rank 1's `send` kept and rank 0's `scatter` doing
     /// what `ncclReduceScatter`'s average does with the two: each rank's
-    /// share laid out by owner and padded to the largest, and rank 0 left
-    /// with its own parameters' gradients alone, each the two ranks'
-    /// average, in its place and shape, with its sum of squares.
+    /// share laid out by owner and padded to the largest (in one bucket,
+    /// or the same stretch of each a bucket), and rank 0 left with its own
+    /// parameters' gradients alone, each the two ranks' average, in its
+    /// place and shape, with its sum of squares.
     #[test]
     fn gradients_scatter_on_the_device_by_owner() {
         let _rng = crate::tests::flex_rng();
@@ -798,38 +847,52 @@ mod tests {
         let widest = counts.iter().copied().max().unwrap_or(0);
         let slots = slots_of(&m, &grads_of(&m, 1.5), &shards[1]);
         assert_eq!(slots.len(), param_entries(&m).len());
-        let mut theirs = None;
-        let (left, squares) = scatter_scaled(
-            &m,
-            &slots,
-            &shards[1],
-            1.5,
-            DType::F32,
-            |send, recv| -> Result<Tensor<1>, ()> {
-                theirs = Some(send);
-                Ok(recv)
-            },
-        )
-        .expect("scatters");
-        assert_eq!(squares.len(), left.len(), "rank 1's own, each squared");
-        let theirs = theirs.expect("rank 1 sent");
-
-        let mut seen = None;
-        let (grads, squares) = scatter_scaled(
-            &m,
-            &slots,
-            &shards[0],
-            0.5,
-            DType::F32,
-            |send, recv| -> Result<Tensor<1>, ()> {
-                seen = Some((send.dims(), recv.dims(), send.clone().into_data()));
-                let mean = send.add(theirs.clone()).div_scalar(2.0);
-                Ok(mean.narrow(0, 0, recv.dims()[0]))
-            },
-        )
-        .expect("scatters");
-        let (send_dims, recv_dims, send) = seen.expect("rank 0 sent");
-        assert_eq!((send_dims, recv_dims), ([2 * widest], [widest]));
+        // Two ranks in buckets of `cap` bytes: rank 1's sends kept, rank
+        // 0's reduce-scatter averaging its send with rank 1's of the same
+        // bucket and keeping its own stretch (the first). Returns rank 0's
+        // gradients, sums of squares, and each send and stretch.
+        type Sent = Vec<(Vec<f32>, usize)>;
+        let two_ranks = |cap: usize| -> (GradientsParams, Vec<Tensor<1>>, Sent) {
+            let mut theirs = Vec::new();
+            let (left, squares) = scatter_scaled(
+                &m,
+                &slots,
+                &shards[1],
+                1.5,
+                DType::F32,
+                cap,
+                |send, recv| {
+                    theirs.push(send);
+                    Ok::<_, ()>(recv)
+                },
+            )
+            .expect("scatters");
+            assert_eq!(squares.len(), left.len(), "rank 1's own, each squared");
+            let mut theirs = theirs.into_iter();
+            let mut sent = Vec::new();
+            let (grads, squares) = scatter_scaled(
+                &m,
+                &slots,
+                &shards[0],
+                0.5,
+                DType::F32,
+                cap,
+                |send, recv| {
+                    let n = recv.dims()[0];
+                    sent.push((send.clone().into_data().iter::<f32>().collect(), n));
+                    let other = theirs.next().expect("rank 1 sent this bucket");
+                    Ok::<_, ()>(send.add(other).div_scalar(2.0).narrow(0, 0, n))
+                },
+            )
+            .expect("scatters");
+            assert!(theirs.next().is_none(), "as many buckets on each rank");
+            (grads, squares, sent)
+        };
+        let (grads, squares, sent) = two_ranks(usize::MAX);
+        let [(send, stretch)] = &sent[..] else {
+            panic!("one bucket, not {}", sent.len());
+        };
+        assert_eq!((send.len(), *stretch), (2 * widest, widest));
 
         // `send`: rank 0's parameters' gradients in visiting order, then
         // zeros to the largest share, then rank 1's, then zeros.
@@ -842,8 +905,24 @@ mod tests {
         for part in &mut laid {
             part.resize(widest, 0.0);
         }
-        let send: Vec<f32> = send.iter::<f32>().collect();
-        assert_eq!(send, laid.concat(), "laid out by owner, padded");
+        assert_eq!(send, &laid.concat(), "laid out by owner, padded");
+
+        // Buckets of 64 bytes: 8 values of each rank's share a bucket, the
+        // same stretch of each, cutting through tensors; the same
+        // gradients and sums at the end.
+        let (bucketed, bucketed_squares, sent) = two_ranks(64);
+        assert_eq!(sent.len(), widest.div_ceil(8));
+        for (k, (send, n)) in sent.iter().enumerate() {
+            let at = 8 * k;
+            assert_eq!(*n, 8.min(widest - at), "bucket {k}");
+            let want = [&laid[0][at..at + n], &laid[1][at..at + n]].concat();
+            assert_eq!(send, &want, "bucket {k}: each rank's stretch");
+        }
+        assert_eq!(grads_by_path(&m, &bucketed), grads_by_path(&m, &grads));
+        let scalars = |t: &[Tensor<1>]| -> Vec<f32> {
+            t.iter().map(|t| t.clone().into_scalar::<f32>()).collect()
+        };
+        assert_eq!(scalars(&bucketed_squares), scalars(&squares));
 
         // Rank 0 keeps its own parameters' gradients alone: the average.
         let got = grads_by_path(&m, &grads);
@@ -896,6 +975,7 @@ mod tests {
             &shards[0],
             0.5,
             DType::BF16,
+            usize::MAX,
             |send, recv| -> Result<Tensor<1>, ()> {
                 assert_eq!((send.dtype(), recv.dtype()), (DType::BF16, DType::BF16));
                 Ok(send.narrow(0, 0, widest))
@@ -912,7 +992,7 @@ mod tests {
         }
 
         // A failed collective is the caller's error.
-        let failed = scatter_scaled(&m, &slots, &shards[0], 0.5, DType::F32, |_, _| {
+        let failed = scatter_scaled(&m, &slots, &shards[0], 0.5, DType::F32, 64, |_, _| {
             Err("the collective failed")
         });
         assert_eq!(failed.err(), Some("the collective failed"));
