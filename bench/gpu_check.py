@@ -928,6 +928,14 @@ class Check:
             step = self.run(name, cmd, limit * 2, env=dict(self.env, **extra_env))
             if step["status"] == "ok":
                 b = step["result"]["bench"]
+                if b.get("collectives") is None or b.get("comm_pct") is None:
+                    # A job that trained alone reduces nothing: what it
+                    # timed is not this step's (before 2026-12-06 a job of
+                    # one rank was one process).
+                    step["status"] = "failed"
+                    step["why"] = "the job ran as one process: no collectives, no communication"
+                    print(f"-- {name}: failed ({step['why']})", flush=True)
+                    continue
                 print(f"-- {name}: {b['tokens_per_s_median']:.0f} tokens/s, all-reduce "
                       f"{b['phases']['all_reduce_ms']:.1f} ms ({b['comm_pct']:.1f}% of the step); "
                       f"{b['collectives']}", flush=True)
@@ -994,6 +1002,9 @@ class Check:
             runs = tuple(r for r in runs if r[3] is not nccl)
         tolerance = {label: tol for label, _, _, _, tol in runs}
         ran = False
+        # Jobs of ranks whose summary has no communication: they trained
+        # alone, so their agreement with one process proves nothing.
+        alone = []
         for label, ranks, batch, extra_env, _ in runs:
             run_dir = os.path.join(self.work, "ddp-" + str(len(losses)))
             args = ["train", *shape, *batch, f"run.dir={run_dir}"]
@@ -1006,9 +1017,12 @@ class Check:
             summary = os.path.join(run_dir, "summary.json")
             if os.path.exists(summary):
                 with open(summary) as f:
-                    loss = json.load(f).get("final_val_loss")
+                    done = json.load(f)
+                loss = done.get("final_val_loss")
                 step["final_val_loss"] = loss
                 losses[label] = loss
+                if ranks and done.get("comm_pct") is None:
+                    alone.append(label)
             for line in (step.get("stdout_tail") or "").splitlines():
                 if "reduces the gradients" in line or "reduced over" in line:
                     notes[label] = line.strip()
@@ -1017,7 +1031,9 @@ class Check:
         one = losses.get("one process × 8")
         diffs = {k: abs(v - one) for k, v in losses.items() if one is not None and v is not None and k != "one process × 8"}
         verdict["differences"] = diffs
-        ok = len(diffs) == len(runs) - 1 and all(d < tolerance[k] for k, d in diffs.items())
+        verdict["trained_alone"] = alone
+        ok = (len(diffs) == len(runs) - 1 and all(d < tolerance[k] for k, d in diffs.items())
+              and not alone)
         verdict["status"] = "ok" if ok else "failed" if ran else "skipped"
         print(f"-- {verdict['name']}: {verdict['status']} {losses} {notes}", flush=True)
         self.steps.append(verdict)

@@ -434,6 +434,11 @@ fn the_gpu_check_runs_end_to_end_with_tiny_shapes() {
             "{name}: {stdout}"
         );
     }
+    // The jobs of ranks against one process: each job reduced (a job that
+    // trained alone has no communication in its summary, and fails this).
+    let ddp = step("ddp: the jobs of ranks against one process");
+    assert_eq!(ddp["status"], "ok", "{ddp}");
+    assert_eq!(ddp["trained_alone"], serde_json::json!([]), "{ddp}");
     // The job's bench: two ranks, their gradients all-reduced (over the
     // sockets on wgpu; NCCL on CUDA).
     let job = &step("bench lm gpt2-small bf16, 2 ranks")["result"]["bench"];
