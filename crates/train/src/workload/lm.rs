@@ -404,10 +404,9 @@ pub(crate) fn collectives(
         }
     };
     let dtype = format!("{reduce_dtype}{zero}");
-    let ranks = match group.world_size() {
-        1 => "1 rank (a job of one)".to_string(),
-        n => format!("{n} ranks"),
-    };
+    let world = group.world_size();
+    let one = if world == 1 { " (a job of one)" } else { "" };
+    let ranks = format!("{}{one}", kiln_plan::counted(world, "rank"));
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
         // The rank's GPU (`on_rank_device`: LOCAL_RANK modulo the GPUs, so
