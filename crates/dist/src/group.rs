@@ -450,7 +450,8 @@ impl Group {
 
     /// Rank 0 combines every rank's `values` in rank order and sends each
     /// rank the result: all of it, or with `parts` (a reduce-scatter) the
-    /// rank's part alone, which is all a rank's `values` then gets.
+    /// rank's part alone, the one part of its `values` to read afterwards
+    /// (the rest is left as it was, or on rank 0 as combined).
     fn reduce_over_sockets(
         &self,
         values: &mut [f32],
@@ -466,9 +467,10 @@ impl Group {
         };
         let code = wire.op(parts.is_some());
         // Where each rank's part of the result starts, and its length.
+        let len = values.len();
         let part = |rank: usize| match parts {
             Some(counts) => (counts[..rank].iter().sum(), counts[rank]),
-            None => (0, values.len()),
+            None => (0, len),
         };
         match &mut *links {
             Links::Leaf { root, root_host } => {
@@ -481,18 +483,27 @@ impl Group {
                     .map_err(|e| lost(io_why(&e)))?;
             }
             Links::Root(peers) => {
-                // Rank 0's own values as they would travel.
-                let mut acc: Vec<f32> = values.iter().map(|&v| wire.round(v)).collect();
-                let mut theirs = vec![0f32; values.len()];
+                // Rank 0 combines in place, from its own values as they
+                // would travel (a world of one: its values as they are,
+                // nothing allocated, nothing copied).
+                let acc = values;
+                if wire == Wire::Bf16 {
+                    acc.iter_mut().for_each(|a| *a = wire.round(*a));
+                }
+                let mut theirs = if peers.is_empty() {
+                    Vec::new()
+                } else {
+                    vec![0f32; acc.len()]
+                };
                 for p in peers.iter_mut() {
                     let header = read_header(&mut p.stream, code)
                         .map_err(|e| lost(p.rank, &p.host, during, io_why(&e)))?;
                     let (their_op, n) = header;
-                    if their_op != op as u8 || n != values.len() as u64 {
+                    if their_op != op as u8 || n != acc.len() as u64 {
                         return Err(DistError::Diverged(format!(
                             "rank {} reduces {n} values (operation {their_op}), rank 0 {} (operation {})",
                             p.rank,
-                            values.len(),
+                            acc.len(),
                             op as u8
                         )));
                     }
@@ -508,7 +519,7 @@ impl Group {
                             .for_each(|(a, b)| *a = a.max(*b)),
                     }
                 }
-                if op == Reduce::Mean {
+                if op == Reduce::Mean && self.world > 1 {
                     let n = self.world as f32;
                     acc.iter_mut().for_each(|a| *a /= n);
                 }
@@ -520,7 +531,7 @@ impl Group {
                 };
                 if parts.is_none() {
                     // Encoded once for every peer.
-                    let frame = wire.as_bytes(&acc, &mut buf);
+                    let frame = wire.as_bytes(acc, &mut buf);
                     for p in peers.iter_mut() {
                         send(p, frame)?;
                     }
@@ -530,13 +541,13 @@ impl Group {
                         send(p, wire.as_bytes(&acc[start..start + n], &mut buf))?;
                     }
                 }
-                // What the others decode.
-                let (start, n) = part(0);
-                for (v, a) in values[start..start + n]
-                    .iter_mut()
-                    .zip(&acc[start..start + n])
-                {
-                    *v = wire.round(*a);
+                // What the others decode (in bf16, the sum rounded again;
+                // the other ranks' parts stay as combined, unread).
+                if wire == Wire::Bf16 {
+                    let (start, n) = part(0);
+                    acc[start..start + n]
+                        .iter_mut()
+                        .for_each(|a| *a = wire.round(*a));
                 }
             }
         }
@@ -1071,6 +1082,34 @@ mod tests {
         }
         assert_ne!(out[0].0[2], 6.0e-3, "rounded to bf16");
         assert!((out[0].0[2] - 6.0e-3).abs() < 6.0e-3 / 128.0);
+    }
+
+    /// A job of one rank (`kiln launch --nproc-per-node 1`): rank 0
+    /// combines in place with no one, and its values come back as a
+    /// reduction of one gives them, rounded where they travel as bf16.
+    #[test]
+    fn a_world_of_one_gets_its_own_values_back() {
+        let odd = 1.0 + 2f32.powi(-10);
+        let out = on_ranks(1, move |g| {
+            let mut mean = vec![odd, -3.5, 7.0e-3];
+            g.all_reduce(&mut mean, Reduce::Mean).expect("reduces");
+            let mut max = vec![odd, -1.0];
+            g.all_reduce(&mut max, Reduce::Max).expect("reduces");
+            let mut bf16 = vec![odd, 3.0e-3];
+            g.all_reduce_bf16(&mut bf16, Reduce::Sum).expect("reduces");
+            let mut parts = vec![odd, 2.0];
+            let mine = g
+                .reduce_scatter_bf16(&mut parts, &[2], Reduce::Mean)
+                .expect("reduce-scatters");
+            (mean, max, bf16, mine)
+        });
+        let round = |x: f32| half::bf16::from_f32(x).to_f32();
+        let (mean, max, bf16, mine) = &out[0];
+        assert_eq!(mean, &vec![odd, -3.5, 7.0e-3], "f32: bit for bit");
+        assert_eq!(max, &vec![odd, -1.0]);
+        assert_eq!(bf16, &vec![round(odd), round(3.0e-3)]);
+        assert_eq!(bf16[0], 1.0, "rounded to bf16");
+        assert_eq!(mine, &vec![1.0, 2.0]);
     }
 
     #[test]

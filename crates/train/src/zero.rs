@@ -137,7 +137,7 @@ pub(crate) fn all_gather_weights<M: Module>(
     impl ModuleVisitor for Mine<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if self.shard.owns(param.id) {
-                self.values.extend(param.val().to_data().iter::<f32>());
+                crate::params::extend_f32(&mut self.values, param.val().to_data());
             }
         }
     }
@@ -511,12 +511,11 @@ pub(crate) fn reduce_scatter_grads<M: Module>(
     let mut at = starts(&counts);
     take_each(module, &mut grads, shard, |r, g| {
         let n = g.dims()[0];
-        for (dst, v) in flat[at[r]..at[r] + n]
-            .iter_mut()
-            .zip(g.into_data().iter::<f32>())
-        {
-            *dst = v;
-        }
+        let data = g.into_data().convert::<f32>();
+        flat[at[r]..at[r] + n].copy_from_slice(
+            data.as_slice::<f32>()
+                .unwrap_or_else(|e| panic!("a gradient's values as f32: {e}")),
+        );
         at[r] += n;
     });
     let mine = match reduce_dtype {
