@@ -20,10 +20,13 @@ without the AVX-512 kernels: `cargo build --release -p kiln-cli
 --no-default-features --features flex`) with PyTorch limited to AVX2
 (`--avx2` of its scripts). `--python` is an interpreter that can import
 torch (the scripts run on 2 threads, fp32, eager). `--workloads` picks
-among `gpt` and `encoder` (the default, both) and `encoder-dropout` (the
+among `gpt` and `encoder` (the default, both), `encoder-dropout` (the
 encoder with BERT's dropout, 0.1 on the hidden states and the attention
-probabilities, on both sides). `cargo xtask compare` builds the binaries
-and runs this.
+probabilities, on both sides) and `gpt-ddp` (the GPT's 32 rows as a job of
+2 ranks × 16, one thread each: `kiln launch --nproc-per-node 2 bench lm`
+against `python -m torch.distributed.run --nproc-per-node 2
+pytorch_gpt.py`, DistributedDataParallel over gloo; each side's rate the
+job's). `cargo xtask compare` builds the binaries and runs this.
 
 Prints a table; `--out` writes every run (its command, the rates, the final
 loss, PyTorch's `cpu_capability`) and the summary as JSON. Python's
@@ -69,6 +72,20 @@ WORKLOADS = {
     ),
 }
 
+# The data-parallel GPT: PEERS.md's 32 rows as 2 ranks × 16, one thread a
+# rank, kiln's launcher against torchrun's DistributedDataParallel (gloo);
+# both print the job's tokens/s. Not in the default set.
+WORKLOADS["gpt-ddp"] = (
+    ["launch", "--nproc-per-node", "2", "bench", "lm", "model.max_length=128", "training.batch_size=16",
+     "--steps", "24", "--warmup", "4"],
+    ["pytorch_gpt.py", "--block", "128", "--batch", "16", "--threads", "1", "--steps", "24", "--warmup", "4"],
+    "tokens_per_s_median",
+)
+
+# How PyTorch's side of a workload is started, where it is not plain
+# `python script`: torchrun's module, before the script.
+TORCH_LAUNCHER = {"gpt-ddp": ["-m", "torch.distributed.run", "--nproc-per-node", "2"]}
+
 # --tiny: the same runs at toy sizes, for checking the comparison itself.
 TINY_KILN = {
     "gpt": ["bench", "lm", "model.layers=1", "model.heads=2", "model.hidden=32", "model.max_length=16",
@@ -78,6 +95,7 @@ TINY_KILN = {
                 "model.attention_dropout=0.0",
                 "training.gradient_accumulation_steps=1", "--steps", "2", "--warmup", "1"],
 }
+TINY_KILN["gpt-ddp"] = ["launch", "--nproc-per-node", "2", *TINY_KILN["gpt"]]
 TINY_KILN["encoder-dropout"] = [
     a.replace("dropout=0.0", "dropout=0.1") for a in TINY_KILN["encoder"]
 ]
@@ -103,20 +121,26 @@ def one_run(side, pair, workload, args):
     if side == "kiln":
         if args.tiny:
             kiln_args = TINY_KILN[workload]
+        if args.master_port and kiln_args[:1] == ["launch"]:
+            kiln_args = ["launch", "--master-port", str(args.master_port), *kiln_args[1:]]
         cmd = [pair["kiln"], *kiln_args, "--json"]
         out, seconds, tail = run_json(cmd, args.workdir)
         bench = (out or {}).get("bench", {})
         rate = bench.get(rate_key)
         extra = {"final_loss": bench.get("final_loss"), "isa": bench.get("isa"),
-                 "ms_per_step": bench.get("ms_per_step_median")}
+                 "ms_per_step": bench.get("ms_per_step_median"),
+                 "world_size": bench.get("world_size", 1)}
     else:
         script, *rest = torch_args
-        cmd = [args.python, os.path.join(args.scripts, script), *rest, *pair["torch_flags"]]
+        launcher = TORCH_LAUNCHER.get(workload, [])
+        if args.master_port and launcher:
+            launcher = [*launcher, "--master-port", str(args.master_port)]
+        cmd = [args.python, *launcher, os.path.join(args.scripts, script), *rest, *pair["torch_flags"]]
         out, seconds, tail = run_json(cmd, args.workdir)
         out = out or {}
         rate = out.get(rate_key)
         extra = {"final_loss": out.get("final_loss"), "cpu_capability": out.get("cpu_capability"),
-                 "ms_per_step": out.get("ms_per_step_median")}
+                 "ms_per_step": out.get("ms_per_step_median"), "world_size": out.get("world_size", 1)}
     record = {"side": side, "pair": pair["name"], "workload": workload, "command": cmd,
               "seconds": round(seconds, 1), "rate": rate, "rate_unit": rate_key, **extra}
     if rate is None:
@@ -173,9 +197,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--pause", type=float, default=2.0, help="seconds between runs")
     ap.add_argument("--workloads", default="gpt,encoder",
-                    help="comma-separated: gpt, encoder, encoder-dropout (the encoder with BERT's dropout)")
+                    help="comma-separated: gpt, encoder, encoder-dropout (the encoder with BERT's dropout), "
+                         "gpt-ddp (the GPT as 2 ranks × 16 rows: kiln launch against torchrun's DDP)")
     ap.add_argument("--scripts", default=os.path.join(ROOT, "bench"),
                     help="where pytorch_gpt.py and pytorch_encoder.py are")
+    ap.add_argument("--master-port", type=int,
+                    help="gpt-ddp's rendezvous port, both sides [default: each launcher's, 29500]")
     ap.add_argument("--out", help="write every run and the summary as JSON here")
     ap.add_argument("--tiny", action="store_true", help="toy kiln shapes (a check of the comparison itself)")
     args = ap.parse_args()

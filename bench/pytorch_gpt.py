@@ -20,11 +20,19 @@ scaled_dot_product_attention, fused AdamW, TF32 for what stays in f32;
 `--vocab` other than the character vocabulary draws random token ids (the
 speed does not depend on the text). Prints one JSON object: tokens/s
 (median, min, max), ms/step and the loss. Not used by tests or CI.
+
+Under torchrun (`WORLD_SIZE` set) it trains as DistributedDataParallel,
+the reference for `kiln launch`: gloo on the CPU, NCCL on CUDA (a GPU a
+rank, `LOCAL_RANK`), `--batch` rows a rank, each rank its own windows;
+rank 0 prints, its tokens/s the job's (every rank's rows):
+
+    python -m torch.distributed.run --nproc-per-node 2 bench/pytorch_gpt.py --threads 1 --batch 16
 """
 
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 
@@ -106,6 +114,18 @@ def main():
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    # torchrun's job: DDP over gloo (CPU) or NCCL (a GPU a rank).
+    ddp = "WORLD_SIZE" in os.environ
+    world, rank = 1, 0
+    if ddp:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        if cuda:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo")
+        world, rank = dist.get_world_size(), dist.get_rank()
     if cuda:
         # The guides: TF32 for whatever stays in f32 (Ampere and newer).
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -127,7 +147,10 @@ def main():
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=1e-3, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if cuda else {}),
     )
-    step_model = torch.compile(model) if args.compile else model
+    step_model = DistributedDataParallel(model) if ddp else model
+    step_model = torch.compile(step_model) if args.compile else step_model
+    # Each rank its own windows (DDP gave every rank rank 0's weights).
+    torch.manual_seed(args.seed + rank)
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
     offsets = torch.arange(args.block, device=device)
     times, loss = [], float("nan")
@@ -145,8 +168,12 @@ def main():
         loss = loss_t.item()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    tokens = args.batch * args.block
+    tokens = args.batch * args.block * world
     tps = sorted(tokens / t for t in times)
+    if ddp:
+        dist.destroy_process_group()
+        if rank != 0:
+            return
     print(json.dumps({
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -158,6 +185,8 @@ def main():
         "cpu_capability": None if cuda else torch.backends.cpu.get_cpu_capability(),
         "block": args.block,
         "batch": args.batch,
+        "world_size": world,
+        "backend": ("nccl" if cuda else "gloo") if ddp else None,
         "tokens_per_s_median": statistics.median(tps),
         "tokens_per_s_min": tps[0],
         "tokens_per_s_max": tps[-1],

@@ -607,6 +607,8 @@ fn the_cpu_comparison_pairs_each_round_and_alternates_who_runs_first() {
             .arg("--out")
             .arg(&out)
             .env("STUB_FAIL", if fail { "1" } else { "0" })
+            // torchrun's stand-in (`-m torch.distributed.run`, gpt-ddp).
+            .env("PYTHONPATH", root().join("tests/data/pytorch-stub"))
             .output()
             .expect("python3 runs bench/cpu_compare.py")
     };
@@ -689,30 +691,37 @@ fn the_cpu_comparison_pairs_each_round_and_alternates_who_runs_first() {
     let stderr = String::from_utf8_lossy(&failed.stderr);
     assert!(stderr.contains("stub: failing as asked"), "{stderr}");
 
+    // A comparison that succeeds: what it wrote.
+    let succeeds = |args: &[&str]| -> serde_json::Value {
+        let args: Vec<&std::ffi::OsStr> = args.iter().map(std::ffi::OsStr::new).collect();
+        let run = run_with(&args, false);
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("compare.json")).expect("json")
+    };
+    let command = |r: &serde_json::Value| -> Vec<String> {
+        r["command"]
+            .as_array()
+            .expect("command")
+            .iter()
+            .map(|a| a.as_str().expect("an argument").to_owned())
+            .collect()
+    };
+
     // The encoder as BERT trains (`--workloads encoder-dropout`): dropout
     // on the hidden states and the probabilities on both sides.
-    let args = ["--rounds=1", "--workloads", "encoder-dropout"].map(std::ffi::OsStr::new);
-    let run = run_with(&args, false);
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&out).expect("compare.json")).expect("json");
+    let v = succeeds(&["--rounds=1", "--workloads", "encoder-dropout"]);
     let runs = v["runs"].as_array().expect("runs");
     assert_eq!(runs.len(), 2, "{v}");
     for r in runs {
         assert_eq!(r["workload"], "encoder-dropout", "{r}");
-        let command: Vec<&str> = r["command"]
-            .as_array()
-            .expect("command")
-            .iter()
-            .map(|a| a.as_str().expect("an argument"))
-            .collect();
+        let command = command(r);
         if r["side"] == "kiln" {
             for want in ["model.dropout=0.1", "model.attention_dropout=0.1"] {
-                assert!(command.contains(&want), "{command:?}");
+                assert!(command.iter().any(|a| a == want), "{command:?}");
             }
             assert!(
                 r["final_loss"].as_f64().is_some(),
@@ -725,4 +734,36 @@ fn the_cpu_comparison_pairs_each_round_and_alternates_who_runs_first() {
         }
     }
     assert_eq!(v["summary"][0]["workload"], "encoder-dropout", "{v}");
+
+    // The data-parallel GPT (`--workloads gpt-ddp`): a job of 2 ranks on
+    // both sides, kiln's launcher and torchrun (its stand-in), at the
+    // port asked for, each side's rate the job's.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port().to_string())
+        .expect("a free port");
+    let v = succeeds(&[
+        "--rounds=1",
+        "--workloads",
+        "gpt,gpt-ddp",
+        "--master-port",
+        &port,
+    ]);
+    let runs = v["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 4, "{v}");
+    for r in runs {
+        let ddp = r["workload"] == "gpt-ddp";
+        assert_eq!(r["world_size"], if ddp { 2 } else { 1 }, "{r}");
+        let command = command(r);
+        let launcher = if r["side"] == "kiln" {
+            "launch"
+        } else {
+            "torch.distributed.run"
+        };
+        assert_eq!(command.iter().any(|a| a == launcher), ddp, "{command:?}");
+        let at_port = command
+            .windows(2)
+            .any(|w| w == ["--master-port", port.as_str()]);
+        assert_eq!(at_port, ddp, "{command:?}");
+    }
 }
