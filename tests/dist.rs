@@ -398,8 +398,9 @@ fn a_resume_that_changes_the_global_batch_is_refused() {
         .run()
         .expect_code(2)
         .stderr_has(&[
-            "cannot resume with 1 ranks",
+            "cannot resume with 1 rank:",
             "global batch of 8",
+            "× 2 ranks), and 1 rank × 4 × 1 make 4,",
             "training.gradient_accumulation_steps=2",
         ]);
     // Alone with the accumulation that keeps it: allowed.
@@ -502,6 +503,14 @@ fn a_job_benchmarks_the_language_model_step_over_every_rank() {
     assert_eq!(v["bench"]["world_size"], 1);
     assert!(v["bench"]["comm_pct"].is_null() && v["bench"]["collectives"].is_null());
     assert_eq!(v["bench"]["phases"]["all_reduce_ms"], 0.0);
+    // A job of one rank (`--nproc-per-node 1`), in text: its line counts
+    // one rank.
+    let mut one = args.clone();
+    one[2] = "1".into();
+    one.retain(|a| a != "--json");
+    run(&one)
+        .expect_code(0)
+        .stdout_has(&["job: 1 rank, the rates and MFU"]);
 }
 
 #[test]
@@ -534,6 +543,21 @@ fn bad_launches_exit_2_with_the_reason() {
     run(&["launch".into(), "cv".into()])
         .expect_code(2)
         .stderr_has(&["cross-validation"]);
+    // The encoder's cross-validation on a rank (a job of one): its refusal,
+    // and the launcher's word that the input was bad, not a crash to
+    // resume from.
+    let mut nli = with(&[
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--master-port",
+        &free_port(),
+    ]);
+    nli.push("experiment=nli_snli".into());
+    run(&nli).expect_code(2).stderr_has(&[
+        "(this job has 1 rank)",
+        "bad input (exit 2); fix what it names first",
+    ]);
     // Restarts resume a run: not a bench, and on several nodes only a
     // folder every node names alike.
     run(&["launch", "--max-restarts", "1", "bench", "lm"].map(String::from))

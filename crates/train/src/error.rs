@@ -187,7 +187,7 @@ pub enum TrainError {
     },
 
     /// A resume under another world size that changes the global batch.
-    #[error("cannot resume with {world} ranks: {why}")]
+    #[error("cannot resume with {}: {why}", kiln_plan::counted(*world, "rank"))]
     WorldSize {
         /// The ranks of the resuming job.
         world: usize,

@@ -370,8 +370,8 @@ fn job_text(r: &kiln_train::BenchResult) -> String {
         return String::new();
     };
     format!(
-        "job: {} ranks, the rates and MFU over all of them (memory and phases: rank 0's); communication {comm:.1}% of the step; {how}\n",
-        r.world_size
+        "job: {}, the rates and MFU over all of them (memory and phases: rank 0's); communication {comm:.1}% of the step; {how}\n",
+        kiln_train::kiln_plan::counted(r.world_size, "rank")
     )
 }
 

@@ -211,14 +211,31 @@ pub(crate) fn run(
                 Err(why) => eprintln!("kiln launch: no restart: {why}"),
             }
         }
-        eprintln!(
-            "kiln launch: {failed}; the other ranks were stopped.\n\
-             Its own message, if it could write one, is above. To continue from the run's last checkpoint: kiln launch --nproc-per-node {nproc} resume {}",
-            restart.as_ref().map_or("<run directory>".to_string(), |r| r
-                .run
-                .display()
-                .to_string())
-        );
+        // A bench has no run to continue; bad input (exit 2) was refused
+        // with its reason, what the run had saved kept.
+        let resume = (command[0] != "bench").then(|| {
+            format!(
+                "kiln launch --nproc-per-node {nproc} resume {}",
+                restart.as_ref().map_or("<run directory>".to_string(), |r| r
+                    .run
+                    .display()
+                    .to_string())
+            )
+        });
+        let next = match (code == 2, resume) {
+            (true, None) => {
+                "Its message is above: bad input (exit 2); fix what it names and launch again."
+                    .to_string()
+            }
+            (true, Some(r)) => format!(
+                "Its message is above: bad input (exit 2); fix what it names first. What the run had saved is kept; to continue it from a checkpoint: {r}"
+            ),
+            (false, None) => "Its own message, if it could write one, is above.".to_string(),
+            (false, Some(r)) => format!(
+                "Its own message, if it could write one, is above. To continue from the run's last checkpoint: {r}"
+            ),
+        };
+        eprintln!("kiln launch: {failed}; the other ranks were stopped.\n{next}");
         return Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)));
     }
 }

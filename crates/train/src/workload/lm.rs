@@ -467,22 +467,27 @@ fn check_resume_world(
         return Ok(());
     }
     let per_rank = before / world;
+    let ranks = |n: usize| kiln_plan::counted(n, "rank");
     let hint = if before.is_multiple_of(world) && per_rank.is_multiple_of(now.batch_size) {
         format!(
-            "; with {world} ranks, resume with training.gradient_accumulation_steps={}",
+            "; with {}, resume with training.gradient_accumulation_steps={}",
+            ranks(world),
             per_rank / now.batch_size
         )
     } else {
         format!(
-            "; launch {saved_world} ranks, or choose ranks, micro-batch and accumulation whose product is {before}"
+            "; launch {}, or choose ranks, micro-batch and accumulation whose product is {before}",
+            ranks(saved_world)
         )
     };
     Err(TrainError::WorldSize {
         world,
         why: format!(
-            "the run trained with a global batch of {before} sequences (micro-batch {} × accumulation {} × {saved_world} ranks), and {world} ranks × {} × {} make {after}, which would change the training{hint}",
+            "the run trained with a global batch of {before} sequences (micro-batch {} × accumulation {} × {}), and {} × {} × {} make {after}, which would change the training{hint}",
             saved.batch_size,
             saved.gradient_accumulation_steps,
+            ranks(saved_world),
+            ranks(world),
             now.batch_size,
             now.gradient_accumulation_steps,
         ),

@@ -359,8 +359,8 @@ fn refuse_ranks(options: &TrainOptions) -> Result<(), TrainError> {
         Some(g) => Err(TrainError::Unsupported(
             "cross-validation under `kiln launch`",
             format!(
-                "the nli workload trains in one process (this job has {} ranks); run `kiln cv` without a launcher, or train the language model with `kiln launch … train`",
-                g.world_size()
+                "the nli workload trains in one process (this job has {}); run `kiln cv` without a launcher, or train the language model with `kiln launch … train`",
+                kiln_plan::counted(g.world_size(), "rank")
             ),
         )),
         None => Ok(()),
