@@ -176,14 +176,36 @@ pub(crate) fn write_error_file(message: &str) {
 /// thread does its share on that thread and wakes one other; started from
 /// `main` it hands all of it to the pool and waits. The PEERS-shape GPT bench
 /// went from 185–188 % to 189–190 % CPU, +6–9 % tokens/s (docs/PERFORMANCE.md).
-/// Where no pool can be built, `f` runs here as before.
+/// Where no pool can be built, `f` runs here as before. A rank that
+/// shares its machine with others takes its share of the cores
+/// ([`rank_threads`]).
 fn on_compute_pool<T: Send>(f: impl FnOnce() -> T + Send) -> T {
     // The main thread's stack size: nothing that ran on `main` runs short.
     const STACK: usize = 8 << 20;
-    match rayon::ThreadPoolBuilder::new().stack_size(STACK).build() {
+    let mut builder = rayon::ThreadPoolBuilder::new().stack_size(STACK);
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    if let Some(threads) = rank_threads(&env, cores) {
+        builder = builder.num_threads(threads);
+    }
+    match builder.build() {
         Ok(pool) => pool.install(f),
         Err(_) => f(),
     }
+}
+
+/// The threads of a rank that torchrun or Slurm started beside others on
+/// its machine (`LOCAL_WORLD_SIZE`, `SLURM_NTASKS_PER_NODE`): its share of
+/// the `cores`, as `kiln launch` gives its ranks through
+/// `RAYON_NUM_THREADS`, where each would otherwise start a thread per
+/// core. `None` (rayon's default, or the `RAYON_NUM_THREADS` it reads)
+/// for a process alone and wherever `RAYON_NUM_THREADS` is set.
+fn rank_threads(env: &[(String, String)], cores: usize) -> Option<usize> {
+    if env.iter().any(|(k, _)| k == "RAYON_NUM_THREADS") {
+        return None;
+    }
+    let spec = kiln_train::kiln_dist::WorldSpec::from_env(env).ok()??;
+    (spec.local_world_size > 1).then(|| (cores / spec.local_world_size).max(1))
 }
 
 /// One command, run with the machine and the presets the global flags name.
@@ -211,5 +233,47 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Diagnose(args) => diagnose::run(args, &ctx),
         Command::Tune(args) => tune::run(args, &ctx),
         Command::LrFind(args) => lr_find::run(args, &ctx),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rank_threads;
+
+    fn env(vars: &[(&str, &str)]) -> Vec<(String, String)> {
+        vars.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn a_rank_beside_others_takes_its_share_of_the_cores() {
+        let torchrun = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "4"),
+        ];
+        assert_eq!(rank_threads(&env(&torchrun), 16), Some(4));
+        assert_eq!(rank_threads(&env(&torchrun), 2), Some(1));
+        // RAYON_NUM_THREADS (what `kiln launch` sets) is rayon's to read.
+        let mut set = torchrun.to_vec();
+        set.push(("RAYON_NUM_THREADS", "3"));
+        assert_eq!(rank_threads(&env(&set), 16), None);
+        // Alone, or one rank a machine: every core.
+        assert_eq!(rank_threads(&env(&[("HOME", "/root")]), 16), None);
+        let one_a_machine = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_WORLD_SIZE", "1"),
+        ];
+        assert_eq!(rank_threads(&env(&one_a_machine), 16), None);
+        let slurm = [
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NTASKS_PER_NODE", "4(x2)"),
+        ];
+        assert_eq!(rank_threads(&env(&slurm), 16), Some(4));
     }
 }

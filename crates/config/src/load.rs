@@ -518,6 +518,9 @@ pub const NOT_CONFIGURATION: &[&str] = &[
     // A job's gradients (and ZeRO's weights) through host memory to NCCL,
     // as before they stayed on the GPU (docs/DISTRIBUTED.md).
     "KILN_NCCL_VIA_HOST",
+    // Under torchrun: the port of kiln's own rendezvous, where its store
+    // is not to be used (docs/DISTRIBUTED.md).
+    "KILN_MASTER_PORT",
 ];
 
 fn env_layer(env: &[(OsString, OsString)]) -> Result<Layer, ConfigError> {

@@ -27,6 +27,7 @@ fn main() -> Result<(), kiln_dist::DistError> {
                     local_world_size: world,
                     master_addr: "127.0.0.1".into(),
                     master_port: port,
+                    torchrun_store_key: None,
                 };
                 let group = Group::connect(&spec, Duration::from_secs(10))?;
                 let mut values = vec![rank as f32, 10.0 * rank as f32];

@@ -21,6 +21,12 @@ pub struct WorldSpec {
     pub master_addr: String,
     /// Its port.
     pub master_port: u16,
+    /// Under torchrun, whose agent holds `MASTER_PORT` with PyTorch's
+    /// TCPStore (`TORCHELASTIC_USE_AGENT_STORE=True`): the key of that
+    /// store under which rank 0 writes the port it listens at instead
+    /// (a free one), and the other ranks read it. `None` elsewhere, and
+    /// where `KILN_MASTER_PORT` names the port.
+    pub torchrun_store_key: Option<String>,
 }
 
 impl WorldSpec {
@@ -97,16 +103,37 @@ impl WorldSpec {
             // Every single task of Slurm's says SLURM_NTASKS=1: alone.
             return Ok(None);
         }
-        let master_port =
-            match get("MASTER_PORT") {
-                None => DEFAULT_PORT,
-                Some(p) => p.parse::<u16>().ok().filter(|&p| p > 0).ok_or_else(|| {
-                    DistError::BadLaunch {
-                        what: format!("MASTER_PORT={p}"),
-                        why: "a port is a number from 1 to 65535".into(),
-                    }
-                })?,
-            };
+        let port = |name: &str| -> Result<Option<u16>, DistError> {
+            get(name)
+                .map(|p| {
+                    p.parse::<u16>()
+                        .ok()
+                        .filter(|&p| p > 0)
+                        .ok_or_else(|| DistError::BadLaunch {
+                            what: format!("{name}={p}"),
+                            why: "a port is a number from 1 to 65535".into(),
+                        })
+                })
+                .transpose()
+        };
+        let master_port = port("MASTER_PORT")?.unwrap_or(DEFAULT_PORT);
+        // torchrun's agent listens at MASTER_PORT itself (its TCPStore);
+        // kiln's rendezvous goes where KILN_MASTER_PORT says, or where
+        // rank 0 writes into that store.
+        let (master_port, torchrun_store_key) = match port("KILN_MASTER_PORT")? {
+            Some(p) => (p, None),
+            None if launched
+                && get("TORCHELASTIC_USE_AGENT_STORE")
+                    .is_some_and(|v| v.eq_ignore_ascii_case("true")) =>
+            {
+                let key = crate::store::rendezvous_key(
+                    &get("TORCHELASTIC_RUN_ID").unwrap_or_else(|| "none".into()),
+                    &get("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into()),
+                );
+                (master_port, Some(key))
+            }
+            None => (master_port, None),
+        };
         Ok(Some(Self {
             rank,
             world_size: world,
@@ -114,6 +141,7 @@ impl WorldSpec {
             local_world_size: local_world,
             master_addr: addr_var.unwrap_or_else(|| "127.0.0.1".into()),
             master_port,
+            torchrun_store_key,
         }))
     }
 
@@ -145,6 +173,41 @@ mod tests {
         .expect("a job");
         assert_eq!((s.rank, s.world_size, s.local_rank), (3, 8, 1));
         assert_eq!(s.addr(), "node0:1234");
+    }
+
+    #[test]
+    fn under_torchruns_agent_store_rank_0_publishes_its_port() {
+        let torchrun = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "42051"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RUN_ID", "abc"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ];
+        let s = spec(&torchrun).expect("valid").expect("a job");
+        assert_eq!(s.addr(), "node0:42051", "the store's address");
+        assert_eq!(
+            s.torchrun_store_key.as_deref(),
+            Some("kiln/abc/attempt_2/rendezvous_port")
+        );
+        // KILN_MASTER_PORT: kiln's own rendezvous there, no store.
+        let with_port = |p: &'static str| {
+            let mut v = torchrun.to_vec();
+            v.push(("KILN_MASTER_PORT", p));
+            v
+        };
+        let s = spec(&with_port("29600")).expect("valid").expect("a job");
+        assert_eq!(
+            (s.addr().as_str(), s.torchrun_store_key),
+            ("node0:29600", None)
+        );
+        let e = spec(&with_port("0")).expect_err("port 0");
+        assert!(e.to_string().contains("KILN_MASTER_PORT=0"), "{e}");
+        // kiln launch's ranks: no agent store.
+        let s = spec(&torchrun[..4]).expect("valid").expect("a job");
+        assert_eq!(s.torchrun_store_key, None);
     }
 
     #[test]

@@ -190,9 +190,10 @@ impl Group {
             .and_then(|v| v.parse::<u64>().ok())
             .map_or(Duration::from_secs(600), Duration::from_secs);
         let links = if spec.rank == 0 {
-            Links::Root(accept_all(spec, timeout)?)
+            let (listener, spec) = listen(spec, timeout)?;
+            Links::Root(accept_all(&spec, listener, timeout)?)
         } else {
-            join(spec, timeout)?
+            join(&rank_0_at(spec, timeout)?, timeout)?
         };
         let group = Self {
             rank: spec.rank,
@@ -808,19 +809,109 @@ fn read_u32(s: &mut TcpStream) -> std::io::Result<u32> {
 
 /// Rank 0: listens and takes every other rank's hello, then tells each
 /// that the job is complete (an empty reason) or why it is refused.
-fn accept_all(spec: &WorldSpec, timeout: Duration) -> Result<Vec<Peer>, DistError> {
-    let listener = TcpListener::bind(("0.0.0.0", spec.master_port)).map_err(|source| {
+/// Rank 0's listener for the rendezvous, and the spec with the port it
+/// listens at: `MASTER_PORT`, or under torchrun's agent store a free port,
+/// written into that store for the other ranks ([`rank_0_at`]).
+fn listen(spec: &WorldSpec, timeout: Duration) -> Result<(TcpListener, WorldSpec), DistError> {
+    let port = if spec.torchrun_store_key.is_some() {
+        0
+    } else {
+        spec.master_port
+    };
+    let listener = TcpListener::bind(("0.0.0.0", port)).map_err(|source| {
         if source.kind() == std::io::ErrorKind::AddrInUse {
-            DistError::PortInUse {
-                port: spec.master_port,
-            }
+            DistError::PortInUse { port }
         } else {
             DistError::Io {
-                what: format!("listening at port {}", spec.master_port),
+                what: format!("listening at port {port}"),
                 source,
             }
         }
     })?;
+    let Some(key) = &spec.torchrun_store_key else {
+        return Ok((listener, spec.clone()));
+    };
+    let port = listener
+        .local_addr()
+        .map_err(|source| DistError::Io {
+            what: "listening".into(),
+            source,
+        })?
+        .port();
+    crate::store::Store::connect(&spec.master_addr, spec.master_port, timeout)?
+        .set(key, port.to_string().as_bytes())?;
+    Ok((
+        listener,
+        WorldSpec {
+            master_port: port,
+            torchrun_store_key: None,
+            ..spec.clone()
+        },
+    ))
+}
+
+/// Where the other ranks find rank 0: `MASTER_ADDR:MASTER_PORT`, or under
+/// torchrun's agent store `MASTER_ADDR` at the port rank 0 wrote there.
+fn rank_0_at(spec: &WorldSpec, timeout: Duration) -> Result<WorldSpec, DistError> {
+    let Some(key) = &spec.torchrun_store_key else {
+        return Ok(spec.clone());
+    };
+    let started = Instant::now();
+    let mut store = crate::store::Store::connect(&spec.master_addr, spec.master_port, timeout)?;
+    let left = timeout.saturating_sub(started.elapsed());
+    let value = store
+        .wait_get(key, left)?
+        .ok_or_else(|| DistError::RendezvousTimeout {
+            addr: format!("torchrun's store at {}", spec.addr()),
+            missing: format!("rank 0 (which writes its port under `{key}`)"),
+            waited: timeout,
+        })?;
+    let text = String::from_utf8_lossy(&value);
+    let port = text.parse::<u16>().map_err(|_| DistError::BadLaunch {
+        what: format!("torchrun's store at {}", spec.addr()),
+        why: format!("`{key}` holds `{text}`, not a port"),
+    })?;
+    Ok(WorldSpec {
+        master_port: port,
+        torchrun_store_key: None,
+        ..spec.clone()
+    })
+}
+
+/// A connection to `host:port`, tried again every 100 ms until `deadline`
+/// (the other side may not listen yet); `None` if none was made by then.
+/// A host that does not resolve is `MASTER_ADDR`'s error.
+pub(crate) fn connect_until(
+    host: &str,
+    port: u16,
+    deadline: Instant,
+) -> Result<Option<TcpStream>, DistError> {
+    loop {
+        let addrs: Vec<_> = (host, port)
+            .to_socket_addrs()
+            .map_err(|e| DistError::BadLaunch {
+                what: format!("MASTER_ADDR={host}"),
+                why: format!("cannot be resolved: {e}"),
+            })?
+            .collect();
+        if let Some(s) = addrs
+            .iter()
+            .find_map(|a| TcpStream::connect_timeout(a, Duration::from_secs(2)).ok())
+        {
+            return Ok(Some(s));
+        }
+        if Instant::now() > deadline {
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn accept_all(
+    spec: &WorldSpec,
+    listener: TcpListener,
+    timeout: Duration,
+) -> Result<Vec<Peer>, DistError> {
     listener
         .set_nonblocking(true)
         .map_err(|source| DistError::Io {
@@ -933,25 +1024,8 @@ fn join(spec: &WorldSpec, timeout: Duration) -> Result<Links, DistError> {
         missing: "rank 0 (or another rank rank 0 waits for)".into(),
         waited: timeout,
     };
-    let mut stream = loop {
-        let addrs: Vec<_> = (spec.master_addr.as_str(), spec.master_port)
-            .to_socket_addrs()
-            .map_err(|e| DistError::BadLaunch {
-                what: format!("MASTER_ADDR={}", spec.master_addr),
-                why: format!("cannot be resolved: {e}"),
-            })?
-            .collect();
-        if let Some(s) = addrs
-            .iter()
-            .find_map(|a| TcpStream::connect_timeout(a, Duration::from_secs(2)).ok())
-        {
-            break s;
-        }
-        if started.elapsed() > timeout {
-            return Err(timed_out());
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let mut stream = connect_until(&spec.master_addr, spec.master_port, started + timeout)?
+        .ok_or_else(timed_out)?;
     let io = |source| DistError::Io {
         what: format!("joining the job at {}", spec.addr()),
         source,
@@ -1007,6 +1081,7 @@ mod tests {
             local_world_size: world,
             master_addr: "127.0.0.1".into(),
             master_port: port,
+            torchrun_store_key: None,
         }
     }
 
@@ -1082,6 +1157,43 @@ mod tests {
         }
         assert_ne!(out[0].0[2], 6.0e-3, "rounded to bf16");
         assert!((out[0].0[2] - 6.0e-3).abs() < 6.0e-3 / 128.0);
+    }
+
+    /// Under torchrun, whose agent's TCPStore holds `MASTER_PORT`: rank 0
+    /// listens at a free port and writes it into the store; the others
+    /// read it there and join, and the job reduces as any other.
+    #[test]
+    fn under_torchrun_the_ranks_meet_through_its_store() {
+        let store = crate::store::tests::fake_store();
+        let world = 3;
+        let handles: Vec<_> = (0..world)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let spec = WorldSpec {
+                        torchrun_store_key: Some("kiln/run/attempt_0/rendezvous_port".into()),
+                        ..spec(r, world, store)
+                    };
+                    let g = Group::connect(&spec, Duration::from_secs(20)).expect("joins");
+                    let mut v = vec![g.rank() as f32];
+                    g.all_reduce(&mut v, Reduce::Sum).expect("reduces");
+                    v[0]
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().expect("rank"), 3.0);
+        }
+        // Rank 0 never writes its port: the others name what they waited for.
+        let spec = WorldSpec {
+            torchrun_store_key: Some("kiln/run/attempt_1/rendezvous_port".into()),
+            ..spec(1, 2, store)
+        };
+        let e = Group::connect(&spec, Duration::from_millis(300)).expect_err("no rank 0");
+        let e = e.to_string();
+        assert!(
+            e.contains("torchrun's store") && e.contains("attempt_1/rendezvous_port"),
+            "{e}"
+        );
     }
 
     /// A job of one rank (`kiln launch --nproc-per-node 1`): rank 0

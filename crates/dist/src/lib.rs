@@ -23,6 +23,7 @@ mod launch;
 #[cfg(feature = "nccl")]
 mod nccl;
 pub mod nccl_lib;
+mod store;
 
 pub use env::{DEFAULT_PORT, WorldSpec};
 pub use error::DistError;
