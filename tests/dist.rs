@@ -206,18 +206,19 @@ fn a_rank_killed_ends_the_job_and_the_resumed_job_matches_an_uninterrupted_one()
         !ckpt(&killed, steps).exists(),
         "killed after the last step: make it longer"
     );
-    let resumed = run(&[
-        "launch".into(),
-        "--nproc-per-node".into(),
-        "2".into(),
-        "--master-port".into(),
-        free_port(),
-        "resume".into(),
-        killed.display().to_string(),
-    ]);
+    // Resumed as torchrun's --max-restarts starts it: the same `kiln
+    // train` again, its attempt counted (what `kiln launch … resume RUN`
+    // does by hand, and --max-restarts below by itself).
+    let again = launch_args(dir, "killed", steps, 2, &batch);
+    let again: Vec<&str> = again.iter().map(String::as_str).collect();
+    let resumed = kiln(&again)
+        .env("TORCHELASTIC_MAX_RESTARTS", "3")
+        .env("TORCHELASTIC_RESTART_COUNT", "1")
+        .run();
     resumed
         .expect_code(0)
-        .stdout_has(&["resuming", "from step"]);
+        .stdout_has(&["resuming", "from step"])
+        .stderr_has(&["torchrun's restart 1 of 3: resuming"]);
     assert_eq!(
         checkpoint_digest(&ckpt(&killed, steps)),
         checkpoint_digest(&ckpt(&dir.join("whole"), steps)),
@@ -543,6 +544,17 @@ fn bad_launches_exit_2_with_the_reason() {
     run(&["launch".into(), "cv".into()])
         .expect_code(2)
         .stderr_has(&["cross-validation"]);
+    // Under torchrun's --max-restarts a run.dir with {time} would name a
+    // new folder each attempt: refused before anything trains.
+    let mut timed = train.clone();
+    timed.push("run.dir=runs/{time}".into());
+    let timed: Vec<&str> = timed.iter().map(String::as_str).collect();
+    kiln(&timed)
+        .env("TORCHELASTIC_MAX_RESTARTS", "2")
+        .env("TORCHELASTIC_RESTART_COUNT", "0")
+        .run()
+        .expect_code(2)
+        .stderr_has(&["under torchrun --max-restarts 2, run.dir must name one folder"]);
     // The encoder's cross-validation on a rank (a job of one): its refusal,
     // and the launcher's word that the input was bad, not a crash to
     // resume from.

@@ -141,7 +141,63 @@ fn run_command(command: &'static str, args: TrainArgs, ctx: Context) -> anyhow::
         return super::sweep::run(&start, &ctx);
     }
     let resolved = resolve_for(command, args.layers, &ctx)?;
+    if command == "train"
+        && let Some(run) = torchrun_restart(&resolved, &std::env::vars().collect::<Vec<_>>())?
+    {
+        let resume_args = ResumeArgs {
+            run,
+            from: None,
+            tui: args.tui,
+            overrides: Vec::new(),
+        };
+        return resume(resume_args, ctx);
+    }
     train_command(resolved, (args.force, args.tui), ctx.report)
+}
+
+/// Under torchrun's `--max-restarts`, which starts the same `kiln train`
+/// again after a rank failed (`TORCHELASTIC_RESTART_COUNT` ≥ 1): the run
+/// the attempts before it started, to resume from its last good
+/// checkpoint, as `kiln launch --max-restarts` resumes, where training
+/// again would begin at step 0 (or be refused, the folder holding a run).
+/// `None` for a first attempt, without restarts, and where no run was
+/// started yet. A `run.dir` with `{time}` is refused where restarts may
+/// come: each attempt's clock would name another folder.
+fn torchrun_restart(
+    resolved: &ResolvedConfig,
+    env: &[(String, String)],
+) -> anyhow::Result<Option<std::path::PathBuf>> {
+    let number = |name: &str| {
+        env.iter()
+            .find(|(k, _)| k == name)
+            .and_then(|(_, v)| v.trim().parse::<u32>().ok())
+            .unwrap_or(0)
+    };
+    let max = number("TORCHELASTIC_MAX_RESTARTS");
+    if max == 0 {
+        return Ok(None);
+    }
+    let template = resolved.config.run_dir_template();
+    if template.contains("{time}") {
+        return Err(BadInput(format!(
+            "under torchrun --max-restarts {max}, run.dir must name one folder, but it is `{template}`: each attempt would fill in its own {{time}} and a restart would train again from step 0 in a new folder; set run.dir=<folder> (on several nodes, one on a shared filesystem)"
+        ))
+        .into());
+    }
+    let run = kiln_train::RunDir::path_of(
+        &template,
+        &resolved.config.experiment,
+        std::time::SystemTime::now(),
+    );
+    let attempt = number("TORCHELASTIC_RESTART_COUNT");
+    if attempt == 0 || !run.join("config.toml").is_file() {
+        return Ok(None);
+    }
+    eprintln!(
+        "kiln: torchrun's restart {attempt} of {max}: resuming `{}` from its last good checkpoint",
+        run.display()
+    );
+    Ok(Some(run))
 }
 
 /// The configuration `kiln train` or `kiln cv` runs with `layers`.
