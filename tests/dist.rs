@@ -549,12 +549,27 @@ fn bad_launches_exit_2_with_the_reason() {
     let mut timed = train.clone();
     timed.push("run.dir=runs/{time}".into());
     let timed: Vec<&str> = timed.iter().map(String::as_str).collect();
+    let error_file = dir.join("error.json");
     kiln(&timed)
         .env("TORCHELASTIC_MAX_RESTARTS", "2")
         .env("TORCHELASTIC_RESTART_COUNT", "0")
+        .env(
+            "TORCHELASTIC_ERROR_FILE",
+            error_file.to_str().expect("utf-8"),
+        )
         .run()
         .expect_code(2)
         .stderr_has(&["under torchrun --max-restarts 2, run.dir must name one folder"]);
+    // The reason, where torchrun's summary of the failed job reads it.
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&error_file).expect("error file"))
+            .expect("json");
+    let message = record["message"].as_str().expect("message");
+    assert!(message.contains("run.dir must name one folder"), "{record}");
+    assert!(
+        record["timestamp"].as_u64().is_some_and(|t| t > 0),
+        "{record}"
+    );
     // The encoder's cross-validation on a rank (a job of one): its refusal,
     // and the launcher's word that the input was bad, not a crash to
     // resume from.

@@ -163,10 +163,20 @@ fn main() -> ExitCode {
 static ERROR_FILE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
 
 /// Writes the error ending this process to `--error-file`, if one was
-/// given (best effort: the message is on stderr already).
+/// given, and under torchrun to its `TORCHELASTIC_ERROR_FILE` (the JSON
+/// torch's `record` writes, `{"message", "timestamp"}`), which torchrun's
+/// summary of a failed job shows for the rank instead of "error_file:
+/// <N/A>". Best effort: the message is on stderr already.
 pub(crate) fn write_error_file(message: &str) {
     if let Some(path) = ERROR_FILE.get() {
         let _ = std::fs::write(path, message);
+    }
+    if let Some(path) = std::env::var_os("TORCHELASTIC_ERROR_FILE") {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let record = serde_json::json!({ "message": message, "timestamp": now });
+        let _ = std::fs::write(path, record.to_string());
     }
 }
 
