@@ -33,8 +33,9 @@ impl WorldSpec {
     /// The job `env` describes: torchrun's and `kiln launch`'s `RANK`,
     /// `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
     /// `MASTER_PORT`; else Slurm's `SLURM_PROCID`, `SLURM_NTASKS`,
-    /// `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE` with `MASTER_ADDR` (or
-    /// `SLURM_LAUNCH_NODE_IPADDR`). `None` where no launcher started the
+    /// `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE` with `MASTER_ADDR` (else
+    /// the first host of `SLURM_JOB_NODELIST`, where Slurm puts task 0,
+    /// else `SLURM_LAUNCH_NODE_IPADDR`). `None` where no launcher started the
     /// process, or Slurm started it alone (`SLURM_NTASKS=1`, as every
     /// single task has). A job of one rank (`WORLD_SIZE=1`, torchrun's or
     /// `kiln launch`'s `--nproc-per-node 1`) is a job, as nanoGPT and
@@ -76,7 +77,16 @@ impl WorldSpec {
         {
             let local_rank = number("SLURM_LOCALID")?.unwrap_or(0);
             let local_world = number("SLURM_NTASKS_PER_NODE")?.unwrap_or(1);
-            let addr = get("MASTER_ADDR").or_else(|| get("SLURM_LAUNCH_NODE_IPADDR"));
+            // Rank 0 runs on the allocation's first node; the node srun
+            // was started from is it in a batch script, but a login node
+            // where srun is typed by hand.
+            let addr = get("MASTER_ADDR")
+                .or_else(|| {
+                    get("SLURM_JOB_NODELIST")
+                        .or_else(|| get("SLURM_NODELIST"))
+                        .and_then(|list| first_host(&list))
+                })
+                .or_else(|| get("SLURM_LAUNCH_NODE_IPADDR"));
             (rank, world, local_rank, local_world, addr)
         } else {
             return Ok(None);
@@ -151,6 +161,40 @@ impl WorldSpec {
     }
 }
 
+/// The first host of a Slurm node list (`node[01-04,07],gpu5` →
+/// `node01`; `rack[2-3]-n[5-6]` → `rack2-n5`), as `scontrol show
+/// hostnames | head -1` prints it; `None` for an empty or unbalanced one.
+fn first_host(list: &str) -> Option<String> {
+    // The first entry: up to a comma outside brackets.
+    let mut depth = 0i32;
+    let end = list
+        .char_indices()
+        .find(|&(_, c)| {
+            match c {
+                '[' => depth += 1,
+                ']' => depth -= 1,
+                _ => {}
+            }
+            c == ',' && depth == 0
+        })
+        .map_or(list.len(), |(i, _)| i);
+    let mut rest = list[..end].trim();
+    let mut host = String::new();
+    // Each bracket group by its first value (`01-04,07` → `01`).
+    while let Some(open) = rest.find('[') {
+        let close = open + rest[open..].find(']')?;
+        host.push_str(&rest[..open]);
+        let first = rest[open + 1..close].split([',', '-']).next()?;
+        host.push_str(first);
+        rest = &rest[close + 1..];
+    }
+    if rest.contains(']') {
+        return None;
+    }
+    host.push_str(rest);
+    (!host.is_empty()).then_some(host)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -223,6 +267,33 @@ mod tests {
         .expect("a job");
         assert_eq!((s.rank, s.world_size, s.local_world_size), (5, 16, 8));
         assert_eq!(s.addr(), "10.0.0.1:29500");
+    }
+
+    #[test]
+    fn slurms_rank_0_is_on_the_first_node_of_the_allocation() {
+        for (list, first) in [
+            ("node[01-04,07],gpu5", Some("node01")),
+            ("gpu5,node[1-2]", Some("gpu5")),
+            ("rack[2-3]-n[5-6]", Some("rack2-n5")),
+            ("a-b-[3,9]-ib", Some("a-b-3-ib")),
+            ("single", Some("single")),
+            ("node[1-2", None),
+            ("", None),
+        ] {
+            assert_eq!(first_host(list).as_deref(), first, "{list}");
+        }
+        let slurm = [
+            ("SLURM_PROCID", "9"),
+            ("SLURM_NTASKS", "16"),
+            ("SLURM_JOB_NODELIST", "gpu[07-08]"),
+            ("SLURM_LAUNCH_NODE_IPADDR", "10.0.0.250"),
+        ];
+        let s = spec(&slurm).expect("valid").expect("a job");
+        assert_eq!(s.master_addr, "gpu07", "not the node srun ran on");
+        let mut given = slurm.to_vec();
+        given.push(("MASTER_ADDR", "10.1.1.1"));
+        let s = spec(&given).expect("valid").expect("a job");
+        assert_eq!(s.master_addr, "10.1.1.1", "MASTER_ADDR first");
     }
 
     #[test]
