@@ -35,7 +35,8 @@ impl WorldSpec {
     /// `MASTER_PORT`; else Slurm's `SLURM_PROCID`, `SLURM_NTASKS`,
     /// `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE` with `MASTER_ADDR` (else
     /// the first host of `SLURM_JOB_NODELIST`, where Slurm puts task 0,
-    /// else `SLURM_LAUNCH_NODE_IPADDR`). `None` where no launcher started the
+    /// else `SLURM_LAUNCH_NODE_IPADDR`) and `MASTER_PORT` (else 15000 plus
+    /// the last four digits of `SLURM_JOB_ID`). `None` where no launcher started the
     /// process, or Slurm started it alone (`SLURM_NTASKS=1`, as every
     /// single task has). A job of one rank (`WORLD_SIZE=1`, torchrun's or
     /// `kiln launch`'s `--nproc-per-node 1`) is a job, as nanoGPT and
@@ -126,7 +127,14 @@ impl WorldSpec {
                 })
                 .transpose()
         };
-        let master_port = port("MASTER_PORT")?.unwrap_or(DEFAULT_PORT);
+        // Under Slurm, jobs that share a node would meet at one default
+        // port: each takes one of its own from its job id (Lightning's
+        // rule), the same on every task.
+        let slurm_port = (!launched)
+            .then(|| number("SLURM_JOB_ID").ok().flatten())
+            .flatten()
+            .map(|id| 15000 + (id % 10000) as u16);
+        let master_port = port("MASTER_PORT")?.or(slurm_port).unwrap_or(DEFAULT_PORT);
         // torchrun's agent listens at MASTER_PORT itself (its TCPStore);
         // kiln's rendezvous goes where KILN_MASTER_PORT says, or where
         // rank 0 writes into that store.
@@ -294,6 +302,19 @@ mod tests {
         given.push(("MASTER_ADDR", "10.1.1.1"));
         let s = spec(&given).expect("valid").expect("a job");
         assert_eq!(s.master_addr, "10.1.1.1", "MASTER_ADDR first");
+        // A port from the job's id, where MASTER_PORT is unset: two jobs
+        // on one node do not meet at 29500.
+        let mut job = slurm.to_vec();
+        job.push(("SLURM_JOB_ID", "4123456"));
+        assert_eq!(
+            spec(&job).expect("valid").expect("a job").master_port,
+            18456
+        );
+        job.push(("MASTER_PORT", "29400"));
+        assert_eq!(
+            spec(&job).expect("valid").expect("a job").master_port,
+            29400
+        );
     }
 
     #[test]
