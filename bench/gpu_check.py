@@ -709,11 +709,9 @@ class Check:
             step["autotune"] = autotune_summary(decisions)
         return step
 
-    def pytorch(self, variants):
-        """bench/pytorch_gpt.py at the shapes kiln benchmarked, for a ratio:
-        `variants` are (name, kiln step, dtype, extra arguments)."""
-        if self.args.skip_pytorch:
-            return
+    def torch_here(self):
+        """Whether this Python imports a torch that sees CUDA (asked once;
+        the first answer of no is recorded as the `pytorch` step skipped)."""
         if self.torch is None:
             probe = subprocess.run(
                 [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
@@ -723,7 +721,12 @@ class Check:
             self.torch = probe.returncode == 0 and probe.stdout.strip() == "True"
             if not self.torch:
                 self.skip("pytorch", "no torch with CUDA here")
-        if not self.torch:
+        return self.torch
+
+    def pytorch(self, variants):
+        """bench/pytorch_gpt.py at the shapes kiln benchmarked, for a ratio:
+        `variants` are (name, kiln step, dtype, extra arguments)."""
+        if self.args.skip_pytorch or not self.torch_here():
             return
         script = os.path.join(ROOT, "bench", "pytorch_gpt.py")
         for name, kiln_step, dtype, extra in variants:
@@ -951,7 +954,9 @@ class Check:
         ZeRO-1 differs from
         it only by the all-reduce the DDP runs check): the final losses
         within 1e-3 (the same batches, summed in another order; 1e-2 with
-        bf16 gradients), and NCCL's version from the job's note."""
+        bf16 gradients), and NCCL's version from the job's note. Where this
+        Python's torch sees CUDA, also a job of one rank that torchrun
+        starts (`python -m torch.distributed.run --no-python kiln train`)."""
         shape = [
             f"device.backend={self.gpu}",
             "precision.amp=false",
@@ -991,6 +996,11 @@ class Check:
             # GPU: the device path's layouts and events on CUDA.
             ("1 rank × 8, NCCL, ZeRO-2", 1, ["training.batch_size=8", "optimization.zero_stage=2"], {}, 1e-3),
         )
+        if self.gpu == "cuda" and not self.args.skip_pytorch and self.torch_here():
+            # torchrun starting kiln (new, 2026-12-07): its agent's TCPStore
+            # holds MASTER_PORT, kiln's rank 0 writes its own port there,
+            # and the job of one reduces through NCCL as launch's does.
+            runs += (("1 rank × 8, NCCL, torchrun", "torchrun", ["training.batch_size=8"], {}, 1e-3),)
         if self.gpu != "cuda":
             # Off CUDA every multi-rank job reduces over the sockets, which
             # the tests check: the runs after the second would repeat it.
@@ -1008,11 +1018,16 @@ class Check:
         for label, ranks, batch, extra_env, _ in runs:
             run_dir = os.path.join(self.work, "ddp-" + str(len(losses)))
             args = ["train", *shape, *batch, f"run.dir={run_dir}"]
-            if ranks:
-                port = str(29500 + len(losses) + int(time.monotonic()) % 1000)
-                args = ["launch", "--nproc-per-node", str(ranks), "--master-port", port, *args]
+            port = str(29500 + len(losses) + int(time.monotonic()) % 1000)
+            if ranks == "torchrun":
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                       "--master-port", port, "--no-python", *self.kiln_cmd(*args)]
+            elif ranks:
+                cmd = self.kiln_cmd("launch", "--nproc-per-node", str(ranks), "--master-port", port, *args)
+            else:
+                cmd = self.kiln_cmd(*args)
             env = dict(self.env, **extra_env)
-            step = self.run(f"ddp {label}", self.kiln_cmd(*args), 240, parse_json=False, env=env)
+            step = self.run(f"ddp {label}", cmd, 240, parse_json=False, env=env)
             ran = ran or step["status"] != "skipped"
             summary = os.path.join(run_dir, "summary.json")
             if os.path.exists(summary):
