@@ -3,9 +3,10 @@
 //! resume that would change the global batch; bad launches.
 
 use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::support::{interrupted_stdout, kiln, signal, start_until, weights};
+use crate::support::{interrupted_stdout, kiln, root, signal, start_until, weights};
 use crate::train::{checkpoint_digest, ckpt, final_val_loss, tiny};
 
 /// A port nobody listens on now.
@@ -414,6 +415,38 @@ fn a_resume_that_changes_the_global_batch_is_refused() {
     .run()
     .expect_code(0);
     assert!(ckpt(Path::new(job), 120).exists());
+}
+
+/// `torchrun --no-python kiln train …` (a stand-in for torchrun in
+/// tests/data/pytorch-stub, CI having no PyTorch: its agent's TCPStore at
+/// `MASTER_PORT`, as torchrun's): the ranks meet through that store and
+/// take `kiln launch`'s steps, each with its share of the cores.
+#[test]
+fn torchrun_starts_the_job_kiln_launch_starts() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    run(&launch_args(dir, "launched", 100, 2, &[])).expect_code(0);
+    let out = Command::new("python3")
+        .args(["-m", "torch.distributed.run", "--nproc-per-node", "2"])
+        .args(["--master-port", &free_port(), "--no-python"])
+        .arg(crate::support::kiln_bin())
+        .args(tiny(dir, "torchrun", 100))
+        .env("PYTHONPATH", root().join("tests/data/pytorch-stub"))
+        .output()
+        .expect("python3 runs the torchrun stand-in");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(
+        checkpoint_digest(&ckpt(&dir.join("torchrun"), 100)),
+        checkpoint_digest(&ckpt(&dir.join("launched"), 100)),
+        "torchrun's job takes kiln launch's steps"
+    );
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    if cores >= 2 {
+        let threads = format!("threads: {} of the {cores} cores", cores / 2);
+        assert!(stdout.contains(&threads), "{threads}:\n{stdout}");
+    }
 }
 
 #[test]
