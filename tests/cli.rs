@@ -2,6 +2,31 @@
 
 use crate::support::{FakeGpu, fake_report, kiln, other_gpus_report};
 
+/// A variable that is not UTF-8 (a shell's leftover, a file name in
+/// Latin-1) is nothing kiln reads: every command still runs, where reading
+/// the environment with `std::env::vars` panics on it.
+#[test]
+fn a_variable_that_is_not_utf8_is_passed_over() {
+    use std::os::unix::ffi::OsStrExt;
+    let latin1 = std::ffi::OsStr::from_bytes(b"caf\xe9");
+    for ranks in [None, Some("2")] {
+        let mut cmd = std::process::Command::new(crate::support::kiln_bin());
+        cmd.arg("config").env("LEGACY_LATIN1_VALUE", latin1);
+        if let Some(world) = ranks {
+            // A rank's environment: read for the job and its threads.
+            cmd.env("WORLD_SIZE", world)
+                .env("RANK", "0")
+                .env("LOCAL_WORLD_SIZE", world);
+        }
+        let out = cmd.output().expect("kiln runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 #[test]
 fn check_hardware_reports_this_machine_and_its_preset() {
     let run = kiln(&["check-hardware"]).run().expect_code(0);

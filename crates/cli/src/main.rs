@@ -194,7 +194,7 @@ fn on_compute_pool<T: Send>(f: impl FnOnce() -> T + Send) -> T {
     const STACK: usize = 8 << 20;
     let mut builder = rayon::ThreadPoolBuilder::new().stack_size(STACK);
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    let env: Vec<(String, String)> = std::env::vars().collect();
+    let env = kiln_train::kiln_dist::process_env();
     if let Some(threads) = rank_threads(&env, cores) {
         builder = builder.num_threads(threads);
     }

@@ -807,8 +807,6 @@ fn read_u32(s: &mut TcpStream) -> std::io::Result<u32> {
     Ok(u32::from_le_bytes(b))
 }
 
-/// Rank 0: listens and takes every other rank's hello, then tells each
-/// that the job is complete (an empty reason) or why it is refused.
 /// Rank 0's listener for the rendezvous, and the spec with the port it
 /// listens at: `MASTER_PORT`, or under torchrun's agent store a free port,
 /// written into that store for the other ranks ([`rank_0_at`]).
@@ -907,6 +905,8 @@ pub(crate) fn connect_until(
     }
 }
 
+/// Rank 0: takes every other rank's hello at `listener`, then tells each
+/// that the job is complete (an empty reason) or why it is refused.
 fn accept_all(
     spec: &WorldSpec,
     listener: TcpListener,

@@ -32,6 +32,15 @@ pub use group::{DeviceBuffer, DeviceDtype};
 pub use group::{Group, Reduce};
 pub use launch::{JobEnd, LaunchSpec, describe_exit, launch};
 
+/// This process's environment variables whose names and values are
+/// UTF-8, for [`WorldSpec::from_env`]: the others (which no launcher
+/// sets) are left out, where `std::env::vars` would panic on them.
+pub fn process_env() -> Vec<(String, String)> {
+    std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .collect()
+}
+
 /// This machine's host name (for messages that name where a rank ran).
 pub fn hostname() -> String {
     let mut buf = [0u8; 256];

@@ -48,7 +48,7 @@ impl Nccl {
     pub(crate) fn connect(group: &Group, ordinal: usize) -> Result<Self, DistError> {
         // SAFETY: only tries to open the library by cudarc's names.
         if !unsafe { cudarc::nccl::sys::is_culib_present() } {
-            let env: Vec<(String, String)> = std::env::vars().collect();
+            let env = crate::process_env();
             let found = crate::nccl_lib::find_soname(&crate::nccl_lib::search_dirs(&env));
             return Err(DistError::Nccl(crate::nccl_lib::missing_advice(
                 found.as_deref(),

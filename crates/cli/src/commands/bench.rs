@@ -76,7 +76,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     let group = if workload == Workload::Lm {
         super::train::join_job()?
     } else {
-        let env: Vec<(String, String)> = std::env::vars().collect();
+        let env = kiln_train::kiln_dist::process_env();
         if let Ok(Some(spec)) = kiln_train::kiln_dist::WorldSpec::from_env(&env) {
             let name = clap::ValueEnum::to_possible_value(&workload)
                 .map(|v| v.get_name().to_string())

@@ -357,7 +357,7 @@ fn nccl_link_dir(ctx: &Context) -> Option<std::path::PathBuf> {
     if !cuda || ctx.report.gpus().is_empty() || nccl_lib::loader_finds_libnccl() {
         return None;
     }
-    let env: Vec<(String, String)> = std::env::vars().collect();
+    let env = kiln_train::kiln_dist::process_env();
     let Some(found) = nccl_lib::find_soname(&nccl_lib::search_dirs(&env)) else {
         eprintln!("kiln launch: warning: {}", nccl_lib::missing_advice(None));
         return None;

@@ -505,7 +505,7 @@ pub(crate) fn resume(dir: &Path, tui: bool) -> anyhow::Result<ExitCode> {
 /// A sweep starts processes of its own, one job at a time: not as a rank of
 /// a data-parallel job.
 fn refuse_in_a_job(what: &str) -> anyhow::Result<()> {
-    let env: Vec<(String, String)> = std::env::vars().collect();
+    let env = kiln_train::kiln_dist::process_env();
     if matches!(
         kiln_train::kiln_dist::WorldSpec::from_env(&env),
         Ok(Some(_))

@@ -142,7 +142,7 @@ fn run_command(command: &'static str, args: TrainArgs, ctx: Context) -> anyhow::
     }
     let resolved = resolve_for(command, args.layers, &ctx)?;
     if command == "train"
-        && let Some(run) = torchrun_restart(&resolved, &std::env::vars().collect::<Vec<_>>())?
+        && let Some(run) = torchrun_restart(&resolved, &kiln_train::kiln_dist::process_env())?
     {
         let resume_args = ResumeArgs {
             run,
@@ -418,7 +418,7 @@ pub(crate) fn in_rank(
 /// `RENDEZVOUS_TIMEOUT` seconds (300) for every rank.
 pub(crate) fn join_job() -> anyhow::Result<Option<Arc<kiln_train::kiln_dist::Group>>> {
     use kiln_train::kiln_dist::{Group, WorldSpec};
-    let env: Vec<(String, String)> = std::env::vars().collect();
+    let env = kiln_train::kiln_dist::process_env();
     let spec = WorldSpec::from_env(&env).map_err(|e| train_error(e.into()))?;
     let Some(spec) = spec else {
         return Ok(None);
