@@ -163,6 +163,16 @@ impl WorldSpec {
         }))
     }
 
+    /// This job with rank 0 listening at `port` of `MASTER_ADDR`, found
+    /// (no store to ask any more).
+    pub(crate) fn at_port(&self, port: u16) -> Self {
+        Self {
+            master_port: port,
+            torchrun_store_key: None,
+            ..self.clone()
+        }
+    }
+
     /// `MASTER_ADDR:MASTER_PORT`.
     pub fn addr(&self) -> String {
         format!("{}:{}", self.master_addr, self.master_port)

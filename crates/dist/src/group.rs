@@ -838,14 +838,7 @@ fn listen(spec: &WorldSpec, timeout: Duration) -> Result<(TcpListener, WorldSpec
         .port();
     crate::store::Store::connect(&spec.master_addr, spec.master_port, timeout)?
         .set(key, port.to_string().as_bytes())?;
-    Ok((
-        listener,
-        WorldSpec {
-            master_port: port,
-            torchrun_store_key: None,
-            ..spec.clone()
-        },
-    ))
+    Ok((listener, spec.at_port(port)))
 }
 
 /// Where the other ranks find rank 0: `MASTER_ADDR:MASTER_PORT`, or under
@@ -869,11 +862,7 @@ fn rank_0_at(spec: &WorldSpec, timeout: Duration) -> Result<WorldSpec, DistError
         what: format!("torchrun's store at {}", spec.addr()),
         why: format!("`{key}` holds `{text}`, not a port"),
     })?;
-    Ok(WorldSpec {
-        master_port: port,
-        torchrun_store_key: None,
-        ..spec.clone()
-    })
+    Ok(spec.at_port(port))
 }
 
 /// A connection to `host:port`, tried again every 100 ms until `deadline`

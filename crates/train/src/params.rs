@@ -95,11 +95,13 @@ pub(crate) fn f32_values(data: TensorData) -> Vec<f32> {
 /// Appends `data`'s values, as f32, to `out`: [`f32_values`] without the
 /// vector of its own.
 pub(crate) fn extend_f32(out: &mut Vec<f32>, data: TensorData) {
-    let data = data.convert::<f32>();
-    out.extend_from_slice(
-        data.as_slice::<f32>()
-            .unwrap_or_else(|e| panic!("a float tensor's values as f32: {e}")),
-    );
+    out.extend_from_slice(f32_slice(&data.convert::<f32>()));
+}
+
+/// The values of `data`, converted to f32 already, as a slice.
+pub(crate) fn f32_slice(data: &TensorData) -> &[f32] {
+    data.as_slice::<f32>()
+        .unwrap_or_else(|e| panic!("a float tensor's values as f32: {e}"))
 }
 
 /// A tensor of `shape` from host values.

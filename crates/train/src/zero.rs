@@ -512,10 +512,7 @@ pub(crate) fn reduce_scatter_grads<M: Module>(
     take_each(module, &mut grads, shard, |r, g| {
         let n = g.dims()[0];
         let data = g.into_data().convert::<f32>();
-        flat[at[r]..at[r] + n].copy_from_slice(
-            data.as_slice::<f32>()
-                .unwrap_or_else(|e| panic!("a gradient's values as f32: {e}")),
-        );
+        flat[at[r]..at[r] + n].copy_from_slice(crate::params::f32_slice(&data));
         at[r] += n;
     });
     let mine = match reduce_dtype {
