@@ -23,7 +23,7 @@ pub enum DistError {
     },
     /// Not every rank joined in time.
     #[error(
-        "the rendezvous at {addr} did not complete in {}s: {missing} did not join; check that every node runs its launcher with the same --master-addr, --master-port and --nnodes, and that the port is reachable",
+        "the rendezvous at {addr} did not complete in {}s: {missing} did not join; {remedy}",
         waited.as_secs()
     )]
     RendezvousTimeout {
@@ -33,6 +33,8 @@ pub enum DistError {
         missing: String,
         /// How long this rank waited.
         waited: Duration,
+        /// What to check (LAUNCHERS_AGREE or STORE_PROTOCOL).
+        remedy: &'static str,
     },
     /// A rank died, or its connection broke, or it stopped answering.
     #[error("rank {rank} ({host}) is gone during {during}: {why}")]
@@ -69,6 +71,14 @@ pub enum DistError {
         source: std::io::Error,
     },
 }
+
+/// A rendezvous that timed out between kiln's own ranks: what to check.
+pub(crate) const LAUNCHERS_AGREE: &str = "check that every node runs its launcher with the same --master-addr, --master-port and --nnodes, and that the port is reachable";
+
+/// A rendezvous through torchrun's store that timed out or broke: what to
+/// check, and the way around a torch whose TCPStore speaks another
+/// protocol than the one kiln was checked against (torch 2.x's).
+pub(crate) const STORE_PROTOCOL: &str = "check that rank 0 started (its own error says why not); if it did, this torch's TCPStore may speak another protocol than the one kiln knows (torch 2.x's): set KILN_MASTER_PORT to a free port for kiln's own rendezvous, or start the ranks with `kiln launch`";
 
 impl DistError {
     /// Whether the user's input is at fault (kiln exits 2).

@@ -856,6 +856,7 @@ fn rank_0_at(spec: &WorldSpec, timeout: Duration) -> Result<WorldSpec, DistError
             addr: format!("torchrun's store at {}", spec.addr()),
             missing: format!("rank 0 (which writes its port under `{key}`)"),
             waited: timeout,
+            remedy: crate::error::STORE_PROTOCOL,
         })?;
     let text = String::from_utf8_lossy(&value);
     let port = text.parse::<u16>().map_err(|_| DistError::BadLaunch {
@@ -921,6 +922,7 @@ fn accept_all(
                 addr: spec.addr(),
                 missing: format!("rank {}", missing.join(", ")),
                 waited: timeout,
+                remedy: crate::error::LAUNCHERS_AGREE,
             });
         }
         let mut stream = match listener.accept() {
@@ -1012,6 +1014,7 @@ fn join(spec: &WorldSpec, timeout: Duration) -> Result<Links, DistError> {
         addr: spec.addr(),
         missing: "rank 0 (or another rank rank 0 waits for)".into(),
         waited: timeout,
+        remedy: crate::error::LAUNCHERS_AGREE,
     };
     let mut stream = connect_until(&spec.master_addr, spec.master_port, started + timeout)?
         .ok_or_else(timed_out)?;
@@ -1180,7 +1183,30 @@ mod tests {
         let e = Group::connect(&spec, Duration::from_millis(300)).expect_err("no rank 0");
         let e = e.to_string();
         assert!(
-            e.contains("torchrun's store") && e.contains("attempt_1/rendezvous_port"),
+            e.contains("torchrun's store")
+                && e.contains("attempt_1/rendezvous_port")
+                && e.contains("set KILN_MASTER_PORT"),
+            "{e}"
+        );
+        // A store that hangs up on kiln's queries (a TCPStore of another
+        // protocol drops a client it cannot read): the error names the
+        // store and the way around it.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
+        let port = listener.local_addr().expect("addr").port();
+        std::thread::spawn(move || {
+            for s in listener.incoming() {
+                drop(s);
+            }
+        });
+        let hangs_up = WorldSpec {
+            torchrun_store_key: Some("kiln/run/attempt_0/rendezvous_port".into()),
+            ..super::tests::spec(1, 2, port)
+        };
+        let e = Group::connect(&hangs_up, Duration::from_secs(5)).expect_err("hung up");
+        let e = e.to_string();
+        assert!(
+            e.contains(&format!("torchrun's store at 127.0.0.1:{port}"))
+                && e.contains("set KILN_MASTER_PORT"),
             "{e}"
         );
     }

@@ -47,6 +47,7 @@ impl Store {
                 addr: format!("torchrun's store at {addr}"),
                 missing: "the store (torchrun's agent)".into(),
                 waited: timeout,
+                remedy: crate::error::LAUNCHERS_AGREE,
             })?;
         let mut store = Self { stream, addr };
         let mut query = vec![VALIDATE];
@@ -113,7 +114,11 @@ impl Store {
 
     fn io(&self, source: std::io::Error) -> DistError {
         DistError::Io {
-            what: format!("talking to torchrun's store at {}", self.addr),
+            what: format!(
+                "talking to torchrun's store at {} ({})",
+                self.addr,
+                crate::error::STORE_PROTOCOL
+            ),
             source,
         }
     }
@@ -122,7 +127,8 @@ impl Store {
         DistError::BadLaunch {
             what: format!("torchrun's store at {}", self.addr),
             why: format!(
-                "{what}, not TCPStore's answer; if this torch speaks another TCPStore protocol, set KILN_MASTER_PORT to a free port for kiln's own rendezvous, or start the ranks with `kiln launch`"
+                "{what}, not TCPStore's answer; {}",
+                crate::error::STORE_PROTOCOL
             ),
         }
     }
