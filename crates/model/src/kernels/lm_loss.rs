@@ -150,6 +150,16 @@ pub(crate) trait KilnLmLoss: Backend {
 /// size.
 #[cfg(feature = "flex")]
 impl KilnLmLoss for burn::backend::Flex {
+    /// f32 products with their rows over the threads ([`super::cpu::product`]):
+    /// flex's own runs a small vocabulary's on one thread.
+    fn kiln_lm_product(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        if a.dtype() == burn::tensor::DType::F32 && b.dtype() == burn::tensor::DType::F32 {
+            super::cpu::product(a, b)
+        } else {
+            backend_product::<Self>(a, b)
+        }
+    }
+
     fn kiln_lm_rows(
         logits: FloatTensor<Self>,
         targets: IntTensor<Self>,
@@ -232,6 +242,12 @@ impl<B: Backend + KilnLmLoss, C: CheckpointStrategy> KilnLmLoss for Autodiff<B, 
 
 /// Two tensors of one backend: the gradients of `x` and of the weight.
 type Pair<B> = (FloatTensor<B>, FloatTensor<B>);
+
+/// `B`'s own product (the trait's default `kiln_lm_product`).
+#[cfg(feature = "flex")]
+fn backend_product<B: Backend>(a: FloatTensor<B>, b: FloatTensor<B>) -> FloatTensor<B> {
+    B::float_matmul(a, b)
+}
 
 /// The loss over chunks of `chunk` rows and, with `grads`, the gradients
 /// of `x` and `weight` (f32, as they are), the products by the backend's

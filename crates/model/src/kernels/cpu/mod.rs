@@ -1217,17 +1217,26 @@ fn weight_dims(weight: &FlexTensor) -> [usize; 2] {
 /// rows were no better (docs/PERFORMANCE.md).
 const LINEAR_CHUNK_ROWS: usize = 256;
 
-/// Rows per task of [`linear_rows`]: [`LINEAR_CHUNK_ROWS`], or fewer (a
-/// multiple of 16) so that every thread gets a chunk of a small product.
-fn linear_chunk_rows(rows: usize) -> usize {
-    let share = rows
-        .div_ceil(rayon::current_num_threads())
-        .next_multiple_of(16);
-    LINEAR_CHUNK_ROWS.min(share).max(1)
+/// The row ranges of [`linear_rows`]' tasks: whole blocks of 16 rows (the
+/// product's micro-kernel height), at most [`LINEAR_CHUNK_ROWS`] a task, as
+/// many tasks as a multiple of `threads` and their sizes within one block
+/// of each other, so that every thread gets the same share. 768 rows (the
+/// `cpu` preset's 12 × 64 tokens) on 2 threads are 4 tasks of 192 rows,
+/// where a fixed 256 made 3 and left one thread waiting while the other
+/// did two. The ranges depend on the row and thread counts only.
+fn linear_chunks(rows: usize, threads: usize) -> Vec<std::ops::Range<usize>> {
+    let blocks = rows.div_ceil(16);
+    let tasks = blocks
+        .div_ceil(LINEAR_CHUNK_ROWS / 16)
+        .next_multiple_of(threads.max(1))
+        .min(blocks);
+    (0..tasks)
+        .map(|i| (i * blocks / tasks * 16).min(rows)..((i + 1) * blocks / tasks * 16).min(rows))
+        .collect()
 }
 
 /// `room (rows × n) = lhs (rows × k) · weight (k × n) + bias`: the rows in
-/// chunks of [`linear_chunk_rows`], each on a rayon task that writes its
+/// chunks of [`linear_chunks`], each on a rayon task that writes its
 /// chunk's bias and then adds one single-threaded gemm's product onto it,
 /// while the chunk is still in cache (the bias written into the whole
 /// output first, as before, cost up to 10 % of the product at the GPT's
@@ -1250,33 +1259,99 @@ unsafe fn linear_rows(
     }
     let rows = room.len() / n;
     let k = lhs.len() / rows.max(1);
-    let chunk = linear_chunk_rows(rows);
-    room.par_chunks_mut(chunk * n)
-        .enumerate()
-        .for_each(|(c, out)| {
-            for row in out.chunks_exact_mut(n) {
-                for (y, &b) in row.iter_mut().zip(bias) {
-                    y.write(b);
-                }
+    let mut rest = room;
+    let mut tasks = Vec::new();
+    for range in linear_chunks(rows, rayon::current_num_threads()) {
+        let (out, tail) = rest.split_at_mut(range.len() * n);
+        tasks.push((range.start, out));
+        rest = tail;
+    }
+    tasks.into_par_iter().for_each(|(r0, out)| {
+        for row in out.chunks_exact_mut(n) {
+            for (y, &b) in row.iter_mut().zip(bias) {
+                y.write(b);
             }
-            let lhs = Mat(lhs[c * chunk * k..].as_ptr(), k as isize, 1);
-            let dst = Mat(out.as_mut_ptr().cast(), n as isize, 1);
-            // SAFETY: the chunk's rows of lhs and of room (the caller's
-            // shapes); every element of the chunk holds its bias.
-            unsafe {
+        }
+        let lhs = Mat(lhs[r0 * k..].as_ptr(), k as isize, 1);
+        let dst = Mat(out.as_mut_ptr().cast(), n as isize, 1);
+        // SAFETY: the chunk's rows of lhs and of room (the caller's
+        // shapes); every element of the chunk holds its bias.
+        unsafe {
+            gemm_call(
+                out.len() / n,
+                n,
+                k,
+                dst,
+                lhs,
+                matrix(weight),
+                1.0,
+                true,
+                gemm::Parallelism::None,
+            )
+        }
+    });
+}
+
+/// `a · b` for 2-D f32 tensors of any non-negative strides (the fused LM
+/// head's products, two of them over transposed views): the rows of `a`
+/// in [`linear_chunks`] over the threads, one single-threaded gemm a
+/// chunk, where Burn's flex runs a product below 192³ multiply-adds on one
+/// thread (a character model's head: 768 × 128 × 65). With fewer than 16
+/// rows a thread, gemm splits the product itself.
+pub(crate) fn product(a: FlexTensor, b: FlexTensor) -> FlexTensor {
+    let (a, b) = (positive(a), positive(b));
+    let dims = |t: &FlexTensor| -> [usize; 2] {
+        t.layout()
+            .shape()
+            .as_slice()
+            .try_into()
+            .expect("product: 2-D operands")
+    };
+    let ([m, k], [k_b, n]) = (dims(&a), dims(&b));
+    assert_eq!(k, k_b, "product: the inner dimensions differ");
+    if m * n * k == 0 {
+        // An empty product, or a sum over nothing.
+        return from_vec(vec![0.0; m * n], Shape::new([m, n]));
+    }
+    let threads = rayon::current_num_threads();
+    // SAFETY: `a` is `m × k` and `b` `k × n` with the strides `matrix`
+    // reads; each task's gemm writes its own rows of the fresh `m × n`
+    // destination in full without reading them, and the chunks cover it.
+    let c = unsafe {
+        buffer(m * n, |room| {
+            if m < 16 * threads {
+                let dst = Mat(room.as_mut_ptr().cast(), n as isize, 1);
                 gemm_call(
-                    out.len() / n,
+                    m,
                     n,
                     k,
                     dst,
-                    lhs,
-                    matrix(weight),
+                    matrix(&a),
+                    matrix(&b),
                     1.0,
-                    true,
-                    gemm::Parallelism::None,
-                )
+                    false,
+                    ALL_THREADS,
+                );
+                return;
             }
-        });
+            let mut rest = room;
+            let mut tasks = Vec::new();
+            for range in linear_chunks(m, threads) {
+                let (out, tail) = rest.split_at_mut(range.len() * n);
+                tasks.push((range.start, out));
+                rest = tail;
+            }
+            tasks.into_par_iter().for_each(|(r0, out)| {
+                let dst = Mat(out.as_mut_ptr().cast(), n as isize, 1);
+                // Rows `r0 ..` of `a` lie inside it: the chunks are its rows.
+                let lhs = matrix(&a).at(r0, 0);
+                let rows = out.len() / n;
+                let serial = gemm::Parallelism::None;
+                gemm_call(rows, n, k, dst, lhs, matrix(&b), 1.0, false, serial);
+            });
+        })
+    };
+    from_vec(c, Shape::new([m, n]))
 }
 
 /// A linear layer, `x · weight + bias` over the last dimension of `x`
@@ -1562,16 +1637,91 @@ mod tests {
     }
 
     #[test]
-    fn every_thread_gets_a_chunk_of_a_small_product() {
-        let threads = rayon::current_num_threads();
-        assert_eq!(linear_chunk_rows(1 << 20), LINEAR_CHUNK_ROWS);
-        for rows in [1, 16, 100, 2 * LINEAR_CHUNK_ROWS] {
-            let chunk = linear_chunk_rows(rows);
-            assert!(chunk.is_multiple_of(16) && chunk <= LINEAR_CHUNK_ROWS);
-            assert!(
-                rows.div_ceil(chunk) >= threads.min(rows.div_ceil(16)),
-                "{rows} rows in chunks of {chunk} leave threads idle"
-            );
+    fn the_row_split_product_matches_the_sum_over_any_strides() {
+        // Fewer rows than 16 a thread (gemm's own split), one chunk, and
+        // several with a ragged last one; operands contiguous and as
+        // transposed views (the LM head's `Gᵀ · X` and `X · Wᵀ`); an
+        // empty sum is zeros.
+        let value = |i: usize, scale: f32| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * scale;
+        for (m, k, n) in [
+            (3, 37, 65),
+            (16, 37, 65),
+            (300, 37, 65),
+            (601, 130, 7),
+            (5, 0, 4),
+        ] {
+            let a: Vec<f32> = (0..m * k).map(|i| value(i, 2.0)).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| value(i + 11, 1.0)).collect();
+            let expected = |r: usize, j: usize| -> f64 {
+                (0..k)
+                    .map(|i| f64::from(a[r * k + i]) * f64::from(b[i * n + j]))
+                    .sum()
+            };
+            let transposed = |v: &[f32], rows: usize, cols: usize| {
+                let t: Vec<f32> = (0..rows * cols)
+                    .map(|i| v[(i % rows) * cols + i / rows])
+                    .collect();
+                from_vec(t, Shape::new([cols, rows])).transpose(0, 1)
+            };
+            let ways = [
+                (
+                    from_vec(a.clone(), Shape::new([m, k])),
+                    from_vec(b.clone(), Shape::new([k, n])),
+                ),
+                (transposed(&a, m, k), transposed(&b, k, n)),
+            ];
+            for (way, (at, bt)) in ways.into_iter().enumerate() {
+                let c = product(at, bt);
+                assert_eq!(shape(&c).as_slice(), [m, n]);
+                let got = slice(&contiguous(c)).to_vec();
+                for r in 0..m {
+                    for j in 0..n {
+                        let g = f64::from(got[r * n + j]);
+                        assert!(
+                            (g - expected(r, j)).abs() < 1e-4,
+                            "{m} × {k} × {n}, way {way}: ({r}, {j}) is {g}, not {}",
+                            expected(r, j)
+                        );
+                    }
+                }
+            }
         }
+    }
+
+    #[test]
+    fn every_thread_gets_the_same_share_of_a_linear_layers_rows() {
+        for threads in 1..=32 {
+            for rows in (1..=64 * threads).chain([768, 1000, 4352, 1 << 20]) {
+                let chunks = linear_chunks(rows, threads);
+                let at = format!("{rows} rows on {threads} threads: {chunks:?}");
+                // Every row once, in order, in whole 16-row blocks.
+                assert_eq!(chunks[0].start, 0, "{at}");
+                assert_eq!(chunks.last().map(|c| c.end), Some(rows), "{at}");
+                for pair in chunks.windows(2) {
+                    assert_eq!(pair[0].end, pair[1].start, "{at}");
+                }
+                for c in &chunks {
+                    assert!(!c.is_empty() && c.start.is_multiple_of(16), "{at}");
+                    assert!(c.len() <= LINEAR_CHUNK_ROWS, "{at}");
+                }
+                // As many tasks as a multiple of the threads (or one
+                // block each), within one block of each other.
+                let blocks = rows.div_ceil(16);
+                assert!(
+                    chunks.len().is_multiple_of(threads) || chunks.len() == blocks,
+                    "{at}"
+                );
+                let full = &chunks[..chunks.len() - 1];
+                let (lo, hi) = full.iter().fold((usize::MAX, 0), |(lo, hi), c| {
+                    (lo.min(c.len()), hi.max(c.len()))
+                });
+                assert!(full.is_empty() || hi - lo <= 16, "{at}");
+            }
+        }
+        // The `cpu` preset's 12 × 64 tokens on 2 threads: 4 tasks of 192.
+        assert_eq!(
+            linear_chunks(768, 2),
+            [0..192, 192..384, 384..576, 576..768]
+        );
     }
 }
