@@ -1235,6 +1235,23 @@ fn linear_chunks(rows: usize, threads: usize) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
+/// `room`'s rows of `n` in [`linear_chunks`], each with its first row's
+/// index, for rayon's threads.
+fn row_chunks<T: Send>(
+    room: &mut [T],
+    n: usize,
+    threads: usize,
+) -> impl ParallelIterator<Item = (usize, &mut [T])> {
+    let mut rest = room;
+    let mut tasks = Vec::new();
+    for range in linear_chunks(rest.len() / n, threads) {
+        let (out, tail) = std::mem::take(&mut rest).split_at_mut(range.len() * n);
+        tasks.push((range.start, out));
+        rest = tail;
+    }
+    tasks.into_par_iter()
+}
+
 /// `room (rows × n) = lhs (rows × k) · weight (k × n) + bias`: the rows in
 /// chunks of [`linear_chunks`], each on a rayon task that writes its
 /// chunk's bias and then adds one single-threaded gemm's product onto it,
@@ -1259,14 +1276,7 @@ unsafe fn linear_rows(
     }
     let rows = room.len() / n;
     let k = lhs.len() / rows.max(1);
-    let mut rest = room;
-    let mut tasks = Vec::new();
-    for range in linear_chunks(rows, rayon::current_num_threads()) {
-        let (out, tail) = rest.split_at_mut(range.len() * n);
-        tasks.push((range.start, out));
-        rest = tail;
-    }
-    tasks.into_par_iter().for_each(|(r0, out)| {
+    row_chunks(room, n, rayon::current_num_threads()).for_each(|(r0, out)| {
         for row in out.chunks_exact_mut(n) {
             for (y, &b) in row.iter_mut().zip(bias) {
                 y.write(b);
@@ -1334,14 +1344,7 @@ pub(crate) fn product(a: FlexTensor, b: FlexTensor) -> FlexTensor {
                 );
                 return;
             }
-            let mut rest = room;
-            let mut tasks = Vec::new();
-            for range in linear_chunks(m, threads) {
-                let (out, tail) = rest.split_at_mut(range.len() * n);
-                tasks.push((range.start, out));
-                rest = tail;
-            }
-            tasks.into_par_iter().for_each(|(r0, out)| {
+            row_chunks(room, n, threads).for_each(|(r0, out)| {
                 let dst = Mat(out.as_mut_ptr().cast(), n as isize, 1);
                 // Rows `r0 ..` of `a` lie inside it: the chunks are its rows.
                 let lhs = matrix(&a).at(r0, 0);
