@@ -156,7 +156,7 @@ impl KilnLmLoss for burn::backend::Flex {
         if a.dtype() == burn::tensor::DType::F32 && b.dtype() == burn::tensor::DType::F32 {
             super::cpu::product(a, b)
         } else {
-            backend_product::<Self>(a, b)
+            <Self as burn::backend::ops::FloatTensorOps<Self>>::float_matmul(a, b)
         }
     }
 
@@ -242,12 +242,6 @@ impl<B: Backend + KilnLmLoss, C: CheckpointStrategy> KilnLmLoss for Autodiff<B, 
 
 /// Two tensors of one backend: the gradients of `x` and of the weight.
 type Pair<B> = (FloatTensor<B>, FloatTensor<B>);
-
-/// `B`'s own product (the trait's default `kiln_lm_product`).
-#[cfg(feature = "flex")]
-fn backend_product<B: Backend>(a: FloatTensor<B>, b: FloatTensor<B>) -> FloatTensor<B> {
-    B::float_matmul(a, b)
-}
 
 /// The loss over chunks of `chunk` rows and, with `grads`, the gradients
 /// of `x` and `weight` (f32, as they are), the products by the backend's

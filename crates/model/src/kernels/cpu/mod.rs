@@ -1200,14 +1200,18 @@ fn matrix(t: &FlexTensor) -> Mat {
     Mat(t.storage::<f32>()[layout.start_offset()..].as_ptr(), rs, cs)
 }
 
-/// A linear layer's `[in, out]`.
-fn weight_dims(weight: &FlexTensor) -> [usize; 2] {
-    weight
-        .layout()
+/// A 2-D tensor's `[rows, cols]` (`what` names it where it is not 2-D).
+fn dims2(t: &FlexTensor, what: &str) -> [usize; 2] {
+    t.layout()
         .shape()
         .as_slice()
         .try_into()
-        .expect("linear: weight is [in, out]")
+        .unwrap_or_else(|_| panic!("{what} is not 2-D"))
+}
+
+/// A linear layer's `[in, out]`.
+fn weight_dims(weight: &FlexTensor) -> [usize; 2] {
+    dims2(weight, "linear: the weight ([in, out])")
 }
 
 /// Output rows each task of [`linear_rows`] computes at most. Measured on
@@ -1310,14 +1314,7 @@ unsafe fn linear_rows(
 /// rows a thread, gemm splits the product itself.
 pub(crate) fn product(a: FlexTensor, b: FlexTensor) -> FlexTensor {
     let (a, b) = (positive(a), positive(b));
-    let dims = |t: &FlexTensor| -> [usize; 2] {
-        t.layout()
-            .shape()
-            .as_slice()
-            .try_into()
-            .expect("product: 2-D operands")
-    };
-    let ([m, k], [k_b, n]) = (dims(&a), dims(&b));
+    let ([m, k], [k_b, n]) = (dims2(&a, "product: a"), dims2(&b, "product: b"));
     assert_eq!(k, k_b, "product: the inner dimensions differ");
     if m * n * k == 0 {
         // An empty product, or a sum over nothing.
