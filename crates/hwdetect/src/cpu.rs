@@ -89,9 +89,15 @@ impl CpuInfo {
             &self.vendor,
             self.family,
             features,
-            peak_cores(self.physical_cores, self.logical_cores),
+            self.peak_cores(),
             self.frequency_mhz,
         )
+    }
+
+    /// The cores the peak estimate counts: the physical ones (hyper-threads
+    /// add no FMA pipes), at most the logical ones this process may use.
+    pub fn peak_cores(&self) -> usize {
+        peak_cores(self.physical_cores, self.logical_cores)
     }
 }
 

@@ -157,13 +157,24 @@ pub(crate) fn mfu_peak(
 /// The fp32 rate of flex's matrix products on this machine, measured once
 /// a process (a run's folds and a bench share it): what MFU on flex counts
 /// against (`kiln check-hardware` shows it beside the clock's estimate).
-/// `None` in a build without flex.
+/// `None` in a build without flex. The measurement is timed against this
+/// CPU's clock estimate (detected here, not read from a hardware report),
+/// and again for up to a second where it falls well short of it.
 pub fn measured_cpu_peak() -> Option<kiln_model::kernels::MeasuredPeak> {
     #[cfg(feature = "flex")]
     {
         static PEAK: std::sync::OnceLock<kiln_model::kernels::MeasuredPeak> =
             std::sync::OnceLock::new();
-        Some(*PEAK.get_or_init(kiln_model::kernels::measure_fp32_peak))
+        Some(*PEAK.get_or_init(|| {
+            let cpu = kiln_hwdetect::detect_cpu();
+            let estimate = cpu_peak_of_build(&cpu).fp32_flops.map(|flops| {
+                kiln_model::kernels::ClockEstimate {
+                    flops,
+                    cores: cpu.peak_cores(),
+                }
+            });
+            kiln_model::kernels::measure_fp32_peak(estimate)
+        }))
     }
     #[cfg(not(feature = "flex"))]
     None

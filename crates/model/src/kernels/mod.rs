@@ -79,7 +79,7 @@ pub use check::{
     check_layer_norm, check_lm_head_loss, check_matmul, check_sum_of_squares, f32_products_round,
 };
 #[cfg(feature = "flex")]
-pub use cpu::peak::{MeasuredPeak, measure_fp32_peak};
+pub use cpu::peak::{ClockEstimate, MeasuredPeak, measure_fp32_peak};
 pub use ptx::{Occupancy, OfflineKernel, PtxCounts, Registers, occupancy, ptx_target};
 
 /// kiln's CubeCL kernels compiled for NVIDIA compute capability `arch`
