@@ -1122,6 +1122,40 @@ fn export_writes_a_gpt2_folder_with_transformers_names_and_shapes() {
         .stderr_has(&["is not a kiln run directory"]);
 }
 
+/// A tiny run `dir/source` of `steps` steps, exported as the GPT-2 folder
+/// `dir/hf`.
+fn exported_tiny(dir: &Path, steps: u32, extra: &[&str]) -> std::path::PathBuf {
+    train_tiny(dir, "source", steps, extra).expect_code(0);
+    let export = dir.join("hf");
+    kiln(&[
+        "export",
+        dir.join("source").to_str().expect("utf-8"),
+        "--out",
+        export.to_str().expect("utf-8"),
+    ])
+    .run()
+    .expect_code(0);
+    export
+}
+
+/// A safetensors file of f32 tensors: (name, shape, little-endian bytes).
+fn write_f32_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<u8>)]) {
+    let views = tensors.iter().map(|(name, shape, data)| {
+        let view = safetensors::tensor::TensorView::new(
+            safetensors::tensor::Dtype::F32,
+            shape.clone(),
+            data,
+        )
+        .expect("view");
+        (name.clone(), view)
+    });
+    std::fs::write(
+        path,
+        safetensors::serialize(views, None).expect("serialize"),
+    )
+    .expect("write");
+}
+
 /// `model.init_from`: a run starts from a `transformers` GPT-2 folder's
 /// weights, both as `kiln export` writes it and in the Hub's layout (names
 /// without `transformer.`, the causal-mask buffers, `lm_head.weight`
@@ -1130,17 +1164,8 @@ fn export_writes_a_gpt2_folder_with_transformers_names_and_shapes() {
 #[test]
 fn init_from_starts_a_run_from_a_gpt2_folders_weights() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    train_tiny(tmp.path(), "source", 10, &["model.vocab_multiple=64"]).expect_code(0);
+    let export = exported_tiny(tmp.path(), 10, &["model.vocab_multiple=64"]);
     let source_loss = final_val_loss(&tmp.path().join("source"));
-    let export = tmp.path().join("hf");
-    kiln(&[
-        "export",
-        tmp.path().join("source").to_str().expect("utf-8"),
-        "--out",
-        export.to_str().expect("utf-8"),
-    ])
-    .run()
-    .expect_code(0);
 
     // The Hub's layout of the same weights.
     let hub = tmp.path().join("hub");
@@ -1175,20 +1200,7 @@ fn init_from_starts_a_run_from_a_gpt2_folders_weights() {
             vec![0; 32 * 32 * 4],
         ));
     }
-    let views = tensors.iter().map(|(name, shape, data)| {
-        let view = safetensors::tensor::TensorView::new(
-            safetensors::tensor::Dtype::F32,
-            shape.clone(),
-            data,
-        )
-        .expect("view");
-        (name.clone(), view)
-    });
-    std::fs::write(
-        hub.join("model.safetensors"),
-        safetensors::serialize(views, None).expect("serialize"),
-    )
-    .expect("write");
+    write_f32_safetensors(&hub.join("model.safetensors"), &tensors);
 
     // One step at a learning rate far below f32's resolution leaves the
     // weights as loaded: the run's validation loss is the source's final
@@ -1351,6 +1363,69 @@ fn sample_gives_the_runs_samples_again_and_reads_gpt2_folders() {
         .run()
         .expect_code(2)
         .stderr_has(&["neither config.toml (a kiln run) nor config.json"]);
+}
+
+/// A model whose logits are NaN (a GPT-2 folder's weights set to NaN, as
+/// a divergence leaves them): `kiln sample` refuses with exit 2 where
+/// drawing from NaN panicked; a run from those weights (every step
+/// skipped, fewer in a row than precision.max_bad_steps) finishes with its
+/// summary, its NaN steps and evaluations counted (their `null`s read back
+/// as NaN, where the lines were dropped) and never its best, and
+/// `samples.txt` says why it holds no texts.
+#[test]
+fn a_diverged_model_is_refused_by_sample_and_a_run_ending_so_says_why() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let hf = exported_tiny(tmp.path(), 2, &[]);
+    let bytes = std::fs::read(hf.join("model.safetensors")).expect("weights");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let nan: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            assert_eq!(view.dtype(), safetensors::tensor::Dtype::F32, "{name}");
+            let values = view.data().len() / 4;
+            let data = f32::NAN.to_le_bytes().repeat(values);
+            (name, view.shape().to_vec(), data)
+        })
+        .collect();
+    write_f32_safetensors(&hf.join("model.safetensors"), &nan);
+    let hf_str = hf.to_str().expect("utf-8");
+    kiln(&["sample", hf_str]).run().expect_code(2).stderr_has(&[
+        &format!("the GPT-2 folder `{hf_str}`: the model's logits for token 1 of the continuation are not finite (NaN or infinite): its weights diverged"),
+        "--best",
+    ]);
+
+    let from = format!("model.init_from={hf_str}");
+    let out = train_tiny(
+        tmp.path(),
+        "run",
+        2,
+        &[&from, "logging.logging_steps=1", "eval.eval_steps=1"],
+    )
+    .expect_code(0);
+    out.stdout_has(&[
+        "step 2: the loss is NaN: step skipped",
+        "no samples: the run's final model: the model's logits for token 1 of the continuation are not finite",
+        "done: 2 steps",
+        "val loss NaN (best n/a)",
+    ]);
+    let run = tmp.path().join("run");
+    let samples = std::fs::read_to_string(run.join("samples.txt")).expect("samples.txt");
+    assert!(samples.starts_with("no samples: "), "{samples}");
+    assert!(
+        !run.join("best.safetensors").exists(),
+        "a NaN evaluation kept as the best"
+    );
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(run.join("summary.json")).expect("summary.json"),
+    )
+    .expect("json");
+    assert_eq!(summary["steps"], 2, "{summary}");
+    assert!(summary["best_val_loss"].is_null(), "{summary}");
+    kiln(&["sample", run.to_str().expect("utf-8")])
+        .run()
+        .expect_code(2)
+        .stderr_has(&["step 2 of `", "are not finite (NaN or infinite)"]);
 }
 
 /// The language model with label smoothing: the first step's loss (the

@@ -8,7 +8,7 @@ use kiln_model::burn::optim::{AdamWConfig, GradientsParams};
 use kiln_model::burn::tensor::{Device, Int, Tensor, TensorData};
 use kiln_model::{GeluKind, GptConfig};
 
-fn main() {
+fn main() -> Result<(), kiln_model::NonFiniteLogits> {
     // 10 tokens, context 16, 2 blocks of 2 heads, 32 wide (MLP 4 × 32).
     let config = GptConfig::new(10, 16, 2, 2, 32).with_gelu(GeluKind::Exact);
     let device = Device::flex().autodiff();
@@ -41,6 +41,7 @@ fn main() {
         &kiln_model::Sampling::new(1.0, 1),
         &mut rng,
         &device,
-    );
+    )?;
     println!("3 4 5 continues as {continued:?}");
+    Ok(())
 }

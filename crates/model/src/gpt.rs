@@ -479,6 +479,10 @@ impl Gpt {
     /// cache), so that each new token runs the model on one position. Past
     /// the block size the context's positions shift, and each token reads
     /// the last `block_size` tokens anew, as nanoGPT does.
+    ///
+    /// A model whose logits are not finite (weights training diverged to
+    /// NaN or infinity) has no distribution to draw from: an error naming
+    /// the token, not a draw.
     pub fn generate(
         &self,
         prompt: &[u32],
@@ -486,7 +490,7 @@ impl Gpt {
         sampling: &Sampling,
         rng: &mut impl RngExt,
         device: &Device,
-    ) -> Vec<u32> {
+    ) -> Result<Vec<u32>, NonFiniteLogits> {
         let mut ids: Vec<u32> = prompt.to_vec();
         let mut cache = KvCache::default();
         for _ in 0..new_tokens {
@@ -502,9 +506,10 @@ impl Gpt {
             let idx = Tensor::<2, Int>::from_data(TensorData::new(fed, [1, t]), device);
             let logits = self.next_logits(idx, &mut cache).reshape([-1]);
             let logits: Vec<f32> = logits.into_data().iter::<f32>().collect();
-            ids.push(sample(&logits, sampling, rng));
+            let token = ids.len() - prompt.len();
+            ids.push(sample(&logits, sampling, rng).ok_or(NonFiniteLogits { token })?);
         }
-        ids
+        Ok(ids)
     }
 
     /// The logits `[batch, vocab]` of the last of `idx`'s positions
@@ -605,7 +610,32 @@ impl Sampling {
     }
 }
 
-fn sample(logits: &[f32], sampling: &Sampling, rng: &mut impl RngExt) -> u32 {
+/// [`Gpt::generate`]'s error: the logits of a position were NaN or
+/// infinite, as a diverged model's are, so that no token could be drawn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NonFiniteLogits {
+    /// The token of the continuation being drawn (0: the first).
+    pub token: usize,
+}
+
+impl std::fmt::Display for NonFiniteLogits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the model's logits for token {} of the continuation are not finite (NaN or infinite): its weights diverged",
+            self.token + 1
+        )
+    }
+}
+
+impl std::error::Error for NonFiniteLogits {}
+
+/// A token drawn from `logits` as `sampling` says; `None` where a logit is
+/// NaN or +∞ (−∞ masks a token) or none is finite: no distribution.
+fn sample(logits: &[f32], sampling: &Sampling, rng: &mut impl RngExt) -> Option<u32> {
+    if logits.iter().any(|l| l.is_nan() || *l == f32::INFINITY) {
+        return None;
+    }
     // The most likely first, a tie in id order: a total order, so that
     // selecting the top k and sorting only them gives what sorting all
     // and keeping k gives (at GPT-2's 50,257 ids, sorting them all was
@@ -614,7 +644,8 @@ fn sample(logits: &[f32], sampling: &Sampling, rng: &mut impl RngExt) -> u32 {
     let mut order: Vec<usize> = (0..logits.len()).collect();
     if sampling.temperature <= 0.0 {
         // Greedy: the most likely token (the first of a tie), no draw.
-        return order.into_iter().min_by(likelier).unwrap_or(0) as u32;
+        let best = order.into_iter().min_by(likelier)?;
+        return logits[best].is_finite().then_some(best as u32);
     }
     let temperature = sampling.temperature.max(1e-6);
     if sampling.top_k > 0 && sampling.top_k < order.len() {
@@ -622,7 +653,7 @@ fn sample(logits: &[f32], sampling: &Sampling, rng: &mut impl RngExt) -> u32 {
         order.truncate(sampling.top_k);
     }
     order.sort_unstable_by(likelier);
-    let max = f64::from(logits[order[0]]);
+    let max = f64::from(logits[*order.first()?]);
     let mut weights: Vec<f64> = order
         .iter()
         .map(|&i| ((f64::from(logits[i]) - max) / temperature).exp())
@@ -645,14 +676,18 @@ fn sample(logits: &[f32], sampling: &Sampling, rng: &mut impl RngExt) -> u32 {
         order.truncate(kept);
     }
     let total: f64 = weights.iter().sum();
+    if !(total.is_finite() && total > 0.0) {
+        // Every logit −∞ (or an empty vocabulary).
+        return None;
+    }
     let mut pick = rng.random_range(0.0..total);
     for (&i, w) in order.iter().zip(&weights) {
         if pick < *w {
-            return i as u32;
+            return Some(i as u32);
         }
         pick -= w;
     }
-    order[order.len() - 1] as u32
+    order.last().map(|&i| i as u32)
 }
 
 // (The tests run on flex, the CPU backend of the default features.)
@@ -979,13 +1014,14 @@ mod tests {
                 .into_data()
                 .iter::<f32>()
                 .collect();
-            reference.push(sample(&logits, &Sampling::new(1.0, 0), &mut rng));
+            reference
+                .push(sample(&logits, &Sampling::new(1.0, 0), &mut rng).expect("finite logits"));
         }
         let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(4);
         // 23 tokens: the cache up to the block, then the cropped context.
         assert_eq!(
             model.generate(&prompt, 20, &Sampling::new(1.0, 0), &mut rng, &device),
-            reference
+            Ok(reference)
         );
     }
 
@@ -995,9 +1031,73 @@ mod tests {
         let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(3);
         for _ in 0..50 {
             let i = sample(&logits, &Sampling::new(1.0, 2), &mut rng);
-            assert!(i == 1 || i == 3, "{i}");
+            assert!(i == Some(1) || i == Some(3), "{i:?}");
         }
-        assert_eq!(sample(&logits, &Sampling::new(1e-9, 0), &mut rng), 1);
+        assert_eq!(sample(&logits, &Sampling::new(1e-9, 0), &mut rng), Some(1));
+    }
+
+    /// A diverged model's logits: no token, at any temperature, where one
+    /// is NaN or +∞ or all are −∞; a masked (−∞) token among finite ones
+    /// is never drawn.
+    #[test]
+    fn logits_that_are_not_finite_draw_no_token() {
+        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(3);
+        for sampling in [
+            Sampling::new(0.0, 0),
+            Sampling::new(1.0, 0),
+            Sampling::new(1.0, 2),
+            Sampling::new(0.8, 0).with_top_p(0.9),
+        ] {
+            for bad in [
+                vec![0.0f32, f32::NAN, 1.0],
+                vec![f32::NAN; 3],
+                vec![0.0, f32::INFINITY, 1.0],
+                vec![f32::NEG_INFINITY; 3],
+                vec![],
+            ] {
+                assert_eq!(
+                    sample(&bad, &sampling, &mut rng),
+                    None,
+                    "{bad:?}, {sampling:?}"
+                );
+            }
+            for _ in 0..20 {
+                let masked = [f32::NEG_INFINITY, 0.5, f32::NEG_INFINITY, 0.0];
+                let i = sample(&masked, &sampling, &mut rng);
+                assert!(i == Some(1) || i == Some(3), "{i:?}, {sampling:?}");
+            }
+        }
+    }
+
+    /// `generate` with a weight set to NaN: an error naming the first
+    /// token, not a panic.
+    #[test]
+    fn a_diverged_model_generates_an_error() {
+        let c = GptConfig {
+            block_size: 8,
+            ..peers_shape()
+        };
+        struct Diverge;
+        impl burn::module::ModuleMapper for Diverge {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: burn::module::Param<Tensor<D>>,
+            ) -> burn::module::Param<Tensor<D>> {
+                param.map(|t| t.mul_scalar(f32::NAN))
+            }
+        }
+        let device = Device::flex();
+        let model = burn::module::Module::map(c.init(&device), &mut Diverge);
+        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(4);
+        let err = model
+            .generate(&[1, 2], 5, &Sampling::new(1.0, 0), &mut rng, &device)
+            .expect_err("NaN logits drew a token");
+        assert_eq!(err, NonFiniteLogits { token: 0 });
+        assert!(
+            err.to_string()
+                .contains("token 1 of the continuation are not finite"),
+            "{err}"
+        );
     }
 
     /// Selecting the top k and sorting only them draws what sorting every
@@ -1063,7 +1163,7 @@ mod tests {
                 for _ in 0..5 {
                     assert_eq!(
                         sample(&logits, &sampling, &mut a),
-                        sorting_all(&logits, &sampling, &mut b),
+                        Some(sorting_all(&logits, &sampling, &mut b)),
                         "{sampling:?}, round {round}"
                     );
                 }
@@ -1079,7 +1179,7 @@ mod tests {
             let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(5);
             let mut seen = [0; 3];
             for _ in 0..400 {
-                seen[sample(&logits, &sampling, &mut rng) as usize] += 1;
+                seen[sample(&logits, &sampling, &mut rng).expect("finite logits") as usize] += 1;
             }
             seen
         };

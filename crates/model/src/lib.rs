@@ -43,6 +43,8 @@ pub mod precision;
 
 pub use device_memory::{DeviceMemory, device_memory, gpu_runtime};
 pub use encoder::{EncoderClassifier, EncoderConfig, PoolerActivation, PoolingKind};
-pub use gpt::{GeluKind, Gpt, GptConfig, Sampling, cross_entropy, smoothed_cross_entropy};
+pub use gpt::{
+    GeluKind, Gpt, GptConfig, NonFiniteLogits, Sampling, cross_entropy, smoothed_cross_entropy,
+};
 pub use kernels::{AttentionKernel, Kernels};
 pub use precision::ComputeDtype;

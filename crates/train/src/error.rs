@@ -179,6 +179,18 @@ pub enum TrainError {
         in_a_row: usize,
     },
 
+    /// A model that gives logits that are not finite: weights training
+    /// diverged to NaN or infinity.
+    #[error(
+        "{model}: {why}; sample a model from before the divergence (`--best` takes the best evaluation's, where there was a finite one), or train again with a lower training.learning_rate or more training.warmup_steps"
+    )]
+    Diverged {
+        /// The model (the step of a run, a GPT-2 folder).
+        model: String,
+        /// What was not finite.
+        why: String,
+    },
+
     /// `kiln export`'s destination exists.
     #[error("`{}` exists already; kiln export writes a new folder and overwrites nothing (remove it, or choose another --out)", path.display())]
     ExportExists {
@@ -239,6 +251,7 @@ impl TrainError {
                 | Self::FlashAttentionNotHere { .. }
                 | Self::CublasNotHere { .. }
                 | Self::ExportExists { .. }
+                | Self::Diverged { .. }
                 | Self::Unsupported(..)
                 | Self::WorldSize { .. }
         ) || matches!(self, Self::Dist(e) if e.is_bad_input())

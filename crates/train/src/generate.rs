@@ -73,10 +73,11 @@ pub struct Samples {
     pub notes: Vec<String>,
 }
 
-/// `count` continuations of `prompt` by `model`, from one random stream
-/// seeded with `seed`.
+/// `count` continuations of `prompt` by `model` (`source` names it in
+/// errors), from one random stream seeded with `seed`.
 pub(crate) fn generate_texts(
     model: &Gpt,
+    source: &str,
     tokenizer: &Tokenizer,
     prompt: &str,
     settings: &SampleSection,
@@ -93,7 +94,12 @@ pub(crate) fn generate_texts(
         kiln_model::Sampling::new(settings.temperature, settings.top_k).with_top_p(settings.top_p);
     let mut texts = Vec::with_capacity(settings.count);
     for _ in 0..settings.count {
-        let out = model.generate(&ids, settings.tokens, &sampling, &mut rng, device);
+        let out = model
+            .generate(&ids, settings.tokens, &sampling, &mut rng, device)
+            .map_err(|e| TrainError::Diverged {
+                model: source.to_string(),
+                why: e.to_string(),
+            })?;
         texts.push(tokenizer.decode(&out[ids.len()..])?);
     }
     Ok((ids.len(), texts))
@@ -160,8 +166,15 @@ pub fn sample(
     let prompt = (request.prompt.clone())
         .filter(|p| !p.is_empty())
         .unwrap_or_else(|| "\n".into());
-    let (prompt_tokens, continuations) =
-        generate_texts(&model, &tokenizer, &prompt, &settings, seed, &device.device)?;
+    let (prompt_tokens, continuations) = generate_texts(
+        &model,
+        &source,
+        &tokenizer,
+        &prompt,
+        &settings,
+        seed,
+        &device.device,
+    )?;
     Ok(Samples {
         source,
         device: device.name,

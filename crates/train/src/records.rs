@@ -37,16 +37,26 @@ impl Record {
     }
 }
 
+/// A loss or norm that JSON holds as `null` where it was NaN or infinite
+/// (serde_json writes those so): read back as NaN, so that a diverged
+/// step's or evaluation's record is kept where it was dropped (a run's
+/// summary then counted the steps up to the last finite one).
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
 /// One logged optimizer step.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StepMetrics {
     /// The optimizer step, from 1.
     pub step: u64,
     /// The training loss, averaged over the step's micro-batches.
+    #[serde(deserialize_with = "nan_if_null")]
     pub loss: f64,
     /// The learning rate the update used.
     pub lr: f64,
     /// The global gradient norm, before clipping.
+    #[serde(deserialize_with = "nan_if_null")]
     pub grad_norm: f64,
     /// Wall time of the step, loader wait included.
     pub ms_per_step: f64,
@@ -97,13 +107,16 @@ pub enum EvalMetrics {
     /// The language model: mean loss over `eval_iters` batches of each split.
     Lm {
         /// Mean loss on training batches.
+        #[serde(deserialize_with = "nan_if_null")]
         train_loss: f64,
         /// Mean loss on validation batches.
+        #[serde(deserialize_with = "nan_if_null")]
         val_loss: f64,
     },
     /// The pair classifier: loss and scores on the held-out fold.
     Nli {
         /// Mean loss on the held-out fold.
+        #[serde(deserialize_with = "nan_if_null")]
         val_loss: f64,
         /// Accuracy, macro-F1 and per-class scores on it.
         scores: Scores,
@@ -304,6 +317,57 @@ mod tests {
             Record::Eval(e) => {
                 assert_eq!(e.score, Some(0.4));
                 assert!(matches!(e.metrics, EvalMetrics::Nli { .. }));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A diverged step's NaN loss is written as `null`; it reads back as
+    /// NaN, not as a line that fails to parse (and is dropped).
+    #[test]
+    fn records_of_a_diverged_step_read_back() {
+        let step = Record::Step(StepMetrics {
+            step: 3,
+            loss: f64::NAN,
+            lr: 1e-3,
+            grad_norm: f64::INFINITY,
+            ms_per_step: 30.0,
+            tokens_per_s: 1000.0,
+            samples_per_s: 10.0,
+            mfu: None,
+            data_wait_pct: 0.0,
+            comm_pct: None,
+            memory_bytes: 1,
+            peak_memory_bytes: 1,
+            device_memory: false,
+            tokens_seen: 768,
+        });
+        let eval = Record::Eval(EvalRecord {
+            step: 3,
+            metrics: EvalMetrics::Lm {
+                train_loss: f64::NAN,
+                val_loss: f64::NAN,
+            },
+            score: Some(f64::NAN),
+        });
+        for record in [step, eval] {
+            let line = serde_json::to_string(&record).expect("serialises");
+            assert!(line.contains("null"), "{line}");
+            let back: Record = serde_json::from_str(&line).expect("a NaN's line parses");
+            assert_eq!(back.step(), 3);
+            match back {
+                Record::Step(s) => assert!(s.loss.is_nan() && s.grad_norm.is_nan() && s.lr == 1e-3),
+                Record::Eval(e) => {
+                    assert!(e.metrics.val_loss().is_nan());
+                    assert_eq!(e.score, None, "no score: never the best");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let nli = r#"{"val_loss":null,"scores":{"accuracy":0.5,"macro_f1":0.4,"per_class":[],"confusion":[]},"kind":"eval","step":3}"#;
+        match serde_json::from_str::<Record>(nli).expect("parses") {
+            Record::Eval(e) => {
+                assert!(matches!(e.metrics, EvalMetrics::Nli { val_loss, .. } if val_loss.is_nan()))
             }
             other => panic!("{other:?}"),
         }

@@ -227,10 +227,17 @@ pub(crate) fn write_plots(
     let (lo, hi) = losses.fold((f64::MAX, f64::MIN), |(a, b), l| (a.min(l), b.max(l)));
     let (lo, hi) = if lo < hi {
         (lo, hi)
-    } else {
+    } else if lo == hi {
         (lo - 1.0, lo + 1.0)
+    } else {
+        // No finite loss at all (a run that diverged at once).
+        (0.0, 1.0)
     };
     let err = |e: &dyn std::fmt::Display| e.to_string();
+    // A diverged step's NaN is a gap in its curve, not a point.
+    let finite = |points: Vec<(u64, f64)>| -> Vec<(u64, f64)> {
+        points.into_iter().filter(|p| p.1.is_finite()).collect()
+    };
 
     let path = dir.join("loss.svg");
     let root = SVGBackend::new(&path, (900, 540)).into_drawing_area();
@@ -246,17 +253,17 @@ pub(crate) fn write_plots(
     type Curve<'a> = (Vec<(u64, f64)>, ShapeStyle, &'a str);
     let series: [Curve<'_>; 3] = [
         (
-            steps.iter().map(|s| (s.step, s.loss)).collect(),
+            finite(steps.iter().map(|s| (s.step, s.loss)).collect()),
             BLUE.mix(0.5).into(),
             "train (batch)",
         ),
         (
-            evals.iter().map(|e| (e.step, e.train_loss)).collect(),
+            finite(evals.iter().map(|e| (e.step, e.train_loss)).collect()),
             BLUE.stroke_width(2),
             "train (eval)",
         ),
         (
-            evals.iter().map(|e| (e.step, e.val_loss)).collect(),
+            finite(evals.iter().map(|e| (e.step, e.val_loss)).collect()),
             RED.stroke_width(2),
             "validation (eval)",
         ),

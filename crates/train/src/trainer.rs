@@ -52,9 +52,12 @@ impl EarlyStopping {
         stopping
     }
 
-    /// Takes an evaluation's score: whether it is the best so far.
+    /// Takes an evaluation's score: whether it is the best so far. A score
+    /// that is not finite (a diverged model's NaN loss) is never the best:
+    /// as the first, it would be the best for the rest of the run, since
+    /// nothing compares greater than NaN.
     pub(crate) fn observe(&mut self, score: f64) -> bool {
-        if self.best.is_none_or(|b| score > b) {
+        if score.is_finite() && self.best.is_none_or(|b| score > b) {
             self.best = Some(score);
             self.since_best = 0;
             true
@@ -487,5 +490,17 @@ mod tests {
             never.observe(0.0);
         }
         assert!(!never.should_stop());
+    }
+
+    #[test]
+    fn a_score_that_is_not_finite_is_never_the_best() {
+        let mut s = EarlyStopping::default();
+        assert!(!s.observe(f64::NAN), "a first NaN is not a best");
+        assert!(s.observe(-3.0), "the first finite score is");
+        assert!(!s.observe(f64::NAN));
+        assert!(!s.observe(f64::INFINITY));
+        assert!(s.observe(-2.0));
+        assert_eq!(s.best, Some(-2.0));
+        assert_eq!(s.since_best, 0);
     }
 }

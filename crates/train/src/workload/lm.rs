@@ -623,9 +623,11 @@ impl Task for LmTask {
 }
 
 /// The first of `evals` (step, validation loss) with the lowest loss: the
-/// model the loop kept as the best (a tie is no better).
+/// model the loop kept as the best (a tie is no better, and a loss that is
+/// not finite never the best, as [`crate::trainer::EarlyStopping`] keeps).
 fn first_lowest(evals: impl IntoIterator<Item = (u64, f64)>) -> Option<(u64, f64)> {
-    evals.into_iter().fold(None, |best, e| match best {
+    let finite = evals.into_iter().filter(|e| e.1.is_finite());
+    finite.fold(None, |best, e| match best {
         Some(b) if b.1 <= e.1 => Some(b),
         _ => Some(e),
     })
@@ -844,7 +846,7 @@ impl Session {
             });
         }
         if run.writes() {
-            self.write_samples(&model, run)?;
+            self.write_samples(&model, run, observer)?;
         }
         let summary = self.summarise(
             run,
@@ -864,16 +866,34 @@ impl Session {
         })
     }
 
-    fn write_samples(&self, model: &Gpt, run: &RunDir) -> Result<(), TrainError> {
+    /// The final model's samples in `samples.txt`; where its logits are
+    /// not finite (training diverged, in fewer bad steps in a row than
+    /// precision.max_bad_steps stops at), the reason there instead, and in
+    /// a note: the run still ends with its summary.
+    fn write_samples(
+        &self,
+        model: &Gpt,
+        run: &RunDir,
+        observer: &mut dyn Observer,
+    ) -> Result<(), TrainError> {
         let s = &self.config.sample;
-        let (_, texts) = crate::generate::generate_texts(
+        let texts = match crate::generate::generate_texts(
             model,
+            "the run's final model",
             &self.prepared.tokenizer,
             "\n",
             s,
             self.config.training.seed,
             &self.device.device,
-        )?;
+        ) {
+            Ok((_, texts)) => texts,
+            Err(e @ TrainError::Diverged { .. }) => {
+                let why = format!("no samples: {e}");
+                observer.event(&Event::Note(why.clone()));
+                return run.write("samples.txt", &format!("{why}\n"));
+            }
+            Err(e) => return Err(e),
+        };
         let mut text = String::new();
         for (i, sample) in texts.iter().enumerate() {
             text.push_str(&format!(
@@ -983,7 +1003,16 @@ pub(crate) fn batch_tensors(
 
 #[cfg(test)]
 mod tests {
-    use super::{EarlyStopping, Record, loader_position_for, scored};
+    use super::{EarlyStopping, Record, first_lowest, loader_position_for, scored};
+
+    /// The summary's and `resume --from`'s best: the first lowest finite
+    /// loss, as the loop keeps it.
+    #[test]
+    fn the_best_evaluation_is_the_first_lowest_finite_loss() {
+        let best = first_lowest([(1, f64::NAN), (2, 3.0), (3, 2.0), (4, f64::NAN), (5, 2.0)]);
+        assert_eq!(best, Some((3, 2.0)));
+        assert_eq!(first_lowest([(1, f64::NAN), (2, f64::INFINITY)]), None);
+    }
 
     /// An evaluation line of a run written before language models had a
     /// score (`{"kind":"eval","step":..,"train_loss":..,"val_loss":..}`)
