@@ -192,6 +192,65 @@ fn train_on_documents_prepares_them_first_then_finds_them_prepared() {
     );
 }
 
+/// One text file of 300 kB, one document, as people have a corpus: its
+/// validation split gets its share (it got none, the text going to the
+/// splits in 256 KiB pieces, and training on the store was refused); a
+/// share too small for one piece is warned of at prepare, and training's
+/// refusal says that the store's splits are fixed and how to remake them.
+#[test]
+fn a_small_text_of_one_document_gets_its_validation_share() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let text = std::fs::read_to_string(root().join("data/tinyshakespeare.txt")).expect("corpus");
+    let folder = dir.join("text");
+    std::fs::create_dir_all(&folder).expect("mkdir");
+    std::fs::write(folder.join("plays.txt"), &text[..300_000]).expect("write");
+    let store = dir.join("plays.store");
+    prepare(&folder, &store, &["data.tokenizer=char"]).expect_code(0);
+    let manifest: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(store.join("manifest.json")).expect("manifest"),
+    )
+    .expect("json");
+    let split = |name: &str| -> u64 {
+        let shards = manifest["shards"].as_array().expect("shards");
+        let of = shards.iter().filter(|s| s["split"] == name);
+        of.map(|s| s["tokens"].as_u64().expect("tokens")).sum()
+    };
+    let share = split("val") as f64 / (split("train") + split("val")) as f64;
+    assert!((0.08..0.12).contains(&share), "validation share {share}");
+    run(&tiny_on(dir, "run", 2, &store, &["data.tokenizer=char"])).expect_code(0);
+
+    let thin = dir.join("thin.store");
+    prepare(
+        &folder,
+        &thin,
+        &["data.tokenizer=char", "data.val_fraction=0.001"],
+    )
+    .expect_code(0)
+    .stderr_has(&[
+        "warning: the validation split is empty",
+        "a larger data.val_fraction",
+    ]);
+    let mut diagnose = tiny_on(dir, "d", 2, &thin, &["data.tokenizer=char", "--burst", "0"]);
+    diagnose[0] = "diagnose".into();
+    let said = run(&diagnose);
+    said.stdout_has(&[
+        "but the validation split has 0",
+        "fix: the store prepared again (into a new folder) with a larger data.val_fraction: its splits are fixed",
+    ]);
+    assert!(
+        !said.stdout.contains("model.max_length=1"),
+        "{}",
+        said.stdout
+    );
+    run(&tiny_on(dir, "refused", 2, &thin, &["data.tokenizer=char"]))
+        .expect_code(2)
+        .stderr_has(&[
+            "0 tokens in the validation split",
+            "its splits were fixed when it was prepared: prepare its documents again into a new folder with a larger data.val_fraction",
+        ]);
+}
+
 #[test]
 fn bad_store_input_is_named_with_exit_2() {
     let tmp = tempfile::tempdir().expect("tempdir");

@@ -484,6 +484,8 @@ struct Cutter<'a> {
     options: &'a PrepareOptions,
     tokenizer: &'a Tokenizer,
     tx: &'a crossbeam_channel::Sender<Result<Batch, DataError>>,
+    /// The size pieces are cut to ([`piece_bytes`]).
+    part: usize,
     /// The current document's text not yet cut off.
     pending: String,
     pending_start: bool,
@@ -506,6 +508,7 @@ impl<'a> Cutter<'a> {
             options,
             tokenizer,
             tx,
+            part: piece_bytes(options),
             pending: String::new(),
             pending_start: false,
             batch: Vec::new(),
@@ -527,7 +530,7 @@ impl<'a> Cutter<'a> {
         }
         self.batch_text += piece.text.len() as u64;
         self.pending.push_str(&piece.text);
-        let part = self.options.part_bytes.max(1);
+        let part = self.part;
         while self.pending.len() >= 2 * part {
             let cut = match self.tokenizer.split_point(&self.pending, part) {
                 Some(cut) if cut < self.pending.len() => cut,
@@ -595,6 +598,25 @@ impl<'a> Cutter<'a> {
         }
         Ok(())
     }
+}
+
+/// The smallest piece a small corpus is cut to.
+const MIN_PIECE_BYTES: usize = 4 << 10;
+
+/// The size documents are cut to: `part_bytes`, or less for a corpus whose
+/// validation share is under 8 such pieces, so that it still gets about
+/// its share. A piece goes to one split whole, to the one that keeps the
+/// validation share of the text so far nearest `val_fraction`, so a text
+/// of fewer pieces than about 1 / `val_fraction` gave validation nothing:
+/// Tiny Shakespeare (1.1 MB, one document) in 256 KiB pieces had no
+/// validation tokens, and training on it was refused. From the inputs'
+/// sizes and the settings alone (a corpus of 20 MiB and more keeps 256
+/// KiB), so an interrupted prepare continues with the same cuts.
+fn piece_bytes(options: &PrepareOptions) -> usize {
+    let total: u64 = options.inputs.iter().map(|f| f.bytes).sum();
+    let val_bytes = total as f64 * options.settings.val_fraction;
+    let part = options.part_bytes.max(1);
+    ((val_bytes / 8.0) as usize).clamp(MIN_PIECE_BYTES.min(part), part)
 }
 
 fn floor_char(s: &str, mut i: usize) -> usize {
@@ -899,6 +921,62 @@ mod tests {
             .collect();
         out.sort();
         out
+    }
+
+    /// One text file of one document, smaller than two default pieces
+    /// (256 KiB): its validation split gets about its share, where it got
+    /// no token (the whole text was one piece, and went to training).
+    #[test]
+    fn a_small_corpus_of_one_document_gets_its_validation_share() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let input = dir.path().join("in");
+        std::fs::create_dir_all(&input).expect("mkdir");
+        let line = |i: usize| format!("Line {i}: a long story goes on and on, word after word.\n");
+        let text: String = (0..4000).map(line).collect();
+        assert!((200_000..256 << 10).contains(&text.len()), "{}", text.len());
+        std::fs::write(input.join("story.txt"), &text).expect("write");
+        let source = input.to_str().expect("utf-8");
+        let mut o = options(source, &dir.path().join("out"), 2);
+        (o.batch_bytes, o.part_bytes) = (16 << 20, 256 << 10);
+        assert_eq!(
+            piece_bytes(&o),
+            4096,
+            "a 20 KB validation share in 4 KiB pieces"
+        );
+        let gpt2 = Tokenizer::gpt2().expect("gpt2");
+        prepare(&o, &gpt2, 0, &mut |_| {}).expect("prepares");
+        let store = TokenStore::open(&dir.path().join("out")).expect("opens");
+        let (train, val) = (store.train.len(), store.val.len());
+        let share = val as f64 / (train + val) as f64;
+        assert!((0.08..0.12).contains(&share), "validation share {share}");
+    }
+
+    #[test]
+    fn pieces_shrink_for_a_small_corpus_only() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("a.txt"), "text").expect("write");
+        let source = dir.path().join("a.txt");
+        let mut o = options(source.to_str().expect("utf-8"), &dir.path().join("out"), 1);
+        o.part_bytes = 256 << 10;
+        let sized = |o: &PrepareOptions, bytes: u64| {
+            let mut o = o.clone();
+            o.inputs = vec![InputFile {
+                path: "a.txt".into(),
+                bytes,
+                format: crate::DocFormat::Text,
+                compression: crate::Compression::None,
+            }];
+            piece_bytes(&o)
+        };
+        // Tiny Shakespeare at 0.1: 14 KB pieces, about 80 in all.
+        assert_eq!(sized(&o, 1_115_394), 13_942);
+        // From 20 MiB on, 256 KiB as before; never under 4 KiB.
+        assert_eq!(sized(&o, 20 << 20), 256 << 10);
+        assert_eq!(sized(&o, 1 << 30), 256 << 10);
+        assert_eq!(sized(&o, 1000), 4096);
+        // A smaller part_bytes (the tests') bounds it.
+        o.part_bytes = 512;
+        assert_eq!(sized(&o, 1_115_394), 512);
     }
 
     #[test]

@@ -51,6 +51,9 @@ pub struct DataSize {
     pub truncated: usize,
     /// Pairs only: the 99th percentile of pair length in tokens.
     pub p99_length: Option<usize>,
+    /// The splits were fixed when the data was prepared (a token store):
+    /// `data.val_fraction` does not change them.
+    pub splits_fixed: bool,
 }
 
 /// What a short measured burst of training steps showed.
@@ -188,6 +191,16 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
     match c.workload {
         Workload::Lm => {
             if data.validation < block + 1 {
+                let share = if data.splits_fixed {
+                    "the store prepared again (into a new folder) with a larger data.val_fraction: its splits are fixed"
+                } else {
+                    "a larger data.val_fraction"
+                };
+                // The block that fits, where one of 2 tokens or more does.
+                let fix = match data.validation.checked_sub(1).filter(|&b| b >= 2) {
+                    Some(fits) => format!("model.max_length={fits} or {share}"),
+                    None => share.to_string(),
+                };
                 add(
                     Severity::Error,
                     "model.max_length",
@@ -196,10 +209,7 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
                         block + 1,
                         data.validation
                     ),
-                    format!(
-                        "model.max_length={} or a larger data.val_fraction",
-                        data.validation.saturating_sub(1).max(1)
-                    ),
+                    fix,
                 );
             }
         }

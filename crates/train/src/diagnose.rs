@@ -339,6 +339,7 @@ fn measure(config: &RunConfig) -> Result<Measured, TrainError> {
                 longest: lengths.last().copied(),
                 truncated: lengths.iter().filter(|l| **l > max_len).count(),
                 p99_length: lengths.get((n.saturating_sub(1)) * 99 / 100).copied(),
+                splits_fixed: false,
             };
             Ok(Measured {
                 data: size,

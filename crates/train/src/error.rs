@@ -16,12 +16,15 @@ pub enum TrainError {
     Config(#[from] kiln_config::ConfigError),
 
     /// The corpus is too short for one window of a split.
-    #[error("`{}` is too short: {why}; use a longer corpus, a smaller model.max_length or data.val_fraction", path.display())]
+    #[error("`{}` is too short: {why}; {remedy}", path.display())]
     CorpusTooShort {
         /// The corpus.
         path: PathBuf,
         /// Which split is short, by how much.
         why: String,
+        /// What lengthens it: a token store's splits were fixed when it
+        /// was prepared.
+        remedy: String,
     },
 
     /// A file of the run could not be written.

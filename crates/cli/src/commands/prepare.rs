@@ -73,6 +73,13 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         m.tokenizer.kind,
         m.tokenizer.vocab_size
     )?;
+    if tokens("val") == 0 {
+        eprintln!(
+            "kiln: warning: the validation split is empty: data.val_fraction = {} of {:.1} MB of text is under half a piece (the text goes to the splits in whole pieces, of 4 KiB at least), and training refuses a store without validation windows; prepare again into a new folder with a larger data.val_fraction",
+            m.settings.val_fraction,
+            m.text_bytes as f64 / 1e6
+        );
+    }
     if m.skipped.count > 0 {
         writeln!(
             stdout,

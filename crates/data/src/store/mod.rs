@@ -66,7 +66,8 @@ pub struct PrepareSettings {
     pub source: String,
     /// The JSON field or parquet column of the text.
     pub text_field: String,
-    /// The share of text (by whole documents) that goes to validation.
+    /// The share of text that goes to validation (by whole documents, or
+    /// by pieces of those longer than a piece).
     pub val_fraction: f64,
     /// Tokens per shard (the last of each split has fewer).
     pub shard_tokens: usize,

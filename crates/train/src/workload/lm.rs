@@ -103,6 +103,31 @@ pub(crate) fn prepare_observed(
     })
 }
 
+/// What lengthens a split too short for one window of `source` (what
+/// `data.path` named): the split's share (`data.val_fraction`) where kiln
+/// splits the text as it reads it, a new store where `data.path` is a token
+/// folder, whose splits were fixed when it was prepared.
+fn short_split_remedy(source: &Path, split: Split) -> String {
+    let share = match split {
+        Split::Train => "a smaller",
+        Split::Val => "a larger",
+    };
+    match kiln_data::TokenStore::detect(source) {
+        Some(kiln_data::store::StoreKind::Kiln) => format!(
+            "its splits were fixed when it was prepared: prepare its documents again into a new folder with {share} data.val_fraction (`kiln prepare … data.val_fraction=…`), or use a smaller model.max_length"
+        ),
+        Some(_) => format!(
+            "its {} files are all the tokens it has: add to them (llm.c's `*_{}_*.bin`, nanoGPT's `{}.bin`), or use a smaller model.max_length",
+            kiln_data::store::split_name(split),
+            kiln_data::store::split_name(split),
+            kiln_data::store::split_name(split)
+        ),
+        None => {
+            format!("use a longer corpus, a smaller model.max_length or {share} data.val_fraction")
+        }
+    }
+}
+
 /// A text file read, encoded (through the token cache) and split in memory.
 fn prepare_in_memory(config: &RunConfig, from: TokenizerFrom<'_>) -> Result<Prepared, TrainError> {
     let corpus = read_corpus(Path::new(&config.data.path), config.data.max_chars)?;
@@ -141,6 +166,7 @@ impl Prepared {
             train: self.train_tokens.len(),
             validation: self.val_tokens.len(),
             samples_per_epoch: self.train_tokens.len() / config.model.max_length.max(1),
+            splits_fixed: kiln_data::TokenStore::detect(&self.source).is_some(),
             ..DataSize::default()
         }
     }
@@ -178,6 +204,7 @@ impl Prepared {
                 TrainError::CorpusTooShort {
                     path: self.source.clone(),
                     why: e.to_string(),
+                    remedy: short_split_remedy(&self.source, split),
                 }
             })
         };
