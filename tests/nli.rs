@@ -358,6 +358,10 @@ fn bad_pair_files_are_named_with_their_line_and_exit_2() {
         (write("columns.tsv", b"sentence1\tsentence2\tlabel\na\tb\tneutral\n"), vec!["no column `premise`"], vec![]),
         (write("unknown.jsonl", format!("{good_row}{{\"premise\": \"a\", \"hypothesis\": \"b\", \"label\": \"maybe\"}}\n").as_bytes()), vec!["unknown.jsonl` line 2", "unknown label \"maybe\"", "set data.bad_rows = \"skip\""], vec!["data.bad_rows=error"]),
         (write("latin1.jsonl", b"{\"premise\": \"caf\xe9\"}\n"), vec!["invalid byte 0xe9", "line 1"], vec![]),
+        // Fewer premises than folds: a fold of no pair trained on an empty
+        // batch and panicked.
+        (write("few.jsonl", format!("{good_row}{}", good_row.replace("a man", "a dog")).as_bytes()), vec!["few.jsonl` is too short: 2 usable pairs under 2 premises, but 5 folds grouped by premise need 5 premises at least", "cv.folds=2"], vec![]),
+        (write("one.jsonl", good_row.as_bytes()), vec!["1 usable pair under 1 premise", "cross-validation needs 2 premises at least"], vec!["cv.folds=2"]),
     ];
     for (path, wants, extra) in cases {
         let mut args = vec![

@@ -56,7 +56,44 @@ pub(crate) fn read(config: &RunConfig) -> Result<Pairs, TrainError> {
         config.cv.folds,
         config.training.seed,
     );
+    check_folds(&data.path, &premises, &folds, config.cv.folds)?;
     Ok(Pairs { data, folds })
+}
+
+/// Every fold holds a pair (and so every fold's training part does): a
+/// fold of none trained on an empty batch and panicked. Folds are grouped
+/// by premise, so `k` folds need `k` premises at least.
+fn check_folds(
+    path: &Path,
+    premises: &[&str],
+    folds: &[usize],
+    k: usize,
+) -> Result<(), TrainError> {
+    let mut sizes = vec![0usize; k];
+    for &f in folds {
+        sizes[f] += 1;
+    }
+    let Some(empty) = sizes.iter().position(|&n| n == 0) else {
+        return Ok(());
+    };
+    let distinct = premises
+        .iter()
+        .collect::<std::collections::HashSet<_>>()
+        .len();
+    Err(TrainError::CorpusTooShort {
+        path: path.to_path_buf(),
+        why: format!(
+            "{} under {}, but {k} folds grouped by premise need {k} premises at least (fold {} would hold no pair)",
+            kiln_plan::counted(premises.len(), "usable pair"),
+            kiln_plan::counted(distinct, "premise"),
+            empty + 1
+        ),
+        remedy: if distinct >= 2 {
+            format!("use more pairs, or cv.folds={}", distinct.min(k - 1))
+        } else {
+            "use more pairs: cross-validation needs 2 premises at least".into()
+        },
+    })
 }
 
 /// One fold's workload, prepared: what the fold's training, `kiln bench
