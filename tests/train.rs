@@ -550,6 +550,20 @@ fn bad_training_input_is_named_with_exit_2_and_no_run_directory() {
                 "`cubecl-cpu` feature".into(),
             ],
         ),
+        // A step estimated at hundreds of TiB: the OOM killer ended such
+        // runs once the machine's memory was full.
+        (
+            vec![
+                format!("data.path={}", good.display()),
+                "training.batch_size=100000000".into(),
+            ],
+            vec![
+                "training.batch_size: the step needs about".into(),
+                "(estimate) but available RAM is".into(),
+                "over twice what it has; fix: training.batch_size=".into(),
+                "--force runs it anyway".into(),
+            ],
+        ),
     ];
     for (extra, wants) in cases {
         let mut args = vec![

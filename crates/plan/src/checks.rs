@@ -369,39 +369,48 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
     }
 
     // Memory.
-    if !memory.fits() {
-        let (fixed, per_sample) = fixed_and_per_sample(memory, t.batch_size);
-        let room = (0.9 * memory.available as f64) as u64;
-        let fits = (room.saturating_sub(fixed) / per_sample.max(1)) as usize;
-        // The largest divisor of the effective batch that fits keeps it exactly.
-        let effective = t.batch_size * t.gradient_accumulation_steps.max(1);
-        let micro = crate::divisors(effective)
-            .into_iter()
-            .rev()
-            .find(|d| *d <= fits)
-            .unwrap_or(1);
-        let mut fix = format!(
-            "training.batch_size={micro} with training.gradient_accumulation_steps={} keeps the effective batch of {effective}",
-            effective / micro
-        );
-        if fits == 0 {
-            fix = "lower model.max_length, or model.gradient_checkpointing=true".into();
-        } else if !c.model.gradient_checkpointing {
-            fix.push_str("; or model.gradient_checkpointing=true");
-        }
-        add(
-            Severity::Error,
-            "training.batch_size",
-            format!(
-                "the step needs about {} (estimate) but {} is {}",
-                gib(memory.total),
-                memory.available_what,
-                gib(memory.available)
-            ),
-            fix,
-        );
-    }
+    out.extend(memory_finding(c, memory));
     out
+}
+
+/// The error of a step whose estimated memory exceeds what is available,
+/// with the batch (and accumulation, keeping the effective batch) that
+/// fits: `kiln diagnose`'s finding, and `kiln train`'s refusal on the CPU.
+pub fn memory_finding(c: &RunConfig, memory: &MemoryEstimate) -> Option<Finding> {
+    if memory.fits() {
+        return None;
+    }
+    let t = &c.training;
+    let (fixed, per_sample) = fixed_and_per_sample(memory, t.batch_size);
+    let room = (0.9 * memory.available as f64) as u64;
+    let fits = (room.saturating_sub(fixed) / per_sample.max(1)) as usize;
+    // The largest divisor of the effective batch that fits keeps it exactly.
+    let effective = t.batch_size * t.gradient_accumulation_steps.max(1);
+    let micro = crate::divisors(effective)
+        .into_iter()
+        .rev()
+        .find(|d| *d <= fits)
+        .unwrap_or(1);
+    let mut fix = format!(
+        "training.batch_size={micro} with training.gradient_accumulation_steps={} keeps the effective batch of {effective}",
+        effective / micro
+    );
+    if fits == 0 {
+        fix = "lower model.max_length, or model.gradient_checkpointing=true".into();
+    } else if !c.model.gradient_checkpointing {
+        fix.push_str("; or model.gradient_checkpointing=true");
+    }
+    Some(Finding {
+        severity: Severity::Error,
+        key: "training.batch_size".into(),
+        problem: format!(
+            "the step needs about {} (estimate) but {} is {}",
+            gib(memory.total),
+            memory.available_what,
+            gib(memory.available)
+        ),
+        fix,
+    })
 }
 
 /// Tokens in a micro-batch (`batch_size × model.max_length`) below which

@@ -53,12 +53,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let overrides: Vec<&str> = overrides.iter().map(String::as_str).collect();
     let machine = kiln_train::kiln_hwdetect::detect_cpu_only();
     let config = resolve_overrides(&Presets::built_in(), &overrides, &machine)?.config;
-    let options = TrainOptions {
-        interrupt: Default::default(),
-        hardware: machine,
-        sources: Vec::new(),
-        group: None,
-    };
+    let options = TrainOptions::new(machine);
     if let Outcome::Finished { run, summary } = train(&config, &options, &mut Print)? {
         let sample = std::fs::read_to_string(run.join("samples.txt")).unwrap_or_default();
         println!(

@@ -194,6 +194,19 @@ pub enum TrainError {
         why: String,
     },
 
+    /// A CPU run whose step needs over twice the memory the machine has.
+    #[error(
+        "{key}: {problem}, over twice what it has; fix: {fix} (`kiln diagnose` shows the estimate by part; --force runs it anyway)"
+    )]
+    OverMemory {
+        /// The key to change.
+        key: String,
+        /// The estimate against the memory available.
+        problem: String,
+        /// The batch that fits.
+        fix: String,
+    },
+
     /// `kiln export`'s destination exists.
     #[error("`{}` exists already; kiln export writes a new folder and overwrites nothing (remove it, or choose another --out)", path.display())]
     ExportExists {
@@ -255,6 +268,7 @@ impl TrainError {
                 | Self::CublasNotHere { .. }
                 | Self::ExportExists { .. }
                 | Self::Diverged { .. }
+                | Self::OverMemory { .. }
                 | Self::Unsupported(..)
                 | Self::WorldSize { .. }
         ) || matches!(self, Self::Dist(e) if e.is_bad_input())

@@ -9,8 +9,10 @@ use kiln_hwdetect::HardwareReport;
 use crate::records::CvSummary;
 use crate::report::Summary;
 
-/// What the caller provides besides the configuration.
+/// What the caller provides besides the configuration
+/// ([`TrainOptions::new`], then its fields as needed).
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct TrainOptions {
     /// Set (by Ctrl-C) to stop after the current step with a checkpoint.
     pub interrupt: Arc<AtomicBool>,
@@ -23,9 +25,24 @@ pub struct TrainOptions {
     /// share of every batch; gradients are averaged once per optimizer
     /// step; rank 0 alone writes the run directory.
     pub group: Option<Arc<kiln_dist::Group>>,
+    /// Train even where, on the CPU, the step's memory estimate exceeds
+    /// the available RAM (`--force`; refused otherwise, exit 2).
+    pub force: bool,
 }
 
 impl TrainOptions {
+    /// A run alone on `hardware`: no interrupt set, no sources, no job,
+    /// not forced.
+    pub fn new(hardware: HardwareReport) -> Self {
+        Self {
+            interrupt: Arc::default(),
+            hardware,
+            sources: Vec::new(),
+            group: None,
+            force: false,
+        }
+    }
+
     /// Processes in the job (1 alone).
     pub fn world_size(&self) -> usize {
         self.group.as_ref().map_or(1, |g| g.world_size())

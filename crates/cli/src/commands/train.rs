@@ -15,7 +15,8 @@ use crate::progress;
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct TrainArgs {
-    /// Run a GPU preset on a machine without that GPU
+    /// Run a GPU preset on a machine without that GPU, or a CPU run whose
+    /// memory estimate exceeds the available RAM
     #[arg(long)]
     force: bool,
     /// Show the run in a live dashboard (plots of each metric, progress,
@@ -104,6 +105,10 @@ pub(crate) struct ResumeArgs {
     /// Show the run in a live dashboard instead of lines (as `kiln train --tui`)
     #[arg(long)]
     tui: bool,
+    /// Resume a CPU run even where its memory estimate exceeds the
+    /// available RAM (as `kiln train --force`)
+    #[arg(long)]
+    force: bool,
     /// Changes to the saved configuration, `key=value`: for a language model
     /// the run's length (`training.max_steps=6000`), the optimizer's
     /// settings (`training.learning_rate=5e-4`), the micro-batch
@@ -148,6 +153,7 @@ fn run_command(command: &'static str, args: TrainArgs, ctx: Context) -> anyhow::
             run,
             from: None,
             tui: args.tui,
+            force: args.force,
             overrides: Vec::new(),
         };
         return resume(resume_args, ctx);
@@ -245,7 +251,8 @@ pub(crate) fn resume(args: ResumeArgs, ctx: Context) -> anyhow::Result<ExitCode>
         }
         return super::sweep::resume(&args.run, args.tui);
     }
-    let options = train_options(ctx.report, Vec::new())?;
+    let mut options = train_options(ctx.report, Vec::new())?;
+    options.force = args.force;
     let mut observer = observer(&options, args.tui)?;
     let request = kiln_train::ResumeRequest {
         overrides: args.overrides,
@@ -344,7 +351,8 @@ fn train_command(
         .lines()
         .map(String::from)
         .collect();
-    let options = train_options(report, sources)?;
+    let mut options = train_options(report, sources)?;
+    options.force = force;
     if let Some(choice) = &resolved.hardware_choice
         && options.writes()
     {
@@ -460,12 +468,11 @@ fn train_options(
             "\nkiln: stopping after this step with a checkpoint (Ctrl-C again to quit at once)"
         );
     })?;
-    Ok(kiln_train::TrainOptions {
-        interrupt,
-        hardware,
-        sources,
-        group: join_job()?,
-    })
+    let mut options = kiln_train::TrainOptions::new(hardware);
+    options.interrupt = interrupt;
+    options.sources = sources;
+    options.group = join_job()?;
+    Ok(options)
 }
 
 fn finish(outcome: kiln_train::Outcome, options: &kiln_train::TrainOptions) -> ExitCode {

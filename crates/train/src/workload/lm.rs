@@ -171,6 +171,18 @@ impl Prepared {
         }
     }
 
+    /// A CPU run whose step needs more than the available RAM, refused
+    /// ([`crate::diagnose::refuse_over_memory`]).
+    fn refuse_over_memory(
+        &self,
+        config: &RunConfig,
+        device: &DeviceChoice,
+        options: &TrainOptions,
+    ) -> Result<(), TrainError> {
+        let model = (self.tokenizer.vocab_size(), self.model_size());
+        crate::diagnose::refuse_over_memory(config, device, &options.hardware, model, options.force)
+    }
+
     pub(crate) fn model_size(&self) -> ModelSize {
         let parameters = self.gpt.num_params();
         ModelSize {
@@ -242,6 +254,7 @@ pub(crate) fn train(
     let prepared = prepare_in_turn(options.group.as_deref(), || {
         prepare_observed(config, TokenizerFrom::Config, observer)
     })?;
+    prepared.refuse_over_memory(config, &device, options)?;
     let (session, model) =
         Session::new(config, device, &options.hardware, prepared, None, options)?;
     let run = if options.writes() {
@@ -328,6 +341,7 @@ pub(crate) fn resume(
     if !saved {
         run.write("tokenizer.json", &prepared.tokenizer.to_json()?)?;
     }
+    prepared.refuse_over_memory(config, &device, options)?;
     let step = from.as_ref().map_or(0, |(info, _)| info.step);
     let resume_from = from.map(|(info, state)| (info.path, state));
     let (session, model) = Session::new(
