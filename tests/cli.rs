@@ -558,6 +558,17 @@ fn cv_and_bench_nli_respect_an_experiment_chosen_by_any_layer() {
             "`kiln cv` cross-validates the nli workload",
             "shakespeare_char",
         ]);
+    // A bench of no steps (or a loader bench of no batches) is refused: it
+    // printed zeros as its rates.
+    for args in [
+        ["bench", "nli", "--steps=0"],
+        ["bench", "loader", "--batches=0"],
+    ] {
+        kiln(&args)
+            .run()
+            .expect_code(2)
+            .stderr_has(&["`0` is not a whole number of 1 or more"]);
+    }
     // Where no layer chooses one, `bench nli` takes the NLI experiment.
     let run = kiln(&[
         "bench",
