@@ -786,9 +786,12 @@ impl RunConfig {
         check(m.layers >= 1, "model.layers", "must be at least 1");
         check(m.heads >= 1, "model.heads", "must be at least 1");
         check(
-            m.heads >= 1 && m.hidden.is_multiple_of(m.heads),
+            m.heads >= 1 && m.hidden >= 1 && m.hidden.is_multiple_of(m.heads),
             "model.hidden",
-            &format!("must be a multiple of model.heads ({})", m.heads),
+            &format!(
+                "must be a multiple of model.heads ({}), at least 1",
+                m.heads
+            ),
         );
         check(
             m.intermediate >= 1,

@@ -374,6 +374,12 @@ fn bad_values_name_key_value_and_layer() {
             &[],
             &["model.dropout", "must be in [0, 1)"],
         ),
+        // 0 is a multiple of any head count, and panicked in the kernels.
+        (
+            &["model.hidden=0"],
+            &[],
+            &["invalid value 0 for `model.hidden`", "at least 1"],
+        ),
         (
             &["run.dir=runs/{date}-{experiment}"],
             &[],
