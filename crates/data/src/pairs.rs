@@ -178,10 +178,10 @@ pub fn read_pairs(path: &Path, schema: &PairSchema) -> Result<PairDataset, DataE
             match &row.label {
                 None if schema.require_label => Some(format!("no `{}`", schema.label)),
                 None => None,
-                Some(l) => match schema.labels.iter().position(|n| n == l) {
+                Some(l) => match label_index(l, &schema.labels) {
                     Some(_) => None,
                     None => Some(format!(
-                        "unknown label {l:?} (expected one of {})",
+                        "unknown label {l:?} (expected one of {}, or its index from 0)",
                         schema.labels.join(", ")
                     )),
                 },
@@ -192,7 +192,7 @@ pub fn read_pairs(path: &Path, schema: &PairSchema) -> Result<PairDataset, DataE
                 label: row
                     .label
                     .as_ref()
-                    .and_then(|l| schema.labels.iter().position(|n| n == l)),
+                    .and_then(|l| label_index(l, &schema.labels)),
                 premise: row.premise,
                 hypothesis: row.hypothesis,
                 line: row.line,
@@ -211,10 +211,13 @@ pub fn read_pairs(path: &Path, schema: &PairSchema) -> Result<PairDataset, DataE
         return Err(DataError::BadRow {
             path: path.to_path_buf(),
             line: skipped.first().map_or(1, |s| s.0),
-            why: format!(
-                "no usable pair in the file ({} rows skipped)",
-                skipped.len()
-            ),
+            why: match skipped.first() {
+                Some((line, why)) => format!(
+                    "no usable pair in the file ({} rows skipped; the first, line {line}: {why})",
+                    skipped.len()
+                ),
+                None => "no usable pair in the file".into(),
+            },
         });
     }
     Ok(PairDataset {
@@ -223,6 +226,15 @@ pub fn read_pairs(path: &Path, schema: &PairSchema) -> Result<PairDataset, DataE
         skipped,
         labels: schema.labels.clone(),
     })
+}
+
+/// The index of the label `l`: its name among `labels`, else a whole
+/// number below their count, as Hugging Face's datasets write labels in
+/// TSV and CSV (`0` entailment, `1` neutral, `2` contradiction) and as a
+/// JSON number is read.
+fn label_index(l: &str, labels: &[String]) -> Option<usize> {
+    let by_name = labels.iter().position(|n| n == l);
+    by_name.or_else(|| l.trim().parse::<usize>().ok().filter(|&i| i < labels.len()))
 }
 
 struct Row {
@@ -458,7 +470,45 @@ mod tests {
             BadRows::Skip,
         )
         .expect_err("nothing usable");
-        assert!(err.contains("no usable pair"), "{err}");
+        // The first skipped row's reason, not only a count.
+        assert!(
+            err.contains(
+                "no usable pair in the file (1 rows skipped; the first, line 1: unknown label \"x\""
+            ),
+            "{err}"
+        );
+    }
+
+    /// Labels as Hugging Face's datasets write them in TSV and CSV: the
+    /// index of the name (as a JSON number is read); `-1` (SNLI's "no gold
+    /// label") and indices past the names are unknown; a name that is a
+    /// number is its name first.
+    #[test]
+    fn whole_number_labels_are_indices_of_the_names() {
+        let tsv =
+            "premise\thypothesis\tlabel\na\tb\t0\nc\td\t2\ne\tf\t-1\ng\th\t3\ni\tj\tneutral\n";
+        let (_d, path) = file("d.tsv", tsv.as_bytes());
+        let d = read_pairs(&path, &schema(BadRows::Skip)).expect("reads");
+        let labels: Vec<Option<usize>> = d.pairs.iter().map(|p| p.label).collect();
+        assert_eq!(labels, vec![Some(0), Some(2), Some(1)]);
+        assert_eq!(
+            d.skipped.iter().map(|s| s.0).collect::<Vec<_>>(),
+            vec![4, 5]
+        );
+        assert!(
+            d.skipped[0].1.contains("unknown label \"-1\""),
+            "{:?}",
+            d.skipped
+        );
+        let named = PairSchema {
+            labels: vec!["1".into(), "0".into()],
+            ..schema(BadRows::Skip)
+        };
+        let tsv = "premise\thypothesis\tlabel\na\tb\t0\nc\td\t1\n";
+        let (_d, path) = file("n.tsv", tsv.as_bytes());
+        let d = read_pairs(&path, &named).expect("reads");
+        let labels: Vec<Option<usize>> = d.pairs.iter().map(|p| p.label).collect();
+        assert_eq!(labels, vec![Some(1), Some(0)], "names before indices");
     }
 
     #[test]
