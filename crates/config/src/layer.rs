@@ -141,9 +141,15 @@ impl Layer {
         })
     }
 
-    /// The location of `key` in this layer, falling back to the file.
+    /// The location of `key` in this layer (of a table, its first key's:
+    /// `nonsense.key=1` for the unknown table `nonsense`), falling back to
+    /// the file.
     pub(crate) fn location_of(&self, key: &str) -> String {
         if let Some(loc) = self.locations.get(key) {
+            return loc.clone();
+        }
+        let table = format!("{key}.");
+        if let Some((_, loc)) = self.locations.iter().find(|(k, _)| k.starts_with(&table)) {
             return loc.clone();
         }
         match &self.file {

@@ -475,6 +475,12 @@ fn bad_values_name_key_value_and_layer() {
             &[("KILN_TRAINNG__BATCH_SIZE", "3")],
             &["unknown key `trainng`", "did you mean `training`?"],
         ),
+        // An unknown table is named where it was set (it read "(?)").
+        (
+            &["nonsense.key=1"],
+            &[],
+            &["unknown key `nonsense` set by command line (nonsense.key=1)"],
+        ),
     ];
     for (args, env, wants) in cases {
         let mut case = Case::new(args);
