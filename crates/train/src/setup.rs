@@ -7,7 +7,7 @@ use burn::tensor::Device;
 use kiln_config::RunConfig;
 use kiln_hwdetect::{CpuInfo, CpuPeak, HardwareReport, IsaFeatures};
 use kiln_model::ComputeDtype;
-use kiln_plan::run_gpu;
+use kiln_plan::{AttentionMemory, LogitsMemory, ModelSize, estimate_memory_with, run_gpu};
 
 use crate::params::param_entries;
 use crate::precision::{LossScaler, PrecisionChoice};
@@ -455,6 +455,71 @@ fn wgpu_language(runtime: &str) -> Option<&'static str> {
         "wgpu<wgsl>" => Some("WGSL"),
         "wgpu<msl>" => Some("MSL"),
         _ => None,
+    }
+}
+
+/// What the step keeps of attention and of the LM head's logits on
+/// `device`, computing in `compute`: the estimate's two choices.
+pub(crate) fn kept_memory(
+    config: &RunConfig,
+    device: &DeviceChoice,
+    compute: kiln_model::ComputeDtype,
+) -> (AttentionMemory, LogitsMemory) {
+    let kernels = crate::translate::kernels(config);
+    let choice = kernels.attention(crate::translate::attention(config));
+    let attention = if kiln_model::kernels::attention_keeps_scores(&device.device, compute, choice)
+    {
+        AttentionMemory::Scores
+    } else {
+        AttentionMemory::LogSumExp
+    };
+    let logits = if kiln_model::kernels::lm_head_keeps_logits(&device.device, kernels) {
+        LogitsMemory::All
+    } else {
+        LogitsMemory::Chunks {
+            elements: kiln_model::kernels::LM_HEAD_CHUNK_ELEMENTS as u64,
+        }
+    };
+    (attention, logits)
+}
+
+/// `kiln train`'s and `kiln resume`'s refusal, before the run directory is
+/// touched, of a run on the CPU whose step needs over twice the memory the
+/// machine has available, by diagnose's estimate, with diagnose's fix.
+/// Without it the operating system's OOM killer ended the run
+/// (`training.batch_size=100000` on 24 GiB: killed after 43 s, the
+/// machine's memory full). Twice: the estimate counts more than flex's
+/// kernels keep at large batches (the default GPT at batch 3000: 12.2 GiB
+/// estimated, a 7.1 GiB peak), so a step estimated between one and two
+/// times the RAM may fit, and is left to run. Not on a GPU, where the
+/// estimate counts attention's scores that kiln's kernels do not keep, and
+/// a failed allocation is the run's error, not the machine's; not with
+/// `force`.
+pub(crate) fn refuse_over_memory(
+    config: &RunConfig,
+    device: &DeviceChoice,
+    hardware: &HardwareReport,
+    (vocab, size): (usize, ModelSize),
+    force: bool,
+) -> Result<(), TrainError> {
+    if device.is_gpu || force {
+        return Ok(());
+    }
+    let compute = run_precision(config, device, hardware).compute;
+    let (attention, logits) = kept_memory(config, device, compute);
+    let mut memory = estimate_memory_with(config, vocab, size, attention, logits);
+    memory.available = hardware.memory.available_bytes;
+    memory.available_what = "available RAM".to_string();
+    if memory.total <= memory.available.saturating_mul(2) {
+        return Ok(());
+    }
+    match kiln_plan::memory_finding(config, &memory) {
+        Some(f) => Err(TrainError::OverMemory {
+            key: f.key,
+            problem: f.problem,
+            fix: f.fix,
+        }),
+        None => Ok(()),
     }
 }
 

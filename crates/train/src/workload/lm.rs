@@ -172,7 +172,7 @@ impl Prepared {
     }
 
     /// A CPU run whose step needs more than the available RAM, refused
-    /// ([`crate::diagnose::refuse_over_memory`]).
+    /// ([`crate::setup::refuse_over_memory`]).
     fn refuse_over_memory(
         &self,
         config: &RunConfig,
@@ -180,7 +180,7 @@ impl Prepared {
         options: &TrainOptions,
     ) -> Result<(), TrainError> {
         let model = (self.tokenizer.vocab_size(), self.model_size());
-        crate::diagnose::refuse_over_memory(config, device, &options.hardware, model, options.force)
+        crate::setup::refuse_over_memory(config, device, &options.hardware, model, options.force)
     }
 
     pub(crate) fn model_size(&self) -> ModelSize {
