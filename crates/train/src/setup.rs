@@ -491,10 +491,10 @@ pub(crate) fn kept_memory(
 /// machine's memory full). Twice: the estimate counts more than flex's
 /// kernels keep at large batches (the default GPT at batch 3000: 12.2 GiB
 /// estimated, a 7.1 GiB peak), so a step estimated between one and two
-/// times the RAM may fit, and is left to run. Not on a GPU, where the
-/// estimate counts attention's scores that kiln's kernels do not keep, and
-/// a failed allocation is the run's error, not the machine's; not with
-/// `force`.
+/// times the RAM may fit, and is left to run. Not on a GPU, where a failed
+/// allocation is the run's error (exit 2, checkpoints kept), not the
+/// machine's, and the estimate has not been checked against a GPU's peak;
+/// not with `force`.
 pub(crate) fn refuse_over_memory(
     config: &RunConfig,
     device: &DeviceChoice,
