@@ -510,7 +510,8 @@ pub(crate) fn refuse_over_memory(
     let mut memory = estimate_memory_with(config, vocab, size, attention, logits);
     memory.available = hardware.memory.available_bytes;
     memory.available_what = "available RAM".to_string();
-    if memory.total <= memory.available.saturating_mul(2) {
+    // 0: the memory could not be read; nothing to hold the estimate to.
+    if memory.available == 0 || memory.total <= memory.available.saturating_mul(2) {
         return Ok(());
     }
     match kiln_plan::memory_finding(config, &memory) {
