@@ -156,8 +156,17 @@ impl TokenStore {
     }
 
     /// Opens the store in `path`: every shard's header checked against its
-    /// size; nothing else read.
+    /// size; nothing else read. A store of more shards than a quarter of
+    /// the files this process may hold open ([`open_files_limit`]) keeps
+    /// none of their files open ([`Shard::without_file`]): each read opens
+    /// its shard, a few microseconds more.
     pub fn open(path: &Path) -> Result<Self, DataError> {
+        Self::open_keeping(path, open_files_limit() / 4)
+    }
+
+    /// [`TokenStore::open`], holding the shards' files open where there
+    /// are at most `keep_open` of them.
+    fn open_keeping(path: &Path, keep_open: usize) -> Result<Self, DataError> {
         let not_a_store = || DataError::InvalidArgument {
             what: "token store",
             why: format!(
@@ -169,6 +178,7 @@ impl TokenStore {
         let (manifest, train, val) = match kind {
             StoreKind::Kiln => {
                 let manifest = read_manifest(path)?;
+                let keep = manifest.shards.len() <= keep_open;
                 let open = |split: Split| -> Result<Vec<Shard>, DataError> {
                     let name = split_name(split);
                     manifest
@@ -176,7 +186,7 @@ impl TokenStore {
                         .iter()
                         .filter(|s| s.split == name)
                         .map(|s| {
-                            let shard = Shard::open(&path.join(&s.file))?;
+                            let shard = kept(Shard::open(&path.join(&s.file))?, keep);
                             if shard.tokens() != s.tokens {
                                 return Err(DataError::BadShard {
                                     path: path.join(&s.file),
@@ -199,8 +209,12 @@ impl TokenStore {
                     path: path.to_path_buf(),
                     source,
                 })?;
+                let keep = train.len() + val.len() <= keep_open;
                 let open = |files: Vec<PathBuf>| -> Result<Vec<Shard>, DataError> {
-                    files.iter().map(|f| Shard::open(f)).collect()
+                    files
+                        .iter()
+                        .map(|f| Ok(kept(Shard::open(f)?, keep)))
+                        .collect()
                 };
                 (None, open(train)?, open(val)?)
             }
@@ -234,6 +248,27 @@ impl TokenStore {
             Split::Val => &self.val,
         }
     }
+}
+
+/// The files this process may hold open: its soft `RLIMIT_NOFILE` (1,024
+/// by default on Linux, 256 on macOS; `kiln` raises it to the hard limit
+/// as it starts). A store of 10 billion tokens in shards of a million has
+/// 10,000 shards.
+pub fn open_files_limit() -> usize {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit only writes the struct it is given.
+    match unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } {
+        0 => usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX),
+        _ => 1024,
+    }
+}
+
+/// `shard`, without its file unless `keep`.
+fn kept(shard: Shard, keep: bool) -> Shard {
+    if keep { shard } else { shard.without_file() }
 }
 
 /// The manifest's file name in a store.
@@ -397,5 +432,35 @@ mod tests {
             .expect_err("not a store")
             .to_string();
         assert!(err.contains("neither a kiln token store"), "{err}");
+    }
+
+    /// A store of more shards than it may keep open holds none of their
+    /// files open (one of 111,541 shards ran out of descriptors: "Too many
+    /// open files") and reads the same tokens; a smaller one keeps them
+    /// open.
+    #[test]
+    fn a_store_of_many_shards_holds_no_file_open_and_reads_the_same() {
+        assert!(open_files_limit() >= 64, "{}", open_files_limit());
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = dir.path();
+        const KEEP: usize = 8;
+        let shards = KEEP; // and the validation shard: one too many
+        for i in 0..shards {
+            let ids = [3 * i as u32, 3 * i as u32 + 1, 3 * i as u32 + 2];
+            let name = format!("web_train_{i:06}.bin");
+            shard::write_shard(&d.join(name), &ids, TokenWidth::U32).expect("w");
+        }
+        shard::write_shard(&d.join("web_val_000000.bin"), &[7, 8], TokenWidth::U32).expect("w");
+        let store = TokenStore::open_keeping(d, KEEP).expect("opens");
+        assert!(store.train.shards().iter().all(|s| !s.holds_file()));
+        assert!(!store.val.shards()[0].holds_file());
+        let mut out = vec![0u32; 3 * shards - 2];
+        store.train.read(1, &mut out);
+        assert_eq!(out, (1..3 * shards as u32 - 1).collect::<Vec<_>>());
+        std::fs::remove_file(d.join("web_train_000000.bin")).expect("rm");
+        let store = TokenStore::open_keeping(d, KEEP).expect("opens");
+        assert!(store.train.shards().iter().all(Shard::holds_file));
+        store.train.read(0, &mut out[..4]);
+        assert_eq!(out[..4], [3, 4, 5, 6]);
     }
 }

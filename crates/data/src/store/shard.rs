@@ -109,11 +109,13 @@ pub fn write_shard(path: &Path, ids: &[u32], width: TokenWidth) -> Result<(), Da
 }
 
 /// One shard open for reading: tokens read where asked (`pread`), so memory
-/// does not grow with the shard.
+/// does not grow with the shard. Its file stays open, unless
+/// [`Shard::without_file`] let it go (a store of more shards than a process
+/// may hold files open): then each read opens it.
 #[derive(Debug)]
 pub struct Shard {
     path: PathBuf,
-    file: File,
+    file: Option<File>,
     /// Where the tokens begin (the header's size, or 0 without one).
     offset: u64,
     width: TokenWidth,
@@ -161,7 +163,7 @@ impl Shard {
         }
         Ok(Self {
             path: path.to_path_buf(),
-            file,
+            file: Some(file),
             offset: HEADER_BYTES as u64,
             width,
             tokens,
@@ -179,11 +181,24 @@ impl Shard {
         }
         Ok(Self {
             path: path.to_path_buf(),
-            file,
+            file: Some(file),
             offset: 0,
             width: TokenWidth::U16,
             tokens: (len / 2) as usize,
         })
+    }
+
+    /// The shard with its file closed, checked as it was: each read opens
+    /// it again (a few microseconds), so that a store of many thousands of
+    /// shards does not run out of the process's file descriptors.
+    pub fn without_file(mut self) -> Self {
+        self.file = None;
+        self
+    }
+
+    /// Whether the shard holds its file open.
+    pub fn holds_file(&self) -> bool {
+        self.file.is_some()
     }
 
     /// The file.
@@ -211,10 +226,12 @@ impl Shard {
         );
         let w = self.width.bytes();
         let mut bytes = vec![0u8; out.len() * w];
-        if let Err(e) = self
-            .file
-            .read_exact_at(&mut bytes, self.offset + (start * w) as u64)
-        {
+        let read = match &self.file {
+            Some(file) => file.read_exact_at(&mut bytes, self.offset + (start * w) as u64),
+            None => File::open(&self.path)
+                .and_then(|file| file.read_exact_at(&mut bytes, self.offset + (start * w) as u64)),
+        };
+        if let Err(e) = read {
             panic!("reading `{}` failed: {e}", self.path.display());
         }
         match self.width {
