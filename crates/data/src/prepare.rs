@@ -430,17 +430,38 @@ fn run(
         }
         written
     })?;
+    // A store of nothing, which no run can train on, is refused here, where
+    // the reason is known; the folder this run began goes with it, so that
+    // the inputs, mended, prepare into it again.
+    let refuse = |e: DataError| {
+        if !resumed {
+            let _ = std::fs::remove_dir_all(out);
+        }
+        Err(e)
+    };
     // Rows skipped one by one (`data.bad_rows = "skip"`) can add up to
-    // every row: a store of nothing, which no run can train on, is refused
-    // here, where the reason is known.
+    // every row.
     if documents == 0 && skipped.count > 0 {
-        return Err(DataError::InvalidArgument {
+        return refuse(DataError::InvalidArgument {
             what: "data.text_field",
             why: format!(
                 "no document has text: every one of the {} rows read was skipped, the first {}",
                 skipped.count,
                 skipped.first.first().map_or("", String::as_str)
             ),
+        });
+    }
+    // Empty files (or compressed nothing) would make a store of end-of-text
+    // markers alone.
+    if text_bytes == 0 {
+        return refuse(match options.inputs.as_slice() {
+            [one] => DataError::Empty {
+                path: one.path.clone(),
+            },
+            inputs => DataError::InvalidArgument {
+                what: "data.path",
+                why: format!("none of its {} files holds any text", inputs.len()),
+            },
         });
     }
     train.finish(&mut shards)?;
@@ -921,6 +942,37 @@ mod tests {
             .collect();
         out.sort();
         out
+    }
+
+    /// Inputs without text are refused, naming the file (one input) or
+    /// how many (several), not made into a store of end-of-text markers.
+    #[test]
+    fn inputs_without_text_are_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let input = dir.path().join("in");
+        std::fs::create_dir_all(&input).expect("mkdir");
+        std::fs::write(input.join("a.txt"), "").expect("write");
+        let gpt2 = Tokenizer::gpt2().expect("gpt2");
+        let one = input.join("a.txt");
+        let o = options(one.to_str().expect("utf-8"), &dir.path().join("one"), 1);
+        match prepare(&o, &gpt2, 0, &mut |_| {}) {
+            Err(DataError::Empty { path }) => assert_eq!(path, one),
+            other => panic!("{:?}", other.map(|o| o.manifest.documents)),
+        }
+        assert!(!o.out.exists(), "the refused store's folder is removed");
+        std::fs::write(input.join("b.txt"), "").expect("write");
+        let o = options(input.to_str().expect("utf-8"), &dir.path().join("two"), 1);
+        let err = prepare(&o, &gpt2, 0, &mut |_| {})
+            .map(|o| o.manifest.documents)
+            .expect_err("no text");
+        assert!(
+            err.to_string()
+                .contains("none of its 2 files holds any text"),
+            "{err}"
+        );
+        std::fs::write(input.join("b.txt"), "x").expect("write");
+        let o = options(input.to_str().expect("utf-8"), &dir.path().join("some"), 1);
+        prepare(&o, &gpt2, 0, &mut |_| {}).expect("one file with text is enough");
     }
 
     /// One text file of one document, smaller than two default pieces
