@@ -112,7 +112,7 @@ pub enum ConfigError {
     },
 
     /// `--presets DIR` (or [`crate::Presets::with_dir`]) names no directory.
-    #[error("presets directory `{}` does not exist (kiln's presets are built in; a directory only adds or replaces presets)", path.display())]
+    #[error("presets directory `{}` {} (kiln's presets are built in; a directory only adds or replaces presets)", path.display(), if path.exists() { "is not a directory" } else { "does not exist" })]
     NoPresetsDir {
         /// The path given.
         path: PathBuf,

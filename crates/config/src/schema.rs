@@ -876,6 +876,11 @@ impl RunConfig {
             "must be at least 16 for a trained tokenizer",
         );
         check(
+            d.tokenizer != TokenizerKind::Bpe || d.vocab_size >= 256,
+            "data.vocab_size",
+            "must be at least 256 for data.tokenizer = \"bpe\": byte-level BPE starts from the 256 bytes, which the vocabulary counts",
+        );
+        check(
             !d.text_field.trim().is_empty(),
             "data.text_field",
             "must not be empty",

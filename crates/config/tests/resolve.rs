@@ -374,6 +374,12 @@ fn bad_values_name_key_value_and_layer() {
             &[],
             &["model.dropout", "must be in [0, 1)"],
         ),
+        // Byte-level BPE made 256 ids, silently, of the 100 asked.
+        (
+            &["data.tokenizer=bpe", "data.vocab_size=100"],
+            &[],
+            &["invalid value 100 for `data.vocab_size`", "at least 256"],
+        ),
         // 0 is a multiple of any head count, and panicked in the kernels.
         (
             &["model.hidden=0"],
