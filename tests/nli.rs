@@ -725,9 +725,10 @@ fn init_from_starts_every_fold_from_a_bert_folders_weights() {
     );
     // `kiln predict` on the exported folder itself: the same predictions,
     // with no run; a folder whose id2label says LABEL_0.. only is refused
-    // until model.init_labels names its outputs.
+    // until model.init_labels names its outputs. The predictions go to a
+    // folder not yet made, which predict makes.
     let predict_folder = |extra: &[&str]| {
-        let out = tmp.path().join("folder-predictions.jsonl");
+        let out = tmp.path().join("predictions").join("folder.jsonl");
         let mut args = vec![
             "predict",
             exported.to_str().expect("utf-8"),

@@ -47,14 +47,17 @@ pub enum TrainError {
         source: std::io::Error,
     },
 
-    /// `run.dir` names a regular file, or a folder under one.
+    /// A path to write (`run.dir`, an `--out`) under a regular file, or
+    /// a folder to make that is one.
     #[error(
-        "invalid run.dir `{}`: `{}` is a file, not a folder; choose another run.dir",
+        "invalid {what} `{}`: `{}` is a file, not a folder; choose another {what}",
         path.display(),
         file.display()
     )]
-    RunDirUnderFile {
-        /// The run folder asked for.
+    PathUnderFile {
+        /// What named the path (`run.dir`, `--out`).
+        what: &'static str,
+        /// The path asked for.
         path: PathBuf,
         /// The file in its way.
         file: PathBuf,
@@ -256,7 +259,7 @@ impl TrainError {
                 | Self::Config(_)
                 | Self::CorpusTooShort { .. }
                 | Self::NotARun { .. }
-                | Self::RunDirUnderFile { .. }
+                | Self::PathUnderFile { .. }
                 | Self::RunInUse { .. }
                 | Self::NoCheckpoint { .. }
                 | Self::CheckpointMismatch { .. }

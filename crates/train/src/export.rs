@@ -228,14 +228,7 @@ fn safetensors_bytes(tensors: &[NamedValues], out: &Path) -> Result<Vec<u8>, Tra
 /// Writes `files` into a folder beside `out` that is then renamed into
 /// place: `out` appears whole or not at all.
 fn write_folder(out: &Path, files: &[(&str, Vec<u8>)]) -> Result<(), TrainError> {
-    let parent = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).map_err(|source| TrainError::Write {
-        path: parent.to_path_buf(),
-        source,
-    })?;
+    let parent = crate::rundir::create_parent("--out", out)?;
     let staging = tempfile::Builder::new()
         .prefix(".kiln-export")
         .tempdir_in(parent)

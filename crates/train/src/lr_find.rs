@@ -269,6 +269,7 @@ pub fn write_lr_plot(found: &LrFind, path: &Path) -> Result<(), TrainError> {
         .iter()
         .flat_map(|p| [p.loss, p.smoothed])
         .fold((f64::MAX, f64::MIN), |(a, b), l| (a.min(l), b.max(l)));
+    crate::rundir::create_parent("--plot", path)?;
     let root = SVGBackend::new(path, (900, 540)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let mut chart = ChartBuilder::on(&root)

@@ -35,17 +35,7 @@ impl RunDir {
     /// refused, so nothing saved is overwritten.
     pub fn create(template: &str, experiment: &str) -> Result<Self, TrainError> {
         let path = Self::path_of(template, experiment, std::time::SystemTime::now());
-        // A file where a folder of the path should be: the user's input
-        // (exit 2), not a failure to write.
-        if let Some(file) = path
-            .ancestors()
-            .find(|a| !a.as_os_str().is_empty() && a.exists() && !a.is_dir())
-        {
-            return Err(TrainError::RunDirUnderFile {
-                file: file.to_path_buf(),
-                path,
-            });
-        }
+        refuse_under_file("run.dir", &path, &path)?;
         if path.join("config.toml").exists() {
             return Err(TrainError::NotARun {
                 path: path.clone(),
@@ -402,6 +392,42 @@ fn config_text(config: &kiln_config::RunConfig, resumed_at: Option<u64>) -> Stri
     )
 }
 
+/// A file where `folder` or a folder above it should be, on the way to
+/// `path` (which `what` named): the user's input (exit 2), not a failure
+/// to write.
+fn refuse_under_file(what: &'static str, path: &Path, folder: &Path) -> Result<(), TrainError> {
+    match folder
+        .ancestors()
+        .find(|a| !a.as_os_str().is_empty() && a.exists() && !a.is_dir())
+    {
+        Some(file) => Err(TrainError::PathUnderFile {
+            what,
+            path: path.to_path_buf(),
+            file: file.to_path_buf(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Makes the folder `path` (which `what` named) is to be written in, where
+/// it does not exist (an output file the user named in a folder not yet
+/// made); returns it.
+pub(crate) fn create_parent<'a>(
+    what: &'static str,
+    path: &'a Path,
+) -> Result<&'a Path, TrainError> {
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    refuse_under_file(what, path, parent)?;
+    std::fs::create_dir_all(parent).map_err(|source| TrainError::Write {
+        path: parent.to_path_buf(),
+        source,
+    })?;
+    Ok(parent)
+}
+
 /// Writes `contents` to `path` atomically: a temporary file beside it,
 /// then renamed into place, so that a process killed mid-write leaves the
 /// old file whole (or none); the temporary file is removed when the write
@@ -467,6 +493,33 @@ mod tests {
         let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_795_651_200 + 3_723);
         assert_eq!(utc_stamp(t), "20261126-010203");
         assert_eq!(utc_stamp(std::time::UNIX_EPOCH), "19700101-000000");
+    }
+
+    /// An output in folders not yet made gets them; one under a file is
+    /// the user's input (exit 2), naming the option, the path and the file.
+    #[test]
+    fn an_output_file_gets_its_folders_unless_a_file_is_in_the_way() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = dir.path().join("a").join("b").join("p.jsonl");
+        assert_eq!(
+            create_parent("--out", &out).expect("made"),
+            out.parent().expect("parent")
+        );
+        assert!(dir.path().join("a/b").is_dir());
+        assert_eq!(
+            create_parent("--out", Path::new("p.jsonl")).expect("here"),
+            Path::new(".")
+        );
+        let file = dir.path().join("f.txt");
+        std::fs::write(&file, "x").expect("write");
+        let err = create_parent("--plot", &file.join("sub").join("lr.svg")).expect_err("a file");
+        assert!(err.is_bad_input());
+        let text = err.to_string();
+        assert!(
+            text.starts_with("invalid --plot `")
+                && text.contains(&format!("`{}` is a file, not a folder", file.display())),
+            "{text}"
+        );
     }
 
     #[test]

@@ -972,6 +972,8 @@ fn label_pairs(
     output: PathBuf,
     device: &Device,
 ) -> Result<Prediction, TrainError> {
+    // The folder first: a path that cannot be written fails before the work.
+    crate::rundir::create_parent("--out", &output)?;
     let data = read_pairs(data_path, &schema(config, false))
         .map_err(|e| crate::translate::with_config_keys(e, config))?;
     let encoded = encode_dataset(tokenizer, &data)?;
