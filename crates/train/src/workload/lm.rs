@@ -116,12 +116,12 @@ fn short_split_remedy(source: &Path, split: Split) -> String {
         Some(kiln_data::store::StoreKind::Kiln) => format!(
             "its splits were fixed when it was prepared: prepare its documents again into a new folder with {share} data.val_fraction (`kiln prepare … data.val_fraction=…`), or use a smaller model.max_length"
         ),
-        Some(_) => format!(
-            "its {} files are all the tokens it has: add to them (llm.c's `*_{}_*.bin`, nanoGPT's `{}.bin`), or use a smaller model.max_length",
-            kiln_data::store::split_name(split),
-            kiln_data::store::split_name(split),
-            kiln_data::store::split_name(split)
-        ),
+        Some(_) => {
+            let name = kiln_data::store::split_name(split);
+            format!(
+                "its {name} files are all the tokens it has: add to them (llm.c's `*_{name}_*.bin`, nanoGPT's `{name}.bin`), or use a smaller model.max_length"
+            )
+        }
         None => {
             format!("use a longer corpus, a smaller model.max_length or {share} data.val_fraction")
         }
@@ -254,9 +254,7 @@ pub(crate) fn train(
     let prepared = prepare_in_turn(options.group.as_deref(), || {
         prepare_observed(config, TokenizerFrom::Config, observer)
     })?;
-    prepared.refuse_over_memory(config, &device, options)?;
-    let (session, model) =
-        Session::new(config, device, &options.hardware, prepared, None, options)?;
+    let (session, model) = Session::new(config, device, prepared, None, options)?;
     let run = if options.writes() {
         RunDir::start(config, options)?
     } else {
@@ -341,17 +339,9 @@ pub(crate) fn resume(
     if !saved {
         run.write("tokenizer.json", &prepared.tokenizer.to_json()?)?;
     }
-    prepared.refuse_over_memory(config, &device, options)?;
     let step = from.as_ref().map_or(0, |(info, _)| info.step);
     let resume_from = from.map(|(info, state)| (info.path, state));
-    let (session, model) = Session::new(
-        config,
-        device,
-        &options.hardware,
-        prepared,
-        resume_from,
-        options,
-    )?;
+    let (session, model) = Session::new(config, device, prepared, resume_from, options)?;
     // Everything that can refuse the resume has run: the run takes the changes.
     run.record_resume(resumed, Some(step), observer)?;
     if from_step.is_some()
@@ -713,14 +703,17 @@ struct Session {
 }
 
 impl Session {
+    /// Refuses a CPU run whose step would not fit in memory
+    /// ([`Prepared::refuse_over_memory`]) before anything is built.
     fn new(
         config: &RunConfig,
         device: DeviceChoice,
-        hardware: &HardwareReport,
         prepared: Prepared,
         resume_from: Option<(PathBuf, CheckpointState)>,
         options: &TrainOptions,
     ) -> Result<(Self, Gpt), TrainError> {
+        prepared.refuse_over_memory(config, &device, options)?;
+        let hardware = &options.hardware;
         let rank = options.group.as_ref().map_or(0, |g| g.rank());
         let task = prepared.shared_task(config, &device.device, rank, options.world_size())?;
         let seed = config.training.seed;
