@@ -559,10 +559,11 @@ fn cv_and_bench_nli_respect_an_experiment_chosen_by_any_layer() {
             "shakespeare_char",
         ]);
     // A bench of no steps (or a loader bench of no batches) is refused: it
-    // printed zeros as its rates.
+    // printed zeros as its rates; so is sampling no text.
     for args in [
         ["bench", "nli", "--steps=0"],
         ["bench", "loader", "--batches=0"],
+        ["sample", "runs/any", "--count=0"],
     ] {
         kiln(&args)
             .run()

@@ -5,7 +5,7 @@ use std::io::IsTerminal;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use kiln_train::{
-    CvSummary, EvalMetrics, EvalRecord, Event, FoldResult, Observer, StepMetrics, Summary,
+    CvSummary, EvalMetrics, EvalRecord, Event, FoldResult, Observer, Scores, StepMetrics, Summary,
 };
 
 /// Prints events; the bar exists only when stderr is a terminal.
@@ -220,21 +220,46 @@ pub(crate) fn fold_lines(r: &FoldResult) -> Vec<String> {
         r.val_loss,
         100.0 * r.majority_baseline
     )];
-    for c in &r.scores.per_class {
-        lines.push(format!(
-            "  {:<14} precision {:.3}  recall {:.3}  F1 {:.3}  ({} pairs)",
-            c.label, c.precision, c.recall, c.f1, c.support
-        ));
-    }
+    lines.extend(per_class_lines(&r.scores));
     lines
+}
+
+/// `n` pairs, in words: "1 pair", "2 pairs".
+pub(crate) fn pairs(n: usize) -> String {
+    match n {
+        1 => "1 pair".into(),
+        n => format!("{n} pairs"),
+    }
+}
+
+/// Each label's precision, recall, F1 and support.
+pub(crate) fn per_class_lines(scores: &Scores) -> Vec<String> {
+    scores
+        .per_class
+        .iter()
+        .map(|c| {
+            format!(
+                "  {:<14} precision {:.3}  recall {:.3}  F1 {:.3}  ({})",
+                c.label,
+                c.precision,
+                c.recall,
+                c.f1,
+                pairs(c.support)
+            )
+        })
+        .collect()
 }
 
 /// The per-fold table and the mean ± std.
 pub(crate) fn cv_summary_lines(s: &CvSummary) -> Vec<String> {
     let mut lines = vec![
         format!(
-            "cross-validation over {} pairs ({} rows skipped):",
-            s.pairs, s.skipped_rows
+            "cross-validation over {} ({} skipped):",
+            pairs(s.pairs),
+            match s.skipped_rows {
+                1 => "1 row".to_string(),
+                n => format!("{n} rows"),
+            }
         ),
         "  fold | accuracy | macro-F1 | majority baseline | best step".to_string(),
     ];

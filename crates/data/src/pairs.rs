@@ -212,6 +212,9 @@ pub fn read_pairs(path: &Path, schema: &PairSchema) -> Result<PairDataset, DataE
             path: path.to_path_buf(),
             line: skipped.first().map_or(1, |s| s.0),
             why: match skipped.first() {
+                Some((line, why)) if skipped.len() == 1 => {
+                    format!("no usable pair in the file (its one row, line {line}: {why})")
+                }
                 Some((line, why)) => format!(
                     "no usable pair in the file ({} rows skipped; the first, line {line}: {why})",
                     skipped.len()
@@ -472,9 +475,7 @@ mod tests {
         .expect_err("nothing usable");
         // The first skipped row's reason, not only a count.
         assert!(
-            err.contains(
-                "no usable pair in the file (1 rows skipped; the first, line 1: unknown label \"x\""
-            ),
+            err.contains("no usable pair in the file (its one row, line 1: unknown label \"x\""),
             "{err}"
         );
     }

@@ -20,14 +20,14 @@ pub(crate) struct Args {
     warmup: usize,
     /// Steps timed; the last one given counts (`cargo xtask bench --steps=N`
     /// over a standard entry's own)
-    #[arg(long, default_value_t = 30, overrides_with = "steps", value_parser = at_least_one)]
+    #[arg(long, default_value_t = 30, overrides_with = "steps", value_parser = super::at_least_one)]
     steps: usize,
     /// Keep timing past --steps until the timed steps add up to this many
     /// seconds (short steps are noisy), up to 50 × --steps
     #[arg(long, default_value_t = 0.0)]
     min_seconds: f64,
     /// Batches each loader setting delivers (`bench loader`)
-    #[arg(long, default_value_t = 500, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 500, value_parser = super::at_least_one)]
     batches: usize,
     /// Machine-readable output
     #[arg(long)]
@@ -408,14 +408,5 @@ fn truncate(name: &str, max: usize) -> String {
         name.to_string()
     } else {
         name.chars().take(max - 1).collect::<String>() + "…"
-    }
-}
-
-/// A count of steps or batches: a bench of none measured nothing and
-/// printed zeros as its rates.
-fn at_least_one(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err(format!("`{s}` is not a whole number of 1 or more")),
     }
 }

@@ -133,10 +133,15 @@ fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
             gib(bytes)
         ),
     };
+    // kiln-hwdetect reads 0 where it cannot read the figure.
+    let available = match m.available {
+        0 => format!("{} (not known here)", m.available_what),
+        bytes => format!("{} {}", gib(bytes), m.available_what),
+    };
     let _ = writeln!(
         s,
         "memory:    estimate {} = weights {} + gradients {} + AdamW {}{} + activations {} \
-         ({attention} {}{logits}; {} with gradient checkpointing), of {} {}; {:.2} M parameters",
+         ({attention} {}{logits}; {} with gradient checkpointing), of {available}; {:.2} M parameters",
         gib(m.total),
         gib(m.weights),
         gib(m.gradients),
@@ -153,8 +158,6 @@ fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
         gib(m.activations),
         gib(m.attention),
         gib(m.activations_checkpointed),
-        gib(m.available),
-        m.available_what,
         m.parameters as f64 / 1e6
     );
     match &d.burst {

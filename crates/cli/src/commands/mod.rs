@@ -182,3 +182,12 @@ pub(crate) fn train_error(e: kiln_train::TrainError) -> anyhow::Error {
         err
     }
 }
+
+/// A count that means nothing at 0 (a bench's steps or batches, which
+/// would print zeros as rates; `kiln sample -n`, which would print nothing).
+pub(crate) fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("`{s}` is not a whole number of 1 or more")),
+    }
+}

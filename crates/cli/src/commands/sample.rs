@@ -23,7 +23,7 @@ pub(crate) struct Args {
     prompt_file: Option<PathBuf>,
     /// Texts to generate (transformers' `num_return_sequences`) [default:
     /// the run's sample.count]
-    #[arg(long, short = 'n', visible_alias = "num-return-sequences")]
+    #[arg(long, short = 'n', visible_alias = "num-return-sequences", value_parser = super::at_least_one)]
     count: Option<usize>,
     /// Tokens each (transformers' `max_new_tokens`) [default: the run's
     /// sample.tokens]
@@ -98,7 +98,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     eprintln!(
-        "kiln: sampling from {} on {}: {} tokens each, temperature {}, top-k {}{}, seed {}; the prompt is {} tokens",
+        "kiln: sampling from {} on {}: {} tokens each, temperature {}, top-k {}{}, seed {}; the prompt is {} token{}",
         s.source,
         s.device,
         s.tokens,
@@ -110,7 +110,8 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
             String::new()
         },
         s.seed,
-        s.prompt_tokens
+        s.prompt_tokens,
+        if s.prompt_tokens == 1 { "" } else { "s" }
     );
     for (i, text) in s.continuations.iter().enumerate() {
         writeln!(out, "--- sample {}\n{}{text}", i + 1, s.prompt)?;

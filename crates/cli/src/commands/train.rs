@@ -308,8 +308,8 @@ pub(crate) fn predict(args: PredictArgs, ctx: &Context) -> anyhow::Result<ExitCo
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "predicted {} pairs with {by}: {}",
-        p.rows,
+        "predicted {} with {by}: {}",
+        crate::progress::pairs(p.rows),
         p.output.display()
     )?;
     if let Some(s) = &p.scores {
@@ -319,12 +319,8 @@ pub(crate) fn predict(args: PredictArgs, ctx: &Context) -> anyhow::Result<ExitCo
             100.0 * s.accuracy,
             s.macro_f1
         )?;
-        for c in &s.per_class {
-            writeln!(
-                out,
-                "  {:<14} precision {:.3}  recall {:.3}  F1 {:.3}  ({} pairs)",
-                c.label, c.precision, c.recall, c.f1, c.support
-            )?;
+        for line in crate::progress::per_class_lines(s) {
+            writeln!(out, "{line}")?;
         }
     }
     Ok(ExitCode::SUCCESS)
