@@ -875,6 +875,13 @@ impl RunConfig {
             "data.vocab_size",
             "must be at least 16 for a trained tokenizer",
         );
+        let distinct: std::collections::BTreeSet<&String> = d.labels.iter().collect();
+        check(
+            self.workload == Workload::Lm
+                || (d.labels.len() >= 2 && distinct.len() == d.labels.len()),
+            "data.labels",
+            "must name 2 labels or more, each once: the classes the sentence-pair classifier tells apart",
+        );
         check(
             d.tokenizer != TokenizerKind::Bpe || d.vocab_size >= 256,
             "data.vocab_size",

@@ -374,6 +374,17 @@ fn bad_values_name_key_value_and_layer() {
             &[],
             &["model.dropout", "must be in [0, 1)"],
         ),
+        // No label at all read every pair as unknown ("expected one of ,").
+        (
+            &["experiment=nli_snli", "data.labels=[]"],
+            &[],
+            &["data.labels", "must name 2 labels or more, each once"],
+        ),
+        (
+            &["experiment=nli_snli", r#"data.labels=["yes", "no", "yes"]"#],
+            &[],
+            &["data.labels", "must name 2 labels or more, each once"],
+        ),
         // Byte-level BPE made 256 ids, silently, of the 100 asked.
         (
             &["data.tokenizer=bpe", "data.vocab_size=100"],

@@ -341,13 +341,17 @@ fn delimited(
         bytes[..at].iter().filter(|b| **b == b'\n').count() + 1
     };
     let mut rows = Vec::new();
+    // Where the last record began, if one of its fields spans lines.
+    let mut spanning = None;
     for record in reader.records() {
         let record = record.map_err(|e| DataError::BadRow {
             path: path.to_path_buf(),
             line: e.position().map_or(0, |p| line_at(p.byte())),
             why: e.to_string(),
         })?;
-        let line = record.position().map_or(0, |p| line_at(p.byte()));
+        let start = record.position().map_or(0, csv::Position::byte);
+        spanning = record.iter().any(|f| f.contains('\n')).then_some(start);
+        let line = line_at(start);
         let get = |i: usize| record.get(i).map(|s| s.trim_end_matches('\r').to_string());
         rows.push(Row {
             premise: get(p).unwrap_or_default(),
@@ -355,6 +359,19 @@ fn delimited(
             label: l.and_then(get).filter(|s| !s.is_empty()),
             line,
         });
+    }
+    // A quote left open reads the rest of the file into one field, as csv
+    // does (pandas refuses it: "EOF inside string"); a record that spans
+    // lines with an odd number of quotes from its start to the end is one.
+    if let Some(start) = spanning.filter(|_| delimiter == b',') {
+        let rest = &text.as_bytes()[(start as usize).min(text.len())..];
+        if rest.iter().filter(|b| **b == b'"').count() % 2 == 1 {
+            return Err(DataError::BadRow {
+                path: path.to_path_buf(),
+                line: line_at(start),
+                why: "a quoted field opened in this row is never closed, so the rest of the file was read into it: close it with `\"` (a quote inside quotes is `\"\"`)".into(),
+            });
+        }
     }
     Ok(rows)
 }
@@ -431,6 +448,19 @@ mod tests {
         assert_eq!(d.pairs[0].premise, "A man, tall.");
         assert_eq!(d.pairs[1].hypothesis, "He is \"tall\".");
         assert_eq!(d.label_counts(), vec![1, 1, 0]);
+        // A quote never closed swallowed the rows after it into one field;
+        // a field that spans lines and closes, or a lone inch mark, is fine.
+        let open = "premise,hypothesis,label\nA,B,neutral\nC,\"never closed,neutral\nE,F,neutral\n";
+        let err = check("d.csv", open.as_bytes(), BadRows::Skip).expect_err("open quote");
+        assert!(
+            err.contains("d.csv` line 3") && err.contains("never closed"),
+            "{err}"
+        );
+        let fine = "premise,hypothesis,label\nA 5\" man,B,neutral\nC,\"two\nlines\",neutral\n";
+        assert_eq!(
+            check("d.csv", fine.as_bytes(), BadRows::Skip),
+            Ok((2, vec![]))
+        );
     }
 
     #[test]
