@@ -136,7 +136,11 @@ fn store_tokenizer(
                 ConfigTokenizer::Char => Tokenizer::char_level(&format!("{sample}\u{fffd}"))?,
                 _ => Tokenizer::bpe(&sample, config.data.vocab_size)?,
             };
-            Ok((t.with_end_of_text(), sample.len() as u64))
+            let t = t.with_end_of_text();
+            if let Some(short) = vocabulary_short(config, t.vocab_size()) {
+                observer.event(&Event::Note(short));
+            }
+            Ok((t, sample.len() as u64))
         }
     }
 }
@@ -361,4 +365,46 @@ pub(crate) fn measure_store_read(store: &TokenStore, block: usize) -> Option<Sto
         disk_mb_per_s: (reads as usize * window * bytes_per_token) as f64 / seconds / 1e6,
         needed_mb_per_s: None,
     })
+}
+
+/// Where a BPE trained for `config` has fewer than the `data.vocab_size`
+/// ids asked (`vocab`: every id it has): what it learned
+/// and why, as a line. A text small for the size asked has no more pairs
+/// seen twice to merge.
+pub(crate) fn vocabulary_short(config: &RunConfig, vocab: usize) -> Option<String> {
+    let asked = config.data.vocab_size;
+    (config.data.tokenizer == ConfigTokenizer::Bpe
+        && config.data.tokenizer_file.is_none()
+        && vocab < asked)
+        .then(|| {
+            format!(
+                "the BPE tokenizer has {vocab} ids of the {asked} data.vocab_size asks: its text has no more pairs seen twice to merge (more text gives more: a larger corpus, or data.tokenizer_sample_bytes where documents are prepared)"
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tests::config;
+
+    /// A BPE of fewer ids than asked says so, with both numbers; one of the
+    /// size asked, a loaded tokenizer file or a character-level one do not.
+    #[test]
+    fn a_bpe_short_of_its_vocabulary_says_so() {
+        let bpe = config(&["data.tokenizer=bpe", "data.vocab_size=70000"]);
+        let short = vocabulary_short(&bpe, 12_712).expect("short");
+        assert!(short.contains("12712 ids of the 70000"), "{short}");
+        assert_eq!(vocabulary_short(&bpe, 70_000), None);
+        let loaded = config(&[
+            "data.tokenizer=bpe",
+            "data.vocab_size=70000",
+            "data.tokenizer_file=t.json",
+        ]);
+        assert_eq!(vocabulary_short(&loaded, 300), None);
+        assert_eq!(
+            vocabulary_short(&config(&["data.tokenizer=char"]), 65),
+            None
+        );
+    }
 }

@@ -776,13 +776,13 @@ impl Session {
         let t = &c.training;
         let p = &self.prepared;
         let gpt = &p.gpt;
+        let vocab = p.tokenizer.vocab_size();
         let mut lines = vec![
             format!(
-                "data: {} — {} tokens ({}), vocabulary {}",
+                "data: {} — {} tokens ({}), vocabulary {vocab}",
                 p.source.display(),
                 p.train_tokens.len() + p.val_tokens.len(),
                 p.origin,
-                p.tokenizer.vocab_size()
             ),
             format!(
                 "model: GPT, {} × {} × {} wide, block {}, {:.2} M parameters, {:.2} M FLOPs per token",
@@ -794,6 +794,10 @@ impl Session {
                 gpt.flops_per_token() / 1e6
             ),
         ];
+        // A store's tokenizer said so as it was trained (kiln prepare).
+        if p.store.is_none() {
+            lines.extend(tokens::vocabulary_short(c, vocab));
+        }
         lines.extend(self.init_note.clone());
         lines.extend(device_lines(
             c,
