@@ -78,9 +78,10 @@ pub(crate) struct PredictArgs {
     /// Pairs to label (JSONL, TSV or CSV, read as the run's config says)
     #[arg(long, value_name = "FILE")]
     data: PathBuf,
-    /// Where to write one JSON line per pair [default:
-    /// RUN/predictions-<name>.jsonl; for a folder, predictions-<name>.jsonl
-    /// here]
+    /// Where to write one JSON line per pair: a file, or an existing
+    /// folder to write predictions-<name>.jsonl in [default:
+    /// RUN/predictions-<name>.jsonl; for a transformers folder,
+    /// predictions-<name>.jsonl here]
     #[arg(long, value_name = "FILE")]
     out: Option<PathBuf>,
     /// For a transformers folder only (a run predicts as it was

@@ -876,10 +876,7 @@ pub fn predict(
                 path: model_path.clone(),
                 why,
             })?;
-    let output = output.map_or_else(
-        || best.run.file(&predictions_name(data_path)),
-        Path::to_path_buf,
-    );
+    let output = predictions_path(output, &best.run.path, data_path);
     let mut prediction = label_pairs(
         &model,
         &best.tokenizer,
@@ -930,10 +927,7 @@ pub fn predict_folder(
     tokenizer.set_pair_template(config.model.max_length)?;
     let encoder = encoder_config(config, tokenizer.vocab_size());
     let model = bert.load_into(encoder.init_unset(&device.device), &device.device)?;
-    let output = output.map_or_else(
-        || PathBuf::from(predictions_name(data_path)),
-        Path::to_path_buf,
-    );
+    let output = predictions_path(output, Path::new(""), data_path);
     label_pairs(
         &model,
         &tokenizer,
@@ -953,12 +947,19 @@ pub fn bert_folder_overrides(folder: &Path) -> Result<Vec<String>, TrainError> {
     crate::pretrained::bert::folder_overrides(folder)
 }
 
-/// `predictions-<the data file's stem>.jsonl`.
-fn predictions_name(data_path: &Path) -> String {
+/// Where predictions of `data_path` go: `output`, or
+/// `predictions-<the data file's stem>.jsonl` in the folder `output` names
+/// (as `cp` puts a file in a folder), or else in `folder`.
+fn predictions_path(output: Option<&Path>, folder: &Path, data_path: &Path) -> PathBuf {
     let stem = data_path
         .file_stem()
         .map_or("data".into(), |s| s.to_string_lossy().into_owned());
-    format!("predictions-{stem}.jsonl")
+    let name = format!("predictions-{stem}.jsonl");
+    match output {
+        Some(dir) if dir.is_dir() => dir.join(name),
+        Some(file) => file.to_path_buf(),
+        None => folder.join(name),
+    }
 }
 
 /// Labels the pairs of `data_path` (read as `config` says) with `model`,
@@ -1043,6 +1044,29 @@ fn label_pairs(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--out` a file is that file; `--out` an existing folder gets the
+    /// default name in it (it failed with "Is a directory" after every pair
+    /// was predicted); no `--out`, the default name in the run's folder.
+    #[test]
+    fn predictions_go_to_the_file_or_into_the_folder_named() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = Path::new("data/snli_dev.jsonl");
+        let file = dir.path().join("mine.jsonl");
+        assert_eq!(predictions_path(Some(&file), Path::new("run"), data), file);
+        assert_eq!(
+            predictions_path(Some(dir.path()), Path::new("run"), data),
+            dir.path().join("predictions-snli_dev.jsonl")
+        );
+        assert_eq!(
+            predictions_path(None, Path::new("run"), data),
+            Path::new("run/predictions-snli_dev.jsonl")
+        );
+        assert_eq!(
+            predictions_path(None, Path::new(""), data),
+            Path::new("predictions-snli_dev.jsonl")
+        );
+    }
 
     #[test]
     fn repadding_keeps_the_rows_and_widens_with_padding() {
