@@ -66,6 +66,12 @@ fn write_cache(path: &Path, ids: &[u32]) -> Result<(), DataError> {
         source,
     };
     if let Some(dir) = path.parent() {
+        if let Some(file) = crate::file_in_the_way(dir) {
+            return Err(DataError::InvalidArgument {
+                what: "data.cache_dir",
+                why: format!("`{}` is a file, not a folder", file.display()),
+            });
+        }
         std::fs::create_dir_all(dir).map_err(write_err)?;
     }
     let mut bytes = Vec::with_capacity(16 + ids.len() * 4);
@@ -108,5 +114,19 @@ mod tests {
         };
         let (_, fourth) = encode_cached(&other, &other_corpus, dir.path()).expect("encodes");
         assert_ne!(fourth.path, first.path);
+        // A cache folder under a file is the config's (exit 2), named.
+        let file = dir.path().join("f.txt");
+        std::fs::write(&file, "x").expect("write");
+        let err = encode_cached(&other, &other_corpus, &file.join("cache")).expect_err("a file");
+        assert!(
+            matches!(
+                err,
+                DataError::InvalidArgument {
+                    what: "data.cache_dir",
+                    ..
+                }
+            ) && err.to_string().contains("is a file, not a folder"),
+            "{err}"
+        );
     }
 }

@@ -57,3 +57,11 @@ pub use prepare::{
 pub use store::{Manifest, MemoryTokens, PrepareSettings, ShardSequence, TokenSpan, TokenStore};
 pub use tokenizer::{END_OF_TEXT, PairIds, SPECIALS, Tokenizer, TokenizerKind};
 pub use windows::{LmWindows, Split, TokenBatch};
+
+/// The first file (not a folder) among `path` and the folders above it:
+/// where a folder is to be made, a file in the way is the user's input to
+/// name, not a failure to write.
+pub fn file_in_the_way(path: &std::path::Path) -> Option<&std::path::Path> {
+    path.ancestors()
+        .find(|a| !a.as_os_str().is_empty() && a.exists() && !a.is_dir())
+}

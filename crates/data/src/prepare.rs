@@ -249,6 +249,12 @@ fn existing_state(options: &PrepareOptions) -> Result<Option<Existing>, DataErro
         }
         return Ok(Some(Existing::Partial(progress)));
     }
+    if let Some(file) = crate::file_in_the_way(out).filter(|f| f != out) {
+        return Err(refuse(format!(
+            "`{}` is a file, not a folder",
+            file.display()
+        )));
+    }
     if out.is_dir() {
         let mut entries = std::fs::read_dir(out).map_err(|source| DataError::Io {
             path: out.clone(),
@@ -973,6 +979,16 @@ mod tests {
         std::fs::write(input.join("b.txt"), "x").expect("write");
         let o = options(input.to_str().expect("utf-8"), &dir.path().join("some"), 1);
         prepare(&o, &gpt2, 0, &mut |_| {}).expect("one file with text is enough");
+        // A store's folder under a file is named, not "Not a directory".
+        let o = options(input.to_str().expect("utf-8"), &one.join("store"), 1);
+        let err = prepare(&o, &gpt2, 0, &mut |_| {})
+            .map(|o| o.manifest.documents)
+            .expect_err("under a file");
+        assert!(
+            matches!(err, DataError::StoreMismatch { .. })
+                && err.to_string().contains("a.txt` is a file, not a folder"),
+            "{err}"
+        );
     }
 
     /// One text file of one document, smaller than two default pieces

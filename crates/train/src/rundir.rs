@@ -396,10 +396,7 @@ fn config_text(config: &kiln_config::RunConfig, resumed_at: Option<u64>) -> Stri
 /// `path` (which `what` named): the user's input (exit 2), not a failure
 /// to write.
 fn refuse_under_file(what: &'static str, path: &Path, folder: &Path) -> Result<(), TrainError> {
-    match folder
-        .ancestors()
-        .find(|a| !a.as_os_str().is_empty() && a.exists() && !a.is_dir())
-    {
+    match kiln_data::file_in_the_way(folder) {
         Some(file) => Err(TrainError::PathUnderFile {
             what,
             path: path.to_path_buf(),
