@@ -1636,7 +1636,10 @@ fn eval_scores_every_token_as_gpt2s_forward_pass_in_python_does() {
             "'€'",
             "not in the model's vocabulary",
         ]);
-    for (stride, says) in [("0", "it is 0"), ("33", "it is 33: a window scores")] {
+    for (stride, says) in [
+        ("0", "invalid --stride: it is 0"),
+        ("33", "invalid --stride: it is 33: a window scores"),
+    ] {
         run_kiln(&[
             "eval".into(),
             path(&run),

@@ -13,10 +13,10 @@ pub struct Corpus {
     pub text: String,
 }
 
-/// Reads a UTF-8 text file, keeping at most `max_chars` characters (`None`:
-/// all of it).
+/// Reads a UTF-8 text file (decompressed where its name ends in `.gz` or
+/// `.zst`), keeping at most `max_chars` characters (`None`: all of it).
 pub fn read_corpus(path: &Path, max_chars: Option<usize>) -> Result<Corpus, DataError> {
-    let bytes = std::fs::read(path).map_err(|source| DataError::Io {
+    let bytes = read_maybe_compressed(path).map_err(|source| DataError::Io {
         path: path.to_path_buf(),
         source,
     })?;
@@ -53,6 +53,24 @@ pub fn read_corpus(path: &Path, max_chars: Option<usize>) -> Result<Corpus, Data
         path: path.to_path_buf(),
         text,
     })
+}
+
+/// The bytes of `path`, through gzip or zstd by its name.
+fn read_maybe_compressed(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read as _;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().to_ascii_lowercase())
+        .unwrap_or_default();
+    let mut bytes = Vec::new();
+    if name.ends_with(".gz") {
+        flate2::read::MultiGzDecoder::new(std::fs::File::open(path)?).read_to_end(&mut bytes)?;
+    } else if name.ends_with(".zst") {
+        zstd::stream::read::Decoder::new(std::fs::File::open(path)?)?.read_to_end(&mut bytes)?;
+    } else {
+        bytes = std::fs::read(path)?;
+    }
+    Ok(bytes)
 }
 
 #[cfg(test)]
@@ -92,5 +110,26 @@ mod tests {
         let (_d, path) = file("héllo wörld".as_bytes());
         assert_eq!(read_corpus(&path, Some(4)).expect("reads").text, "héll");
         assert_eq!(read_corpus(&path, None).expect("reads").text, "héllo wörld");
+    }
+
+    /// `.gz` and `.zst` are read through their decompressors (`kiln eval
+    /// --data test.txt.gz` failed on byte 0x8b, gzip's magic); a damaged
+    /// one is an error naming the file.
+    #[test]
+    fn compressed_text_reads_as_its_text() {
+        use std::io::Write as _;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let text = "to be, or not to be\n";
+        let gz = dir.path().join("t.txt.gz");
+        let mut w = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        w.write_all(text.as_bytes()).expect("gzip");
+        std::fs::write(&gz, w.finish().expect("gzip")).expect("write");
+        assert_eq!(read_corpus(&gz, None).expect("reads").text, text);
+        let zst = dir.path().join("t.txt.zst");
+        std::fs::write(&zst, zstd::encode_all(text.as_bytes(), 3).expect("zstd")).expect("write");
+        assert_eq!(read_corpus(&zst, None).expect("reads").text, text);
+        std::fs::write(&gz, text).expect("write");
+        let err = read_corpus(&gz, None).expect_err("not gzip").to_string();
+        assert!(err.contains("t.txt.gz"), "{err}");
     }
 }

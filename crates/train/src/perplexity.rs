@@ -220,12 +220,12 @@ fn scored(
     let block = model.block_size();
     let stride = request.stride.unwrap_or(block);
     if stride == 0 || stride > block {
-        return Err(TrainError::Unsupported(
-            "this --stride",
-            format!(
+        return Err(TrainError::Data(DataError::InvalidArgument {
+            what: "--stride",
+            why: format!(
                 "it is {stride}: a window scores the tokens it moves on by, 1 to the model's block ({block})"
             ),
-        ));
+        }));
     }
     let started = Instant::now();
     let n = tokens.len();
