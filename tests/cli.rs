@@ -453,6 +453,10 @@ fn bad_input_exits_2_with_key_value_and_layer() {
             &["--presets", "/nonexistent", "config"],
             &["presets directory `/nonexistent` does not exist"],
         ),
+        (
+            &["--presets", "/etc/passwd", "config"],
+            &["presets directory `/etc/passwd` is not a directory"],
+        ),
     ];
     for (args, wants) in cases {
         let run = kiln(args).run();
@@ -636,6 +640,24 @@ fn a_machine_with_two_different_gpus_trains_on_the_one_its_preset_was_chosen_for
     .run()
     .expect_code(0)
     .stdout_has(&["device.index = 0", "# command line (device.index=0)"]);
+}
+
+/// A machine whose available memory could not be read (kiln-hwdetect
+/// reports 0): diagnose says it is not known, and no memory problem (it
+/// printed "of 0 MiB available RAM").
+#[test]
+fn diagnose_says_when_available_memory_is_not_known() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut machine = crate::support::this_machine();
+    machine["hardware"]["memory"]["available_bytes"] = 0.into();
+    let report = tmp.path().join("unread.json");
+    std::fs::write(&report, machine.to_string()).expect("write");
+    let report = report.to_str().expect("utf-8");
+    let out = kiln(&["--hardware-report", report, "diagnose", "--burst=0"])
+        .run()
+        .expect_code(0);
+    out.stdout_has(&["of available RAM (not known here)"]);
+    assert!(!out.stdout.contains("0 MiB available"), "{}", out.stdout);
 }
 
 /// kiln as `cargo install` leaves it: a binary run from an empty directory,

@@ -117,6 +117,13 @@ impl Run {
     }
 }
 
+/// This machine's hardware report (`kiln check-hardware --json`), to edit
+/// into another machine's.
+pub(crate) fn this_machine() -> serde_json::Value {
+    let out = kiln(&["check-hardware", "--json"]).run().expect_code(0);
+    serde_json::from_str(&out.stdout).expect("check-hardware --json")
+}
+
 /// A `kiln` command: arguments, environment (the test's `KILN_*` variables
 /// are removed) and working directory (the repository root by default).
 pub(crate) struct Kiln {

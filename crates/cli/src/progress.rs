@@ -365,3 +365,20 @@ impl Observer for Printer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One pair is "1 pair", in the per-label lines too.
+    #[test]
+    fn counts_of_pairs_agree_with_their_number() {
+        for (n, words) in [(1, "1 pair"), (0, "0 pairs"), (180, "180 pairs")] {
+            assert_eq!(pairs(n), words);
+        }
+        let labels = ["yes".to_string(), "no".to_string()];
+        let lines = per_class_lines(&Scores::new(&labels, &[0, 1, 1], &[0, 1, 0]));
+        assert!(lines[0].ends_with("(1 pair)"), "{lines:?}");
+        assert!(lines[1].ends_with("(2 pairs)"), "{lines:?}");
+    }
+}
