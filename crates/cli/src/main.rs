@@ -136,7 +136,7 @@ enum Command {
 
 fn main() -> ExitCode {
     oom::install_hook();
-    raise_open_files_limit();
+    kiln_train::kiln_data::store::raise_open_files_limit();
     let cli = Cli::parse();
     if let Some(path) = &cli.error_file {
         let _ = ERROR_FILE.set(path.clone());
@@ -156,26 +156,6 @@ fn main() -> ExitCode {
                 .chain()
                 .any(|e| e.is::<ConfigError>() || e.is::<commands::BadInput>());
             ExitCode::from(if bad_input { 2 } else { 1 })
-        }
-    }
-}
-
-/// Raises this process's soft limit on open files to its hard limit, as
-/// Go's runtime does: a token store keeps its shards open while they fit
-/// in a quarter of it (`kiln_data::store::open_files_limit`), and the soft
-/// default (1,024 on Linux, 256 on macOS) is a few hundred shards. Where
-/// the system refuses, the limit stays as it was.
-fn raise_open_files_limit() {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes only the struct it is given; setrlimit reads it.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
-        {
-            limit.rlim_cur = limit.rlim_max;
-            let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
         }
     }
 }

@@ -224,14 +224,6 @@ pub(crate) fn fold_lines(r: &FoldResult) -> Vec<String> {
     lines
 }
 
-/// `n` pairs, in words: "1 pair", "2 pairs".
-pub(crate) fn pairs(n: usize) -> String {
-    match n {
-        1 => "1 pair".into(),
-        n => format!("{n} pairs"),
-    }
-}
-
 /// Each label's precision, recall, F1 and support.
 pub(crate) fn per_class_lines(scores: &Scores) -> Vec<String> {
     scores
@@ -244,7 +236,7 @@ pub(crate) fn per_class_lines(scores: &Scores) -> Vec<String> {
                 c.precision,
                 c.recall,
                 c.f1,
-                pairs(c.support)
+                kiln_train::counted(c.support, "pair")
             )
         })
         .collect()
@@ -255,11 +247,8 @@ pub(crate) fn cv_summary_lines(s: &CvSummary) -> Vec<String> {
     let mut lines = vec![
         format!(
             "cross-validation over {} ({} skipped):",
-            pairs(s.pairs),
-            match s.skipped_rows {
-                1 => "1 row".to_string(),
-                n => format!("{n} rows"),
-            }
+            kiln_train::counted(s.pairs, "pair"),
+            kiln_train::counted(s.skipped_rows, "row")
         ),
         "  fold | accuracy | macro-F1 | majority baseline | best step".to_string(),
     ];
@@ -374,7 +363,7 @@ mod tests {
     #[test]
     fn counts_of_pairs_agree_with_their_number() {
         for (n, words) in [(1, "1 pair"), (0, "0 pairs"), (180, "180 pairs")] {
-            assert_eq!(pairs(n), words);
+            assert_eq!(kiln_train::counted(n, "pair"), words);
         }
         let labels = ["yes".to_string(), "no".to_string()];
         let lines = per_class_lines(&Scores::new(&labels, &[0, 1, 1], &[0, 1, 0]));

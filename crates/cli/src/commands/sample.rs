@@ -98,7 +98,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     eprintln!(
-        "kiln: sampling from {} on {}: {} tokens each, temperature {}, top-k {}{}, seed {}; the prompt is {} token{}",
+        "kiln: sampling from {} on {}: {} tokens each, temperature {}, top-k {}{}, seed {}; the prompt is {}",
         s.source,
         s.device,
         s.tokens,
@@ -110,8 +110,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
             String::new()
         },
         s.seed,
-        s.prompt_tokens,
-        if s.prompt_tokens == 1 { "" } else { "s" }
+        kiln_train::counted(s.prompt_tokens, "token")
     );
     for (i, text) in s.continuations.iter().enumerate() {
         writeln!(out, "--- sample {}\n{}{text}", i + 1, s.prompt)?;

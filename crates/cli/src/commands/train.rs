@@ -310,7 +310,7 @@ pub(crate) fn predict(args: PredictArgs, ctx: &Context) -> anyhow::Result<ExitCo
     writeln!(
         out,
         "predicted {} with {by}: {}",
-        crate::progress::pairs(p.rows),
+        kiln_train::counted(p.rows, "pair"),
         p.output.display()
     )?;
     if let Some(s) = &p.scores {

@@ -255,15 +255,29 @@ impl TokenStore {
 /// as it starts). A store of 10 billion tokens in shards of a million has
 /// 10,000 shards.
 pub fn open_files_limit() -> usize {
+    nofile().map_or(1024, |l| usize::try_from(l.rlim_cur).unwrap_or(usize::MAX))
+}
+
+/// Raises this process's soft limit on open files to its hard limit, as
+/// Go's runtime does: a store keeps its shards open while they fit in a
+/// quarter of it ([`open_files_limit`]), and the soft default is a few
+/// hundred shards. Where the system refuses, the limit stays as it was.
+pub fn raise_open_files_limit() {
+    if let Some(mut limit) = nofile().filter(|l| l.rlim_cur < l.rlim_max) {
+        limit.rlim_cur = limit.rlim_max;
+        // SAFETY: setrlimit only reads the struct it is given.
+        let _ = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
+    }
+}
+
+/// This process's `RLIMIT_NOFILE`, where it can be read.
+fn nofile() -> Option<libc::rlimit> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit only writes the struct it is given.
-    match unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } {
-        0 => usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX),
-        _ => 1024,
-    }
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0).then_some(limit)
 }
 
 /// `shard`, without its file unless `keep`.

@@ -226,10 +226,10 @@ impl Shard {
         );
         let w = self.width.bytes();
         let mut bytes = vec![0u8; out.len() * w];
+        let at = self.offset + (start * w) as u64;
         let read = match &self.file {
-            Some(file) => file.read_exact_at(&mut bytes, self.offset + (start * w) as u64),
-            None => File::open(&self.path)
-                .and_then(|file| file.read_exact_at(&mut bytes, self.offset + (start * w) as u64)),
+            Some(file) => file.read_exact_at(&mut bytes, at),
+            None => File::open(&self.path).and_then(|file| file.read_exact_at(&mut bytes, at)),
         };
         if let Err(e) = read {
             panic!("reading `{}` failed: {e}", self.path.display());
