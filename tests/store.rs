@@ -150,6 +150,58 @@ fn a_store_trains_and_resumes_bitwise_with_any_number_of_loader_workers() {
     }
 }
 
+/// `args` run by `kiln` with at most `limit` open files (soft and hard, so
+/// that kiln's raising of its soft limit finds nothing to raise).
+fn run_under_open_files_limit(limit: u32, args: &[String]) -> crate::support::Run {
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("ulimit -n {limit} && exec \"$0\" \"$@\""))
+        .arg(crate::support::kiln_bin())
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("run sh");
+    crate::support::Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+#[test]
+fn prepare_warns_of_more_shards_than_a_run_keeps_open_and_the_store_still_trains() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let docs = documents(dir);
+    let store = dir.join("small-shards.store");
+    let args = [
+        "prepare".to_string(),
+        format!("data.path={}", docs.display()),
+        format!("--out={}", store.display()),
+        "data.tokenizer=char".into(),
+        "data.shard_tokens=1000".into(),
+    ];
+    // 60 kB in shards of 1,000 tokens: about 60 shards, over the 16 of a
+    // limit of 64 files.
+    run_under_open_files_limit(64, &args)
+        .expect_code(0)
+        .stderr_has(&[
+            "shards are more than a run here keeps open (16, a quarter",
+            "a larger data.shard_tokens (now 1000) makes fewer",
+        ]);
+    // Under the usual limit, the same store is prepared already and fits.
+    let again = run(&args).expect_code(0);
+    again.stdout_has(&["prepared already"]);
+    assert!(!again.stderr.contains("keeps open"), "{}", again.stderr);
+    // Under the low limit, a run reads each shard by opening it.
+    run_under_open_files_limit(
+        64,
+        &tiny_on(dir, "low-limit", 20, &store, &["data.tokenizer=char"]),
+    )
+    .expect_code(0)
+    .stdout_has(&["token store"]);
+}
+
 #[test]
 fn train_on_documents_prepares_them_first_then_finds_them_prepared() {
     let tmp = tempfile::tempdir().expect("tempdir");

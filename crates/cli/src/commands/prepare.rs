@@ -80,6 +80,14 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
             m.text_bytes as f64 / 1e6
         );
     }
+    let kept_open = kiln_train::kiln_data::store::shards_kept_open();
+    if m.shards.len() > kept_open {
+        eprintln!(
+            "kiln: warning: {} are more than a run here keeps open ({kept_open}, a quarter of this process's open-files limit, `ulimit -n`): each read will open its shard, and the loader reads about 4x slower (docs/PERFORMANCE.md, \"Stores of many shards\"); a larger data.shard_tokens (now {}) makes fewer",
+            kiln_train::counted(m.shards.len(), "shard"),
+            m.settings.shard_tokens
+        );
+    }
     if m.skipped.count > 0 {
         writeln!(
             stdout,

@@ -157,11 +157,11 @@ impl TokenStore {
 
     /// Opens the store in `path`: every shard's header checked against its
     /// size; nothing else read. A store of more shards than a quarter of
-    /// the files this process may hold open ([`open_files_limit`]) keeps
+    /// the files this process may hold open ([`shards_kept_open`]) keeps
     /// none of their files open ([`Shard::without_file`]): each read opens
     /// its shard, a few microseconds more.
     pub fn open(path: &Path) -> Result<Self, DataError> {
-        Self::open_keeping(path, open_files_limit() / 4)
+        Self::open_keeping(path, shards_kept_open())
     }
 
     /// [`TokenStore::open`], holding the shards' files open where there
@@ -256,6 +256,12 @@ impl TokenStore {
 /// 10,000 shards.
 pub fn open_files_limit() -> usize {
     nofile().map_or(1024, |l| usize::try_from(l.rlim_cur).unwrap_or(usize::MAX))
+}
+
+/// The most shards a store keeps open ([`TokenStore::open`]): a quarter of
+/// [`open_files_limit`], the rest left to the run's other files.
+pub fn shards_kept_open() -> usize {
+    open_files_limit() / 4
 }
 
 /// Raises this process's soft limit on open files to its hard limit, as
