@@ -1442,6 +1442,26 @@ fn a_diverged_model_is_refused_by_sample_and_a_run_ending_so_says_why() {
         .stderr_has(&["step 2 of `", "are not finite (NaN or infinite)"]);
 }
 
+/// A GPT-2 folder `kiln sample` cannot read is named as the command line
+/// gave it, not as `model.init_from` (the key training's same checks name).
+#[test]
+fn sample_names_a_faulty_folder_without_the_training_key() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let hf = exported_tiny(tmp.path(), 2, &[]);
+    let hf_str = hf.to_str().expect("utf-8");
+    std::fs::rename(hf.join("model.safetensors"), tmp.path().join("w")).expect("move");
+    let out = kiln(&["sample", hf_str]).run().expect_code(2);
+    out.stderr_has(&[&format!("error: `{hf_str}` has no model.safetensors")]);
+    assert!(!out.stderr.contains("model.init_from"), "{}", out.stderr);
+    std::fs::rename(tmp.path().join("w"), hf.join("model.safetensors")).expect("move");
+    std::fs::remove_file(hf.join("tokenizer.json")).expect("rm");
+    let out = kiln(&["sample", hf_str]).run().expect_code(2);
+    out.stderr_has(&[&format!(
+        "error: `{hf_str}` has no tokenizer.json, which encodes the prompt"
+    )]);
+    assert!(!out.stderr.contains("model.init_from"), "{}", out.stderr);
+}
+
 /// The language model with label smoothing: the first step's loss (the
 /// same weights and batch) is the smoothed one, ε · (mean −log p − nll)
 /// from the plain run's (both near ln 65 at the start: 8e-4 apart here);

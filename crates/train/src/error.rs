@@ -128,6 +128,16 @@ pub enum TrainError {
         why: String,
     },
 
+    /// The `transformers` GPT-2 folder `kiln sample` or `kiln eval` reads
+    /// cannot serve (the same checks as `model.init_from`'s).
+    #[error("`{}` {why}", path.display())]
+    PretrainedFolder {
+        /// The folder (or the file in it at fault).
+        path: PathBuf,
+        /// What is wrong, and the fix.
+        why: String,
+    },
+
     /// A prompt the tokenizer cannot encode (`kiln sample`).
     #[error("the prompt cannot be encoded: {why}")]
     Prompt {
@@ -264,6 +274,7 @@ impl TrainError {
                 | Self::NoCheckpoint { .. }
                 | Self::CheckpointMismatch { .. }
                 | Self::Pretrained { .. }
+                | Self::PretrainedFolder { .. }
                 | Self::Prompt { .. }
                 | Self::TextNotEncodable { .. }
                 | Self::Backend { .. }

@@ -224,7 +224,7 @@ pub(crate) fn load_lm(
             why: "--best takes a run's best model, and a transformers folder holds one model: leave out --best".into(),
         });
     } else if from.join("config.json").is_file() {
-        from_folder(from, hardware)?
+        from_folder(from, hardware).map_err(not_as_init_from)?
     } else {
         return Err(TrainError::NotARun {
             path: from.to_path_buf(),
@@ -235,7 +235,8 @@ pub(crate) fn load_lm(
     let device = select_device(&config.device, hardware.gpu_vendor())?;
     let gpt = crate::translate::gpt_config(&config, tokenizer.vocab_size());
     let model = weights
-        .load_into(gpt.init_unset(&device.device), &device.device)?
+        .load_into(gpt.init_unset(&device.device), &device.device)
+        .map_err(not_as_init_from)?
         .with_kernels(crate::translate::kernels(&config))
         .with_attention(crate::translate::attention(&config));
     Ok(Loaded {
@@ -246,6 +247,16 @@ pub(crate) fn load_lm(
         notes,
         device,
     })
+}
+
+/// A folder's fault, told without `model.init_from` (the key the same
+/// checks answer to in training): `kiln sample` and `kiln eval` name the
+/// folder on their command line.
+fn not_as_init_from(e: TrainError) -> TrainError {
+    match e {
+        TrainError::Pretrained { path, why } => TrainError::PretrainedFolder { path, why },
+        other => other,
+    }
 }
 
 /// Where the weights come from.
