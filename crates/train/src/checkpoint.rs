@@ -69,7 +69,11 @@ pub(crate) fn path_for(dir: &Path, step: u64) -> PathBuf {
 }
 
 /// Writes the checkpoint of `state` into `dir` and deletes all but the
-/// newest `keep`.
+/// newest `keep`. Where the disk is full, the checkpoints that the write
+/// would delete after it are deleted first and the write tried again, if
+/// that makes room for it (never the newest, so that a failed write still
+/// leaves one): a run resumed with a lower `checkpoint.keep` to make room
+/// gets it.
 pub(crate) fn save(
     dir: &Path,
     state: &CheckpointState,
@@ -82,11 +86,76 @@ pub(crate) fn save(
     // The run's lock is ours: a temporary file here is a killed write's.
     crate::rundir::remove_debris(dir);
     let path = path_for(dir, state.step);
-    save_file(&path, state)?;
-    for old in list(dir).into_iter().rev().skip(keep.max(1)) {
+    let keep = keep.max(1);
+    if let Err(e) = save_file(&path, state) {
+        let TrainError::CheckpointWrite {
+            path,
+            bytes,
+            source,
+            ..
+        } = e
+        else {
+            return Err(e);
+        };
+        if source.kind() != std::io::ErrorKind::StorageFull {
+            return Err(TrainError::CheckpointWrite {
+                path,
+                bytes,
+                hint: String::new(),
+                source,
+            });
+        }
+        let existing = list(dir);
+        let doomed = deleted_by_the_next(&existing, keep);
+        let freed: u64 = doomed
+            .iter()
+            .filter_map(|c| std::fs::metadata(&c.path).ok())
+            .map(|m| m.len())
+            .sum();
+        let room = free_bytes(dir).is_some_and(|free| free + freed > bytes);
+        if doomed.is_empty() || !room {
+            return Err(TrainError::CheckpointWrite {
+                path,
+                bytes,
+                hint: format!(
+                    "; the disk is full: free space there, or keep fewer checkpoints (checkpoint.keep = {keep}, {} on disk now; `kiln resume <run> checkpoint.keep=N` changes it)",
+                    crate::counted(existing.len(), "checkpoint")
+                ),
+                source,
+            });
+        }
+        for old in doomed {
+            let _ = std::fs::remove_file(&old.path);
+        }
+        save_file(&path, state)?;
+    }
+    for old in list(dir).into_iter().rev().skip(keep) {
         let _ = std::fs::remove_file(old.path);
     }
     Ok(path)
+}
+
+/// Of `existing` (oldest first), those that the rotation after the next
+/// checkpoint's write deletes (all but the newest `keep - 1`), less the
+/// newest of them all: what a full disk may lose before that write.
+fn deleted_by_the_next(existing: &[CheckpointInfo], keep: usize) -> &[CheckpointInfo] {
+    let kept = keep.saturating_sub(1).max(1).min(existing.len());
+    &existing[..existing.len() - kept]
+}
+
+/// The bytes free to this process on the file system of `dir`.
+#[allow(
+    clippy::useless_conversion,
+    reason = "u64 on Linux, u32 block counts on macOS"
+)]
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs reads the NUL-terminated path and writes only the
+    // struct it is given.
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    (unsafe { libc::statvfs(c.as_ptr(), &mut s) } == 0)
+        .then(|| u64::from(s.f_bavail).saturating_mul(u64::from(s.f_frsize)))
 }
 
 /// Writes a model's parameters alone (no optimizer state) as the model
@@ -177,6 +246,7 @@ pub(crate) fn save_file(path: &Path, state: &CheckpointState) -> Result<(), Trai
         return Err(TrainError::CheckpointWrite {
             path: path.to_path_buf(),
             bytes: bytes.len() as u64,
+            hint: String::new(),
             source,
         });
     }
@@ -600,5 +670,38 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let err = latest_good(dir.path()).expect_err("none").to_string();
         assert!(err.contains("no usable checkpoint"), "{err}");
+    }
+
+    #[test]
+    fn a_full_disk_loses_only_what_the_rotation_would_and_never_the_newest() {
+        let infos: Vec<CheckpointInfo> = [50, 100, 150]
+            .into_iter()
+            .map(|step| CheckpointInfo {
+                path: path_for(Path::new("c"), step),
+                step,
+            })
+            .collect();
+        let steps = |keep: usize| -> Vec<u64> {
+            deleted_by_the_next(&infos, keep)
+                .iter()
+                .map(|c| c.step)
+                .collect()
+        };
+        // After the write of step 200 with keep 2: 150 and 200 stay.
+        assert_eq!(steps(2), [50, 100]);
+        assert_eq!(steps(3), [50]);
+        assert_eq!(steps(4), Vec::<u64>::new());
+        // keep 1 would leave 200 alone: 150 stays until it is written.
+        assert_eq!(steps(1), [50, 100]);
+        assert_eq!(deleted_by_the_next(&infos[2..], 1).len(), 0);
+        assert_eq!(deleted_by_the_next(&[], 1).len(), 0);
+    }
+
+    #[test]
+    fn free_bytes_reads_the_file_system() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let free = free_bytes(dir.path()).expect("statvfs");
+        assert!(free > 0, "{free}");
+        assert_eq!(free_bytes(&dir.path().join("absent")), None);
     }
 }

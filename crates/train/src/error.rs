@@ -87,7 +87,7 @@ pub enum TrainError {
 
     /// A checkpoint could not be written; the earlier ones are intact.
     #[error(
-        "failed to write checkpoint `{}` ({} needed); the earlier checkpoints are intact",
+        "failed to write checkpoint `{}` ({} needed); the earlier checkpoints are intact{hint}",
         path.display(),
         size(*bytes)
     )]
@@ -96,6 +96,8 @@ pub enum TrainError {
         path: PathBuf,
         /// Its size.
         bytes: u64,
+        /// What to do, where kiln knows ("" or "; …").
+        hint: String,
         /// What the system said.
         #[source]
         source: std::io::Error,
