@@ -1369,10 +1369,14 @@ fn sample_gives_the_runs_samples_again_and_reads_gpt2_folders() {
         "{}",
         out.stdout
     );
-    kiln(&["sample", run_str, "--prompt", "Zebra €"])
+    kiln(&["sample", run_str, "--prompt", "the €"])
         .run()
         .expect_code(2)
-        .stderr_has(&["'€'", "not in the model's vocabulary"]);
+        .stderr_has(&["'€' is not in the model's vocabulary"]);
+    kiln(&["sample", run_str, "--prompt", "the € ©"])
+        .run()
+        .expect_code(2)
+        .stderr_has(&["'©', '€' are not in the model's vocabulary"]);
     kiln(&["sample", tmp.path().to_str().expect("utf-8")])
         .run()
         .expect_code(2)

@@ -119,7 +119,7 @@ pub(crate) fn unencodable(tokenizer: &Tokenizer, text: &str, err: &kiln_data::Da
     }
     let shown = unknown.len().min(20);
     format!(
-        "{}{} are not in the model's vocabulary ({} tokens; a character-level one holds its corpus's characters only)",
+        "{}{} {} not in the model's vocabulary ({} tokens; a character-level one holds its corpus's characters only)",
         unknown[..shown]
             .iter()
             .map(|c| format!("{c:?}"))
@@ -130,6 +130,7 @@ pub(crate) fn unencodable(tokenizer: &Tokenizer, text: &str, err: &kiln_data::Da
         } else {
             String::new()
         },
+        if unknown.len() == 1 { "is" } else { "are" },
         tokenizer.vocab_size()
     )
 }
