@@ -28,7 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("first tokens {first:?} = {:?}", tokenizer.decode(&first)?);
     let windows = LmWindows::new(ids.into(), 8, 64, 1337, Split::Train)?;
     let mut loader = Loader::new(Arc::new(windows), 0, 2, 4);
-    let bench = benchmark_loader(&mut loader, 100);
+    let bench = benchmark_loader(&mut loader, 100)?;
     println!("loader: {bench:?}");
     Ok(())
 }

@@ -98,6 +98,17 @@ pub enum DataError {
         why: String,
     },
 
+    /// A shard of a store, opened and checked before, that can no longer be
+    /// read: removed, truncated or its disk failing under a running job.
+    #[error("failed to read the token shard `{}` (opened and checked as the run began: removed, truncated, or its disk failing since)", path.display())]
+    ShardUnreadable {
+        /// The shard.
+        path: PathBuf,
+        /// What the system said.
+        #[source]
+        source: std::io::Error,
+    },
+
     /// A token store that is not the one asked for (another tokenizer, other
     /// inputs or settings).
     #[error("token store `{}`: {why}", path.display())]

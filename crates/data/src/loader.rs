@@ -19,8 +19,10 @@ use crossbeam_channel::{Receiver, bounded};
 pub trait BatchSource: Send + Sync + 'static {
     /// The batch it makes.
     type Batch: Send + 'static;
-    /// Batch `index`: the same batch for the same index, whichever thread asks.
-    fn batch(&self, index: u64) -> Self::Batch;
+    /// Batch `index`: the same batch for the same index, whichever thread
+    /// asks; an error where its data can no longer be read (a store's shard
+    /// removed under the run).
+    fn batch(&self, index: u64) -> Result<Self::Batch, crate::DataError>;
 }
 
 /// A batch and how long the consumer waited for it.
@@ -37,7 +39,7 @@ pub struct Loaded<B> {
 /// Batches from a source, in index order, made ahead by worker threads.
 pub struct Loader<S: BatchSource> {
     source: Arc<S>,
-    queues: Vec<Receiver<S::Batch>>,
+    queues: Vec<Receiver<Result<S::Batch, crate::DataError>>>,
     workers: Vec<JoinHandle<()>>,
     stop: Arc<AtomicBool>,
     start: u64,
@@ -71,7 +73,10 @@ impl<S: BatchSource> Loader<S> {
                 .spawn(move || {
                     let mut index = start + w;
                     while !stop.load(Ordering::Relaxed) {
-                        if tx.send(source.batch(index)).is_err() {
+                        let batch = source.batch(index);
+                        // After an error the consumer stops at that batch.
+                        let failed = batch.is_err();
+                        if tx.send(batch).is_err() || failed {
                             break;
                         }
                         index += n;
@@ -113,8 +118,9 @@ impl<S: BatchSource> Loader<S> {
         self.workers.len()
     }
 
-    /// The next batch, and how long this call waited for it.
-    pub fn next_batch(&mut self) -> Loaded<S::Batch> {
+    /// The next batch, and how long this call waited for it; the error of
+    /// a batch whose data could not be read.
+    pub fn next_batch(&mut self) -> Result<Loaded<S::Batch>, crate::DataError> {
         let index = self.next;
         let started = Instant::now();
         let batch = if self.queues.is_empty() {
@@ -124,13 +130,13 @@ impl<S: BatchSource> Loader<S> {
             // A worker only stops when the loader drops or its thread
             // panicked: then make the batch here rather than hang.
             queue.recv().unwrap_or_else(|_| self.source.batch(index))
-        };
+        }?;
         self.next += 1;
-        Loaded {
+        Ok(Loaded {
             batch,
             index,
             wait: started.elapsed(),
-        }
+        })
     }
 }
 
@@ -158,14 +164,17 @@ pub struct LoaderBenchmark {
 
 /// The guides' `benchmark_dataloader`: pulls `batches` batches as fast as
 /// possible and reports the mean wait and the rate.
-pub fn benchmark_loader<S: BatchSource>(loader: &mut Loader<S>, batches: usize) -> LoaderBenchmark {
+pub fn benchmark_loader<S: BatchSource>(
+    loader: &mut Loader<S>,
+    batches: usize,
+) -> Result<LoaderBenchmark, crate::DataError> {
     let started = Instant::now();
     let mut waited = Duration::ZERO;
     for _ in 0..batches {
-        waited += loader.next_batch().wait;
+        waited += loader.next_batch()?.wait;
     }
     let total = started.elapsed().as_secs_f64();
-    LoaderBenchmark {
+    Ok(LoaderBenchmark {
         batches,
         mean_wait: waited / batches.max(1) as u32,
         batches_per_second: if total > 0.0 {
@@ -173,7 +182,7 @@ pub fn benchmark_loader<S: BatchSource>(loader: &mut Loader<S>, batches: usize) 
         } else {
             f64::INFINITY
         },
-    }
+    })
 }
 
 #[cfg(test)]
@@ -188,7 +197,9 @@ mod tests {
 
     fn first(workers: usize, start: u64, n: usize) -> Vec<TokenBatch> {
         let mut loader = Loader::new(source(), start, workers, 2);
-        (0..n).map(|_| loader.next_batch().batch).collect()
+        (0..n)
+            .map(|_| loader.next_batch().expect("batch").batch)
+            .collect()
     }
 
     #[test]
@@ -211,7 +222,7 @@ mod tests {
     #[test]
     fn dropping_a_loader_with_full_queues_stops_its_workers() {
         let mut loader = Loader::new(source(), 0, 4, 1);
-        let _ = loader.next_batch();
+        let _ = loader.next_batch().expect("batch");
         std::thread::sleep(Duration::from_millis(20));
         drop(loader); // joins: the test would hang if a worker stayed blocked
     }
@@ -219,7 +230,7 @@ mod tests {
     #[test]
     fn benchmark_counts_batches() {
         let mut loader = Loader::new(source(), 0, 2, 2);
-        let b = benchmark_loader(&mut loader, 10);
+        let b = benchmark_loader(&mut loader, 10).expect("bench");
         assert_eq!(b.batches, 10);
         assert!(b.batches_per_second > 0.0);
         assert_eq!(loader.position(), 10);

@@ -192,7 +192,7 @@ impl PairBatches {
 impl BatchSource for PairBatches {
     type Batch = PairBatch;
 
-    fn batch(&self, index: u64) -> PairBatch {
+    fn batch(&self, index: u64) -> Result<PairBatch, crate::DataError> {
         let per_epoch = self.batches_per_epoch();
         let plan = self.plan(index / per_epoch);
         let b = plan.batches[(index % per_epoch) as usize];
@@ -202,7 +202,7 @@ impl BatchSource for PairBatches {
             .iter()
             .map(|&i| &self.pairs[i])
             .collect();
-        pad_batch(index, &picked)
+        Ok(pad_batch(index, &picked))
     }
 }
 
@@ -226,7 +226,7 @@ mod tests {
         assert_eq!(src.batches_per_epoch(), 5);
         let mut seen = 0;
         for k in 0..5 {
-            let b = src.batch(k);
+            let b = src.batch(k).expect("batch");
             seen += b.batch_size;
             let longest = (0..b.batch_size)
                 .map(|r| {
@@ -245,8 +245,8 @@ mod tests {
         }
         assert_eq!(seen, 23);
         assert_ne!(
-            src.batch(0).labels,
-            src.batch(5).labels,
+            src.batch(0).expect("batch").labels,
+            src.batch(5).expect("batch").labels,
             "epochs are reshuffled"
         );
     }
@@ -276,13 +276,20 @@ mod tests {
     fn bucketing_reduces_padding() {
         let plain = PairBatches::new(pairs(400), 8, 3, false).expect("batches");
         let bucketed = PairBatches::new(pairs(400), 8, 3, true).expect("batches");
-        let padded = |s: &PairBatches| (0..50).map(|k| s.batch(k).ids.len()).sum::<usize>();
+        let padded = |s: &PairBatches| {
+            (0..50)
+                .map(|k| s.batch(k).expect("batch").ids.len())
+                .sum::<usize>()
+        };
         assert!(
             padded(&bucketed) < padded(&plain),
             "{} vs {}",
             padded(&bucketed),
             padded(&plain)
         );
-        assert_eq!(bucketed.batch(7), bucketed.batch(7));
+        assert_eq!(
+            bucketed.batch(7).expect("batch"),
+            bucketed.batch(7).expect("batch")
+        );
     }
 }

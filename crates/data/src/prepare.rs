@@ -1074,7 +1074,7 @@ mod tests {
         // Every document starts with <|endoftext|>, and the store decodes
         // back to the documents (in some order of the two splits).
         let mut all = vec![0u32; train];
-        store.train.read(0, &mut all);
+        store.train.read(0, &mut all).expect("read");
         assert_eq!(all[0], 50256);
         let text = gpt2.decode(&all).expect("decodes");
         assert!(text.contains("Document 0: the quick brown fox"));
@@ -1139,7 +1139,7 @@ mod tests {
                 .join(file);
             let shard = Shard::open(&theirs).expect("opens llm.c's shard");
             let mut out = vec![0u32; shard.tokens()];
-            shard.read(0, &mut out);
+            shard.read(0, &mut out).expect("read");
             assert_eq!(out, ids);
             let ours = dir.path().join(file);
             write_shard(&ours, &ids, width).expect("writes");

@@ -151,7 +151,7 @@ impl LmWindows {
 impl BatchSource for LmWindows {
     type Batch = TokenBatch;
 
-    fn batch(&self, index: u64) -> TokenBatch {
+    fn batch(&self, index: u64) -> Result<TokenBatch, crate::DataError> {
         let mut rng = self.rng(index);
         let span = self.tokens.len().saturating_sub(self.block).max(1);
         let rows = self.rows.len();
@@ -166,17 +166,17 @@ impl BatchSource for LmWindows {
                 continue;
             }
             let n = (self.block + 1).min(self.tokens.len() - start);
-            self.tokens.read(start, &mut window[..n]);
+            self.tokens.read(start, &mut window[..n])?;
             inputs.extend_from_slice(&window[..self.block]);
             targets.extend_from_slice(&window[1..n]);
         }
-        TokenBatch {
+        Ok(TokenBatch {
             index,
             batch_size: rows,
             block: self.block,
             inputs,
             targets,
-        }
+        })
     }
 }
 
@@ -199,7 +199,7 @@ mod tests {
 
     #[test]
     fn targets_are_inputs_shifted_by_one() {
-        let b = windows(1, Split::Train).batch(0);
+        let b = windows(1, Split::Train).batch(0).expect("batch");
         assert_eq!(b.inputs.len(), 32);
         for row in 0..4 {
             let x = &b.inputs[row * 8..row * 8 + 8];
@@ -215,12 +215,12 @@ mod tests {
         let whole = windows(3, Split::Train);
         for world in [1, 2, 4] {
             for index in [0, 5, 99] {
-                let b = whole.batch(index);
+                let b = whole.batch(index).expect("batch");
                 let mut inputs = Vec::new();
                 let mut targets = Vec::new();
                 for rank in 0..world {
                     let share = whole.clone().share(rank, world).expect("splits");
-                    let s = share.batch(index);
+                    let s = share.batch(index).expect("batch");
                     assert_eq!(s.batch_size, 4 / world);
                     inputs.extend(s.inputs);
                     targets.extend(s.targets);
@@ -238,18 +238,30 @@ mod tests {
     #[test]
     fn batches_depend_on_seed_split_and_index_only() {
         let a = windows(7, Split::Train);
-        assert_eq!(a.batch(5), a.batch(5));
-        assert_eq!(a.batch(5), windows(7, Split::Train).batch(5));
-        assert_ne!(a.batch(5).inputs, a.batch(6).inputs);
-        assert_ne!(a.batch(5).inputs, windows(8, Split::Train).batch(5).inputs);
-        assert_ne!(a.batch(5).inputs, windows(7, Split::Val).batch(5).inputs);
+        assert_eq!(a.batch(5).expect("batch"), a.batch(5).expect("batch"));
+        assert_eq!(
+            a.batch(5).expect("batch"),
+            windows(7, Split::Train).batch(5).expect("batch")
+        );
+        assert_ne!(
+            a.batch(5).expect("batch").inputs,
+            a.batch(6).expect("batch").inputs
+        );
+        assert_ne!(
+            a.batch(5).expect("batch").inputs,
+            windows(8, Split::Train).batch(5).expect("batch").inputs
+        );
+        assert_ne!(
+            a.batch(5).expect("batch").inputs,
+            windows(7, Split::Val).batch(5).expect("batch").inputs
+        );
     }
 
     #[test]
     fn windows_reach_the_last_token() {
         let tokens: Arc<[u32]> = (0..10u32).collect();
         let w = LmWindows::new(tokens, 64, 9, 3, Split::Train).expect("long enough");
-        let b = w.batch(0);
+        let b = w.batch(0).expect("batch");
         assert!(b.targets.contains(&9));
         assert!(b.inputs.contains(&0));
     }

@@ -550,14 +550,14 @@ pub fn bench_loader(config: &RunConfig, batches: usize) -> Result<LoaderBenchRes
         Workload::Lm => {
             let prepared = lm::prepare(config, lm::TokenizerFrom::Config)?;
             let task = prepared.task(config, &Device::flex())?;
-            ("lm", loader_rows(task.source(), &settings, batches, batch))
+            ("lm", loader_rows(task.source(), &settings, batches, batch)?)
         }
         Workload::Nli => {
             let pairs = nli::read(config)?;
             let prepared = nli::prepare(config, &pairs, 0, None)?;
             (
                 "nli",
-                loader_rows(prepared.train, &settings, batches, batch),
+                loader_rows(prepared.train, &settings, batches, batch)?,
             )
         }
     };
@@ -575,21 +575,21 @@ fn loader_rows<S: BatchSource>(
     settings: &[(usize, usize)],
     batches: usize,
     batch: usize,
-) -> Vec<LoaderRow> {
+) -> Result<Vec<LoaderRow>, TrainError> {
     settings
         .iter()
         .enumerate()
         .map(|(i, &(w, p))| {
             let mut loader = Loader::new(Arc::clone(&source), 0, w, p);
-            let bench = benchmark_loader(&mut loader, batches);
-            LoaderRow {
+            let bench = benchmark_loader(&mut loader, batches)?;
+            Ok(LoaderRow {
                 num_workers: w,
                 prefetch_factor: p,
                 batches_per_s: bench.batches_per_second,
                 samples_per_s: bench.batches_per_second * batch as f64,
                 mean_wait_ms: bench.mean_wait.as_secs_f64() * 1e3,
                 configured: i == 0,
-            }
+            })
         })
         .collect()
 }

@@ -276,9 +276,12 @@ fn measure(config: &RunConfig) -> Result<Measured, TrainError> {
                 schedule: p.schedule,
                 vocab: p.tokenizer.vocab_size(),
                 size: p.model_size(),
-                store: p.store.as_ref().and_then(|store| {
-                    crate::tokens::measure_store_read(store, config.model.max_length)
-                }),
+                store: match &p.store {
+                    Some(store) => {
+                        crate::tokens::measure_store_read(store, config.model.max_length)?
+                    }
+                    None => None,
+                },
                 init_from,
             })
         }

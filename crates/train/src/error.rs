@@ -260,9 +260,13 @@ fn size(bytes: u64) -> String {
 impl TrainError {
     /// Whether the error is caused by what the user gave (exit code 2).
     pub fn is_bad_input(&self) -> bool {
-        // A file that could not be written (a full disk) is the machine's
-        // failure, not the input's.
-        if let Self::Data(kiln_data::DataError::Write { .. }) = self {
+        // A file that could not be written (a full disk), or a shard read
+        // before that can no longer be, is the machine's failure, not the
+        // input's.
+        if let Self::Data(
+            kiln_data::DataError::Write { .. } | kiln_data::DataError::ShardUnreadable { .. },
+        ) = self
+        {
             return false;
         }
         matches!(

@@ -97,7 +97,8 @@ mod tests {
         let mut t = MemoryTracker::new();
         let (cur, peak) = t.sample();
         assert!(cur > 0 && peak >= cur, "{cur} {peak}");
-        let big = vec![1u8; 64 << 20];
+        // black_box: an optimised build would not allocate an unused vector.
+        let big = std::hint::black_box(vec![1u8; 64 << 20]);
         let (cur2, peak2) = t.sample();
         assert!(cur2 >= cur + (32 << 20), "{cur} → {cur2}");
         assert!(peak2 >= cur2);

@@ -230,15 +230,7 @@ fn scored(
     let started = Instant::now();
     let n = tokens.len();
     let windows = windows(n, block, stride);
-    let nats = score(&model.valid(), tokens, &windows, &device.device).map_err(|id| {
-        TrainError::Data(DataError::InvalidArgument {
-            what: "token id",
-            why: format!(
-                "`{file}` holds the id {id}, past the model's vocabulary of {}",
-                model.vocab_size()
-            ),
-        })
-    })?;
+    let nats = score(&model.valid(), tokens, &windows, &device.device, &file)?;
     let predicted = n - 1;
     let loss = nats / predicted as f64;
     Ok(TextEval {
@@ -284,7 +276,7 @@ fn split_bytes(tokens: &dyn TokenSpan, tokenizer: &Tokenizer) -> Result<u64, Dat
     let mut at = 0;
     while at < tokens.len() {
         let n = chunk.len().min(tokens.len() - at);
-        tokens.read(at, &mut chunk[..n]);
+        tokens.read(at, &mut chunk[..n])?;
         for &id in &chunk[..n] {
             if Some(id) == eot {
                 bytes += flush(&mut document)?;
@@ -337,14 +329,15 @@ const LOGITS_BUDGET: usize = 1 << 26;
 
 /// The sum of the negative log-probabilities of the scored tokens of
 /// `windows`, in f64; windows of one length run as a batch, read from
-/// `tokens` a batch at a time. `Err` with an id past the model's
-/// vocabulary, where one is read.
+/// `tokens` a batch at a time. An error names an id past the model's
+/// vocabulary in `file`, where one is read.
 fn score(
     model: &Gpt,
     tokens: &dyn TokenSpan,
     windows: &[Window],
     device: &Device,
-) -> Result<f64, u32> {
+    file: &str,
+) -> Result<f64, DataError> {
     let vocab = model.vocab_size();
     let mut nats = 0.0;
     let mut i = 0;
@@ -362,10 +355,13 @@ fn score(
         ids.clear();
         ids.resize(b * (len + 1), 0);
         for (w, out) in batch.iter().zip(ids.chunks_mut(len + 1)) {
-            tokens.read(w.start, out);
+            tokens.read(w.start, out)?;
         }
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-            return Err(bad);
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(DataError::InvalidArgument {
+                what: "token id",
+                why: format!("`{file}` holds the id {id}, past the model's vocabulary of {vocab}"),
+            });
         }
         let take = |offset: usize| -> Vec<i64> {
             ids.chunks(len + 1)
@@ -466,7 +462,14 @@ mod tests {
         let ids: Vec<u32> = (0..3 * 8 + 1).map(|i| (i * 7 % 11) as u32).collect();
         let ws = windows(ids.len(), 8, 8);
         assert_eq!(ws.len(), 3);
-        let nats = score(&model, &MemoryTokens(ids.clone().into()), &ws, &device).expect("ids");
+        let nats = score(
+            &model,
+            &MemoryTokens(ids.clone().into()),
+            &ws,
+            &device,
+            "ids",
+        )
+        .expect("ids");
         let rows = |offset: usize| -> Vec<i64> {
             (0..3)
                 .flat_map(|w| ids[w * 8 + offset..w * 8 + offset + 8].iter())

@@ -203,7 +203,7 @@ pub(crate) fn train_step<T: Task>(
     let mut accumulator = GradientsAccumulator::<T::Model>::new();
     let mut single: Option<GradientsParams> = None;
     for _ in 0..accum {
-        let loaded = loader.next_batch();
+        let loaded = loader.next_batch()?;
         waited += loaded.wait;
         timer.end(Phase::Data);
         work += task.work(&loaded.batch);

@@ -63,5 +63,7 @@ pub(crate) trait Task {
     /// The forward pass to the mean loss of the batch.
     fn loss(&self, model: &Self::Model, inputs: Self::Inputs) -> Tensor<1>;
     fn work(&self, batch: &<Self::Source as BatchSource>::Batch) -> Work;
-    fn evaluate(&self, model: &Self::Model, step: u64) -> Evaluation;
+    /// The evaluation after optimizer step `step`; an error where its data
+    /// can no longer be read.
+    fn evaluate(&self, model: &Self::Model, step: u64) -> Result<Evaluation, crate::TrainError>;
 }

@@ -335,12 +335,16 @@ pub struct StoreRead {
 
 /// Times random windows read from the store for about a quarter of a
 /// second; `None` where its training split has no window of `block`
-/// tokens to read (the run refuses such a store: that is the finding).
-pub(crate) fn measure_store_read(store: &TokenStore, block: usize) -> Option<StoreRead> {
+/// tokens to read (the run refuses such a store: that is the finding); an
+/// error where a shard cannot be read.
+pub(crate) fn measure_store_read(
+    store: &TokenStore,
+    block: usize,
+) -> Result<Option<StoreRead>, kiln_data::DataError> {
     use kiln_data::TokenSpan;
     let split = &store.train;
     if split.len() <= block {
-        return None;
+        return Ok(None);
     }
     let window = block + 1;
     let mut out = vec![0u32; window];
@@ -353,18 +357,18 @@ pub(crate) fn measure_store_read(store: &TokenStore, block: usize) -> Option<Sto
         x = x
             .wrapping_mul(6_364_136_223_846_793_005)
             .wrapping_add(1_442_695_040_888_963_407);
-        split.read((x >> 11) as usize % span, &mut out);
+        split.read((x >> 11) as usize % span, &mut out)?;
         reads += 1;
     }
     let seconds = started.elapsed().as_secs_f64().max(1e-9);
     let bytes_per_token = store.width().bytes();
-    Some(StoreRead {
+    Ok(Some(StoreRead {
         path: store.path.clone(),
         shards: store.train.shards().len() + store.val.shards().len(),
         bytes_per_token,
         disk_mb_per_s: (reads as usize * window * bytes_per_token) as f64 / seconds / 1e6,
         needed_mb_per_s: None,
-    })
+    }))
 }
 
 /// Where a BPE trained for `config` has fewer than the `data.vocab_size`

@@ -265,7 +265,7 @@ pub(crate) fn run_loop<T: Task>(
         let epoch_end = plan.eval_at_epoch_ends && plan.schedule.ends_epoch(step);
         let mut stop = false;
         if step.is_multiple_of(config.eval.eval_steps as u64) || epoch_end || last {
-            let eval = task.evaluate(&model, step);
+            let eval = task.evaluate(&model, step)?;
             let record = EvalRecord {
                 step,
                 metrics: eval.metrics,

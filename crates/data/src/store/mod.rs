@@ -341,8 +341,9 @@ pub trait TokenSpan: Send + Sync + std::fmt::Debug {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// Copies tokens `start..start + out.len()` into `out`.
-    fn read(&self, start: usize, out: &mut [u32]);
+    /// Copies tokens `start..start + out.len()` into `out`; an error where
+    /// a shard can no longer be read.
+    fn read(&self, start: usize, out: &mut [u32]) -> Result<(), DataError>;
 }
 
 /// Ids held in memory.
@@ -354,8 +355,9 @@ impl TokenSpan for MemoryTokens {
         self.0.len()
     }
 
-    fn read(&self, start: usize, out: &mut [u32]) {
+    fn read(&self, start: usize, out: &mut [u32]) -> Result<(), DataError> {
         out.copy_from_slice(&self.0[start..start + out.len()]);
+        Ok(())
     }
 }
 
@@ -395,7 +397,7 @@ impl TokenSpan for ShardSequence {
         self.total
     }
 
-    fn read(&self, start: usize, out: &mut [u32]) {
+    fn read(&self, start: usize, out: &mut [u32]) -> Result<(), DataError> {
         let mut at = start;
         let mut filled = 0;
         while filled < out.len() {
@@ -403,10 +405,11 @@ impl TokenSpan for ShardSequence {
             let shard = &self.shards[i];
             let local = at - self.starts[i];
             let n = (shard.tokens() - local).min(out.len() - filled);
-            shard.read(local, &mut out[filled..filled + n]);
+            shard.read(local, &mut out[filled..filled + n])?;
             filled += n;
             at += n;
         }
+        Ok(())
     }
 }
 
@@ -431,7 +434,7 @@ mod tests {
         let store = TokenStore::open(d).expect("opens");
         assert_eq!(store.train.len(), 7);
         let mut out = [0u32; 4];
-        store.train.read(1, &mut out);
+        store.train.read(1, &mut out).expect("read");
         assert_eq!(out, [1, 2, 3, 4], "a window across two shards");
         assert_eq!(store.val.len(), 3);
 
@@ -446,7 +449,7 @@ mod tests {
         let store = TokenStore::open(nano.path()).expect("opens");
         assert_eq!(store.kind, StoreKind::NanoGpt);
         let mut out = [0u32; 3];
-        store.train.read(0, &mut out);
+        store.train.read(0, &mut out).expect("read");
         assert_eq!(out, [5, 50256, 7]);
         let err = TokenStore::open(Path::new("/"))
             .expect_err("not a store")
@@ -475,12 +478,53 @@ mod tests {
         assert!(store.train.shards().iter().all(|s| !s.holds_file()));
         assert!(!store.val.shards()[0].holds_file());
         let mut out = vec![0u32; 3 * shards - 2];
-        store.train.read(1, &mut out);
+        store.train.read(1, &mut out).expect("read");
         assert_eq!(out, (1..3 * shards as u32 - 1).collect::<Vec<_>>());
         std::fs::remove_file(d.join("web_train_000000.bin")).expect("rm");
         let store = TokenStore::open_keeping(d, KEEP).expect("opens");
         assert!(store.train.shards().iter().all(Shard::holds_file));
-        store.train.read(0, &mut out[..4]);
+        store.train.read(0, &mut out[..4]).expect("read");
         assert_eq!(out[..4], [3, 4, 5, 6]);
+    }
+
+    /// A shard removed under a running job is an error of the batch that
+    /// reads it, through the loader's workers too, where it panicked.
+    #[test]
+    fn a_shard_lost_under_the_run_is_the_error_of_the_batch_that_reads_it() {
+        use crate::{BatchSource, LmWindows, Loader, Split};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = dir.path();
+        for i in 0..4u32 {
+            let ids: Vec<u32> = (0..100).map(|t| i * 100 + t).collect();
+            let name = format!("web_train_{i:06}.bin");
+            shard::write_shard(&d.join(name), &ids, TokenWidth::U16).expect("w");
+        }
+        shard::write_shard(&d.join("web_val_000000.bin"), &[7, 8, 9], TokenWidth::U16).expect("w");
+        let store = TokenStore::open_keeping(d, 0).expect("opens");
+        let windows = |store: &TokenStore| {
+            let train: Arc<dyn TokenSpan> = store.train.clone();
+            Arc::new(LmWindows::over(train, 4, 16, 7, Split::Train).expect("windows"))
+        };
+        let source = windows(&store);
+        source.batch(0).expect("every shard there");
+        let lost = d.join("web_train_000002.bin");
+        std::fs::remove_file(&lost).expect("rm");
+        // Within a few batches of 4 windows, one reads the lost shard.
+        let failing = (0..64)
+            .find(|&k| source.batch(k).is_err())
+            .expect("a batch reads the lost shard");
+        let err = source.batch(failing).expect_err("lost");
+        assert!(
+            matches!(&err, DataError::ShardUnreadable { path, .. } if *path == lost),
+            "{err}"
+        );
+        for workers in [0, 1, 3] {
+            let mut loader = Loader::new(Arc::clone(&source), 0, workers, 2);
+            for k in 0..failing {
+                assert_eq!(loader.next_batch().expect("before it").index, k);
+            }
+            let err = loader.next_batch().expect_err("the lost shard's batch");
+            assert!(err.to_string().contains("web_train_000002.bin"), "{err}");
+        }
     }
 }

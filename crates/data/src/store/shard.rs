@@ -217,9 +217,9 @@ impl Shard {
     }
 
     /// Reads `out.len()` tokens from token `start`. Panics if the range is
-    /// outside the shard (callers check) or the file can no longer be read
-    /// (it was removed or truncated under a running job).
-    pub fn read(&self, start: usize, out: &mut [u32]) {
+    /// outside the shard (callers check); an error where the file can no
+    /// longer be read (it was removed or truncated under a running job).
+    pub fn read(&self, start: usize, out: &mut [u32]) -> Result<(), DataError> {
         assert!(
             start + out.len() <= self.tokens,
             "read past the shard's end"
@@ -231,9 +231,10 @@ impl Shard {
             Some(file) => file.read_exact_at(&mut bytes, at),
             None => File::open(&self.path).and_then(|file| file.read_exact_at(&mut bytes, at)),
         };
-        if let Err(e) = read {
-            panic!("reading `{}` failed: {e}", self.path.display());
-        }
+        read.map_err(|source| DataError::ShardUnreadable {
+            path: self.path.clone(),
+            source,
+        })?;
         match self.width {
             TokenWidth::U16 => {
                 for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
@@ -246,6 +247,7 @@ impl Shard {
                 }
             }
         }
+        Ok(())
     }
 }
 
@@ -276,7 +278,7 @@ mod tests {
             assert_eq!(shard.tokens(), ids.len());
             assert_eq!(shard.width(), width);
             let mut out = vec![0u32; ids.len() - 1];
-            shard.read(1, &mut out);
+            shard.read(1, &mut out).expect("read");
             assert_eq!(out, ids[1..]);
         }
         let err = encode_tokens(&[70_000], TokenWidth::U16, &mut Vec::new()).expect_err("too big");

@@ -629,19 +629,18 @@ impl Task for LmTask {
     }
 
     /// Mean loss over `eval_iters` fixed batches of each split, without autodiff.
-    fn evaluate(&self, model: &Gpt, _step: u64) -> Evaluation {
+    fn evaluate(&self, model: &Gpt, _step: u64) -> Result<Evaluation, TrainError> {
         let model = model.valid();
-        let mean = |windows: &LmWindows| {
-            let total: f64 = (0..self.eval_iters)
-                .map(|j| {
-                    let (x, y) = batch_tensors(&windows.batch(j), &self.inner);
-                    f64::from(model.loss(x, y).into_scalar::<f32>())
-                })
-                .sum();
-            total / self.eval_iters as f64
+        let mean = |windows: &LmWindows| -> Result<f64, TrainError> {
+            let mut total = 0.0;
+            for j in 0..self.eval_iters {
+                let (x, y) = batch_tensors(&windows.batch(j)?, &self.inner);
+                total += f64::from(model.loss(x, y).into_scalar::<f32>());
+            }
+            Ok(total / self.eval_iters as f64)
         };
-        let (train_loss, val_loss) = (mean(&self.eval_train), mean(&self.eval_val));
-        Evaluation {
+        let (train_loss, val_loss) = (mean(&self.eval_train)?, mean(&self.eval_val)?);
+        Ok(Evaluation {
             metrics: EvalMetrics::Lm {
                 train_loss,
                 val_loss,
@@ -649,7 +648,7 @@ impl Task for LmTask {
             // The lower the validation loss the better: the best model is
             // kept (best.safetensors) and `eval.patience` counts from it.
             score: Some(-val_loss),
-        }
+        })
     }
 }
 

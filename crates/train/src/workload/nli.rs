@@ -325,13 +325,13 @@ impl Task for NliTask {
         }
     }
 
-    fn evaluate(&self, model: &EncoderClassifier, _step: u64) -> Evaluation {
+    fn evaluate(&self, model: &EncoderClassifier, _step: u64) -> Result<Evaluation, TrainError> {
         let (truth, predicted, val_loss) = self.predict(model);
         let scores = Scores::new(&self.labels, &truth, &predicted);
-        Evaluation {
+        Ok(Evaluation {
             score: Some(scores.macro_f1),
             metrics: EvalMetrics::Nli { val_loss, scores },
-        }
+        })
     }
 }
 
