@@ -713,12 +713,12 @@ impl<'a> Resolver<'a> {
                 };
                 let set_by = self.source_of(&key);
                 ConfigError::InvalidValue {
-                    value,
                     problem: format!(
                         "expected {}{}",
-                        plain_expected(&expected),
+                        plain_expected(&expected, &value),
                         sweep_hint(&set_by)
                     ),
+                    value,
                     set_by: Box::new(set_by),
                     key,
                 }
@@ -768,9 +768,13 @@ fn quoted(names: &[&str]) -> String {
         .join(", ")
 }
 
-/// serde's expectations, in words a user reads ("usize" → "a whole number ≥ 0").
-fn plain_expected(expected: &str) -> String {
+/// serde's expectations, in words a user reads ("usize" → "a whole number ≥ 0");
+/// for a whole number `value` too large, the largest there is.
+fn plain_expected(expected: &str, value: &str) -> String {
+    let too_large = value.parse::<u128>().is_ok();
     match expected {
+        "usize" | "u64" if too_large => format!("a whole number up to {}", u64::MAX),
+        "u32" if too_large => format!("a whole number up to {}", u32::MAX),
         "usize" | "u64" | "u32" => "a whole number, 0 or more".to_string(),
         "f64" | "f32" => "a number".to_string(),
         "a boolean" => "true or false".to_string(),
@@ -781,6 +785,13 @@ fn plain_expected(expected: &str) -> String {
 fn value_text(v: &Value) -> String {
     match v {
         Value::String(_, s) => format!("\"{s}\""),
+        // Beyond TOML's 64-bit integers: the digits as given.
+        Value::Num(_, n) if n.to_i128().is_some_and(|i| i64::try_from(i).is_err()) => {
+            n.to_i128().map_or_else(String::new, |i| i.to_string())
+        }
+        Value::Num(_, n) if n.to_u128().is_some_and(|u| i64::try_from(u).is_err()) => {
+            n.to_u128().map_or_else(String::new, |u| u.to_string())
+        }
         other => toml::Value::try_from(other)
             .map(|t| t.to_string())
             .unwrap_or_else(|_| format!("{other:?}")),

@@ -352,6 +352,22 @@ fn bad_values_name_key_value_and_layer() {
             &["invalid value 0", "must be at least 1"],
         ),
         (
+            &["training.batch_size=99999999999999999999"],
+            &[],
+            &[
+                "invalid value 99999999999999999999 for `training.batch_size`",
+                "expected a whole number up to 18446744073709551615",
+            ],
+        ),
+        (
+            &["training.batch_size=-99999999999999999999"],
+            &[],
+            &[
+                "invalid value -99999999999999999999 for",
+                "expected a whole number, 0 or more",
+            ],
+        ),
+        (
             &["precision.amp_dtype=bf61"],
             &[],
             &["expected one of `bf16`, `fp16`", "did you mean `bf16`?"],
