@@ -103,6 +103,7 @@ fn a_run_leaves_a_complete_run_directory() {
         "config-sources.txt",
         "hardware.json",
         "tokenizer.json",
+        "data.json",
         "metrics.jsonl",
         "summary.json",
         "samples.txt",
@@ -1444,6 +1445,45 @@ fn a_diverged_model_is_refused_by_sample_and_a_run_ending_so_says_why() {
         .run()
         .expect_code(2)
         .stderr_has(&["step 2 of `", "are not finite (NaN or infinite)"]);
+}
+
+/// A run records what it trained on (`data.json`); a resume on other
+/// tokens says that its batches are not the run's, and one on the same
+/// tokens says nothing.
+#[test]
+fn a_resume_on_changed_data_says_so() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    train_tiny(dir, "run", 2, &["checkpoint.every_steps=1"]).expect_code(0);
+    let run = dir.join("run");
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("data.json")).expect("data.json"))
+            .expect("json");
+    assert_eq!(saved["train_tokens"], 36_000, "{saved}");
+    let run_str = run.to_str().expect("utf-8");
+    let same = kiln(&["resume", run_str, "training.max_steps=3"])
+        .run()
+        .expect_code(0);
+    assert!(
+        !same.stdout.contains("not what the run trained on"),
+        "{}",
+        same.stdout
+    );
+    let corpus = dir.join("corpus.txt");
+    let text = std::fs::read_to_string(&corpus).expect("corpus");
+    std::fs::write(&corpus, text.replace('e', "a")).expect("write");
+    kiln(&["resume", run_str, "training.max_steps=4"])
+        .run()
+        .expect_code(0)
+        .stdout_has(&[
+            "warning: the data is not what the run trained on",
+            "holds as many tokens as before (36000 training, 4000 validation), but others",
+        ]);
+    std::fs::write(&corpus, format!("{text}more")).expect("write");
+    kiln(&["resume", run_str, "training.max_steps=5"])
+        .run()
+        .expect_code(0)
+        .stdout_has(&["where the run had 36000 and 4000"]);
 }
 
 /// A GPT-2 folder `kiln sample` cannot read is named as the command line

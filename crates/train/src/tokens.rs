@@ -387,6 +387,69 @@ pub(crate) fn vocabulary_short(config: &RunConfig, vocab: usize) -> Option<Strin
         })
 }
 
+/// What a language model's run trained on, as `data.json` in its folder
+/// records it: a resume on other tokens would not draw the batches the run
+/// would have drawn, and says so.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct DataFingerprint {
+    /// Tokens in the training split.
+    pub(crate) train_tokens: usize,
+    /// Tokens in the validation split.
+    pub(crate) val_tokens: usize,
+    /// SHA-256 of 65 pieces of 64 tokens spread evenly over each split
+    /// (a store of billions of tokens is not read whole for it).
+    pub(crate) sample_sha256: String,
+}
+
+impl DataFingerprint {
+    /// Its file in the run's folder.
+    pub(crate) const FILE: &str = "data.json";
+
+    /// The fingerprint of the two splits.
+    pub(crate) fn of(
+        train: &dyn kiln_data::TokenSpan,
+        val: &dyn kiln_data::TokenSpan,
+    ) -> Result<Self, DataError> {
+        const PIECES: usize = 64;
+        const PIECE: usize = 64;
+        let mut bytes = Vec::with_capacity(2 * (PIECES + 1) * PIECE * 4);
+        for split in [train, val] {
+            let n = split.len();
+            let mut piece = vec![0u32; PIECE.min(n)];
+            for i in 0..=PIECES {
+                split.read((n - piece.len()) * i / PIECES, &mut piece)?;
+                bytes.extend(piece.iter().flat_map(|t| t.to_le_bytes()));
+            }
+        }
+        Ok(Self {
+            train_tokens: train.len(),
+            val_tokens: val.len(),
+            sample_sha256: sha256_hex(&bytes),
+        })
+    }
+
+    /// How `now` differs from `self` (the run's), in words; `None` where
+    /// they are the same.
+    pub(crate) fn differs(&self, now: &Self) -> Option<String> {
+        if self == now {
+            return None;
+        }
+        Some(
+            if (self.train_tokens, self.val_tokens) == (now.train_tokens, now.val_tokens) {
+                format!(
+                    "as many tokens as before ({} training, {} validation), but others",
+                    self.train_tokens, self.val_tokens
+                )
+            } else {
+                format!(
+                    "{} training and {} validation tokens, where the run had {} and {}",
+                    now.train_tokens, now.val_tokens, self.train_tokens, self.val_tokens
+                )
+            },
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

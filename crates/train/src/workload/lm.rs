@@ -158,7 +158,30 @@ fn prepare_in_memory(config: &RunConfig, from: TokenizerFrom<'_>) -> Result<Prep
     })
 }
 
+/// The fingerprint of the tokens a run trained on, from its `data.json`
+/// (`None` for a run written before 2026-12-07, or a damaged file).
+fn read_fingerprint(run: &RunDir) -> Option<tokens::DataFingerprint> {
+    let text = std::fs::read_to_string(run.file(tokens::DataFingerprint::FILE)).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+fn write_fingerprint(
+    run: &RunDir,
+    fingerprint: &tokens::DataFingerprint,
+) -> Result<(), TrainError> {
+    let json = serde_json::to_string_pretty(fingerprint).unwrap_or_default() + "\n";
+    run.write(tokens::DataFingerprint::FILE, &json)
+}
+
 impl Prepared {
+    /// The fingerprint of its splits, for the run's `data.json`.
+    pub(crate) fn fingerprint(&self) -> Result<tokens::DataFingerprint, TrainError> {
+        Ok(tokens::DataFingerprint::of(
+            self.train_tokens.as_ref(),
+            self.val_tokens.as_ref(),
+        )?)
+    }
+
     /// The data measured against the config, for `kiln diagnose`.
     pub(crate) fn data_size(&self, config: &RunConfig) -> DataSize {
         DataSize {
@@ -262,6 +285,7 @@ pub(crate) fn train(
     };
     let _lock = run.lock()?;
     run.write("tokenizer.json", &session.prepared.tokenizer.to_json()?)?;
+    write_fingerprint(&run, &session.prepared.fingerprint()?)?;
     run.start_tensorboard(config)?;
     session.run(model, &run, options, observer)
 }
@@ -339,6 +363,17 @@ pub(crate) fn resume(
     if !saved {
         run.write("tokenizer.json", &prepared.tokenizer.to_json()?)?;
     }
+    let now = prepared.fingerprint()?;
+    if from.is_some()
+        && let Some(then) = read_fingerprint(run)
+        && let Some(how) = then.differs(&now)
+    {
+        observer.event(&Event::Note(format!(
+            "warning: the data is not what the run trained on: `{}` now holds {how}; the batches from here are not those the run would have drawn (an exact resume needs the same tokens)",
+            config.data.path
+        )));
+    }
+    write_fingerprint(run, &now)?;
     let step = from.as_ref().map_or(0, |(info, _)| info.step);
     let resume_from = from.map(|(info, state)| (info.path, state));
     let (session, model) = Session::new(config, device, prepared, resume_from, options)?;
