@@ -69,6 +69,8 @@ fn a_store_trains_and_resumes_bitwise_with_any_number_of_loader_workers() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let docs = documents(dir);
+    // A file of another kind beside the documents is left out, and said so.
+    std::fs::write(docs.join("cover.png"), [0x89, b'P', b'N', b'G']).expect("write");
     let store = dir.join("shakespeare.store");
     prepare(
         &docs,
@@ -77,6 +79,10 @@ fn a_store_trains_and_resumes_bitwise_with_any_number_of_loader_workers() {
     )
     .expect_code(0)
     .stdout_has(&[
+        "1 file of data.path",
+        "left out, not of a kind read as documents (.txt/.text/.md",
+        "cover.png`",
+        "KiB of documents",
         "skipped 1 rows",
         "line 5: no field `text`",
         "tokenizer char",

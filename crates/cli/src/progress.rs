@@ -78,9 +78,9 @@ impl Printer {
             self.bar = Some(bar);
         }
         let msg = format!(
-            "{} tokens, {} documents{}",
+            "{} tokens, {}{}",
             p.tokens,
-            p.documents,
+            kiln_train::counted(p.documents, "document"),
             if p.skipping {
                 " (skipping what was written)"
             } else {

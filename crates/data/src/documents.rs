@@ -78,6 +78,12 @@ impl InputFile {
 /// `[`), in sorted path order. Errors when nothing usable is found, naming
 /// what was there.
 pub fn find_inputs(spec: &str) -> Result<Vec<InputFile>, DataError> {
+    find_inputs_and_others(spec).map(|(inputs, _)| inputs)
+}
+
+/// [`find_inputs`], and the files of a folder or a glob it leaves out, not
+/// being of a kind it reads (`.png`, `.html`, …), to tell the user of.
+pub fn find_inputs_and_others(spec: &str) -> Result<(Vec<InputFile>, Vec<PathBuf>), DataError> {
     let path = Path::new(spec);
     let mut candidates = Vec::new();
     let mut skipped = Vec::new();
@@ -139,12 +145,15 @@ pub fn find_inputs(spec: &str) -> Result<Vec<InputFile>, DataError> {
         return Err(DataError::InvalidArgument {
             what: "data.path",
             why: format!(
-                "`{spec}` holds no document file of a supported kind (.txt/.md/.rst, .jsonl/.json, .parquet, each also .gz or .zst) — found {seen}"
+                "`{spec}` holds no document file of a supported kind ({DOCUMENT_KINDS}) — found {seen}"
             ),
         });
     }
-    Ok(inputs)
+    Ok((inputs, skipped))
 }
+
+/// The files [`find_inputs`] reads, in words.
+pub const DOCUMENT_KINDS: &str = ".txt/.text/.md/.markdown/.rst, .jsonl/.json/.ndjson, .parquet; the text and JSON also .gz or .zst";
 
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
     for entry in std::fs::read_dir(dir)? {

@@ -45,7 +45,10 @@ mod windows;
 
 pub use cache::{CacheOutcome, encode_cached};
 pub use corpus::{Corpus, read_corpus};
-pub use documents::{Compression, DocFormat, InputFile, ReadOptions, SkippedRows, find_inputs};
+pub use documents::{
+    Compression, DOCUMENT_KINDS, DocFormat, InputFile, ReadOptions, SkippedRows, find_inputs,
+    find_inputs_and_others,
+};
 pub use error::DataError;
 pub use folds::grouped_stratified_folds;
 pub use loader::{BatchSource, Loaded, Loader, LoaderBenchmark, benchmark_loader};

@@ -11,7 +11,7 @@ use kiln_config::{RunConfig, TokenizerKind as ConfigTokenizer};
 use kiln_data::store::{StoreKind, TOKENIZER, TokenWidth};
 use kiln_data::{
     BadRows, DataError, DocFormat, InputFile, PrepareOptions, PrepareOutcome, PrepareSettings,
-    ReadOptions, TokenStore, Tokenizer, find_inputs, read_sample, sha256_hex,
+    ReadOptions, TokenStore, Tokenizer, find_inputs_and_others, read_sample, sha256_hex,
 };
 
 use crate::TrainError;
@@ -28,8 +28,8 @@ pub(crate) enum Route {
     Memory,
     /// A folder of tokens.
     Store(PathBuf),
-    /// Documents to prepare first.
-    Documents(Vec<InputFile>),
+    /// Documents to prepare first, and the files beside them left out.
+    Documents(Vec<InputFile>, Vec<PathBuf>),
 }
 
 /// Which route `config.data.path` takes.
@@ -54,7 +54,34 @@ pub(crate) fn route(config: &RunConfig) -> Result<Route, TrainError> {
         // The memory path names a missing file as it always has.
         return Ok(Route::Memory);
     }
-    Ok(Route::Documents(find_inputs(&config.data.path)?))
+    let (inputs, others) = find_inputs_and_others(&config.data.path)?;
+    Ok(Route::Documents(inputs, others))
+}
+
+/// Says which files of `data.path` are left out as not documents (a
+/// folder's images, say), where there are any.
+pub(crate) fn note_left_out(config: &RunConfig, others: &[PathBuf], observer: &mut dyn Observer) {
+    if others.is_empty() {
+        return;
+    }
+    let shown: Vec<String> = others
+        .iter()
+        .take(3)
+        .map(|p| format!("`{}`", p.display()))
+        .collect();
+    let more = others.len().saturating_sub(shown.len());
+    observer.event(&Event::Note(format!(
+        "{} of data.path `{}` left out, not of a kind read as documents ({}): {}{}",
+        crate::counted(others.len(), "file"),
+        config.data.path,
+        kiln_data::DOCUMENT_KINDS,
+        shown.join(", "),
+        if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        }
+    )));
 }
 
 /// The settings a config prepares documents with.
@@ -127,9 +154,13 @@ fn store_tokenizer(
                 config.data.tokenizer_sample_bytes,
             )?;
             observer.event(&Event::Note(format!(
-                "training the {} tokenizer on the corpus' first {:.1} MiB of documents (data.tokenizer_sample_bytes)",
+                "training the {} tokenizer on the corpus' first {} of documents (data.tokenizer_sample_bytes)",
                 tokenizer_name(config),
-                sample.len() as f64 / f64::from(1u32 << 20)
+                if sample.len() < 1 << 20 {
+                    format!("{:.1} KiB", sample.len() as f64 / 1024.0)
+                } else {
+                    format!("{:.1} MiB", sample.len() as f64 / f64::from(1u32 << 20))
+                }
             )));
             let t = match kind {
                 // U+FFFD stands for a character the sample did not have.
@@ -153,7 +184,8 @@ pub fn prepare_store(
     threads: Option<usize>,
     observer: &mut dyn Observer,
 ) -> Result<PrepareOutcome, TrainError> {
-    let inputs = find_inputs(&config.data.path)?;
+    let (inputs, others) = find_inputs_and_others(&config.data.path)?;
+    note_left_out(config, &others, observer);
     prepare_inputs(config, inputs, out, threads, observer)
 }
 

@@ -74,7 +74,10 @@ pub(crate) fn prepare_observed(
     let path = match tokens::route(config)? {
         tokens::Route::Memory => return prepare_in_memory(config, from),
         tokens::Route::Store(path) => path,
-        tokens::Route::Documents(inputs) => tokens::prepare_cached(config, inputs, observer)?,
+        tokens::Route::Documents(inputs, others) => {
+            tokens::note_left_out(config, &others, observer);
+            tokens::prepare_cached(config, inputs, observer)?
+        }
     };
     let saved = match from {
         TokenizerFrom::File(p) => Some(p),
