@@ -574,6 +574,14 @@ fn cv_and_bench_nli_respect_an_experiment_chosen_by_any_layer() {
             .expect_code(2)
             .stderr_has(&["`0` is not a whole number of 1 or more"]);
     }
+    // Threads from 1 to 1024: a hundred thousand aborted the process after
+    // minutes of starting them.
+    for n in ["0", "100000"] {
+        kiln(&["prepare", "--threads", n])
+            .run()
+            .expect_code(2)
+            .stderr_has(&[&format!("`{n}` is not a whole number from 1 to 1024")]);
+    }
     // Where no layer chooses one, `bench nli` takes the NLI experiment.
     let run = kiln(&[
         "bench",

@@ -560,6 +560,10 @@ fn bad_launches_exit_2_with_the_reason() {
     run(&with(&["launch", "--nproc-per-node", "0"]))
         .expect_code(2)
         .stderr_has(&["--nproc-per-node 0"]);
+    // A typo's hundred thousand processes are refused, not started.
+    run(&with(&["launch", "--nproc-per-node", "100000"]))
+        .expect_code(2)
+        .stderr_has(&["--nproc-per-node 100000", "at most 1024 processes"]);
     run(&with(&["launch", "--nnodes", "2", "--node-rank", "2"]))
         .expect_code(2)
         .stderr_has(&["--node-rank 2", "out of range"]);

@@ -1002,9 +1002,14 @@ impl RunConfig {
             "must be at least 1",
         );
         check(
-            self.loader.prefetch_factor >= 1,
+            (1..=1024).contains(&self.loader.prefetch_factor),
             "loader.prefetch_factor",
-            "must be at least 1",
+            "must be between 1 and 1024 (batches queued ahead per worker, each held in memory)",
+        );
+        check(
+            self.loader.num_workers <= 1024,
+            "loader.num_workers",
+            "must be at most 1024 (threads; a few per core at most make batches faster)",
         );
         check(self.cv.folds >= 2, "cv.folds", "must be at least 2");
         check(

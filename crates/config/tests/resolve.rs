@@ -352,6 +352,19 @@ fn bad_values_name_key_value_and_layer() {
             &["invalid value 0", "must be at least 1"],
         ),
         (
+            &["loader.num_workers=100000"],
+            &[],
+            &[
+                "invalid value 100000 for `loader.num_workers`",
+                "at most 1024",
+            ],
+        ),
+        (
+            &["loader.prefetch_factor=5000"],
+            &[],
+            &["`loader.prefetch_factor`", "between 1 and 1024"],
+        ),
+        (
             &["training.batch_size=99999999999999999999"],
             &[],
             &[

@@ -45,6 +45,12 @@ impl LaunchSpec {
                 "a node runs at least one process (one per GPU)",
             );
         }
+        if self.nproc_per_node > 1024 {
+            return bad(
+                format!("--nproc-per-node {}", self.nproc_per_node),
+                "a node runs at most 1024 processes (one per GPU, or ranks sharing the CPU's cores)",
+            );
+        }
         if self.nnodes == 0 {
             return bad("--nnodes 0".into(), "a job has at least one node");
         }

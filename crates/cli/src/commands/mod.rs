@@ -185,6 +185,20 @@ pub(crate) fn train_error(e: kiln_train::TrainError) -> anyhow::Error {
 
 /// A count that means nothing at 0 (a bench's steps or batches, which
 /// would print zeros as rates; `kiln sample -n`, which would print nothing).
+/// A count of threads or processes on one machine: 1 to 1024 (more is a
+/// typo, and would start that many).
+pub(crate) fn thread_count(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=MAX_PER_MACHINE).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "`{s}` is not a whole number from 1 to {MAX_PER_MACHINE}"
+        )),
+    }
+}
+
+/// The most threads or processes kiln starts on one machine for one flag.
+pub(crate) const MAX_PER_MACHINE: usize = 1024;
+
 pub(crate) fn at_least_one(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(n) if n >= 1 => Ok(n),

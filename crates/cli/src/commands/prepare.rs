@@ -13,8 +13,8 @@ pub(crate) struct Args {
     /// <folder>.store beside a folder; a glob's goes under data.cache_dir]
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
-    /// Encoding threads [default: one per core]
-    #[arg(long, value_name = "N")]
+    /// Encoding threads, 1 to 1024 [default: one per core]
+    #[arg(long, value_name = "N", value_parser = super::thread_count)]
     threads: Option<usize>,
     #[command(flatten)]
     layers: Layers,
