@@ -565,6 +565,31 @@ fn bad_training_input_is_named_with_exit_2_and_no_run_directory() {
                 "--force runs it anyway".into(),
             ],
         ),
+        // An evaluation batch of a billion sequences: the run trained its
+        // first steps, then aborted allocating 256 GB for it.
+        (
+            vec![
+                format!("data.path={}", good.display()),
+                "eval.batch_size=1000000000".into(),
+            ],
+            vec![
+                "eval.batch_size: an evaluation pass of 1000000000 sequences needs about".into(),
+                "over twice what it has; fix: eval.batch_size=".into(),
+            ],
+        ),
+        // A model whose weights and AdamW's moments alone outgrow the
+        // machine: the fix is the model, not the batch.
+        (
+            vec![
+                format!("data.path={}", good.display()),
+                "model.layers=100000".into(),
+            ],
+            vec![
+                "model: the model's".into(),
+                "(their weights, gradients and AdamW's moments, before any activation)".into(),
+                "fix: a smaller model".into(),
+            ],
+        ),
     ];
     for (extra, wants) in cases {
         let mut args = vec![

@@ -370,6 +370,7 @@ pub fn check_config(input: &CheckInput<'_>) -> Vec<Finding> {
 
     // Memory.
     out.extend(memory_finding(c, memory));
+    out.extend(eval_memory_finding(c, memory));
     out
 }
 
@@ -391,6 +392,21 @@ pub fn memory_finding(c: &RunConfig, memory: &MemoryEstimate) -> Option<Finding>
         .rev()
         .find(|d| *d <= fits)
         .unwrap_or(1);
+    if fixed > room {
+        return Some(Finding {
+            severity: Severity::Error,
+            key: "model".into(),
+            problem: format!(
+                "the model's {} parameters need about {} (their weights, gradients and AdamW's moments, before any activation) but {} is {}",
+                memory.parameters,
+                gib(fixed),
+                memory.available_what,
+                gib(memory.available)
+            ),
+            fix: "a smaller model: fewer model.layers, a lower model.hidden or model.intermediate"
+                .into(),
+        });
+    }
     let mut fix = format!(
         "training.batch_size={micro} with training.gradient_accumulation_steps={} keeps the effective batch of {effective}",
         effective / micro
@@ -410,6 +426,30 @@ pub fn memory_finding(c: &RunConfig, memory: &MemoryEstimate) -> Option<Finding>
             gib(memory.available)
         ),
         fix,
+    })
+}
+
+/// The error of an evaluation pass (at `eval.batch_size`) whose estimated
+/// memory exceeds what is available, with the evaluation batch that fits.
+pub fn eval_memory_finding(c: &RunConfig, memory: &MemoryEstimate) -> Option<Finding> {
+    if memory.eval_fits() {
+        return None;
+    }
+    let room = (0.9 * memory.available as f64) as u64;
+    let fixed = memory.weights + memory.optimizer;
+    let per_sample = memory.eval.saturating_sub(fixed) / c.eval.batch_size.max(1) as u64;
+    let fits = (room.saturating_sub(fixed) / per_sample.max(1)).max(1);
+    Some(Finding {
+        severity: Severity::Error,
+        key: "eval.batch_size".into(),
+        problem: format!(
+            "an evaluation pass of {} needs about {} (estimate) but {} is {}",
+            crate::counted(c.eval.batch_size, "sequence"),
+            gib(memory.eval),
+            memory.available_what,
+            gib(memory.available)
+        ),
+        fix: format!("eval.batch_size={}", fits.min(c.eval.batch_size as u64)),
     })
 }
 
@@ -581,5 +621,32 @@ mod tests {
         assert_eq!(raised(Some((2, 3)), ample), Some(6));
         // Without room (the estimate above half of what is available).
         assert_eq!(raised(Some((2, 8)), 64 << 20), None);
+    }
+
+    #[test]
+    fn an_evaluation_batch_too_large_gets_one_that_fits() {
+        let size = ModelSize {
+            parameters: 800_000,
+            trainable: 800_000,
+        };
+        let estimate = |eval_batch: &str| {
+            let c = config(&[eval_batch]);
+            let mut m = estimate_memory(&c, 65, size);
+            m.available = 1 << 30;
+            (c, m)
+        };
+        let (c, m) = estimate("eval.batch_size=12");
+        assert!(m.eval < m.total, "{} {}", m.eval, m.total);
+        assert_eq!(eval_memory_finding(&c, &m), None);
+        let (c, m) = estimate("eval.batch_size=100000");
+        let f = eval_memory_finding(&c, &m).expect("over");
+        assert_eq!(f.key, "eval.batch_size");
+        let fits: usize = f.fix["eval.batch_size=".len()..].parse().expect("a batch");
+        assert!((1..100_000).contains(&fits), "{}", f.fix);
+        let (c, m) = estimate(&format!("eval.batch_size={fits}"));
+        assert!(m.eval_fits(), "{} of {}", m.eval, m.available);
+        assert_eq!(eval_memory_finding(&c, &m), None);
+        let (_, m) = estimate(&format!("eval.batch_size={}", fits + 2));
+        assert!(!m.eval_fits(), "{fits} is not the largest that fits");
     }
 }

@@ -34,7 +34,7 @@ use kiln_hwdetect::{GpuInfo, HardwareReport};
 
 pub use checks::{
     Burst, CheckInput, DataSize, Finding, SMALL_MICRO_BATCH_TOKENS, Severity, check_config,
-    check_schedule, gib, loader_verdict, memory_finding,
+    check_schedule, eval_memory_finding, gib, loader_verdict, memory_finding,
 };
 pub use memory::{
     AttentionMemory, LogitsMemory, MemoryEstimate, ModelSize, estimate_memory, estimate_memory_with,

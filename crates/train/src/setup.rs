@@ -511,10 +511,15 @@ pub(crate) fn refuse_over_memory(
     memory.available = hardware.memory.available_bytes;
     memory.available_what = "available RAM".to_string();
     // 0: the memory could not be read; nothing to hold the estimate to.
-    if memory.available == 0 || memory.total <= memory.available.saturating_mul(2) {
-        return Ok(());
-    }
-    match kiln_plan::memory_finding(config, &memory) {
+    let over = |bytes: u64| memory.available > 0 && bytes > memory.available.saturating_mul(2);
+    let finding = if over(memory.total) {
+        kiln_plan::memory_finding(config, &memory)
+    } else if over(memory.eval) {
+        kiln_plan::eval_memory_finding(config, &memory)
+    } else {
+        None
+    };
+    match finding {
         Some(f) => Err(TrainError::OverMemory {
             key: f.key,
             problem: f.problem,

@@ -141,7 +141,8 @@ fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
     let _ = writeln!(
         s,
         "memory:    estimate {} = weights {} + gradients {} + AdamW {}{} + activations {} \
-         ({attention} {}{logits}; {} with gradient checkpointing), of {available}; {:.2} M parameters",
+         ({attention} {}{logits}; {} with gradient checkpointing), of {available}; {:.2} M parameters; \
+         an evaluation pass {}",
         gib(m.total),
         gib(m.weights),
         gib(m.gradients),
@@ -158,7 +159,8 @@ fn diagnosis_text(d: &Diagnosis, header: &str) -> String {
         gib(m.activations),
         gib(m.attention),
         gib(m.activations_checkpointed),
-        m.parameters as f64 / 1e6
+        m.parameters as f64 / 1e6,
+        gib(m.eval)
     );
     match &d.burst {
         Some(b) => {
