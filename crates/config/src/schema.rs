@@ -592,6 +592,11 @@ pub enum CompileMode {
     MaxAutotune,
 }
 
+/// The largest `data.vocab_size` a trained tokenizer takes (2^22): the
+/// `tokenizers` trainer reserves about 70 bytes for each id asked, so a
+/// billion aborted on its 70 GB.
+pub const MAX_TRAINED_VOCAB: usize = 1 << 22;
+
 /// `[loader]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -874,6 +879,12 @@ impl RunConfig {
             matches!(d.tokenizer, TokenizerKind::Char | TokenizerKind::Gpt2) || d.vocab_size >= 16,
             "data.vocab_size",
             "must be at least 16 for a trained tokenizer",
+        );
+        check(
+            matches!(d.tokenizer, TokenizerKind::Char | TokenizerKind::Gpt2)
+                || d.vocab_size <= MAX_TRAINED_VOCAB,
+            "data.vocab_size",
+            "must be at most 4194304 for a trained tokenizer (the largest in use hold about 256,000 ids; the trainer reserves memory for every one asked)",
         );
         let distinct: std::collections::BTreeSet<&String> = d.labels.iter().collect();
         check(

@@ -352,6 +352,14 @@ fn bad_values_name_key_value_and_layer() {
             &["invalid value 0", "must be at least 1"],
         ),
         (
+            &["data.tokenizer=bpe", "data.vocab_size=1000000000"],
+            &[],
+            &[
+                "`data.vocab_size`",
+                "must be at most 4194304 for a trained tokenizer",
+            ],
+        ),
+        (
             &["loader.num_workers=100000"],
             &[],
             &[
