@@ -87,23 +87,18 @@ pub(crate) fn save(
     crate::rundir::remove_debris(dir);
     let path = path_for(dir, state.step);
     let keep = keep.max(1);
-    if let Err(e) = save_file(&path, state) {
+    if let Err(mut e) = save_file(&path, state) {
         let TrainError::CheckpointWrite {
-            path,
             bytes,
             source,
+            hint,
             ..
-        } = e
+        } = &mut e
         else {
             return Err(e);
         };
         if source.kind() != std::io::ErrorKind::StorageFull {
-            return Err(TrainError::CheckpointWrite {
-                path,
-                bytes,
-                hint: String::new(),
-                source,
-            });
+            return Err(e);
         }
         let existing = list(dir);
         let doomed = deleted_by_the_next(&existing, keep);
@@ -112,17 +107,13 @@ pub(crate) fn save(
             .filter_map(|c| std::fs::metadata(&c.path).ok())
             .map(|m| m.len())
             .sum();
-        let room = free_bytes(dir).is_some_and(|free| free + freed > bytes);
+        let room = free_bytes(dir).is_some_and(|free| free + freed > *bytes);
         if doomed.is_empty() || !room {
-            return Err(TrainError::CheckpointWrite {
-                path,
-                bytes,
-                hint: format!(
-                    "; the disk is full: free space there, or keep fewer checkpoints (checkpoint.keep = {keep}, {} on disk now; `kiln resume <run> checkpoint.keep=N` changes it)",
-                    crate::counted(existing.len(), "checkpoint")
-                ),
-                source,
-            });
+            *hint = format!(
+                "; the disk is full: free space there, or keep fewer checkpoints (checkpoint.keep = {keep}, {} on disk now; `kiln resume <run> checkpoint.keep=N` changes it)",
+                crate::counted(existing.len(), "checkpoint")
+            );
+            return Err(e);
         }
         for old in doomed {
             let _ = std::fs::remove_file(&old.path);
