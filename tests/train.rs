@@ -68,13 +68,18 @@ pub(crate) fn checkpoint_digest(path: &Path) -> String {
 
 /// The value of `key` in a safetensors file's header metadata.
 fn metadata(path: &Path, key: &str) -> String {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).expect("header");
-    header["__metadata__"][key]
+    all_metadata(path)[key]
         .as_str()
         .unwrap_or_else(|| panic!("no `{key}` in {}", path.display()))
         .to_string()
+}
+
+/// A safetensors file's `__metadata__`.
+fn all_metadata(path: &Path) -> serde_json::Value {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).expect("header");
+    header["__metadata__"].clone()
 }
 
 pub(crate) fn ckpt(run: &Path, step: u32) -> PathBuf {
@@ -476,6 +481,75 @@ fn ctrl_c_checkpoints_and_prints_the_resume_command() {
         .expect("checkpoints")
         .count();
     assert!(checkpoints >= 1);
+}
+
+/// A stop (SIGTERM, as a scheduler sends it) during a long evaluation
+/// does not wait for the evaluation's end: the step's checkpoint is
+/// written, marked as owing its evaluation, and the resume runs that
+/// evaluation first, once, and ends on the weights of a run never stopped.
+#[test]
+fn a_stop_during_an_evaluation_cuts_it_short_and_the_resume_runs_it_first() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().join("cut");
+    let mut args = tiny(tmp.path(), "cut", 3);
+    // An evaluation after every step, of more batches than a test waits
+    // for: the first step's record is written just before it starts.
+    args.extend([
+        "eval.eval_steps=1".into(),
+        "eval.eval_iters=1000000000".into(),
+    ]);
+    let mut child = start_run(&args, &dir);
+    crate::support::signal(child.id(), "-TERM");
+    let ended = crate::support::poll_for(
+        std::time::Duration::from_secs(120),
+        std::time::Duration::from_millis(20),
+        || child.try_wait().expect("try_wait"),
+    );
+    if ended.is_none() {
+        child.kill().expect("kill");
+        panic!("the stop waited for the evaluation of 1e9 batches to end");
+    }
+    let stdout = crate::support::interrupted_stdout(child.wait_with_output().expect("wait"));
+    assert!(
+        stdout.contains(
+            "the evaluation after step 1 was cut short by the stop; a resume runs it first"
+        ),
+        "{stdout}"
+    );
+    assert_eq!(metadata(&ckpt(&dir, 1), "eval_pending"), "true");
+    assert_eq!(eval_steps(&dir), Vec::<u64>::new());
+
+    let run_arg = dir.to_str().expect("utf-8");
+    kiln(&["resume", run_arg, "eval.eval_iters=2"])
+        .run()
+        .expect_code(0)
+        .stdout_has(&[
+            "the evaluation after step 1 was cut short by the stop: it runs now",
+            "eval      1:",
+        ]);
+    assert_eq!(eval_steps(&dir), vec![1, 2, 3]);
+    // Written again without the mark: another resume evaluates no more.
+    let header = all_metadata(&ckpt(&dir, 1));
+    assert_eq!(header.get("eval_pending"), None, "{header}");
+
+    let whole = tmp.path().join("whole");
+    let mut args = tiny(tmp.path(), "whole", 3);
+    args.push("eval.eval_steps=1".into());
+    run_kiln(&args).expect_code(0);
+    assert_eq!(
+        metadata(&ckpt(&dir, 3), "sha256"),
+        metadata(&ckpt(&whole, 3), "sha256")
+    );
+}
+
+/// The steps a run's `metrics.jsonl` has evaluations of, in order.
+fn eval_steps(run: &Path) -> Vec<u64> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default();
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("a JSON line"))
+        .filter(|m| m["kind"] == "eval")
+        .filter_map(|m| m["step"].as_u64())
+        .collect()
 }
 
 #[test]

@@ -43,6 +43,9 @@ pub(crate) struct CheckpointState {
     /// written to the header only above 1). `loader_position` counts
     /// global micro-batches of `batch_size × world_size` rows.
     pub(crate) world_size: u64,
+    /// The evaluation after `step` was cut short by a stop: a resume runs
+    /// it before the next step (written to the header only when true).
+    pub(crate) eval_pending: bool,
     /// Model parameters by path: shape and values.
     pub(crate) params: Vec<(String, Vec<usize>, Vec<f32>)>,
     /// Adam moments by parameter path: (m, v), flattened.
@@ -164,6 +167,7 @@ pub(crate) fn save_params(
         wall_s: 0.0,
         loss_scale: None,
         world_size: 1,
+        eval_pending: false,
         params,
         moments: Vec::new(),
     };
@@ -205,6 +209,9 @@ pub(crate) fn save_file(path: &Path, state: &CheckpointState) -> Result<(), Trai
     .collect();
     if state.world_size > 1 {
         metadata.insert("world_size".into(), state.world_size.to_string());
+    }
+    if state.eval_pending {
+        metadata.insert("eval_pending".into(), "true".into());
     }
     if let Some((scale, clean)) = state.loss_scale {
         metadata.insert("loss_scale".into(), scale.to_string());
@@ -408,6 +415,7 @@ fn read_checked(path: &Path, moments: bool) -> Result<CheckpointState, String> {
             .and_then(|s| s.parse().ok())
             .map(|scale| (scale, num("loss_scale_clean").unwrap_or(0))),
         world_size: num("world_size").unwrap_or(1),
+        eval_pending: meta.get("eval_pending").is_some_and(|v| v == "true"),
         params,
         moments,
     })
@@ -577,6 +585,7 @@ mod tests {
             wall_s: 1.5,
             loss_scale: Some((32768.0, step)),
             world_size: 1 + step % 3,
+            eval_pending: step % 20 == 10,
             params: vec![
                 (
                     "wte.weight".into(),

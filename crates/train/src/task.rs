@@ -3,6 +3,7 @@
 //! evaluation.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
@@ -49,6 +50,20 @@ pub(crate) struct Evaluation {
     pub(crate) score: Option<f64>,
 }
 
+/// What an evaluation asks between its batches: whether a stop (Ctrl-C,
+/// SIGTERM) was asked, so that a long evaluation does not outlast a
+/// scheduler's grace period. Only a run alone is asked: a job's ranks take
+/// a stop where they agree on it, in a step's reduction, and an evaluation
+/// cut short on one rank alone would leave the others waiting.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StopAsked<'a>(pub(crate) Option<&'a AtomicBool>);
+
+impl StopAsked<'_> {
+    pub(crate) fn now(self) -> bool {
+        self.0.is_some_and(|f| f.load(Ordering::Relaxed))
+    }
+}
+
 /// A workload: its model, its batches, its loss and its evaluation.
 pub(crate) trait Task {
     type Model: Module;
@@ -63,7 +78,13 @@ pub(crate) trait Task {
     /// The forward pass to the mean loss of the batch.
     fn loss(&self, model: &Self::Model, inputs: Self::Inputs) -> Tensor<1>;
     fn work(&self, batch: &<Self::Source as BatchSource>::Batch) -> Work;
-    /// The evaluation after optimizer step `step`; an error where its data
-    /// can no longer be read.
-    fn evaluate(&self, model: &Self::Model, step: u64) -> Result<Evaluation, crate::TrainError>;
+    /// The evaluation after optimizer step `step`: `None` where a stop
+    /// was asked before it ended; an error where its data can no longer be
+    /// read.
+    fn evaluate(
+        &self,
+        model: &Self::Model,
+        step: u64,
+        stop: StopAsked<'_>,
+    ) -> Result<Option<Evaluation>, crate::TrainError>;
 }

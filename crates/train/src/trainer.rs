@@ -21,7 +21,7 @@ use crate::precision::LossScaler;
 use crate::records::{EvalRecord, Record, Skipped, StepMetrics};
 use crate::report::{Event, Observer};
 use crate::step::{StepState, StepVerdict, Untimed, train_step};
-use crate::task::Task;
+use crate::task::{StopAsked, Task};
 use crate::{MemoryTracker, RunDir, TrainError, TrainOptions};
 
 /// Stops a run after `patience` evaluations without a better score, and
@@ -89,6 +89,48 @@ pub(crate) struct LoopPlan {
     /// fp16's loss scaler the loop starts from (`None`: bf16 or f32, no
     /// scaling); the step carries it on from there.
     pub(crate) scaler: Option<LossScaler>,
+    /// The evaluation after `first_step - 1` was cut short by a stop and
+    /// runs before the first step.
+    pub(crate) eval_pending: bool,
+}
+
+/// How an evaluation ended.
+enum Evaluated {
+    /// Recorded; whether patience has run out.
+    Done { stop_early: bool },
+    /// A stop was asked before it ended: nothing recorded.
+    CutShort,
+}
+
+/// Evaluates the model after `step`, records the evaluation, keeps the best
+/// model and counts patience.
+fn evaluate_at<T: Task>(
+    task: &T,
+    model: &T::Model,
+    step: u64,
+    plan: &mut LoopPlan,
+    run: &RunDir,
+    observer: &mut dyn Observer,
+    stop: StopAsked<'_>,
+) -> Result<Evaluated, TrainError> {
+    let Some(eval) = task.evaluate(model, step, stop)? else {
+        return Ok(Evaluated::CutShort);
+    };
+    let record = EvalRecord {
+        step,
+        metrics: eval.metrics,
+        score: eval.score,
+    };
+    run.append(&Record::Eval(record.clone()))?;
+    observer.event(&Event::Eval(record));
+    let mut stop_early = false;
+    if let Some(score) = eval.score {
+        if plan.stopping.observe(score) && run.writes() {
+            save_model(model, &run.file(checkpoint::BEST_MODEL), step)?;
+        }
+        stop_early = plan.stopping.should_stop();
+    }
+    Ok(Evaluated::Done { stop_early })
 }
 
 /// How a loop ended.
@@ -116,7 +158,12 @@ pub(crate) fn run_loop<T: Task>(
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<(T::Model, LoopEnd), TrainError> {
-    let started = Instant::now();
+    let saver = Saver {
+        run,
+        started: Instant::now(),
+        config,
+        group: options.group.as_deref(),
+    };
     let total = plan.schedule.total_steps;
     let mut loader = Loader::new(
         task.source(),
@@ -137,8 +184,31 @@ pub(crate) fn run_loop<T: Task>(
         )?;
     }
     // In a job, a stop asked of any rank is agreed in the step's reduction
-    // and taken by all after that step; alone, it is taken before the next.
+    // and taken by all after that step; alone, it is taken before the next,
+    // or between two of an evaluation's batches.
     let mut stop_agreed = false;
+    let stop_asked = StopAsked(options.group.is_none().then_some(&*options.interrupt));
+    if plan.eval_pending {
+        let step = plan.first_step - 1;
+        observer.event(&Event::Note(format!(
+            "the evaluation after step {step} was cut short by the stop: it runs now"
+        )));
+        let stop_early = match evaluate_at(task, &model, step, plan, run, observer, stop_asked)? {
+            Evaluated::CutShort => {
+                let checkpoint = checkpoint::path_for(&run.checkpoints(), step);
+                return Ok((model, LoopEnd::Interrupted { step, checkpoint }));
+            }
+            Evaluated::Done { stop_early } => stop_early,
+        };
+        // The checkpoint no longer owes it: written again without the
+        // mark, so that a later resume does not evaluate twice.
+        plan.eval_pending = false;
+        let path = saver.save(&model, optim, step, plan.loader_start, plan, plan.scaler)?;
+        observer.event(&Event::Checkpoint { step, path });
+        if stop_early {
+            return Ok((model, early_stopped(step, plan, observer)));
+        }
+    }
     let mut step = plan.first_step;
     while step <= total {
         let stop_now = match &options.group {
@@ -146,17 +216,13 @@ pub(crate) fn run_loop<T: Task>(
             None => options.interrupt.load(Ordering::Relaxed),
         };
         if stop_now {
-            let path = save_checkpoint(
+            let path = saver.save(
                 &model,
                 optim,
-                run,
                 step - 1,
                 loader.position(),
                 plan,
                 state.scaler,
-                started,
-                config,
-                options.group.as_deref(),
             )?;
             return Ok((
                 model,
@@ -265,19 +331,26 @@ pub(crate) fn run_loop<T: Task>(
         let epoch_end = plan.eval_at_epoch_ends && plan.schedule.ends_epoch(step);
         let mut stop = false;
         if step.is_multiple_of(config.eval.eval_steps as u64) || epoch_end || last {
-            let eval = task.evaluate(&model, step)?;
-            let record = EvalRecord {
-                step,
-                metrics: eval.metrics,
-                score: eval.score,
-            };
-            run.append(&Record::Eval(record.clone()))?;
-            observer.event(&Event::Eval(record));
-            if let Some(score) = eval.score {
-                if plan.stopping.observe(score) && run.writes() {
-                    save_model(&model, &run.file(checkpoint::BEST_MODEL), step)?;
+            match evaluate_at(task, &model, step, plan, run, observer, stop_asked)? {
+                Evaluated::Done { stop_early } => stop = stop_early,
+                Evaluated::CutShort => {
+                    // The step is done: its checkpoint owes the evaluation,
+                    // which a resume runs first.
+                    plan.eval_pending = true;
+                    let path =
+                        saver.save(&model, optim, step, loader.position(), plan, state.scaler)?;
+                    observer.event(&Event::Note(format!(
+                        "the evaluation after step {step} was cut short by the stop; \
+                         a resume runs it first"
+                    )));
+                    return Ok((
+                        model,
+                        LoopEnd::Interrupted {
+                            step,
+                            checkpoint: path,
+                        },
+                    ));
                 }
-                stop = plan.stopping.should_stop();
             }
         }
         if step.is_multiple_of(config.checkpoint.every_steps as u64) || last || stop {
@@ -289,88 +362,99 @@ pub(crate) fn run_loop<T: Task>(
                     &format!("the weights after step {step}"),
                 )?;
             }
-            let path = save_checkpoint(
-                &model,
-                optim,
-                run,
-                step,
-                loader.position(),
-                plan,
-                state.scaler,
-                started,
-                config,
-                options.group.as_deref(),
-            )?;
+            let path = saver.save(&model, optim, step, loader.position(), plan, state.scaler)?;
             observer.event(&Event::Checkpoint { step, path });
         }
         if stop {
-            observer.event(&Event::EarlyStopped {
-                step,
-                evaluations: plan.stopping.since_best,
-            });
-            return Ok((model, LoopEnd::EarlyStopped));
+            return Ok((model, early_stopped(step, plan, observer)));
         }
         step += 1;
     }
     Ok((model, LoopEnd::Finished))
 }
 
-#[allow(clippy::too_many_arguments, reason = "the parts of a checkpoint")]
-fn save_checkpoint<M: Module>(
-    model: &M,
-    optim: &AdamW,
-    run: &RunDir,
-    step: u64,
-    loader_position: u64,
-    plan: &LoopPlan,
-    scaler: Option<LossScaler>,
-    started: Instant,
-    config: &RunConfig,
-    group: Option<&kiln_dist::Group>,
-) -> Result<PathBuf, TrainError> {
-    // ZeRO-1: every rank sends its share of the moments to rank 0.
-    let zero_group = group.filter(|_| optim.shard.is_some());
-    if !run.writes() && zero_group.is_none() {
-        // Rank 0 writes the job's checkpoint; this rank names it.
-        return Ok(checkpoint::path_for(&run.checkpoints(), step));
-    }
-    let ids: HashMap<_, String> = param_entries(model)
-        .into_iter()
-        .map(|e| (e.id, e.path))
-        .collect();
-    let mut moments: Vec<(String, Vec<f32>, Vec<f32>)> = optim
-        .moments
-        .iter()
-        .filter_map(|(id, (m, v))| ids.get(id).map(|p| (p.clone(), host(m), host(v))))
-        .collect();
-    if let Some(group) = zero_group {
-        // Rank 0 gathers every rank's moments, so that the checkpoint
-        // holds them all (a resume at any world size).
-        let Some(all) = group.gather_to_root(&crate::zero::encode_moments(&moments))? else {
-            return Ok(checkpoint::path_for(&run.checkpoints(), step));
-        };
-        for (rank, bytes) in all.iter().enumerate().skip(1) {
-            moments.extend(crate::zero::decode_moments(bytes).ok_or_else(|| {
-                kiln_dist::DistError::Diverged(format!(
-                    "rank {rank} sent {} bytes of AdamW moments that do not read back",
-                    bytes.len()
-                ))
-            })?);
-        }
-    }
-    moments.sort_by(|a, b| a.0.cmp(&b.0));
-    let state = CheckpointState {
+/// Says that the run stops early after `step`'s evaluation.
+fn early_stopped(step: u64, plan: &LoopPlan, observer: &mut dyn Observer) -> LoopEnd {
+    observer.event(&Event::EarlyStopped {
         step,
-        loader_position,
-        adam_steps: optim.steps,
-        tokens_seen: plan.tokens_seen,
-        wall_s: plan.wall_before + started.elapsed().as_secs_f64(),
-        loss_scale: scaler.map(|s| (s.scale, s.clean)),
-        world_size: group.map_or(1, kiln_dist::Group::world_size) as u64,
-        params: param_values(model),
-        moments,
-    };
-    checkpoint::save(&run.checkpoints(), &state, config.checkpoint.keep)
+        evaluations: plan.stopping.since_best,
+    });
+    LoopEnd::EarlyStopped
+}
+
+/// What a loop's checkpoints are written with, besides the model, the
+/// optimizer and the counters.
+struct Saver<'a> {
+    run: &'a RunDir,
+    /// When this session of the run began (the wall time it adds).
+    started: Instant,
+    config: &'a RunConfig,
+    group: Option<&'a kiln_dist::Group>,
+}
+
+impl Saver<'_> {
+    /// Writes the checkpoint after `step` (in a job, rank 0 writes it and
+    /// the others name it).
+    fn save<M: Module>(
+        &self,
+        model: &M,
+        optim: &AdamW,
+        step: u64,
+        loader_position: u64,
+        plan: &LoopPlan,
+        scaler: Option<LossScaler>,
+    ) -> Result<PathBuf, TrainError> {
+        let Self {
+            run,
+            started,
+            config,
+            group,
+        } = *self;
+        // ZeRO-1: every rank sends its share of the moments to rank 0.
+        let zero_group = group.filter(|_| optim.shard.is_some());
+        if !run.writes() && zero_group.is_none() {
+            // Rank 0 writes the job's checkpoint; this rank names it.
+            return Ok(checkpoint::path_for(&run.checkpoints(), step));
+        }
+        let ids: HashMap<_, String> = param_entries(model)
+            .into_iter()
+            .map(|e| (e.id, e.path))
+            .collect();
+        let mut moments: Vec<(String, Vec<f32>, Vec<f32>)> = optim
+            .moments
+            .iter()
+            .filter_map(|(id, (m, v))| ids.get(id).map(|p| (p.clone(), host(m), host(v))))
+            .collect();
+        if let Some(group) = zero_group {
+            // Rank 0 gathers every rank's moments, so that the checkpoint
+            // holds them all (a resume at any world size).
+            let Some(all) = group.gather_to_root(&crate::zero::encode_moments(&moments))? else {
+                return Ok(checkpoint::path_for(&run.checkpoints(), step));
+            };
+            for (rank, bytes) in all.iter().enumerate().skip(1) {
+                moments.extend(crate::zero::decode_moments(bytes).ok_or_else(|| {
+                    kiln_dist::DistError::Diverged(format!(
+                        "rank {rank} sent {} bytes of AdamW moments that do not read back",
+                        bytes.len()
+                    ))
+                })?);
+            }
+        }
+        moments.sort_by(|a, b| a.0.cmp(&b.0));
+        let state = CheckpointState {
+            step,
+            loader_position,
+            adam_steps: optim.steps,
+            tokens_seen: plan.tokens_seen,
+            wall_s: plan.wall_before + started.elapsed().as_secs_f64(),
+            loss_scale: scaler.map(|s| (s.scale, s.clean)),
+            world_size: group.map_or(1, kiln_dist::Group::world_size) as u64,
+            eval_pending: plan.eval_pending,
+            params: param_values(model),
+            moments,
+        };
+        checkpoint::save(&run.checkpoints(), &state, config.checkpoint.keep)
+    }
 }
 
 /// Writes the model's parameters alone (the best model so far, after
@@ -434,6 +518,7 @@ pub(crate) fn restore<M: Module>(
             tokens_seen: state.tokens_seen,
             wall_before: state.wall_s,
             loss_scale: state.loss_scale,
+            eval_pending: state.eval_pending,
         },
     ))
 }
@@ -447,6 +532,8 @@ pub(crate) struct LoopPlanStart {
     pub(crate) wall_before: f64,
     /// fp16's loss scale and its clean steps, where the run scaled its loss.
     pub(crate) loss_scale: Option<(f64, u64)>,
+    /// The checkpoint's evaluation was cut short by a stop.
+    pub(crate) eval_pending: bool,
 }
 
 impl LoopPlanStart {

@@ -26,7 +26,7 @@ use crate::setup::{
     device_lines, init_model, mfu_peak, run_precision, schedule_line, schedule_warnings,
     train_device,
 };
-use crate::task::{Evaluation, Task, Work};
+use crate::task::{Evaluation, StopAsked, Task, Work};
 use crate::trainer::{EarlyStopping, LoopEnd, LoopPlan, LoopPlanStart, restore, run_loop};
 use crate::translate::{gpt_config, kernels};
 use crate::{DeviceChoice, Outcome, RunDir, TrainError, TrainOptions, open_device, tokens};
@@ -666,19 +666,33 @@ impl Task for LmTask {
         }
     }
 
-    /// Mean loss over `eval_iters` fixed batches of each split, without autodiff.
-    fn evaluate(&self, model: &Gpt, _step: u64) -> Result<Evaluation, TrainError> {
+    /// Mean loss over `eval_iters` fixed batches of each split, without
+    /// autodiff; cut short where `stop` is asked between two batches.
+    fn evaluate(
+        &self,
+        model: &Gpt,
+        _step: u64,
+        stop: StopAsked<'_>,
+    ) -> Result<Option<Evaluation>, TrainError> {
         let model = model.valid();
-        let mean = |windows: &LmWindows| -> Result<f64, TrainError> {
+        let mean = |windows: &LmWindows| -> Result<Option<f64>, TrainError> {
             let mut total = 0.0;
             for j in 0..self.eval_iters {
+                if stop.now() {
+                    return Ok(None);
+                }
                 let (x, y) = batch_tensors(&windows.batch(j)?, &self.inner);
                 total += f64::from(model.loss(x, y).into_scalar::<f32>());
             }
-            Ok(total / self.eval_iters as f64)
+            Ok(Some(total / self.eval_iters as f64))
         };
-        let (train_loss, val_loss) = (mean(&self.eval_train)?, mean(&self.eval_val)?);
-        Ok(Evaluation {
+        let Some(train_loss) = mean(&self.eval_train)? else {
+            return Ok(None);
+        };
+        let Some(val_loss) = mean(&self.eval_val)? else {
+            return Ok(None);
+        };
+        Ok(Some(Evaluation {
             metrics: EvalMetrics::Lm {
                 train_loss,
                 val_loss,
@@ -686,7 +700,7 @@ impl Task for LmTask {
             // The lower the validation loss the better: the best model is
             // kept (best.safetensors) and `eval.patience` counts from it.
             score: Some(-val_loss),
-        })
+        }))
     }
 }
 
@@ -901,6 +915,7 @@ impl Session {
             scaler: self
                 .start
                 .scaler(self.precision.loss_scaling(), &self.config),
+            eval_pending: self.start.eval_pending,
         };
         let (model, end) = run_loop(
             &self.task,

@@ -27,7 +27,7 @@ use crate::setup::{
     device_lines, init_model, mfu_peak, run_precision, schedule_line, schedule_warnings,
     train_device,
 };
-use crate::task::{Evaluation, Task, Work};
+use crate::task::{Evaluation, StopAsked, Task, Work};
 use crate::trainer::{EarlyStopping, LoopEnd, LoopPlan, LoopPlanStart, restore, run_loop};
 use crate::translate::{encoder_config, kernels, schema};
 use crate::{DeviceChoice, Outcome, RunDir, TrainError, TrainOptions, open_device, select_device};
@@ -276,12 +276,21 @@ type PairTensors = (
 
 impl NliTask {
     /// Predicted class of every held-out pair, and the mean loss.
-    fn predict(&self, model: &EncoderClassifier) -> (Vec<usize>, Vec<usize>, f64) {
+    /// The held-out pairs' labels, predictions and mean loss; `None` where
+    /// `stop` is asked between two batches.
+    fn predict(
+        &self,
+        model: &EncoderClassifier,
+        stop: StopAsked<'_>,
+    ) -> Option<(Vec<usize>, Vec<usize>, f64)> {
         let model = model.valid();
         let mut truth = Vec::new();
         let mut predicted = Vec::new();
         let mut loss_sum = 0.0;
         for b in &self.held_out {
+            if stop.now() {
+                return None;
+            }
             let (ids, seg, mask, labels) = pair_tensors(b, &self.inner);
             let logits = model.forward(ids, seg, mask);
             let loss: f32 = EncoderClassifier::cross_entropy(logits.clone(), labels).into_scalar();
@@ -291,7 +300,7 @@ impl NliTask {
             truth.extend(b.labels.iter().copied());
         }
         let n = truth.len().max(1) as f64;
-        (truth, predicted, loss_sum / n)
+        Some((truth, predicted, loss_sum / n))
     }
 }
 
@@ -325,13 +334,20 @@ impl Task for NliTask {
         }
     }
 
-    fn evaluate(&self, model: &EncoderClassifier, _step: u64) -> Result<Evaluation, TrainError> {
-        let (truth, predicted, val_loss) = self.predict(model);
+    fn evaluate(
+        &self,
+        model: &EncoderClassifier,
+        _step: u64,
+        stop: StopAsked<'_>,
+    ) -> Result<Option<Evaluation>, TrainError> {
+        let Some((truth, predicted, val_loss)) = self.predict(model, stop) else {
+            return Ok(None);
+        };
         let scores = Scores::new(&self.labels, &truth, &predicted);
-        Ok(Evaluation {
+        Ok(Some(Evaluation {
             score: Some(scores.macro_f1),
             metrics: EvalMetrics::Nli { val_loss, scores },
-        })
+        }))
     }
 }
 
@@ -704,6 +720,7 @@ fn train_fold(
         stopping,
         peak_flops: peak,
         scaler: start.scaler(precision.loss_scaling(), config),
+        eval_pending: start.eval_pending,
     };
     let (_model, end) = run_loop(
         &task,
