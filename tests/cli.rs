@@ -567,12 +567,23 @@ fn cv_and_bench_nli_respect_an_experiment_chosen_by_any_layer() {
     for args in [
         ["bench", "nli", "--steps=0"],
         ["bench", "loader", "--batches=0"],
-        ["sample", "runs/any", "--count=0"],
     ] {
         kiln(&args)
             .run()
             .expect_code(2)
             .stderr_has(&["`0` is not a whole number of 1 or more"]);
+    }
+    // Texts and their tokens bounded: a hundred trillion texts aborted on
+    // their allocation.
+    for (flag, n, range) in [
+        ("--count", "0", "1 to 10000"),
+        ("--count", "100000000000000", "1 to 10000"),
+        ("--tokens", "100000000000000", "0 to 1000000"),
+    ] {
+        kiln(&["sample", "runs/any", flag, n])
+            .run()
+            .expect_code(2)
+            .stderr_has(&[&format!("`{n}` is not a whole number from {range}")]);
     }
     // Threads from 1 to 1024: a hundred thousand aborted the process after
     // minutes of starting them.

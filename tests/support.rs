@@ -216,6 +216,25 @@ pub(crate) fn signal(pid: u32, signal: &str) {
     assert!(status.success(), "kill {signal} {pid}");
 }
 
+/// The output of `child` once it has exited, which it must within `secs`
+/// seconds (else it is killed and the test fails: it waited for `what`).
+pub(crate) fn exit_within(
+    mut child: std::process::Child,
+    secs: u64,
+    what: &str,
+) -> std::process::Output {
+    let ended = poll_for(
+        std::time::Duration::from_secs(secs),
+        std::time::Duration::from_millis(20),
+        || child.try_wait().expect("try_wait"),
+    );
+    if ended.is_none() {
+        child.kill().expect("kill");
+        panic!("the stop waited for {what}");
+    }
+    child.wait_with_output().expect("wait")
+}
+
 /// What an interrupted `kiln` printed to stdout, once it has exited 130
 /// (the test fails with both streams otherwise).
 pub(crate) fn interrupted_stdout(out: std::process::Output) -> String {

@@ -498,18 +498,10 @@ fn a_stop_during_an_evaluation_cuts_it_short_and_the_resume_runs_it_first() {
         "eval.eval_steps=1".into(),
         "eval.eval_iters=1000000000".into(),
     ]);
-    let mut child = start_run(&args, &dir);
+    let child = start_run(&args, &dir);
     crate::support::signal(child.id(), "-TERM");
-    let ended = crate::support::poll_for(
-        std::time::Duration::from_secs(120),
-        std::time::Duration::from_millis(20),
-        || child.try_wait().expect("try_wait"),
-    );
-    if ended.is_none() {
-        child.kill().expect("kill");
-        panic!("the stop waited for the evaluation of 1e9 batches to end");
-    }
-    let stdout = crate::support::interrupted_stdout(child.wait_with_output().expect("wait"));
+    let out = crate::support::exit_within(child, 120, "the evaluation of 1e9 batches to end");
+    let stdout = crate::support::interrupted_stdout(out);
     assert!(
         stdout.contains(
             "the evaluation after step 1 was cut short by the stop; a resume runs it first"
@@ -540,6 +532,29 @@ fn a_stop_during_an_evaluation_cuts_it_short_and_the_resume_runs_it_first() {
         metadata(&ckpt(&dir, 3), "sha256"),
         metadata(&ckpt(&whole, 3), "sha256")
     );
+}
+
+/// A stop while the run samples its texts (its steps done, its last
+/// checkpoint written) ends the samples, not the run: `samples.txt` says
+/// they were cut short, the summary is written, and kiln exits 0.
+#[test]
+fn a_stop_during_the_final_samples_cuts_them_short_and_the_run_finishes() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().join("samples");
+    let mut args = tiny(tmp.path(), "samples", 2);
+    args.extend(["sample.count=2".into(), "sample.tokens=1000000".into()]);
+    let child = crate::support::start_until(&args, &ckpt(&dir, 2));
+    crate::support::signal(child.id(), "-TERM");
+    let out = crate::support::exit_within(child, 120, "a million tokens to be sampled");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(stdout.contains("samples cut short by the stop"), "{stdout}");
+    let samples = std::fs::read_to_string(dir.join("samples.txt")).expect("samples.txt");
+    assert!(
+        samples.contains("--- samples cut short by the stop (1 of 2 begun); `kiln sample "),
+        "{samples}"
+    );
+    assert!(dir.join("summary.json").is_file());
 }
 
 /// The steps a run's `metrics.jsonl` has evaluations of, in order.

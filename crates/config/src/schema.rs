@@ -597,6 +597,15 @@ pub enum CompileMode {
 /// billion aborted on its 70 GB.
 pub const MAX_TRAINED_VOCAB: usize = 1 << 22;
 
+/// The most texts one sampling draws (`sample.count`, `kiln sample -n`):
+/// they are held in memory until written.
+pub const MAX_SAMPLE_COUNT: usize = 10_000;
+
+/// The most tokens one sampled text holds (`sample.tokens`, `kiln sample
+/// --tokens`): past the block, every token is a forward pass over a whole
+/// block, so a million is hours on a CPU already.
+pub const MAX_SAMPLE_TOKENS: usize = 1_000_000;
+
 /// `[loader]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -1023,6 +1032,16 @@ impl RunConfig {
             "must be at most 1024 (threads; a few per core at most make batches faster)",
         );
         check(self.cv.folds >= 2, "cv.folds", "must be at least 2");
+        check(
+            self.sample.count <= MAX_SAMPLE_COUNT,
+            "sample.count",
+            "must be at most 10000 (texts drawn at the end of a run, held in memory until written)",
+        );
+        check(
+            self.sample.tokens <= MAX_SAMPLE_TOKENS,
+            "sample.tokens",
+            "must be at most 1000000 (tokens a text; past the block each one is a forward pass over a whole block)",
+        );
         check(
             self.sample.temperature >= 0.0,
             "sample.temperature",

@@ -368,6 +368,19 @@ fn bad_values_name_key_value_and_layer() {
             ],
         ),
         (
+            &["sample.count=100000000000000"],
+            &[],
+            &[
+                "invalid value 100000000000000 for `sample.count`",
+                "at most 10000",
+            ],
+        ),
+        (
+            &["sample.tokens=100000000000000"],
+            &[],
+            &["`sample.tokens`", "at most 1000000"],
+        ),
+        (
             &["loader.prefetch_factor=5000"],
             &[],
             &["`loader.prefetch_factor`", "between 1 and 1024"],

@@ -491,9 +491,26 @@ impl Gpt {
         rng: &mut impl RngExt,
         device: &Device,
     ) -> Result<Vec<u32>, NonFiniteLogits> {
+        self.generate_until(prompt, new_tokens, sampling, rng, device, || false)
+    }
+
+    /// [`Gpt::generate`], asking `stop` before each token: where it says
+    /// so, the tokens drawn until then (a Ctrl-C, a scheduler's SIGTERM).
+    pub fn generate_until(
+        &self,
+        prompt: &[u32],
+        new_tokens: usize,
+        sampling: &Sampling,
+        rng: &mut impl RngExt,
+        device: &Device,
+        stop: impl Fn() -> bool,
+    ) -> Result<Vec<u32>, NonFiniteLogits> {
         let mut ids: Vec<u32> = prompt.to_vec();
         let mut cache = KvCache::default();
         for _ in 0..new_tokens {
+            if stop() {
+                break;
+            }
             // The cache holds all but the newest token, in the block.
             let start = if ids.len() <= self.block_size && cache.len + 1 == ids.len() {
                 cache.len
@@ -1021,8 +1038,18 @@ mod tests {
         // 23 tokens: the cache up to the block, then the cropped context.
         assert_eq!(
             model.generate(&prompt, 20, &Sampling::new(1.0, 0), &mut rng, &device),
-            Ok(reference)
+            Ok(reference.clone())
         );
+        // Stopped when asked before the 8th new token: the 7 drawn before.
+        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(4);
+        let asked = std::cell::Cell::new(0);
+        let stop = || {
+            asked.set(asked.get() + 1);
+            asked.get() == 8
+        };
+        let cut =
+            model.generate_until(&prompt, 20, &Sampling::new(1.0, 0), &mut rng, &device, stop);
+        assert_eq!(cut, Ok(reference[..prompt.len() + 7].to_vec()));
     }
 
     #[test]

@@ -19,6 +19,7 @@ use crate::checkpoint;
 use crate::device::select_device;
 use crate::error::TrainError;
 use crate::rundir::RunDir;
+use crate::task::StopAsked;
 
 /// What to generate; `None` takes the run's `sample.*` (a GPT-2 folder:
 /// the built-in defaults) and its `training.seed`.
@@ -73,8 +74,21 @@ pub struct Samples {
     pub notes: Vec<String>,
 }
 
+/// Texts a model generated.
+pub(crate) struct Generated {
+    /// The prompt's tokens.
+    pub(crate) prompt_tokens: usize,
+    /// Each text after the prompt.
+    pub(crate) texts: Vec<String>,
+    /// A stop was asked before the last text had all its tokens: the last
+    /// is cut short, and the texts after it missing.
+    pub(crate) cut_short: bool,
+}
+
 /// `count` continuations of `prompt` by `model` (`source` names it in
-/// errors), from one random stream seeded with `seed`.
+/// errors), from one random stream seeded with `seed`, until `stop` is
+/// asked.
+#[allow(clippy::too_many_arguments, reason = "what the texts are drawn from")]
 pub(crate) fn generate_texts(
     model: &Gpt,
     source: &str,
@@ -83,7 +97,8 @@ pub(crate) fn generate_texts(
     settings: &SampleSection,
     seed: u64,
     device: &Device,
-) -> Result<(usize, Vec<String>), TrainError> {
+    stop: StopAsked<'_>,
+) -> Result<Generated, TrainError> {
     let model = model.valid();
     let ids = tokenizer.encode(prompt).map_err(|e| TrainError::Prompt {
         why: unencodable(tokenizer, prompt, &e),
@@ -92,17 +107,30 @@ pub(crate) fn generate_texts(
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let sampling =
         kiln_model::Sampling::new(settings.temperature, settings.top_k).with_top_p(settings.top_p);
-    let mut texts = Vec::with_capacity(settings.count);
+    let mut texts = Vec::new();
     for _ in 0..settings.count {
         let out = model
-            .generate(&ids, settings.tokens, &sampling, &mut rng, device)
+            .generate_until(&ids, settings.tokens, &sampling, &mut rng, device, || {
+                stop.now()
+            })
             .map_err(|e| TrainError::Diverged {
                 model: source.to_string(),
                 why: e.to_string(),
             })?;
         texts.push(tokenizer.decode(&out[ids.len()..])?);
+        if out.len() < ids.len() + settings.tokens {
+            return Ok(Generated {
+                prompt_tokens: ids.len(),
+                texts,
+                cut_short: true,
+            });
+        }
     }
-    Ok((ids.len(), texts))
+    Ok(Generated {
+        prompt_tokens: ids.len(),
+        texts,
+        cut_short: false,
+    })
 }
 
 /// Why `tokenizer` could not encode `text`: the characters its vocabulary
@@ -167,7 +195,8 @@ pub fn sample(
     let prompt = (request.prompt.clone())
         .filter(|p| !p.is_empty())
         .unwrap_or_else(|| "\n".into());
-    let (prompt_tokens, continuations) = generate_texts(
+    // `kiln sample` stops at Ctrl-C's default: the process ends.
+    let generated = generate_texts(
         &model,
         &source,
         &tokenizer,
@@ -175,7 +204,9 @@ pub fn sample(
         &settings,
         seed,
         &device.device,
+        StopAsked(None),
     )?;
+    let (prompt_tokens, continuations) = (generated.prompt_tokens, generated.texts);
     Ok(Samples {
         source,
         device: device.name,

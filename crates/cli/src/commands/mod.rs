@@ -188,11 +188,14 @@ pub(crate) fn train_error(e: kiln_train::TrainError) -> anyhow::Error {
 /// A count of threads or processes on one machine: 1 to 1024 (more is a
 /// typo, and would start that many).
 pub(crate) fn thread_count(s: &str) -> Result<usize, String> {
+    whole_number_in(s, 1, MAX_PER_MACHINE)
+}
+
+/// `s` as a whole number from `low` to `high`.
+pub(crate) fn whole_number_in(s: &str, low: usize, high: usize) -> Result<usize, String> {
     match s.parse::<usize>() {
-        Ok(n) if (1..=MAX_PER_MACHINE).contains(&n) => Ok(n),
-        _ => Err(format!(
-            "`{s}` is not a whole number from 1 to {MAX_PER_MACHINE}"
-        )),
+        Ok(n) if (low..=high).contains(&n) => Ok(n),
+        _ => Err(format!("`{s}` is not a whole number from {low} to {high}")),
     }
 }
 

@@ -21,13 +21,13 @@ pub(crate) struct Args {
     /// Read the prompt from a file
     #[arg(long, value_name = "FILE")]
     prompt_file: Option<PathBuf>,
-    /// Texts to generate (transformers' `num_return_sequences`) [default:
-    /// the run's sample.count]
-    #[arg(long, short = 'n', visible_alias = "num-return-sequences", value_parser = super::at_least_one)]
+    /// Texts to generate, at most 10000 (transformers'
+    /// `num_return_sequences`) [default: the run's sample.count]
+    #[arg(long, short = 'n', visible_alias = "num-return-sequences", value_parser = count)]
     count: Option<usize>,
-    /// Tokens each (transformers' `max_new_tokens`) [default: the run's
-    /// sample.tokens]
-    #[arg(long, visible_alias = "max-new-tokens")]
+    /// Tokens each, at most a million (transformers' `max_new_tokens`)
+    /// [default: the run's sample.tokens]
+    #[arg(long, visible_alias = "max-new-tokens", value_parser = tokens)]
     tokens: Option<usize>,
     /// Sampling temperature: lower is more conservative, 0 takes the most
     /// likely token (greedy) [default: the run's sample.temperature]
@@ -53,6 +53,14 @@ pub(crate) struct Args {
     /// instead of its newest checkpoint
     #[arg(long)]
     best: bool,
+}
+
+fn count(s: &str) -> Result<usize, String> {
+    super::whole_number_in(s, 1, kiln_config::MAX_SAMPLE_COUNT)
+}
+
+fn tokens(s: &str) -> Result<usize, String> {
+    super::whole_number_in(s, 0, kiln_config::MAX_SAMPLE_TOKENS)
 }
 
 fn non_negative(s: &str) -> Result<f64, String> {

@@ -936,7 +936,10 @@ impl Session {
             });
         }
         if run.writes() {
-            self.write_samples(&model, run, observer)?;
+            // A stop asked now ends the samples, not the run: it has its
+            // steps, and its summary follows (rank 0 alone samples: no
+            // rank waits on another here).
+            self.write_samples(&model, run, observer, StopAsked(Some(&options.interrupt)))?;
         }
         let summary = self.summarise(
             run,
@@ -960,14 +963,17 @@ impl Session {
     /// not finite (training diverged, in fewer bad steps in a row than
     /// precision.max_bad_steps stops at), the reason there instead, and in
     /// a note: the run still ends with its summary.
+    /// The run's samples, in `samples.txt`: cut short where `stop` is
+    /// asked (the run has its steps; the summary follows).
     fn write_samples(
         &self,
         model: &Gpt,
         run: &RunDir,
         observer: &mut dyn Observer,
+        stop: StopAsked<'_>,
     ) -> Result<(), TrainError> {
         let s = &self.config.sample;
-        let texts = match crate::generate::generate_texts(
+        let generated = match crate::generate::generate_texts(
             model,
             "the run's final model",
             &self.prepared.tokenizer,
@@ -975,8 +981,9 @@ impl Session {
             s,
             self.config.training.seed,
             &self.device.device,
+            stop,
         ) {
-            Ok((_, texts)) => texts,
+            Ok(generated) => generated,
             Err(e @ TrainError::Diverged { .. }) => {
                 let why = format!("no samples: {e}");
                 observer.event(&Event::Note(why.clone()));
@@ -985,13 +992,23 @@ impl Session {
             Err(e) => return Err(e),
         };
         let mut text = String::new();
-        for (i, sample) in texts.iter().enumerate() {
+        for (i, sample) in generated.texts.iter().enumerate() {
             text.push_str(&format!(
                 "--- sample {} (temperature {}, top-k {})\n{sample}\n",
                 i + 1,
                 s.temperature,
                 s.top_k
             ));
+        }
+        if generated.cut_short {
+            let why = format!(
+                "samples cut short by the stop ({} of {} begun); `kiln sample {}` draws them",
+                generated.texts.len(),
+                s.count,
+                run.path.display()
+            );
+            text.push_str(&format!("--- {why}\n"));
+            observer.event(&Event::Note(why));
         }
         run.write("samples.txt", &text)
     }
