@@ -557,6 +557,43 @@ fn a_stop_during_the_final_samples_cuts_them_short_and_the_run_finishes() {
     assert!(dir.join("summary.json").is_file());
 }
 
+/// A stop before the first step ends the process at once, where it waited
+/// for the first step before: here the corpus is a FIFO no one writes, so
+/// the run waits in its data's preparation for as long as the test lets it.
+#[test]
+fn a_stop_before_the_first_step_ends_the_process_at_once() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let fifo = tmp.path().join("corpus.txt");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    // `tiny` leaves an existing corpus.txt (the FIFO) as it is.
+    let args = tiny(tmp.path(), "early", 10);
+    let printed = tmp.path().join("stdout.txt");
+    let child = std::process::Command::new(crate::support::kiln_bin())
+        .args(&args)
+        .current_dir(crate::support::root())
+        .stdout(std::fs::File::create(&printed).expect("stdout file"))
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn kiln");
+    crate::support::poll("the preparation's line", || {
+        let text = std::fs::read_to_string(&printed).unwrap_or_default();
+        text.contains("preparing them into the token store")
+            .then_some(())
+    });
+    crate::support::signal(child.id(), "-TERM");
+    let out = crate::support::exit_within(child, 60, "a corpus no one writes to be read");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(
+        stderr.contains("kiln: stopped before the first step: nothing to save yet"),
+        "{stderr}"
+    );
+}
+
 /// The steps a run's `metrics.jsonl` has evaluations of, in order.
 fn eval_steps(run: &Path) -> Vec<u64> {
     let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default();

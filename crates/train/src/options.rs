@@ -16,6 +16,12 @@ use crate::report::Summary;
 pub struct TrainOptions {
     /// Set (by Ctrl-C) to stop after the current step with a checkpoint.
     pub interrupt: Arc<AtomicBool>,
+    /// Set by the training loop as it begins: from then on a stop writes
+    /// a checkpoint. Before it nothing of the run's is lost by ending the
+    /// process at once (a token store's preparation goes on from where it
+    /// stopped, and the run's files are written whole or not at all), so a
+    /// handler of Ctrl-C can exit rather than wait for the first step.
+    pub saves_on_stop: Arc<AtomicBool>,
     /// The machine, for the MFU denominator and the saved report.
     pub hardware: HardwareReport,
     /// `kiln config --explain` lines, saved as `config-sources.txt`.
@@ -36,6 +42,7 @@ impl TrainOptions {
     pub fn new(hardware: HardwareReport) -> Self {
         Self {
             interrupt: Arc::default(),
+            saves_on_stop: Arc::default(),
             hardware,
             sources: Vec::new(),
             group: None,

@@ -158,6 +158,7 @@ pub(crate) fn run_loop<T: Task>(
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<(T::Model, LoopEnd), TrainError> {
+    options.saves_on_stop.store(true, Ordering::SeqCst);
     let saver = Saver {
         run,
         started: Instant::now(),

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 
 use kiln_config::ResolvedConfig;
 use kiln_hwdetect::HardwareReport;
@@ -447,15 +447,25 @@ pub(crate) fn join_job() -> anyhow::Result<Option<Arc<kiln_train::kiln_dist::Gro
 }
 
 /// Options for a training run: Ctrl-C stops it after the current step with a
-/// checkpoint; a second Ctrl-C ends the process at once.
+/// checkpoint; a second Ctrl-C ends the process at once, as does the first
+/// before the first step (while the data is prepared: nothing to save).
 fn train_options(
     hardware: HardwareReport,
     sources: Vec<String>,
 ) -> anyhow::Result<kiln_train::TrainOptions> {
-    let interrupt = Arc::new(AtomicBool::new(false));
-    let flag = Arc::clone(&interrupt);
+    let options = kiln_train::TrainOptions::new(hardware);
+    let flag = Arc::clone(&options.interrupt);
+    let saves = Arc::clone(&options.saves_on_stop);
     ctrlc::set_handler(move || {
-        if flag.swap(true, Ordering::SeqCst) {
+        let again = flag.swap(true, Ordering::SeqCst);
+        let before_the_loop = !saves.load(Ordering::SeqCst);
+        if again || before_the_loop {
+            if !again {
+                eprintln!(
+                    "\nkiln: stopped before the first step: nothing to save yet (a token \
+                     store's preparation goes on from where it stopped when run again)"
+                );
+            }
             // The dashboard, if open, has no chance to put the terminal back.
             #[cfg(feature = "tui")]
             crate::dashboard::restore_terminal();
@@ -465,8 +475,7 @@ fn train_options(
             "\nkiln: stopping after this step with a checkpoint (Ctrl-C again to quit at once)"
         );
     })?;
-    let mut options = kiln_train::TrainOptions::new(hardware);
-    options.interrupt = interrupt;
+    let mut options = options;
     options.sources = sources;
     options.group = join_job()?;
     Ok(options)
