@@ -256,7 +256,8 @@ pub(crate) fn start_until(args: &[String], marker: &Path) -> std::process::Child
     child
 }
 
-fn spawn(args: &[String], out: fn() -> std::process::Stdio) -> std::process::Child {
+/// `kiln args`, started with `out` as its stdout and stderr.
+pub(crate) fn spawn(args: &[String], out: fn() -> std::process::Stdio) -> std::process::Child {
     Command::new(kiln_bin())
         .args(args)
         .current_dir(root())
@@ -264,6 +265,21 @@ fn spawn(args: &[String], out: fn() -> std::process::Stdio) -> std::process::Chi
         .stderr(out())
         .spawn()
         .expect("spawn kiln")
+}
+
+/// Makes a FIFO at `path` that nothing writes: a corpus whose reader
+/// waits (in its data's preparation) until it is stopped.
+pub(crate) fn unwritten_fifo(path: &Path) {
+    let made = Command::new("mkfifo").arg(path).status().expect("mkfifo");
+    assert!(made.success(), "mkfifo {}", path.display());
+}
+
+/// Waits (5 minutes at most) until `file` holds `part`.
+pub(crate) fn wait_for_line(file: &Path, part: &str) {
+    poll(&format!("`{part}` in {}", file.display()), || {
+        let text = std::fs::read_to_string(file).unwrap_or_default();
+        text.contains(part).then_some(())
+    });
 }
 
 /// Waits (5 minutes at most) until `marker` exists.

@@ -488,3 +488,35 @@ fn the_median_rule_stops_a_job_behind_the_finished_ones_with_a_checkpoint() {
         .expect_code(2)
         .stderr_has(&["--prune compares a language model's evaluations"]);
 }
+
+/// A sweep stopped while its jobs still prepare their data says so, not
+/// "stopped with a checkpoint": the jobs end at once, with nothing to save
+/// (here the corpus is a FIFO no one writes, so they wait in their
+/// preparation until the signal).
+#[test]
+fn jobs_stopped_before_their_first_step_are_said_to_be() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    crate::support::unwritten_fifo(&tmp.path().join("corpus.txt"));
+    let sweep = tmp.path().join("early");
+    let args = sweep_args(
+        tmp.path(),
+        "early",
+        10,
+        &["--jobs", "2", "training.learning_rate=1e-3,3e-3"],
+    );
+    let child = crate::support::spawn(&args, std::process::Stdio::piped);
+    for job in ["0-learning_rate=1e-3", "1-learning_rate=3e-3"] {
+        let log = sweep.join(job).join("kiln.log");
+        crate::support::wait_for_line(&log, "preparing them into the token store");
+    }
+    crate::support::signal(child.id(), "-INT");
+    let out = crate::support::exit_within(child, 60, "the jobs' corpus to be read");
+    let stdout = crate::support::interrupted_stdout(out);
+    for n in [0, 1] {
+        assert!(
+            stdout.contains(&format!("job {n} stopped before its first step")),
+            "{stdout}"
+        );
+    }
+    assert_eq!(statuses(&sweep), ["interrupted", "interrupted"]);
+}

@@ -563,13 +563,8 @@ fn a_stop_during_the_final_samples_cuts_them_short_and_the_run_finishes() {
 #[test]
 fn a_stop_before_the_first_step_ends_the_process_at_once() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let fifo = tmp.path().join("corpus.txt");
-    let made = std::process::Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .expect("mkfifo");
-    assert!(made.success());
     // `tiny` leaves an existing corpus.txt (the FIFO) as it is.
+    crate::support::unwritten_fifo(&tmp.path().join("corpus.txt"));
     let args = tiny(tmp.path(), "early", 10);
     let printed = tmp.path().join("stdout.txt");
     let child = std::process::Command::new(crate::support::kiln_bin())
@@ -579,11 +574,7 @@ fn a_stop_before_the_first_step_ends_the_process_at_once() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("spawn kiln");
-    crate::support::poll("the preparation's line", || {
-        let text = std::fs::read_to_string(&printed).unwrap_or_default();
-        text.contains("preparing them into the token store")
-            .then_some(())
-    });
+    crate::support::wait_for_line(&printed, "preparing them into the token store");
     crate::support::signal(child.id(), "-TERM");
     let out = crate::support::exit_within(child, 60, "a corpus no one writes to be read");
     let stderr = String::from_utf8_lossy(&out.stderr);

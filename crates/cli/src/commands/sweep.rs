@@ -864,6 +864,15 @@ struct Ending<'a> {
     pruned: Option<String>,
 }
 
+/// Whether run directory `run` holds a checkpoint file.
+fn has_checkpoint(run: &Path) -> bool {
+    std::fs::read_dir(run.join("checkpoints")).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+    })
+}
+
 /// Records how job `n` ended: its state, error and result.
 fn end_job(record: &mut Record, n: usize, dir: &Path, ending: Ending<'_>, pace: Pace) {
     let workload = record.workload;
@@ -894,6 +903,11 @@ fn end_job(record: &mut Record, n: usize, dir: &Path, ending: Ending<'_>, pace: 
                 r.objective.map_or("-".into(), |v| format!("{v:.4}")),
                 r.wall_s
             ),
+            // A job stopped while it prepared its data ends at once, with
+            // nothing to save: its resume starts it again.
+            (Status::Interrupted, _) if !has_checkpoint(&dir.join(&job.dir)) => {
+                "stopped before its first step".into()
+            }
             (Status::Interrupted, _) => "stopped with a checkpoint".into(),
             (Status::Pruned, _) => "stopped with a checkpoint (pruned)".into(),
             _ => format!(
