@@ -21,6 +21,8 @@ pub struct TrainOptions {
     /// process at once (a token store's preparation goes on from where it
     /// stopped, and the run's files are written whole or not at all), so a
     /// handler of Ctrl-C can exit rather than wait for the first step.
+    /// A job's rank sets it from the start: its ranks take a stop together,
+    /// in a step's reduction.
     pub saves_on_stop: Arc<AtomicBool>,
     /// The machine, for the MFU denominator and the saved report.
     pub hardware: HardwareReport,

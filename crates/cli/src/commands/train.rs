@@ -478,6 +478,12 @@ fn train_options(
     let mut options = options;
     options.sources = sources;
     options.group = join_job()?;
+    if options.group.is_some() {
+        // A job's ranks take a stop together, in a step's reduction: one
+        // that ended at once while another waited on it in a collective
+        // would fail the other.
+        options.saves_on_stop.store(true, Ordering::SeqCst);
+    }
     Ok(options)
 }
 
