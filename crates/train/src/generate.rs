@@ -108,6 +108,7 @@ pub(crate) fn generate_texts(
     let sampling =
         kiln_model::Sampling::new(settings.temperature, settings.top_k).with_top_p(settings.top_p);
     let mut texts = Vec::new();
+    let mut cut_short = false;
     for _ in 0..settings.count {
         let out = model
             .generate_until(&ids, settings.tokens, &sampling, &mut rng, device, || {
@@ -119,17 +120,14 @@ pub(crate) fn generate_texts(
             })?;
         texts.push(tokenizer.decode(&out[ids.len()..])?);
         if out.len() < ids.len() + settings.tokens {
-            return Ok(Generated {
-                prompt_tokens: ids.len(),
-                texts,
-                cut_short: true,
-            });
+            cut_short = true;
+            break;
         }
     }
     Ok(Generated {
         prompt_tokens: ids.len(),
         texts,
-        cut_short: false,
+        cut_short,
     })
 }
 

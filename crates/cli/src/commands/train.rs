@@ -453,7 +453,7 @@ fn train_options(
     hardware: HardwareReport,
     sources: Vec<String>,
 ) -> anyhow::Result<kiln_train::TrainOptions> {
-    let options = kiln_train::TrainOptions::new(hardware);
+    let mut options = kiln_train::TrainOptions::new(hardware);
     let flag = Arc::clone(&options.interrupt);
     let saves = Arc::clone(&options.saves_on_stop);
     ctrlc::set_handler(move || {
@@ -475,7 +475,6 @@ fn train_options(
             "\nkiln: stopping after this step with a checkpoint (Ctrl-C again to quit at once)"
         );
     })?;
-    let mut options = options;
     options.sources = sources;
     options.group = join_job()?;
     if options.group.is_some() {

@@ -962,9 +962,8 @@ impl Session {
     /// The final model's samples in `samples.txt`; where its logits are
     /// not finite (training diverged, in fewer bad steps in a row than
     /// precision.max_bad_steps stops at), the reason there instead, and in
-    /// a note: the run still ends with its summary.
-    /// The run's samples, in `samples.txt`: cut short where `stop` is
-    /// asked (the run has its steps; the summary follows).
+    /// a note: the run still ends with its summary. Cut short where `stop`
+    /// is asked (the run has its steps; the summary follows).
     fn write_samples(
         &self,
         model: &Gpt,
