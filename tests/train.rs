@@ -146,7 +146,15 @@ fn a_run_leaves_a_complete_run_directory() {
     // A second run into the same folder is refused: nothing saved is overwritten.
     let again = run_kiln(&tiny(tmp.path(), "run", 100));
     assert_eq!(again.code, 2, "{}", again.stderr);
-    again.stderr_has(&["already holds a run", "kiln resume"]);
+    again.stderr_has(&[
+        "run.dir `",
+        "` already holds a run: resume it with `kiln resume ",
+    ]);
+    assert!(
+        !again.stderr.contains("not a kiln run directory"),
+        "a folder holding a run is one: {}",
+        again.stderr
+    );
 }
 
 /// A run shorter than its evaluation interval and its warm-up says so as

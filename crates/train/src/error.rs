@@ -72,6 +72,17 @@ pub enum TrainError {
         why: String,
     },
 
+    /// `run.dir` names a folder that already holds a run.
+    #[error(
+        "run.dir `{}` already holds a run: resume it with `kiln resume {}`, or choose another run.dir",
+        path.display(),
+        path.display()
+    )]
+    RunExists {
+        /// The folder.
+        path: PathBuf,
+    },
+
     /// Another process holds the run's lock.
     #[error(
         "run `{}` is in use by another kiln process{}: one process writes a run at a time; wait for it to end, or stop it",
@@ -275,6 +286,7 @@ impl TrainError {
                 | Self::Config(_)
                 | Self::CorpusTooShort { .. }
                 | Self::NotARun { .. }
+                | Self::RunExists { .. }
                 | Self::PathUnderFile { .. }
                 | Self::RunInUse { .. }
                 | Self::NoCheckpoint { .. }

@@ -31,19 +31,14 @@ pub struct RunDir {
 
 impl RunDir {
     /// Creates a fresh run folder from the `run.dir` template (`{time}`,
-    /// `{experiment}`; `RunConfig::run_dir_template` fills `{data}`). An existing folder that already holds a run is
-    /// refused, so nothing saved is overwritten.
+    /// `{experiment}`; `RunConfig::run_dir_template` fills `{data}`). An
+    /// existing folder that already holds a run is refused, so nothing
+    /// saved is overwritten.
     pub fn create(template: &str, experiment: &str) -> Result<Self, TrainError> {
         let path = Self::path_of(template, experiment, std::time::SystemTime::now());
         refuse_under_file("run.dir", &path, &path)?;
         if path.join("config.toml").exists() {
-            return Err(TrainError::NotARun {
-                path: path.clone(),
-                why: format!(
-                    "it already holds a run; resume it with `kiln resume {}` or choose another run.dir",
-                    path.display()
-                ),
-            });
+            return Err(TrainError::RunExists { path });
         }
         std::fs::create_dir_all(path.join("checkpoints")).map_err(|source| TrainError::Write {
             path: path.clone(),
