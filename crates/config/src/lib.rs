@@ -27,6 +27,7 @@
 pub use kiln_hwdetect;
 
 mod error;
+mod foreign;
 mod layer;
 mod load;
 mod preset;
@@ -36,11 +37,12 @@ pub mod sweep;
 mod tuned;
 
 pub use error::ConfigError;
+pub use foreign::{FOREIGN_NAMES, foreign_setting};
 pub use layer::{LayerKind, Source};
 pub use load::{
-    ExplainRow, FOREIGN_NAMES, LoadOptions, NOT_CONFIGURATION, ResolvedConfig, ResumeChange,
-    ResumedConfig, experiment_chosen, fixed_when_resuming, read_run_config, resolve,
-    resolve_overrides, resume_run_config, tuned_path,
+    ExplainRow, LoadOptions, NOT_CONFIGURATION, ResolvedConfig, ResumeChange, ResumedConfig,
+    experiment_chosen, fixed_when_resuming, read_run_config, resolve, resolve_overrides,
+    resume_run_config, tuned_path,
 };
 pub use preset::{
     ANY_GPU_PRESETS, APPLE_PRESET, EffectivePrecision, PRESET_GPUS, PRESET_OTHER_GPUS,

@@ -12,6 +12,7 @@ use figment::value::Value;
 use kiln_hwdetect::HardwareReport;
 
 use crate::error::{ConfigError, did_you_mean};
+use crate::foreign::{foreign_name, foreign_setting};
 use crate::layer::{Layer, LayerKind, Source, leaf_keys};
 use crate::preset::{PresetChoice, choose_preset};
 use crate::presets::Presets;
@@ -648,6 +649,33 @@ impl<'a> Resolver<'a> {
         }
     }
 
+    /// What another tool's setting `name`, set at `key`, means in kiln
+    /// ([`foreign_setting`]), read with its value.
+    fn foreign_setting(&self, key: &str, name: &str) -> Option<String> {
+        let value = match self.figment.find_value(key).ok()? {
+            Value::String(_, s) => s,
+            other => value_text(&other),
+        };
+        foreign_setting(name, &value)
+    }
+
+    /// The keys of section `key` (up to three, then "…"), where `key` is a
+    /// section.
+    fn section_keys(&self, key: &str) -> Option<String> {
+        let prefix = format!("{key}.");
+        let keys: Vec<&str> = self
+            .known_keys
+            .iter()
+            .filter(|k| k.starts_with(&prefix))
+            .map(String::as_str)
+            .collect();
+        match keys.len() {
+            0 => None,
+            1..=3 => Some(keys.join(", ")),
+            _ => Some(format!("{}, …", keys[..3].join(", "))),
+        }
+    }
+
     fn map_error(&self, err: figment::Error, inner_key: Option<&str>) -> ConfigError {
         many(
             err.into_iter()
@@ -669,15 +697,28 @@ impl<'a> Resolver<'a> {
                 let key = path.join(".");
                 let parent = path[..path.len() - 1].join(".");
                 // The same name in another section beats a typo in this one:
-                // `training.max_length` means `model.max_length`.
-                let elsewhere = self
+                // `training.max_length` means `model.max_length`; a name in
+                // several (`batch_size`) names them all, training's first.
+                let mut elsewhere: Vec<&String> = self
                     .known_keys
                     .iter()
-                    .find(|k| k.rsplit('.').next() == Some(field.as_str()))
-                    .cloned();
-                // Then the name the key has in nanoGPT, transformers or
-                // Lightning: `n_embd` means `model.hidden`.
-                let foreign = || foreign_name(&field).map(str::to_string);
+                    .filter(|k| k.rsplit('.').next() == Some(field.as_str()))
+                    .collect();
+                elsewhere.sort_by_key(|k| !k.starts_with("training."));
+                let elsewhere = (!elsewhere.is_empty()).then(|| {
+                    elsewhere
+                        .iter()
+                        .map(|k| k.as_str())
+                        .collect::<Vec<_>>()
+                        .join("` or `")
+                });
+                // Then what the name means in nanoGPT, transformers or
+                // Lightning: `n_embd` is `model.hidden`, `bf16=true` is
+                // `precision.amp=true precision.amp_dtype=bf16`.
+                let foreign = || {
+                    self.foreign_setting(&key, &field)
+                        .or_else(|| foreign_name(&field).map(str::to_string))
+                };
                 let within = || {
                     did_you_mean(&field, expected.iter().copied()).map(|s| {
                         if parent.is_empty() {
@@ -712,12 +753,23 @@ impl<'a> Resolver<'a> {
                     Err(_) => actual.to_string(),
                 };
                 let set_by = self.source_of(&key);
-                ConfigError::InvalidValue {
-                    problem: format!(
+                let problem = match self.section_keys(&key) {
+                    // `precision=bf16-mixed`, `device=cuda`: a section set
+                    // as one value.
+                    Some(keys) => format!(
+                        "`{key}` is a section of keys ({keys}), not a value{}",
+                        self.foreign_setting(&key, &key)
+                            .map(|s| format!("; did you mean `{s}`?"))
+                            .unwrap_or_default()
+                    ),
+                    None => format!(
                         "expected {}{}",
                         plain_expected(&expected, &value),
                         sweep_hint(&set_by)
                     ),
+                };
+                ConfigError::InvalidValue {
+                    problem,
                     value,
                     set_by: Box::new(set_by),
                     key,
@@ -796,86 +848,4 @@ fn value_text(v: &Value) -> String {
             .map(|t| t.to_string())
             .unwrap_or_else(|_| format!("{other:?}")),
     }
-}
-
-/// Names other training tools give kiln's keys (nanoGPT's `train.py`
-/// and `GPTConfig`, transformers' `TrainingArguments` and model configs,
-/// Lightning's `Trainer`, torchtitan's), each with the kiln key it means:
-/// an unknown key with one of these names is answered with the kiln key.
-pub const FOREIGN_NAMES: &[(&str, &str)] = &[
-    ("n_layer", "model.layers"),
-    ("n_layers", "model.layers"),
-    ("num_layers", "model.layers"),
-    ("num_hidden_layers", "model.layers"),
-    ("n_head", "model.heads"),
-    ("n_heads", "model.heads"),
-    ("num_heads", "model.heads"),
-    ("num_attention_heads", "model.heads"),
-    ("n_embd", "model.hidden"),
-    ("n_embed", "model.hidden"),
-    ("d_model", "model.hidden"),
-    ("dim", "model.hidden"),
-    ("hidden_size", "model.hidden"),
-    ("n_inner", "model.intermediate"),
-    ("d_ff", "model.intermediate"),
-    ("ffn_dim", "model.intermediate"),
-    ("intermediate_size", "model.intermediate"),
-    ("block_size", "model.max_length"),
-    ("n_ctx", "model.max_length"),
-    ("n_positions", "model.max_length"),
-    ("max_position_embeddings", "model.max_length"),
-    ("seq_len", "model.max_length"),
-    ("max_seq_len", "model.max_length"),
-    ("max_seq_length", "model.max_length"),
-    ("context_length", "model.max_length"),
-    ("resid_pdrop", "model.dropout"),
-    ("hidden_dropout_prob", "model.dropout"),
-    ("attn_pdrop", "model.attention_dropout"),
-    ("attn_dropout", "model.attention_dropout"),
-    ("attention_probs_dropout_prob", "model.attention_dropout"),
-    ("lr", "training.learning_rate"),
-    ("max_lr", "training.learning_rate"),
-    ("max_iters", "training.max_steps"),
-    ("num_steps", "training.max_steps"),
-    ("train_steps", "training.max_steps"),
-    ("total_steps", "training.max_steps"),
-    ("max_train_steps", "training.max_steps"),
-    ("warmup_iters", "training.warmup_steps"),
-    ("num_warmup_steps", "training.warmup_steps"),
-    ("lr_scheduler_type", "training.lr_schedule"),
-    ("per_device_train_batch_size", "training.batch_size"),
-    ("train_batch_size", "training.batch_size"),
-    ("micro_batch_size", "training.batch_size"),
-    (
-        "accumulate_grad_batches",
-        "training.gradient_accumulation_steps",
-    ),
-    ("grad_accum_steps", "training.gradient_accumulation_steps"),
-    ("num_train_epochs", "training.epochs"),
-    ("max_epochs", "training.epochs"),
-    ("max_grad_norm", "training.grad_clip"),
-    ("gradient_clip_val", "training.grad_clip"),
-    ("adam_beta1", "training.beta1"),
-    ("adam_beta2", "training.beta2"),
-    ("adam_epsilon", "training.eps"),
-    ("label_smoothing_factor", "training.label_smoothing"),
-    ("eval_interval", "eval.eval_steps"),
-    ("val_check_interval", "eval.eval_steps"),
-    ("per_device_eval_batch_size", "eval.batch_size"),
-    ("early_stopping_patience", "eval.patience"),
-    ("log_interval", "logging.logging_steps"),
-    ("log_every_n_steps", "logging.logging_steps"),
-    ("save_steps", "checkpoint.every_steps"),
-    ("save_total_limit", "checkpoint.keep"),
-    ("dataloader_num_workers", "loader.num_workers"),
-    ("out_dir", "run.dir"),
-    ("output_dir", "run.dir"),
-];
-
-/// The kiln key another tool's name `field` means ([`FOREIGN_NAMES`]).
-fn foreign_name(field: &str) -> Option<&'static str> {
-    FOREIGN_NAMES
-        .iter()
-        .find(|(name, _)| *name == field)
-        .map(|(_, key)| *key)
 }

@@ -588,6 +588,80 @@ fn other_tools_names_for_keys_are_answered_with_kilns() {
     // A kiln key's own name in another section still points there first.
     let err = Case::new(&["training.max_length=5"]).err();
     assert!(err.contains("did you mean `model.max_length`?"), "{err}");
+    // A name several sections have is answered with each, training's first.
+    let err = Case::new(&["batch_size=8"]).err();
+    assert!(
+        err.ends_with("; did you mean `training.batch_size` or `eval.batch_size`?"),
+        "{err}"
+    );
+}
+
+/// Another tool's setting whose meaning depends on its value
+/// (transformers' `bf16=true`, nanoGPT's `dtype` and `device`, Lightning's
+/// `precision`) is answered with the kiln overrides that value means, and
+/// those overrides resolve to it; a section set as one value says it is a
+/// section.
+#[test]
+fn other_tools_settings_are_answered_with_the_overrides_they_mean() {
+    for (arg, means, amp, dtype) in [
+        (
+            "bf16=true",
+            "precision.amp=true precision.amp_dtype=bf16",
+            true,
+            "bf16",
+        ),
+        (
+            "fp16=true",
+            "precision.amp=true precision.amp_dtype=fp16",
+            true,
+            "fp16",
+        ),
+        (
+            "dtype=float16",
+            "precision.amp=true precision.amp_dtype=fp16",
+            true,
+            "fp16",
+        ),
+        ("model.dtype=float32", "precision.amp=false", false, "bf16"),
+        (
+            "precision=bf16-mixed",
+            "precision.amp=true precision.amp_dtype=bf16",
+            true,
+            "bf16",
+        ),
+    ] {
+        let args = [arg];
+        let err = Case::new(&args).err();
+        assert!(
+            err.ends_with(&format!("; did you mean `{means}`?")),
+            "{arg}: {err}"
+        );
+        let suggested: Vec<&str> = means.split(' ').collect();
+        let config = Case::new(&suggested).ok().config;
+        assert_eq!(config.precision.amp, amp, "{means}");
+        assert_eq!(
+            format!("{:?}", config.precision.amp_dtype).to_lowercase(),
+            dtype,
+            "{means}"
+        );
+    }
+    let err = Case::new(&["precision=bf16-mixed"]).err();
+    assert!(
+        err.contains("for `precision` set by command line (precision=bf16-mixed): `precision` is a section of keys (precision.amp, "),
+        "{err}"
+    );
+    let err = Case::new(&["device=cuda:1"]).err();
+    assert!(
+        err.ends_with("`device` is a section of keys (device.backend, device.index), not a value; did you mean `device.backend=cuda device.index=1`?"),
+        "{err}"
+    );
+    let config = Case::new(&["device.backend=cuda", "device.index=1"])
+        .ok()
+        .config;
+    assert_eq!(config.device.index, 1);
+    // A value that means nothing kiln has: the section alone.
+    let err = Case::new(&["device=tpu"]).err();
+    assert!(err.ends_with("not a value"), "{err}");
 }
 
 /// A presets directory over the built-in ones, to add broken presets to.
