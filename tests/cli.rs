@@ -360,6 +360,34 @@ fn config_prints_toml_that_reads_back_as_a_config_file() {
     .stdout_has(&["training.seed = 7", "# config file ("]);
 }
 
+/// `--config` reads a Hydra-style YAML file, each value's source its line,
+/// and a broken one exits 2 naming file, line and column.
+#[test]
+fn config_reads_yaml_files_and_names_the_line_of_a_broken_one() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let file = tmp.path().join("exp.yaml");
+    std::fs::write(
+        &file,
+        "# Hydra's style\ntraining:\n  seed: 7\nprecision: {amp: true, amp_dtype: fp16}\n",
+    )
+    .expect("write");
+    let path = file.to_str().expect("utf-8");
+    kiln(&["config", "--explain", "--config", path, "hardware=cpu"])
+        .run()
+        .expect_code(0)
+        .stdout_has(&[
+            "training.seed = 7",
+            "exp.yaml:3)",
+            "precision.amp_dtype = \"fp16\"",
+            "exp.yaml:4)",
+        ]);
+    std::fs::write(&file, "training:\n  seed: 7\n bad: [\n").expect("write");
+    kiln(&["config", "--config", path])
+        .run()
+        .expect_code(2)
+        .stderr_has(&["exp.yaml` line 3, column 2: invalid YAML: "]);
+}
+
 /// `bench --kernel-profile` times CubeCL's kernel launches: on the CPU it
 /// is refused before any step, with the flag, the device and what to do
 /// named.

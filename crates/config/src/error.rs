@@ -19,11 +19,13 @@ pub enum ConfigError {
         source: std::io::Error,
     },
 
-    /// A TOML file does not parse.
-    #[error("`{}` line {line}, column {column}: invalid TOML: {message}", path.display())]
+    /// A configuration file does not parse.
+    #[error("`{}` line {line}, column {column}: invalid {format}: {message}", path.display())]
     Syntax {
         /// The file (`built-in <name>.toml` for a built-in preset).
         path: PathBuf,
+        /// What the file was read as: "TOML", "YAML" or "JSON".
+        format: &'static str,
         /// 1-based line of the error.
         line: usize,
         /// 1-based column of the error.
@@ -116,6 +118,20 @@ pub enum ConfigError {
     NoPresetsDir {
         /// The path given.
         path: PathBuf,
+    },
+
+    /// A presets directory has one preset in two files (`t4.toml` and
+    /// `t4.yaml`).
+    #[error(
+        "`{}` and `{}` are the same preset in two files: keep one",
+        first.display(),
+        second.display()
+    )]
+    TwoPresetFiles {
+        /// The first file, by format (TOML, YAML, JSON).
+        first: PathBuf,
+        /// The second.
+        second: PathBuf,
     },
 
     /// `hardware=tuned` on a machine (or for an experiment) `kiln tune` has

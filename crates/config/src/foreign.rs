@@ -96,7 +96,7 @@ pub(crate) fn foreign_name(field: &str) -> Option<&'static str> {
 /// `fp16=true`, nanoGPT's `dtype=bfloat16`, Accelerate's
 /// `mixed_precision=fp16`, Lightning's `precision=bf16-mixed`, nanoGPT's
 /// `device=cuda`, Lightning's `accelerator=gpu` and `devices=4` (a job of
-/// ranks: `kiln launch`). `value` is as written, without quotes. `None`
+/// ranks: `kiln launch`), Hydra's `defaults` list (the preset keys). `value` is as written, without quotes. `None`
 /// where the value means nothing kiln has.
 pub fn foreign_setting(name: &str, value: &str) -> Option<String> {
     let value = value.trim().to_ascii_lowercase();
@@ -138,6 +138,8 @@ pub fn foreign_setting(name: &str, value: &str) -> Option<String> {
                 Err(_) => None,
             }
         }
+        // Hydra's defaults list: kiln's presets are two keys.
+        "defaults" => Some("hardware=<name> experiment=<name>".into()),
         "devices" | "nproc_per_node" | "num_gpus" | "n_gpu" => match v.parse::<usize>() {
             Ok(n) if n > 1 => Some(format!("kiln launch --nproc-per-node {n} train …")),
             _ => None,
@@ -179,6 +181,11 @@ mod tests {
             ("device", "cpu", "device.backend=flex"),
             ("accelerator", "gpu", "device.backend=cuda"),
             ("devices", "4", "kiln launch --nproc-per-node 4 train …"),
+            (
+                "defaults",
+                "[{hardware = \"t4\"}]",
+                "hardware=<name> experiment=<name>",
+            ),
         ] {
             assert_eq!(
                 foreign_setting(name, value).as_deref(),

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use figment::value::{Dict, Map, Value};
 use figment::{Metadata, Profile, Provider};
+use saphyr::{LoadableYamlNode, MarkedYaml, Scalar, YamlData};
 
 use crate::error::ConfigError;
 
@@ -88,14 +89,69 @@ impl Provider for Layer {
     }
 }
 
+/// The formats a configuration file can be in, by its name's extension.
+pub(crate) const FILE_EXTENSIONS: &[&str] = &["toml", "yaml", "yml", "json"];
+
 impl Layer {
-    /// Reads and parses a TOML file. A syntax error names file, line and column.
+    /// Reads and parses a configuration file: YAML where its name ends in
+    /// `.yaml` or `.yml` (Hydra's configs), JSON where it ends in `.json`,
+    /// else TOML. A syntax error names file, line and column.
     pub(crate) fn from_file(kind: LayerKind, path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
             path: path.to_path_buf(),
             source,
         })?;
-        Self::from_toml(kind, path, &text)
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("yaml" | "yml") => Self::from_yaml(kind, path, &text, "YAML"),
+            // JSON is YAML 1.2 (flow style), which saphyr reads.
+            Some("json") => Self::from_yaml(kind, path, &text, "JSON"),
+            _ => Self::from_toml(kind, path, &text),
+        }
+    }
+
+    /// Parses YAML (or JSON, `format`): one document, a mapping of keys;
+    /// `null` is kiln's `"none"`. Anchors and aliases are resolved.
+    pub(crate) fn from_yaml(
+        kind: LayerKind,
+        path: &Path,
+        text: &str,
+        format: &'static str,
+    ) -> Result<Self, ConfigError> {
+        let syntax = |at: &saphyr::Marker, message: String| ConfigError::Syntax {
+            path: path.to_path_buf(),
+            format,
+            line: at.line(),
+            column: at.col() + 1,
+            message,
+        };
+        let docs = MarkedYaml::load_from_str(text)
+            .map_err(|e| syntax(e.marker(), e.info().to_string()))?;
+        let mut locations = BTreeMap::new();
+        let dict = match docs.as_slice() {
+            [] => Dict::new(),
+            [doc] => match &doc.data {
+                YamlData::Mapping(map) => yaml_dict(map, "", path, &syntax, &mut locations)?,
+                YamlData::Value(Scalar::Null) => Dict::new(),
+                _ => {
+                    return Err(syntax(
+                        &doc.span.start,
+                        "expected a mapping of keys (`training:` then `  batch_size: 16` on the next line)".into(),
+                    ));
+                }
+            },
+            [_, second, ..] => {
+                return Err(syntax(
+                    &second.span.start,
+                    "a second document (after `---`): a configuration file is one".into(),
+                ));
+            }
+        };
+        Ok(Self {
+            kind,
+            dict,
+            locations,
+            file: Some(path.to_path_buf()),
+        })
     }
 
     pub(crate) fn from_toml(kind: LayerKind, path: &Path, text: &str) -> Result<Self, ConfigError> {
@@ -103,6 +159,7 @@ impl Layer {
             let (line, column) = e.span().map(|s| line_col(text, s.start)).unwrap_or((1, 1));
             ConfigError::Syntax {
                 path: path.to_path_buf(),
+                format: "TOML",
                 line,
                 column,
                 message: e.message().trim().to_string(),
@@ -268,6 +325,69 @@ fn collect_lines(
     }
 }
 
+/// A YAML mapping as a dict, each key's line recorded in `out` under its
+/// dotted name.
+fn yaml_dict(
+    map: &saphyr::AnnotatedMapping<'_, MarkedYaml<'_>>,
+    prefix: &str,
+    path: &Path,
+    syntax: &dyn Fn(&saphyr::Marker, String) -> ConfigError,
+    out: &mut BTreeMap<String, String>,
+) -> Result<Dict, ConfigError> {
+    let mut dict = Dict::new();
+    for (key, value) in map {
+        let YamlData::Value(Scalar::String(name)) = &key.data else {
+            return Err(syntax(
+                &key.span.start,
+                "a key must be a name, like batch_size".into(),
+            ));
+        };
+        let full = if prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{prefix}.{name}")
+        };
+        out.insert(
+            full.clone(),
+            format!("{}:{}", path.display(), key.span.start.line()),
+        );
+        let value = yaml_value(value, &full, path, syntax, out)?;
+        dict.insert(name.to_string(), value);
+    }
+    Ok(dict)
+}
+
+fn yaml_value(
+    node: &MarkedYaml<'_>,
+    key: &str,
+    path: &Path,
+    syntax: &dyn Fn(&saphyr::Marker, String) -> ConfigError,
+    out: &mut BTreeMap<String, String>,
+) -> Result<Value, ConfigError> {
+    Ok(match &node.data {
+        // kiln's optional keys take "none" (TOML has no null).
+        YamlData::Value(Scalar::Null) => Value::from("none"),
+        YamlData::Value(Scalar::Boolean(b)) => Value::from(*b),
+        YamlData::Value(Scalar::Integer(i)) => Value::from(*i),
+        YamlData::Value(Scalar::FloatingPoint(f)) => Value::from(f.into_inner()),
+        YamlData::Value(Scalar::String(s)) => Value::from(s.to_string()),
+        YamlData::Sequence(items) => Value::from(
+            items
+                .iter()
+                .map(|item| yaml_value(item, key, path, syntax, out))
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+        YamlData::Mapping(map) => Value::from(yaml_dict(map, key, path, syntax, out)?),
+        YamlData::Tagged(_, inner) => yaml_value(inner, key, path, syntax, out)?,
+        YamlData::Representation(..) | YamlData::Alias(_) | YamlData::BadValue => {
+            return Err(syntax(
+                &node.span.start,
+                format!("the value of `{key}` could not be read"),
+            ));
+        }
+    })
+}
+
 /// 1-based line and column of a byte offset.
 pub(crate) fn line_col(text: &str, offset: usize) -> (usize, usize) {
     let before = &text[..offset.min(text.len())];
@@ -331,6 +451,70 @@ mod tests {
         match err {
             ConfigError::Syntax { line, .. } => assert!(line >= 2, "{line}"),
             other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn yaml_and_json_layers_know_the_line_of_each_key() {
+        let text = "# Hydra's style\nworkload: lm\ntraining:\n  batch_size: 8\n  learning_rate: 3e-4\n  layers: &n 2\nmodel: {init_from: null, layers: *n}\nlm:\n  training:\n    batch_size: 12\n";
+        let mut layer = Layer::from_yaml(LayerKind::Defaults, Path::new("d.yaml"), text, "YAML")
+            .expect("parses");
+        assert_eq!(layer.location_of("workload"), "d.yaml:2");
+        assert_eq!(layer.location_of("training.batch_size"), "d.yaml:4");
+        assert_eq!(layer.location_of("model.init_from"), "d.yaml:7");
+        let training = layer.dict["training"].as_dict().expect("a table");
+        assert_eq!(training["batch_size"].to_i128(), Some(8));
+        assert_eq!(training["learning_rate"].to_f64(), Some(3e-4));
+        let model = layer.dict["model"].as_dict().expect("a table");
+        assert_eq!(model["init_from"].as_str(), Some("none"));
+        assert_eq!(model["layers"].to_i128(), Some(2));
+        let (_, locs) = layer.take_section("lm").expect("has lm");
+        assert_eq!(locs["training.batch_size"], "d.yaml:10, [lm] section");
+
+        let json = "{\n  \"training\": {\"batch_size\": 3, \"amp\": true},\n  \"data\": {\"labels\": [\"a\", \"b\"]}\n}\n";
+        let layer = Layer::from_yaml(LayerKind::Defaults, Path::new("c.json"), json, "JSON")
+            .expect("parses");
+        assert_eq!(layer.location_of("training.batch_size"), "c.json:2");
+        let data = layer.dict["data"].as_dict().expect("a table");
+        assert_eq!(
+            data["labels"].as_array().map(|a| a.len()),
+            Some(2),
+            "{:?}",
+            data["labels"]
+        );
+        // An empty file is an empty layer.
+        let empty = Layer::from_yaml(
+            LayerKind::Defaults,
+            Path::new("e.yaml"),
+            "# nothing\n",
+            "YAML",
+        )
+        .expect("parses");
+        assert!(empty.dict.is_empty());
+    }
+
+    #[test]
+    fn yaml_that_is_not_one_mapping_of_named_keys_names_line_and_column() {
+        for (text, line, column, says) in [
+            ("a: 1\nb: [\n", 3, 1, "invalid YAML: while parsing"),
+            ("- a\n- b\n", 1, 1, "expected a mapping of keys"),
+            ("a: 1\n---\nb: 2\n", 3, 1, "a second document"),
+            ("training:\n  1: 2\n", 2, 3, "a key must be a name"),
+            ("a: 1\na: 2\n", 2, 1, "duplicated key"),
+        ] {
+            let err = Layer::from_yaml(LayerKind::ConfigFile, Path::new("x.yaml"), text, "YAML")
+                .expect_err(text);
+            let shown = err.to_string();
+            match err {
+                ConfigError::Syntax {
+                    line: l, column: c, ..
+                } => assert_eq!((l, c), (line, column), "{text:?}: {shown}"),
+                other => panic!("{text:?}: {other:?}"),
+            }
+            assert!(
+                shown.starts_with("`x.yaml` line ") && shown.contains(says),
+                "{shown}"
+            );
         }
     }
 

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::error::ConfigError;
-use crate::layer::{Layer, LayerKind};
+use crate::layer::{FILE_EXTENSIONS, Layer, LayerKind};
 
 /// kiln's shipped presets, `group/name` → TOML text, compiled in so that a
 /// packaged crate or an installed binary resolves with no files at all.
@@ -191,9 +191,11 @@ impl Presets {
         {
             names.extend(entries.filter_map(Result::ok).filter_map(|e| {
                 let path = e.path();
-                (path.extension().is_some_and(|x| x == "toml"))
-                    .then(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()))
-                    .flatten()
+                (path
+                    .extension()
+                    .is_some_and(|x| FILE_EXTENSIONS.iter().any(|e| x == *e)))
+                .then(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()))
+                .flatten()
             }));
         }
         names.sort();
@@ -213,11 +215,10 @@ impl Presets {
     /// The layer of `key` (`defaults`, `hardware/t4`): the directory's file if
     /// it has one, else the built-in text; `None` if neither exists.
     pub(crate) fn layer(&self, kind: LayerKind, key: &str) -> Result<Option<Layer>, ConfigError> {
-        if let Some(dir) = &self.dir {
-            let path = dir.join(format!("{key}.toml"));
-            if path.is_file() {
-                return Layer::from_file(kind, &path).map(Some);
-            }
+        if let Some(dir) = &self.dir
+            && let Some(path) = preset_file(dir, key)?
+        {
+            return Layer::from_file(kind, &path).map(Some);
         }
         BUILT_IN
             .iter()
@@ -238,14 +239,31 @@ impl Presets {
             built_in_defaults(),
         )?;
         let mut merged = built_in.clone();
-        if let Some(dir) = &self.dir {
-            let path = dir.join("defaults.toml");
-            if path.is_file() {
-                let over = Layer::from_file(LayerKind::Defaults, &path)?;
-                merged.overlay(over.dict, over.locations);
-            }
+        if let Some(dir) = &self.dir
+            && let Some(path) = preset_file(dir, "defaults")?
+        {
+            let over = Layer::from_file(LayerKind::Defaults, &path)?;
+            merged.overlay(over.dict, over.locations);
         }
         Ok((merged, built_in))
+    }
+}
+
+/// The file of preset `key` (`hardware/t4`) in `dir`: `t4.toml`, or
+/// `t4.yaml`, `t4.yml` or `t4.json`; an error where it has two of them.
+fn preset_file(dir: &Path, key: &str) -> Result<Option<PathBuf>, ConfigError> {
+    let found: Vec<PathBuf> = FILE_EXTENSIONS
+        .iter()
+        .map(|ext| dir.join(format!("{key}.{ext}")))
+        .filter(|p| p.is_file())
+        .collect();
+    match found.as_slice() {
+        [] => Ok(None),
+        [one] => Ok(Some(one.clone())),
+        [first, second, ..] => Err(ConfigError::TwoPresetFiles {
+            first: first.clone(),
+            second: second.clone(),
+        }),
     }
 }
 

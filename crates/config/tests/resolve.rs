@@ -167,6 +167,66 @@ fn layers_win_in_order() {
     check(&case.ok(), "training.seed", "9", "config file");
 }
 
+/// A configuration file in YAML (Hydra's) or JSON, by its name, resolves
+/// as the same keys in TOML do, each value's source its file and line; so
+/// do presets in YAML, and a preset in two files is refused.
+#[test]
+fn yaml_and_json_files_resolve_as_toml_does() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let toml = tmp.path().join("run.toml");
+    std::fs::write(
+        &toml,
+        "[training]\nbatch_size = 5\nlearning_rate = 3e-4\n[model]\nlayers = 2\n",
+    )
+    .expect("write");
+    let yaml = tmp.path().join("run.yaml");
+    std::fs::write(
+        &yaml,
+        "training:\n  batch_size: 5\n  learning_rate: 3e-4\nmodel:\n  layers: 2\n",
+    )
+    .expect("write");
+    let json = tmp.path().join("run.json");
+    std::fs::write(
+        &json,
+        r#"{"training": {"batch_size": 5, "learning_rate": 3e-4}, "model": {"layers": 2}}"#,
+    )
+    .expect("write");
+    let resolved = |file: &Path| {
+        let mut case = Case::new(&[]);
+        case.file = Some(file);
+        case.ok()
+    };
+    let from_toml = resolved(&toml);
+    for file in [&yaml, &json] {
+        let r = resolved(file);
+        assert_eq!(r.config, from_toml.config, "{}", file.display());
+        check(&r, "training.batch_size", "5", "config file (");
+    }
+    check(&resolved(&yaml), "model.layers", "2", "run.yaml:5");
+
+    // Presets in YAML: an experiment, and defaults over the built-in ones.
+    let presets = presets_copy();
+    std::fs::create_dir_all(presets.path().join("experiment")).expect("mkdir");
+    let mine = presets.path().join("experiment/mine.yaml");
+    std::fs::write(&mine, "workload: lm\ntraining:\n  batch_size: 7\n").expect("write");
+    std::fs::write(
+        presets.path().join("defaults.yml"),
+        "training:\n  seed: 9\n",
+    )
+    .expect("write");
+    let mut case = Case::new(&["experiment=mine"]);
+    case.presets = Some(presets.path());
+    check(&case.ok(), "training.batch_size", "7", "mine.yaml:3");
+    check(&case.ok(), "training.seed", "9", "defaults.yml:2");
+    std::fs::write(presets.path().join("experiment/mine.toml"), "").expect("write");
+    let err = case.run().expect_err("two files").to_string();
+    assert!(
+        err.contains("mine.toml` and `")
+            && err.ends_with("mine.yaml` are the same preset in two files: keep one"),
+        "{err}"
+    );
+}
+
 /// `cargo xtask` runs kiln with its own `KILN_FEATURES` still set (`KILN_FEATURES=wgpu,fusion
 /// cargo xtask train-auto`), and the GPU check sets kiln's process switches (`KILN_FAST_EXP`,
 /// `KILN_CUBLAS_WAIT`): none is a key, and the environment's keys still apply beside them.
