@@ -244,7 +244,11 @@ impl Layer {
 
 /// Parses a command-line or environment value as TOML (`20`, `true`, `1e-3`,
 /// `"text"`, `[1, 2]`); anything that is not TOML is taken as a string.
+/// Hydra's `null` is kiln's `"none"`, as YAML's is.
 pub(crate) fn parse_value(raw: &str) -> Value {
+    if raw == "null" {
+        return Value::from("none");
+    }
     let doc = format!("v = {raw}");
     match toml::from_str::<Dict>(&doc) {
         Ok(mut d) => d
@@ -429,6 +433,8 @@ mod tests {
         assert_eq!(parse_value("abc").as_str(), Some("abc"));
         assert_eq!(parse_value("data/x.txt").as_str(), Some("data/x.txt"));
         assert_eq!(parse_value("\"20\"").as_str(), Some("20"));
+        assert_eq!(parse_value("null").as_str(), Some("none"));
+        assert_eq!(parse_value("\"null\"").as_str(), Some("null"));
     }
 
     #[test]
