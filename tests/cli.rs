@@ -361,7 +361,8 @@ fn config_prints_toml_that_reads_back_as_a_config_file() {
 }
 
 /// `--config` reads a Hydra-style YAML file, each value's source its line,
-/// and a broken one exits 2 naming file, line and column.
+/// a second `--config` goes over it, and a broken one exits 2 naming file,
+/// line and column.
 #[test]
 fn config_reads_yaml_files_and_names_the_line_of_a_broken_one() {
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -381,6 +382,26 @@ fn config_reads_yaml_files_and_names_the_line_of_a_broken_one() {
             "precision.amp_dtype = \"fp16\"",
             "exp.yaml:4)",
         ]);
+    // A second file goes over the first.
+    let over = tmp.path().join("over.toml");
+    std::fs::write(&over, "[training]\nseed = 8\n").expect("write");
+    let over_path = over.to_str().expect("utf-8");
+    kiln(&[
+        "config",
+        "--explain",
+        "--config",
+        path,
+        "--config",
+        over_path,
+    ])
+    .run()
+    .expect_code(0)
+    .stdout_has(&[
+        "training.seed = 8",
+        "over.toml:2)",
+        "precision.amp_dtype = \"fp16\"",
+        "exp.yaml:4)",
+    ]);
     std::fs::write(&file, "training:\n  seed: 7\n bad: [\n").expect("write");
     kiln(&["config", "--config", path])
         .run()

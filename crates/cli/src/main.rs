@@ -60,9 +60,9 @@ extern "C" fn keep_freed_memory() {
 #[command(name = "kiln", version, about)]
 struct Cli {
     /// A folder of presets over the built-in ones: its hardware/<name>.toml
-    /// and experiment/<name>.toml add or replace presets, its defaults.toml
-    /// overrides single defaults [default: `presets/` in the working
-    /// directory, if there is one]
+    /// and experiment/<name>.toml (or .yaml, .yml, .json) add or replace
+    /// presets, its defaults.toml overrides single defaults [default:
+    /// `presets/` in the working directory, if there is one]
     #[arg(long, global = true, value_name = "DIR")]
     presets: Option<PathBuf>,
     /// Use a saved hardware report (`kiln check-hardware --json`) instead of

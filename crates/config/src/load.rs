@@ -24,8 +24,8 @@ use crate::schema::{RunConfig, Workload};
 pub struct LoadOptions<'a> {
     /// The presets: built in, and a directory over them if any.
     pub presets: &'a Presets,
-    /// `--config FILE`.
-    pub config_file: Option<&'a Path>,
+    /// `--config FILE`, each over the one before it.
+    pub config_files: &'a [PathBuf],
     /// Command-line overrides, `key=value`, in order.
     pub overrides: &'a [String],
     /// The environment (only `KILN_*` variables are read).
@@ -131,7 +131,7 @@ pub fn resolve_overrides(
     let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
     resolve(&LoadOptions {
         presets,
-        config_file: None,
+        config_files: &[],
         overrides: &overrides,
         env: &[],
         hardware,
@@ -140,8 +140,8 @@ pub fn resolve_overrides(
 
 /// Resolves the configuration:
 /// `defaults.toml` < `hardware/<name>.toml` (with its `[lm]`/`[nli]` section
-/// for the workload) < `experiment/<name>.toml` < `--config FILE` <
-/// `KILN_*` environment < command-line overrides.
+/// for the workload) < `experiment/<name>.toml` < each `--config FILE`, in
+/// order < `KILN_*` environment < command-line overrides.
 pub fn resolve(opts: &LoadOptions<'_>) -> Result<ResolvedConfig, ConfigError> {
     // Pass 1: which presets (only the layers above the presets may choose).
     let (mut layers, known_keys) = choosing_layers(opts)?;
@@ -269,17 +269,18 @@ pub fn experiment_chosen(opts: &LoadOptions<'_>) -> Result<bool, ConfigError> {
         != LayerKind::Defaults)
 }
 
-/// The layers that may choose the presets: the defaults, `--config FILE`,
-/// `KILN_*` and the overrides; and every key the defaults know.
+/// The layers that may choose the presets: the defaults, each `--config
+/// FILE`, `KILN_*` and the overrides; and every key the defaults know.
 fn choosing_layers(opts: &LoadOptions<'_>) -> Result<(Vec<Layer>, Vec<String>), ConfigError> {
     let (defaults, built_in_defaults) = opts.presets.defaults()?;
     let known_keys = leaf_keys(&built_in_defaults.dict);
-    let file = opts
-        .config_file
+    let files = opts
+        .config_files
+        .iter()
         .map(|p| Layer::from_file(LayerKind::ConfigFile, p))
-        .transpose()?;
+        .collect::<Result<Vec<_>, _>>()?;
     let layers = std::iter::once(defaults)
-        .chain(file)
+        .chain(files)
         .chain([env_layer(opts.env)?, cli_layer(opts.overrides)?])
         .collect();
     Ok((layers, known_keys))
@@ -624,11 +625,16 @@ impl<'a> Resolver<'a> {
 
     /// The layer that set `key` last, and where in it.
     fn source_of(&self, key: &str) -> Source {
+        // The layer of the metadata's name and file: two `--config` files
+        // are layers of one kind.
         let layer = self.figment.find_metadata(key).and_then(|m| {
-            self.layers
-                .iter()
-                .rev()
-                .find(|l| l.kind.to_string() == m.name)
+            self.layers.iter().rev().find(|l| {
+                let file = match &m.source {
+                    Some(figment::Source::File(path)) => Some(path),
+                    _ => None,
+                };
+                l.kind.to_string() == m.name && l.file.as_ref() == file
+            })
         });
         match layer {
             Some(layer) => Source {

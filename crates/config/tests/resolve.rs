@@ -2,7 +2,7 @@
 //! errors, each checked through one helper.
 
 use std::ffi::OsString;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use kiln_config::{
     ConfigError, FOREIGN_NAMES, LayerKind, LoadOptions, NOT_CONFIGURATION, Presets, ResolvedConfig,
@@ -55,9 +55,10 @@ impl<'a> Case<'a> {
             Some(dir) => Presets::with_dir(dir)?,
             None => Presets::built_in(),
         };
+        let files: Vec<PathBuf> = self.file.iter().map(|p| p.to_path_buf()).collect();
         resolve(&LoadOptions {
             presets: &presets,
-            config_file: self.file,
+            config_files: &files,
             overrides: &overrides,
             env: &env,
             hardware: &self.report,

@@ -88,7 +88,7 @@ impl Context {
         let env: Vec<_> = std::env::vars_os().collect();
         Ok(f(&LoadOptions {
             presets: &presets,
-            config_file: layers.config.as_deref(),
+            config_files: &layers.config,
             overrides: &layers.overrides,
             env: &env,
             hardware: &self.report,
@@ -121,9 +121,11 @@ impl Context {
 /// The configuration layers a command takes.
 #[derive(Debug, clap::Args)]
 pub(crate) struct Layers {
-    /// A TOML file layered above the presets and below the environment
+    /// A configuration file layered above the presets and below the
+    /// environment: TOML, or YAML (.yaml, .yml) or JSON (.json) by its
+    /// name. Given again, each file goes over the one before it
     #[arg(long, value_name = "FILE")]
-    pub(crate) config: Option<PathBuf>,
+    pub(crate) config: Vec<PathBuf>,
     /// Overrides in Hydra's syntax: `hardware=t4 experiment=nli_snli training.batch_size=20`
     #[arg(value_name = "KEY=VALUE")]
     pub(crate) overrides: Vec<String>,
@@ -132,7 +134,7 @@ pub(crate) struct Layers {
 impl Layers {
     pub(crate) fn none() -> Self {
         Self {
-            config: None,
+            config: Vec::new(),
             overrides: Vec::new(),
         }
     }

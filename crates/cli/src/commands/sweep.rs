@@ -351,7 +351,7 @@ pub(crate) fn run(start: &Start<'_>, ctx: &Context) -> anyhow::Result<ExitCode> 
     if start.force {
         flags.push("--force".to_string());
     }
-    if let Some(config) = &start.layers.config {
+    for config in &start.layers.config {
         // Absolute, so that a resume from another folder reads the same file.
         let config = std::path::absolute(config).unwrap_or_else(|_| config.clone());
         flags.extend(["--config".to_string(), config.display().to_string()]);

@@ -273,7 +273,7 @@ pub(crate) fn predict(args: PredictArgs, ctx: &Context) -> anyhow::Result<ExitCo
         args.from.join("config.json").is_file(),
     );
     let layers = args.layers;
-    let unused = layers.config.is_some() || !layers.overrides.is_empty();
+    let unused = !layers.config.is_empty() || !layers.overrides.is_empty();
     let p = match (run, folder) {
         (true, _) if unused => {
             return Err(BadInput(format!(

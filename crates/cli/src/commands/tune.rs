@@ -106,7 +106,7 @@ fn tune_command(
         kiln_config::Workload::Nli => "nli",
     };
     let mut child_layers = Vec::new();
-    if let Some(file) = &layers.config {
+    for file in &layers.config {
         child_layers.push(format!("--config={}", file.display()));
     }
     child_layers.push(format!("experiment={}", config.experiment));
