@@ -100,7 +100,7 @@ pub enum TrainError {
     #[error(
         "failed to write checkpoint `{}` ({} needed); the earlier checkpoints are intact{hint}",
         path.display(),
-        size(*bytes)
+        kiln_plan::gib(*bytes)
     )]
     CheckpointWrite {
         /// The checkpoint file.
@@ -256,16 +256,6 @@ pub enum TrainError {
     /// A combination kiln does not support yet: what, and why.
     #[error("{0} is not supported yet: {1}")]
     Unsupported(&'static str, String),
-}
-
-/// Bytes in MiB (or GiB from one GiB), for messages.
-fn size(bytes: u64) -> String {
-    let b = bytes as f64;
-    if b >= f64::from(1u32 << 30) {
-        format!("{:.1} GiB", b / f64::from(1u32 << 30))
-    } else {
-        format!("{:.1} MiB", b / f64::from(1u32 << 20))
-    }
 }
 
 impl TrainError {
