@@ -6,8 +6,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::support::{interrupted_stdout, kiln, root, signal, start_until, weights};
-use crate::train::{checkpoint_digest, ckpt, final_val_loss, tiny};
+use crate::support::{exit_within, interrupted_stdout, kiln, root, signal, start_until, weights};
+use crate::train::{checkpoint_digest, ckpt, eval_steps, final_val_loss, metadata, tiny};
 
 /// A port nobody listens on now.
 fn free_port() -> String {
@@ -40,6 +40,20 @@ pub(crate) fn launch_args(
 fn run(args: &[String]) -> crate::support::Run {
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     kiln(&refs).run()
+}
+
+/// `kiln launch` of 2 ranks resuming `job` with `change`.
+fn resume_job(job: &Path, change: &str) -> crate::support::Run {
+    run(&[
+        "launch".into(),
+        "--nproc-per-node".into(),
+        "2".into(),
+        "--master-port".into(),
+        free_port(),
+        "resume".into(),
+        job.display().to_string(),
+        change.into(),
+    ])
 }
 
 /// The largest difference between two checkpoints' weights, but for the
@@ -792,18 +806,55 @@ fn sigterm_to_the_launcher_checkpoints_once_and_stops_every_rank() {
         .expect("the step");
     assert!(ckpt(&job, step).exists());
     // The job continues from it.
-    let resumed = run(&[
-        "launch".into(),
-        "--nproc-per-node".into(),
-        "2".into(),
-        "--master-port".into(),
-        free_port(),
-        "resume".into(),
-        job.display().to_string(),
-        format!("training.max_steps={}", step + 10),
-    ]);
-    resumed.expect_code(0);
+    resume_job(&job, &format!("training.max_steps={}", step + 10)).expect_code(0);
     assert!(ckpt(&job, step + 10).exists());
+}
+
+/// A stop during a job's evaluation cuts it short on every rank at the same
+/// batch (the ranks agree on it before each one): the step's checkpoint
+/// owes the evaluation, and the job's resume runs it first.
+#[test]
+fn a_stop_during_a_jobs_evaluation_cuts_it_short_on_every_rank() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let job = dir.join("job");
+    // An evaluation after every step, of more batches than a test waits
+    // for: the first step's record is written just before it starts.
+    let launcher = start_until(
+        &launch_args(
+            dir,
+            "job",
+            3,
+            2,
+            &[
+                "training.batch_size=2",
+                "eval.eval_steps=1",
+                "eval.eval_iters=1000000000",
+            ],
+        ),
+        &job.join("metrics.jsonl"),
+    );
+    signal(launcher.id(), "-TERM");
+    let out = exit_within(launcher, 120, "the job's evaluation of 1e9 batches to end");
+    let stdout = interrupted_stdout(out);
+    assert_eq!(
+        stdout
+            .matches(
+                "the evaluation after step 1 was cut short by the stop; a resume runs it first"
+            )
+            .count(),
+        1,
+        "{stdout}"
+    );
+    assert_eq!(metadata(&ckpt(&job, 1), "eval_pending"), "true");
+    assert_eq!(eval_steps(&job), Vec::<u64>::new());
+    resume_job(&job, "eval.eval_iters=2")
+        .expect_code(0)
+        .stdout_has(&[
+            "the evaluation after step 1 was cut short by the stop: it runs now",
+            "eval      1:",
+        ]);
+    assert_eq!(eval_steps(&job), vec![1, 2, 3]);
 }
 
 #[test]

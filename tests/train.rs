@@ -67,7 +67,7 @@ pub(crate) fn checkpoint_digest(path: &Path) -> String {
 }
 
 /// The value of `key` in a safetensors file's header metadata.
-fn metadata(path: &Path, key: &str) -> String {
+pub(crate) fn metadata(path: &Path, key: &str) -> String {
     all_metadata(path)[key]
         .as_str()
         .unwrap_or_else(|| panic!("no `{key}` in {}", path.display()))
@@ -75,7 +75,7 @@ fn metadata(path: &Path, key: &str) -> String {
 }
 
 /// A safetensors file's `__metadata__`.
-fn all_metadata(path: &Path) -> serde_json::Value {
+pub(crate) fn all_metadata(path: &Path) -> serde_json::Value {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
     let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).expect("header");
@@ -594,7 +594,7 @@ fn a_stop_before_the_first_step_ends_the_process_at_once() {
 }
 
 /// The steps a run's `metrics.jsonl` has evaluations of, in order.
-fn eval_steps(run: &Path) -> Vec<u64> {
+pub(crate) fn eval_steps(run: &Path) -> Vec<u64> {
     let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default();
     text.lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("a JSON line"))

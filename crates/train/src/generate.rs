@@ -6,6 +6,7 @@
 //! `kiln sample RUN` gives its texts again.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::module::Module;
 use burn::tensor::Device;
@@ -19,7 +20,6 @@ use crate::checkpoint;
 use crate::device::select_device;
 use crate::error::TrainError;
 use crate::rundir::RunDir;
-use crate::task::StopAsked;
 
 /// What to generate; `None` takes the run's `sample.*` (a GPT-2 folder:
 /// the built-in defaults) and its `training.seed`.
@@ -97,7 +97,7 @@ pub(crate) fn generate_texts(
     settings: &SampleSection,
     seed: u64,
     device: &Device,
-    stop: StopAsked<'_>,
+    stop: Option<&AtomicBool>,
 ) -> Result<Generated, TrainError> {
     let model = model.valid();
     let ids = tokenizer.encode(prompt).map_err(|e| TrainError::Prompt {
@@ -112,7 +112,7 @@ pub(crate) fn generate_texts(
     for _ in 0..settings.count {
         let out = model
             .generate_until(&ids, settings.tokens, &sampling, &mut rng, device, || {
-                stop.now()
+                stop.is_some_and(|f| f.load(Ordering::Relaxed))
             })
             .map_err(|e| TrainError::Diverged {
                 model: source.to_string(),
@@ -202,7 +202,7 @@ pub fn sample(
         &settings,
         seed,
         &device.device,
-        StopAsked(None),
+        None,
     )?;
     let (prompt_tokens, continuations) = (generated.prompt_tokens, generated.texts);
     Ok(Samples {

@@ -52,15 +52,37 @@ pub(crate) struct Evaluation {
 
 /// What an evaluation asks between its batches: whether a stop (Ctrl-C,
 /// SIGTERM) was asked, so that a long evaluation does not outlast a
-/// scheduler's grace period. Only a run alone is asked: a job's ranks take
-/// a stop where they agree on it, in a step's reduction, and an evaluation
-/// cut short on one rank alone would leave the others waiting.
+/// scheduler's grace period.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct StopAsked<'a>(pub(crate) Option<&'a AtomicBool>);
+pub(crate) enum StopAsked<'a> {
+    /// A run alone: its own flag (none: never).
+    Alone(Option<&'a AtomicBool>),
+    /// A rank of a job: whether any rank's flag is set, agreed by a
+    /// reduction each time it is asked, so that every rank cuts the
+    /// evaluation short at the same batch (one cut short alone would leave
+    /// the others waiting in a collective). Every rank evaluates the same
+    /// batches, so each asks as often.
+    Agreed {
+        flag: &'a AtomicBool,
+        group: &'a kiln_dist::Group,
+    },
+}
 
 impl StopAsked<'_> {
-    pub(crate) fn now(self) -> bool {
-        self.0.is_some_and(|f| f.load(Ordering::Relaxed))
+    /// Whether to stop now; an error where a rank could not be reached.
+    pub(crate) fn now(self) -> Result<bool, crate::TrainError> {
+        match self {
+            Self::Alone(flag) => Ok(flag.is_some_and(|f| f.load(Ordering::Relaxed))),
+            Self::Agreed { flag, group } => {
+                let mut asked = [if flag.load(Ordering::Relaxed) {
+                    1.0
+                } else {
+                    0.0
+                }];
+                group.all_reduce(&mut asked, kiln_dist::Reduce::Max)?;
+                Ok(asked[0] > 0.0)
+            }
+        }
     }
 }
 

@@ -185,10 +185,17 @@ pub(crate) fn run_loop<T: Task>(
         )?;
     }
     // In a job, a stop asked of any rank is agreed in the step's reduction
-    // and taken by all after that step; alone, it is taken before the next,
-    // or between two of an evaluation's batches.
+    // and taken by all after that step, or between two of an evaluation's
+    // batches, agreed there; alone, it is taken before the next step, or
+    // between two of an evaluation's batches.
     let mut stop_agreed = false;
-    let stop_asked = StopAsked(options.group.is_none().then_some(&*options.interrupt));
+    let stop_asked = match &options.group {
+        Some(group) => StopAsked::Agreed {
+            flag: &options.interrupt,
+            group,
+        },
+        None => StopAsked::Alone(Some(&options.interrupt)),
+    };
     if plan.eval_pending {
         let step = plan.first_step - 1;
         observer.event(&Event::Note(format!(

@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use burn::module::Module;
@@ -678,7 +679,7 @@ impl Task for LmTask {
         let mean = |windows: &LmWindows| -> Result<Option<f64>, TrainError> {
             let mut total = 0.0;
             for j in 0..self.eval_iters {
-                if stop.now() {
+                if stop.now()? {
                     return Ok(None);
                 }
                 let (x, y) = batch_tensors(&windows.batch(j)?, &self.inner);
@@ -939,7 +940,7 @@ impl Session {
             // A stop asked now ends the samples, not the run: it has its
             // steps, and its summary follows (rank 0 alone samples: no
             // rank waits on another here).
-            self.write_samples(&model, run, observer, StopAsked(Some(&options.interrupt)))?;
+            self.write_samples(&model, run, observer, Some(&options.interrupt))?;
         }
         let summary = self.summarise(
             run,
@@ -969,7 +970,7 @@ impl Session {
         model: &Gpt,
         run: &RunDir,
         observer: &mut dyn Observer,
-        stop: StopAsked<'_>,
+        stop: Option<&AtomicBool>,
     ) -> Result<(), TrainError> {
         let s = &self.config.sample;
         let generated = match crate::generate::generate_texts(

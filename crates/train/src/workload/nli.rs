@@ -274,22 +274,29 @@ type PairTensors = (
     Tensor<1, Int>,
 );
 
+/// The held-out pairs' labels, the classes predicted for them and their
+/// mean loss.
+struct Predicted {
+    truth: Vec<usize>,
+    predicted: Vec<usize>,
+    val_loss: f64,
+}
+
 impl NliTask {
-    /// Predicted class of every held-out pair, and the mean loss.
-    /// The held-out pairs' labels, predictions and mean loss; `None` where
-    /// `stop` is asked between two batches.
+    /// The held-out pairs, predicted; `None` where `stop` is asked between
+    /// two batches.
     fn predict(
         &self,
         model: &EncoderClassifier,
         stop: StopAsked<'_>,
-    ) -> Option<(Vec<usize>, Vec<usize>, f64)> {
+    ) -> Result<Option<Predicted>, TrainError> {
         let model = model.valid();
         let mut truth = Vec::new();
         let mut predicted = Vec::new();
         let mut loss_sum = 0.0;
         for b in &self.held_out {
-            if stop.now() {
-                return None;
+            if stop.now()? {
+                return Ok(None);
             }
             let (ids, seg, mask, labels) = pair_tensors(b, &self.inner);
             let logits = model.forward(ids, seg, mask);
@@ -300,7 +307,11 @@ impl NliTask {
             truth.extend(b.labels.iter().copied());
         }
         let n = truth.len().max(1) as f64;
-        Some((truth, predicted, loss_sum / n))
+        Ok(Some(Predicted {
+            truth,
+            predicted,
+            val_loss: loss_sum / n,
+        }))
     }
 }
 
@@ -340,7 +351,12 @@ impl Task for NliTask {
         _step: u64,
         stop: StopAsked<'_>,
     ) -> Result<Option<Evaluation>, TrainError> {
-        let Some((truth, predicted, val_loss)) = self.predict(model, stop) else {
+        let Some(Predicted {
+            truth,
+            predicted,
+            val_loss,
+        }) = self.predict(model, stop)?
+        else {
             return Ok(None);
         };
         let scores = Scores::new(&self.labels, &truth, &predicted);
