@@ -380,6 +380,22 @@ fn a_resume_from_an_earlier_checkpoint_keeps_what_came_after_it_aside() {
     assert_eq!(logged_steps(&run), want);
     assert!(run.join("summary.json").is_file());
 
+    // torchrun's --max-restarts runs the same `kiln resume --from 100`
+    // again after a failure: the restart goes on from the run's last good
+    // checkpoint (here its end), not back to step 100 again.
+    let end = checkpoint_digest(&ckpt(&run, steps));
+    kiln(&["resume", run_arg, "--from", "100"])
+        .env("TORCHELASTIC_MAX_RESTARTS", "1")
+        .env("TORCHELASTIC_RESTART_COUNT", "1")
+        .run()
+        .expect_code(0)
+        .stdout_has(&["from step 300"])
+        .stderr_has(&[
+            "torchrun's restart 1 of 1: resuming",
+            "not --from 100 again",
+        ]);
+    assert_eq!(checkpoint_digest(&ckpt(&run, steps)), end);
+
     // A cross-validation run resumes in its fold, from its newest checkpoint.
     let cv = crate::nli::tiny(tmp.path(), "cv", 1);
     run_kiln(&cv).expect_code(0);

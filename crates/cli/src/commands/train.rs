@@ -174,13 +174,7 @@ fn torchrun_restart(
     resolved: &ResolvedConfig,
     env: &[(String, String)],
 ) -> anyhow::Result<Option<std::path::PathBuf>> {
-    let number = |name: &str| {
-        env.iter()
-            .find(|(k, _)| k == name)
-            .and_then(|(_, v)| v.trim().parse::<u32>().ok())
-            .unwrap_or(0)
-    };
-    let max = number("TORCHELASTIC_MAX_RESTARTS");
+    let (attempt, max) = torchrun_attempt(env);
     if max == 0 {
         return Ok(None);
     }
@@ -196,7 +190,6 @@ fn torchrun_restart(
         &resolved.config.experiment,
         std::time::SystemTime::now(),
     );
-    let attempt = number("TORCHELASTIC_RESTART_COUNT");
     if attempt == 0 || !run.join("config.toml").is_file() {
         return Ok(None);
     }
@@ -205,6 +198,22 @@ fn torchrun_restart(
         run.display()
     );
     Ok(Some(run))
+}
+
+/// torchrun's attempt (`TORCHELASTIC_RESTART_COUNT`, 0 for the first) and
+/// its `--max-restarts` (`TORCHELASTIC_MAX_RESTARTS`, 0 without restarts or
+/// torchrun).
+fn torchrun_attempt(env: &[(String, String)]) -> (u32, u32) {
+    let number = |name: &str| {
+        env.iter()
+            .find(|(k, _)| k == name)
+            .and_then(|(_, v)| v.trim().parse::<u32>().ok())
+            .unwrap_or(0)
+    };
+    (
+        number("TORCHELASTIC_RESTART_COUNT"),
+        number("TORCHELASTIC_MAX_RESTARTS"),
+    )
 }
 
 /// The configuration `kiln train` or `kiln cv` runs with `layers`.
@@ -252,12 +261,28 @@ pub(crate) fn resume(args: ResumeArgs, ctx: Context) -> anyhow::Result<ExitCode>
         }
         return super::sweep::resume(&args.run, args.tui);
     }
+    // torchrun's restart runs `kiln resume RUN --from STEP` again: the
+    // first attempt went back to STEP, and this one goes on from where that
+    // attempt got to, not back to STEP again.
+    let from_step = match (
+        args.from,
+        torchrun_attempt(&kiln_train::kiln_dist::process_env()),
+    ) {
+        (Some(step), (attempt, max)) if attempt >= 1 && max >= 1 => {
+            eprintln!(
+                "kiln: torchrun's restart {attempt} of {max}: resuming `{}` from its last good checkpoint, not --from {step} again (the first attempt went back to step {step})",
+                args.run.display()
+            );
+            None
+        }
+        (from, _) => from,
+    };
     let mut options = train_options(ctx.report, Vec::new())?;
     options.force = args.force;
     let mut observer = observer(&options, args.tui)?;
     let request = kiln_train::ResumeRequest {
         overrides: args.overrides,
-        from_step: args.from,
+        from_step,
     };
     let outcome = kiln_train::resume_with(&args.run, &request, &options, &mut *observer);
     // The dashboard closes before the outcome is printed.
