@@ -6,7 +6,8 @@
 //! came from.
 //!
 //! Layers, later wins: `defaults.toml` < `hardware/<name>.toml` <
-//! `experiment/<name>.toml` < `--config FILE` < `KILN_*` environment
+//! `experiment/<name>.toml` < each `--config FILE` (TOML, or YAML or JSON
+//! by its name, as presets in a directory may be) < `KILN_*` environment
 //! variables (`KILN_TRAINING__BATCH_SIZE=7`) < command-line overrides in
 //! Hydra's syntax (`hardware=t4 training.batch_size=20`). Unknown keys, wrong
 //! types and out-of-range values are errors that name the key, the value and
