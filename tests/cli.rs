@@ -360,6 +360,37 @@ fn config_prints_toml_that_reads_back_as_a_config_file() {
     .stdout_has(&["training.seed = 7", "# config file ("]);
 }
 
+/// `kiln config --format yaml` and `--format json` print files that read
+/// back as the same configuration (`--config x.yaml`, `--config x.json`).
+#[test]
+fn config_prints_yaml_and_json_that_read_back_as_the_same_configuration() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let args = [
+        "experiment=nli_snli",
+        "hardware=t4",
+        "data.labels=[\"a\", \"b \\\"quoted\\\"\"]",
+        "model.init_from=none",
+    ];
+    let with = |extra: &[&str]| {
+        let mut all: Vec<&str> = vec!["config"];
+        all.extend(extra);
+        all.extend(args);
+        kiln(&all).run().expect_code(0).stdout
+    };
+    let toml = with(&[]);
+    for format in ["yaml", "json"] {
+        let printed = with(&["--format", format]);
+        let file = tmp.path().join(format!("resolved.{format}"));
+        std::fs::write(&file, &printed).expect("write");
+        let path = file.to_str().expect("utf-8");
+        let read_back = kiln(&["config", "--config", path, "hardware=t4"])
+            .run()
+            .expect_code(0)
+            .stdout;
+        assert_eq!(read_back, toml, "{format}:\n{printed}");
+    }
+}
+
 /// `--config` reads a Hydra-style YAML file, each value's source its line,
 /// a second `--config` goes over it, and a broken one exits 2 naming file,
 /// line and column.

@@ -66,6 +66,22 @@ impl ResolvedConfig {
             .unwrap_or_else(|e| format!("# not serialisable: {e}\n"))
     }
 
+    /// The configuration as YAML (a file `--config` reads back, as it does
+    /// [`ResolvedConfig::to_toml`]'s), in the order of `RunConfig`'s fields:
+    /// sections as nested mappings, strings double-quoted, lists in flow
+    /// style.
+    pub fn to_yaml(&self) -> String {
+        match toml::Value::try_from(&self.config) {
+            Ok(toml::Value::Table(table)) => {
+                let mut out = String::new();
+                yaml_table(&table, 0, &mut out);
+                out
+            }
+            Ok(_) => String::new(),
+            Err(e) => format!("# not serialisable: {e}\n"),
+        }
+    }
+
     /// Every key with its value and source, in `RunConfig` order.
     pub fn explain(&self) -> Vec<ExplainRow> {
         let Ok(value) = toml::Value::try_from(&self.config) else {
@@ -92,6 +108,61 @@ impl ResolvedConfig {
     /// Where `key` (dotted) was set, if it is a key.
     pub fn source(&self, key: &str) -> Option<&Source> {
         self.sources.get(key)
+    }
+}
+
+/// `table`'s keys as YAML at `indent` levels: a table as a nested mapping,
+/// anything else on its key's line.
+fn yaml_table(table: &toml::Table, indent: usize, out: &mut String) {
+    for (key, value) in table {
+        out.push_str(&"  ".repeat(indent));
+        out.push_str(key);
+        match value {
+            toml::Value::Table(inner) => {
+                out.push_str(":\n");
+                yaml_table(inner, indent + 1, out);
+            }
+            other => {
+                out.push_str(": ");
+                out.push_str(&yaml_scalar(other));
+                out.push('\n');
+            }
+        }
+    }
+}
+
+/// A value on one line: a string double-quoted (JSON's escapes, which
+/// YAML's double-quoted style reads), a list in flow style.
+fn yaml_scalar(value: &toml::Value) -> String {
+    match value {
+        toml::Value::String(s) => {
+            let mut quoted = String::from("\"");
+            for c in s.chars() {
+                match c {
+                    '"' => quoted.push_str("\\\""),
+                    '\\' => quoted.push_str("\\\\"),
+                    '\n' => quoted.push_str("\\n"),
+                    '\t' => quoted.push_str("\\t"),
+                    c if c.is_control() => quoted.push_str(&format!("\\u{:04x}", u32::from(c))),
+                    c => quoted.push(c),
+                }
+            }
+            quoted.push('"');
+            quoted
+        }
+        toml::Value::Array(items) => format!(
+            "[{}]",
+            items.iter().map(yaml_scalar).collect::<Vec<_>>().join(", ")
+        ),
+        toml::Value::Table(table) => format!(
+            "{{{}}}",
+            table
+                .iter()
+                .map(|(k, v)| format!("{k}: {}", yaml_scalar(v)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        other => other.to_string(),
     }
 }
 

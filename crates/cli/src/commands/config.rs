@@ -1,5 +1,5 @@
-//! `kiln config [--explain]`: the resolved configuration, or each key with
-//! its value and the layer that set it.
+//! `kiln config [--explain] [--format toml|yaml|json]`: the resolved
+//! configuration, or each key with its value and the layer that set it.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -13,8 +13,20 @@ pub(crate) struct Args {
     /// Each key with its value and the layer that set it
     #[arg(long)]
     explain: bool,
+    /// The configuration's format: each reads back with --config FILE.toml,
+    /// .yaml or .json
+    #[arg(long, value_enum, default_value_t = Format::Toml, conflicts_with = "explain")]
+    format: Format,
     #[command(flatten)]
     layers: Layers,
+}
+
+/// What `kiln config` prints the configuration as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Format {
+    Toml,
+    Yaml,
+    Json,
 }
 
 pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
@@ -23,9 +35,13 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
     if args.explain {
         write!(out, "{}", explain_text(&resolved))?;
         write!(out, "{}", hardware::derived_text(&ctx.report, &resolved))?;
-    } else {
-        write!(out, "{}", header(&resolved))?;
-        write!(out, "{}", resolved.to_toml())?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    match args.format {
+        Format::Toml => write!(out, "{}{}", header(&resolved), resolved.to_toml())?,
+        Format::Yaml => write!(out, "{}{}", header(&resolved), resolved.to_yaml())?,
+        // JSON has no comments: the automatic choice's reason is left out.
+        Format::Json => writeln!(out, "{}", serde_json::to_string_pretty(&resolved.config)?)?,
     }
     Ok(ExitCode::SUCCESS)
 }
