@@ -96,8 +96,9 @@ pub(crate) fn foreign_name(field: &str) -> Option<&'static str> {
 /// `fp16=true`, nanoGPT's `dtype=bfloat16`, Accelerate's
 /// `mixed_precision=fp16`, Lightning's `precision=bf16-mixed`, nanoGPT's
 /// `device=cuda`, Lightning's `accelerator=gpu` and `devices=4` (a job of
-/// ranks: `kiln launch`), Hydra's `defaults` list (the preset keys). `value` is as written, without quotes. `None`
-/// where the value means nothing kiln has.
+/// ranks: `kiln launch`), Hydra's `defaults` list (the preset keys).
+/// `value` is as written, without quotes. `None` where the value means
+/// nothing kiln has.
 pub fn foreign_setting(name: &str, value: &str) -> Option<String> {
     let value = value.trim().to_ascii_lowercase();
     let v = value.as_str();

@@ -117,30 +117,27 @@ impl Layer {
         text: &str,
         format: &'static str,
     ) -> Result<Self, ConfigError> {
-        let syntax = |at: &saphyr::Marker, message: String| ConfigError::Syntax {
-            path: path.to_path_buf(),
+        let mut reader = YamlReader {
+            path,
             format,
-            line: at.line(),
-            column: at.col() + 1,
-            message,
+            locations: BTreeMap::new(),
         };
         let docs = MarkedYaml::load_from_str(text)
-            .map_err(|e| syntax(e.marker(), e.info().to_string()))?;
-        let mut locations = BTreeMap::new();
+            .map_err(|e| reader.syntax(e.marker(), e.info().to_string()))?;
         let dict = match docs.as_slice() {
             [] => Dict::new(),
             [doc] => match &doc.data {
-                YamlData::Mapping(map) => yaml_dict(map, "", path, &syntax, &mut locations)?,
+                YamlData::Mapping(map) => reader.dict(map, "")?,
                 YamlData::Value(Scalar::Null) => Dict::new(),
                 _ => {
-                    return Err(syntax(
+                    return Err(reader.syntax(
                         &doc.span.start,
                         "expected a mapping of keys (`training:` then `  batch_size: 16` on the next line)".into(),
                     ));
                 }
             },
             [_, second, ..] => {
-                return Err(syntax(
+                return Err(reader.syntax(
                     &second.span.start,
                     "a second document (after `---`): a configuration file is one".into(),
                 ));
@@ -149,7 +146,7 @@ impl Layer {
         Ok(Self {
             kind,
             dict,
-            locations,
+            locations: reader.locations,
             file: Some(path.to_path_buf()),
         })
     }
@@ -329,67 +326,80 @@ fn collect_lines(
     }
 }
 
-/// A YAML mapping as a dict, each key's line recorded in `out` under its
-/// dotted name.
-fn yaml_dict(
-    map: &saphyr::AnnotatedMapping<'_, MarkedYaml<'_>>,
-    prefix: &str,
-    path: &Path,
-    syntax: &dyn Fn(&saphyr::Marker, String) -> ConfigError,
-    out: &mut BTreeMap<String, String>,
-) -> Result<Dict, ConfigError> {
-    let mut dict = Dict::new();
-    for (key, value) in map {
-        let YamlData::Value(Scalar::String(name)) = &key.data else {
-            return Err(syntax(
-                &key.span.start,
-                "a key must be a name, like batch_size".into(),
-            ));
-        };
-        let full = if prefix.is_empty() {
-            name.to_string()
-        } else {
-            format!("{prefix}.{name}")
-        };
-        out.insert(
-            full.clone(),
-            format!("{}:{}", path.display(), key.span.start.line()),
-        );
-        let value = yaml_value(value, &full, path, syntax, out)?;
-        dict.insert(name.to_string(), value);
-    }
-    Ok(dict)
+/// A YAML file read into a layer's dict, each key's line recorded under
+/// its dotted name.
+struct YamlReader<'a> {
+    path: &'a Path,
+    /// "YAML" or "JSON", for errors.
+    format: &'static str,
+    locations: BTreeMap<String, String>,
 }
 
-fn yaml_value(
-    node: &MarkedYaml<'_>,
-    key: &str,
-    path: &Path,
-    syntax: &dyn Fn(&saphyr::Marker, String) -> ConfigError,
-    out: &mut BTreeMap<String, String>,
-) -> Result<Value, ConfigError> {
-    Ok(match &node.data {
-        // kiln's optional keys take "none" (TOML has no null).
-        YamlData::Value(Scalar::Null) => Value::from("none"),
-        YamlData::Value(Scalar::Boolean(b)) => Value::from(*b),
-        YamlData::Value(Scalar::Integer(i)) => Value::from(*i),
-        YamlData::Value(Scalar::FloatingPoint(f)) => Value::from(f.into_inner()),
-        YamlData::Value(Scalar::String(s)) => Value::from(s.to_string()),
-        YamlData::Sequence(items) => Value::from(
-            items
-                .iter()
-                .map(|item| yaml_value(item, key, path, syntax, out))
-                .collect::<Result<Vec<_>, _>>()?,
-        ),
-        YamlData::Mapping(map) => Value::from(yaml_dict(map, key, path, syntax, out)?),
-        YamlData::Tagged(_, inner) => yaml_value(inner, key, path, syntax, out)?,
-        YamlData::Representation(..) | YamlData::Alias(_) | YamlData::BadValue => {
-            return Err(syntax(
-                &node.span.start,
-                format!("the value of `{key}` could not be read"),
-            ));
+impl YamlReader<'_> {
+    fn syntax(&self, at: &saphyr::Marker, message: String) -> ConfigError {
+        ConfigError::Syntax {
+            path: self.path.to_path_buf(),
+            format: self.format,
+            line: at.line(),
+            column: at.col() + 1,
+            message,
         }
-    })
+    }
+
+    /// A mapping under `prefix` (dotted; "" at the top) as a dict.
+    fn dict(
+        &mut self,
+        map: &saphyr::AnnotatedMapping<'_, MarkedYaml<'_>>,
+        prefix: &str,
+    ) -> Result<Dict, ConfigError> {
+        let mut dict = Dict::new();
+        for (key, value) in map {
+            let YamlData::Value(Scalar::String(name)) = &key.data else {
+                return Err(self.syntax(
+                    &key.span.start,
+                    "a key must be a name, like batch_size".into(),
+                ));
+            };
+            let full = if prefix.is_empty() {
+                name.to_string()
+            } else {
+                format!("{prefix}.{name}")
+            };
+            self.locations.insert(
+                full.clone(),
+                format!("{}:{}", self.path.display(), key.span.start.line()),
+            );
+            let value = self.value(value, &full)?;
+            dict.insert(name.to_string(), value);
+        }
+        Ok(dict)
+    }
+
+    /// The value of `key` (dotted).
+    fn value(&mut self, node: &MarkedYaml<'_>, key: &str) -> Result<Value, ConfigError> {
+        Ok(match &node.data {
+            // kiln's optional keys take "none" (TOML has no null).
+            YamlData::Value(Scalar::Null) => Value::from("none"),
+            YamlData::Value(Scalar::Boolean(b)) => Value::from(*b),
+            YamlData::Value(Scalar::Integer(i)) => Value::from(*i),
+            YamlData::Value(Scalar::FloatingPoint(f)) => Value::from(f.into_inner()),
+            YamlData::Value(Scalar::String(s)) => Value::from(s.to_string()),
+            YamlData::Sequence(items) => Value::from(
+                items
+                    .iter()
+                    .map(|item| self.value(item, key))
+                    .collect::<Result<Vec<_>, _>>()?,
+            ),
+            YamlData::Mapping(map) => Value::from(self.dict(map, key)?),
+            YamlData::Tagged(_, inner) => self.value(inner, key)?,
+            YamlData::Representation(..) | YamlData::Alias(_) | YamlData::BadValue => {
+                return Err(self.syntax(
+                    &node.span.start,
+                    format!("the value of `{key}` could not be read"),
+                ));
+            }
+        })
+    }
 }
 
 /// 1-based line and column of a byte offset.

@@ -776,19 +776,14 @@ impl<'a> Resolver<'a> {
                 // The same name in another section beats a typo in this one:
                 // `training.max_length` means `model.max_length`; a name in
                 // several (`batch_size`) names them all, training's first.
-                let mut elsewhere: Vec<&String> = self
+                let mut elsewhere: Vec<&str> = self
                     .known_keys
                     .iter()
+                    .map(String::as_str)
                     .filter(|k| k.rsplit('.').next() == Some(field.as_str()))
                     .collect();
                 elsewhere.sort_by_key(|k| !k.starts_with("training."));
-                let elsewhere = (!elsewhere.is_empty()).then(|| {
-                    elsewhere
-                        .iter()
-                        .map(|k| k.as_str())
-                        .collect::<Vec<_>>()
-                        .join("` or `")
-                });
+                let elsewhere = (!elsewhere.is_empty()).then(|| elsewhere.join("` or `"));
                 // Then what the name means in nanoGPT, transformers or
                 // Lightning: `n_embd` is `model.hidden`, `bf16=true` is
                 // `precision.amp=true precision.amp_dtype=bf16`.

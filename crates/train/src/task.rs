@@ -55,8 +55,8 @@ pub(crate) struct Evaluation {
 /// scheduler's grace period.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum StopAsked<'a> {
-    /// A run alone: its own flag (none: never).
-    Alone(Option<&'a AtomicBool>),
+    /// A run alone: its own flag.
+    Alone(&'a AtomicBool),
     /// A rank of a job: whether any rank's flag is set, agreed by a
     /// reduction each time it is asked, so that every rank cuts the
     /// evaluation short at the same batch (one cut short alone would leave
@@ -72,7 +72,7 @@ impl StopAsked<'_> {
     /// Whether to stop now; an error where a rank could not be reached.
     pub(crate) fn now(self) -> Result<bool, crate::TrainError> {
         match self {
-            Self::Alone(flag) => Ok(flag.is_some_and(|f| f.load(Ordering::Relaxed))),
+            Self::Alone(flag) => Ok(flag.load(Ordering::Relaxed)),
             Self::Agreed { flag, group } => {
                 let mut asked = [if flag.load(Ordering::Relaxed) {
                     1.0

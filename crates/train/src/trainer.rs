@@ -194,7 +194,7 @@ pub(crate) fn run_loop<T: Task>(
             flag: &options.interrupt,
             group,
         },
-        None => StopAsked::Alone(Some(&options.interrupt)),
+        None => StopAsked::Alone(&options.interrupt),
     };
     if plan.eval_pending {
         let step = plan.first_step - 1;
