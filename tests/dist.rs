@@ -17,6 +17,20 @@ fn free_port() -> String {
         .expect("a free port")
 }
 
+/// `kiln launch --nproc-per-node n` at a free port, every rank running
+/// `command`.
+fn launch_of(n: usize, command: impl IntoIterator<Item = String>) -> Vec<String> {
+    let mut args = vec![
+        "launch".to_string(),
+        "--nproc-per-node".into(),
+        n.to_string(),
+        "--master-port".into(),
+        free_port(),
+    ];
+    args.extend(command);
+    args
+}
+
 /// `kiln launch --nproc-per-node n` of the tiny run with `extra` overrides.
 pub(crate) fn launch_args(
     dir: &Path,
@@ -25,14 +39,7 @@ pub(crate) fn launch_args(
     n: usize,
     extra: &[&str],
 ) -> Vec<String> {
-    let mut args = vec![
-        "launch".to_string(),
-        "--nproc-per-node".into(),
-        n.to_string(),
-        "--master-port".into(),
-        free_port(),
-    ];
-    args.extend(tiny(dir, run, steps));
+    let mut args = launch_of(n, tiny(dir, run, steps));
     args.extend(extra.iter().map(|s| s.to_string()));
     args
 }
@@ -44,16 +51,10 @@ fn run(args: &[String]) -> crate::support::Run {
 
 /// `kiln launch` of 2 ranks resuming `job` with `change`.
 fn resume_job(job: &Path, change: &str) -> crate::support::Run {
-    run(&[
-        "launch".into(),
-        "--nproc-per-node".into(),
-        "2".into(),
-        "--master-port".into(),
-        free_port(),
-        "resume".into(),
-        job.display().to_string(),
-        change.into(),
-    ])
+    run(&launch_of(
+        2,
+        ["resume".into(), job.display().to_string(), change.into()],
+    ))
 }
 
 /// The largest difference between two checkpoints' weights, but for the
@@ -592,9 +593,9 @@ fn bad_launches_exit_2_with_the_reason() {
     ]))
     .expect_code(2)
     .stderr_has(&[&format!("port {port} is in use")]);
-    run(&["launch".into(), "cv".into()])
+    run(&["launch".into(), "predict".into()])
         .expect_code(2)
-        .stderr_has(&["cross-validation"]);
+        .stderr_has(&["runs `train`, `cv`, `resume` or `bench lm` on every rank, not `predict`"]);
     // Under torchrun's --max-restarts a run.dir with {time} would name a
     // new folder each attempt: refused before anything trains.
     let mut timed = train.clone();
@@ -621,26 +622,28 @@ fn bad_launches_exit_2_with_the_reason() {
         record["timestamp"].as_u64().is_some_and(|t| t > 0),
         "{record}"
     );
-    // The encoder's cross-validation on a rank (a job of one): its refusal,
-    // and the launcher's word that the input was bad, not a crash to
-    // resume from.
-    let mut nli = with(&[
-        "launch",
-        "--nproc-per-node",
-        "1",
-        "--master-port",
-        &free_port(),
-    ]);
-    nli.push("experiment=nli_snli".into());
-    run(&nli).expect_code(2).stderr_has(&[
-        "(this job has 1 rank)",
+    // Bad input on a rank (a job of one's cross-validation of pairs that
+    // are not there): its error, and the launcher's word that the input
+    // was bad, not a crash to resume from.
+    let missing = dir.join("no-such-pairs.jsonl");
+    run(&launch_of(
+        1,
+        [
+            "cv".into(),
+            "hardware=cpu".into(),
+            format!("data.path={}", missing.display()),
+        ],
+    ))
+    .expect_code(2)
+    .stderr_has(&[
+        "no-such-pairs.jsonl",
         "bad input (exit 2); fix what it names first",
     ]);
     // Restarts resume a run: not a bench, and on several nodes only a
     // folder every node names alike.
     run(&["launch", "--max-restarts", "1", "bench", "lm"].map(String::from))
         .expect_code(2)
-        .stderr_has(&["restarts `train` and `resume`, not `bench`"]);
+        .stderr_has(&["restarts `train`, `cv` and `resume`, not `bench`"]);
     let mut timed = with(&["launch", "--max-restarts", "1", "--nnodes", "2"]);
     timed.push("run.dir=runs/{time}".into());
     run(&timed)
@@ -862,24 +865,20 @@ fn a_job_on_documents_has_rank_0_prepare_them_and_the_others_read_them() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let docs = crate::store::documents(dir).join("speeches.jsonl");
-    let mut args = vec![
-        "launch".to_string(),
-        "--nproc-per-node".into(),
-        "2".into(),
-        "--master-port".into(),
-        free_port(),
-    ];
-    args.extend(crate::store::tiny_on(
-        dir,
-        "job",
-        20,
-        &docs,
-        &[
-            "data.tokenizer=gpt2",
-            "model.max_length=16",
-            "training.batch_size=4",
-        ],
-    ));
+    let args = launch_of(
+        2,
+        crate::store::tiny_on(
+            dir,
+            "job",
+            20,
+            &docs,
+            &[
+                "data.tokenizer=gpt2",
+                "model.max_length=16",
+                "training.batch_size=4",
+            ],
+        ),
+    );
     run(&args)
         .expect_code(0)
         .stdout_has(&["preparing them into the token store", "vocabulary 50257"]);
@@ -892,4 +891,119 @@ fn a_job_on_documents_has_rank_0_prepare_them_and_the_others_read_them() {
         .count();
     assert_eq!(stores, 1, "one store, written once");
     assert!(ckpt(&dir.join("job"), 20).exists());
+}
+
+/// `kiln launch … cv`: the ranks share each fold's batches. Two ranks of 4
+/// pairs train every fold as one process of 8 does (to rounding), and rank
+/// 0 alone writes; a job stopped in its second fold (a SIGTERM, a rank
+/// killed under --max-restarts) resumes there on its two ranks and ends
+/// with the uninterrupted job's summary; a resume on another number of
+/// ranks is refused.
+#[test]
+fn a_cross_validation_job_shares_each_folds_batches_and_resumes_on_its_ranks() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    // 120 training pairs a fold: 15 whole batches of 8 an epoch.
+    let cv = |run: &str, epochs: u32, batch: usize| {
+        let mut args = crate::nli::tiny(dir, run, epochs);
+        args.extend([
+            "model.dropout=0".to_string(),
+            "model.attention_dropout=0".into(),
+            format!("training.batch_size={batch}"),
+        ]);
+        args
+    };
+    let job = |run: &str, epochs: u32| launch_of(2, cv(run, epochs, 4));
+    // The same batches, summed in another order: within rounding after 180
+    // steps (1.2e-7, measured; these tiny folds drift apart later, 6e-3
+    // after 900 steps).
+    let epochs = 12;
+    run(&cv("one", epochs, 8)).expect_code(0);
+    run(&job("two", epochs)).expect_code(0).stdout_has(&[
+        "the gradients of the 2 ranks are reduced",
+        "accumulation 1 × 2 ranks → 8 pairs per optimizer step; 15 steps per epoch",
+        "fold 3 result",
+    ]);
+    let (one, two) = (dir.join("one"), dir.join("two"));
+    let last = epochs * 15;
+    for fold in 1..=3 {
+        let at = |run: &Path| ckpt(&run.join(format!("fold-{fold}")), last);
+        let diff = max_abs_diff(&at(&one), &at(&two));
+        assert!(diff < 1e-5, "fold {fold}: weights differ by {diff}");
+    }
+    let (a, b) = (crate::nli::summary(&one), crate::nli::summary(&two));
+    for (x, y) in a["folds"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .zip(b["folds"].as_array().into_iter().flatten())
+    {
+        let loss = |f: &serde_json::Value| f["val_loss"].as_f64().expect("val_loss");
+        assert!((loss(x) - loss(y)).abs() < 1e-5, "{x} against {y}");
+        assert_eq!(x["world_size"], 1);
+        assert_eq!(y["world_size"], 2);
+    }
+    // Rank 0 alone wrote: nothing besides the named runs.
+    let mut entries: Vec<String> = std::fs::read_dir(dir)
+        .expect("dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    entries.sort();
+    assert_eq!(entries, ["one", "pairs.jsonl", "two"]);
+
+    // Stopped in its second fold, as a scheduler's SIGTERM stops it, and
+    // resumed: the job it would have been, bit for bit. The folds are
+    // longer, so that the stop comes before the fold ends.
+    let epochs = 60;
+    run(&job("whole", epochs)).expect_code(0);
+    let stopped = dir.join("stopped");
+    let launcher = start_until(&job("stopped", epochs), &ckpt(&stopped.join("fold-2"), 20));
+    signal(launcher.id(), "-TERM");
+    let stdout = interrupted_stdout(launcher.wait_with_output().expect("launcher ends"));
+    assert_eq!(
+        stdout.matches("interrupted after step").count(),
+        1,
+        "{stdout}"
+    );
+    assert!(
+        !stopped.join("fold-2/result.json").exists(),
+        "fold 2 finished before the stop: make it longer"
+    );
+    let stopped_arg = stopped.to_str().expect("utf-8");
+    kiln(&["resume", stopped_arg])
+        .run()
+        .expect_code(2)
+        .stderr_has(&[
+            "fold 1 of the cross-validation trained on 2 ranks",
+            &format!("kiln launch --nproc-per-node 2 resume {stopped_arg}"),
+        ]);
+    // Resumed as torchrun's --max-restarts starts it again: the same
+    // `kiln cv`, its attempt counted (`kiln launch … resume RUN` by hand).
+    let again = job("stopped", epochs);
+    let again: Vec<&str> = again.iter().map(String::as_str).collect();
+    kiln(&again)
+        .env("TORCHELASTIC_MAX_RESTARTS", "3")
+        .env("TORCHELASTIC_RESTART_COUNT", "1")
+        .run()
+        .expect_code(0)
+        .stdout_has(&["fold 1/3: done before, kept", "fold 2: resuming from step"])
+        .stderr_has(&["torchrun's restart 1 of 3: resuming"]);
+    let whole = crate::nli::summary(&dir.join("whole"));
+    assert_eq!(crate::nli::summary(&stopped), whole);
+    // A rank killed in fold 2 under --max-restarts: every rank resumes
+    // there, the finished fold kept.
+    let restarted = dir.join("restarted");
+    let mut args = job("restarted", epochs);
+    args.splice(1..1, ["--max-restarts".to_string(), "1".into()]);
+    let launcher = start_until(&args, &ckpt(&restarted.join("fold-2"), 20));
+    signal(rank_pid(launcher.id(), 1).expect("rank 1 runs"), "-KILL");
+    let out = launcher.wait_with_output().expect("launcher ends");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("restart 1 of 1: every rank resumes")
+            && stderr.contains("from fold 2's checkpoint of step"),
+        "{stderr}"
+    );
+    assert_eq!(crate::nli::summary(&restarted), whole);
 }

@@ -67,7 +67,7 @@ fn run_kiln(args: &[String]) -> crate::support::Run {
     kiln(&refs).run()
 }
 
-fn summary(run: &Path) -> serde_json::Value {
+pub(crate) fn summary(run: &Path) -> serde_json::Value {
     let text = std::fs::read_to_string(run.join("cv_summary.json")).expect("cv_summary.json");
     let mut v: serde_json::Value = serde_json::from_str(&text).expect("json");
     // Timings differ between runs; the scores must not.

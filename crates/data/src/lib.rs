@@ -12,7 +12,9 @@
 //! - [`read_corpus`] and [`encode_cached`]: a UTF-8 corpus encoded once, in
 //!   parallel, into a cache keyed by the corpus hash and the tokenizer.
 //! - [`LmWindows`]: nanoGPT's random windows, batch `k` drawn from its own
-//!   seeded RNG so that the sequence does not depend on who draws it.
+//!   seeded RNG so that the sequence does not depend on who draws it;
+//!   [`PairBatches`]: sentence pairs padded per batch. Each one's `share`
+//!   is a data-parallel rank's part of every batch.
 //! - [`Loader`]: N worker threads with bounded prefetch, the same batches in
 //!   the same order whatever N, and the wait for each batch measured;
 //!   [`benchmark_loader`] times it alone.

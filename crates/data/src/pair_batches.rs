@@ -103,6 +103,8 @@ pub struct PairBatches {
     batch_size: usize,
     seed: u64,
     bucket: bool,
+    /// This rank's share of every batch: (rank, world); (0, 1) alone.
+    share: (usize, usize),
     /// The plans of the last two epochs asked for: every batch of an epoch
     /// reads its plan, so it is shuffled once, not once per batch (two, for
     /// workers on either side of an epoch boundary).
@@ -140,8 +142,37 @@ impl PairBatches {
             batch_size,
             seed,
             bucket,
+            share: (0, 1),
             plans: Arc::new(Mutex::new(Vec::new())),
         })
+    }
+
+    /// Rank `rank`'s share of every batch in a data-parallel job of `world`
+    /// ranks, as PyTorch's `DistributedSampler` shares an epoch: batch `k`
+    /// of the `batch_size` pairs this was made with (a multiple of `world`)
+    /// is cut into `world` equal shares, rank `r` taking the `r`-th. The
+    /// last batch of an epoch, where smaller, is first made up to a
+    /// multiple of `world` with the epoch's first pairs again (fewer than
+    /// `world` of them), so that every rank trains on as many pairs as the
+    /// others and the mean of the ranks' losses is the batch's. So `world`
+    /// ranks of `batch_size / world` pairs train on the batches one process
+    /// of `batch_size` pairs would, in the same order.
+    ///
+    /// # Errors
+    /// [`DataError::InvalidArgument`] where `rank` is not below `world`,
+    /// or the batch does not split evenly.
+    pub fn share(mut self, rank: usize, world: usize) -> Result<Self, DataError> {
+        if world == 0 || rank >= world || !self.batch_size.is_multiple_of(world) {
+            return Err(DataError::InvalidArgument {
+                what: "a rank's share",
+                why: format!(
+                    "rank {rank} of {world}: the batch of {} pairs must split evenly",
+                    self.batch_size
+                ),
+            });
+        }
+        self.share = (rank, world);
+        Ok(self)
     }
 
     /// Batches per pass over the pairs (the last one may be smaller).
@@ -198,10 +229,21 @@ impl BatchSource for PairBatches {
         let b = plan.batches[(index % per_epoch) as usize];
         let start = b * self.batch_size;
         let end = (start + self.batch_size).min(plan.order.len());
-        let picked: Vec<&EncodedPair> = plan.order[start..end]
-            .iter()
-            .map(|&i| &self.pairs[i])
-            .collect();
+        let mut rows = &plan.order[start..end];
+        let made_up: Vec<usize>;
+        let (rank, world) = self.share;
+        if world > 1 {
+            // DistributedSampler's padding: the epoch's first pairs again.
+            let short = rows.len().next_multiple_of(world) - rows.len();
+            made_up = rows
+                .iter()
+                .chain(plan.order.iter().cycle().take(short))
+                .copied()
+                .collect();
+            let each = made_up.len() / world;
+            rows = &made_up[rank * each..(rank + 1) * each];
+        }
+        let picked: Vec<&EncodedPair> = rows.iter().map(|&i| &self.pairs[i]).collect();
         Ok(pad_batch(index, &picked))
     }
 }
@@ -269,6 +311,59 @@ mod tests {
         assert!(
             err.to_string().contains("batch_size must be at least 1"),
             "{err}"
+        );
+    }
+
+    /// Two ranks' shares of every batch are the batch one process draws
+    /// (the epoch's last, of 23 mod 8 = 7 pairs, made up to 8 with the
+    /// epoch's first pair), each rank as many pairs as the other.
+    #[test]
+    fn ranks_share_each_batch_one_process_draws() {
+        for bucket in [false, true] {
+            let one = PairBatches::new(pairs(23), 8, 5, bucket).expect("batches");
+            let shares: Vec<PairBatches> = (0..2)
+                .map(|r| one.clone().share(r, 2).expect("share"))
+                .collect();
+            let key = |p: (&[u32], usize)| (p.0.to_vec(), p.1);
+            let rows = |b: &PairBatch| -> Vec<(Vec<u32>, usize)> {
+                (0..b.batch_size)
+                    .map(|r| {
+                        let row = &b.ids[r * b.seq_len..(r + 1) * b.seq_len];
+                        let n = b.mask[r * b.seq_len..(r + 1) * b.seq_len]
+                            .iter()
+                            .filter(|m| **m)
+                            .count();
+                        key((&row[..n], b.labels[r]))
+                    })
+                    .collect()
+            };
+            let mut short = 0;
+            for k in 0..6 {
+                let whole = rows(&one.batch(k).expect("batch"));
+                let parts: Vec<PairBatch> = shares
+                    .iter()
+                    .map(|s| s.batch(k).expect("share's batch"))
+                    .collect();
+                assert_eq!(parts[0].batch_size, parts[1].batch_size, "batch {k}");
+                let joined: Vec<_> = parts.iter().flat_map(rows).collect();
+                if whole.len() == 8 {
+                    assert_eq!(joined, whole, "batch {k}, bucketed {bucket}");
+                } else {
+                    short += 1;
+                    assert_eq!(whole.len(), 7);
+                    assert_eq!(joined[..7], whole[..], "batch {k}");
+                    let order = &one.plan(k / 3).order;
+                    let first = &one.pairs[order[0]];
+                    assert_eq!(joined[7], key((&first.ids, first.label)));
+                }
+            }
+            assert_eq!(short, 2, "one short batch an epoch");
+        }
+        assert!(
+            PairBatches::new(pairs(23), 8, 5, false)
+                .expect("batches")
+                .share(0, 3)
+                .is_err()
         );
     }
 

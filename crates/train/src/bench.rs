@@ -554,7 +554,7 @@ pub fn bench_loader(config: &RunConfig, batches: usize) -> Result<LoaderBenchRes
         }
         Workload::Nli => {
             let pairs = nli::read(config)?;
-            let prepared = nli::prepare(config, &pairs, 0, None)?;
+            let prepared = nli::prepare(config, &pairs, 0, None, (0, 1))?;
             (
                 "nli",
                 loader_rows(prepared.train, &settings, batches, batch)?,
@@ -728,7 +728,7 @@ pub(crate) fn nli_first_fold(
     (pad_to, pretrained): (Option<usize>, bool),
 ) -> Result<(nli::Prepared, kiln_model::EncoderClassifier, nli::NliTask), TrainError> {
     let pairs = nli::read(config)?;
-    let prepared = nli::prepare(config, &pairs, 0, None)?;
+    let prepared = nli::prepare(config, &pairs, 0, None, (0, 1))?;
     let encoder = &prepared.encoder;
     let mut model = init_model(config, device, prepared.seed, |d| encoder.init(d));
     if pretrained && let Some(bert) = crate::pretrained::bert::open(config)? {

@@ -297,7 +297,7 @@ fn measure(config: &RunConfig) -> Result<Measured, TrainError> {
             if init_from.is_some() {
                 usable.model.init_from = None;
             }
-            let p = nli::prepare(&usable, &pairs, 0, None)?;
+            let p = nli::prepare(&usable, &pairs, 0, None, (0, 1))?;
             let data = &pairs.data;
             // Lengths before truncation: a vocabulary without a length limit.
             let texts = || {

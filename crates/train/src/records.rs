@@ -246,6 +246,14 @@ pub struct FoldResult {
     pub majority_baseline: f64,
     /// Median training throughput of the fold.
     pub median_samples_per_s: f64,
+    /// The ranks of the data-parallel job that trained it (1: one
+    /// process); a run written before kiln recorded it trained in one.
+    #[serde(default = "one_rank")]
+    pub world_size: u64,
+}
+
+fn one_rank() -> u64 {
+    1
 }
 
 /// The cross-validation summary (`cv_summary.json`).

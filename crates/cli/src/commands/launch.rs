@@ -2,7 +2,7 @@
 //! torchrun starts them (the same variables, so `torchrun --no-python kiln
 //! train …` and Slurm's `srun kiln train …` start the same ranks).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,8 +37,8 @@ pub(crate) struct Args {
     /// as torchrun's --max-restarts (`train` and `resume`)
     #[arg(long, value_name = "N", default_value_t = 0)]
     max_restarts: u32,
-    /// What every rank runs: `train [key=value ...]`, `resume RUN [key=value
-    /// ...]` or `bench lm [--json] [key=value ...]`
+    /// What every rank runs: `train [key=value ...]`, `cv [key=value ...]`,
+    /// `resume RUN [key=value ...]` or `bench lm [--json] [key=value ...]`
     #[arg(
         value_name = "COMMAND",
         required = true,
@@ -48,7 +48,7 @@ pub(crate) struct Args {
     command: Vec<String>,
 }
 
-/// `kiln launch … train|resume|bench lm …`. One rank on one machine as
+/// `kiln launch … train|cv|resume|bench lm …`. One rank on one machine as
 /// planned (the default where there is one GPU, or none) runs `single`
 /// with the command's arguments, in this process; `--nproc-per-node 1`
 /// starts a job of one rank.
@@ -58,7 +58,7 @@ pub(crate) fn run(
     single: impl FnOnce(Vec<String>) -> anyhow::Result<ExitCode>,
 ) -> anyhow::Result<ExitCode> {
     match args.command.first().map(String::as_str) {
-        Some("train" | "resume") => {}
+        Some("train" | "cv" | "resume") => {}
         Some("bench") => {
             // Every rank times the language model's step; the other
             // benches are one process's.
@@ -72,15 +72,9 @@ pub(crate) fn run(
                 .into());
             }
         }
-        Some("cv") => {
-            return Err(BadInput(
-                "`kiln launch … cv`: cross-validation trains in one process so far; run `kiln cv` without a launcher".into(),
-            )
-            .into());
-        }
         other => {
             return Err(BadInput(format!(
-                "`kiln launch` runs `train`, `resume` or `bench lm` on every rank, not `{}`",
+                "`kiln launch` runs `train`, `cv`, `resume` or `bench lm` on every rank, not `{}`",
                 other.unwrap_or("")
             ))
             .into());
@@ -201,7 +195,7 @@ pub(crate) fn run(
                 Ok((step, resume)) => {
                     restarts += 1;
                     eprintln!(
-                        "kiln launch: {failed}; restart {restarts} of {}: every rank resumes `{}` from its checkpoint of step {step}",
+                        "kiln launch: {failed}; restart {restarts} of {}: every rank resumes `{}` from {step}",
                         args.max_restarts,
                         r.run.display()
                     );
@@ -266,7 +260,7 @@ struct ResumeLine {
 }
 
 impl Restart {
-    /// For `train`: the run directory its `run.dir` template names now
+    /// For `train` and `cv`: the run directory its `run.dir` template names now
     /// (the ranks get it as `run.dir=…`, so that the launcher knows what
     /// to resume); for `resume RUN`: RUN, resumed the same way again
     /// (without `--from`, which would go back again). A template with
@@ -275,9 +269,9 @@ impl Restart {
     fn plan(command: &mut Vec<String>, ctx: &Context, nnodes: usize) -> anyhow::Result<Self> {
         let bad = |e: clap::Error| BadInput(format!("`kiln launch … {}`: {e}", command[0]));
         match command[0].as_str() {
-            "train" => {
+            name @ ("train" | "cv") => {
                 let line = TrainLine::try_parse_from(&command[1..]).map_err(bad)?;
-                let resolved = ctx.resolve(&line.args.layers)?;
+                let resolved = super::train::resolve_for(name, line.args.layers, ctx)?;
                 let template = &resolved.config.run_dir_template();
                 if nnodes > 1 && template.contains("{time}") {
                     return Err(BadInput(format!(
@@ -304,7 +298,7 @@ impl Restart {
                 Ok(Self { run, resume })
             }
             other => Err(BadInput(format!(
-                "`kiln launch --max-restarts` resumes a run from its last checkpoint: it restarts `train` and `resume`, not `{other}`"
+                "`kiln launch --max-restarts` resumes a run from its last checkpoint: it restarts `train`, `cv` and `resume`, not `{other}`"
             ))
             .into()),
         }
@@ -319,7 +313,7 @@ impl Restart {
         done: u32,
         max: u32,
         stopping: bool,
-    ) -> Result<(u64, Vec<String>), String> {
+    ) -> Result<(String, Vec<String>), String> {
         if stopping {
             return Err("the job was asked to stop".into());
         }
@@ -334,14 +328,40 @@ impl Restart {
                 kiln_train::counted(max, "time")
             ));
         }
-        let checkpoints = self.run.join("checkpoints");
-        match kiln_train::latest_good_checkpoint(&checkpoints) {
-            Ok((info, _)) => Ok((info.step, self.resume.clone())),
-            Err(e) => Err(format!(
-                "nothing to resume from in `{}` ({e}); checkpoint.every_steps sets how often a run saves one",
-                checkpoints.display()
-            )),
-        }
+        resume_point(&self.run).map(|from| (from, self.resume.clone()))
+    }
+}
+
+/// Where a resume of `run` continues, as the restart's line says it
+/// ("its checkpoint of step 600"; a cross-validation's: "fold 2's
+/// checkpoint of step 20", or "fold 3's start" after two finished folds),
+/// or why there is nothing to resume.
+fn resume_point(run: &Path) -> Result<String, String> {
+    let nothing = |checkpoints: &Path, e: kiln_train::TrainError| {
+        format!(
+            "nothing to resume from in `{}` ({e}); checkpoint.every_steps sets how often a run saves one",
+            checkpoints.display()
+        )
+    };
+    if !run.join("folds.json").is_file() {
+        let checkpoints = run.join("checkpoints");
+        return kiln_train::latest_good_checkpoint(&checkpoints)
+            .map(|(info, _)| format!("its checkpoint of step {}", info.step))
+            .map_err(|e| nothing(&checkpoints, e));
+    }
+    // A cross-validation: its folds in turn, the finished ones kept.
+    let mut fold = 1;
+    while run.join(format!("fold-{fold}/result.json")).is_file() {
+        fold += 1;
+    }
+    let checkpoints = run.join(format!("fold-{fold}/checkpoints"));
+    match kiln_train::latest_good_checkpoint(&checkpoints) {
+        Ok((info, _)) => Ok(format!("fold {fold}'s checkpoint of step {}", info.step)),
+        Err(_) if fold > 1 => Ok(format!(
+            "fold {fold}'s start ({} finished)",
+            kiln_train::counted(fold - 1, "fold")
+        )),
+        Err(e) => Err(nothing(&checkpoints, e)),
     }
 }
 

@@ -147,9 +147,7 @@ fn run_command(command: &'static str, args: TrainArgs, ctx: Context) -> anyhow::
         return super::sweep::run(&start, &ctx);
     }
     let resolved = resolve_for(command, args.layers, &ctx)?;
-    if command == "train"
-        && let Some(run) = torchrun_restart(&resolved, &kiln_train::kiln_dist::process_env())?
-    {
+    if let Some(run) = torchrun_restart(&resolved, &kiln_train::kiln_dist::process_env())? {
         let resume_args = ResumeArgs {
             run,
             from: None,
@@ -163,7 +161,7 @@ fn run_command(command: &'static str, args: TrainArgs, ctx: Context) -> anyhow::
 }
 
 /// Under torchrun's `--max-restarts`, which starts the same `kiln train`
-/// again after a rank failed (`TORCHELASTIC_RESTART_COUNT` ≥ 1): the run
+/// (or `kiln cv`) again after a rank failed (`TORCHELASTIC_RESTART_COUNT` ≥ 1): the run
 /// the attempts before it started, to resume from its last good
 /// checkpoint, as `kiln launch --max-restarts` resumes, where training
 /// again would begin at step 0 (or be refused, the folder holding a run).

@@ -507,7 +507,7 @@ pub(crate) fn collectives(
 }
 
 /// [`collectives`] of a job's rank, told to `observer`; nothing alone.
-fn note_collectives(
+pub(crate) fn note_collectives(
     device: &DeviceChoice,
     config: &RunConfig,
     options: &TrainOptions,

@@ -30,6 +30,7 @@ use crate::setup::{
 use crate::task::{Evaluation, StopAsked, Task, Work};
 use crate::trainer::{EarlyStopping, LoopEnd, LoopPlan, LoopPlanStart, restore, run_loop};
 use crate::translate::{encoder_config, kernels, schema};
+use crate::workload::lm;
 use crate::{DeviceChoice, Outcome, RunDir, TrainError, TrainOptions, open_device, select_device};
 
 /// The pairs of an NLI run and their fold assignment, read once per run.
@@ -117,12 +118,15 @@ pub(crate) struct Prepared {
 /// Prepares fold `fold` (0-based) of `pairs`: the tokenizer learns from the
 /// fold's training pairs only (or is `data.tokenizer_file`, or the BERT
 /// folder's of `model.init_from`); with `tokenizer_at`, a tokenizer saved
-/// there is used, and a new one saved.
+/// there is used, and a new one saved. `share` is (rank, world) of a
+/// data-parallel job, (0, 1) alone: its training batches are the rank's
+/// share of `training.batch_size × world` pairs.
 pub(crate) fn prepare(
     config: &RunConfig,
     pairs: &Pairs,
     fold: usize,
     tokenizer_at: Option<&Path>,
+    (rank, world): (usize, usize),
 ) -> Result<Prepared, TrainError> {
     let data = &pairs.data;
     let t = &config.training;
@@ -178,12 +182,15 @@ pub(crate) fn prepare(
     let mean_length =
         train_set.iter().map(|p| p.ids.len()).sum::<usize>() as f64 / train_set.len().max(1) as f64;
     let seed = t.seed.wrapping_add(fold as u64);
-    let train = Arc::new(PairBatches::new(
-        train_set,
-        t.batch_size,
-        seed,
-        config.loader.bucket_by_length,
-    )?);
+    let train = Arc::new(
+        PairBatches::new(
+            train_set,
+            t.batch_size * world,
+            seed,
+            config.loader.bucket_by_length,
+        )?
+        .share(rank, world)?,
+    );
     Ok(Prepared {
         schedule: Schedule::new(t, train.batches_per_epoch()),
         encoder: encoder_config(config, tokenizer.vocab_size()),
@@ -409,31 +416,88 @@ pub(crate) fn train_cv(
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
-    refuse_ranks(options)?;
-    let device = open_device(config, options.hardware.gpu_vendor())?;
+    let device = open_rank_device(config, options, observer)?;
     let pairs = read(config)?;
     // The weights `model.init_from` names and the attention asked for are
     // checked before anything is written.
     crate::pretrained::bert::open(config)?;
     check_attention(config, &device, options)?;
-    let run = RunDir::start(config, options)?;
+    let run = if options.writes() {
+        RunDir::start(config, options)?
+    } else {
+        RunDir::elsewhere()
+    };
     let _lock = run.lock()?;
     run_cv(config, &run, &device, &pairs, options, observer)
 }
 
-/// Cross-validation trains its folds in one process: data parallelism is
-/// the language model's so far.
-fn refuse_ranks(options: &TrainOptions) -> Result<(), TrainError> {
-    match &options.group {
-        Some(g) => Err(TrainError::Unsupported(
-            "cross-validation under `kiln launch`",
-            format!(
-                "the nli workload trains in one process (this job has {}); run `kiln cv` without a launcher, or train the language model with `kiln launch … train`",
-                kiln_plan::counted(g.world_size(), "rank")
-            ),
-        )),
-        None => Ok(()),
+/// The device of this process: in a data-parallel job (`kiln launch … cv`)
+/// the rank's GPU, with the collectives that reduce the ranks' gradients
+/// told to `observer`, as the language model's ranks do.
+fn open_rank_device(
+    config: &RunConfig,
+    options: &TrainOptions,
+    observer: &mut dyn Observer,
+) -> Result<DeviceChoice, TrainError> {
+    let rank_config = lm::on_rank_device(config, options.group.as_deref(), &options.hardware);
+    let device = open_device(&rank_config, options.hardware.gpu_vendor())?;
+    lm::note_collectives(&device, &rank_config, options, observer)?;
+    Ok(device)
+}
+
+/// (rank, world) of this process: (0, 1) alone.
+fn share_of(options: &TrainOptions) -> (usize, usize) {
+    options
+        .group
+        .as_ref()
+        .map_or((0, 1), |g| (g.rank(), g.world_size()))
+}
+
+/// A cross-validation's folds train as its first did, their results
+/// compared: on as many ranks (each fold's batches are shared by them). A
+/// resume on another number is refused before anything changes, naming
+/// the fold that trained on the run's.
+fn check_cv_world(run: &RunDir, k: usize, world: usize) -> Result<(), TrainError> {
+    let ranks = |n: u64| kiln_plan::counted(n as usize, "rank");
+    let refuse = |fold: usize, trained: u64| TrainError::WorldSize {
+        world,
+        why: format!(
+            "fold {fold} of the cross-validation trained on {} ({}), and its other folds train as it did (their scores are compared); launch {} (`kiln launch --nproc-per-node {trained} resume {}`{})",
+            ranks(trained),
+            if trained > 1 {
+                "each batch shared among them"
+            } else {
+                "one process"
+            },
+            ranks(trained),
+            run.path.display(),
+            if trained == 1 {
+                ", or `kiln resume` without a launcher"
+            } else {
+                ""
+            }
+        ),
+    };
+    for fold in 1..=k {
+        let dir = run.sub(&format!("fold-{fold}"));
+        if let Some(result) = std::fs::read_to_string(dir.file("result.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<FoldResult>(&t).ok())
+        {
+            if result.world_size != world as u64 {
+                return Err(refuse(fold, result.world_size));
+            }
+            continue;
+        }
+        // The fold it stopped in: its checkpoint's world, if it has one.
+        if let Ok((_, state, _)) = checkpoint::latest_good(&dir.checkpoints())
+            && state.world_size.max(1) != world as u64
+        {
+            return Err(refuse(fold, state.world_size.max(1)));
+        }
+        break;
     }
+    Ok(())
 }
 
 /// Continues a CV run: finished folds are kept, the stopped one resumes from
@@ -444,13 +508,13 @@ pub(crate) fn resume_cv(
     options: &TrainOptions,
     observer: &mut dyn Observer,
 ) -> Result<Outcome, TrainError> {
-    refuse_ranks(options)?;
     let config = &resumed.config;
+    check_cv_world(run, config.cv.folds, options.world_size())?;
     observer.event(&Event::Note(format!(
         "resuming cross-validation run `{}`",
         run.path.display()
     )));
-    let device = open_device(config, options.hardware.gpu_vendor())?;
+    let device = open_rank_device(config, options, observer)?;
     let pairs = read(config)?;
     check_attention(config, &device, options)?;
     // Everything that can refuse the resume has run: the run takes the
@@ -526,12 +590,16 @@ fn run_cv(
             results.push(result);
             continue;
         }
-        std::fs::create_dir_all(dir.checkpoints()).map_err(|source| TrainError::Write {
-            path: dir.path.clone(),
-            source,
-        })?;
+        if dir.writes() {
+            std::fs::create_dir_all(dir.checkpoints()).map_err(|source| TrainError::Write {
+                path: dir.path.clone(),
+                source,
+            })?;
+        }
         match train_fold(config, &dir, device, pairs, fold, options, observer)? {
-            FoldEnd::Done(result) => {
+            // A job's other ranks: rank 0 reads the fold's records.
+            FoldEnd::Done(None) => {}
+            FoldEnd::Done(Some(result)) => {
                 dir.write(
                     "result.json",
                     &serde_json::to_string_pretty(&result).unwrap_or_default(),
@@ -572,10 +640,21 @@ fn run_cv(
         median_samples_per_s: median(&mut speeds),
         wall_s: started.elapsed().as_secs_f64(),
     };
+    if !run.writes() {
+        // A job's other ranks: rank 0's summary, which it alone can read.
+        return cv_summary_from_root(run, options, &summary);
+    }
     run.write(
         "cv_summary.json",
         &serde_json::to_string_pretty(&summary).unwrap_or_default(),
     )?;
+    if let Some(group) = &options.group {
+        group.all_gather(
+            serde_json::to_string(&summary)
+                .unwrap_or_default()
+                .as_bytes(),
+        )?;
+    }
     let curves: Vec<Vec<(u64, f64)>> = summary
         .folds
         .iter()
@@ -599,9 +678,36 @@ fn run_cv(
     })
 }
 
+/// What a job's rank other than 0 returns: the summary rank 0 made from
+/// the folds' records (which it alone writes), sent to every rank.
+fn cv_summary_from_root(
+    run: &RunDir,
+    options: &TrainOptions,
+    mine: &CvSummary,
+) -> Result<Outcome, TrainError> {
+    let summary = match &options.group {
+        Some(group) => {
+            let all = group.all_gather(&[])?;
+            serde_json::from_slice(&all[0]).map_err(|e| TrainError::NotARun {
+                path: run.path.clone(),
+                why: format!("rank 0's cross-validation summary does not read back: {e}"),
+            })?
+        }
+        None => mine.clone(),
+    };
+    Ok(Outcome::CvFinished {
+        run: run.path.clone(),
+        summary,
+    })
+}
+
 enum FoldEnd {
-    Done(Box<FoldResult>),
-    Interrupted { step: u64, checkpoint: PathBuf },
+    /// The fold's result: `None` on a job's ranks other than 0.
+    Done(Option<Box<FoldResult>>),
+    Interrupted {
+        step: u64,
+        checkpoint: PathBuf,
+    },
 }
 
 fn train_fold(
@@ -614,7 +720,11 @@ fn train_fold(
     observer: &mut dyn Observer,
 ) -> Result<FoldEnd, TrainError> {
     let t = &config.training;
-    let p = prepare(config, pairs, fold, Some(&dir.file("tokenizer.json")))?;
+    // A job's other ranks read the fold's tokenizer where rank 0 saved it
+    // (a resume), and otherwise learn the same one, saving nothing.
+    let saved_tokenizer = dir.file("tokenizer.json");
+    let tokenizer_at = (dir.writes() || saved_tokenizer.is_file()).then_some(&*saved_tokenizer);
+    let p = prepare(config, pairs, fold, tokenizer_at, share_of(options))?;
     let encoder = &p.encoder;
     let train_device = train_device(config, &device.device, p.seed);
     let precision = run_precision(config, device, &options.hardware);
@@ -625,7 +735,7 @@ fn train_fold(
         Err(_) => init_model(config, &train_device, p.seed, |d| encoder.init(d)),
     };
     let mut weights_note = None;
-    let mut optim = AdamW::for_run(config, &model, None);
+    let mut optim = AdamW::for_run(config, &model, options.group.as_deref());
     let mut start = LoopPlanStart {
         first_step: 1,
         ..LoopPlanStart::default()
@@ -668,7 +778,14 @@ fn train_fold(
         .with_kernels(kernels(config))
         .with_attention(crate::translate::attention(config));
     let patience = (config.cv.patience > 0).then_some(config.cv.patience);
-    let stopping = EarlyStopping::from_records(patience, &dir.records());
+    // Only the records up to the step it starts from: on a job's other
+    // ranks, rank 0 may not yet have cut those after it.
+    let records: Vec<Record> = dir
+        .records()
+        .into_iter()
+        .filter(|r| r.step() < start.first_step)
+        .collect();
+    let stopping = EarlyStopping::from_records(patience, &records);
     let (peak, peak_name) = mfu_peak(config, device, &precision, &options.hardware);
     let mut lines = vec![
         format!(
@@ -709,12 +826,14 @@ fn train_fold(
     lines.extend(device_lines(
         config, device, &precision, options, &peak_name,
     ));
+    let world = options.world_size();
     lines.push(format!(
-        "batch: {} pairs padded per batch{}, accumulation {} → {} pairs per optimizer step; {} steps per epoch",
+        "batch: {} pairs padded per batch{}, accumulation {}{} → {} pairs per optimizer step; {} steps per epoch",
         t.batch_size,
         if config.loader.bucket_by_length { ", bucketed by length" } else { "" },
         t.gradient_accumulation_steps,
-        config.effective_batch(),
+        if world > 1 { format!(" × {world} ranks") } else { String::new() },
+        config.effective_batch() * world,
         steps_text(p.schedule.steps_per_epoch())
     ));
     lines.push(schedule_line(config, &p.schedule));
@@ -756,6 +875,9 @@ fn train_fold(
         LoopEnd::EarlyStopped => true,
         LoopEnd::Finished => false,
     };
+    if !dir.writes() {
+        return Ok(FoldEnd::Done(None));
+    }
     let records = dir.records();
     // The best evaluation: the highest score, the earliest of equals.
     let best_eval = records
@@ -787,7 +909,7 @@ fn train_fold(
             _ => None,
         })
         .collect();
-    Ok(FoldEnd::Done(Box::new(FoldResult {
+    Ok(FoldEnd::Done(Some(Box::new(FoldResult {
         fold: fold + 1,
         train_pairs: p.train_pairs,
         held_out_pairs: p.held_out_pairs,
@@ -797,7 +919,8 @@ fn train_fold(
         scores: scores.clone(),
         majority_baseline: p.majority_baseline,
         median_samples_per_s: median(&mut speeds),
-    })))
+        world_size: options.world_size() as u64,
+    }))))
 }
 
 /// Steps per epoch: whole, or with one decimal.
