@@ -20,15 +20,7 @@ fn main() -> Result<(), kiln_dist::DistError> {
     let ranks: Vec<_> = (0..world)
         .map(|rank| {
             std::thread::spawn(move || -> Result<Vec<f32>, kiln_dist::DistError> {
-                let spec = WorldSpec {
-                    rank,
-                    world_size: world,
-                    local_rank: rank,
-                    local_world_size: world,
-                    master_addr: "127.0.0.1".into(),
-                    master_port: port,
-                    torchrun_store_key: None,
-                };
+                let spec = WorldSpec::local(rank, world, port);
                 let group = Group::connect(&spec, Duration::from_secs(10))?;
                 let mut values = vec![rank as f32, 10.0 * rank as f32];
                 group.all_reduce(&mut values, Reduce::Mean)?;

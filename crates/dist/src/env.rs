@@ -30,6 +30,21 @@ pub struct WorldSpec {
 }
 
 impl WorldSpec {
+    /// Rank `rank` of a job of `world` ranks all on this machine, with the
+    /// rendezvous at `127.0.0.1:port` (threads or processes of one machine:
+    /// tests, examples).
+    pub fn local(rank: usize, world: usize, port: u16) -> Self {
+        Self {
+            rank,
+            world_size: world,
+            local_rank: rank,
+            local_world_size: world,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            torchrun_store_key: None,
+        }
+    }
+
     /// The job `env` describes: torchrun's and `kiln launch`'s `RANK`,
     /// `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
     /// `MASTER_PORT`; else Slurm's `SLURM_PROCID`, `SLURM_NTASKS`,

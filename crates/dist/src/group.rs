@@ -1066,15 +1066,7 @@ mod tests {
     }
 
     fn spec(rank: usize, world: usize, port: u16) -> WorldSpec {
-        WorldSpec {
-            rank,
-            world_size: world,
-            local_rank: rank,
-            local_world_size: world,
-            master_addr: "127.0.0.1".into(),
-            master_port: port,
-            torchrun_store_key: None,
-        }
+        WorldSpec::local(rank, world, port)
     }
 
     /// Runs `f` on `world` connected ranks, threads of this process.

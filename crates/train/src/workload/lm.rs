@@ -27,7 +27,7 @@ use crate::setup::{
     device_lines, init_model, mfu_peak, run_precision, schedule_line, schedule_warnings,
     train_device,
 };
-use crate::task::{Evaluation, StopAsked, Task, Work};
+use crate::task::{Evaluation, StopAsked, Task, Work, evaluate_shared};
 use crate::trainer::{EarlyStopping, LoopEnd, LoopPlan, LoopPlanStart, restore, run_loop};
 use crate::translate::{gpt_config, kernels};
 use crate::{DeviceChoice, Outcome, RunDir, TrainError, TrainOptions, open_device, tokens};
@@ -676,23 +676,22 @@ impl Task for LmTask {
         stop: StopAsked<'_>,
     ) -> Result<Option<Evaluation>, TrainError> {
         let model = model.valid();
-        let mean = |windows: &LmWindows| -> Result<Option<f64>, TrainError> {
-            let mut total = 0.0;
-            for j in 0..self.eval_iters {
-                if stop.now()? {
-                    return Ok(None);
-                }
-                let (x, y) = batch_tensors(&windows.batch(j)?, &self.inner);
-                total += f64::from(model.loss(x, y).into_scalar::<f32>());
-            }
-            Ok(Some(total / self.eval_iters as f64))
-        };
-        let Some(train_loss) = mean(&self.eval_train)? else {
+        // The training split's batches, then the validation split's.
+        let iters = self.eval_iters as usize;
+        let losses = evaluate_shared(2 * iters, stop, |i| {
+            let (windows, j) = match i < iters {
+                true => (&self.eval_train, i),
+                false => (&self.eval_val, i - iters),
+            };
+            let (x, y) = batch_tensors(&windows.batch(j as u64)?, &self.inner);
+            Ok(vec![model.loss(x, y).into_scalar::<f32>()])
+        })?;
+        let Some(losses) = losses else {
             return Ok(None);
         };
-        let Some(val_loss) = mean(&self.eval_val)? else {
-            return Ok(None);
-        };
+        let mean =
+            |split: &[Vec<f32>]| split.iter().map(|l| f64::from(l[0])).sum::<f64>() / iters as f64;
+        let (train_loss, val_loss) = (mean(&losses[..iters]), mean(&losses[iters..]));
         Ok(Some(Evaluation {
             metrics: EvalMetrics::Lm {
                 train_loss,

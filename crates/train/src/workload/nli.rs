@@ -27,7 +27,7 @@ use crate::setup::{
     device_lines, init_model, mfu_peak, run_precision, schedule_line, schedule_warnings,
     train_device,
 };
-use crate::task::{Evaluation, StopAsked, Task, Work};
+use crate::task::{Evaluation, StopAsked, Task, Work, evaluate_shared};
 use crate::trainer::{EarlyStopping, LoopEnd, LoopPlan, LoopPlanStart, restore, run_loop};
 use crate::translate::{encoder_config, kernels, schema};
 use crate::workload::lm;
@@ -298,19 +298,27 @@ impl NliTask {
         stop: StopAsked<'_>,
     ) -> Result<Option<Predicted>, TrainError> {
         let model = model.valid();
-        let mut truth = Vec::new();
-        let mut predicted = Vec::new();
-        let mut loss_sum = 0.0;
-        for b in &self.held_out {
-            if stop.now()? {
-                return Ok(None);
-            }
+        // Each batch's loss, then its predicted classes (exact as f32s).
+        let results = evaluate_shared(self.held_out.len(), stop, |i| {
+            let b = &self.held_out[i];
             let (ids, seg, mask, labels) = pair_tensors(b, &self.inner);
             let logits = model.forward(ids, seg, mask);
             let loss: f32 = EncoderClassifier::cross_entropy(logits.clone(), labels).into_scalar();
-            loss_sum += f64::from(loss) * b.batch_size as f64;
-            let arg: Vec<i64> = logits.argmax(1).into_data().iter::<i64>().collect();
-            predicted.extend(arg.iter().map(|&a| a as usize));
+            let classes = logits.argmax(1).into_data();
+            Ok(std::iter::once(loss)
+                .chain(classes.iter::<i64>().map(|c| c as f32))
+                .collect())
+        })?;
+        let Some(results) = results else {
+            return Ok(None);
+        };
+        let mut truth = Vec::new();
+        let mut predicted = Vec::new();
+        let mut loss_sum = 0.0;
+        for (b, result) in self.held_out.iter().zip(&results) {
+            let (loss, classes) = result.split_first().unwrap_or((&f32::NAN, &[]));
+            loss_sum += f64::from(*loss) * b.batch_size as f64;
+            predicted.extend(classes.iter().map(|&c| c as usize));
             truth.extend(b.labels.iter().copied());
         }
         let n = truth.len().max(1) as f64;
