@@ -926,6 +926,16 @@ fn a_cross_validation_job_shares_each_folds_batches_and_resumes_on_its_ranks() {
     ]);
     let (one, two) = (dir.join("one"), dir.join("two"));
     let last = epochs * 15;
+    // `kiln diagnose --ranks 2` plans the job's steps (the global batch's).
+    let planned = crate::train::predicted_steps_with(
+        &cv("planned", epochs, 4),
+        &["--ranks", "2", "experiment=nli_snli"],
+    );
+    assert_eq!(planned, u64::from(last));
+    assert_eq!(
+        crate::train::last_step(&two.join("fold-1/metrics.jsonl")),
+        u64::from(last)
+    );
     for fold in 1..=3 {
         let at = |run: &Path| ckpt(&run.join(format!("fold-{fold}")), last);
         let diff = max_abs_diff(&at(&one), &at(&two));

@@ -882,7 +882,13 @@ pub(crate) fn last_step(metrics: &Path) -> u64 {
 
 /// `kiln diagnose --json` for a run's arguments: the steps it predicts.
 pub(crate) fn predicted_steps(train_args: &[String]) -> u64 {
+    predicted_steps_with(train_args, &[])
+}
+
+/// [`predicted_steps`] with `flags` to diagnose (`--ranks 2`).
+pub(crate) fn predicted_steps_with(train_args: &[String], flags: &[&str]) -> u64 {
     let mut args = vec!["diagnose".to_string(), "--burst=0".into(), "--json".into()];
+    args.extend(flags.iter().map(|f| f.to_string()));
     args.extend(train_args.iter().skip(1).cloned());
     let out = run_kiln(&args);
     let v: serde_json::Value = serde_json::from_str(&out.stdout).unwrap_or_else(|e| {

@@ -100,7 +100,7 @@ pub fn diagnose(
         size,
         store,
         init_from,
-    } = measure(config)?;
+    } = measure(config, ranks)?;
     let mut memory = estimate_memory_with(config, vocab, size, attention, logits);
     match gpu.filter(|_| is_gpu) {
         Some(g) => {
@@ -262,8 +262,10 @@ struct Measured {
 /// the config, the run's schedule, the vocabulary, the model's size, from
 /// a token store its read rate, and the weights `model.init_from` names
 /// against the run (everything but their values, which the run reads): a
-/// mismatch is a finding, so that the rest is still diagnosed.
-fn measure(config: &RunConfig) -> Result<Measured, TrainError> {
+/// mismatch is a finding, so that the rest is still diagnosed. A
+/// cross-validation's schedule is that of a job of `ranks` (each fold's
+/// batches shared by them).
+fn measure(config: &RunConfig, ranks: usize) -> Result<Measured, TrainError> {
     match config.workload {
         Workload::Lm => {
             let p = lm::prepare(config, lm::TokenizerFrom::Config)?;
@@ -297,7 +299,9 @@ fn measure(config: &RunConfig) -> Result<Measured, TrainError> {
             if init_from.is_some() {
                 usable.model.init_from = None;
             }
-            let p = nli::prepare(&usable, &pairs, 0, None, (0, 1))?;
+            // A job's folds step through the global batch of every rank's
+            // pairs: its schedule is the job's.
+            let p = nli::prepare(&usable, &pairs, 0, None, (0, ranks.max(1)))?;
             let data = &pairs.data;
             // Lengths before truncation: a vocabulary without a length limit.
             let texts = || {

@@ -16,7 +16,8 @@ pub(crate) struct Args {
     /// verdict (0: none)
     #[arg(long, default_value_t = 10)]
     burst: usize,
-    /// Data-parallel ranks to estimate the gradients' all-reduce for
+    /// Data-parallel ranks to estimate the gradients' all-reduce for (and a
+    /// cross-validation's steps: its folds step through every rank's pairs)
     /// [default: the ranks `kiln launch` would start here]
     #[arg(long, value_name = "N")]
     ranks: Option<usize>,
