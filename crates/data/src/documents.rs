@@ -386,11 +386,31 @@ fn jsonl_text(bytes: &[u8], field: &str) -> Result<String, String> {
             "the field `{field}` is not a string but {}",
             kind(other)
         )),
-        None if value.is_object() => Err(format!(
-            "no field `{field}` (data.text_field names the field with the text)"
-        )),
-        None => Err(format!("not a JSON object but {}", kind(&value))),
+        None => match value.as_object() {
+            Some(row) => Err(missing_field(field, row)),
+            None => Err(format!("not a JSON object but {}", kind(&value))),
+        },
     }
+}
+
+/// A row without the text field: the fields it has, for `data.text_field`
+/// (and where they are a sentence pair's, the workload that reads them).
+fn missing_field(field: &str, row: &serde_json::Map<String, serde_json::Value>) -> String {
+    let names: Vec<String> = row.keys().take(8).map(|k| format!("`{k}`")).collect();
+    let more = if row.len() > names.len() { ", …" } else { "" };
+    let pairs = if row.contains_key("premise") && row.contains_key("hypothesis") {
+        "; a sentence pair's: the nli workload reads these (`kiln cv`, or experiment=nli_snli)"
+    } else {
+        ""
+    };
+    format!(
+        "no field `{field}` (data.text_field names the field with the text; the row has {}{more}{pairs})",
+        if names.is_empty() {
+            "none".to_string()
+        } else {
+            names.join(", ")
+        }
+    )
 }
 
 fn kind(v: &serde_json::Value) -> &'static str {
@@ -465,6 +485,25 @@ mod tests {
     }
 
     const JSONL: &str = "{\"text\": \"first doc\"}\n\n{\"text\": \"second\", \"id\": 2}\n{\"id\": 3}\n{\"text\": null}\n{\"text\": \"ünïcode\"}\n";
+
+    /// A row without the text field names the fields it has, and a
+    /// sentence pair's the workload that reads it.
+    #[test]
+    fn a_row_without_the_text_field_names_the_fields_it_has() {
+        let err = jsonl_text(br#"{"content": "a doc", "id": 1}"#, "text").expect_err("no text");
+        assert!(
+            err.contains("no field `text`") && err.contains("the row has `content`, `id`"),
+            "{err}"
+        );
+        assert!(!err.contains("nli"), "{err}");
+        let pair = br#"{"premise": "a", "hypothesis": "b", "label": "neutral"}"#;
+        let err = jsonl_text(pair, "text").expect_err("a pair");
+        assert!(
+            err.contains("`hypothesis`, `label`, `premise`")
+                && err.contains("the nli workload reads these (`kiln cv`, or experiment=nli_snli)"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn jsonl_gz_and_zst_read_the_same_documents_and_count_bad_rows() {
