@@ -298,7 +298,7 @@ pub(crate) struct Start<'a> {
 
 /// `kiln train -m` / `kiln cv -m`: checks every job, then runs them.
 pub(crate) fn run(start: &Start<'_>, ctx: &Context) -> anyhow::Result<ExitCode> {
-    refuse_in_a_job("kiln train -m")?;
+    refuse_in_a_job(&format!("kiln {} -m", start.command))?;
     let pace = Pace::new(start.tui, start.jobs, &ctx.report)?;
     let (axes, jobs) = match start.trials {
         Some((trials, seed)) => kiln_config::sweep::draw(&start.layers.overrides, trials, seed)?,
