@@ -595,7 +595,9 @@ fn bad_launches_exit_2_with_the_reason() {
     .stderr_has(&[&format!("port {port} is in use")]);
     run(&["launch".into(), "predict".into()])
         .expect_code(2)
-        .stderr_has(&["runs `train`, `cv`, `resume` or `bench lm` on every rank, not `predict`"]);
+        .stderr_has(&[
+            "runs `train`, `cv`, `resume` or `bench lm|nli` on every rank, not `predict`",
+        ]);
     // Under torchrun's --max-restarts a run.dir with {time} would name a
     // new folder each attempt: refused before anything trains.
     let mut timed = train.clone();
@@ -649,11 +651,11 @@ fn bad_launches_exit_2_with_the_reason() {
     run(&timed)
         .expect_code(2)
         .stderr_has(&["needs a run directory every node names alike", "run.dir="]);
-    // Only the language model's bench runs as a job, at the launcher or on
+    // Only the training step's benches run as a job, at the launcher or on
     // a rank torchrun started.
-    run(&["launch", "--nproc-per-node", "2", "bench", "nli"].map(String::from))
+    run(&["launch", "--nproc-per-node", "2", "bench", "loader"].map(String::from))
         .expect_code(2)
-        .stderr_has(&["bench nli", "`bench lm`"]);
+        .stderr_has(&["bench loader", "`bench lm` or `bench nli`"]);
     kiln(&["bench", "loader"])
         .env("RANK", "1")
         .env("WORLD_SIZE", "2")
@@ -926,6 +928,32 @@ fn a_cross_validation_job_shares_each_folds_batches_and_resumes_on_its_ranks() {
     ]);
     let (one, two) = (dir.join("one"), dir.join("two"));
     let last = epochs * 15;
+    // The job's step timed (`kiln launch … bench nli`): both ranks' pairs
+    // in each step.
+    let mut bench = vec!["bench", "nli", "--json", "--warmup=1", "--steps=3"]
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>();
+    bench.extend(
+        cv("unused", epochs, 4)
+            .into_iter()
+            .skip(1)
+            .filter(|a| !a.starts_with("run.dir")),
+    );
+    let out = run(&launch_of(2, bench)).expect_code(0);
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("one JSON document");
+    let b = &v["bench"];
+    assert_eq!(b["world_size"], 2);
+    assert!(
+        b["collectives"]
+            .as_str()
+            .is_some_and(|c| c.contains("2 ranks")),
+        "{b}"
+    );
+    let per_step = b["samples_per_s_median"].as_f64().expect("samples/s")
+        * b["ms_per_step_median"].as_f64().expect("ms")
+        / 1e3;
+    assert!((per_step - 8.0).abs() < 0.01, "{per_step} pairs per step");
     // `kiln diagnose --ranks 2` plans the job's steps (the global batch's).
     let planned = crate::train::predicted_steps_with(
         &cv("planned", epochs, 4),

@@ -609,6 +609,73 @@ pub(crate) fn bench_device(
     Ok((choice, device, precision))
 }
 
+/// A bench's process: its configuration on the rank's GPU (`LOCAL_RANK`,
+/// in a job), its device and precision, how the job's gradients travel
+/// (`None` alone) and its (rank, world).
+struct BenchRank {
+    config: RunConfig,
+    choice: crate::DeviceChoice,
+    device: Device,
+    precision: PrecisionChoice,
+    how: Option<String>,
+    share: (usize, usize),
+}
+
+fn bench_rank(
+    config: &RunConfig,
+    hardware: &HardwareReport,
+    options: BenchOptions,
+    group: Option<&Arc<Group>>,
+) -> Result<BenchRank, TrainError> {
+    let config = on_rank_device(config, group.map(|g| &**g), hardware);
+    let (choice, device, precision) = bench_device(&config, hardware, options)?;
+    let how = group
+        .map(|g| collectives(&choice, g, &config))
+        .transpose()?;
+    Ok(BenchRank {
+        share: group.map_or((0, 1), |g| (g.rank(), g.world_size())),
+        config,
+        choice,
+        device,
+        precision,
+        how,
+    })
+}
+
+impl BenchRank {
+    /// Times `task`'s steps on `model` from fp16's loss scaler a run
+    /// starts from, and reports them for a model of `(parameters,
+    /// vocabulary)` and `flops` per sample.
+    fn time<T: Task>(
+        &self,
+        workload: &'static str,
+        task: &T,
+        model: T::Model,
+        (hardware, options, group): (&HardwareReport, BenchOptions, Option<&Arc<Group>>),
+        (size, flops): ((usize, usize), f64),
+    ) -> Result<BenchResult, TrainError> {
+        let config = &self.config;
+        let scaler = self
+            .precision
+            .loss_scaling()
+            .then(|| LossScaler::from_config(&config.precision));
+        let timings = time_steps(task, model, &self.device, config, options, scaler, group)?;
+        let job = group.map(|g| &**g).zip(self.how.clone());
+        Ok(result(
+            workload,
+            &self.choice,
+            &self.precision,
+            config,
+            hardware,
+            options,
+            size,
+            flops,
+            timings,
+            job,
+        ))
+    }
+}
+
 /// Times training steps of the language model of `config`, prepared as a
 /// run prepares it.
 pub fn bench_lm(
@@ -632,31 +699,21 @@ pub fn bench_lm_job(
     group: Option<&Arc<Group>>,
 ) -> Result<BenchResult, TrainError> {
     let job = group.map(|g| &**g);
-    let config = &on_rank_device(config, job, hardware);
-    let (choice, device, precision) = bench_device(config, hardware, options)?;
-    let how = group.map(|g| collectives(&choice, g, config)).transpose()?;
+    let r = bench_rank(config, hardware, options, group)?;
+    let config = &r.config;
     let prepared = prepare_in_turn(job, || lm::prepare(config, lm::TokenizerFrom::Config))?;
-    let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.world_size()));
-    let task = prepared.shared_task(config, &choice.device, rank, world)?;
+    let task = prepared.shared_task(config, &r.choice.device, r.share.0, r.share.1)?;
     let gpt = &prepared.gpt;
     // The weights do not change the time: drawn, not read from a folder.
-    let model = lm_model(config, &prepared, &device, &precision, false)?;
-    let scaler = precision
-        .loss_scaling()
-        .then(|| LossScaler::from_config(&config.precision));
-    let timings = time_steps(&task, model, &device, config, options, scaler, group)?;
-    Ok(result(
+    let model = lm_model(config, &prepared, &r.device, &r.precision, false)?;
+    let flops = gpt.flops_per_token() * config.model.max_length as f64;
+    r.time(
         "lm",
-        &choice,
-        &precision,
-        config,
-        hardware,
-        options,
-        (gpt.num_params(), gpt.vocab_size),
-        gpt.flops_per_token() * config.model.max_length as f64,
-        timings,
-        job.zip(how),
-    ))
+        &task,
+        model,
+        (hardware, options, group),
+        ((gpt.num_params(), gpt.vocab_size), flops),
+    )
 }
 
 /// Times training steps of the sentence-pair encoder of `config` on its
@@ -666,28 +723,42 @@ pub fn bench_nli(
     hardware: &HardwareReport,
     options: BenchOptions,
 ) -> Result<BenchResult, TrainError> {
-    let (choice, device, precision) = bench_device(config, hardware, options)?;
+    bench_nli_job(config, hardware, options, None)
+}
+
+/// [`bench_nli`] as one rank of a data-parallel job (`kiln launch … bench
+/// nli`), or alone (`None`), as [`bench_lm_job`] times the language
+/// model's: each rank on its share of the first fold's batches.
+pub fn bench_nli_job(
+    config: &RunConfig,
+    hardware: &HardwareReport,
+    options: BenchOptions,
+    group: Option<&Arc<Group>>,
+) -> Result<BenchResult, TrainError> {
+    let r = bench_rank(config, hardware, options, group)?;
+    let config = &r.config;
     let pad_to = options.pad_to_max_length.then_some(config.model.max_length);
-    let (prepared, model, task) =
-        nli_first_fold(config, &choice, &device, &precision, (pad_to, false))?;
-    let encoder = &prepared.encoder;
-    let frozen = config.model.freeze_encoder;
-    let scaler = precision
-        .loss_scaling()
-        .then(|| LossScaler::from_config(&config.precision));
-    let timings = time_steps(&task, model, &device, config, options, scaler, None)?;
-    Ok(result(
-        "nli",
-        &choice,
-        &precision,
+    let (prepared, model, task) = nli_first_fold(
         config,
-        hardware,
-        options,
-        (encoder.num_params(), encoder.vocab_size),
-        encoder.flops_per_sequence(prepared.mean_length.round() as usize, frozen),
-        timings,
-        None,
-    ))
+        &r.choice,
+        &r.device,
+        &r.precision,
+        (pad_to, false),
+        r.share,
+    )?;
+    let encoder = &prepared.encoder;
+    let flops = encoder.flops_per_sequence(
+        prepared.mean_length.round() as usize,
+        config.model.freeze_encoder,
+    );
+    let size = (encoder.num_params(), encoder.vocab_size);
+    r.time(
+        "nli",
+        &task,
+        model,
+        (hardware, options, group),
+        (size, flops),
+    )
 }
 
 /// The GPT of `prepared` as a run starts it: its weights drawn from the
@@ -719,16 +790,18 @@ pub(crate) fn lm_model(
 /// The sentence-pair encoder of `config` on its first fold, as the run
 /// starts it (with `pretrained`, from `model.init_from`'s weights where it
 /// names a folder; frozen where `model.freeze_encoder` says), and its task
-/// (`pad_to`: every batch padded to it).
+/// (`pad_to`: every batch padded to it; `share`: (rank, world) of a job's
+/// rank, whose share of each batch it trains on).
 pub(crate) fn nli_first_fold(
     config: &RunConfig,
     choice: &crate::DeviceChoice,
     device: &Device,
     precision: &PrecisionChoice,
     (pad_to, pretrained): (Option<usize>, bool),
+    share: (usize, usize),
 ) -> Result<(nli::Prepared, kiln_model::EncoderClassifier, nli::NliTask), TrainError> {
     let pairs = nli::read(config)?;
-    let prepared = nli::prepare(config, &pairs, 0, None, (0, 1))?;
+    let prepared = nli::prepare(config, &pairs, 0, None, share)?;
     let encoder = &prepared.encoder;
     let mut model = init_model(config, device, prepared.seed, |d| encoder.init(d));
     if pretrained && let Some(bert) = crate::pretrained::bert::open(config)? {

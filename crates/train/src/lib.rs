@@ -66,7 +66,7 @@ mod zero;
 
 pub use bench::{
     BenchOptions, BenchResult, LoaderBenchResult, LoaderRow, PhaseTimes, bench_lm, bench_lm_job,
-    bench_loader, bench_nli,
+    bench_loader, bench_nli, bench_nli_job,
 };
 pub use bench_attention::{AttentionBenchResult, AttentionRow, bench_attention};
 pub use checkpoint::{CheckpointInfo, latest_good_checkpoint};

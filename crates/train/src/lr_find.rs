@@ -131,7 +131,7 @@ pub fn lr_find(
         }
         Workload::Nli => {
             let (_, model, task) =
-                nli_first_fold(config, &choice, &device, &precision, (None, true))?;
+                nli_first_fold(config, &choice, &device, &precision, (None, true), (0, 1))?;
             range_test(&task, model, &device, config, options, scaler)?
         }
     };

@@ -71,9 +71,9 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         layers,
     } = args;
     let report = &ctx.report;
-    // A rank of a data-parallel job (`kiln launch … bench lm`, torchrun,
-    // Slurm): the language model's step, timed over every rank.
-    let group = if workload == Workload::Lm {
+    // A rank of a data-parallel job (`kiln launch … bench lm|nli`,
+    // torchrun, Slurm): the training step, timed over every rank.
+    let group = if matches!(workload, Workload::Lm | Workload::Nli) {
         super::train::join_job()?
     } else {
         let env = kiln_train::kiln_dist::process_env();
@@ -82,7 +82,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
                 .map(|v| v.get_name().to_string())
                 .unwrap_or_default();
             return Err(BadInput(format!(
-                "rank {} of {}: `bench {name}` runs in one process; a data-parallel job benchmarks `bench lm`",
+                "rank {} of {}: `bench {name}` runs in one process; a data-parallel job benchmarks `bench lm` or `bench nli`",
                 spec.rank, spec.world_size
             ))
             .into());
@@ -139,7 +139,7 @@ pub(crate) fn run(args: Args, ctx: &Context) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let result = match workload {
-        Workload::Nli => kiln_train::bench_nli(config, report, options),
+        Workload::Nli => kiln_train::bench_nli_job(config, report, options, group.as_ref()),
         _ => kiln_train::bench_lm_job(config, report, options, group.as_ref()),
     }
     .map_err(|e| super::train::in_rank(group.as_deref(), e))?;

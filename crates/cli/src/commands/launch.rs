@@ -38,7 +38,7 @@ pub(crate) struct Args {
     #[arg(long, value_name = "N", default_value_t = 0)]
     max_restarts: u32,
     /// What every rank runs: `train [key=value ...]`, `cv [key=value ...]`,
-    /// `resume RUN [key=value ...]` or `bench lm [--json] [key=value ...]`
+    /// `resume RUN [key=value ...]` or `bench lm|nli [--json] [key=value ...]`
     #[arg(
         value_name = "COMMAND",
         required = true,
@@ -48,7 +48,7 @@ pub(crate) struct Args {
     command: Vec<String>,
 }
 
-/// `kiln launch … train|cv|resume|bench lm …`. One rank on one machine as
+/// `kiln launch … train|cv|resume|bench lm|nli …`. One rank on one machine as
 /// planned (the default where there is one GPU, or none) runs `single`
 /// with the command's arguments, in this process; `--nproc-per-node 1`
 /// starts a job of one rank.
@@ -60,21 +60,21 @@ pub(crate) fn run(
     match args.command.first().map(String::as_str) {
         Some("train" | "cv" | "resume") => {}
         Some("bench") => {
-            // Every rank times the language model's step; the other
-            // benches are one process's.
+            // Every rank times the training step; the other benches are
+            // one process's.
             let workload = args.command[1..]
                 .iter()
-                .find(|a| ["lm", "nli", "loader"].contains(&a.as_str()));
-            if let Some(w) = workload.filter(|w| *w != "lm") {
+                .find(|a| ["lm", "nli", "loader", "attention"].contains(&a.as_str()));
+            if let Some(w) = workload.filter(|w| !["lm", "nli"].contains(&w.as_str())) {
                 return Err(BadInput(format!(
-                    "`kiln launch … bench {w}`: a data-parallel job benchmarks `bench lm`; run `kiln bench {w}` without a launcher"
+                    "`kiln launch … bench {w}`: a data-parallel job benchmarks `bench lm` or `bench nli`; run `kiln bench {w}` without a launcher"
                 ))
                 .into());
             }
         }
         other => {
             return Err(BadInput(format!(
-                "`kiln launch` runs `train`, `cv`, `resume` or `bench lm` on every rank, not `{}`",
+                "`kiln launch` runs `train`, `cv`, `resume` or `bench lm|nli` on every rank, not `{}`",
                 other.unwrap_or("")
             ))
             .into());
