@@ -593,6 +593,18 @@ fn bad_launches_exit_2_with_the_reason() {
     ]))
     .expect_code(2)
     .stderr_has(&[&format!("port {port} is in use")]);
+    // A sweep of jobs, before any rank starts.
+    let sweep = run(&launch_of(
+        2,
+        [
+            "cv".into(),
+            "-m".into(),
+            "training.learning_rate=1e-3,3e-4".into(),
+        ],
+    ))
+    .expect_code(2);
+    sweep.stderr_has(&["`kiln launch … cv -m`: a sweep starts its jobs as processes of its own"]);
+    assert!(!sweep.stderr.contains("rank 0"), "{}", sweep.stderr);
     run(&["launch".into(), "predict".into()])
         .expect_code(2)
         .stderr_has(&[
@@ -1015,6 +1027,14 @@ fn a_cross_validation_job_shares_each_folds_batches_and_resumes_on_its_ranks() {
             "fold 1 of the cross-validation trained on 2 ranks",
             &format!("kiln launch --nproc-per-node 2 resume {stopped_arg}"),
         ]);
+    // Nor on three: the launcher's last line does not offer that resume.
+    let three = run(&launch_of(3, ["resume".into(), stopped_arg.into()])).expect_code(2);
+    three.stderr_has(&["fold 1 of the cross-validation trained on 2 ranks"]);
+    assert!(
+        !three.stderr.contains("--nproc-per-node 3 resume"),
+        "{}",
+        three.stderr
+    );
     // Resumed as torchrun's --max-restarts starts it again: the same
     // `kiln cv`, its attempt counted (`kiln launch … resume RUN` by hand).
     let again = job("stopped", epochs);

@@ -58,7 +58,17 @@ pub(crate) fn run(
     single: impl FnOnce(Vec<String>) -> anyhow::Result<ExitCode>,
 ) -> anyhow::Result<ExitCode> {
     match args.command.first().map(String::as_str) {
-        Some("train" | "cv" | "resume") => {}
+        Some(name @ ("train" | "cv")) => {
+            // A sweep starts processes of its own: refused here, before
+            // any rank starts, as each rank would refuse it.
+            if TrainLine::try_parse_from(&args.command[1..]).is_ok_and(|l| l.args.multirun) {
+                return Err(BadInput(format!(
+                    "`kiln launch … {name} -m`: a sweep starts its jobs as processes of its own; run `kiln {name} -m --jobs N` (a GPU each), or launch each job"
+                ))
+                .into());
+            }
+        }
+        Some("resume") => {}
         Some("bench") => {
             // Every rank times the training step; the other benches are
             // one process's.
@@ -206,8 +216,9 @@ pub(crate) fn run(
             }
         }
         // A bench has no run to continue; bad input (exit 2) was refused
-        // with its reason, what the run had saved kept.
-        let resume = (command[0] != "bench").then(|| {
+        // with its reason, what the run had saved kept; a resume refused
+        // says itself how to continue (another number of ranks, say).
+        let resume = (command[0] != "bench" && !(code == 2 && command[0] == "resume")).then(|| {
             format!(
                 "kiln launch --nproc-per-node {nproc} resume {}",
                 restart.as_ref().map_or("<run directory>".to_string(), |r| r

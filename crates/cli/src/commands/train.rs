@@ -29,7 +29,7 @@ pub(crate) struct TrainArgs {
     /// `choice(a,b)`), one after another in a sweep folder, ranked in a
     /// table at the end; `kiln resume SWEEP` goes on with the rest
     #[arg(short = 'm', long)]
-    multirun: bool,
+    pub(crate) multirun: bool,
     /// With -m: how many jobs run at once, each on a GPU of its own where
     /// there are enough (`device.index`), with its share of the cores, its
     /// output in its folder's kiln.log
