@@ -126,7 +126,7 @@ pub(crate) fn evaluate_shared(
         frame.extend(r.iter().flat_map(|v| v.to_le_bytes()));
     }
     let gathered = group.all_gather(&frame)?;
-    let mut per_rank: Vec<Vec<Vec<f32>>> = Vec::with_capacity(world);
+    let mut per_rank: Vec<std::vec::IntoIter<Vec<f32>>> = Vec::with_capacity(world);
     for (from, bytes) in gathered.iter().enumerate() {
         let values: Vec<f32> = bytes
             .chunks_exact(4)
@@ -143,21 +143,20 @@ pub(crate) fn evaluate_shared(
             results.push(result.to_vec());
             rest = after;
         }
-        per_rank.push(results);
+        per_rank.push(results.into_iter());
     }
+    // Batch i is rank i % world's (i / world)-th, taken in turn.
     let mut all = Vec::new();
     for i in 0..n {
-        let result = per_rank[i % world].get(i / world).ok_or_else(|| {
+        let result = per_rank[i % world].next().ok_or_else(|| {
             kiln_dist::DistError::Diverged(format!(
-                "rank {} sent {} evaluation results, not the {} of batches {}, {}, …",
+                "rank {} sent fewer evaluation results than its batches {}, {}, …",
                 i % world,
-                per_rank[i % world].len(),
-                n.div_ceil(world),
                 i % world,
                 i % world + world
             ))
         })?;
-        all.push(result.clone());
+        all.push(result);
     }
     Ok(Some(all))
 }

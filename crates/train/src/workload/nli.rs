@@ -648,9 +648,9 @@ fn run_cv(
         median_samples_per_s: median(&mut speeds),
         wall_s: started.elapsed().as_secs_f64(),
     };
-    if !run.writes() {
+    if let Some(group) = options.group.as_deref().filter(|_| !run.writes()) {
         // A job's other ranks: rank 0's summary, which it alone can read.
-        return cv_summary_from_root(run, options, &summary);
+        return cv_summary_from_root(run, group);
     }
     run.write(
         "cv_summary.json",
@@ -688,21 +688,12 @@ fn run_cv(
 
 /// What a job's rank other than 0 returns: the summary rank 0 made from
 /// the folds' records (which it alone writes), sent to every rank.
-fn cv_summary_from_root(
-    run: &RunDir,
-    options: &TrainOptions,
-    mine: &CvSummary,
-) -> Result<Outcome, TrainError> {
-    let summary = match &options.group {
-        Some(group) => {
-            let all = group.all_gather(&[])?;
-            serde_json::from_slice(&all[0]).map_err(|e| TrainError::NotARun {
-                path: run.path.clone(),
-                why: format!("rank 0's cross-validation summary does not read back: {e}"),
-            })?
-        }
-        None => mine.clone(),
-    };
+fn cv_summary_from_root(run: &RunDir, group: &kiln_dist::Group) -> Result<Outcome, TrainError> {
+    let all = group.all_gather(&[])?;
+    let summary = serde_json::from_slice(&all[0]).map_err(|e| TrainError::NotARun {
+        path: run.path.clone(),
+        why: format!("rank 0's cross-validation summary does not read back: {e}"),
+    })?;
     Ok(Outcome::CvFinished {
         run: run.path.clone(),
         summary,
